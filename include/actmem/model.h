@@ -1,0 +1,174 @@
+// model.h — GPTModel in Megatron-LM's module structure, activations in [s, b, h] layout.
+//
+//   embedding (word + learned positions, or RoPE) -> dropout
+//   decoder.layers[i]:  input_layernorm -> self_attention (linear_qkv -> core_attention ->
+//                       linear_proj) -> bias-dropout-add -> pre_mlp_layernorm -> mlp (linear_fc1
+//                       -> GeLU | SwiGLU -> linear_fc2) -> bias-dropout-add
+//   decoder.final_layernorm -> output layer (tied to the word embedding by default) -> loss
+//
+// Core attention is the unfused form (QK^T, scale, causal mask, softmax, dropout, x V), so the
+// [b, a, s, s] tensors exist and are saved for backward. Parameter names match Megatron's
+// (decoder.layers.0.self_attention.linear_qkv.weight, ...). This header knows nothing about
+// recompute or offload; later mechanisms wrap the module calls.
+#pragma once
+
+#include "actmem/config.h"
+
+#include <torch/nn/module.h>
+
+#include <string>
+#include <vector>
+
+namespace actmem {
+
+/// LayerNorm or RMSNorm over the last dimension, per config.normalization.
+class Norm : public torch::nn::Module {
+ public:
+  Norm(const TransformerConfig& config, at::ScalarType dtype);
+  at::Tensor forward(const at::Tensor& x);  // [..., h] -> [..., h]
+  at::Tensor weight;
+  at::Tensor bias;  // undefined for RMSNorm
+
+ private:
+  bool rms_;
+  double eps_;
+};
+
+/// y = x W^T (+ b). With skip_bias_add the bias is returned separately for bias-dropout-add,
+/// as Megatron's RowParallelLinear does for linear_proj and linear_fc2.
+class Linear : public torch::nn::Module {
+ public:
+  Linear(int64_t in, int64_t out, bool bias, bool skip_bias_add, at::ScalarType dtype);
+  /// Returns the output and, when skip_bias_add, the bias to add later (else undefined).
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out] or undefined
+
+ private:
+  bool skip_bias_add_;
+};
+
+/// [1, 1, s, s] bool, true above the diagonal (the positions a query may not attend to).
+at::Tensor make_causal_mask(int64_t s, const at::Device& device = at::kCPU);
+
+/// Unfused scaled-dot-product attention with a causal mask and attention dropout.
+class CoreAttention : public torch::nn::Module {
+ public:
+  explicit CoreAttention(const TransformerConfig& config);
+  /// q, k, v: [s, b, a, d]; mask: [1, 1, >=s, >=s] bool  ->  context [s, b, a*d]
+  at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const at::Tensor& mask);
+
+ private:
+  double dropout_;
+};
+
+/// Rotary position embedding tables (cos and sin, [s, 1, 1, d]).
+class RotaryEmbedding {
+ public:
+  RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype);
+  /// Rotates x: [s, b, a, d].
+  at::Tensor apply(const at::Tensor& x) const;
+  void to(const at::Device& device);
+
+ private:
+  at::Tensor cos_, sin_;
+};
+
+/// What every layer receives besides the hidden states (Megatron passes the same to each layer).
+struct LayerContext {
+  const RotaryEmbedding* rope = nullptr;  // null with learned positions
+  at::Tensor attention_mask;              // [1, 1, S, S] bool, S >= s (see make_causal_mask)
+};
+
+class SelfAttention : public torch::nn::Module {
+ public:
+  SelfAttention(const TransformerConfig& config, at::ScalarType dtype);
+  /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined)
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
+  std::shared_ptr<Linear> linear_qkv;
+  std::shared_ptr<CoreAttention> core_attention;
+  std::shared_ptr<Linear> linear_proj;
+
+ private:
+  int64_t heads_, head_dim_;
+};
+
+class MLP : public torch::nn::Module {
+ public:
+  MLP(const TransformerConfig& config, at::ScalarType dtype);
+  /// x: [s, b, h] -> (output [s, b, h], linear_fc2 bias or undefined)
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  std::shared_ptr<Linear> linear_fc1;
+  std::shared_ptr<Linear> linear_fc2;
+
+ private:
+  bool gated_;
+};
+
+/// residual + apply_dropout(x + bias), Megatron's bias-dropout-add.
+at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                            double p, bool training);
+
+/// Dropout that saves a 1-byte mask, as the GPU kernel does (at::native_dropout);
+/// identity when p == 0 or not training.
+at::Tensor apply_dropout(const at::Tensor& x, double p, bool training);
+
+class TransformerLayer : public torch::nn::Module {
+ public:
+  TransformerLayer(const TransformerConfig& config, int64_t layer_number, at::ScalarType dtype);
+  /// hidden: [s, b, h] -> [s, b, h]
+  at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
+  int64_t layer_number() const { return layer_number_; }  // 1-based, as in Megatron
+
+  std::shared_ptr<Norm> input_layernorm;
+  std::shared_ptr<SelfAttention> self_attention;
+  std::shared_ptr<Norm> pre_mlp_layernorm;
+  std::shared_ptr<MLP> mlp;
+
+ private:
+  int64_t layer_number_;
+  double hidden_dropout_;
+};
+
+class TransformerBlock : public torch::nn::Module {
+ public:
+  TransformerBlock(const TransformerConfig& config, at::ScalarType dtype);
+  /// hidden: [s, b, h] -> final-normed [s, b, h]
+  at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
+  std::vector<std::shared_ptr<TransformerLayer>> layers;
+  std::shared_ptr<Norm> final_layernorm;
+};
+
+class GPTModel : public torch::nn::Module {
+ public:
+  /// Builds and initialises the model on CPU from config.seed (independent of the global RNG).
+  /// dtype is float by default; tests use double.
+  explicit GPTModel(const TransformerConfig& config, at::ScalarType dtype = at::kFloat);
+
+  /// tokens: [b, s] int64 -> logits [s, b, v]
+  at::Tensor logits(const at::Tensor& tokens);
+  /// Mean cross-entropy over all b*s positions. tokens, labels: [b, s] int64.
+  at::Tensor forward(const at::Tensor& tokens, const at::Tensor& labels);
+  /// Moves parameters and buffers.
+  void to_device(const at::Device& device);
+
+  const TransformerConfig& config() const { return config_; }
+  /// Parameters in registration order (the order of grad digests).
+  std::vector<at::Tensor> ordered_parameters() const;
+  int64_t num_parameters() const;
+
+  at::Tensor word_embeddings;      // [v, h]
+  at::Tensor position_embeddings;  // [max_pos, h] or undefined with RoPE
+  at::Tensor output_weight;        // [v, h]; aliases word_embeddings unless untied
+  std::shared_ptr<TransformerBlock> decoder;
+
+ private:
+  /// tokens [b, s] -> embeddings [s, b, h], before dropout
+  at::Tensor embed(const at::Tensor& tokens);
+  TransformerConfig config_;
+  std::unique_ptr<RotaryEmbedding> rope_;
+  at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
+};
+
+}  // namespace actmem

@@ -1,0 +1,36 @@
+// train_options.h — the command-line flags shared by every subcommand that builds a model
+// (Megatron's names), bound to TransformerConfig and TrainingConfig.
+#pragma once
+
+#include "actmem/config.h"
+#include "actmem/trainer.h"
+
+#include <string>
+
+namespace CLI {
+class App;
+}
+
+namespace actmem {
+
+/// Values bound to the flags; parse into this, then call finalize().
+struct TrainOptions {
+  TransformerConfig model;
+  TrainingConfig training;
+  std::string log_json;          // --log-json FILE ("" = none)
+  std::string normalization_flag = "LayerNorm";
+  bool swiglu = false;
+  bool disable_bias_linear = false;
+  bool untie = false;
+  bool use_rope = false;
+  double device_memory_limit_gib = 0.0;
+  /// Applies the derived fields (flags that map onto config fields) and validates everything.
+  void finalize();
+};
+
+/// Adds the model-shape flags (--num-layers, --hidden-size, ...).
+void add_model_flags(CLI::App& app, TrainOptions& options);
+/// Adds the optimisation and data flags (--train-iters, --lr, --data, ...).
+void add_training_flags(CLI::App& app, TrainOptions& options);
+
+}  // namespace actmem

@@ -1,0 +1,134 @@
+// trainer.h — the training loop: AdamW, micro-batches with gradient accumulation, validation,
+// and the per-iteration measurements every later mechanism is judged by.
+//
+// Memory is measured with the device tracker (memory_tracker.h). Gradients are allocated once at
+// construction, so activation measurements never include first-touch gradient allocations.
+#pragma once
+
+#include "actmem/config.h"
+#include "actmem/data.h"
+#include "actmem/memory_tracker.h"
+#include "actmem/model.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <functional>
+#include <iosfwd>
+#include <memory>
+#include <optional>
+#include <string>
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace actmem {
+
+/// Optimisation and data settings (Megatron's names where it has them).
+struct TrainingConfig {
+  /// 0 means micro_batch_size (one micro-batch per step).
+  int64_t global_batch_size = 0;
+  int64_t train_iters = 100;
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t lr_warmup_iters = 10;
+  /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr at train_iters).
+  std::string lr_decay_style = "cosine";
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  /// Global gradient-norm clip; 0 disables.
+  double clip_grad = 1.0;
+  /// Validation every eval_interval iterations over eval_iters fixed micro-batches; 0 disables.
+  int64_t eval_interval = 25;
+  int64_t eval_iters = 4;
+  int64_t log_interval = 10;
+  /// Text file to train on; empty means the built-in corpus.
+  std::string data_path;
+  std::string split = "95,5";
+  /// "cpu" or "cuda[:i]".
+  std::string device = "cpu";
+  /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
+  int64_t device_memory_limit = 0;
+
+  int64_t num_microbatches(int64_t micro_batch_size) const {
+    return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;
+  }
+  /// Throws a clear error for inconsistent values (given the model's micro-batch size).
+  void validate(const TransformerConfig& model) const;
+};
+
+/// Everything measured in one optimizer step.
+struct IterationStats {
+  int64_t iteration = 0;
+  double loss = 0.0;           // mean over micro-batches
+  double grad_norm = 0.0;      // global L2 norm before clipping
+  std::string grad_digest;     // bytes of every parameter gradient, before the optimizer step
+  double lr = 0.0;
+  double step_time_s = 0.0;    // forward, backward and optimizer step of all micro-batches
+  double tokens_per_s = 0.0;
+  int64_t peak_device_bytes = 0;      // tracker peak during the step
+  int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
+  int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max)
+  std::optional<double> val_loss;     // when validation ran after this step
+};
+
+/// One JSON object with the fields above; doubles round-trip exactly.
+nlohmann::json to_json(const IterationStats& stats);
+
+/// Rough upper bound of the device bytes a configuration needs (parameters, gradients, AdamW
+/// state, one micro-batch's activations in fp32), used to refuse sizes that cannot fit.
+double estimate_required_bytes(const TransformerConfig& model, int64_t dtype_bytes = 4);
+
+class Trainer {
+ public:
+  /// Validates both configs, checks the model fits the device memory limit, loads the corpus and
+  /// builds the model. Its dropout stream starts from model.seed (see rng_state()).
+  Trainer(const TransformerConfig& model, const TrainingConfig& training);
+  ~Trainer();
+
+  /// One optimizer step (all micro-batches). compute_digest=false skips the gradient digest.
+  IterationStats train_step(bool compute_digest = true);
+  /// Mean validation loss over eval_iters fixed micro-batches, in eval mode without grad.
+  double evaluate();
+  /// train_iters steps with progress on `progress` (if not null) and `on_step` per step;
+  /// validation every eval_interval.
+  void run(std::ostream* progress, const std::function<void(const IterationStats&)>& on_step,
+           bool compute_digest = true);
+
+  GPTModel& model() { return *model_; }
+  const Corpus& corpus() const { return corpus_; }
+  int64_t iteration() const { return iteration_; }
+  DeviceMemory& memory() { return memory_; }
+  const at::Device& device() const { return device_; }
+  /// This trainer's dropout stream: the default generators' states between its steps.
+  const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
+  /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
+  void record_timeline(bool on) { record_timeline_ = on; }
+  const MemoryTimeline& last_timeline() const { return *timeline_; }
+
+ private:
+  double lr_at(int64_t iteration) const;
+  TransformerConfig model_config_;
+  TrainingConfig config_;
+  at::Device device_;
+  DeviceMemory& memory_;
+  Corpus corpus_;
+  std::shared_ptr<GPTModel> model_;
+  std::vector<at::Tensor> params_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<BatchSampler> train_sampler_;
+  std::unique_ptr<BatchSampler> valid_sampler_;
+  std::unique_ptr<MemoryTimeline> timeline_;
+  bool record_timeline_ = false;
+  // Note [Trainer RNG stream]: see trainer.cpp.
+  std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
+  std::vector<at::Tensor> rng_state_;
+  int64_t iteration_ = 0;
+};
+
+/// Human-readable byte count ("12.3 MiB").
+std::string format_bytes(double bytes);
+
+}  // namespace actmem

@@ -1,0 +1,46 @@
+// compat.cpp — version-dependent calls behind include/actmem/compat.h.
+#include "actmem/compat.h"
+
+#include <c10/util/Exception.h>
+
+#ifdef ACTMEM_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
+#endif
+
+namespace actmem::compat {
+
+#ifdef ACTMEM_WITH_CUDA
+bool cuda_available() { return c10::cuda::device_count() > 0; }
+
+CudaMemoryStats cuda_memory_stats(int device) {
+  namespace cca = c10::cuda::CUDACachingAllocator;
+  const auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(device));
+  const auto& allocated = stats.allocated_bytes[static_cast<size_t>(cca::StatType::AGGREGATE)];
+  return {allocated.current, allocated.peak};
+}
+
+void cuda_reset_peak(int device) {
+  c10::cuda::CUDACachingAllocator::resetPeakStats(static_cast<c10::DeviceIndex>(device));
+}
+
+void cuda_synchronize(int device) {
+  c10::cuda::set_device(static_cast<c10::DeviceIndex>(device));
+  c10::cuda::device_synchronize();
+}
+#else
+bool cuda_available() { return false; }
+
+CudaMemoryStats cuda_memory_stats(int) {
+  TORCH_CHECK(false, "actmem::compat::cuda_memory_stats: this build has no CUDA support "
+                     "(configure with a CUDA libtorch and -DACTMEM_CUDA=ON)");
+}
+
+void cuda_reset_peak(int) {
+  TORCH_CHECK(false, "actmem::compat::cuda_reset_peak: this build has no CUDA support");
+}
+
+void cuda_synchronize(int) {}
+#endif
+
+}  // namespace actmem::compat

@@ -1,0 +1,183 @@
+// memory_tracker.cpp — the tracking CPU allocator and the CUDA statistics reader.
+#include "actmem/memory_tracker.h"
+
+#include "actmem/compat.h"
+
+#include <c10/core/CPUAllocator.h>
+#include <c10/util/Exception.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <mutex>
+#include <unistd.h>
+
+namespace actmem {
+
+namespace {
+
+// Note [Tracking allocator layout]
+// Every block is [kHeader bytes | user bytes]; the header stores the user size, so the deleter
+// (which only receives the user pointer, as raw_deallocate requires) can subtract exactly what
+// was added. kHeader equals c10's 64-byte alignment so user pointers stay 64-byte aligned.
+constexpr size_t kHeader = 64;
+
+std::atomic<int64_t> g_current{0};
+std::atomic<int64_t> g_peak{0};
+std::atomic<int64_t> g_window_peak{0};
+std::atomic<int64_t> g_capacity{0};
+std::atomic<int64_t> g_count{0};
+
+void raise_to(std::atomic<int64_t>& peak, int64_t value) {
+  int64_t seen = peak.load(std::memory_order_relaxed);
+  while (value > seen && !peak.compare_exchange_weak(seen, value, std::memory_order_relaxed)) {
+  }
+}
+
+void tracked_free(void* data) {
+  if (data == nullptr) return;
+  char* base = static_cast<char*>(data) - kHeader;
+  const auto n = static_cast<int64_t>(*reinterpret_cast<size_t*>(base));
+  g_current.fetch_sub(n, std::memory_order_relaxed);
+  std::free(base);
+}
+
+struct TrackingCpuAllocator final : c10::Allocator {
+  c10::DataPtr allocate(size_t n) ACTMEM_ALLOCATE_CONST override {
+    const c10::Device cpu(c10::DeviceType::CPU);
+    if (n == 0) return {nullptr, nullptr, &tracked_free, cpu};
+    const auto bytes = static_cast<int64_t>(n);
+    const int64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    const int64_t cap = g_capacity.load(std::memory_order_relaxed);
+    if (cap > 0 && now > cap) {
+      g_current.fetch_sub(bytes, std::memory_order_relaxed);
+      TORCH_CHECK(false, "actmem: out of device memory: tried to allocate ", bytes,
+                  " bytes with ", now - bytes, " of ", cap,
+                  " bytes in use (raise --device-memory-limit or shrink the model or batch)");
+    }
+    void* base = nullptr;
+    if (posix_memalign(&base, kHeader, n + kHeader) != 0 || base == nullptr) {
+      g_current.fetch_sub(bytes, std::memory_order_relaxed);
+      TORCH_CHECK(false, "actmem: out of memory: the system refused an allocation of ", bytes,
+                  " bytes");
+    }
+    *static_cast<size_t*>(base) = n;
+    g_count.fetch_add(1, std::memory_order_relaxed);
+    raise_to(g_peak, now);
+    raise_to(g_window_peak, now);
+    void* data = static_cast<char*>(base) + kHeader;
+    return {data, data, &tracked_free, cpu};
+  }
+  c10::DeleterFnPtr raw_deleter() const override { return &tracked_free; }
+  ACTMEM_ALLOCATOR_COPY_DATA
+};
+
+TrackingCpuAllocator g_allocator;
+
+class CpuMemory final : public DeviceMemory {
+ public:
+  int64_t current_bytes() const override { return g_current.load(); }
+  int64_t peak_bytes() const override { return g_peak.load(); }
+  void reset_peak() override { g_peak.store(g_current.load()); }
+  int64_t window_peak_bytes() const override { return g_window_peak.load(); }
+  void reset_window_peak() override { g_window_peak.store(g_current.load()); }
+  void set_capacity(int64_t bytes) override {
+    TORCH_CHECK(bytes >= 0, "actmem::DeviceMemory::set_capacity: expected bytes >= 0, got ", bytes);
+    g_capacity.store(bytes);
+  }
+  int64_t capacity() const override { return g_capacity.load(); }
+  int64_t allocation_count() const override { return g_count.load(); }
+};
+
+class CudaMemory final : public DeviceMemory {
+ public:
+  explicit CudaMemory(int device) : device_(device) {}
+  int64_t current_bytes() const override {
+    return compat::cuda_memory_stats(device_).allocated_current;
+  }
+  int64_t peak_bytes() const override { return compat::cuda_memory_stats(device_).allocated_peak; }
+  void reset_peak() override { compat::cuda_reset_peak(device_); }
+  int64_t window_peak_bytes() const override { return -1; }
+  void reset_window_peak() override {}
+  void set_capacity(int64_t) override {}
+  int64_t capacity() const override { return 0; }
+  int64_t allocation_count() const override { return -1; }
+
+ private:
+  int device_;
+};
+
+std::once_flag g_install_once;
+
+}  // namespace
+
+void install_memory_tracker() {
+  std::call_once(g_install_once, [] { c10::SetCPUAllocator(&g_allocator, /*priority=*/100); });
+}
+
+DeviceMemory& device_memory(const c10::Device& device) {
+  if (device.is_cpu()) {
+    install_memory_tracker();
+    static CpuMemory cpu;
+    return cpu;
+  }
+  TORCH_CHECK(device.is_cuda(), "actmem::device_memory: expected a cpu or cuda device, got ",
+              device.str());
+  TORCH_CHECK(compat::cuda_available(), "actmem::device_memory: ", device.str(),
+              " requested but this build has no usable CUDA device");
+  static std::mutex mutex;
+  static std::vector<std::unique_ptr<CudaMemory>> per_device;
+  std::lock_guard<std::mutex> lock(mutex);
+  const int index = device.has_index() ? device.index() : 0;
+  if (static_cast<int>(per_device.size()) <= index) per_device.resize(index + 1);
+  if (!per_device[index]) per_device[index] = std::make_unique<CudaMemory>(index);
+  return *per_device[index];
+}
+
+void synchronize_device(const c10::Device& device) {
+  if (device.is_cuda()) compat::cuda_synchronize(device.has_index() ? device.index() : 0);
+}
+
+int64_t physical_memory_bytes() {
+  const long pages = sysconf(_SC_PHYS_PAGES);
+  const long page = sysconf(_SC_PAGE_SIZE);
+  return pages > 0 && page > 0 ? static_cast<int64_t>(pages) * page : 0;
+}
+
+// ---- timeline ---------------------------------------------------------------------------------
+
+MemoryTimeline::MemoryTimeline(DeviceMemory& memory)
+    : memory_(memory), start_(std::chrono::steady_clock::now()) {
+  memory_.reset_window_peak();
+}
+
+void MemoryTimeline::mark(const std::string& label) {
+  const double t =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  entries_.push_back({label, t, memory_.current_bytes(), memory_.window_peak_bytes()});
+  memory_.reset_window_peak();
+}
+
+void MemoryTimeline::clear() {
+  entries_.clear();
+  start_ = std::chrono::steady_clock::now();
+  memory_.reset_window_peak();
+}
+
+namespace {
+// Backward hooks run on the autograd engine's threads, so the active timeline is a process-wide
+// pointer rather than thread-local; one training step at a time sets it.
+std::atomic<MemoryTimeline*> g_active_timeline{nullptr};
+}  // namespace
+
+MemoryTimeline* active_timeline() { return g_active_timeline.load(); }
+
+void timeline_mark(const std::string& label) {
+  if (MemoryTimeline* timeline = g_active_timeline.load()) timeline->mark(label);
+}
+
+TimelineScope::TimelineScope(MemoryTimeline& timeline)
+    : previous_(g_active_timeline.exchange(&timeline)) {}
+
+TimelineScope::~TimelineScope() { g_active_timeline.store(previous_); }
+
+}  // namespace actmem

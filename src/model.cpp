@@ -1,0 +1,335 @@
+// model.cpp — GPTModel and its modules. Shapes: s = sequence, b = micro-batch, h = hidden,
+// a = heads, d = head dim, f = ffn hidden, v = vocab.
+#include "actmem/model.h"
+
+#include "actmem/memory_tracker.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+
+namespace actmem {
+
+namespace {
+
+// A module whose only parameter is "weight", so names read embedding.word_embeddings.weight.
+class WeightHolder : public torch::nn::Module {
+ public:
+  explicit WeightHolder(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  at::Tensor weight;
+};
+
+// Initialisation draws from one generator seeded with config.seed, in construction order, so a
+// model is a pure function of its config (it does not touch the global RNG that dropout uses).
+thread_local at::Generator* t_init_gen = nullptr;
+
+at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(t_init_gen != nullptr, "init_normal outside GPTModel construction");
+  at::NoGradGuard no_grad;
+  return at::empty(shape, at::TensorOptions().dtype(dtype)).normal_(0.0, std, *t_init_gen);
+}
+
+}  // namespace
+
+// ---- Norm -------------------------------------------------------------------------------------
+
+Norm::Norm(const TransformerConfig& config, at::ScalarType dtype)
+    : rms_(config.use_rmsnorm()), eps_(config.layernorm_epsilon) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  weight = register_parameter("weight", at::ones({config.hidden_size}, opts));
+  if (!rms_) bias = register_parameter("bias", at::zeros({config.hidden_size}, opts));
+}
+
+at::Tensor Norm::forward(const at::Tensor& x) {
+  if (!rms_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
+  return x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps_) * weight;
+}
+
+// ---- Linear -----------------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::ScalarType dtype)
+    : skip_bias_add_(skip_bias_add) {
+  // The caller re-initialises weight with the right std; zeros here keep construction cheap.
+  weight = register_parameter("weight", at::zeros({out, in}, at::TensorOptions().dtype(dtype)));
+  if (bias_on) bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
+}
+
+std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
+  if (skip_bias_add_) return {at::linear(x, weight), bias};
+  return {at::linear(x, weight, bias), at::Tensor()};
+}
+
+// ---- dropout helpers --------------------------------------------------------------------------
+
+at::Tensor apply_dropout(const at::Tensor& x, double p, bool training) {
+  if (!training || p == 0.0) return x;
+  // native_dropout saves a bool mask (1 byte per element) like the CUDA kernel; at::dropout on
+  // CPU would save a float noise tensor instead.
+  return std::get<0>(at::native_dropout(x, p, /*train=*/true));
+}
+
+at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                            double p, bool training) {
+  const at::Tensor biased = bias.defined() ? x + bias : x;
+  return residual + apply_dropout(biased, p, training);
+}
+
+// ---- CoreAttention ----------------------------------------------------------------------------
+
+CoreAttention::CoreAttention(const TransformerConfig& config) : dropout_(config.attention_dropout) {}
+
+at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
+  return at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device))
+      .triu(1)
+      .view({1, 1, s, s});
+}
+
+at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                  const at::Tensor& mask) {
+  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3);
+  // [s, b, a, d] -> [b*a, s, d]; a view when q, k, v are slices of the fused qkv output.
+  const at::Tensor q3 = q.reshape({s, b * a, d}).transpose(0, 1);
+  const at::Tensor k3t = k.reshape({s, b * a, d}).permute({1, 2, 0});  // [b*a, d, s]
+  const at::Tensor v3 = v.reshape({s, b * a, d}).transpose(0, 1);
+  at::Tensor scores = at::bmm(q3, k3t);  // [b*a, s, s]
+  scores.mul_(1.0 / std::sqrt(static_cast<double>(d)));
+  at::Tensor scores4 = scores.view({b, a, s, s});
+  // Megatron's attention_mask_func; the mask may be larger than s (a prefix of the model's table).
+  scores4.masked_fill_(mask.narrow(2, 0, s).narrow(3, 0, s), -10000.0);
+  at::Tensor probs = at::softmax(scores4, -1);
+  probs = apply_dropout(probs, dropout_, is_training());
+  const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, d]
+  return context.view({b, a, s, d}).permute({2, 0, 1, 3}).reshape({s, b, a * d});
+}
+
+// ---- RotaryEmbedding --------------------------------------------------------------------------
+
+RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype) {
+  const int64_t d = config.kv_channels();
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor inv_freq = 1.0 / at::pow(config.rotary_base, at::arange(0, d, 2, f64) / d);
+  const at::Tensor t = at::arange(config.max_positions(), f64);
+  const at::Tensor freqs = at::outer(t, inv_freq);          // [s, d/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [s, d]
+  cos_ = emb.cos().to(dtype).view({emb.size(0), 1, 1, d});
+  sin_ = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
+}
+
+at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
+  const int64_t s = x.size(0);
+  const auto halves = x.chunk(2, -1);
+  const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
+  return x * cos_.narrow(0, 0, s) + rotated * sin_.narrow(0, 0, s);
+}
+
+void RotaryEmbedding::to(const at::Device& device) {
+  cos_ = cos_.to(device);
+  sin_ = sin_.to(device);
+}
+
+// ---- SelfAttention ----------------------------------------------------------------------------
+
+SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dtype)
+    : heads_(config.num_attention_heads), head_dim_(config.kv_channels()) {
+  const int64_t h = config.hidden_size;
+  linear_qkv = register_module(
+      "linear_qkv", std::make_shared<Linear>(h, 3 * h, config.add_bias_linear, false, dtype));
+  core_attention = register_module("core_attention", std::make_shared<CoreAttention>(config));
+  linear_proj = register_module(
+      "linear_proj", std::make_shared<Linear>(h, h, config.add_bias_linear, true, dtype));
+}
+
+std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
+                                                         const LayerContext& ctx) {
+  const int64_t s = x.size(0), b = x.size(1);
+  // Megatron's layout: [s, b, a, 3d], split per head into q, k, v.
+  const at::Tensor qkv = linear_qkv->forward(x).first.view({s, b, heads_, 3 * head_dim_});
+  auto parts = qkv.split(head_dim_, -1);
+  at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  if (ctx.rope != nullptr) {
+    q = ctx.rope->apply(q);
+    k = ctx.rope->apply(k);
+  }
+  const at::Tensor context = core_attention->forward(q, k, v, ctx.attention_mask);  // [s, b, h]
+  return linear_proj->forward(context);
+}
+
+// ---- MLP --------------------------------------------------------------------------------------
+
+MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.gated_linear_unit) {
+  const int64_t h = config.hidden_size, f = config.ffn();
+  linear_fc1 = register_module(
+      "linear_fc1",
+      std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false, dtype));
+  linear_fc2 = register_module(
+      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype));
+}
+
+std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
+  const at::Tensor fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
+  at::Tensor act;
+  if (gated_) {
+    const auto halves = fc1.chunk(2, -1);
+    act = at::silu(halves[0]) * halves[1];
+  } else {
+    act = at::gelu(fc1);
+  }
+  return linear_fc2->forward(act);
+}
+
+// ---- TransformerLayer -------------------------------------------------------------------------
+
+TransformerLayer::TransformerLayer(const TransformerConfig& config, int64_t layer_number,
+                                   at::ScalarType dtype)
+    : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout) {
+  input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
+  self_attention = register_module("self_attention", std::make_shared<SelfAttention>(config, dtype));
+  pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
+  mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
+}
+
+at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
+  const bool train = is_training();
+  const at::Tensor ln1 = input_layernorm->forward(hidden);
+  const auto [attn, attn_bias] = self_attention->forward(ln1, ctx);
+  const at::Tensor mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
+  const at::Tensor ln2 = pre_mlp_layernorm->forward(mid);
+  const auto [mlp_out, mlp_bias] = mlp->forward(ln2);
+  return bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
+}
+
+// ---- TransformerBlock -------------------------------------------------------------------------
+
+namespace {
+class LayerList : public torch::nn::Module {};
+
+// Marks `label` on the active timeline when the gradient of `t` is computed.
+void mark_on_backward(const at::Tensor& t, std::string label) {
+  if (active_timeline() == nullptr || !t.requires_grad()) return;
+  t.register_hook([label = std::move(label)](const at::Tensor&) { timeline_mark(label); });
+}
+}  // namespace
+
+TransformerBlock::TransformerBlock(const TransformerConfig& config, at::ScalarType dtype) {
+  auto list = register_module("layers", std::make_shared<LayerList>());
+  for (int64_t i = 0; i < config.num_layers; ++i) {
+    layers.push_back(list->register_module(
+        std::to_string(i), std::make_shared<TransformerLayer>(config, i + 1, dtype)));
+  }
+  final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
+}
+
+at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
+  at::Tensor hidden = hidden_in;
+  for (size_t i = 0; i < layers.size(); ++i) {
+    mark_on_backward(hidden, "bwd layer " + std::to_string(i));
+    hidden = layers[i]->forward(hidden, ctx);
+    timeline_mark("fwd layer " + std::to_string(i));
+  }
+  mark_on_backward(hidden, "bwd head");
+  return final_layernorm->forward(hidden);
+}
+
+// ---- GPTModel ---------------------------------------------------------------------------------
+
+GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : config_(config) {
+  config_.validate();
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
+              "actmem::GPTModel: expected dtype float or double, got ", dtype);
+  const int64_t h = config.hidden_size, v = config.vocab_size;
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
+  t_init_gen = &gen;
+  struct Reset {
+    ~Reset() { t_init_gen = nullptr; }
+  } reset;
+
+  const double std = config.init_method_std;
+  // Megatron's output_layer_init_method: std / sqrt(2 * num_layers) for the residual projections.
+  const double scaled_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
+
+  auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
+  word_embeddings =
+      embedding->register_module("word_embeddings",
+                                 std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
+          ->weight;
+  if (!config.use_rope()) {
+    position_embeddings =
+        embedding
+            ->register_module("position_embeddings",
+                              std::make_shared<WeightHolder>(
+                                  init_normal({config.max_positions(), h}, std, dtype)))
+            ->weight;
+  } else {
+    rope_ = std::make_unique<RotaryEmbedding>(config, dtype);
+  }
+  causal_mask_ = make_causal_mask(config.max_positions());
+  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, dtype));
+  {
+    at::NoGradGuard no_grad;
+    for (auto& layer : decoder->layers) {
+      layer->self_attention->linear_qkv->weight.copy_(
+          init_normal(layer->self_attention->linear_qkv->weight.sizes(), std, dtype));
+      layer->self_attention->linear_proj->weight.copy_(
+          init_normal(layer->self_attention->linear_proj->weight.sizes(), scaled_std, dtype));
+      layer->mlp->linear_fc1->weight.copy_(
+          init_normal(layer->mlp->linear_fc1->weight.sizes(), std, dtype));
+      layer->mlp->linear_fc2->weight.copy_(
+          init_normal(layer->mlp->linear_fc2->weight.sizes(), scaled_std, dtype));
+    }
+  }
+  if (config.untie_embeddings_and_output_weights) {
+    output_weight = register_module("output_layer",
+                                    std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
+                        ->weight;
+  } else {
+    output_weight = word_embeddings;
+  }
+}
+
+at::Tensor GPTModel::embed(const at::Tensor& tokens) {
+  TORCH_CHECK(tokens.dim() == 2, "actmem::GPTModel: expected tokens [b, s], got ", tokens.sizes());
+  const int64_t s = tokens.size(1);
+  TORCH_CHECK(s <= config_.max_positions(), "actmem::GPTModel: sequence of ", s,
+              " tokens exceeds max_position_embeddings ", config_.max_positions());
+  at::Tensor words = at::embedding(word_embeddings, tokens);  // [b, s, h]
+  if (position_embeddings.defined()) {
+    words = words + position_embeddings.narrow(0, 0, s);  // broadcast over b
+  }
+  return words.transpose(0, 1).contiguous();  // [s, b, h]
+}
+
+at::Tensor GPTModel::logits(const at::Tensor& tokens) {
+  timeline_mark("fwd start");
+  at::Tensor hidden = apply_dropout(embed(tokens), config_.hidden_dropout, is_training());
+  timeline_mark("fwd embedding");
+  hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_});
+  return at::matmul(hidden, output_weight.t());  // [s, b, v]
+}
+
+at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels) {
+  TORCH_CHECK(labels.sizes() == tokens.sizes(), "actmem::GPTModel::forward: labels ",
+              labels.sizes(), " must match tokens ", tokens.sizes());
+  const at::Tensor out = logits(tokens);
+  const int64_t v = out.size(-1);
+  at::Tensor loss = at::cross_entropy_loss(out.reshape({-1, v}), labels.t().reshape({-1}));
+  timeline_mark("fwd loss");
+  return loss;
+}
+
+void GPTModel::to_device(const at::Device& device) {
+  to(device);
+  if (rope_) rope_->to(device);
+  causal_mask_ = causal_mask_.to(device);
+}
+
+std::vector<at::Tensor> GPTModel::ordered_parameters() const { return parameters(); }
+
+int64_t GPTModel::num_parameters() const {
+  int64_t n = 0;
+  for (const auto& p : parameters()) n += p.numel();
+  return n;
+}
+
+}  // namespace actmem

@@ -1,0 +1,97 @@
+// train_options.cpp — CLI11 bindings for the model and training flags.
+#include "actmem/train_options.h"
+
+#include <CLI/CLI.hpp>
+
+#include <cmath>
+
+namespace actmem {
+
+void add_model_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
+  const auto positive = CLI::PositiveNumber;
+  app.add_option("--num-layers", m.num_layers, "Number of transformer layers")
+      ->capture_default_str()->check(positive);
+  app.add_option("--hidden-size", m.hidden_size, "Hidden size h")
+      ->capture_default_str()->check(positive);
+  app.add_option("--num-attention-heads", m.num_attention_heads, "Attention heads a")
+      ->capture_default_str()->check(positive);
+  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4h)")
+      ->check(positive);
+  app.add_option("--seq-length", m.seq_length, "Sequence length s")
+      ->capture_default_str()->check(positive);
+  app.add_option("--max-position-embeddings", m.max_position_embeddings,
+                 "Learned position table size (default seq-length)")
+      ->check(positive);
+  app.add_option("--micro-batch-size", m.micro_batch_size, "Micro-batch size b")
+      ->capture_default_str()->check(positive);
+  app.add_option("--vocab-size", m.vocab_size, "Vocabulary size (>= 256 for bytes)")
+      ->capture_default_str()->check(positive);
+  app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout in bias-dropout-add and embedding")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--normalization", o.normalization_flag, "LayerNorm or RMSNorm")
+      ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
+  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")->capture_default_str();
+  app.add_flag("--swiglu", o.swiglu, "Gated linear unit with SiLU (SwiGLU) instead of GeLU");
+  app.add_flag("--disable-bias-linear", o.disable_bias_linear, "Linear layers without biases");
+  app.add_flag("--use-rotary-position-embeddings", o.use_rope,
+               "RoPE instead of learned absolute positions");
+  app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str();
+  app.add_flag("--untie-embeddings-and-output-weights", o.untie,
+               "Separate output layer instead of the tied word embedding");
+  app.add_option("--init-method-std", m.init_method_std, "Std of the normal initialisation")
+      ->capture_default_str();
+  app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling")
+      ->capture_default_str();
+}
+
+void add_training_flags(CLI::App& app, TrainOptions& o) {
+  auto& t = o.training;
+  app.add_option("--global-batch-size", t.global_batch_size,
+                 "Samples per optimizer step (a multiple of --micro-batch-size)")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--train-iters", t.train_iters, "Optimizer steps")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")->capture_default_str();
+  app.add_option("--lr-warmup-iters", t.lr_warmup_iters, "Linear warmup steps")
+      ->capture_default_str();
+  app.add_option("--lr-decay-style", t.lr_decay_style, "constant, linear or cosine")
+      ->capture_default_str()->check(CLI::IsMember({"constant", "linear", "cosine"}));
+  app.add_option("--weight-decay", t.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--adam-beta1", t.adam_beta1, "AdamW beta1")->capture_default_str();
+  app.add_option("--adam-beta2", t.adam_beta2, "AdamW beta2")->capture_default_str();
+  app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str();
+  app.add_option("--clip-grad", t.clip_grad, "Global gradient-norm clip (0 = off)")
+      ->capture_default_str();
+  app.add_option("--eval-interval", t.eval_interval, "Validate every N steps (0 = never)")
+      ->capture_default_str();
+  app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")->capture_default_str();
+  app.add_option("--log-interval", t.log_interval, "Progress line every N steps")
+      ->capture_default_str();
+  app.add_option("--data", t.data_path, "Text file to train on (default: built-in corpus)");
+  app.add_option("--split", t.split, "train,validation[,test] weights")->capture_default_str();
+  app.add_option("--device", t.device, "cpu or cuda[:i]")->capture_default_str();
+  app.add_option("--device-memory-limit", o.device_memory_limit_gib,
+                 "Device memory limit in GiB (CPU; default: physical memory)")
+      ->check(CLI::PositiveNumber);
+  app.add_option("--log-json", o.log_json, "Write one JSON object per iteration to FILE");
+}
+
+void TrainOptions::finalize() {
+  model.normalization = normalization_flag;
+  model.gated_linear_unit = swiglu;
+  model.add_bias_linear = !disable_bias_linear;
+  model.untie_embeddings_and_output_weights = untie;
+  model.position_embedding_type = use_rope ? "rope" : "learned_absolute";
+  if (device_memory_limit_gib > 0.0) {
+    training.device_memory_limit =
+        static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));
+  }
+  model.validate();
+  training.validate(model);
+}
+
+}  // namespace actmem

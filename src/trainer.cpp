@@ -1,0 +1,332 @@
+// trainer.cpp — Trainer, IterationStats JSON, memory pre-check.
+#include "actmem/trainer.h"
+
+#include "actmem/digest.h"
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/optim/adamw.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <iomanip>
+#include <mutex>
+#include <ostream>
+#include <sstream>
+
+namespace actmem {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double seconds_since(Clock::time_point t0) {
+  return std::chrono::duration<double>(Clock::now() - t0).count();
+}
+// Note [Trainer RNG stream]
+// Dropout draws from libtorch's default generators, as in Megatron. A Trainer owns its stream:
+// it starts as manual_seed(model.seed) would leave it, is swapped into the default generators for
+// the duration of each train_step() and swapped out afterwards, so two trainers in one process
+// (compare, tests) never disturb each other and the ambient state is left as it was.
+class SwapRngState {
+ public:
+  SwapRngState(std::vector<at::Generator>& gens, std::vector<at::Tensor>& states)
+      : gens_(gens), states_(states) {
+    for (size_t i = 0; i < gens_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(gens_[i].mutex());
+      ambient_.push_back(gens_[i].get_state());
+      gens_[i].set_state(states_[i]);
+    }
+  }
+  ~SwapRngState() {
+    for (size_t i = 0; i < gens_.size(); ++i) {
+      std::lock_guard<std::mutex> lock(gens_[i].mutex());
+      states_[i] = gens_[i].get_state();
+      gens_[i].set_state(ambient_[i]);
+    }
+  }
+
+ private:
+  std::vector<at::Generator>& gens_;
+  std::vector<at::Tensor>& states_;
+  std::vector<at::Tensor> ambient_;
+};
+
+// Validates both configs before anything is built; returns the device's accounting.
+DeviceMemory& validated_device_memory(const TransformerConfig& model,
+                                      const TrainingConfig& training, const at::Device& device) {
+  model.validate();
+  training.validate(model);
+  return device_memory(device);
+}
+}  // namespace
+
+std::string format_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  double v = bytes;
+  while (std::fabs(v) >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(u == 0 ? 0 : (std::fabs(v) < 10 ? 2 : 1)) << v << ' '
+     << units[u];
+  return os.str();
+}
+
+void TrainingConfig::validate(const TransformerConfig& model) const {
+  TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
+              "got ", global_batch_size);
+  const int64_t gbs = global_batch_size > 0 ? global_batch_size : model.micro_batch_size;
+  TORCH_CHECK(gbs % model.micro_batch_size == 0, "actmem::TrainingConfig: global_batch_size (", gbs,
+              ") must be a multiple of micro_batch_size (", model.micro_batch_size, ")");
+  TORCH_CHECK(train_iters > 0, "actmem::TrainingConfig: train_iters must be positive, got ",
+              train_iters);
+  TORCH_CHECK(lr > 0.0 && std::isfinite(lr), "actmem::TrainingConfig: lr must be positive, got ", lr);
+  TORCH_CHECK(min_lr >= 0.0 && min_lr <= lr, "actmem::TrainingConfig: min_lr must be in [0, lr], "
+              "got ", min_lr);
+  TORCH_CHECK(lr_warmup_iters >= 0, "actmem::TrainingConfig: lr_warmup_iters must be >= 0, got ",
+              lr_warmup_iters);
+  TORCH_CHECK(lr_decay_style == "constant" || lr_decay_style == "linear" ||
+                  lr_decay_style == "cosine",
+              "actmem::TrainingConfig: lr_decay_style must be constant, linear or cosine, got \"",
+              lr_decay_style, "\"");
+  TORCH_CHECK(weight_decay >= 0.0, "actmem::TrainingConfig: weight_decay must be >= 0, got ",
+              weight_decay);
+  TORCH_CHECK(adam_beta1 >= 0.0 && adam_beta1 < 1.0 && adam_beta2 >= 0.0 && adam_beta2 < 1.0,
+              "actmem::TrainingConfig: adam_beta1 and adam_beta2 must be in [0, 1), got ",
+              adam_beta1, " and ", adam_beta2);
+  TORCH_CHECK(adam_eps > 0.0, "actmem::TrainingConfig: adam_eps must be positive, got ", adam_eps);
+  TORCH_CHECK(clip_grad >= 0.0, "actmem::TrainingConfig: clip_grad must be >= 0, got ", clip_grad);
+  TORCH_CHECK(eval_interval >= 0, "actmem::TrainingConfig: eval_interval must be >= 0, got ",
+              eval_interval);
+  TORCH_CHECK(eval_iters > 0, "actmem::TrainingConfig: eval_iters must be positive, got ",
+              eval_iters);
+  TORCH_CHECK(log_interval > 0, "actmem::TrainingConfig: log_interval must be positive, got ",
+              log_interval);
+  TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
+              "got ", device_memory_limit);
+}
+
+nlohmann::json to_json(const IterationStats& s) {
+  nlohmann::json j = {
+      {"iteration", s.iteration},
+      {"loss", s.loss},
+      {"grad_norm", s.grad_norm},
+      {"grad_digest", s.grad_digest},
+      {"lr", s.lr},
+      {"step_time_s", s.step_time_s},
+      {"tokens_per_s", s.tokens_per_s},
+      {"peak_device_bytes", s.peak_device_bytes},
+      {"activation_bytes", s.activation_bytes},
+      {"activation_peak_bytes", s.activation_peak_bytes},
+  };
+  if (s.val_loss) j["val_loss"] = *s.val_loss;
+  return j;
+}
+
+double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) {
+  const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.ffn());
+  const double L = static_cast<double>(c.num_layers), v = static_cast<double>(c.vocab_size);
+  const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
+  const double a = static_cast<double>(c.num_attention_heads);
+  const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
+  const double params = L * (4.0 * h * h + h * fc1 + f * h + 8.0 * h + fc1) + 2.0 * v * h +
+                        static_cast<double>(c.max_positions()) * h;
+  const double state = 4.0 * params * static_cast<double>(dtype_bytes);  // weight, grad, m, v
+  // Activations of one micro-batch in dtype_bytes (Korthikanti eq. 1 scaled from 2 bytes, and
+  // the logits with their log-softmax and gradient).
+  const double per_layer = s * b * h * (34.0 + 5.0 * a * s / h) * (dtype_bytes / 2.0);
+  const double logits = 3.0 * s * b * v * static_cast<double>(dtype_bytes);
+  return state + L * per_layer + logits;
+}
+
+Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
+    : model_config_(model),
+      config_(training),
+      device_(training.device),
+      memory_(validated_device_memory(model, training, device_)) {
+  if (device_.is_cpu()) {
+    const int64_t limit =
+        config_.device_memory_limit > 0 ? config_.device_memory_limit : physical_memory_bytes();
+    const double need = estimate_required_bytes(model_config_);
+    TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
+                "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
+                "state and one micro-batch of activations) but the limit is ", format_bytes(limit),
+                "; reduce --num-layers, --hidden-size, --seq-length or --micro-batch-size");
+    memory_.set_capacity(limit);
+  }
+  corpus_ = load_corpus(config_.data_path, config_.split, model_config_.seq_length);
+  TORCH_CHECK(model_config_.vocab_size >= ByteTokenizer::kVocabSize, "actmem::Trainer: vocab_size (",
+              model_config_.vocab_size, ") must be at least 256 for the byte-level tokenizer");
+
+  generators_.push_back(at::detail::getDefaultCPUGenerator());
+  if (!device_.is_cpu()) generators_.push_back(at::globalContext().defaultGenerator(device_));
+  for (auto& gen : generators_) {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    const at::Tensor ambient = gen.get_state();
+    gen.set_current_seed(model_config_.seed);  // as Megatron's _set_random_seed
+    rng_state_.push_back(gen.get_state());
+    gen.set_state(ambient);
+  }
+  model_ = std::make_shared<GPTModel>(model_config_);
+  model_->to_device(device_);
+  model_->train();
+  params_ = model_->ordered_parameters();
+  {
+    // Gradients live for the whole run: allocated once here, zeroed in place each step.
+    at::NoGradGuard no_grad;
+    for (auto& p : params_) p.mutable_grad() = at::zeros_like(p);
+  }
+  optimizer_ = std::make_unique<torch::optim::AdamW>(
+      params_, torch::optim::AdamWOptions(config_.lr)
+                   .betas({config_.adam_beta1, config_.adam_beta2})
+                   .eps(config_.adam_eps)
+                   .weight_decay(config_.weight_decay));
+  train_sampler_ = std::make_unique<BatchSampler>(corpus_.train, model_config_.seq_length,
+                                                  model_config_.micro_batch_size,
+                                                  model_config_.seed);
+  valid_sampler_ = std::make_unique<BatchSampler>(corpus_.valid, model_config_.seq_length,
+                                                  model_config_.micro_batch_size,
+                                                  model_config_.seed + 1);
+  timeline_ = std::make_unique<MemoryTimeline>(memory_);
+}
+
+Trainer::~Trainer() = default;
+
+double Trainer::lr_at(int64_t it) const {
+  // it is 1-based. Warmup is linear from lr/warmup to lr; then decay to min_lr at train_iters.
+  const auto& c = config_;
+  if (c.lr_warmup_iters > 0 && it <= c.lr_warmup_iters) {
+    return c.lr * static_cast<double>(it) / static_cast<double>(c.lr_warmup_iters);
+  }
+  if (c.lr_decay_style == "constant" || c.train_iters <= c.lr_warmup_iters) return c.lr;
+  const double progress = static_cast<double>(it - c.lr_warmup_iters) /
+                          static_cast<double>(c.train_iters - c.lr_warmup_iters);
+  const double coeff = c.lr_decay_style == "linear"
+                           ? 1.0 - progress
+                           : 0.5 * (std::cos(M_PI * progress) + 1.0);
+  return c.min_lr + coeff * (c.lr - c.min_lr);
+}
+
+IterationStats Trainer::train_step(bool compute_digest) {
+  SwapRngState rng(generators_, rng_state_);
+  IterationStats st;
+  st.iteration = ++iteration_;
+  st.lr = lr_at(iteration_);
+  for (auto& group : optimizer_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(st.lr);
+  }
+  const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size);
+  for (auto& p : params_) p.mutable_grad().zero_();
+
+  synchronize_device(device_);
+  double busy_s = 0.0;
+  int64_t step_peak = memory_.current_bytes();
+  double loss_sum = 0.0;
+  for (int64_t m = 0; m < n_micro; ++m) {
+    auto batch = train_sampler_->next();
+    const at::Tensor tokens = batch.first.to(device_), labels = batch.second.to(device_);
+    synchronize_device(device_);
+    std::unique_ptr<TimelineScope> scope;
+    if (record_timeline_ && m == 0) {
+      timeline_->clear();
+      scope = std::make_unique<TimelineScope>(*timeline_);
+    }
+    memory_.reset_peak();
+    const int64_t before = memory_.current_bytes();
+    const auto t0 = Clock::now();
+    at::Tensor loss = model_->forward(tokens, labels);
+    if (n_micro > 1) loss = loss / static_cast<double>(n_micro);
+    synchronize_device(device_);
+    const int64_t after_forward = memory_.current_bytes();
+    loss.backward();
+    synchronize_device(device_);
+    busy_s += seconds_since(t0);
+    timeline_mark("bwd end");
+    const int64_t peak = memory_.peak_bytes();
+    st.activation_bytes = std::max(st.activation_bytes, after_forward - before);
+    st.activation_peak_bytes = std::max(st.activation_peak_bytes, peak - before);
+    step_peak = std::max(step_peak, peak);
+    loss_sum += loss.item<double>();
+  }
+  st.loss = loss_sum;  // the losses were scaled by 1/n_micro, so their sum is the mean
+
+  if (compute_digest) st.grad_digest = grad_digest(params_);
+
+  const auto t1 = Clock::now();
+  {
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> norms;
+    norms.reserve(params_.size());
+    for (const auto& p : params_) norms.push_back(p.grad().norm());
+    st.grad_norm = at::stack(norms).norm().item<double>();
+    if (config_.clip_grad > 0.0) {
+      const double coeff = config_.clip_grad / (st.grad_norm + 1e-6);
+      if (coeff < 1.0) {
+        for (auto& p : params_) p.mutable_grad().mul_(coeff);
+      }
+    }
+  }
+  optimizer_->step();
+  synchronize_device(device_);
+  busy_s += seconds_since(t1);
+  step_peak = std::max(step_peak, memory_.peak_bytes());
+
+  st.step_time_s = busy_s;
+  st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
+                                        model_config_.seq_length) / busy_s;
+  st.peak_device_bytes = step_peak;
+  return st;
+}
+
+double Trainer::evaluate() {
+  at::NoGradGuard no_grad;
+  model_->eval();
+  double total = 0.0;
+  for (int64_t i = 0; i < config_.eval_iters; ++i) {
+    auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+    total += model_->forward(batch.first.to(device_), batch.second.to(device_)).item<double>();
+  }
+  model_->train();
+  return total / static_cast<double>(config_.eval_iters);
+}
+
+void Trainer::run(std::ostream* progress,
+                  const std::function<void(const IterationStats&)>& on_step,
+                  bool compute_digest) {
+  const int64_t total = config_.train_iters;
+  const int width = static_cast<int>(std::to_string(total).size());
+  double window_time = 0.0;
+  int64_t window_steps = 0;
+  for (int64_t it = 1; it <= total; ++it) {
+    IterationStats st = train_step(compute_digest);
+    window_time += st.step_time_s;
+    ++window_steps;
+    const bool eval_now = config_.eval_interval > 0 &&
+                          (it % config_.eval_interval == 0 || it == total);
+    if (eval_now) st.val_loss = evaluate();
+    if (progress != nullptr && (it % config_.log_interval == 0 || it == 1 || it == total)) {
+      const double mean_step = window_time / static_cast<double>(window_steps);
+      *progress << "iter " << std::setw(width) << it << "/" << total << " | loss " << std::fixed
+                << std::setprecision(4) << st.loss << " | grad norm " << std::setprecision(3)
+                << st.grad_norm << " | lr " << std::scientific << std::setprecision(2) << st.lr
+                << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | "
+                << std::setprecision(0) << st.tokens_per_s << " tok/s | peak "
+                << format_bytes(static_cast<double>(st.peak_device_bytes)) << " | act "
+                << format_bytes(static_cast<double>(st.activation_bytes)) << "\n";
+      window_time = 0.0;
+      window_steps = 0;
+    }
+    if (progress != nullptr && st.val_loss) {
+      *progress << "validation at iter " << it << " | loss " << std::fixed << std::setprecision(4)
+                << *st.val_loss << " | ppl " << std::setprecision(2) << std::exp(*st.val_loss)
+                << "\n";
+    }
+    if (progress != nullptr) progress->flush();
+    if (on_step) on_step(st);
+  }
+}
+
+}  // namespace actmem

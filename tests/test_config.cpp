@@ -1,0 +1,104 @@
+// test_config.cpp — one test per TransformerConfig / TrainingConfig validation message.
+#include "actmem/config.h"
+#include "actmem/trainer.h"
+#include "test_util.h"
+
+#include <functional>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+
+struct ConfigCase {
+  const char* name;
+  std::function<void(TransformerConfig&)> mutate;
+  const char* message;
+};
+inline void PrintTo(const ConfigCase& c, std::ostream* os) { *os << c.name; }
+
+
+class ConfigValidation : public ::testing::TestWithParam<ConfigCase> {};
+
+TEST_P(ConfigValidation, RejectsWithClearMessage) {
+  TransformerConfig c;
+  c.validate();  // the default is valid
+  GetParam().mutate(c);
+  expect_error_containing([&] { c.validate(); }, GetParam().message);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllMessages, ConfigValidation,
+    ::testing::Values(
+        ConfigCase{"num_layers", [](auto& c) { c.num_layers = 0; }, "num_layers must be positive, got 0"},
+        ConfigCase{"hidden_size", [](auto& c) { c.hidden_size = -8; }, "hidden_size must be positive"},
+        ConfigCase{"heads", [](auto& c) { c.num_attention_heads = 0; }, "num_attention_heads must be positive"},
+        ConfigCase{"heads_divide", [](auto& c) { c.num_attention_heads = 3; }, "num_attention_heads (3) must divide hidden_size (128)"},
+        ConfigCase{"ffn", [](auto& c) { c.ffn_hidden_size = -1; }, "ffn_hidden_size must be positive"},
+        ConfigCase{"seq", [](auto& c) { c.seq_length = 0; }, "seq_length must be positive"},
+        ConfigCase{"maxpos_neg", [](auto& c) { c.max_position_embeddings = -2; }, "max_position_embeddings must be positive"},
+        ConfigCase{"maxpos_short", [](auto& c) { c.max_position_embeddings = 64; }, "max_position_embeddings (64) must be at least seq_length (128)"},
+        ConfigCase{"micro_batch", [](auto& c) { c.micro_batch_size = 0; }, "micro_batch_size must be positive"},
+        ConfigCase{"vocab", [](auto& c) { c.vocab_size = 0; }, "vocab_size must be positive"},
+        ConfigCase{"attn_dropout_high", [](auto& c) { c.attention_dropout = 1.0; }, "attention_dropout must be in [0, 1), got 1"},
+        ConfigCase{"attn_dropout_neg", [](auto& c) { c.attention_dropout = -0.1; }, "attention_dropout must be in [0, 1)"},
+        ConfigCase{"hidden_dropout", [](auto& c) { c.hidden_dropout = 1.5; }, "hidden_dropout must be in [0, 1)"},
+        ConfigCase{"normalization", [](auto& c) { c.normalization = "BatchNorm"; }, "normalization must be \"LayerNorm\" or \"RMSNorm\", got \"BatchNorm\""},
+        ConfigCase{"eps", [](auto& c) { c.layernorm_epsilon = 0.0; }, "layernorm_epsilon must be positive"},
+        ConfigCase{"position", [](auto& c) { c.position_embedding_type = "alibi"; }, "position_embedding_type must be"},
+        ConfigCase{"rope_odd", [](auto& c) { c.position_embedding_type = "rope"; c.hidden_size = 12; c.num_attention_heads = 4; }, "rope needs an even head dimension"},
+        ConfigCase{"rotary_base", [](auto& c) { c.rotary_base = 0.0; }, "rotary_base must be positive"},
+        ConfigCase{"init_std", [](auto& c) { c.init_method_std = 0.0; }, "init_method_std must be positive"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+struct TrainingCase {
+  const char* name;
+  std::function<void(TrainingConfig&)> mutate;
+  const char* message;
+};
+inline void PrintTo(const TrainingCase& c, std::ostream* os) { *os << c.name; }
+
+
+class TrainingValidation : public ::testing::TestWithParam<TrainingCase> {};
+
+TEST_P(TrainingValidation, RejectsWithClearMessage) {
+  TransformerConfig model;
+  TrainingConfig t;
+  t.validate(model);
+  GetParam().mutate(t);
+  expect_error_containing([&] { t.validate(model); }, GetParam().message);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    AllMessages, TrainingValidation,
+    ::testing::Values(
+        TrainingCase{"gbs_neg", [](auto& t) { t.global_batch_size = -1; }, "global_batch_size must be positive"},
+        TrainingCase{"gbs_multiple", [](auto& t) { t.global_batch_size = 12; }, "global_batch_size (12) must be a multiple of micro_batch_size (8)"},
+        TrainingCase{"iters", [](auto& t) { t.train_iters = 0; }, "train_iters must be positive"},
+        TrainingCase{"lr", [](auto& t) { t.lr = 0.0; }, "lr must be positive"},
+        TrainingCase{"min_lr", [](auto& t) { t.min_lr = 1.0; }, "min_lr must be in [0, lr]"},
+        TrainingCase{"warmup", [](auto& t) { t.lr_warmup_iters = -1; }, "lr_warmup_iters must be >= 0"},
+        TrainingCase{"decay", [](auto& t) { t.lr_decay_style = "step"; }, "lr_decay_style must be constant, linear or cosine"},
+        TrainingCase{"wd", [](auto& t) { t.weight_decay = -1; }, "weight_decay must be >= 0"},
+        TrainingCase{"beta", [](auto& t) { t.adam_beta2 = 1.0; }, "adam_beta1 and adam_beta2 must be in [0, 1)"},
+        TrainingCase{"eps", [](auto& t) { t.adam_eps = 0.0; }, "adam_eps must be positive"},
+        TrainingCase{"clip", [](auto& t) { t.clip_grad = -1.0; }, "clip_grad must be >= 0"},
+        TrainingCase{"eval_interval", [](auto& t) { t.eval_interval = -1; }, "eval_interval must be >= 0"},
+        TrainingCase{"eval_iters", [](auto& t) { t.eval_iters = 0; }, "eval_iters must be positive"},
+        TrainingCase{"log_interval", [](auto& t) { t.log_interval = 0; }, "log_interval must be positive"},
+        TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; }, "device_memory_limit must be >= 0"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+TEST(TransformerConfig, DefaultsResolve) {
+  TransformerConfig c;
+  EXPECT_EQ(c.ffn(), 4 * c.hidden_size);
+  EXPECT_EQ(c.max_positions(), c.seq_length);
+  c.ffn_hidden_size = 300;
+  c.max_position_embeddings = 512;
+  EXPECT_EQ(c.ffn(), 300);
+  EXPECT_EQ(c.max_positions(), 512);
+  EXPECT_EQ(c.kv_channels(), c.hidden_size / c.num_attention_heads);
+}
+
+}  // namespace
+}  // namespace actmem

@@ -1,0 +1,248 @@
+// test_trainer.cpp — the training loop: loss falls, runs are reproducible, measurements are
+// consistent, JSON round-trips, and bad input from the command line is one clear line on stderr.
+#include "actmem/trainer.h"
+#include "actmem/digest.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <sstream>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+using actmem::testing::run_actmem;
+
+TransformerConfig tiny_model() {
+  TransformerConfig c;
+  c.num_layers = 2;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.seq_length = 32;
+  c.micro_batch_size = 4;
+  return c;
+}
+
+TrainingConfig tiny_training() {
+  TrainingConfig t;
+  t.train_iters = 40;
+  t.lr = 3e-3;
+  t.min_lr = 3e-4;
+  t.lr_warmup_iters = 5;
+  t.eval_interval = 0;
+  return t;
+}
+
+TEST(Trainer, LossFallsOnTheBuiltinCorpus) {
+  Trainer trainer(tiny_model(), tiny_training());
+  const double val_before = trainer.evaluate();
+  std::vector<double> losses;
+  for (int i = 0; i < 40; ++i) losses.push_back(trainer.train_step(false).loss);
+  const double val_after = trainer.evaluate();
+  EXPECT_NEAR(losses.front(), std::log(256.0), 0.3);  // starts near uniform over bytes
+  const double tail = (losses[37] + losses[38] + losses[39]) / 3;
+  EXPECT_LT(tail, losses.front() - 1.5) << "loss did not fall: " << losses.front() << " -> " << tail;
+  EXPECT_LT(val_after, val_before - 1.5);
+}
+
+TEST(Trainer, RunsAreBitwiseReproducible) {
+  TrainingConfig t = tiny_training();
+  t.global_batch_size = 8;  // two micro-batches
+  Trainer a(tiny_model(), t), b(tiny_model(), t);
+  for (int i = 0; i < 3; ++i) {
+    const auto sa = a.train_step(), sb = b.train_step();
+    EXPECT_EQ(sa.loss, sb.loss);
+    EXPECT_EQ(sa.grad_norm, sb.grad_norm);
+    EXPECT_EQ(sa.grad_digest, sb.grad_digest);
+    EXPECT_EQ(sa.grad_digest.size(), 32u);
+  }
+  // A different seed changes the run.
+  TransformerConfig other = tiny_model();
+  other.seed += 1;
+  Trainer c(other, t);
+  Trainer d(tiny_model(), t);
+  EXPECT_NE(c.train_step().grad_digest, d.train_step().grad_digest);
+}
+
+TEST(Trainer, GradientAccumulationMatchesOneLargeMicroBatch) {
+  // Without dropout, two micro-batches of 4 accumulate to the same step as one micro-batch of 8
+  // holding the same samples (sample k of step i is drawn from index i * gbs + k in both).
+  TransformerConfig m4 = tiny_model(), m8 = tiny_model();
+  m4.attention_dropout = m4.hidden_dropout = m8.attention_dropout = m8.hidden_dropout = 0.0;
+  m4.micro_batch_size = 4;
+  m8.micro_batch_size = 8;
+  TrainingConfig t = tiny_training();
+  t.global_batch_size = 8;
+  Trainer acc(m4, t), big(m8, t);
+  for (int step = 0; step < 3; ++step) {
+    const auto a = acc.train_step(), b = big.train_step();
+    EXPECT_NEAR(a.loss, b.loss, 1e-5 * std::abs(b.loss)) << "step " << step;
+    EXPECT_NEAR(a.grad_norm, b.grad_norm, 1e-4 * b.grad_norm) << "step " << step;
+  }
+  const auto pa = acc.model().ordered_parameters(), pb = big.model().ordered_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_TRUE(at::allclose(pa[i], pb[i], 1e-4, 1e-6)) << "parameter " << i;
+  }
+}
+
+TEST(Trainer, MeasuresActivationsWithTheTracker) {
+  Trainer trainer(tiny_model(), tiny_training());
+  const auto st = trainer.train_step();
+  const auto c = tiny_model();
+  // The logits [s, b, v] in fp32 alone are held from forward to backward.
+  const int64_t logits = c.seq_length * c.micro_batch_size * c.vocab_size * 4;
+  EXPECT_GT(st.activation_bytes, logits);
+  EXPECT_GE(st.activation_peak_bytes, st.activation_bytes);
+  EXPECT_GT(st.peak_device_bytes, st.activation_peak_bytes);
+  // The step releases what it held: the next step measures the same amount.
+  const auto st2 = trainer.train_step();
+  EXPECT_EQ(st2.activation_bytes, st.activation_bytes);
+}
+
+TEST(Trainer, TimelineMarksEveryLayerForwardAndBackward) {
+  Trainer trainer(tiny_model(), tiny_training());
+  trainer.record_timeline(true);
+  trainer.train_step(false);
+  std::vector<std::string> labels;
+  for (const auto& e : trainer.last_timeline().entries()) labels.push_back(e.label);
+  const std::vector<std::string> want = {"fwd start", "fwd embedding", "fwd layer 0", "fwd layer 1",
+                                         "fwd loss",  "bwd head",      "bwd layer 1", "bwd layer 0",
+                                         "bwd end"};
+  EXPECT_EQ(labels, want);
+  const auto& e = trainer.last_timeline().entries();
+  EXPECT_GT(e[4].current_bytes, e[0].current_bytes);  // forward accumulates activations
+  EXPECT_LT(e.back().current_bytes, e[4].current_bytes);  // backward releases them
+}
+
+TEST(Trainer, RefusesAModelThatCannotFit) {
+  TransformerConfig m = tiny_model();
+  m.hidden_size = 65536;
+  m.num_attention_heads = 64;
+  m.num_layers = 96;
+  expect_error_containing([&] { Trainer t(m, tiny_training()); }, "of device memory");
+  TrainingConfig t = tiny_training();
+  t.device_memory_limit = 1 << 20;  // 1 MiB
+  expect_error_containing([&] { Trainer tr(tiny_model(), t); }, "but the limit is 1.00 MiB");
+}
+
+TEST(IterationStats, JsonHasEveryFieldAndDoublesRoundTrip) {
+  IterationStats st;
+  st.iteration = 3;
+  st.loss = 0.1 + 0.2;  // not representable in short decimal form
+  st.grad_norm = 1.0 / 3.0;
+  st.grad_digest = "00ff";
+  st.step_time_s = 2.0 / 7.0;
+  st.tokens_per_s = 12345.678901234567;
+  st.peak_device_bytes = int64_t{1} << 40;
+  st.activation_bytes = 7;
+  st.activation_peak_bytes = 9;
+  const std::string line = to_json(st).dump();
+  const auto j = nlohmann::json::parse(line);
+  for (const char* key : {"iteration", "loss", "grad_norm", "grad_digest", "step_time_s",
+                          "tokens_per_s", "peak_device_bytes", "activation_bytes",
+                          "activation_peak_bytes"}) {
+    EXPECT_TRUE(j.contains(key)) << key;
+  }
+  EXPECT_EQ(j["loss"].get<double>(), st.loss);
+  EXPECT_EQ(j["grad_norm"].get<double>(), st.grad_norm);
+  EXPECT_EQ(j["step_time_s"].get<double>(), st.step_time_s);
+  EXPECT_EQ(j["peak_device_bytes"].get<int64_t>(), st.peak_device_bytes);
+  EXPECT_FALSE(j.contains("val_loss"));
+}
+
+TEST(Digest, DetectsOneBitAndBoundaries) {
+  at::Tensor a = at::arange(1000, at::kFloat);
+  Digest d1, d2;
+  d1.update(a);
+  d2.update(a.clone());
+  EXPECT_EQ(d1.hex(), d2.hex());
+  at::Tensor b = a.clone();
+  reinterpret_cast<uint32_t*>(b.data_ptr())[517] ^= 1u;  // flip the lowest bit of one float
+  Digest d3;
+  d3.update(b);
+  EXPECT_NE(d1.hex(), d3.hex());
+  Digest split1, split2;  // same bytes, different tensor boundaries
+  split1.update(a.slice(0, 0, 500));
+  split1.update(a.slice(0, 500));
+  split2.update(a.slice(0, 0, 499));
+  split2.update(a.slice(0, 499));
+  EXPECT_NE(split1.hex(), split2.hex());
+  Digest undefined;
+  undefined.update(at::Tensor());
+  EXPECT_NE(undefined.hex(), Digest().hex());
+}
+
+// ---- the command line -------------------------------------------------------------------------
+
+TEST(Cli, TrainWritesOneJsonLinePerIteration) {
+  const std::string log = ::testing::TempDir() + "train_log.jsonl";
+  const auto r = run_actmem("train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+                            "--seq-length 16 --micro-batch-size 2 --global-batch-size 4 "
+                            "--train-iters 3 --eval-interval 2 --log-json " + log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("iter 3/3"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("validation at iter 2"), std::string::npos) << r.output;
+  std::ifstream in(log);
+  std::string line;
+  int n = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_EQ(j["iteration"].get<int>(), ++n);
+    EXPECT_GT(j["activation_bytes"].get<int64_t>(), 0);
+    EXPECT_EQ(j.contains("val_loss"), n == 2 || n == 3);
+  }
+  EXPECT_EQ(n, 3);
+}
+
+struct BadInput {
+  const char* name;
+  std::string args;
+  const char* message;
+};
+inline void PrintTo(const BadInput& c, std::ostream* os) { *os << c.name; }
+
+
+class CliErrors : public ::testing::TestWithParam<BadInput> {};
+
+TEST_P(CliErrors, OneClearLineAndNonZeroExit) {
+  const auto r = run_actmem(GetParam().args);
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_LT(r.exit_code, 128) << "killed by a signal: " << r.output;
+  EXPECT_NE(r.stderr_text.find(GetParam().message), std::string::npos) << r.stderr_text;
+  EXPECT_EQ(r.stderr_text.find("Exception raised from"), std::string::npos) << r.stderr_text;
+}
+
+std::string empty_file() {
+  const std::string path = ::testing::TempDir() + "cli_empty.txt";
+  std::ofstream(path).close();
+  return path;
+}
+
+std::string short_file() {
+  const std::string path = ::testing::TempDir() + "cli_short.txt";
+  std::ofstream(path) << "just a few words";
+  return path;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Messages, CliErrors,
+    ::testing::Values(
+        BadInput{"NoSubcommand", "", "A subcommand is required"},
+        BadInput{"UnknownFlag", "train --no-such-flag", "--no-such-flag"},
+        BadInput{"NotANumber", "train --num-layers two", "--num-layers"},
+        BadInput{"NegativeSize", "train --hidden-size -4", "--hidden-size"},
+        BadInput{"HeadsDoNotDivide", "train --num-attention-heads 5", "num_attention_heads (5) must divide hidden_size (128)"},
+        BadInput{"DropoutOne", "train --hidden-dropout 1", "hidden_dropout must be in [0, 1)"},
+        BadInput{"BadGlobalBatch", "train --global-batch-size 12", "must be a multiple of micro_batch_size"},
+        BadInput{"MissingData", "train --data /nonexistent/corpus.txt", "cannot open '/nonexistent/corpus.txt'"},
+        BadInput{"EmptyData", "train --data " + empty_file(), "is empty"},
+        BadInput{"SequenceLongerThanCorpus", "train --data " + short_file(), "needs at least seq_length + 1"},
+        BadInput{"TooBigForMemory", "train --num-layers 96 --hidden-size 65536 --num-attention-heads 64", "of device memory"},
+        BadInput{"TooBigForLimit", "train --device-memory-limit 0.001", "but the limit is"},
+        BadInput{"BadDevice", "train --device tpu", "device"}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace actmem

@@ -1,0 +1,99 @@
+// test_util.h — helpers shared by the tests: error-message matching, bitwise comparison,
+// finite-difference gradient checks and running the actmem binary.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+#include <torch/autograd.h>
+
+#include <array>
+#include <cstdio>
+#include <cstdlib>
+#include <unistd.h>
+#include <functional>
+#include <string>
+#include <vector>
+
+namespace actmem::testing {
+
+/// Runs `fn`, expects a c10::Error whose message contains `needle`.
+inline void expect_error_containing(const std::function<void()>& fn, const std::string& needle) {
+  try {
+    fn();
+    ADD_FAILURE() << "expected an error containing \"" << needle << "\", but nothing was thrown";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(e.msg().find(needle), std::string::npos)
+        << "error \"" << e.msg() << "\" does not contain \"" << needle << "\"";
+  }
+}
+
+/// True when a and b have the same dtype, shape and bytes.
+inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
+  if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
+  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
+}
+
+/// Finite-difference gradient check in double: compares autograd's gradient of
+/// sum(fn(inputs) * w) (w fixed random) with central differences for every input element.
+inline void gradcheck(const std::function<at::Tensor(const std::vector<at::Tensor>&)>& fn,
+                      std::vector<at::Tensor> inputs, double eps = 1e-6, double atol = 1e-7,
+                      double rtol = 1e-5) {
+  for (auto& x : inputs) {
+    ASSERT_EQ(x.scalar_type(), at::kDouble) << "gradcheck needs double inputs";
+    x = x.detach().clone().requires_grad_(true);
+  }
+  at::Tensor out = fn(inputs);
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(99);
+  const at::Tensor w = at::empty(out.sizes(), at::kDouble).normal_(0, 1, gen);
+  const auto analytic = torch::autograd::grad({(out * w).sum()}, inputs);
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    at::Tensor flat = inputs[i].view({-1});
+    const at::Tensor g = analytic[i].defined() ? analytic[i].reshape({-1}) : at::zeros_like(flat);
+    for (int64_t j = 0; j < flat.numel(); ++j) {
+      const double orig = flat[j].item<double>();
+      flat[j] = orig + eps;
+      const double plus = (fn(inputs) * w).sum().item<double>();
+      flat[j] = orig - eps;
+      const double minus = (fn(inputs) * w).sum().item<double>();
+      flat[j] = orig;
+      const double numeric = (plus - minus) / (2 * eps);
+      const double got = g[j].item<double>();
+      ASSERT_NEAR(got, numeric, atol + rtol * std::abs(numeric))
+          << "input " << i << " element " << j;
+    }
+  }
+}
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr together
+  std::string stderr_text;
+};
+
+/// Runs the actmem binary with `args` (a shell-quoted string) and captures its output.
+inline CommandResult run_actmem(const std::string& args) {
+  std::string err_file = ::testing::TempDir() + "actmem_stderr_XXXXXX";
+  const int fd = mkstemp(err_file.data());  // unique: ctest runs tests in parallel
+  if (fd >= 0) close(fd);
+  const std::string cmd = std::string(ACTMEM_BINARY) + " " + args + " 2>" + err_file;
+  CommandResult r;
+  FILE* pipe = popen(cmd.c_str(), "r");
+  if (pipe == nullptr) return r;
+  std::array<char, 4096> buf{};
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(pipe);
+  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  if (FILE* f = std::fopen(err_file.c_str(), "r")) {
+    while ((n = fread(buf.data(), 1, buf.size(), f)) > 0) r.stderr_text.append(buf.data(), n);
+    std::fclose(f);
+  }
+  std::remove(err_file.c_str());
+  r.output += r.stderr_text;
+  return r;
+}
+
+}  // namespace actmem::testing
