@@ -3,13 +3,30 @@
 
 #include <CLI/CLI.hpp>
 
+#include <ATen/Parallel.h>
+
+#include <algorithm>
 #include <cmath>
+#include <thread>
 
 namespace actmem {
 
+namespace {
+// kPositive prints the whole double range in its message; this says what is expected.
+const CLI::Validator kPositive(
+    [](std::string& text) -> std::string {
+      double v = 0.0;
+      if (!CLI::detail::lexical_cast(text, v) || !(v > 0.0)) {
+        return "expected a positive number, got '" + text + "'";
+      }
+      return {};
+    },
+    "POSITIVE");
+}  // namespace
+
 void add_model_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
-  const auto positive = CLI::PositiveNumber;
+  const auto& positive = kPositive;
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")
       ->capture_default_str()->check(positive);
   app.add_option("--hidden-size", m.hidden_size, "Hidden size h")
@@ -51,9 +68,9 @@ void add_training_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
   app.add_option("--global-batch-size", t.global_batch_size,
                  "Samples per optimizer step (a multiple of --micro-batch-size)")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositive);
   app.add_option("--train-iters", t.train_iters, "Optimizer steps")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()->check(kPositive);
   app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str();
   app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")->capture_default_str();
   app.add_option("--lr-warmup-iters", t.lr_warmup_iters, "Linear warmup steps")
@@ -76,8 +93,16 @@ void add_training_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--device", t.device, "cpu or cuda[:i]")->capture_default_str();
   app.add_option("--device-memory-limit", o.device_memory_limit_gib,
                  "Device memory limit in GiB (CPU; default: physical memory)")
-      ->check(CLI::PositiveNumber);
+      ->check(kPositive);
   app.add_option("--log-json", o.log_json, "Write one JSON object per iteration to FILE");
+  app.add_option("--threads", o.threads, "Intra-op CPU threads (default: one per core)")
+      ->check(kPositive);
+}
+
+int apply_thread_count(int threads) {
+  const int n = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  at::set_num_threads(n);
+  return n;
 }
 
 void TrainOptions::finalize() {

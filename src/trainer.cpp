@@ -52,12 +52,11 @@ class SwapRngState {
   std::vector<at::Tensor> ambient_;
 };
 
-// Validates both configs before anything is built; returns the device's accounting.
-DeviceMemory& validated_device_memory(const TransformerConfig& model,
-                                      const TrainingConfig& training, const at::Device& device) {
+// Validates both configs before anything is built; returns the training device.
+at::Device validated_device(const TransformerConfig& model, const TrainingConfig& training) {
   model.validate();
   training.validate(model);
-  return device_memory(device);
+  return at::Device(training.device);
 }
 }  // namespace
 
@@ -105,6 +104,10 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               eval_iters);
   TORCH_CHECK(log_interval > 0, "actmem::TrainingConfig: log_interval must be positive, got ",
               log_interval);
+  const bool cuda_index = device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+                          device.find_first_not_of("0123456789", 5) == std::string::npos;
+  TORCH_CHECK(device == "cpu" || device == "cuda" || cuda_index,
+              "actmem::TrainingConfig: device must be cpu, cuda or cuda:N, got \"", device, "\"");
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
 }
@@ -145,8 +148,8 @@ double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) 
 Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     : model_config_(model),
       config_(training),
-      device_(training.device),
-      memory_(validated_device_memory(model, training, device_)) {
+      device_(validated_device(model, training)),
+      memory_(device_memory(device_)) {
   if (device_.is_cpu()) {
     const int64_t limit =
         config_.device_memory_limit > 0 ? config_.device_memory_limit : physical_memory_bytes();

@@ -86,6 +86,8 @@ INSTANTIATE_TEST_SUITE_P(
         TrainingCase{"eval_interval", [](auto& t) { t.eval_interval = -1; }, "eval_interval must be >= 0"},
         TrainingCase{"eval_iters", [](auto& t) { t.eval_iters = 0; }, "eval_iters must be positive"},
         TrainingCase{"log_interval", [](auto& t) { t.log_interval = 0; }, "log_interval must be positive"},
+        TrainingCase{"device", [](auto& t) { t.device = "tpu"; }, "device must be cpu, cuda or cuda:N, got \"tpu\""},
+        TrainingCase{"device_index", [](auto& t) { t.device = "cuda:x"; }, "device must be cpu, cuda or cuda:N"},
         TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; }, "device_memory_limit must be >= 0"}),
     [](const auto& info) { return std::string(info.param.name); });
 

@@ -232,7 +232,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"NoSubcommand", "", "A subcommand is required"},
         BadInput{"UnknownFlag", "train --no-such-flag", "--no-such-flag"},
         BadInput{"NotANumber", "train --num-layers two", "--num-layers"},
-        BadInput{"NegativeSize", "train --hidden-size -4", "--hidden-size"},
+        BadInput{"NegativeSize", "train --hidden-size -4", "--hidden-size: expected a positive number, got '-4'"},
         BadInput{"HeadsDoNotDivide", "train --num-attention-heads 5", "num_attention_heads (5) must divide hidden_size (128)"},
         BadInput{"DropoutOne", "train --hidden-dropout 1", "hidden_dropout must be in [0, 1)"},
         BadInput{"BadGlobalBatch", "train --global-batch-size 12", "must be a multiple of micro_batch_size"},
@@ -241,7 +241,7 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"SequenceLongerThanCorpus", "train --data " + short_file(), "needs at least seq_length + 1"},
         BadInput{"TooBigForMemory", "train --num-layers 96 --hidden-size 65536 --num-attention-heads 64", "of device memory"},
         BadInput{"TooBigForLimit", "train --device-memory-limit 0.001", "but the limit is"},
-        BadInput{"BadDevice", "train --device tpu", "device"}),
+        BadInput{"BadDevice", "train --device tpu", "device must be cpu, cuda or cuda:N"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

@@ -24,6 +24,8 @@ struct TrainOptions {
   bool untie = false;
   bool use_rope = false;
   double device_memory_limit_gib = 0.0;
+  /// Intra-op threads for libtorch; 0 means one per core.
+  int threads = 0;
   /// Applies the derived fields (flags that map onto config fields) and validates everything.
   void finalize();
 };
@@ -32,5 +34,8 @@ struct TrainOptions {
 void add_model_flags(CLI::App& app, TrainOptions& options);
 /// Adds the optimisation and data flags (--train-iters, --lr, --data, ...).
 void add_training_flags(CLI::App& app, TrainOptions& options);
+
+/// Sets libtorch's intra-op threads: `threads`, or one per core when 0. Returns the count.
+int apply_thread_count(int threads);
 
 }  // namespace actmem

@@ -28,7 +28,7 @@ namespace actmem {
 struct TrainingConfig {
   /// 0 means micro_batch_size (one micro-batch per step).
   int64_t global_batch_size = 0;
-  int64_t train_iters = 100;
+  int64_t train_iters = 200;
   double lr = 3e-3;
   double min_lr = 3e-4;
   int64_t lr_warmup_iters = 10;
@@ -41,9 +41,9 @@ struct TrainingConfig {
   /// Global gradient-norm clip; 0 disables.
   double clip_grad = 1.0;
   /// Validation every eval_interval iterations over eval_iters fixed micro-batches; 0 disables.
-  int64_t eval_interval = 25;
+  int64_t eval_interval = 50;
   int64_t eval_iters = 4;
-  int64_t log_interval = 10;
+  int64_t log_interval = 20;
   /// Text file to train on; empty means the built-in corpus.
   std::string data_path;
   std::string split = "95,5";

@@ -1,5 +1,6 @@
 // main.cpp — the `actmem` command line. Library code throws; only this file turns errors into
 // messages on stderr and exit codes.
+#include "actmem/process.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 
@@ -39,6 +40,7 @@ void print_header(const actmem::Trainer& trainer, const actmem::TrainOptions& o,
 
 int run_train(actmem::TrainOptions& o) {
   o.finalize();
+  actmem::apply_thread_count(o.threads);
   std::ofstream log;
   if (!o.log_json.empty()) {
     log.open(o.log_json, std::ios::trunc);
@@ -72,9 +74,13 @@ int run_train(actmem::TrainOptions& o) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::ensure_passive_openmp_wait(argv);
   CLI::App app{"actmem: train transformers on libtorch with managed activation memory"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
+  app.failure_message([](const CLI::App*, const CLI::Error& e) {
+    return "error: " + std::string(e.what()) + " (run with --help for usage)\n";
+  });
 
   actmem::TrainOptions train;
   CLI::App* train_cmd = app.add_subcommand("train", "Train a GPT model and log each iteration");

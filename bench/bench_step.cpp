@@ -1,0 +1,105 @@
+// bench_step.cpp — step time and tokens/s of the plain training step, for the default model and
+// the 4-layer hidden-512 model that later issues compare their strategies against.
+//
+// Reference: the same model in PyTorch eager on the same libtorch (bench/eager_step.py; run both
+// with bench/compare_eager.sh). Validation: every step's loss must be finite. Timing: median of
+// --iters steps after --warmup steps, measured by the Trainer around forward, backward and the
+// optimizer step only.
+#include "actmem/process.h"
+#include "actmem/train_options.h"
+#include "actmem/trainer.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <iostream>
+
+namespace {
+
+struct Preset {
+  std::string name;
+  actmem::TransformerConfig model;
+};
+
+std::vector<Preset> presets() {
+  actmem::TransformerConfig small;  // the built-in default of `actmem train`
+  actmem::TransformerConfig large;
+  large.num_layers = 4;
+  large.hidden_size = 512;
+  large.num_attention_heads = 8;
+  large.ffn_hidden_size = 2048;
+  large.seq_length = 512;
+  large.micro_batch_size = 4;
+  return {{"default", small}, {"4x512", large}};
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  actmem::ensure_passive_openmp_wait(argv);
+  CLI::App app{"bench_step: plain training-step time of actmem's GPT model"};
+  std::string which = "all", json_path;
+  int iters = 5, warmup = 2, threads = 0;
+  app.add_option("--config", which, "default, 4x512 or all")->capture_default_str();
+  app.add_option("--iters", iters, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+  app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
+  app.add_option("--json", json_path, "Also write the results to FILE");
+  CLI11_PARSE(app, argc, argv);
+
+  try {
+    const int n_threads = actmem::apply_thread_count(threads);
+    nlohmann::json results = nlohmann::json::array();
+    for (const auto& preset : presets()) {
+      if (which != "all" && which != preset.name) continue;
+      actmem::TrainingConfig training;
+      training.train_iters = warmup + iters;
+      training.eval_interval = 0;
+      actmem::Trainer trainer(preset.model, training);
+      std::vector<double> times;
+      actmem::IterationStats last;
+      for (int i = 0; i < warmup + iters; ++i) {
+        last = trainer.train_step(/*compute_digest=*/false);
+        TORCH_CHECK(std::isfinite(last.loss), "bench_step: non-finite loss at step ", i + 1);
+        if (i >= warmup) times.push_back(last.step_time_s);
+      }
+      const auto& m = preset.model;
+      const double step = median(times);
+      const double tokens = static_cast<double>(m.seq_length * m.micro_batch_size);
+      nlohmann::json r = {{"config", preset.name},
+                          {"num_layers", m.num_layers},
+                          {"hidden_size", m.hidden_size},
+                          {"num_attention_heads", m.num_attention_heads},
+                          {"ffn_hidden_size", m.ffn()},
+                          {"seq_length", m.seq_length},
+                          {"micro_batch_size", m.micro_batch_size},
+                          {"threads", n_threads},
+                          {"iters", iters},
+                          {"step_time_s", step},
+                          {"step_time_min_s", *std::min_element(times.begin(), times.end())},
+                          {"tokens_per_s", tokens / step},
+                          {"peak_device_bytes", last.peak_device_bytes},
+                          {"activation_bytes", last.activation_bytes},
+                          {"activation_peak_bytes", last.activation_peak_bytes}};
+      std::cerr << preset.name << ": " << step * 1e3 << " ms/step, " << tokens / step
+                << " tokens/s, activations " << actmem::format_bytes(last.activation_bytes)
+                << "\n";
+      results.push_back(r);
+    }
+    std::cout << results.dump(2) << std::endl;
+    if (!json_path.empty()) std::ofstream(json_path) << results.dump(2) << "\n";
+  } catch (const c10::Error& e) {
+    std::cerr << "error: " << e.msg().substr(0, e.msg().find('\n')) << std::endl;
+    return 1;
+  }
+  return 0;
+}
