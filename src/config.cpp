@@ -3,6 +3,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <sstream>
+
 namespace actmem {
 
 namespace {
@@ -13,7 +16,92 @@ void check_dropout(double p, const char* name) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "actmem::TransformerConfig: ", name,
               " must be in [0, 1), got ", p);
 }
+std::string join_set(const std::vector<std::string>& items) {
+  std::ostringstream os;
+  os << "{";
+  for (size_t i = 0; i < items.size(); ++i) os << (i ? ", " : "") << "'" << items[i] << "'";
+  os << "}";
+  return os.str();
+}
+
+// Megatron's recompute rules (megatron-spec §4.4 rules 4-17 and 26-28) for a dense model, in its
+// order and with its conditions; deliberate differences are marked "fixed".
+void validate_recompute(const TransformerConfig& c) {
+  const std::string& g = c.recompute_granularity;
+  if (!g.empty()) {
+    TORCH_CHECK(g == "full" || g == "selective", "actmem::TransformerConfig: recompute_granularity: ",
+                g, " must be \"full\" or \"selective\".");
+    TORCH_CHECK(c.recompute_method.empty() || c.recompute_method == "block" ||
+                    c.recompute_method == "uniform",
+                "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
+                " must be \"block\" or \"uniform\".");
+    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size;
+    if (g == "full") {
+      TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
+                  "recompute_granularity: full so recompute_method must be \"block\" or "
+                  "\"uniform\"");
+      // Megatron only checks for None; the range is checked here too (fixed).
+      TORCH_CHECK(c.recompute_num_layers.has_value() && *c.recompute_num_layers >= 1 &&
+                      *c.recompute_num_layers <= per_stage,
+                  "actmem::TransformerConfig: When using recompute_granularity: full, "
+                  "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: ",
+                  per_stage, (c.recompute_num_layers ? ", got " + std::to_string(*c.recompute_num_layers)
+                                                     : std::string(", got none")));
+    } else {
+      TORCH_CHECK(!c.recompute_num_layers.has_value(), "actmem::TransformerConfig: When using "
+                  "recompute_granularity: selective, recompute_num_layers must be None.");
+      TORCH_CHECK(c.recompute_method.empty(), "actmem::TransformerConfig: recompute method is not "
+                  "yet supported for selective recomputing granularity");
+    }
+    TORCH_CHECK(!(c.distribute_saved_activations && c.sequence_parallel),
+                "actmem::TransformerConfig: distribute_saved_activations: ",
+                c.distribute_saved_activations, " must be false when sequence parallel is enabled: ",
+                c.sequence_parallel);
+  }
+  if (c.distribute_saved_activations) {
+    TORCH_CHECK(c.tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
+                "distribute_saved_activations requires tensor_model_parallel_size > 1, got ",
+                c.tensor_model_parallel_size);
+    TORCH_CHECK(g == "full" && !c.recompute_method.empty(), "actmem::TransformerConfig: "
+                "distribute_saved_activations requires recompute_granularity full with a "
+                "recompute_method");
+  }
+  if (g == "selective") {
+    static const std::vector<std::string> allowed = {"core_attn", "moe_act", "layernorm",
+                                                     "mla_up_proj", "mlp", "moe",
+                                                     "shared_experts", "gdn_norm_out"};
+    const auto modules = c.resolved_recompute_modules();
+    std::vector<std::string> invalid;
+    for (const auto& m : modules) {
+      if (std::find(allowed.begin(), allowed.end(), m) == allowed.end()) invalid.push_back(m);
+    }
+    TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
+                "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
+                join_set(allowed));
+    auto has = [&](const char* m) {
+      return std::find(modules.begin(), modules.end(), m) != modules.end();
+    };
+    TORCH_CHECK(!has("moe_act"), "actmem::TransformerConfig: moe_act in recompute_modules is only "
+                "supported with moe_grouped_gemm.");
+    TORCH_CHECK(!has("mla_up_proj"), "actmem::TransformerConfig: mla_up_proj in recompute_modules "
+                "is only supported with multi_latent_attention.");
+    TORCH_CHECK(!has("gdn_norm_out"), "actmem::TransformerConfig: gdn_norm_out in "
+                "recompute_modules is only supported with the gated_delta_net attention variant.");
+    // Megatron silently ignores these on a dense model; a user asking for them expects an effect.
+    TORCH_CHECK(!has("moe") && !has("shared_experts"), "actmem::TransformerConfig: moe and "
+                "shared_experts in recompute_modules need MoE layers, and this model is dense");
+  } else {
+    TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
+                "only applies to recompute_granularity selective (got granularity \"", g, "\")");
+  }
+}
 }  // namespace
+
+bool TransformerConfig::recomputes(const std::string& module) const {
+  if (recompute_granularity != "selective") return false;
+  const auto modules = resolved_recompute_modules();
+  return std::find(modules.begin(), modules.end(), module) != modules.end();
+}
 
 void TransformerConfig::validate() const {
   check_positive(num_layers, "num_layers");
@@ -47,6 +135,15 @@ void TransformerConfig::validate() const {
               rotary_base);
   TORCH_CHECK(init_method_std > 0.0, "actmem::TransformerConfig: init_method_std must be "
               "positive, got ", init_method_std);
+  TORCH_CHECK(tensor_model_parallel_size == 1, "actmem::TransformerConfig: "
+              "tensor_model_parallel_size must be 1 in this build (tensor parallelism is not "
+              "implemented yet), got ", tensor_model_parallel_size);
+  TORCH_CHECK(pipeline_model_parallel_size == 1, "actmem::TransformerConfig: "
+              "pipeline_model_parallel_size must be 1 in this build, got ",
+              pipeline_model_parallel_size);
+  TORCH_CHECK(!sequence_parallel || tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
+              "sequence_parallel requires tensor_model_parallel_size > 1");
+  validate_recompute(*this);
 }
 
 }  // namespace actmem

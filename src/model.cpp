@@ -3,6 +3,7 @@
 #include "actmem/model.h"
 
 #include "actmem/memory_tracker.h"
+#include "actmem/recompute.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -33,6 +34,11 @@ at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) 
 
 }  // namespace
 
+ForwardCounters& forward_counters() {
+  static ForwardCounters counters;
+  return counters;
+}
+
 // ---- Norm -------------------------------------------------------------------------------------
 
 Norm::Norm(const TransformerConfig& config, at::ScalarType dtype)
@@ -43,6 +49,7 @@ Norm::Norm(const TransformerConfig& config, at::ScalarType dtype)
 }
 
 at::Tensor Norm::forward(const at::Tensor& x) {
+  forward_counters().norm.fetch_add(1, std::memory_order_relaxed);
   if (!rms_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
   return x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps_) * weight;
 }
@@ -88,6 +95,7 @@ at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
 
 at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& mask) {
+  forward_counters().core_attention.fetch_add(1, std::memory_order_relaxed);
   const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3);
   // [s, b, a, d] -> [b*a, s, d]; a view when q, k, v are slices of the fused qkv output.
   const at::Tensor q3 = q.reshape({s, b * a, d}).transpose(0, 1);
@@ -132,7 +140,9 @@ void RotaryEmbedding::to(const at::Device& device) {
 // ---- SelfAttention ----------------------------------------------------------------------------
 
 SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dtype)
-    : heads_(config.num_attention_heads), head_dim_(config.kv_channels()) {
+    : heads_(config.num_attention_heads),
+      head_dim_(config.kv_channels()),
+      checkpoint_core_attention_(config.recomputes("core_attn")) {
   const int64_t h = config.hidden_size;
   linear_qkv = register_module(
       "linear_qkv", std::make_shared<Linear>(h, 3 * h, config.add_bias_linear, false, dtype));
@@ -152,7 +162,19 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
     q = ctx.rope->apply(q);
     k = ctx.rope->apply(k);
   }
-  const at::Tensor context = core_attention->forward(q, k, v, ctx.attention_mask);  // [s, b, h]
+  at::Tensor context;  // [s, b, h]
+  if (checkpoint_core_attention_ && is_training()) {
+    // Selective recompute: only q, k, v (and the random state) are kept; the [b, a, s, s]
+    // scores, probabilities and dropout mask are rebuilt in backward.
+    const at::Tensor mask = ctx.attention_mask;
+    context = checkpoint(
+        [this, mask](const TensorList& in) {
+          return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
+        },
+        /*distribute_saved_activations=*/false, {q, k, v})[0];
+  } else {
+    context = core_attention->forward(q, k, v, ctx.attention_mask);
+  }
   return linear_proj->forward(context);
 }
 
@@ -168,6 +190,7 @@ MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.
 }
 
 std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
+  forward_counters().mlp.fetch_add(1, std::memory_order_relaxed);
   const at::Tensor fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
   at::Tensor act;
   if (gated_) {
@@ -183,20 +206,50 @@ std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
 
 TransformerLayer::TransformerLayer(const TransformerConfig& config, int64_t layer_number,
                                    at::ScalarType dtype)
-    : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout) {
+    : layer_number_(layer_number),
+      hidden_dropout_(config.hidden_dropout),
+      recompute_mlp_(config.recomputes("mlp")),
+      recompute_layernorm_(config.recomputes("layernorm")) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
   self_attention = register_module("self_attention", std::make_shared<SelfAttention>(config, dtype));
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
   mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
 }
 
+at::Tensor TransformerLayer::forward_mlp(const at::Tensor& x, at::Tensor* bias) {
+  if (recompute_mlp_ && is_training()) {
+    // Selective "mlp": the whole MLP in one checkpoint; fc2's bias is a parameter, not an
+    // activation, so it is returned beside the checkpoint as Megatron does.
+    *bias = mlp->linear_fc2->bias;
+    return checkpoint([this](const TensorList& in) { return TensorList{mlp->forward(in[0]).first}; },
+                      false, {x})[0];
+  }
+  auto [out, b] = mlp->forward(x);
+  *bias = b;
+  return out;
+}
+
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
+  forward_counters().layer.fetch_add(1, std::memory_order_relaxed);
   const bool train = is_training();
-  const at::Tensor ln1 = input_layernorm->forward(hidden);
+  const bool discard_norms = recompute_layernorm_ && train;
+  // Selective "layernorm": each norm's output is freed once its consumer has saved it and is
+  // recomputed from the gradient hook of the consumer's module output (Megatron's hook tensors:
+  // the attention output for input_layernorm, the MLP output for pre_mlp_layernorm).
+  CheckpointWithoutOutput ln1_ckpt, ln2_ckpt;
+  auto norm_fn = [](const std::shared_ptr<Norm>& norm) {
+    return [norm](const TensorList& in) { return TensorList{norm->forward(in[0])}; };
+  };
+  const at::Tensor ln1 = discard_norms ? ln1_ckpt.checkpoint(norm_fn(input_layernorm), {hidden})[0]
+                                       : input_layernorm->forward(hidden);
   const auto [attn, attn_bias] = self_attention->forward(ln1, ctx);
+  if (discard_norms) ln1_ckpt.discard_output_and_register_recompute(attn);
   const at::Tensor mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
-  const at::Tensor ln2 = pre_mlp_layernorm->forward(mid);
-  const auto [mlp_out, mlp_bias] = mlp->forward(ln2);
+  const at::Tensor ln2 = discard_norms ? ln2_ckpt.checkpoint(norm_fn(pre_mlp_layernorm), {mid})[0]
+                                       : pre_mlp_layernorm->forward(mid);
+  at::Tensor mlp_bias;
+  const at::Tensor mlp_out = forward_mlp(ln2, &mlp_bias);
+  if (discard_norms) ln2_ckpt.discard_output_and_register_recompute(mlp_out);
   return bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
 }
 
@@ -212,7 +265,8 @@ void mark_on_backward(const at::Tensor& t, std::string label) {
 }
 }  // namespace
 
-TransformerBlock::TransformerBlock(const TransformerConfig& config, at::ScalarType dtype) {
+TransformerBlock::TransformerBlock(const TransformerConfig& config, at::ScalarType dtype)
+    : config_(config) {
   auto list = register_module("layers", std::make_shared<LayerList>());
   for (int64_t i = 0; i < config.num_layers; ++i) {
     layers.push_back(list->register_module(
@@ -221,12 +275,51 @@ TransformerBlock::TransformerBlock(const TransformerConfig& config, at::ScalarTy
   final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
 }
 
-at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
-  at::Tensor hidden = hidden_in;
-  for (size_t i = 0; i < layers.size(); ++i) {
+std::vector<std::pair<int64_t, int64_t>> TransformerBlock::checkpoint_chunks(
+    const TransformerConfig& c) {
+  std::vector<std::pair<int64_t, int64_t>> chunks;
+  if (!c.full_recompute()) return chunks;
+  const int64_t L = c.num_layers, n = c.recompute_num_layers.value_or(0);
+  TORCH_CHECK(n >= 1, "actmem::TransformerBlock: full recompute needs recompute_num_layers >= 1");
+  if (c.recompute_method == "uniform") {
+    for (int64_t i = 0; i < L; i += n) chunks.emplace_back(i, std::min(i + n, L));  // clamped
+  } else if (c.recompute_method == "block") {
+    for (int64_t i = 0; i < std::min(n, L); ++i) chunks.emplace_back(i, i + 1);
+  } else {
+    TORCH_CHECK(false, "actmem::TransformerBlock: Invalid activation recompute method.");
+  }
+  return chunks;
+}
+
+at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_t end,
+                                        const LayerContext& ctx) {
+  const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
+  for (int64_t i = start; i < end; ++i) {
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
     hidden = layers[i]->forward(hidden, ctx);
-    timeline_mark("fwd layer " + std::to_string(i));
+    timeline_mark(prefix + std::to_string(i));
+  }
+  return hidden;
+}
+
+at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
+  at::Tensor hidden = hidden_in;
+  const auto L = static_cast<int64_t>(layers.size());
+  if (config_.full_recompute() && is_training()) {
+    // Megatron's checkpointed_forward: only each chunk's input is kept.
+    int64_t next = 0;
+    for (const auto& [start, end] : checkpoint_chunks(config_)) {
+      hidden = run_layers(hidden, next, start, ctx);  // layers before a block chunk: plain
+      hidden = checkpoint(
+          [this, start = start, end = end, ctx](const TensorList& in) {
+            return TensorList{run_layers(in[0], start, end, ctx)};
+          },
+          config_.distribute_saved_activations, {hidden})[0];
+      next = end;
+    }
+    hidden = run_layers(hidden, next, L, ctx);
+  } else {
+    hidden = run_layers(hidden, 0, L, ctx);
   }
   mark_on_backward(hidden, "bwd head");
   return final_layernorm->forward(hidden);

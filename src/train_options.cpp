@@ -62,6 +62,27 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling")
       ->capture_default_str();
+
+  // Activation recompute (docs/recompute.md).
+  app.add_option("--recompute-granularity", m.recompute_granularity,
+                 "full (whole layers) or selective (--recompute-modules)")
+      ->check(CLI::IsMember({"full", "selective"}));
+  app.add_option("--recompute-method", m.recompute_method,
+                 "Full recompute: uniform (chunks of N layers) or block (first N layers)")
+      ->check(CLI::IsMember({"uniform", "block"}));
+  app.add_option_function<int64_t>(
+      "--recompute-num-layers", [&m](const int64_t& n) { m.recompute_num_layers = n; },
+      "Full recompute: layers per chunk (uniform) or checkpointed layers (block)");
+  app.add_option_function<std::vector<std::string>>(
+         "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
+         "Selective targets, space-separated: core_attn mlp layernorm (default core_attn)")
+      ->expected(1, -1);
+  app.add_flag("--recompute-activations", o.recompute_activations,
+               "Legacy: same as --recompute-granularity selective");
+  app.add_flag("--checkpoint-activations", o.checkpoint_activations,
+               "Removed (refused): use --recompute-activations or --recompute-granularity");
+  app.add_flag("--distribute-saved-activations", m.distribute_saved_activations,
+               "Full recompute: keep checkpoint inputs sharded over tensor-parallel ranks");
 }
 
 void add_training_flags(CLI::App& app, TrainOptions& o) {
@@ -106,6 +127,10 @@ int apply_thread_count(int threads) {
 }
 
 void TrainOptions::finalize() {
+  TORCH_CHECK(!checkpoint_activations, "--checkpoint-activations is no longer valid, use "
+              "--recompute-activations, or, for more control, --recompute-granularity and "
+              "--recompute-method.");
+  if (recompute_activations) model.recompute_granularity = "selective";
   model.normalization = normalization_flag;
   model.gated_linear_unit = swiglu;
   model.add_bias_linear = !disable_bias_linear;

@@ -5,7 +5,9 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
+#include <vector>
 
 namespace actmem {
 
@@ -38,6 +40,33 @@ struct TransformerConfig {
   bool untie_embeddings_and_output_weights = false;
   double init_method_std = 0.02;
   uint64_t seed = 1234;
+
+  // ---- parallelism (tensor/sequence parallelism arrive with their issue; validated now) ----
+  int64_t tensor_model_parallel_size = 1;
+  int64_t pipeline_model_parallel_size = 1;
+  bool sequence_parallel = false;
+
+  // ---- activation recompute (Megatron's fields; see docs/recompute.md) ----
+  /// "" (none), "full" or "selective".
+  std::string recompute_granularity;
+  /// "" (none), "uniform" or "block"; full recompute only.
+  std::string recompute_method;
+  /// uniform: layers per checkpointed chunk; block: how many of the first layers are
+  /// checkpointed. Required for full, must be unset for selective.
+  std::optional<int64_t> recompute_num_layers;
+  /// Keep each full-recompute checkpoint input as a 1/t shard per tensor-parallel rank.
+  bool distribute_saved_activations = false;
+  /// Selective targets: core_attn, mlp, layernorm (moe, moe_act, shared_experts, mla_up_proj and
+  /// gdn_norm_out name Megatron modules this model does not have). Unset means {"core_attn"}.
+  std::optional<std::vector<std::string>> recompute_modules;
+
+  /// recompute_modules with Megatron's default resolved.
+  std::vector<std::string> resolved_recompute_modules() const {
+    return recompute_modules.value_or(std::vector<std::string>{"core_attn"});
+  }
+  /// True when selective recompute is on and `module` is among its targets.
+  bool recomputes(const std::string& module) const;
+  bool full_recompute() const { return recompute_granularity == "full"; }
 
   /// ffn_hidden_size with the 0 default resolved.
   int64_t ffn() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }

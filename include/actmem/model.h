@@ -16,10 +16,19 @@
 
 #include <torch/nn/module.h>
 
+#include <atomic>
 #include <string>
 #include <vector>
 
 namespace actmem {
+
+/// How many times each module's forward ran since reset() (recompute replays included), so
+/// tests can count re-executions per strategy.
+struct ForwardCounters {
+  std::atomic<int64_t> layer{0}, core_attention{0}, mlp{0}, norm{0};
+  void reset() { layer = core_attention = mlp = norm = 0; }
+};
+ForwardCounters& forward_counters();
 
 /// LayerNorm or RMSNorm over the last dimension, per config.normalization.
 class Norm : public torch::nn::Module {
@@ -92,6 +101,7 @@ class SelfAttention : public torch::nn::Module {
 
  private:
   int64_t heads_, head_dim_;
+  bool checkpoint_core_attention_;  // selective recompute of core_attn (training only)
 };
 
 class MLP : public torch::nn::Module {
@@ -127,17 +137,29 @@ class TransformerLayer : public torch::nn::Module {
   std::shared_ptr<MLP> mlp;
 
  private:
+  at::Tensor forward_mlp(const at::Tensor& x, at::Tensor* bias);
   int64_t layer_number_;
   double hidden_dropout_;
+  bool recompute_mlp_;        // selective "mlp": checkpoint the whole MLP
+  bool recompute_layernorm_;  // selective "layernorm": output-discarding norms
 };
 
 class TransformerBlock : public torch::nn::Module {
  public:
   TransformerBlock(const TransformerConfig& config, at::ScalarType dtype);
-  /// hidden: [s, b, h] -> final-normed [s, b, h]
+  /// hidden: [s, b, h] -> final-normed [s, b, h]. With full recompute (training only) layers
+  /// run inside checkpoints: uniform = chunks of recompute_num_layers layers (the last clamped),
+  /// block = the first recompute_num_layers layers one checkpoint each.
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
+  /// The [start, end) layer ranges full recompute checkpoints, in order, for `num_layers`
+  /// layers (empty without full recompute).
+  static std::vector<std::pair<int64_t, int64_t>> checkpoint_chunks(const TransformerConfig& c);
   std::vector<std::shared_ptr<TransformerLayer>> layers;
   std::shared_ptr<Norm> final_layernorm;
+
+ private:
+  at::Tensor run_layers(at::Tensor hidden, int64_t start, int64_t end, const LayerContext& ctx);
+  TransformerConfig config_;
 };
 
 class GPTModel : public torch::nn::Module {

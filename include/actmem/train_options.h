@@ -23,6 +23,8 @@ struct TrainOptions {
   bool disable_bias_linear = false;
   bool untie = false;
   bool use_rope = false;
+  bool recompute_activations = false;   // legacy: = --recompute-granularity selective
+  bool checkpoint_activations = false;  // removed flag: refused with Megatron's message
   double device_memory_limit_gib = 0.0;
   /// Intra-op threads for libtorch; 0 means one per core.
   int threads = 0;

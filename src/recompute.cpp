@@ -1,0 +1,304 @@
+// recompute.cpp — CheckpointFunction and CheckpointWithoutOutput on libtorch's C++ autograd.
+#include "actmem/recompute.h"
+
+#include "actmem/rng.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/StorageImpl.h>
+#include <torch/csrc/autograd/autograd.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/custom_class_detail.h>
+
+namespace actmem {
+
+namespace {
+
+std::atomic<int> g_checkpointing_depth{0};
+
+std::atomic<int> g_recomputing_depth{0};
+
+struct CheckpointingScope {
+  CheckpointingScope() { g_checkpointing_depth.fetch_add(1); }
+  ~CheckpointingScope() { g_checkpointing_depth.fetch_sub(1); }
+};
+
+struct RecomputingScope {
+  RecomputingScope() { g_recomputing_depth.fetch_add(1); }
+  ~RecomputingScope() { g_recomputing_depth.fetch_sub(1); }
+};
+
+void check_backward_not_grad(const char* api) {
+  TORCH_CHECK(torch::autograd::Engine::get_default_engine().is_checkpoint_valid(), api,
+              ": checkpointing is not compatible with torch::autograd::grad(); use backward() "
+              "(as Megatron: \"Checkpointing is not compatible with .grad()\")");
+}
+
+// Detached aliases of `inputs` that keep requires_grad: the leaves of a replayed forward.
+TensorList detached_leaves(const TensorList& inputs) {
+  TensorList out;
+  out.reserve(inputs.size());
+  for (const auto& t : inputs) {
+    if (!t.defined()) {
+      out.emplace_back();
+      continue;
+    }
+    at::Tensor d = t.detach();
+    d.set_requires_grad(t.requires_grad());
+    out.push_back(std::move(d));
+  }
+  return out;
+}
+
+// Backpropagates `grads` through those `outputs` that require grad; returns the inputs' grads.
+TensorList backward_through(const TensorList& outputs, const TensorList& grads,
+                            const TensorList& leaves, const char* api) {
+  TensorList roots, root_grads;
+  for (size_t i = 0; i < outputs.size(); ++i) {
+    if (outputs[i].defined() && outputs[i].requires_grad() && i < grads.size() &&
+        grads[i].defined()) {
+      roots.push_back(outputs[i]);
+      root_grads.push_back(grads[i]);
+    }
+  }
+  TORCH_CHECK(!roots.empty() || outputs.empty(), api,
+              ": none of the recomputed outputs requires grad; this checkpoint is not necessary");
+  if (!roots.empty()) torch::autograd::backward(roots, root_grads);
+  TensorList input_grads;
+  input_grads.reserve(leaves.size());
+  for (const auto& leaf : leaves) input_grads.push_back(leaf.defined() ? leaf.grad() : at::Tensor());
+  return input_grads;
+}
+
+// ---- CheckpointFunction -----------------------------------------------------------------------
+
+struct CheckpointState : torch::CustomClassHolder {
+  CheckpointFn fn;
+  RngSnapshot rng;
+};
+
+struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
+  static TensorList forward(torch::autograd::AutogradContext* ctx,
+                            const c10::intrusive_ptr<CheckpointState>& state,
+                            at::TensorList inputs) {
+    CheckpointingScope scope;
+    state->rng = get_all_rng_states();
+    TensorList in(inputs.begin(), inputs.end());
+    TensorList outputs = state->fn(in);  // grad mode is off inside Function::forward
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    ctx->save_for_backward(in);
+    recompute_counters().checkpoints.fetch_add(1);
+    return outputs;
+  }
+
+  static TensorList backward(torch::autograd::AutogradContext* ctx, TensorList grads) {
+    check_backward_not_grad("actmem::checkpoint");
+    CheckpointingScope scope;
+    auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
+        ctx->saved_data.at("state").toCapsule());
+    const TensorList leaves = detached_leaves(ctx->get_saved_variables());
+    TensorList outputs;
+    {
+      RecomputingScope recomputing;
+      ForkRng keep_ambient;  // restores the pre-recompute state on exit
+      set_all_rng_states(state->rng);
+      at::AutoGradMode enable(true);
+      outputs = state->fn(leaves);
+    }
+    recompute_counters().recomputes.fetch_add(1);
+    TensorList input_grads = backward_through(outputs, grads, leaves, "actmem::checkpoint");
+    TensorList result;
+    result.reserve(1 + input_grads.size());
+    result.emplace_back();  // the state argument
+    for (auto& g : input_grads) result.push_back(std::move(g));
+    return result;
+  }
+};
+
+}  // namespace
+
+bool is_checkpointing() { return g_checkpointing_depth.load() > 0; }
+
+bool is_recomputing() { return g_recomputing_depth.load() > 0; }
+
+void RecomputeCounters::reset() {
+  checkpoints = 0;
+  recomputes = 0;
+  discarded_outputs = 0;
+  output_recomputes = 0;
+}
+
+RecomputeCounters& recompute_counters() {
+  static RecomputeCounters counters;
+  return counters;
+}
+
+TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
+                      const TensorList& inputs) {
+  // Note [distribute_saved_activations]: with a tensor-parallel group of t ranks the first
+  // input would be kept as a 1/t shard and all-gathered before the replay. This build has no
+  // tensor-parallel group, i.e. t = 1, where the shard is the whole tensor: nothing to do.
+  (void)distribute_saved_activations;
+  if (!at::GradMode::is_enabled()) return fn(inputs);
+  bool any_grad = false;
+  for (const auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
+  TORCH_CHECK(any_grad, "actmem::checkpoint: no input requires grad, so parameters used inside "
+              "the checkpoint would receive no gradient (the checkpoint needs at least one input "
+              "that requires grad)");
+  auto state = c10::make_intrusive<CheckpointState>();
+  state->fn = fn;
+  return CheckpointFunction::apply(state, at::TensorList(inputs));
+}
+
+// ---- CheckpointWithoutOutput ------------------------------------------------------------------
+
+struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
+  CheckpointFn fn;
+  RngSnapshot rng;
+  TensorList saved_inputs;  // detached aliases of the inputs
+  std::vector<bool> needs_grad;  // which inputs required grad in forward
+  // The outputs' storages, not the output tensors: a tensor would point back at the autograd
+  // node that owns this state (a reference cycle that nothing in C++ would collect).
+  std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages;
+  std::vector<size_t> nbytes;
+  bool active = false;       // checkpoint() ran with grad: there is something to recompute
+  bool discarded = false;
+  bool recomputed = false;
+  TensorList recomputed_outputs;
+  TensorList leaves;
+
+  void recompute();
+};
+
+namespace {
+
+// Note [Zero-copy re-attach]
+// The original output's StorageImpl is pointed at the recomputed bytes: its new DataPtr holds a
+// reference to the recomputed Storage, so the bytes live while either storage does and are
+// counted once. Tensors and saved views keep their StorageImpl, sizes, strides and version
+// counter, so autograd's saved-variable version check passes and every view sees the data.
+void share_storage(c10::StorageImpl* dst, const c10::Storage& src) {
+  auto* holder = new c10::Storage(src);
+  dst->set_data_ptr_noswap(c10::DataPtr(
+      src.unsafeGetStorageImpl()->data_ptr().get(), holder,
+      [](void* ctx) { delete static_cast<c10::Storage*>(ctx); }, src.device()));
+  dst->set_nbytes(src.nbytes());
+}
+
+struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> {
+  static TensorList forward(torch::autograd::AutogradContext* ctx,
+                            const c10::intrusive_ptr<CheckpointWithoutOutput::State>& state,
+                            at::TensorList inputs) {
+    CheckpointingScope scope;
+    TensorList in(inputs.begin(), inputs.end());
+    state->rng = get_all_rng_states();
+    TensorList outputs = state->fn(in);
+    for (const auto& t : in) {
+      state->saved_inputs.push_back(t.defined() ? t.detach() : at::Tensor());
+      state->needs_grad.push_back(t.defined() && t.requires_grad());
+    }
+    for (const auto& out : outputs) {
+      TORCH_CHECK(out.defined(), "actmem::CheckpointWithoutOutput: fn returned an undefined tensor");
+      state->storages.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+          out.storage().unsafeGetStorageImpl()));
+      state->nbytes.push_back(out.storage().nbytes());
+    }
+    state->active = true;
+    ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    return outputs;
+  }
+
+  static TensorList backward(torch::autograd::AutogradContext* ctx, TensorList grads) {
+    auto state = c10::static_intrusive_pointer_cast<CheckpointWithoutOutput::State>(
+        ctx->saved_data.at("state").toCapsule());
+    if (!state->recomputed) {
+      // discard_output_and_register_recompute() was not called (or its hook never fired):
+      // recompute now. The outputs' storages still hold their data or get it re-attached.
+      check_backward_not_grad("actmem::CheckpointWithoutOutput");
+      state->recompute();
+    }
+    TensorList input_grads = backward_through(state->recomputed_outputs, grads, state->leaves,
+                                              "actmem::CheckpointWithoutOutput");
+    state->recomputed_outputs.clear();
+    state->leaves.clear();
+    state->saved_inputs.clear();
+    TensorList result;
+    result.reserve(1 + input_grads.size());
+    result.emplace_back();
+    for (auto& g : input_grads) result.push_back(std::move(g));
+    return result;
+  }
+};
+
+}  // namespace
+
+void CheckpointWithoutOutput::State::recompute() {
+  if (recomputed) return;
+  CheckpointingScope scope;
+  leaves.clear();
+  for (size_t i = 0; i < saved_inputs.size(); ++i) {
+    if (!saved_inputs[i].defined()) {
+      leaves.emplace_back();
+      continue;
+    }
+    at::Tensor d = saved_inputs[i].detach();
+    d.set_requires_grad(needs_grad[i]);
+    leaves.push_back(std::move(d));
+  }
+  {
+    RecomputingScope recomputing;
+    ForkRng keep_ambient;
+    set_all_rng_states(rng);
+    at::AutoGradMode enable(true);
+    recomputed_outputs = fn(leaves);
+  }
+  TORCH_CHECK(recomputed_outputs.size() == storages.size(),
+              "actmem::CheckpointWithoutOutput: the recompute returned ", recomputed_outputs.size(),
+              " outputs, the forward ", storages.size());
+  for (size_t i = 0; i < storages.size(); ++i) {
+    const at::Tensor& out = recomputed_outputs[i];
+    TORCH_CHECK(out.storage().nbytes() == nbytes[i],
+                "actmem::CheckpointWithoutOutput: recomputed output ", i, " has ",
+                out.storage().nbytes(), " bytes, the forward's had ", nbytes[i]);
+    if (discarded) share_storage(storages[i].get(), out.storage());
+  }
+  storages.clear();
+  fn = nullptr;
+  rng = RngSnapshot{};
+  recomputed = true;
+  recompute_counters().output_recomputes.fetch_add(1);
+}
+
+CheckpointWithoutOutput::CheckpointWithoutOutput()
+    : state_(c10::make_intrusive<State>()) {}
+
+CheckpointWithoutOutput::~CheckpointWithoutOutput() = default;
+
+TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const TensorList& inputs) {
+  TORCH_CHECK(!state_->active, "actmem::CheckpointWithoutOutput::checkpoint: this object already "
+              "holds a checkpoint; use one object per checkpointed call");
+  if (!at::GradMode::is_enabled()) return fn(inputs);
+  state_->fn = fn;
+  return OutputDiscardFunction::apply(state_, at::TensorList(inputs));
+}
+
+void CheckpointWithoutOutput::discard_output_and_register_recompute(const at::Tensor& hook_tensor) {
+  State& st = *state_;
+  if (!st.active || st.recomputed) return;
+  if (!hook_tensor.requires_grad()) return;
+  for (size_t i = 0; i < st.storages.size(); ++i) {
+    c10::StorageImpl* impl = st.storages[i].get();
+    impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
+    impl->set_nbytes(0);
+  }
+  st.discarded = true;
+  recompute_counters().discarded_outputs.fetch_add(static_cast<int64_t>(st.storages.size()));
+  c10::intrusive_ptr<State> keep = state_;
+  hook_tensor.register_hook([keep](const at::Tensor&) {
+    if (keep->recomputed) return;
+    check_backward_not_grad("actmem::CheckpointWithoutOutput");
+    keep->recompute();
+  });
+}
+
+}  // namespace actmem
