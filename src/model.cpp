@@ -48,10 +48,42 @@ Norm::Norm(const TransformerConfig& config, at::ScalarType dtype)
   if (!rms_) bias = register_parameter("bias", at::zeros({config.hidden_size}, opts));
 }
 
+namespace {
+// Note [Fused RMSNorm]
+// RMSNorm written as x * rsqrt(mean(x^2) + eps) * w uses x twice, so x's gradient arrives as two
+// contributions that autograd adds to the residual's contribution in whatever order the graph
+// produces them. Output-discarding recompute of the norm sums the two norm contributions first,
+// which rounds differently. One node with an explicit backward (as fused GPU kernels have) gives
+// x a single contribution, so every strategy sums the same two terms and stays bitwise exact.
+struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, double eps) {
+    const at::Tensor rstd = at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps);  // [..., 1]
+    ctx->save_for_backward({x, weight, rstd});
+    return x * rstd * weight;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
+    const at::Tensor& g = grads[0];
+    const at::Tensor gw = g * weight;
+    // d/dx_j: rstd * gw_j - x_j * rstd^3 * mean_i(gw_i * x_i)
+    const at::Tensor dx = rstd * gw - x * rstd.pow(3) * (gw * x).mean({-1}, /*keepdim=*/true);
+    const at::Tensor dw = (g * x * rstd).reshape({-1, x.size(-1)}).sum(0);
+    return {dx, dw, at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return RMSNormFunction::apply(x, weight, eps);
+}
+
 at::Tensor Norm::forward(const at::Tensor& x) {
   forward_counters().norm.fetch_add(1, std::memory_order_relaxed);
   if (!rms_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
-  return x * at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps_) * weight;
+  return rms_norm(x, weight, eps_);
 }
 
 // ---- Linear -----------------------------------------------------------------------------------

@@ -48,7 +48,27 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"position", [](auto& c) { c.position_embedding_type = "alibi"; }, "position_embedding_type must be"},
         ConfigCase{"rope_odd", [](auto& c) { c.position_embedding_type = "rope"; c.hidden_size = 12; c.num_attention_heads = 4; }, "rope needs an even head dimension"},
         ConfigCase{"rotary_base", [](auto& c) { c.rotary_base = 0.0; }, "rotary_base must be positive"},
-        ConfigCase{"init_std", [](auto& c) { c.init_method_std = 0.0; }, "init_method_std must be positive"}),
+        ConfigCase{"init_std", [](auto& c) { c.init_method_std = 0.0; }, "init_method_std must be positive"},
+        ConfigCase{"tp", [](auto& c) { c.tensor_model_parallel_size = 2; }, "tensor_model_parallel_size must be 1 in this build"},
+        ConfigCase{"pp", [](auto& c) { c.pipeline_model_parallel_size = 2; }, "pipeline_model_parallel_size must be 1"},
+        ConfigCase{"sp", [](auto& c) { c.sequence_parallel = true; }, "sequence_parallel requires tensor_model_parallel_size > 1"},
+        // Megatron's recompute rules (megatron-spec §4.4), one message each.
+        ConfigCase{"granularity", [](auto& c) { c.recompute_granularity = "partial"; }, "recompute_granularity: partial must be \"full\" or \"selective\"."},
+        ConfigCase{"method", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "random"; c.recompute_num_layers = 1; }, "recompute_method: random must be \"block\" or \"uniform\"."},
+        ConfigCase{"full_needs_method", [](auto& c) { c.recompute_granularity = "full"; c.recompute_num_layers = 1; }, "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\""},
+        ConfigCase{"full_needs_num_layers", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "uniform"; }, "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: 2, got none"},
+        ConfigCase{"full_num_layers_range", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "block"; c.recompute_num_layers = 3; }, "must be between 1 and num_layers_per_pipeline_rank: 2, got 3"},
+        ConfigCase{"full_num_layers_zero", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "uniform"; c.recompute_num_layers = 0; }, "got 0"},
+        ConfigCase{"selective_num_layers", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_num_layers = 1; }, "recompute_num_layers must be None."},
+        ConfigCase{"selective_method", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_method = "uniform"; }, "recompute method is not yet supported for selective recomputing granularity"},
+        ConfigCase{"distribute_tp", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "uniform"; c.recompute_num_layers = 1; c.distribute_saved_activations = true; }, "distribute_saved_activations requires tensor_model_parallel_size > 1"},
+        ConfigCase{"invalid_module", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"core_attn", "attention"}; }, "Invalid choices for recompute_modules: {'attention'}. Allowed modules are:"},
+        ConfigCase{"moe_act", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"moe_act"}; }, "moe_act in recompute_modules is only supported with moe_grouped_gemm."},
+        ConfigCase{"mla_up_proj", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"mla_up_proj"}; }, "mla_up_proj in recompute_modules is only supported with multi_latent_attention."},
+        ConfigCase{"gdn_norm_out", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"gdn_norm_out"}; }, "gdn_norm_out in recompute_modules is only supported with the gated_delta_net"},
+        ConfigCase{"moe_dense", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"moe"}; }, "need MoE layers, and this model is dense"},
+        ConfigCase{"shared_experts_dense", [](auto& c) { c.recompute_granularity = "selective"; c.recompute_modules = std::vector<std::string>{"shared_experts"}; }, "need MoE layers"},
+        ConfigCase{"modules_without_selective", [](auto& c) { c.recompute_modules = std::vector<std::string>{"mlp"}; }, "recompute_modules only applies to recompute_granularity selective"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 struct TrainingCase {
@@ -90,6 +110,26 @@ INSTANTIATE_TEST_SUITE_P(
         TrainingCase{"device_index", [](auto& t) { t.device = "cuda:x"; }, "device must be cpu, cuda or cuda:N"},
         TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; }, "device_memory_limit must be >= 0"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+TEST(TransformerConfig, RecomputeDefaultsFollowMegatron) {
+  TransformerConfig c;
+  EXPECT_FALSE(c.recomputes("core_attn"));  // no granularity: nothing recomputed
+  c.recompute_granularity = "selective";
+  c.validate();
+  EXPECT_TRUE(c.recomputes("core_attn"));  // recompute_modules defaults to {"core_attn"}
+  EXPECT_FALSE(c.recomputes("mlp"));
+  c.recompute_modules = std::vector<std::string>{"mlp", "layernorm"};
+  c.validate();
+  EXPECT_FALSE(c.recomputes("core_attn"));
+  EXPECT_TRUE(c.recomputes("layernorm"));
+  c.recompute_modules.reset();
+  c.recompute_granularity = "full";
+  c.recompute_method = "uniform";
+  c.recompute_num_layers = 2;
+  c.validate();
+  EXPECT_TRUE(c.full_recompute());
+  EXPECT_FALSE(c.recomputes("core_attn"));
+}
 
 TEST(TransformerConfig, DefaultsResolve) {
   TransformerConfig c;

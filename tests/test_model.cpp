@@ -307,6 +307,11 @@ TEST(GradCheck, Norms) {
   }
 }
 
+TEST(GradCheck, FusedRMSNormFunctionInputAndWeight) {
+  gradcheck([](const std::vector<at::Tensor>& in) { return rms_norm(in[0], in[1], 1e-5); },
+            {at::randn({3, 2, 7}, at::kDouble), at::randn({7}, at::kDouble)});
+}
+
 TEST(GradCheck, CoreAttention) {
   TransformerConfig c = small_config();
   c.attention_dropout = 0.0;

@@ -1,11 +1,14 @@
 // test_trainer.cpp — the training loop: loss falls, runs are reproducible, measurements are
 // consistent, JSON round-trips, and bad input from the command line is one clear line on stderr.
-#include "actmem/trainer.h"
 #include "actmem/digest.h"
+#include "actmem/train_options.h"
+#include "actmem/trainer.h"
 #include "test_util.h"
 
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 
@@ -176,6 +179,30 @@ TEST(Digest, DetectsOneBitAndBoundaries) {
 
 // ---- the command line -------------------------------------------------------------------------
 
+TEST(Cli, RecomputeFlagsMapOntoTheConfig) {
+  auto parse = [](std::vector<std::string> args) {
+    CLI::App app;
+    TrainOptions o;
+    add_model_flags(app, o);
+    add_training_flags(app, o);
+    std::reverse(args.begin(), args.end());  // CLI11 parses a reversed vector
+    app.parse(args);
+    o.finalize();
+    return o.model;
+  };
+  auto m = parse({"--recompute-activations"});
+  EXPECT_EQ(m.recompute_granularity, "selective");
+  EXPECT_TRUE(m.recomputes("core_attn"));
+  m = parse({"--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"});
+  ASSERT_TRUE(m.recompute_modules.has_value());
+  EXPECT_EQ(*m.recompute_modules, (std::vector<std::string>{"mlp", "layernorm"}));
+  m = parse({"--recompute-granularity", "full", "--recompute-method", "block",
+             "--recompute-num-layers", "2"});
+  EXPECT_TRUE(m.full_recompute());
+  EXPECT_EQ(m.recompute_method, "block");
+  EXPECT_EQ(m.recompute_num_layers.value_or(-1), 2);
+}
+
 TEST(Cli, TrainWritesOneJsonLinePerIteration) {
   const std::string log = ::testing::TempDir() + "train_log.jsonl";
   const auto r = run_actmem("train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
@@ -241,7 +268,14 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"SequenceLongerThanCorpus", "train --data " + short_file(), "needs at least seq_length + 1"},
         BadInput{"TooBigForMemory", "train --num-layers 96 --hidden-size 65536 --num-attention-heads 64", "of device memory"},
         BadInput{"TooBigForLimit", "train --device-memory-limit 0.001", "but the limit is"},
-        BadInput{"BadDevice", "train --device tpu", "device must be cpu, cuda or cuda:N"}),
+        BadInput{"BadDevice", "train --device tpu", "device must be cpu, cuda or cuda:N"},
+        BadInput{"RemovedCheckpointActivations", "train --checkpoint-activations", "--checkpoint-activations is no longer valid, use --recompute-activations"},
+        BadInput{"BadGranularity", "train --recompute-granularity some", "--recompute-granularity"},
+        BadInput{"FullWithoutMethod", "train --recompute-granularity full --recompute-num-layers 1", "recompute_method must be \"block\" or \"uniform\""},
+        BadInput{"SelectiveWithNumLayers", "train --recompute-activations --recompute-num-layers 1", "recompute_num_layers must be None"},
+        BadInput{"UnknownModule", "train --recompute-granularity selective --recompute-modules core_attn qkv", "Invalid choices for recompute_modules: {'qkv'}"},
+        BadInput{"ModulesWithoutSelective", "train --recompute-modules mlp", "recompute_modules only applies to recompute_granularity selective"},
+        BadInput{"DistributeWithoutTP", "train --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --distribute-saved-activations", "distribute_saved_activations requires tensor_model_parallel_size > 1"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

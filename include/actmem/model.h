@@ -30,6 +30,9 @@ struct ForwardCounters {
 };
 ForwardCounters& forward_counters();
 
+/// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm]).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
 /// LayerNorm or RMSNorm over the last dimension, per config.normalization.
 class Norm : public torch::nn::Module {
  public:
