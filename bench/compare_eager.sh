@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # compare_eager.sh — bench_step (C++) against the same step in PyTorch eager on the same libtorch.
 # Installs Debian's python3-torch (libtorch 1.13, like the C++ build) when it is missing, runs
-# both with the same thread count and prints the ratio eager / actmem per model (>= 1 means actmem
-# is at least as fast). Usage: bench/compare_eager.sh [--iters N] [--config NAME]
+# both with the same thread count, alternating for ROUNDS rounds (default 3) so machine drift hits
+# both alike, and prints per round and the median of the rounds the ratio eager / actmem per model
+# (>= 1 means actmem is at least as fast). Usage: [ROUNDS=N] bench/compare_eager.sh [--iters N]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${ACTMEM_BUILD_DIR:-$root/build}"
@@ -15,19 +16,30 @@ fi
 threads="$(nproc)"
 # Both sides run with the same OpenMP policy (see Note [OpenMP wait policy] in process.h).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
+# actmem keeps freed memory in the heap (Note [Host malloc as a caching allocator] in
+# memory_tracker.cpp); the eager side gets the same malloc settings through glibc's variables.
+export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647
 tmp="$(mktemp -d)"
-"$build/bench_step" --threads "$threads" "$@" > "$tmp/cpp.json"
-"$py" "$root/bench/eager_step.py" --threads "$threads" "$@" > "$tmp/eager.json"
-"$py" - "$tmp/cpp.json" "$tmp/eager.json" <<'PY'
-import json, sys
-cpp = {r["config"]: r for r in json.load(open(sys.argv[1]))}
-eager = {r["config"]: r for r in json.load(open(sys.argv[2]))}
-rows = []
-print(f"{'model':<10}{'actmem ms':>12}{'eager ms':>12}{'eager/actmem':>14}")
-for name in cpp:
-    a, e = cpp[name]["step_time_s"], eager[name]["step_time_s"]
-    rows.append({"config": name, "actmem_step_s": a, "eager_step_s": e, "eager_over_actmem": e / a})
-    print(f"{name:<10}{a*1e3:>12.1f}{e*1e3:>12.1f}{e/a:>14.3f}")
+rounds="${ROUNDS:-3}"
+for r in $(seq "$rounds"); do
+  "$build/bench_step" --threads "$threads" "$@" > "$tmp/cpp.$r.json"
+  "$py" "$root/bench/eager_step.py" --threads "$threads" "$@" > "$tmp/eager.$r.json"
+done
+"$py" - "$tmp" "$rounds" <<'PY'
+import json, statistics, sys
+tmp, rounds = sys.argv[1], int(sys.argv[2])
+ratios, rows = {}, []
+print(f"{'round':<7}{'model':<10}{'actmem ms':>12}{'eager ms':>12}{'eager/actmem':>14}")
+for r in range(1, rounds + 1):
+    cpp = {x["config"]: x for x in json.load(open(f"{tmp}/cpp.{r}.json"))}
+    eager = {x["config"]: x for x in json.load(open(f"{tmp}/eager.{r}.json"))}
+    for name in cpp:
+        a, e = cpp[name]["step_time_s"], eager[name]["step_time_s"]
+        ratios.setdefault(name, []).append(e / a)
+        print(f"{r:<7}{name:<10}{a*1e3:>12.1f}{e*1e3:>12.1f}{e/a:>14.3f}")
+for name, v in ratios.items():
+    rows.append({"config": name, "eager_over_actmem_median": statistics.median(v), "rounds": v})
+    print(f"median {name:<10}{'':>24}{statistics.median(v):>14.3f}")
 print(json.dumps(rows))
 PY
 rm -rf "$tmp"

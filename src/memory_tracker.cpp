@@ -6,8 +6,11 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
+#include <malloc.h>
+
 #include <atomic>
 #include <cstdlib>
+#include <limits>
 #include <mutex>
 #include <unistd.h>
 
@@ -111,7 +114,17 @@ std::once_flag g_install_once;
 }  // namespace
 
 void install_memory_tracker() {
-  std::call_once(g_install_once, [] { c10::SetCPUAllocator(&g_allocator, /*priority=*/100); });
+  std::call_once(g_install_once, [] {
+    // Note [Host malloc as a caching allocator]
+    // glibc serves blocks above 32 MiB (the [b, a, s, s] attention tensors of the 4 x 512 model
+    // are 32 MiB) with mmap and returns them on free, so every step page-faults them in again;
+    // a GPU caching allocator keeps such blocks. Keeping freed memory in the heap makes the
+    // steady-state step fault-free (4 x 512 step: 1.96 s -> 1.68 s) and step-time ratios reflect
+    // compute, not page faults. Counted bytes are unaffected: they are the requested sizes.
+    mallopt(M_MMAP_MAX, 0);
+    mallopt(M_TRIM_THRESHOLD, std::numeric_limits<int>::max());
+    c10::SetCPUAllocator(&g_allocator, /*priority=*/100);
+  });
 }
 
 DeviceMemory& device_memory(const c10::Device& device) {

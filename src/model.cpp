@@ -2,11 +2,13 @@
 // a = heads, d = head dim, f = ffn hidden, v = vocab.
 #include "actmem/model.h"
 
+#include "actmem/ledger.h"
 #include "actmem/memory_tracker.h"
 #include "actmem/recompute.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <ATen/record_function.h>
 #include <torch/autograd.h>
 
 #include <cmath>
@@ -77,6 +79,7 @@ struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
 }  // namespace
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("actmem::rms_norm", std::vector<c10::IValue>());
   return RMSNormFunction::apply(x, weight, eps);
 }
 
@@ -187,26 +190,35 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
                                                          const LayerContext& ctx) {
   const int64_t s = x.size(0), b = x.size(1);
   // Megatron's layout: [s, b, a, 3d], split per head into q, k, v.
-  const at::Tensor qkv = linear_qkv->forward(x).first.view({s, b, heads_, 3 * head_dim_});
+  at::Tensor qkv;
+  {
+    ModuleScope scope("linear_qkv");
+    qkv = linear_qkv->forward(x).first.view({s, b, heads_, 3 * head_dim_});
+  }
   auto parts = qkv.split(head_dim_, -1);
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
   if (ctx.rope != nullptr) {
+    ModuleScope scope("rotary_pos_emb");
     q = ctx.rope->apply(q);
     k = ctx.rope->apply(k);
   }
   at::Tensor context;  // [s, b, h]
-  if (checkpoint_core_attention_ && is_training()) {
-    // Selective recompute: only q, k, v (and the random state) are kept; the [b, a, s, s]
-    // scores, probabilities and dropout mask are rebuilt in backward.
-    const at::Tensor mask = ctx.attention_mask;
-    context = checkpoint(
-        [this, mask](const TensorList& in) {
-          return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
-        },
-        /*distribute_saved_activations=*/false, {q, k, v})[0];
-  } else {
-    context = core_attention->forward(q, k, v, ctx.attention_mask);
+  {
+    ModuleScope scope("core_attention");
+    if (checkpoint_core_attention_ && is_training()) {
+      // Selective recompute: only q, k, v (and the random state) are kept; the [b, a, s, s]
+      // scores, probabilities and dropout mask are rebuilt in backward.
+      const at::Tensor mask = ctx.attention_mask;
+      context = checkpoint(
+          [this, mask](const TensorList& in) {
+            return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
+          },
+          /*distribute_saved_activations=*/false, {q, k, v})[0];
+    } else {
+      context = core_attention->forward(q, k, v, ctx.attention_mask);
+    }
   }
+  ModuleScope scope("linear_proj");
   return linear_proj->forward(context);
 }
 
@@ -223,14 +235,21 @@ MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.
 
 std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
   forward_counters().mlp.fetch_add(1, std::memory_order_relaxed);
-  const at::Tensor fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
-  at::Tensor act;
-  if (gated_) {
-    const auto halves = fc1.chunk(2, -1);
-    act = at::silu(halves[0]) * halves[1];
-  } else {
-    act = at::gelu(fc1);
+  at::Tensor fc1, act;
+  {
+    ModuleScope scope("linear_fc1");
+    fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
   }
+  {
+    ModuleScope scope("activation_func");
+    if (gated_) {
+      const auto halves = fc1.chunk(2, -1);
+      act = at::silu(halves[0]) * halves[1];
+    } else {
+      act = at::gelu(fc1);
+    }
+  }
+  ModuleScope scope("linear_fc2");
   return linear_fc2->forward(act);
 }
 
@@ -269,19 +288,36 @@ at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContex
   // recomputed from the gradient hook of the consumer's module output (Megatron's hook tensors:
   // the attention output for input_layernorm, the MLP output for pre_mlp_layernorm).
   CheckpointWithoutOutput ln1_ckpt, ln2_ckpt;
-  auto norm_fn = [](const std::shared_ptr<Norm>& norm) {
-    return [norm](const TensorList& in) { return TensorList{norm->forward(in[0])}; };
+  auto norm = [&](const std::shared_ptr<Norm>& module, CheckpointWithoutOutput& ckpt,
+                  const at::Tensor& x) {
+    if (!discard_norms) return module->forward(x);
+    return ckpt.checkpoint([module](const TensorList& in) { return TensorList{module->forward(in[0])}; },
+                           {x})[0];
   };
-  const at::Tensor ln1 = discard_norms ? ln1_ckpt.checkpoint(norm_fn(input_layernorm), {hidden})[0]
-                                       : input_layernorm->forward(hidden);
-  const auto [attn, attn_bias] = self_attention->forward(ln1, ctx);
+  at::Tensor ln1, attn, attn_bias, mid, ln2, mlp_out, mlp_bias;
+  {
+    ModuleScope scope("input_layernorm");
+    ln1 = norm(input_layernorm, ln1_ckpt, hidden);
+  }
+  {
+    ModuleScope scope("self_attention");
+    std::tie(attn, attn_bias) = self_attention->forward(ln1, ctx);
+  }
   if (discard_norms) ln1_ckpt.discard_output_and_register_recompute(attn);
-  const at::Tensor mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
-  const at::Tensor ln2 = discard_norms ? ln2_ckpt.checkpoint(norm_fn(pre_mlp_layernorm), {mid})[0]
-                                       : pre_mlp_layernorm->forward(mid);
-  at::Tensor mlp_bias;
-  const at::Tensor mlp_out = forward_mlp(ln2, &mlp_bias);
+  {
+    ModuleScope scope("self_attn_bda");
+    mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
+  }
+  {
+    ModuleScope scope("pre_mlp_layernorm");
+    ln2 = norm(pre_mlp_layernorm, ln2_ckpt, mid);
+  }
+  {
+    ModuleScope scope("mlp");
+    mlp_out = forward_mlp(ln2, &mlp_bias);
+  }
   if (discard_norms) ln2_ckpt.discard_output_and_register_recompute(mlp_out);
+  ModuleScope scope("mlp_bda");
   return bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
 }
 
@@ -328,6 +364,7 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
   const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
   for (int64_t i = start; i < end; ++i) {
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
+    ModuleScope scope("layers", i);
     hidden = layers[i]->forward(hidden, ctx);
     timeline_mark(prefix + std::to_string(i));
   }
@@ -342,6 +379,7 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
     int64_t next = 0;
     for (const auto& [start, end] : checkpoint_chunks(config_)) {
       hidden = run_layers(hidden, next, start, ctx);  // layers before a block chunk: plain
+      ModuleScope scope("layers", start);  // the chunk's saved input belongs to its first layer
       hidden = checkpoint(
           [this, start = start, end = end, ctx](const TensorList& in) {
             return TensorList{run_layers(in[0], start, end, ctx)};
@@ -354,6 +392,7 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
     hidden = run_layers(hidden, 0, L, ctx);
   }
   mark_on_backward(hidden, "bwd head");
+  ModuleScope scope("final_layernorm");
   return final_layernorm->forward(hidden);
 }
 
@@ -427,9 +466,17 @@ at::Tensor GPTModel::embed(const at::Tensor& tokens) {
 
 at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   timeline_mark("fwd start");
-  at::Tensor hidden = apply_dropout(embed(tokens), config_.hidden_dropout, is_training());
+  at::Tensor hidden;
+  {
+    ModuleScope scope("embedding");
+    hidden = apply_dropout(embed(tokens), config_.hidden_dropout, is_training());
+  }
   timeline_mark("fwd embedding");
-  hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_});
+  {
+    ModuleScope scope("decoder");
+    hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_});
+  }
+  ModuleScope scope("output_layer");
   return at::matmul(hidden, output_weight.t());  // [s, b, v]
 }
 
@@ -438,6 +485,7 @@ at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels)
               labels.sizes(), " must match tokens ", tokens.sizes());
   const at::Tensor out = logits(tokens);
   const int64_t v = out.size(-1);
+  ModuleScope scope("loss");
   at::Tensor loss = at::cross_entropy_loss(out.reshape({-1, v}), labels.t().reshape({-1}));
   timeline_mark("fwd loss");
   return loss;

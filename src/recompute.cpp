@@ -4,6 +4,7 @@
 #include "actmem/rng.h"
 
 #include <ATen/ATen.h>
+#include <ATen/record_function.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
@@ -145,6 +146,7 @@ TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
   TORCH_CHECK(any_grad, "actmem::checkpoint: no input requires grad, so parameters used inside "
               "the checkpoint would receive no gradient (the checkpoint needs at least one input "
               "that requires grad)");
+  RECORD_FUNCTION("actmem::checkpoint", std::vector<c10::IValue>());
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
   return CheckpointFunction::apply(state, at::TensorList(inputs));
@@ -278,6 +280,7 @@ TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const Ten
   TORCH_CHECK(!state_->active, "actmem::CheckpointWithoutOutput::checkpoint: this object already "
               "holds a checkpoint; use one object per checkpointed call");
   if (!at::GradMode::is_enabled()) return fn(inputs);
+  RECORD_FUNCTION("actmem::checkpoint_without_output", std::vector<c10::IValue>());
   state_->fn = fn;
   return OutputDiscardFunction::apply(state_, at::TensorList(inputs));
 }

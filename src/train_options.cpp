@@ -24,6 +24,8 @@ const CLI::Validator kPositive(
     "POSITIVE");
 }  // namespace
 
+const CLI::Validator& positive_number_validator() { return kPositive; }
+
 void add_model_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
   const auto& positive = kPositive;

@@ -9,6 +9,7 @@
 
 namespace CLI {
 class App;
+class Validator;
 }
 
 namespace actmem {
@@ -36,6 +37,9 @@ struct TrainOptions {
 void add_model_flags(CLI::App& app, TrainOptions& options);
 /// Adds the optimisation and data flags (--train-iters, --lr, --data, ...).
 void add_training_flags(CLI::App& app, TrainOptions& options);
+
+/// A CLI11 validator: "expected a positive number, got 'x'".
+const CLI::Validator& positive_number_validator();
 
 /// Sets libtorch's intra-op threads: `threads`, or one per core when 0. Returns the count.
 int apply_thread_count(int threads);

@@ -1,0 +1,188 @@
+// bench_recompute.cpp — step-time ratio and activation memory of every recompute strategy
+// against the plain step, on the 4-layer hidden-512 model (or any shape given by flags).
+//
+// Reference: the plain run, stepped in the same round-robin as the strategies so machine drift
+// hits all alike. Validation: every strategy's loss and gradient digest must equal the plain
+// run's at every step (the program fails otherwise). Bounds, measured in the same run: full
+// recompute replays the whole forward once, so its ideal ratio is (step + forward) / step;
+// selective core_attn replays the core-attention forward, so its ideal is
+// (step + L * core-attention forward) / step.
+#include "actmem/model.h"
+#include "actmem/process.h"
+#include "actmem/train_options.h"
+#include "actmem/trainer.h"
+
+#include <ATen/ATen.h>
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <iomanip>
+#include <iostream>
+
+namespace {
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+struct Strategy {
+  std::string name;
+  std::function<void(actmem::TransformerConfig&)> apply;
+};
+
+std::vector<Strategy> strategies(int64_t L) {
+  auto full = [](const char* method, int64_t n) {
+    return [=](actmem::TransformerConfig& c) {
+      c.recompute_granularity = "full";
+      c.recompute_method = method;
+      c.recompute_num_layers = n;
+    };
+  };
+  auto sel = [](std::vector<std::string> m) {
+    return [=](actmem::TransformerConfig& c) {
+      c.recompute_granularity = "selective";
+      c.recompute_modules = m;
+    };
+  };
+  return {{"plain", [](actmem::TransformerConfig&) {}},
+          {"full uniform 1", full("uniform", 1)},
+          {"full uniform " + std::to_string(L), full("uniform", L)},
+          {"full block " + std::to_string(std::max<int64_t>(1, L / 2)), full("block", std::max<int64_t>(1, L / 2))},
+          {"selective core_attn", sel({"core_attn"})},
+          {"selective mlp", sel({"mlp"})},
+          {"selective layernorm", sel({"layernorm"})},
+          {"selective all", sel({"core_attn", "mlp", "layernorm"})}};
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Median time of a training-mode forward (graph built, then dropped) of the whole model.
+double time_forward(actmem::GPTModel& model, const actmem::TransformerConfig& c, int iters) {
+  const at::Tensor tokens = at::randint(0, 256, {c.micro_batch_size, c.seq_length}, at::kLong);
+  std::vector<double> t;
+  for (int i = 0; i < iters + 1; ++i) {
+    const auto t0 = Clock::now();
+    { at::Tensor loss = model.forward(tokens, tokens); }
+    if (i > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(t);
+}
+
+// Median time of the core-attention forward of one layer with grad enabled.
+double time_core_attention(const actmem::TransformerConfig& c, int iters) {
+  actmem::CoreAttention attn(c);
+  attn.train();
+  const int64_t d = c.kv_channels();
+  auto make = [&] {
+    return at::randn({c.seq_length, c.micro_batch_size, c.num_attention_heads, d}).requires_grad_(true);
+  };
+  const at::Tensor q = make(), k = make(), v = make();
+  const at::Tensor mask = actmem::make_causal_mask(c.seq_length);
+  std::vector<double> t;
+  for (int i = 0; i < iters + 1; ++i) {
+    const auto t0 = Clock::now();
+    { at::Tensor out = attn.forward(q, k, v, mask); }
+    if (i > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
+  }
+  return median(t);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  actmem::ensure_passive_openmp_wait(argv);
+  CLI::App app{"bench_recompute: step time and activation memory of every recompute strategy"};
+  actmem::TrainOptions o;
+  o.model.num_layers = 4;
+  o.model.hidden_size = 512;
+  o.model.num_attention_heads = 8;
+  o.model.ffn_hidden_size = 2048;
+  o.model.seq_length = 512;
+  o.model.micro_batch_size = 4;
+  actmem::add_model_flags(app, o);
+  int iters = 3, warmup = 1;
+  std::string json_path;
+  app.add_option("--iters", iters, "Timed steps per strategy")->capture_default_str();
+  app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
+  app.add_option("--threads", o.threads, "Intra-op threads (default: one per core)");
+  app.add_option("--json", json_path, "Also write the results to FILE");
+  CLI11_PARSE(app, argc, argv);
+  try {
+    o.finalize();
+    actmem::apply_thread_count(o.threads);
+    const auto& base = o.model;
+    actmem::TrainingConfig t;
+    t.eval_interval = 0;
+    t.train_iters = warmup + iters;
+    const auto list = strategies(base.num_layers);
+    std::vector<std::unique_ptr<actmem::Trainer>> trainers;
+    for (const auto& s : list) {
+      actmem::TransformerConfig c = base;
+      s.apply(c);
+      trainers.push_back(std::make_unique<actmem::Trainer>(c, t));
+    }
+    std::vector<std::vector<double>> times(list.size());
+    std::vector<actmem::IterationStats> last(list.size());
+    for (int it = 0; it < warmup + iters; ++it) {
+      for (size_t i = 0; i < list.size(); ++i) {
+        last[i] = trainers[i]->train_step(/*compute_digest=*/true);
+        if (it >= warmup) times[i].push_back(last[i].step_time_s);
+        TORCH_CHECK(last[i].grad_digest == last[0].grad_digest && last[i].loss == last[0].loss,
+                    "bench_recompute: ", list[i].name, " is not bitwise equal to the plain run at "
+                    "step ", it + 1);
+      }
+      std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
+    }
+    const double plain = median(times[0]);
+    const double fwd = time_forward(trainers[0]->model(), base, iters);
+    const double core = time_core_attention(base, iters) * static_cast<double>(base.num_layers);
+    nlohmann::json out = {{"model",
+                           {{"num_layers", base.num_layers},
+                            {"hidden_size", base.hidden_size},
+                            {"num_attention_heads", base.num_attention_heads},
+                            {"ffn_hidden_size", base.ffn()},
+                            {"seq_length", base.seq_length},
+                            {"micro_batch_size", base.micro_batch_size}}},
+                          {"plain_step_s", plain},
+                          {"forward_s", fwd},
+                          {"core_attention_forward_s", core},
+                          {"full_recompute_bound", (plain + fwd) / plain},
+                          {"core_attn_bound", (plain + core) / plain},
+                          {"strategies", nlohmann::json::array()}};
+    std::cout << std::fixed << "plain step " << std::setprecision(3) << plain << " s; forward "
+              << fwd << " s; core attention forward (all layers) " << core << " s\n"
+              << "ideal ratios: full recompute " << (plain + fwd) / plain << ", selective core_attn "
+              << (plain + core) / plain << "\n\n"
+              << std::left << std::setw(24) << "strategy" << std::right << std::setw(10) << "step s"
+              << std::setw(8) << "ratio" << std::setw(14) << "activations" << std::setw(12)
+              << "vs plain" << std::setw(14) << "act. peak" << std::setw(9) << "exact\n";
+    for (size_t i = 0; i < list.size(); ++i) {
+      const double step = median(times[i]);
+      const auto& st = last[i];
+      std::cout << std::left << std::setw(24) << list[i].name << std::right << std::setw(10)
+                << std::setprecision(3) << step << std::setw(8) << step / plain << std::setw(14)
+                << actmem::format_bytes(st.activation_bytes) << std::setw(11)
+                << std::setprecision(1)
+                << 100.0 * st.activation_bytes / last[0].activation_bytes << "%" << std::setw(14)
+                << actmem::format_bytes(st.activation_peak_bytes) << std::setw(8) << "yes" << "\n";
+      out["strategies"].push_back({{"name", list[i].name},
+                                   {"step_time_s", step},
+                                   {"ratio", step / plain},
+                                   {"activation_bytes", st.activation_bytes},
+                                   {"activation_peak_bytes", st.activation_peak_bytes},
+                                   {"peak_device_bytes", st.peak_device_bytes},
+                                   {"bitwise_equal_to_plain", true}});
+    }
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  } catch (const c10::Error& e) {
+    std::cerr << "error: " << e.msg().substr(0, e.msg().find('\n')) << std::endl;
+    return 1;
+  }
+  return 0;
+}

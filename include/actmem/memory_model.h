@@ -1,0 +1,66 @@
+// memory_model.h — activation memory in one place: the paper's formulas (Korthikanti et al. 2022),
+// Megatron's theoretical_memory_usage terms, and an exact predictor for this project's model.
+//
+// The paper and Megatron count 16-bit activations and 1-byte dropout masks; the predictor counts
+// what libtorch's ops save for this model at its dtype (read off the activation ledger, see
+// docs/memory-model.md), and is checked against the tracker within 3% by the tests.
+#pragma once
+
+#include "actmem/config.h"
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace actmem {
+
+/// Sizes of a (possibly very large) model for the analytic formulas. Doubles: no overflow.
+struct PaperShape {
+  double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0;
+  double t = 1;  // tensor-parallel size
+  double p = 1;  // pipeline-parallel size
+  bool sp = false;
+  std::optional<double> vpp;   // virtual pipeline stages per rank (interleaved 1F1B)
+  std::optional<double> num_microbatches;
+  double sbh() const { return s * b * h; }
+  double layers_per_stage() const { return L / p; }
+};
+
+/// A named model from the seed (§6: "7b") or Korthikanti Table 3 ("22b", "175b", "530b", "1t").
+/// Throws for an unknown name, listing the known ones.
+PaperShape paper_preset(const std::string& name);
+std::vector<std::string> paper_preset_names();
+
+/// Activation bytes of one transformer layer for one micro-batch (Korthikanti Table 2, 16-bit):
+/// none: sbh(34 + 5as/h) (eq. 1), or with t > 1 sbh(10 + 24/t + 5as/(ht)) (eq. 2) and with SP
+/// sbh(34 + 5as/h)/t (eq. 4); selective: Megatron's generalisation sbh(18 + 4 ffn/h), divided by
+/// t with SP, else sbh(10 + 24/t) for ffn = 4h ... generalised as (10 + (8 + 4 ffn/h)/t);
+/// full: 2sbh, divided by t with SP (the kept input is sequence-sharded).
+struct LayerBytes {
+  double none = 0, selective = 0, full = 0;
+  double s2_fraction = 0;  // share of the s^2 term in `none`
+};
+LayerBytes paper_layer_bytes(const PaperShape& m);
+
+/// Megatron's megatron/training/theoretical_memory_usage.py activation terms (megatron-spec §7):
+/// compute_activation_memory (SP + selective) and compute_activation_memory_without_sp, for the
+/// first pipeline stage, including input ids, the embedding dropout mask, logits and the
+/// interleaving / in-flight factors.
+double megatron_activation_memory(const PaperShape& m);
+double megatron_activation_memory_without_sp(const PaperShape& m);
+
+/// Transfer time, in seconds, of `bytes` each way (device->host then host->device) over a link
+/// of `gbps` GB/s (10^9 bytes/s) per direction, not overlapped.
+double offload_round_trip_seconds(double bytes, double gbps);
+
+/// Exact activation bytes this project's GPTModel keeps from the end of a training forward to
+/// its backward, per module, for `config` (including its recompute policy) at `dtype_bytes`
+/// (4 = fp32, 8 = double). Derived from what libtorch's ops save (see docs/memory-model.md).
+struct PredictedBytes {
+  std::vector<std::pair<std::string, int64_t>> by_module;  // module path -> bytes
+  int64_t total = 0;
+};
+PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4);
+
+}  // namespace actmem

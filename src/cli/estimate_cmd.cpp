@@ -1,0 +1,145 @@
+// estimate_cmd.cpp — `actmem estimate`: the paper's activation-memory model for a named preset or
+// explicit sizes, per layer and per pipeline stage, with Megatron's theoretical terms and the
+// offload transfer time.
+#include "actmem/memory_model.h"
+#include "actmem/train_options.h"
+#include "commands.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <iomanip>
+#include <iostream>
+#include <memory>
+#include <sstream>
+
+namespace actmem::cli {
+
+namespace {
+
+std::string gib(double bytes) {
+  std::ostringstream os;
+  const double mib = bytes / (1024.0 * 1024.0);
+  if (mib >= 1024.0) {
+    os << std::fixed << std::setprecision(mib >= 10 * 1024.0 ? 1 : 2) << mib / 1024.0 << " GiB";
+  } else {
+    os << std::fixed << std::setprecision(mib >= 100 ? 0 : 1) << mib << " MiB";
+  }
+  return os.str();
+}
+
+struct EstimateOptions {
+  std::string preset = "7b";
+  double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0, t = 0, p = 0, vpp = 0, m = 0;
+  bool sp = false, no_sp = false, json = false;
+  double bandwidth_gbps = 50.0;
+};
+
+int run(const EstimateOptions& o) {
+  PaperShape m = paper_preset(o.preset);
+  auto set = [](double& field, double value) {
+    if (value > 0) field = value;
+  };
+  set(m.s, o.s), set(m.b, o.b), set(m.h, o.h), set(m.a, o.a), set(m.L, o.L), set(m.v, o.v);
+  set(m.t, o.t), set(m.p, o.p);
+  if (o.ffn > 0) m.ffn = o.ffn;
+  else if (o.h > 0) m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
+  if (o.vpp > 0) m.vpp = o.vpp;
+  if (o.m > 0) m.num_microbatches = o.m;
+  if (o.sp) m.sp = true;
+  if (o.no_sp) m.sp = false;
+  TORCH_CHECK(!(m.sp && m.t == 1), "actmem estimate: --sequence-parallel needs "
+              "--tensor-model-parallel-size > 1");
+  TORCH_CHECK(std::fmod(m.L, m.p) == 0, "actmem estimate: num_layers (", m.L,
+              ") must be divisible by the pipeline size (", m.p, ")");
+  TORCH_CHECK(std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
+              ") must divide hidden_size (", m.h, ")");
+  const LayerBytes layer = paper_layer_bytes(m);
+  const double per_stage = m.layers_per_stage();
+  const double selective_stage = layer.selective * per_stage;
+  const double offload_s = offload_round_trip_seconds(selective_stage, o.bandwidth_gbps);
+  const double meg = m.sp ? megatron_activation_memory(m) : megatron_activation_memory_without_sp(m);
+  if (o.json) {
+    nlohmann::json j = {
+        {"model", {{"seq_length", m.s}, {"micro_batch_size", m.b}, {"hidden_size", m.h},
+                   {"num_attention_heads", m.a}, {"num_layers", m.L}, {"ffn_hidden_size", m.ffn},
+                   {"vocab_size", m.v}, {"tensor_model_parallel_size", m.t},
+                   {"pipeline_model_parallel_size", m.p}, {"sequence_parallel", m.sp}}},
+        {"per_layer_bytes", {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
+        {"per_stage_bytes", {{"none", layer.none * per_stage},
+                             {"selective", selective_stage},
+                             {"full", layer.full * per_stage}}},
+        {"s2_fraction", layer.s2_fraction},
+        {"layers_per_stage", per_stage},
+        {"megatron_theoretical_activation_bytes", meg},
+        {"offload", {{"bytes_each_way", selective_stage},
+                     {"bandwidth_gbps", o.bandwidth_gbps},
+                     {"round_trip_s", offload_s}}}};
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+  std::cout << "actmem estimate: " << (o.s || o.h || o.L ? "custom" : o.preset) << " — s=" << m.s
+            << " b=" << m.b << " h=" << m.h << " a=" << m.a << " L=" << m.L << " ffn=" << m.ffn
+            << " t=" << m.t << (m.sp ? " (SP)" : "") << " p=" << m.p << " (" << per_stage
+            << " layers per stage)\n"
+            << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
+            << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
+            << std::setw(14) << "per stage" << "   formula\n";
+  const std::string none_formula = (m.t == 1 || m.sp) ? "sbh(34 + 5as/h)" : "sbh(10 + 24/t + 5as/ht)";
+  const std::string div = m.sp ? "/t" : "";
+  std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14) << gib(layer.none)
+            << std::setw(14) << gib(layer.none * per_stage) << "   " << none_formula << div << "\n"
+            << std::left << std::setw(18) << "selective" << std::right << std::setw(14)
+            << gib(layer.selective) << std::setw(14) << gib(selective_stage) << "   sbh(18 + 4 ffn/h)"
+            << div << "\n"
+            << std::left << std::setw(18) << "full" << std::right << std::setw(14) << gib(layer.full)
+            << std::setw(14) << gib(layer.full * per_stage) << "   2sbh" << div << "\n\n"
+            << std::fixed << std::setprecision(1) << "s^2 share of a layer without recompute: "
+            << 100.0 * layer.s2_fraction << "%\n"
+            << "1F1B first stage holds p = " << static_cast<int64_t>(m.p) << " micro-batches in flight: no recompute "
+            << gib(layer.none * per_stage * m.p) << ", selective " << gib(selective_stage * m.p)
+            << "\n"
+            << "Megatron theoretical_memory_usage (first stage, "
+            << (m.sp ? "compute_activation_memory" : "compute_activation_memory_without_sp")
+            << "): " << gib(meg) << "\n"
+            << std::setprecision(2) << "offloading the selective activations of one stage: "
+            << gib(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
+            << std::fixed << " GB/s = "
+            << offload_s << " s per micro-batch (not overlapped)\n";
+  return 0;
+}
+
+}  // namespace
+
+Runner add_estimate_command(CLI::App& app) {
+  auto o = std::make_shared<EstimateOptions>();
+  CLI::App* cmd = app.add_subcommand("estimate", "Analytic activation memory (paper formulas)");
+  cmd->add_option("--preset", o->preset, "7b (the seed's example), 22b, 175b, 530b or 1t")
+      ->capture_default_str();
+  cmd->add_option("--seq-length", o->s, "s");
+  cmd->add_option("--micro-batch-size", o->b, "b");
+  cmd->add_option("--hidden-size", o->h, "h");
+  cmd->add_option("--num-attention-heads", o->a, "a");
+  cmd->add_option("--num-layers", o->L, "L");
+  cmd->add_option("--ffn-hidden-size", o->ffn, "ffn (default 4h when --hidden-size is given)");
+  cmd->add_option("--vocab-size", o->v, "V");
+  cmd->add_option("--tensor-model-parallel-size", o->t, "t");
+  cmd->add_option("--pipeline-model-parallel-size", o->p, "p");
+  cmd->add_option("--num-layers-per-virtual-pipeline-stage", o->vpp,
+                  "virtual stages per rank (interleaved 1F1B)");
+  cmd->add_option("--num-microbatches", o->m, "micro-batches per step (Megatron's min(1, m/p))");
+  cmd->add_flag("--sequence-parallel", o->sp, "sequence parallelism on");
+  cmd->add_flag("--no-sequence-parallel", o->no_sp, "sequence parallelism off");
+  cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")
+      ->capture_default_str();
+  cmd->add_flag("--json", o->json, "print JSON instead of the table");
+  for (auto* opt : cmd->get_options()) {
+    const std::string name = opt->get_name();
+    if (opt->get_expected_max() > 0 && name != "--help" && name != "--preset") {
+      opt->check(positive_number_validator());
+    }
+  }
+  return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
+}
+
+}  // namespace actmem::cli
