@@ -53,7 +53,19 @@ void ActivationLedger::exclude(const std::vector<at::Tensor>& ts) {
 
 void ActivationLedger::clear() {
   records_.clear();
+  storages_.clear();
   counted_.clear();
+}
+
+void ActivationLedger::finalize() {
+  for (size_t i = 0; i < records_.size(); ++i) {
+    const auto storage = storages_[i].lock();
+    const int64_t now = storage ? static_cast<int64_t>(storage->nbytes()) : 0;
+    if (now < records_[i].storage_bytes) {
+      records_[i].discarded = true;
+      records_[i].storage_bytes = now;
+    }
+  }
 }
 
 int64_t ActivationLedger::total_bytes() const {
@@ -89,15 +101,21 @@ std::shared_ptr<PackedTensor> ActivationLedger::pack(const at::Tensor& t) {
   r.storage_bytes = static_cast<int64_t>(t.storage().nbytes());
   r.counted = counted_.insert(storage).second;
   records_.push_back(std::move(r));
+  storages_.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+      t.storage().unsafeGetStorageImpl()));
   return nullptr;  // observe only: autograd keeps the tensor as it would without hooks
 }
 
 LedgerScope::LedgerScope(ActivationLedger& ledger)
-    : hooks_(ledger),
+    : ledger_(ledger),
+      hooks_(ledger),
       callback_(at::addThreadLocalCallback(
           at::RecordFunctionCallback(&on_op_enter, &on_op_exit)
               .scopes({at::RecordScope::FUNCTION, at::RecordScope::USER_SCOPE}))) {}
 
-LedgerScope::~LedgerScope() { at::removeCallback(callback_); }
+LedgerScope::~LedgerScope() {
+  at::removeCallback(callback_);
+  ledger_.finalize();
+}
 
 }  // namespace actmem

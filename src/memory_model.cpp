@@ -103,3 +103,119 @@ double offload_round_trip_seconds(double bytes, double gbps) {
 }
 
 }  // namespace actmem
+
+// ---- the exact predictor ----------------------------------------------------------------------
+
+#include "actmem/rng.h"
+
+namespace actmem {
+
+namespace {
+// Bytes of one random-state snapshot as a checkpoint keeps it (CPU and CUDA generator states and
+// the tracker's streams): read off the live generators, so it is exact on every build.
+int64_t snapshot_bytes() {
+  const RngSnapshot s = get_all_rng_states();
+  int64_t n = static_cast<int64_t>(s.cpu.nbytes());
+  if (s.cuda.defined()) n += static_cast<int64_t>(s.cuda.nbytes());
+  for (const auto& [name, state] : s.tracker) n += static_cast<int64_t>(state.nbytes());
+  return n;
+}
+}  // namespace
+
+// Note [What this model saves] (read off the activation ledger, `actmem inspect --records`;
+// e = dtype bytes, masks 1 byte, mean/rstd in the dtype):
+//   embedding            dropout mask sbh                           (if hidden_dropout > 0)
+//   input_layernorm      input sbh·e + mean, rstd 2·sb·e (LayerNorm) | input + rstd sb·e (RMSNorm)
+//   linear_qkv           its input (the norm output) sbh·e
+//   core_attention       the qkv output 3sbh·e (q, k, v are views of it); RoPE adds rotated q, k
+//                        2sbh·e; softmax output as²b·e; with attention dropout its mask as²b and
+//                        the dropped probabilities as²b·e
+//   linear_proj          the context sbh·e
+//   self_attn_bda        dropout mask sbh                           (if hidden_dropout > 0)
+//   pre_mlp_layernorm    as input_layernorm
+//   linear_fc1           its input sbh·e
+//   activation_func      GeLU: the fc1 output sbf·e; SwiGLU: the fc1 output 2sbf·e + silu out sbf·e
+//   linear_fc2           the activation output sbf·e
+//   mlp_bda              dropout mask sbh                           (if hidden_dropout > 0)
+//   final_layernorm      as a layer norm;  output_layer: its input sbh·e
+//   loss                 log-softmax output sbv·e, int64 targets 8sb, total weight e
+// plus the loss value itself (e), and one random-state snapshot per checkpoint.
+PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e) {
+  c.validate();
+  TORCH_CHECK(e == 4 || e == 8, "actmem::predict_activation_bytes: dtype_bytes must be 4 or 8, got ",
+              e);
+  const int64_t s = c.seq_length, b = c.micro_batch_size, h = c.hidden_size;
+  const int64_t a = c.num_attention_heads, f = c.ffn(), v = c.vocab_size;
+  const int64_t sb = s * b, sbh = sb * h, sbf = sb * f, as2b = a * s * s * b;
+  const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
+  const int64_t snapshot = snapshot_bytes();
+  const int64_t norm_stats = c.use_rmsnorm() ? sb * e : 2 * sb * e;
+
+  PredictedBytes p;
+  auto add = [&p](const std::string& module, int64_t bytes) {
+    if (bytes == 0) return;
+    auto it = std::find_if(p.by_module.begin(), p.by_module.end(),
+                           [&](const auto& m) { return m.first == module; });
+    if (it == p.by_module.end()) {
+      p.by_module.emplace_back(module, bytes);
+    } else {
+      it->second += bytes;
+    }
+    p.total += bytes;
+  };
+
+  add("embedding", hidden_drop ? sbh : 0);
+  // Full recompute: which layers start a checkpointed chunk, and which run inside one.
+  std::vector<int> chunk_start(c.num_layers, 0), inside(c.num_layers, 0);
+  if (c.full_recompute()) {
+    const int64_t n = *c.recompute_num_layers;
+    if (c.recompute_method == "uniform") {
+      for (int64_t i = 0; i < c.num_layers; i += n) chunk_start[i] = 1;
+      std::fill(inside.begin(), inside.end(), 1);
+    } else {
+      for (int64_t i = 0; i < std::min<int64_t>(n, c.num_layers); ++i) chunk_start[i] = inside[i] = 1;
+    }
+  }
+  const bool sel_core = c.recomputes("core_attn"), sel_mlp = c.recomputes("mlp");
+  const bool sel_norm = c.recomputes("layernorm");
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const std::string layer = "decoder.layers." + std::to_string(i);
+    if (inside[i]) {
+      // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
+      if (chunk_start[i]) add(layer, sbh * e + snapshot);
+      continue;
+    }
+    // A norm keeps its input (the residual stream) either way; output-discarding recompute keeps
+    // it through the checkpoint with a snapshot, instead of the norm statistics.
+    const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
+    const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
+    add(layer + ".input_layernorm", norm);
+    add(layer + ".self_attention.linear_qkv", norm_out);
+    int64_t core = 3 * sbh * e + (c.use_rope() ? 2 * sbh * e : 0);
+    if (sel_core) {
+      core += snapshot;
+    } else {
+      core += as2b * e + (attn_drop ? as2b + as2b * e : 0);
+    }
+    add(layer + ".self_attention.core_attention", core);
+    add(layer + ".self_attention.linear_proj", sbh * e);
+    add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
+    add(layer + ".pre_mlp_layernorm", norm);
+    if (sel_mlp) {
+      // The MLP checkpoint keeps its input (the norm output) and a snapshot.
+      add(layer + ".mlp", (sel_norm ? 0 : sbh * e) + snapshot);
+    } else {
+      add(layer + ".mlp.linear_fc1", norm_out);
+      add(layer + ".mlp.activation_func", c.gated_linear_unit ? 3 * sbf * e : sbf * e);
+      add(layer + ".mlp.linear_fc2", sbf * e);
+    }
+    add(layer + ".mlp_bda", hidden_drop ? sbh : 0);
+  }
+  add("decoder.final_layernorm", sbh * e + norm_stats);
+  add("output_layer", sbh * e);
+  add("loss", sb * v * e + 8 * sb + e);
+  add("loss value", e);
+  return p;
+}
+
+}  // namespace actmem

@@ -156,20 +156,15 @@ RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType
   const at::Tensor t = at::arange(config.max_positions(), f64);
   const at::Tensor freqs = at::outer(t, inv_freq);          // [s, d/2]
   const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [s, d]
-  cos_ = emb.cos().to(dtype).view({emb.size(0), 1, 1, d});
-  sin_ = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
+  cos = emb.cos().to(dtype).view({emb.size(0), 1, 1, d});
+  sin = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
 }
 
 at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
   const int64_t s = x.size(0);
   const auto halves = x.chunk(2, -1);
   const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
-  return x * cos_.narrow(0, 0, s) + rotated * sin_.narrow(0, 0, s);
-}
-
-void RotaryEmbedding::to(const at::Device& device) {
-  cos_ = cos_.to(device);
-  sin_ = sin_.to(device);
+  return x * cos.narrow(0, 0, s) + rotated * sin.narrow(0, 0, s);
 }
 
 // ---- SelfAttention ----------------------------------------------------------------------------
@@ -427,6 +422,9 @@ GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : conf
             ->weight;
   } else {
     rope_ = std::make_unique<RotaryEmbedding>(config, dtype);
+    auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
+    rope_->cos = holder->register_buffer("cos", rope_->cos);
+    rope_->sin = holder->register_buffer("sin", rope_->sin);
   }
   causal_mask_ = make_causal_mask(config.max_positions());
   decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, dtype));
@@ -492,8 +490,7 @@ at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels)
 }
 
 void GPTModel::to_device(const at::Device& device) {
-  to(device);
-  if (rope_) rope_->to(device);
+  to(device);  // parameters and buffers (the RoPE tables) move in place
   causal_mask_ = causal_mask_.to(device);
 }
 

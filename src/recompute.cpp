@@ -207,6 +207,9 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
     }
     state->active = true;
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
+    // Saved through autograd as Megatron does, so saved-tensor hooks (the activation ledger)
+    // see what this checkpoint keeps; the state's aliases share the same storages.
+    ctx->save_for_backward(in);
     return outputs;
   }
 

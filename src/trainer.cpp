@@ -2,6 +2,8 @@
 #include "actmem/trainer.h"
 
 #include "actmem/digest.h"
+#include "actmem/ledger.h"
+#include "actmem/memory_model.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -124,6 +126,7 @@ nlohmann::json to_json(const IterationStats& s) {
       {"peak_device_bytes", s.peak_device_bytes},
       {"activation_bytes", s.activation_bytes},
       {"activation_peak_bytes", s.activation_peak_bytes},
+      {"predicted_activation_bytes", s.predicted_activation_bytes},
   };
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   return j;
@@ -194,6 +197,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                                                   model_config_.micro_batch_size,
                                                   model_config_.seed + 1);
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
+  predicted_activation_bytes_ = predict_activation_bytes(model_config_, 4).total;
 }
 
 Trainer::~Trainer() = default;
@@ -217,6 +221,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   SwapRngState rng(generators_, rng_state_);
   IterationStats st;
   st.iteration = ++iteration_;
+  st.predicted_activation_bytes = predicted_activation_bytes_;
   st.lr = lr_at(iteration_);
   for (auto& group : optimizer_->param_groups()) {
     static_cast<torch::optim::AdamWOptions&>(group.options()).lr(st.lr);
@@ -237,10 +242,21 @@ IterationStats Trainer::train_step(bool compute_digest) {
       timeline_->clear();
       scope = std::make_unique<TimelineScope>(*timeline_);
     }
+    std::unique_ptr<LedgerScope> ledger_scope;
+    if (ledger_ != nullptr && m == 0) {
+      ledger_->clear();
+      ledger_->exclude(params_);
+      for (const auto& buffer : model_->buffers()) ledger_->exclude(buffer);
+      ledger_->exclude(model_->attention_mask());
+      ledger_->exclude(tokens);
+      ledger_->exclude(labels);
+      ledger_scope = std::make_unique<LedgerScope>(*ledger_);
+    }
     memory_.reset_peak();
     const int64_t before = memory_.current_bytes();
     const auto t0 = Clock::now();
     at::Tensor loss = model_->forward(tokens, labels);
+    ledger_scope.reset();
     if (n_micro > 1) loss = loss / static_cast<double>(n_micro);
     synchronize_device(device_);
     const int64_t after_forward = memory_.current_bytes();

@@ -11,6 +11,8 @@
 #include "actmem/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 #include <map>
@@ -39,8 +41,9 @@ struct SavedTensorRecord {
   std::string op;               // innermost op that saved it ("aten::bmm", "actmem::checkpoint")
   std::vector<int64_t> shape;
   std::string dtype;            // "Float", "Bool", ...
-  int64_t storage_bytes = 0;    // bytes of the whole storage
+  int64_t storage_bytes = 0;    // bytes of the whole storage at the end of the forward
   bool counted = false;         // false when the storage was counted by an earlier record
+  bool discarded = false;       // freed before the end of the forward (output-discarding recompute)
 };
 
 class ActivationLedger final : public SavedTensorHook {
@@ -58,9 +61,13 @@ class ActivationLedger final : public SavedTensorHook {
   std::vector<std::pair<std::string, int64_t>> bytes_by_module() const;
 
   std::shared_ptr<PackedTensor> pack(const at::Tensor& tensor) override;
+  /// Re-reads every recorded storage's size: a storage freed since it was saved (output-
+  /// discarding recompute) then counts 0 bytes. LedgerScope calls it when the forward ends.
+  void finalize();
 
  private:
   std::vector<SavedTensorRecord> records_;
+  std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;  // parallel to records_
   std::unordered_set<const void*> counted_;
   std::unordered_set<const void*> excluded_;
 };
@@ -75,6 +82,7 @@ class LedgerScope {
   LedgerScope& operator=(const LedgerScope&) = delete;
 
  private:
+  ActivationLedger& ledger_;
   SavedTensorHooksGuard hooks_;
   uint64_t callback_;
 };

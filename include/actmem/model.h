@@ -81,10 +81,9 @@ class RotaryEmbedding {
   RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype);
   /// Rotates x: [s, b, a, d].
   at::Tensor apply(const at::Tensor& x) const;
-  void to(const at::Device& device);
-
- private:
-  at::Tensor cos_, sin_;
+  /// The tables; GPTModel registers them as buffers (rotary_pos_emb.cos, .sin), so they move
+  /// with the model and are not counted as activations.
+  at::Tensor cos, sin;
 };
 
 /// What every layer receives besides the hidden states (Megatron passes the same to each layer).
@@ -179,6 +178,8 @@ class GPTModel : public torch::nn::Module {
   void to_device(const at::Device& device);
 
   const TransformerConfig& config() const { return config_; }
+  /// The causal mask table shared by all layers ([1, 1, S, S] bool).
+  const at::Tensor& attention_mask() const { return causal_mask_; }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;
   int64_t num_parameters() const;

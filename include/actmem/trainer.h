@@ -24,6 +24,8 @@ class AdamW;
 
 namespace actmem {
 
+class ActivationLedger;
+
 /// Optimisation and data settings (Megatron's names where it has them).
 struct TrainingConfig {
   /// 0 means micro_batch_size (one micro-batch per step).
@@ -71,6 +73,7 @@ struct IterationStats {
   int64_t peak_device_bytes = 0;      // tracker peak during the step
   int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
   int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max)
+  int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (memory_model.h)
   std::optional<double> val_loss;     // when validation ran after this step
 };
 
@@ -102,6 +105,9 @@ class Trainer {
   int64_t iteration() const { return iteration_; }
   DeviceMemory& memory() { return memory_; }
   const at::Device& device() const { return device_; }
+  /// Records the saved tensors of the first micro-batch's forward of each following step into
+  /// `ledger` (cleared per step; parameters, buffers and the batch excluded). nullptr stops.
+  void set_ledger(ActivationLedger* ledger) { ledger_ = ledger; }
   /// This trainer's dropout stream: the default generators' states between its steps.
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
   /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
@@ -122,6 +128,8 @@ class Trainer {
   std::unique_ptr<BatchSampler> valid_sampler_;
   std::unique_ptr<MemoryTimeline> timeline_;
   bool record_timeline_ = false;
+  int64_t predicted_activation_bytes_ = 0;
+  ActivationLedger* ledger_ = nullptr;
   // Note [Trainer RNG stream]: see trainer.cpp.
   std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
   std::vector<at::Tensor> rng_state_;

@@ -14,5 +14,7 @@ using Runner = std::function<int()>;
 
 Runner add_train_command(CLI::App& app);
 Runner add_estimate_command(CLI::App& app);
+Runner add_inspect_command(CLI::App& app);
+Runner add_compare_command(CLI::App& app);
 
 }  // namespace actmem::cli

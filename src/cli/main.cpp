@@ -27,6 +27,8 @@ int main(int argc, char** argv) {
   const std::vector<actmem::cli::Runner> commands = {
       actmem::cli::add_train_command(app),
       actmem::cli::add_estimate_command(app),
+      actmem::cli::add_inspect_command(app),
+      actmem::cli::add_compare_command(app),
   };
   try {
     app.parse(argc, argv);

@@ -1,0 +1,106 @@
+// inspect_cmd.cpp — `actmem inspect`: run one training step and print the activation ledger per
+// module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
+// matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
+#include "actmem/ledger.h"
+#include "actmem/memory_model.h"
+#include "actmem/train_options.h"
+#include "actmem/trainer.h"
+#include "commands.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <iomanip>
+#include <iostream>
+#include <map>
+#include <memory>
+
+namespace actmem::cli {
+
+namespace {
+
+struct InspectOptions {
+  TrainOptions train;
+  bool json = false;
+  bool records = false;
+};
+
+int run(InspectOptions& o) {
+  o.train.finalize();
+  apply_thread_count(o.train.threads);
+  TrainingConfig t = o.train.training;
+  t.eval_interval = 0;
+  const TransformerConfig& c = o.train.model;
+  Trainer trainer(c, t);
+  ActivationLedger ledger;
+  trainer.set_ledger(&ledger);
+  const IterationStats st = trainer.train_step(false);
+  trainer.set_ledger(nullptr);
+  const PredictedBytes predicted = predict_activation_bytes(c, 4);
+
+  const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
+  const double as2b = static_cast<double>(c.num_attention_heads * c.seq_length * c.seq_length *
+                                          c.micro_batch_size);
+  if (o.json) {
+    nlohmann::json j = {{"activation_bytes", st.activation_bytes},
+                        {"ledger_bytes", ledger.total_bytes()},
+                        {"predicted_bytes", predicted.total},
+                        {"modules", nlohmann::json::array()},
+                        {"records", nlohmann::json::array()}};
+    for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+      j["modules"].push_back({{"module", module}, {"bytes", bytes}, {"sbh", bytes / sbh}});
+    }
+    for (const auto& r : ledger.records()) {
+      j["records"].push_back({{"module", r.module}, {"op", r.op}, {"shape", r.shape},
+                              {"dtype", r.dtype}, {"storage_bytes", r.storage_bytes},
+                              {"counted", r.counted}});
+    }
+    std::cout << j.dump(2) << std::endl;
+    return 0;
+  }
+  std::cout << "actmem inspect: activations saved by one forward (s=" << c.seq_length
+            << " b=" << c.micro_batch_size << " h=" << c.hidden_size
+            << " a=" << c.num_attention_heads << "; sbh = " << static_cast<int64_t>(sbh)
+            << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n\n";
+  std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(14) << "bytes"
+            << std::setw(10) << "sbh" << std::setw(10) << "as2b" << "\n";
+  for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+    // The s x s share of this module: records whose last two dims are both s.
+    int64_t square = 0;
+    for (const auto& r : ledger.records()) {
+      if (r.counted && r.module == module && r.shape.size() >= 2 &&
+          r.shape[r.shape.size() - 1] == c.seq_length && r.shape[r.shape.size() - 2] == c.seq_length) {
+        square += r.storage_bytes;
+      }
+    }
+    std::cout << std::left << std::setw(52) << module << std::right << std::setw(14) << bytes
+              << std::fixed << std::setprecision(2) << std::setw(10) << (bytes - square) / sbh
+              << std::setw(10) << square / as2b << "\n";
+  }
+  std::cout << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
+            << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
+            << predicted.total << " B\n";
+  if (o.records) {
+    std::cout << "\nrecords:\n";
+    for (const auto& r : ledger.records()) {
+      std::cout << "  " << std::left << std::setw(52) << r.module << std::setw(34) << r.op << " [";
+      for (size_t i = 0; i < r.shape.size(); ++i) std::cout << (i ? "," : "") << r.shape[i];
+      std::cout << "] " << r.dtype << " " << r.storage_bytes << (r.counted ? "" : " (shared)") << "\n";
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+Runner add_inspect_command(CLI::App& app) {
+  auto o = std::make_shared<InspectOptions>();
+  CLI::App* cmd = app.add_subcommand("inspect", "Run one step and print the activation ledger");
+  add_model_flags(*cmd, o->train);
+  add_training_flags(*cmd, o->train);
+  cmd->add_flag("--json", o->json, "print JSON instead of the table");
+  cmd->add_flag("--records", o->records, "also list every saved tensor");
+  return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
+}
+
+}  // namespace actmem::cli

@@ -1,0 +1,122 @@
+// plot.cpp — memory_timeline_svg.
+#include "actmem/plot.h"
+
+#include "actmem/trainer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <sstream>
+
+namespace actmem {
+
+namespace {
+std::string escape(const std::string& s) {
+  std::string out;
+  for (char c : s) {
+    switch (c) {
+      case '&': out += "&amp;"; break;
+      case '<': out += "&lt;"; break;
+      case '>': out += "&gt;"; break;
+      case '"': out += "&quot;"; break;
+      default: out += c;
+    }
+  }
+  return out;
+}
+const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
+                         "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
+}  // namespace
+
+std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title) {
+  const double W = 1000, H = 540, left = 80, right = 300, top = 50, bottom = 60;
+  const double pw = W - left - right, ph = H - top - bottom;
+  double t_max = 1e-9, y_max = 1.0;
+  for (const auto& s : series) {
+    if (s.entries.empty()) continue;
+    const auto base = s.entries.front();
+    for (const auto& e : s.entries) {
+      t_max = std::max(t_max, e.time_s - base.time_s);
+      y_max = std::max(y_max, static_cast<double>(e.current_bytes - base.current_bytes));
+      if (e.peak_bytes >= 0) y_max = std::max(y_max, static_cast<double>(e.peak_bytes - base.current_bytes));
+    }
+  }
+  y_max *= 1.08;
+  auto X = [&](double t) { return left + pw * t / t_max; };
+  auto Y = [&](double bytes) { return top + ph * (1.0 - std::max(0.0, bytes) / y_max); };
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+    << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
+  // Axes and grid.
+  o << "<g class=\"axes\" stroke=\"#444\">\n"
+    << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
+    << top + ph << "\"/>\n<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
+    << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  for (int i = 0; i <= 5; ++i) {
+    const double bytes = y_max * i / 5.0;
+    o << "<line x1=\"" << left << "\" y1=\"" << Y(bytes) << "\" x2=\"" << left + pw << "\" y2=\""
+      << Y(bytes) << "\" stroke=\"#ddd\"/>\n"
+      << "<text x=\"" << left - 6 << "\" y=\"" << Y(bytes) + 4 << "\" text-anchor=\"end\">"
+      << escape(format_bytes(bytes)) << "</text>\n";
+    const double t = t_max * i / 5.0;
+    o << "<text x=\"" << X(t) << "\" y=\"" << top + ph + 18 << "\" text-anchor=\"middle\">"
+      << std::setprecision(t_max < 0.1 ? 3 : 2) << t * 1e3 << " ms</text>\n"
+      << std::setprecision(1);
+  }
+  o << "<text x=\"" << left + pw / 2 << "\" y=\"" << H - 15
+    << "\" text-anchor=\"middle\">time in the step (forward, then backward)</text>\n"
+    << "<text x=\"18\" y=\"" << top + ph / 2 << "\" transform=\"rotate(-90 18 " << top + ph / 2
+    << ")\" text-anchor=\"middle\">device bytes added by the step</text>\n";
+  // Series.
+  for (size_t i = 0; i < series.size(); ++i) {
+    const auto& s = series[i];
+    if (s.entries.empty()) continue;
+    const char* color = kColors[i % 10];
+    const auto base = s.entries.front();
+    o << "<g class=\"series\" data-name=\"" << escape(s.name) << "\" data-peak-bytes=\""
+      << s.peak_bytes << "\" stroke=\"" << color << "\" fill=\"none\">\n<polyline stroke-width=\"2\" points=\"";
+    // Between two marks the window peak is drawn as a spike at the later mark's time.
+    for (const auto& e : s.entries) {
+      const double t = X(e.time_s - base.time_s);
+      if (e.peak_bytes >= 0 && e.peak_bytes > e.current_bytes) {
+        o << t << "," << Y(static_cast<double>(e.peak_bytes - base.current_bytes)) << " ";
+      }
+      o << t << "," << Y(static_cast<double>(e.current_bytes - base.current_bytes)) << " ";
+    }
+    o << "\"/>\n";
+    for (const auto& e : s.entries) {  // layer boundaries
+      if (e.label.find("layer") == std::string::npos) continue;
+      const double t = X(e.time_s - base.time_s);
+      const double y = Y(static_cast<double>(e.current_bytes - base.current_bytes));
+      o << "<circle cx=\"" << t << "\" cy=\"" << y << "\" r=\"2.5\" fill=\"" << color
+        << "\"><title>" << escape(s.name + ": " + e.label) << "</title></circle>\n";
+    }
+    o << "</g>\n";
+    const double ly = top + 10 + 38.0 * static_cast<double>(i);
+    o << "<g class=\"legend\"><line x1=\"" << left + pw + 20 << "\" y1=\"" << ly << "\" x2=\""
+      << left + pw + 44 << "\" y2=\"" << ly << "\" stroke=\"" << color << "\" stroke-width=\"3\"/>"
+      << "<text x=\"" << left + pw + 50 << "\" y=\"" << ly + 4 << "\">" << escape(s.name)
+      << "</text><text x=\"" << left + pw + 50 << "\" y=\"" << ly + 19 << "\" fill=\"#555\">peak "
+      << escape(format_bytes(static_cast<double>(s.peak_bytes))) << "</text></g>\n";
+  }
+  // Layer boundaries of the first series, as labelled dashed lines.
+  if (!series.empty() && !series.front().entries.empty()) {
+    const auto& first = series.front();
+    for (const auto& e : first.entries) {
+      if (e.label.rfind("fwd layer", 0) != 0 && e.label.rfind("bwd layer", 0) != 0) continue;
+      const double t = X(e.time_s - first.entries.front().time_s);
+      o << "<line class=\"boundary\" x1=\"" << t << "\" y1=\"" << top << "\" x2=\"" << t
+        << "\" y2=\"" << top + ph << "\" stroke=\"#bbb\" stroke-dasharray=\"3,3\"/>\n"
+        << "<text x=\"" << t + 2 << "\" y=\"" << top + 10 << "\" font-size=\"9\" fill=\"#888\">"
+        << escape(e.label.substr(0, 3) + e.label.substr(9)) << "</text>\n";
+    }
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
+}  // namespace actmem

@@ -1,0 +1,331 @@
+// test_memory_model.cpp — the activation ledger against the tracker, the exact predictor within
+// 3% of measured over a sweep of shapes and every strategy, the hook stack, the paper's numbers
+// for the seed's 7B example, and the SVG plot.
+#include "actmem/ledger.h"
+#include "actmem/memory_model.h"
+#include "actmem/plot.h"
+#include "actmem/trainer.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <fstream>
+#include <map>
+#include <sstream>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+
+// ---- saved-tensor hook stack ------------------------------------------------------------------
+
+struct Counter : SavedTensorHook {
+  int packs = 0;
+  std::shared_ptr<PackedTensor> pack(const at::Tensor&) override {
+    ++packs;
+    return nullptr;
+  }
+};
+
+struct Doubler : SavedTensorHook {  // replaces every saved tensor by a handle
+  struct Handle : PackedTensor {
+    at::Tensor t;
+    int* unpacks;
+    at::Tensor unpack() override {
+      ++*unpacks;
+      return t;
+    }
+  };
+  int unpacks = 0;
+  std::shared_ptr<PackedTensor> pack(const at::Tensor& t) override {
+    auto h = std::make_shared<Handle>();
+    h->t = t.clone();
+    h->unpacks = &unpacks;
+    return h;
+  }
+};
+
+TEST(SavedTensorHooks, EveryLayerObservesAndTheInnermostReplaces) {
+  const at::Tensor x = at::randn({4}).requires_grad_(true);
+  Counter outer;
+  Doubler inner;
+  at::Tensor y;
+  {
+    SavedTensorHooksGuard g1(outer);
+    SavedTensorHooksGuard g2(inner);
+    EXPECT_EQ(saved_tensor_hooks_depth(), 2u);
+    y = x.sin() * x;  // sin saves x; mul saves sin(x) and x
+  }
+  EXPECT_EQ(saved_tensor_hooks_depth(), 0u);
+  EXPECT_EQ(outer.packs, 3);
+  y.sum().backward();
+  EXPECT_EQ(inner.unpacks, 3);
+  EXPECT_TRUE(at::allclose(x.grad(), x.detach().cos() * x.detach() + x.detach().sin()));
+  // No hooks: nothing is called.
+  const at::Tensor z = x.exp();
+  EXPECT_EQ(outer.packs, 3);
+}
+
+// ---- ledger -----------------------------------------------------------------------------------
+
+TEST(ActivationLedger, CountsStoragesOnceExcludesParametersAndNamesModulesAndOps) {
+  const at::Tensor w = at::randn({8, 8}).requires_grad_(true);
+  const at::Tensor x = at::randn({4, 8}).requires_grad_(true);
+  ActivationLedger ledger;
+  ledger.exclude(w);
+  {
+    LedgerScope scope(ledger);
+    ModuleScope m("layers", 2);
+    const at::Tensor h = at::matmul(x.relu(), w);  // relu saves its output; mm saves it again
+    ModuleScope inner("act");
+    const at::Tensor out = h.tanh();  // tanh saves its output
+  }
+  ASSERT_GE(ledger.records().size(), 3u);
+  int64_t counted = 0;
+  for (const auto& r : ledger.records()) counted += r.counted;
+  EXPECT_EQ(ledger.total_bytes(), 2 * 4 * 8 * 4);  // relu output once + tanh output
+  EXPECT_EQ(counted, 2);
+  EXPECT_EQ(ledger.records().front().module, "layers.2");
+  EXPECT_EQ(ledger.records().back().module, "layers.2.act");
+  EXPECT_EQ(ledger.records().back().op, "aten::tanh");
+  for (const auto& r : ledger.records()) EXPECT_NE(r.shape, (std::vector<int64_t>{8, 8}));
+  ledger.clear();
+  EXPECT_EQ(ledger.total_bytes(), 0);
+}
+
+TransformerConfig sweep_base() {
+  TransformerConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 48;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 72;
+  c.seq_length = 24;
+  c.micro_batch_size = 3;
+  return c;
+}
+
+struct Shape {
+  const char* name;
+  void (*apply)(TransformerConfig&);
+};
+inline void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }
+
+const Shape kShapes[] = {
+    {"Base", [](TransformerConfig&) {}},
+    {"OddSizes", [](TransformerConfig& c) {
+       c.hidden_size = 35;
+       c.num_attention_heads = 5;
+       c.ffn_hidden_size = 57;
+       c.seq_length = 19;
+       c.micro_batch_size = 1;
+     }},
+    {"ManyHeadsLongSeq", [](TransformerConfig& c) {
+       c.hidden_size = 64;
+       c.num_attention_heads = 16;
+       c.seq_length = 96;
+       c.micro_batch_size = 2;
+       c.num_layers = 2;
+     }},
+    {"NoDropout", [](TransformerConfig& c) { c.attention_dropout = c.hidden_dropout = 0.0; }},
+    {"RmsSwigluRopeUntied", [](TransformerConfig& c) {
+       c.normalization = "RMSNorm";
+       c.gated_linear_unit = true;
+       c.position_embedding_type = "rope";
+       c.untie_embeddings_and_output_weights = true;
+       c.add_bias_linear = false;
+     }},
+};
+
+const std::pair<const char*, void (*)(TransformerConfig&)> kPolicies[] = {
+    {"plain", [](TransformerConfig&) {}},
+    {"core_attn", [](TransformerConfig& c) { c.recompute_granularity = "selective"; }},
+    {"mlp", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"mlp"};
+     }},
+    {"layernorm", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"layernorm"};
+     }},
+    {"all", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
+     }},
+    {"uniform2", [](TransformerConfig& c) {
+       c.recompute_granularity = "full";
+       c.recompute_method = "uniform";
+       c.recompute_num_layers = 2;
+     }},
+    {"block1", [](TransformerConfig& c) {
+       c.recompute_granularity = "full";
+       c.recompute_method = "block";
+       c.recompute_num_layers = 1;
+     }},
+};
+
+class PredictorSweep : public ::testing::TestWithParam<Shape> {};
+
+TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
+  for (const auto& [policy, apply] : kPolicies) {
+    TransformerConfig c = sweep_base();
+    GetParam().apply(c);
+    apply(c);
+    TrainingConfig t;
+    t.eval_interval = 0;
+    Trainer trainer(c, t);
+    ActivationLedger ledger;
+    trainer.set_ledger(&ledger);
+    const auto st = trainer.train_step(false);
+    const auto predicted = predict_activation_bytes(c, 4);
+    EXPECT_EQ(st.predicted_activation_bytes, predicted.total);
+    const double err = std::abs(static_cast<double>(predicted.total - st.activation_bytes)) /
+                       static_cast<double>(st.activation_bytes);
+    EXPECT_LT(err, 0.03) << policy << ": predicted " << predicted.total << " measured "
+                         << st.activation_bytes;
+    // Module by module, the predictor names what the ledger saw (the ledger does not see the
+    // checkpoints' random-state snapshots and the loss value, which the predictor adds).
+    for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+      if (bytes == 0) continue;  // saved, then freed by output-discarding recompute
+      const auto it = std::find_if(predicted.by_module.begin(), predicted.by_module.end(),
+                                   [&](const auto& p) { return p.first == module; });
+      ASSERT_NE(it, predicted.by_module.end()) << policy << ": ledger module " << module;
+      EXPECT_LE(bytes, it->second) << policy << " " << module;
+      EXPECT_GE(bytes, it->second - 16 * 1024) << policy << " " << module;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, PredictorSweep, ::testing::ValuesIn(kShapes),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(ActivationLedger, SeesDiscardedNormOutputsAsFreed) {
+  TransformerConfig c = sweep_base();
+  c.recompute_granularity = "selective";
+  c.recompute_modules = std::vector<std::string>{"layernorm"};
+  TrainingConfig t;
+  t.eval_interval = 0;
+  Trainer trainer(c, t);
+  ActivationLedger ledger;
+  trainer.set_ledger(&ledger);
+  trainer.train_step(false);
+  int discarded = 0;
+  for (const auto& r : ledger.records()) {
+    if (r.discarded) {
+      ++discarded;
+      EXPECT_EQ(r.storage_bytes, 0);
+    }
+  }
+  EXPECT_GE(discarded, 2 * c.num_layers);  // each norm output was saved, then freed
+}
+
+// ---- the paper's formulas ---------------------------------------------------------------------
+
+TEST(Estimate, SeedSevenBillionExample) {
+  const PaperShape m = paper_preset("7b");
+  const LayerBytes l = paper_layer_bytes(m);
+  const double GiB = 1024.0 * 1024 * 1024, MiB = 1024.0 * 1024;
+  EXPECT_NEAR(l.none / GiB, 3.03, 0.005);       // 194 sbh / t
+  EXPECT_NEAR(l.none * 16 / GiB, 48.5, 0.05);   // 16 layers per stage
+  EXPECT_NEAR(l.s2_fraction, 0.825, 0.0005);    // 160 / 194
+  EXPECT_DOUBLE_EQ(l.selective / GiB, 0.5);     // 32 sbh / t
+  EXPECT_DOUBLE_EQ(l.selective * 16 / GiB, 8.0);
+  EXPECT_DOUBLE_EQ(l.full / MiB, 32.0);         // 2 sbh / t
+  EXPECT_DOUBLE_EQ(l.full * 16 / MiB, 512.0);
+  EXPECT_NEAR(offload_round_trip_seconds(8 * GiB, 50.0), 0.34, 0.005);
+}
+
+TEST(Estimate, PaperTableTwoVariants) {
+  PaperShape m = paper_preset("22b");  // a = 64, h = 6144, s = 2048: 5as/h = 106.67
+  m.t = 8;
+  m.sp = false;
+  const double sbh = m.sbh(), sq = 5 * m.a * m.s / m.h;
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).none, sbh * (10 + 24.0 / 8 + sq / 8));  // eq. 2
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).selective, sbh * (10 + 24.0 / 8));
+  m.sp = true;
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).none, sbh * (34 + sq) / 8);  // eq. 4
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).selective, sbh * 34 / 8);    // eq. 6
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).full, 2 * sbh / 8);
+  m.t = 1;
+  m.sp = false;
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).none, sbh * (34 + sq));  // eq. 1
+  EXPECT_DOUBLE_EQ(paper_layer_bytes(m).full, 2 * sbh);
+  expect_error_containing([] { paper_preset("13b"); }, "unknown preset '13b'; known: ");
+}
+
+TEST(Estimate, MegatronTheoreticalTerms) {
+  PaperShape m = paper_preset("22b");  // p = 1: logits term, no pipeline factor
+  const double sbh = m.sbh();
+  EXPECT_DOUBLE_EQ(megatron_activation_memory(m),
+                   (sbh * 34 * m.L + 8 * m.s * m.b + sbh + sbh * 4 * (1 + m.v / m.h)) / m.t);
+  EXPECT_DOUBLE_EQ(megatron_activation_memory_without_sp(m),
+                   1.05 * (sbh * (10 + 24 / m.t) * m.L + 8 * m.s * m.b + sbh +
+                           2 * (m.s * m.b * m.v / m.t + sbh)));
+  PaperShape p = paper_preset("175b");  // interleaved: factor 1 + (p - 1) / (p v)
+  const double base = p.sbh() * 34 * p.L + 8 * p.s * p.b * p.p + p.sbh() * p.p;
+  EXPECT_DOUBLE_EQ(megatron_activation_memory(p), base * (1 + 7.0 / 24.0) / p.t);
+}
+
+TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
+  const auto r = actmem::testing::run_actmem("estimate");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const char* want : {"3.03 GiB", "48.5 GiB", "82.5%", "512 MiB", "8.00 GiB", "32.0 MiB", "0.34 s"}) {
+    EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
+  }
+  const auto j = actmem::testing::run_actmem("estimate --json");
+  ASSERT_EQ(j.exit_code, 0);
+  const auto parsed = nlohmann::json::parse(j.output);
+  EXPECT_DOUBLE_EQ(parsed["per_stage_bytes"]["selective"].get<double>(), 8.0 * (1 << 30));
+  EXPECT_DOUBLE_EQ(parsed["per_layer_bytes"]["full"].get<double>(), 32.0 * (1 << 20));
+  EXPECT_NEAR(parsed["s2_fraction"].get<double>(), 0.825, 0.0005);
+  const auto bad = actmem::testing::run_actmem("estimate --hidden-size -3");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.stderr_text.find("expected a positive number"), std::string::npos);
+}
+
+// ---- the plot ---------------------------------------------------------------------------------
+
+TEST(Compare, WritesAValidSvgWithPeaksInOrder) {
+  const std::string dir = ::testing::TempDir();
+  const auto r = actmem::testing::run_actmem(
+      "compare --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 64 "
+      "--micro-batch-size 2 --iters 2 --strategies plain selective-core_attn full-uniform-1 "
+      "--svg " + dir + "cmp.svg --json " + dir + "cmp.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // A real XML parser (Python's, installed with libtorch-dev) must accept the file.
+  const std::string check =
+      "python3 -c \"import sys,xml.etree.ElementTree as E; t=E.parse(sys.argv[1]); "
+      "ns='{http://www.w3.org/2000/svg}'; "
+      "print(' '.join(g.get('data-name')+'='+g.get('data-peak-bytes') for g in t.iter(ns+'g') "
+      "if g.get('class')=='series'))\" " + dir + "cmp.svg";
+  FILE* pipe = popen(check.c_str(), "r");
+  ASSERT_NE(pipe, nullptr);
+  char buf[1024] = {0};
+  const size_t n = fread(buf, 1, sizeof(buf) - 1, pipe);
+  ASSERT_EQ(pclose(pipe), 0) << "the SVG is not well-formed XML";
+  const std::string series(buf, n);
+  std::map<std::string, int64_t> peak;
+  std::stringstream ss(series);
+  std::string item;
+  while (ss >> item) peak[item.substr(0, item.find('='))] = std::stoll(item.substr(item.find('=') + 1));
+  ASSERT_EQ(peak.size(), 3u) << series;
+  EXPECT_GT(peak["plain"], peak["selective-core_attn"]);
+  EXPECT_GT(peak["selective-core_attn"], peak["full-uniform-1"]);
+  // And the same order as the measured table.
+  std::ifstream jf(dir + "cmp.json");
+  const auto j = nlohmann::json::parse(jf);
+  for (const auto& s : j["strategies"]) {
+    EXPECT_EQ(s["activation_peak_bytes"].get<int64_t>(), peak[s["name"].get<std::string>()]);
+    EXPECT_TRUE(s["bitwise_equal_to_plain"].get<bool>());
+  }
+}
+
+TEST(Compare, RejectsUnknownStrategies) {
+  const auto r = actmem::testing::run_actmem("compare --strategies plain full-diagonal-2 --svg ''");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("unknown strategy 'full-diagonal-2'"), std::string::npos)
+      << r.stderr_text;
+}
+
+}  // namespace
+}  // namespace actmem
