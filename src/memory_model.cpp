@@ -1,6 +1,8 @@
 // memory_model.cpp — the paper's formulas, Megatron's theoretical terms and the exact predictor.
 #include "actmem/memory_model.h"
 
+#include "actmem/rng.h"
+
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -102,13 +104,30 @@ double offload_round_trip_seconds(double bytes, double gbps) {
   return 2.0 * bytes / (gbps * 1e9);
 }
 
-}  // namespace actmem
+double korthikanti_module_bytes(const std::string& path, const TransformerConfig& c,
+                                int64_t dtype_bytes) {
+  auto ends_with = [&path](const std::string& suffix) {
+    return path.size() >= suffix.size() &&
+           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+           (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
+  };
+  const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
+  const double as2b = static_cast<double>(c.num_attention_heads) * c.seq_length * c.seq_length *
+                      c.micro_batch_size;
+  const double k = static_cast<double>(dtype_bytes) / 2.0;  // 16-bit terms at this dtype
+  const double ffn_ratio = static_cast<double>(c.ffn()) / static_cast<double>(c.hidden_size);
+  if (ends_with("input_layernorm") || ends_with("pre_mlp_layernorm")) return 2 * sbh * k;
+  if (ends_with("self_attention.linear_qkv")) return 2 * sbh * k;
+  // Q and K 4sbh, V 2sbh; softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b.
+  if (ends_with("self_attention.core_attention")) return 6 * sbh * k + 4 * as2b * k + as2b;
+  if (ends_with("self_attention.linear_proj")) return 2 * sbh * k;
+  if (ends_with("self_attn_bda") || ends_with("mlp_bda")) return sbh;  // dropout mask
+  if (ends_with("mlp.linear_fc1")) return 2 * sbh * k;
+  if (ends_with("mlp.activation_func") || ends_with("mlp.linear_fc2")) return 2 * ffn_ratio * sbh * k;
+  return -1.0;
+}
 
 // ---- the exact predictor ----------------------------------------------------------------------
-
-#include "actmem/rng.h"
-
-namespace actmem {
 
 namespace {
 // Bytes of one random-state snapshot as a checkpoint keeps it (CPU and CUDA generator states and

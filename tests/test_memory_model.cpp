@@ -283,6 +283,30 @@ TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   EXPECT_NE(bad.stderr_text.find("expected a positive number"), std::string::npos);
 }
 
+TEST(Inspect, LedgerAccountsForTheMeasuredBytesAndMatchesThePaperPerModule) {
+  const auto r = actmem::testing::run_actmem(
+      "inspect --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output.substr(0, r.output.rfind('}') + 1));
+  // The plain step holds exactly what autograd saved, plus the 4-byte loss value.
+  EXPECT_EQ(j["activation_bytes"].get<int64_t>(), j["ledger_bytes"].get<int64_t>() + 4);
+  EXPECT_EQ(j["predicted_bytes"].get<int64_t>(), j["activation_bytes"].get<int64_t>());
+  int with_paper = 0;
+  for (const auto& m : j["modules"]) {
+    if (!m.contains("korthikanti_bytes")) continue;
+    ++with_paper;
+    const auto name = m["module"].get<std::string>();
+    const double paper = m["korthikanti_bytes"].get<double>(), bytes = m["bytes"].get<double>();
+    if (name.find("layernorm") != std::string::npos) {
+      EXPECT_EQ(bytes, paper + 2 * 16 * 2 * 4) << name;  // plus LayerNorm's mean and rstd [s, b, 1]
+    } else {
+      EXPECT_EQ(bytes, paper) << name;  // fp32 = the paper's 16-bit terms doubled, 1-byte masks
+    }
+  }
+  EXPECT_EQ(with_paper, 2 * 10);
+}
+
 // ---- the plot ---------------------------------------------------------------------------------
 
 TEST(Compare, WritesAValidSvgWithPeaksInOrder) {

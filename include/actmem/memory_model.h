@@ -54,6 +54,15 @@ double megatron_activation_memory_without_sp(const PaperShape& m);
 /// of `gbps` GB/s (10^9 bytes/s) per direction, not overlapped.
 double offload_round_trip_seconds(double bytes, double gbps);
 
+/// Korthikanti et al. §4.1's term for one module of a transformer layer (module path ending in
+/// input_layernorm, self_attention.linear_qkv, self_attention.core_attention,
+/// self_attention.linear_proj, self_attn_bda, pre_mlp_layernorm, mlp.linear_fc1,
+/// mlp.activation_func, mlp.linear_fc2, mlp_bda), at `dtype_bytes` per activation element
+/// (the paper's 16-bit terms scaled by dtype_bytes / 2; dropout masks stay 1 byte), for the
+/// model's sizes without recompute. -1 for modules the paper's per-layer formula has no term for.
+double korthikanti_module_bytes(const std::string& module_path, const TransformerConfig& config,
+                                int64_t dtype_bytes);
+
 /// Exact activation bytes this project's GPTModel keeps from the end of a training forward to
 /// its backward, per module, for `config` (including its recompute policy) at `dtype_bytes`
 /// (4 = fp32, 8 = double). Derived from what libtorch's ops save (see docs/memory-model.md).

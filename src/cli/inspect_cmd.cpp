@@ -48,7 +48,9 @@ int run(InspectOptions& o) {
                         {"modules", nlohmann::json::array()},
                         {"records", nlohmann::json::array()}};
     for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+      const double paper = korthikanti_module_bytes(module, c, 4);
       j["modules"].push_back({{"module", module}, {"bytes", bytes}, {"sbh", bytes / sbh}});
+      if (paper >= 0) j["modules"].back()["korthikanti_bytes"] = paper;
     }
     for (const auto& r : ledger.records()) {
       j["records"].push_back({{"module", r.module}, {"op", r.op}, {"shape", r.shape},
@@ -62,8 +64,9 @@ int run(InspectOptions& o) {
             << " b=" << c.micro_batch_size << " h=" << c.hidden_size
             << " a=" << c.num_attention_heads << "; sbh = " << static_cast<int64_t>(sbh)
             << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n\n";
-  std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(14) << "bytes"
-            << std::setw(10) << "sbh" << std::setw(10) << "as2b" << "\n";
+  std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"
+            << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)
+            << "Korthikanti" << "\n";
   for (const auto& [module, bytes] : ledger.bytes_by_module()) {
     // The s x s share of this module: records whose last two dims are both s.
     int64_t square = 0;
@@ -73,11 +76,16 @@ int run(InspectOptions& o) {
         square += r.storage_bytes;
       }
     }
-    std::cout << std::left << std::setw(52) << module << std::right << std::setw(14) << bytes
-              << std::fixed << std::setprecision(2) << std::setw(10) << (bytes - square) / sbh
-              << std::setw(10) << square / as2b << "\n";
+    const double paper = korthikanti_module_bytes(module, c, 4);
+    std::cout << std::left << std::setw(52) << module << std::right << std::setw(12) << bytes
+              << std::fixed << std::setprecision(2) << std::setw(8) << (bytes - square) / sbh
+              << std::setw(8) << square / as2b << std::setw(14)
+              << (paper >= 0 ? std::to_string(static_cast<int64_t>(paper)) : std::string("-"))
+              << "\n";
   }
-  std::cout << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
+  std::cout << "\n(sbh and as2b: units of s*b*h and a*s*s*b elements; Korthikanti: the paper's "
+               "term for the module at fp32, 16-bit terms doubled, 1-byte masks)\n"
+            << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
             << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
             << predicted.total << " B\n";
   if (o.records) {
