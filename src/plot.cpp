@@ -29,7 +29,7 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
 }  // namespace
 
 std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title) {
-  const double W = 1000, H = 540, left = 80, right = 300, top = 50, bottom = 60;
+  const double W = 1020, H = 540, left = 100, right = 300, top = 50, bottom = 60;
   const double pw = W - left - right, ph = H - top - bottom;
   double t_max = 1e-9, y_max = 1.0;
   for (const auto& s : series) {
