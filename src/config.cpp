@@ -143,6 +143,18 @@ void TransformerConfig::validate() const {
               pipeline_model_parallel_size);
   TORCH_CHECK(!sequence_parallel || tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
               "sequence_parallel requires tensor_model_parallel_size > 1");
+  // Megatron's layer-level offload rules (megatron-spec §4.4 rules 1-3; rule 30: K > 0 enables).
+  if (cpu_offloading()) {
+    TORCH_CHECK(cpu_offloading_num_layers > 0 && cpu_offloading_num_layers < num_layers,
+                "actmem::TransformerConfig: CPU offloading can be done only for layers less than ",
+                num_layers, " (cpu_offloading_num_layers = ", cpu_offloading_num_layers, ")");
+    TORCH_CHECK(pipeline_model_parallel_size == 1, "actmem::TransformerConfig: Currently there is "
+                "no support for Pipeline parallelism with CPU offloading");
+    TORCH_CHECK(recompute_granularity.empty(), "actmem::TransformerConfig: CPU offloading does not "
+                "work when activation recomputation is enabled");
+  }
+  TORCH_CHECK(min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
+              "min_offloaded_tensor_size must be >= 0, got ", min_offloaded_tensor_size);
   validate_recompute(*this);
 }
 

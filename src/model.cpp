@@ -4,6 +4,7 @@
 
 #include "actmem/ledger.h"
 #include "actmem/memory_tracker.h"
+#include "actmem/offload.h"
 #include "actmem/recompute.h"
 
 #include <ATen/ATen.h>
@@ -357,10 +358,23 @@ std::vector<std::pair<int64_t, int64_t>> TransformerBlock::checkpoint_chunks(
 at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_t end,
                                         const LayerContext& ctx) {
   const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
+  const bool offload = offloader_ != nullptr && is_training() && at::GradMode::is_enabled();
   for (int64_t i = start; i < end; ++i) {
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
     ModuleScope scope("layers", i);
-    hidden = layers[i]->forward(hidden, ctx);
+    if (offload && i < config_.cpu_offloading_num_layers) {
+      // Layer-level offload (seed §8): what layer i saves goes to the host when its forward
+      // ends (the group commits) ...
+      auto group = offloader_->group();
+      hidden = layers[i]->forward(hidden, ctx);
+    } else {
+      hidden = layers[i]->forward(hidden, ctx);
+    }
+    if (offload && i >= 1 && i <= config_.cpu_offloading_num_layers && hidden.requires_grad()) {
+      // ... and comes back while layer i's backward runs, one layer ahead of its own backward.
+      ActivationOffloader* off = offloader_;
+      hidden.register_hook([off, i](const at::Tensor&) { off->prefetch(static_cast<int>(i) - 1); });
+    }
     timeline_mark(prefix + std::to_string(i));
   }
   return hidden;
@@ -368,6 +382,9 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
 
 at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
   at::Tensor hidden = hidden_in;
+  if (offloader_ != nullptr && is_training() && at::GradMode::is_enabled()) {
+    offloader_->begin_forward();
+  }
   const auto L = static_cast<int64_t>(layers.size());
   if (config_.full_recompute() && is_training()) {
     // Megatron's checkpointed_forward: only each chunk's input is kept.

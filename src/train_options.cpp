@@ -85,6 +85,13 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
                "Removed (refused): use --recompute-activations or --recompute-granularity");
   app.add_flag("--distribute-saved-activations", m.distribute_saved_activations,
                "Full recompute: keep checkpoint inputs sharded over tensor-parallel ranks");
+
+  // CPU offload (docs/offload.md).
+  app.add_option("--cpu-offloading-num-layers", m.cpu_offloading_num_layers,
+                 "Offload the saved activations of the first K layers to host memory");
+  app.add_option("--min-offloaded-tensor-size", m.min_offloaded_tensor_size,
+                 "Saved tensors with fewer elements stay on the device")
+      ->capture_default_str();
 }
 
 void add_training_flags(CLI::App& app, TrainOptions& o) {
@@ -117,6 +124,9 @@ void add_training_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--device-memory-limit", o.device_memory_limit_gib,
                  "Device memory limit in GiB (CPU; default: physical memory)")
       ->check(kPositive);
+  app.add_option("--offload-bandwidth-gbps", t.offload_bandwidth_gbps,
+                 "Emulated host link for offload copies, GB/s per direction (0 = uncapped)")
+      ->capture_default_str();
   app.add_option("--log-json", o.log_json, "Write one JSON object per iteration to FILE");
   app.add_option("--threads", o.threads, "Intra-op CPU threads (default: one per core)")
       ->check(kPositive);

@@ -4,6 +4,7 @@
 #include "actmem/digest.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
+#include "actmem/offload.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -110,6 +111,8 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
                           device.find_first_not_of("0123456789", 5) == std::string::npos;
   TORCH_CHECK(device == "cpu" || device == "cuda" || cuda_index,
               "actmem::TrainingConfig: device must be cpu, cuda or cuda:N, got \"", device, "\"");
+  TORCH_CHECK(offload_bandwidth_gbps >= 0.0, "actmem::TrainingConfig: offload_bandwidth_gbps must "
+              "be >= 0, got ", offload_bandwidth_gbps);
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
 }
@@ -127,6 +130,9 @@ nlohmann::json to_json(const IterationStats& s) {
       {"activation_bytes", s.activation_bytes},
       {"activation_peak_bytes", s.activation_peak_bytes},
       {"predicted_activation_bytes", s.predicted_activation_bytes},
+      {"offloaded_bytes", s.offloaded_bytes},
+      {"host_peak_bytes", s.host_peak_bytes},
+      {"offload_wait_s", s.offload_wait_s},
   };
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   return j;
@@ -197,6 +203,16 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                                                   model_config_.micro_batch_size,
                                                   model_config_.seed + 1);
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
+  if (model_config_.cpu_offloading()) {
+    TORCH_CHECK(device_.is_cpu(), "actmem::Trainer: CPU offload on ", device_.str(),
+                " needs the CUDA copy engine, which this build does not have yet");
+    offloader_ = std::make_unique<ActivationOffloader>(model_config_.min_offloaded_tensor_size,
+                                                       config_.offload_bandwidth_gbps * 1e9);
+    for (const auto& p : params_) offloader_->exclude(p);
+    for (const auto& b : model_->buffers()) offloader_->exclude(b);
+    offloader_->exclude(model_->attention_mask());
+    model_->decoder->set_activation_offloader(offloader_.get());
+  }
   predicted_activation_bytes_ = predict_activation_bytes(model_config_, 4).total;
 }
 
@@ -228,6 +244,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   }
   const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size);
   for (auto& p : params_) p.mutable_grad().zero_();
+  if (offloader_) offloader_->begin_step();
 
   synchronize_device(device_);
   double busy_s = 0.0;
@@ -297,6 +314,12 @@ IterationStats Trainer::train_step(bool compute_digest) {
   st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
                                         model_config_.seq_length) / busy_s;
   st.peak_device_bytes = step_peak;
+  if (offloader_) {
+    const OffloadStats os = offloader_->stats();
+    st.offloaded_bytes = os.offloaded_bytes;
+    st.offload_wait_s = os.wait_s;
+    st.host_peak_bytes = offloader_->pool().peak_bytes_in_use();
+  }
   return st;
 }
 

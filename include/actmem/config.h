@@ -60,6 +60,15 @@ struct TransformerConfig {
   /// gdn_norm_out name Megatron modules this model does not have). Unset means {"core_attn"}.
   std::optional<std::vector<std::string>> recompute_modules;
 
+  // ---- CPU offload (docs/offload.md) ----
+  /// Layer-level offload (Megatron's cpu_offloading_num_layers): the saved activations of the
+  /// first K layers go to host memory after their forward and come back ahead of their backward.
+  /// 0 = off; needs K < num_layers and no recompute.
+  int64_t cpu_offloading_num_layers = 0;
+  /// Saved tensors with fewer elements stay on the device (Megatron's default 1024 * 1024).
+  int64_t min_offloaded_tensor_size = 1024 * 1024;
+  bool cpu_offloading() const { return cpu_offloading_num_layers != 0; }
+
   /// recompute_modules with Megatron's default resolved.
   std::vector<std::string> resolved_recompute_modules() const {
     return recompute_modules.value_or(std::vector<std::string>{"core_attn"});

@@ -22,6 +22,8 @@
 
 namespace actmem {
 
+class ActivationOffloader;
+
 /// How many times each module's forward ran since reset() (recompute replays included), so
 /// tests can count re-executions per strategy.
 struct ForwardCounters {
@@ -158,8 +160,11 @@ class TransformerBlock : public torch::nn::Module {
   static std::vector<std::pair<int64_t, int64_t>> checkpoint_chunks(const TransformerConfig& c);
   std::vector<std::shared_ptr<TransformerLayer>> layers;
   std::shared_ptr<Norm> final_layernorm;
+  /// Layer-level offload of the first config.cpu_offloading_num_layers layers (training only).
+  void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
  private:
+  ActivationOffloader* offloader_ = nullptr;
   at::Tensor run_layers(at::Tensor hidden, int64_t start, int64_t end, const LayerContext& ctx);
   TransformerConfig config_;
 };

@@ -25,6 +25,7 @@ class AdamW;
 namespace actmem {
 
 class ActivationLedger;
+class ActivationOffloader;
 
 /// Optimisation and data settings (Megatron's names where it has them).
 struct TrainingConfig {
@@ -53,6 +54,8 @@ struct TrainingConfig {
   std::string device = "cpu";
   /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
   int64_t device_memory_limit = 0;
+  /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped.
+  double offload_bandwidth_gbps = 0.0;
 
   int64_t num_microbatches(int64_t micro_batch_size) const {
     return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;
@@ -74,6 +77,9 @@ struct IterationStats {
   int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
   int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max)
   int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (memory_model.h)
+  int64_t offloaded_bytes = 0;   // device bytes copied to host this step (offload)
+  int64_t host_peak_bytes = 0;   // peak host-buffer bytes in use this step
+  double offload_wait_s = 0.0;   // time the compute waited for reloads this step
   std::optional<double> val_loss;     // when validation ran after this step
 };
 
@@ -110,6 +116,8 @@ class Trainer {
   void set_ledger(ActivationLedger* ledger) { ledger_ = ledger; }
   /// This trainer's dropout stream: the default generators' states between its steps.
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
+  /// The layer-level offloader (null without cpu_offloading_num_layers).
+  ActivationOffloader* offloader() { return offloader_.get(); }
   /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
   void record_timeline(bool on) { record_timeline_ = on; }
   const MemoryTimeline& last_timeline() const { return *timeline_; }
@@ -127,6 +135,7 @@ class Trainer {
   std::unique_ptr<BatchSampler> train_sampler_;
   std::unique_ptr<BatchSampler> valid_sampler_;
   std::unique_ptr<MemoryTimeline> timeline_;
+  std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;
   int64_t predicted_activation_bytes_ = 0;
   ActivationLedger* ledger_ = nullptr;

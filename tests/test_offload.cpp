@@ -1,0 +1,153 @@
+// test_offload.cpp — copy engine, host pool, the offload state machine under random delays, and
+// layer-level offload: bitwise exactness, memory drop, host pool reuse.
+#include "actmem/memory_tracker.h"
+#include "actmem/offload.h"
+#include "actmem/trainer.h"
+#include "test_util.h"
+
+#include <chrono>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::bitwise_equal;
+using actmem::testing::expect_error_containing;
+
+TEST(CopyStream, CopiesInOrderAndHonoursTheBandwidthCap) {
+  CopyStream stream("test", 100e6);  // 100 MB/s
+  const at::Tensor src = at::randn({250000});  // 1 MB
+  at::Tensor a = at::empty_like(src), b = at::empty_like(src);
+  const auto t0 = std::chrono::steady_clock::now();
+  const CopyEvent ea = stream.copy_async(a, src);
+  const CopyEvent eb = stream.copy_async(b, a, &ea);
+  eb.wait();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_TRUE(ea.ready());
+  EXPECT_TRUE(bitwise_equal(b, src));
+  EXPECT_GE(s, 0.019);  // two 1 MB copies at 100 MB/s
+  EXPECT_GE(stream.busy_seconds(), 0.019);
+  expect_error_containing([&] { stream.copy_async(at::empty({3}), src); }, "destination has 12 bytes");
+}
+
+TEST(HostPool, ReusesBuffersAndStaysOutsideDeviceMemory) {
+  auto& mem = device_memory(at::kCPU);
+  HostPool pool;
+  const int64_t device_before = mem.current_bytes();
+  at::Tensor a = pool.acquire(4096), b = pool.acquire(4096);
+  EXPECT_EQ(mem.current_bytes(), device_before);  // host bytes are not device bytes
+  EXPECT_EQ(pool.bytes_in_use(), 8192);
+  pool.release(a);
+  at::Tensor c = pool.acquire(4096);
+  EXPECT_EQ(c.data_ptr(), a.data_ptr());  // reused, not allocated
+  EXPECT_EQ(pool.allocations(), 2);
+  EXPECT_EQ(pool.peak_bytes_in_use(), 8192);
+  expect_error_containing([&] { pool.release(at::empty({4096}, at::kByte)); },
+                          "does not belong to this pool");
+}
+
+TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) {
+  // Offload, then reload at once while the D2H copy is still delayed: the reload must wait for
+  // the offload (Megatron's race, megatron-spec §9.2), and the data must come back intact.
+  ActivationOffloader off(/*min_elements=*/1, /*bytes_per_second=*/200e6);
+  off.d2h().set_jitter_us(3000);
+  off.h2d().set_jitter_us(3000);
+  for (int round = 0; round < 20; ++round) {
+    off.begin_step();
+    off.begin_forward();
+    const at::Tensor x = at::randn({64, 64}).requires_grad_(true);
+    at::Tensor y;
+    {
+      auto g = off.group();
+      y = (x.sin() * x.cos()).sum();  // sin and cos outputs/inputs are saved and offloaded
+    }
+    if (round % 2 == 0) off.prefetch(0);  // prefetch while the offload may still be running
+    y.backward();
+    const at::Tensor xd = x.detach();
+    EXPECT_TRUE(at::allclose(x.grad(), xd.cos() * xd.cos() - xd.sin() * xd.sin())) << round;
+    EXPECT_GT(off.stats().offloaded_bytes, 0);
+  }
+}
+
+TransformerConfig offload_model() {
+  TransformerConfig c;
+  c.num_layers = 4;
+  c.hidden_size = 32;
+  c.num_attention_heads = 4;
+  c.ffn_hidden_size = 48;
+  c.seq_length = 32;
+  c.micro_batch_size = 2;
+  c.min_offloaded_tensor_size = 256;
+  return c;
+}
+
+class LayerOffloadExactness : public ::testing::TestWithParam<int> {};
+
+TEST_P(LayerOffloadExactness, BitwiseEqualToPlainOverThreeSteps) {
+  TransformerConfig base = offload_model(), off = base;
+  off.cpu_offloading_num_layers = GetParam();
+  TrainingConfig t;
+  t.global_batch_size = 4;  // two micro-batches
+  t.eval_interval = 0;
+  TrainingConfig capped = t;
+  capped.offload_bandwidth_gbps = 0.5;  // slow link: reloads are waited for
+  Trainer plain(base, t), offloaded(off, capped);
+  offloaded.offloader()->d2h().set_jitter_us(500);
+  offloaded.offloader()->h2d().set_jitter_us(500);
+  for (int step = 1; step <= 3; ++step) {
+    const auto a = plain.train_step(), b = offloaded.train_step();
+    EXPECT_EQ(a.loss, b.loss) << step;
+    EXPECT_EQ(a.grad_digest, b.grad_digest) << step;
+    EXPECT_GT(b.offloaded_bytes, 0);
+    for (size_t g = 0; g < plain.rng_state().size(); ++g) {
+      EXPECT_TRUE(bitwise_equal(plain.rng_state()[g], offloaded.rng_state()[g]));
+    }
+  }
+  const auto pa = plain.model().ordered_parameters(), pb = offloaded.model().ordered_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << i;
+}
+
+INSTANTIATE_TEST_SUITE_P(K, LayerOffloadExactness, ::testing::Values(1, 2, 3));
+
+TEST(LayerOffloadMemory, PeakDropsByTheOffloadedBytesAndThePoolStopsGrowing) {
+  TransformerConfig base = offload_model();
+  base.num_layers = 6;
+  base.hidden_size = 64;
+  base.seq_length = 64;
+  TransformerConfig off = base;
+  off.cpu_offloading_num_layers = 2;
+  TrainingConfig t;
+  t.eval_interval = 0;
+  Trainer plain(base, t), offloaded(off, t);
+  IterationStats a, b;
+  int64_t allocations_after_first = 0;
+  for (int step = 1; step <= 4; ++step) {
+    a = plain.train_step(false);
+    b = offloaded.train_step(false);
+    if (step == 1) allocations_after_first = offloaded.offloader()->pool().allocations();
+  }
+  EXPECT_EQ(offloaded.offloader()->pool().allocations(), allocations_after_first);
+  EXPECT_GT(b.host_peak_bytes, 0);
+  // Megatron's criterion: the peak drops by the offloaded bytes within 30% (and 20 MiB).
+  const double drop = static_cast<double>(a.activation_peak_bytes - b.activation_peak_bytes);
+  const double off_bytes = static_cast<double>(b.offloaded_bytes);
+  EXPECT_NEAR(drop, off_bytes, std::min(0.3 * off_bytes, 20.0 * (1 << 20)))
+      << "plain peak " << a.activation_peak_bytes << " offload peak " << b.activation_peak_bytes;
+  EXPECT_GE(b.offload_wait_s, 0.0);
+}
+
+TEST(LayerOffload, ValidationFollowsMegatron) {
+  TransformerConfig c = offload_model();
+  c.cpu_offloading_num_layers = 4;
+  expect_error_containing([&] { c.validate(); }, "CPU offloading can be done only for layers less than 4");
+  c.cpu_offloading_num_layers = -1;
+  expect_error_containing([&] { c.validate(); }, "CPU offloading can be done only for layers less than 4");
+  c.cpu_offloading_num_layers = 1;
+  c.recompute_granularity = "selective";
+  expect_error_containing([&] { c.validate(); }, "CPU offloading does not work when activation recomputation is enabled");
+  c.recompute_granularity = "";
+  c.min_offloaded_tensor_size = -1;
+  expect_error_containing([&] { c.validate(); }, "min_offloaded_tensor_size must be >= 0");
+}
+
+}  // namespace
+}  // namespace actmem
