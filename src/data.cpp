@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <cctype>
 #include <cerrno>
@@ -137,6 +138,18 @@ std::vector<double> parse_split(const std::string& split) {
 }
 }  // namespace
 
+namespace {
+// The corpus is host data, like a data loader's on a GPU machine: it lives outside the tracked
+// device allocator, so device-memory numbers hold only what the model and the batch use.
+at::Tensor to_host_memory(const at::Tensor& t) {
+  void* p = std::malloc(std::max<size_t>(1, t.nbytes()));
+  TORCH_CHECK(p != nullptr, "actmem::load_corpus: out of host memory for ", t.nbytes(), " bytes");
+  at::Tensor host = at::from_blob(p, t.sizes(), [](void* q) { std::free(q); }, t.options());
+  host.copy_(t);
+  return host;
+}
+}  // namespace
+
 Corpus split_corpus(const at::Tensor& tokens, const std::string& split, int64_t seq_length,
                     const std::string& source) {
   TORCH_CHECK(seq_length > 0, "actmem::split_corpus: seq_length must be positive, got ",
@@ -151,7 +164,8 @@ Corpus split_corpus(const at::Tensor& tokens, const std::string& split, int64_t 
               " tokens; with --split ", split, " the training part has ", n_train,
               " and the validation part ", n_valid, ", but each needs at least seq_length + 1 = ",
               need, " (use a longer file or a shorter --seq-length)");
-  return {tokens.narrow(0, 0, n_train), tokens.narrow(0, n_train, n_valid), source};
+  const at::Tensor host = to_host_memory(tokens);
+  return {host.narrow(0, 0, n_train), host.narrow(0, n_train, n_valid), source};
 }
 
 Corpus load_corpus(const std::string& path, const std::string& split, int64_t seq_length) {

@@ -44,7 +44,10 @@ std::string current_module_path() {
 }
 
 void ActivationLedger::exclude(const at::Tensor& t) {
-  if (t.defined() && t.has_storage()) excluded_.insert(t.storage().unsafeGetStorageImpl());
+  if (!t.defined() || !t.has_storage()) return;
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  excluded_.insert_or_assign(impl, c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                       c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl)));
 }
 
 void ActivationLedger::exclude(const std::vector<at::Tensor>& ts) {
@@ -91,7 +94,8 @@ std::vector<std::pair<std::string, int64_t>> ActivationLedger::bytes_by_module()
 std::shared_ptr<PackedTensor> ActivationLedger::pack(const at::Tensor& t) {
   if (is_recomputing() || !t.defined() || !t.has_storage()) return nullptr;
   const void* storage = t.storage().unsafeGetStorageImpl();
-  if (excluded_.count(storage) != 0) return nullptr;
+  const auto ex = excluded_.find(storage);
+  if (ex != excluded_.end() && !ex->second.expired()) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter not registered as excluded
   SavedTensorRecord r;
   r.module = current_module_path();

@@ -157,9 +157,11 @@ int64_t snapshot_bytes() {
 //   linear_fc2           the activation output sbf·e
 //   mlp_bda              dropout mask sbh                           (if hidden_dropout > 0)
 //   final_layernorm      as a layer norm;  output_layer: its input sbh·e
-//   loss                 log-softmax output sbv·e, int64 targets 8sb, total weight e
+//   loss                 log-softmax output sbv·e, int64 targets 8sb (a copy when b, s > 1),
+//                        total weight e
 // plus the loss value itself (e), and one random-state snapshot per checkpoint.
-PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e) {
+PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
+                                        bool snapshots_on_device) {
   c.validate();
   TORCH_CHECK(e == 4 || e == 8, "actmem::predict_activation_bytes: dtype_bytes must be 4 or 8, got ",
               e);
@@ -167,7 +169,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e) {
   const int64_t a = c.num_attention_heads, f = c.ffn(), v = c.vocab_size;
   const int64_t sb = s * b, sbh = sb * h, sbf = sb * f, as2b = a * s * s * b;
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
-  const int64_t snapshot = snapshot_bytes();
+  const int64_t snapshot = snapshots_on_device ? snapshot_bytes() : 0;
   const int64_t norm_stats = c.use_rmsnorm() ? sb * e : 2 * sb * e;
 
   PredictedBytes p;
@@ -232,7 +234,8 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e) {
   }
   add("decoder.final_layernorm", sbh * e + norm_stats);
   add("output_layer", sbh * e);
-  add("loss", sb * v * e + 8 * sb + e);
+  // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.
+  add("loss", sb * v * e + (b > 1 && s > 1 ? 8 * sb : 0) + e);
   add("loss value", e);
   return p;
 }

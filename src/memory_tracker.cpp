@@ -49,14 +49,17 @@ struct TrackingCpuAllocator final : c10::Allocator {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) return {nullptr, nullptr, &tracked_free, cpu};
     const auto bytes = static_cast<int64_t>(n);
-    const int64_t now = g_current.fetch_add(bytes, std::memory_order_relaxed) + bytes;
+    // Commit the bytes only when they fit, so racing allocations near the cap are judged on
+    // the real total and a refused allocation never shows up in the peak.
     const int64_t cap = g_capacity.load(std::memory_order_relaxed);
-    if (cap > 0 && now > cap) {
-      g_current.fetch_sub(bytes, std::memory_order_relaxed);
-      TORCH_CHECK(false, "actmem: out of device memory: tried to allocate ", bytes,
-                  " bytes with ", now - bytes, " of ", cap,
+    int64_t seen = g_current.load(std::memory_order_relaxed);
+    int64_t now = 0;
+    do {
+      now = seen + bytes;
+      TORCH_CHECK(cap <= 0 || now <= cap, "actmem: out of device memory: tried to allocate ", bytes,
+                  " bytes with ", seen, " of ", cap,
                   " bytes in use (raise --device-memory-limit or shrink the model or batch)");
-    }
+    } while (!g_current.compare_exchange_weak(seen, now, std::memory_order_relaxed));
     void* base = nullptr;
     if (posix_memalign(&base, kHeader, n + kHeader) != 0 || base == nullptr) {
       g_current.fetch_sub(bytes, std::memory_order_relaxed);

@@ -324,7 +324,8 @@ class LayerList : public torch::nn::Module {};
 
 // Marks `label` on the active timeline when the gradient of `t` is computed.
 void mark_on_backward(const at::Tensor& t, std::string label) {
-  if (active_timeline() == nullptr || !t.requires_grad()) return;
+  // Not inside a checkpoint's no-grad forward: the hook would sit on the checkpoint's input.
+  if (active_timeline() == nullptr || !at::GradMode::is_enabled() || !t.requires_grad()) return;
   t.register_hook([label = std::move(label)](const at::Tensor&) { timeline_mark(label); });
 }
 }  // namespace

@@ -157,7 +157,10 @@ TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
 struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
   CheckpointFn fn;
   RngSnapshot rng;
-  TensorList saved_inputs;  // detached aliases of the inputs
+  // The checkpoint's autograd node: its saved variables are the inputs. Reading them through
+  // autograd (not through aliases kept here) checks their versions and lets saved-tensor hooks
+  // (offload) bring them back to the device before the replay (seed §7.6).
+  std::weak_ptr<torch::autograd::Node> node;
   std::vector<bool> needs_grad;  // which inputs required grad in forward
   // The outputs' storages, not the output tensors: a tensor would point back at the autograd
   // node that owns this state (a reference cycle that nothing in C++ would collect).
@@ -166,10 +169,12 @@ struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
   bool active = false;       // checkpoint() ran with grad: there is something to recompute
   bool discarded = false;
   bool recomputed = false;
+  bool consumed = false;     // the checkpoint's backward ran
   TensorList recomputed_outputs;
   TensorList leaves;
 
-  void recompute();
+  void recompute(const TensorList& inputs);
+  TensorList saved_inputs();
 };
 
 namespace {
@@ -195,14 +200,22 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
     TensorList in(inputs.begin(), inputs.end());
     state->rng = get_all_rng_states();
     TensorList outputs = state->fn(in);
-    for (const auto& t : in) {
-      state->saved_inputs.push_back(t.defined() ? t.detach() : at::Tensor());
-      state->needs_grad.push_back(t.defined() && t.requires_grad());
-    }
+    for (const auto& t : in) state->needs_grad.push_back(t.defined() && t.requires_grad());
     for (const auto& out : outputs) {
       TORCH_CHECK(out.defined(), "actmem::CheckpointWithoutOutput: fn returned an undefined tensor");
-      state->storages.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
-          out.storage().unsafeGetStorageImpl()));
+      c10::StorageImpl* impl = out.storage().unsafeGetStorageImpl();
+      // Discarding frees the whole storage: it must belong to the outputs alone.
+      for (const auto& t : in) {
+        TORCH_CHECK(!t.defined() || !t.has_storage() || t.storage().unsafeGetStorageImpl() != impl,
+                    "actmem::CheckpointWithoutOutput: fn returned a view or alias of an input; "
+                    "discarding it would free the input (return a new tensor)");
+      }
+      int64_t sharing = 0;
+      for (const auto& o : outputs) sharing += o.storage().unsafeGetStorageImpl() == impl;
+      TORCH_CHECK(static_cast<int64_t>(out.storage().use_count()) == sharing,
+                  "actmem::CheckpointWithoutOutput: an output's storage is also held elsewhere "
+                  "(a view of a parameter or cache?); discarding it would free that memory");
+      state->storages.push_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl));
       state->nbytes.push_back(out.storage().nbytes());
     }
     state->active = true;
@@ -216,17 +229,20 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
   static TensorList backward(torch::autograd::AutogradContext* ctx, TensorList grads) {
     auto state = c10::static_intrusive_pointer_cast<CheckpointWithoutOutput::State>(
         ctx->saved_data.at("state").toCapsule());
+    TORCH_CHECK(!state->consumed, "actmem::CheckpointWithoutOutput: backward ran through this "
+                "checkpoint a second time (retain_graph); output-discarding checkpoints support "
+                "one backward");
+    state->consumed = true;
     if (!state->recomputed) {
       // discard_output_and_register_recompute() was not called (or its hook never fired):
       // recompute now. The outputs' storages still hold their data or get it re-attached.
       check_backward_not_grad("actmem::CheckpointWithoutOutput");
-      state->recompute();
+      state->recompute(ctx->get_saved_variables());
     }
     TensorList input_grads = backward_through(state->recomputed_outputs, grads, state->leaves,
                                               "actmem::CheckpointWithoutOutput");
     state->recomputed_outputs.clear();
     state->leaves.clear();
-    state->saved_inputs.clear();
     TensorList result;
     result.reserve(1 + input_grads.size());
     result.emplace_back();
@@ -237,16 +253,23 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
 
 }  // namespace
 
-void CheckpointWithoutOutput::State::recompute() {
+TensorList CheckpointWithoutOutput::State::saved_inputs() {
+  auto n = std::dynamic_pointer_cast<torch::autograd::CppNode<OutputDiscardFunction>>(node.lock());
+  TORCH_CHECK(n != nullptr, "actmem::CheckpointWithoutOutput: the checkpoint's autograd node is "
+              "gone (its graph was freed) before the recompute");
+  return n->ctx_.get_saved_variables();
+}
+
+void CheckpointWithoutOutput::State::recompute(const TensorList& inputs) {
   if (recomputed) return;
   CheckpointingScope scope;
   leaves.clear();
-  for (size_t i = 0; i < saved_inputs.size(); ++i) {
-    if (!saved_inputs[i].defined()) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) {
       leaves.emplace_back();
       continue;
     }
-    at::Tensor d = saved_inputs[i].detach();
+    at::Tensor d = inputs[i].detach();
     d.set_requires_grad(needs_grad[i]);
     leaves.push_back(std::move(d));
   }
@@ -283,14 +306,23 @@ TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const Ten
   TORCH_CHECK(!state_->active, "actmem::CheckpointWithoutOutput::checkpoint: this object already "
               "holds a checkpoint; use one object per checkpointed call");
   if (!at::GradMode::is_enabled()) return fn(inputs);
+  bool any_grad = false;
+  for (const auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
+  TORCH_CHECK(any_grad, "actmem::CheckpointWithoutOutput::checkpoint: no input requires grad, so "
+              "parameters used inside would receive no gradient");
   RECORD_FUNCTION("actmem::checkpoint_without_output", std::vector<c10::IValue>());
   state_->fn = fn;
-  return OutputDiscardFunction::apply(state_, at::TensorList(inputs));
+  TensorList outputs = OutputDiscardFunction::apply(state_, at::TensorList(inputs));
+  TORCH_INTERNAL_ASSERT(!outputs.empty() && outputs[0].grad_fn() != nullptr);
+  state_->node = outputs[0].grad_fn();
+  return outputs;
 }
 
 void CheckpointWithoutOutput::discard_output_and_register_recompute(const at::Tensor& hook_tensor) {
   State& st = *state_;
   if (!st.active || st.recomputed) return;
+  TORCH_CHECK(!st.discarded, "actmem::CheckpointWithoutOutput::discard_output_and_register_recompute: "
+              "called twice for one checkpoint");
   if (!hook_tensor.requires_grad()) return;
   for (size_t i = 0; i < st.storages.size(); ++i) {
     c10::StorageImpl* impl = st.storages[i].get();
@@ -303,7 +335,7 @@ void CheckpointWithoutOutput::discard_output_and_register_recompute(const at::Te
   hook_tensor.register_hook([keep](const at::Tensor&) {
     if (keep->recomputed) return;
     check_backward_not_grad("actmem::CheckpointWithoutOutput");
-    keep->recompute();
+    keep->recompute(keep->saved_inputs());
   });
 }
 

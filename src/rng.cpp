@@ -40,6 +40,8 @@ bool cuda_in_use() { return compat::cuda_available(); }
 RngStatesTracker::RngStatesTracker() { reset(); }
 
 void RngStatesTracker::reset() {
+  TORCH_CHECK(current_ == kDefaultRng, "actmem::RngStatesTracker::reset: called inside fork('",
+              current_, "'); leave the fork first");
   initialized_ = false;
   states_.clear();
   seeds_.clear();
@@ -54,6 +56,9 @@ at::Generator RngStatesTracker::generator() const {
 std::map<std::string, at::Tensor> RngStatesTracker::get_states() const { return deep_copy(states_); }
 
 void RngStatesTracker::set_states(const std::map<std::string, at::Tensor>& states) {
+  TORCH_CHECK(current_ == kDefaultRng || states.count(current_) != 0,
+              "actmem::RngStatesTracker::set_states: the stream '", current_,
+              "' of the enclosing fork is missing from the new states");
   initialized_ = true;
   states_ = deep_copy(states);
 }
@@ -94,14 +99,24 @@ RngFork::RngFork(RngFork&& other) noexcept
 
 RngFork::~RngFork() {
   if (tracker_ == nullptr) return;
-  // Guards nest lexically, so the current stream is always ours here.
-  TORCH_INTERNAL_ASSERT(tracker_->current_ == name_, "RngFork: current state name ",
-                        tracker_->current_, " is not the same as the desired state name ", name_);
-  const at::Generator gen = tracker_->generator();
-  tracker_->states_[name_] = read_state(gen);
-  // Reload the outer stream from the tracker: a nested fork of it may have advanced it.
-  const at::Tensor outer = orig_name_ != kDefaultRng ? tracker_->states_.at(orig_name_) : orig_state_;
-  write_state(gen, outer);
+  try {
+    // Guards nest lexically, so the current stream should be ours; a destructor must not throw,
+    // so a violation (Megatron raises) is reported and the outer state restored regardless.
+    if (tracker_->current_ != name_) {
+      TORCH_WARN("actmem::RngFork: current state name ", tracker_->current_,
+                 " is not the same as the desired state name ", name_);
+    }
+    const at::Generator gen = tracker_->generator();
+    tracker_->states_[name_] = read_state(gen);
+    // Reload the outer stream from the tracker: a nested fork of it may have advanced it.
+    const auto outer_it = tracker_->states_.find(orig_name_);
+    const at::Tensor outer = (orig_name_ != kDefaultRng && outer_it != tracker_->states_.end())
+                                 ? outer_it->second
+                                 : orig_state_;
+    write_state(gen, outer);
+  } catch (const std::exception& e) {
+    TORCH_WARN("actmem::RngFork: could not restore the random state: ", e.what());
+  }
   tracker_->current_ = orig_name_;
 }
 
@@ -119,6 +134,8 @@ void model_parallel_manual_seed(uint64_t seed, int64_t tp_rank, int64_t ep_rank,
   const uint64_t ep_seed = seed + 1024 + 100 * static_cast<uint64_t>(ep_rank) +
                            static_cast<uint64_t>(etp_rank);
   auto& tracker = get_rng_tracker();
+  TORCH_CHECK(tracker.current_state_name() == kDefaultRng, "actmem::model_parallel_manual_seed: "
+              "called inside fork('", tracker.current_state_name(), "'); leave the fork first");
   tracker.reset();
   tracker.set_device(device);
   at::manual_seed(seed);  // the default generators are the data-parallel stream
@@ -133,7 +150,14 @@ RngSnapshot get_all_rng_states() {
   if (cuda_in_use()) {
     s.cuda = read_state(at::globalContext().defaultGenerator(c10::Device(c10::kCUDA)));
   }
-  s.tracker = get_rng_tracker().get_states();
+  auto& tracker = get_rng_tracker();
+  s.tracker = tracker.get_states();
+  // Inside fork(X) the live state of X is in the device generator, not yet in the tracker.
+  if (tracker.current_state_name() != kDefaultRng) {
+    s.tracker[tracker.current_state_name()] = read_state(
+        tracker.device().is_cpu() ? at::detail::getDefaultCPUGenerator()
+                                  : at::globalContext().defaultGenerator(tracker.device()));
+  }
   return s;
 }
 

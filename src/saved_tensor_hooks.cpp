@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>
 #include <torch/csrc/autograd/saved_variable_hooks.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <mutex>
 #include <vector>
@@ -14,8 +15,14 @@ namespace {
 
 thread_local std::vector<SavedTensorHook*> t_stack;
 
-// What autograd stores in a SavedVariable while hooks are active: either the tensor itself
-// (every hook only observed it) or the innermost hook's PackedTensor.
+// What autograd stores in a SavedVariable while hooks are active: either a detached alias of the
+// tensor (every hook only observed it) or the innermost hook's PackedTensor.
+// Note [Hooked saved variables]
+// - A detached alias, not the tensor: a tensor saved by the node that produced it would point
+//   back at that node (a reference cycle that leaks the graph if backward never runs);
+//   SavedVariable re-attaches the gradient edge on unpack.
+// - libtorch skips its in-place version check when hooks are set, so the check is done here,
+//   with the same message, against the version counter captured at pack time.
 class StackHooks final : public torch::autograd::SavedVariableHooks {
  public:
   explicit StackHooks(std::vector<SavedTensorHook*> stack) : stack_(std::move(stack)) {}
@@ -23,15 +30,25 @@ class StackHooks final : public torch::autograd::SavedVariableHooks {
     for (SavedTensorHook* hook : stack_) {
       if (auto p = hook->pack(tensor)) packed_ = std::move(p);  // innermost wins
     }
-    if (!packed_) tensor_ = tensor;
+    if (!packed_) tensor_ = tensor.detach();
+    version_ = torch::autograd::impl::version_counter(tensor);
+    saved_version_ = version_.current_version();
     stack_.clear();
   }
-  at::Tensor call_unpack_hook() override { return packed_ ? packed_->unpack() : tensor_; }
+  at::Tensor call_unpack_hook() override {
+    TORCH_CHECK(version_.current_version() == saved_version_,
+                "one of the variables needed for gradient computation has been modified by an "
+                "inplace operation: it is at version ", version_.current_version(),
+                "; expected version ", saved_version_, " instead.");
+    return packed_ ? packed_->unpack() : tensor_;
+  }
 
  private:
   std::vector<SavedTensorHook*> stack_;
   std::shared_ptr<PackedTensor> packed_;
   at::Tensor tensor_;
+  c10::VariableVersion version_{0};
+  uint32_t saved_version_ = 0;
 };
 
 // Note [Saved-tensor hook engine]

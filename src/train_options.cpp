@@ -151,6 +151,8 @@ void TrainOptions::finalize() {
   if (device_memory_limit_gib > 0.0) {
     training.device_memory_limit =
         static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));
+    TORCH_CHECK(training.device_memory_limit > 0, "--device-memory-limit ", device_memory_limit_gib,
+                " GiB rounds to 0 bytes; give at least one byte");
   }
   model.validate();
   training.validate(model);

@@ -213,7 +213,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     offloader_->exclude(model_->attention_mask());
     model_->decoder->set_activation_offloader(offloader_.get());
   }
-  predicted_activation_bytes_ = predict_activation_bytes(model_config_, 4).total;
+  predicted_activation_bytes_ = predict_activation_bytes(model_config_, 4, device_.is_cpu()).total;
 }
 
 Trainer::~Trainer() = default;

@@ -132,17 +132,40 @@ TEST_F(RngTest, ModelParallelManualSeedFormulas) {
 
 TEST_F(RngTest, SnapshotsAreDeepCopies) {
   get_rng_tracker().add("a", 1);
-  const RngSnapshot snap = get_all_rng_states();
+  RngSnapshot snap = get_all_rng_states();
   const at::Tensor first = at::randn({5});
   {
     auto fork = get_rng_tracker().fork("a");
-    at::randn({5});
+    at::randn({5});  // advances stream a in the tracker
   }
-  // Mutating the snapshot's tensors in place must not reach the tracker, and vice versa.
-  get_rng_tracker().get_states().at("a").zero_();
+  // The snapshot did not follow the tracker (not a live handle, megatron-spec §9.1) ...
+  EXPECT_TRUE(bitwise_equal(snap.tracker.at("a"), fresh_seeded_state(1)));
   set_all_rng_states(snap);
   EXPECT_TRUE(bitwise_equal(at::randn({5}), first));
+  // ... and the tracker does not alias the snapshot's tensors or the copies it hands out.
+  snap.tracker.at("a").zero_();
+  get_rng_tracker().get_states().at("a").zero_();
   EXPECT_TRUE(bitwise_equal(get_rng_tracker().get_states().at("a"), fresh_seeded_state(1)));
+}
+
+TEST_F(RngTest, SnapshotInsideAForkHoldsTheLiveStream) {
+  auto& t = get_rng_tracker();
+  t.add("a", 9);
+  auto fork = t.fork("a");
+  at::randn({7});  // progress of stream a lives in the generator during the fork
+  const RngSnapshot snap = get_all_rng_states();
+  const at::Tensor next = at::randn({3});
+  set_all_rng_states(snap);
+  EXPECT_TRUE(bitwise_equal(snap.tracker.at("a"), snap.cpu));
+  EXPECT_TRUE(bitwise_equal(at::randn({3}), next));
+}
+
+TEST_F(RngTest, ReseedingInsideAForkIsAClearErrorNotACrash) {
+  auto& t = get_rng_tracker();
+  t.add("a", 4);
+  auto fork = t.fork("a");
+  expect_error_containing([] { model_parallel_manual_seed(1); }, "called inside fork('a')");
+  expect_error_containing([&] { t.reset(); }, "called inside fork('a')");
 }
 
 TEST_F(RngTest, ForkRngRestoresEvenThroughAnException) {

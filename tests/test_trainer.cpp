@@ -97,11 +97,14 @@ TEST(Trainer, MeasuresActivationsWithTheTracker) {
   // The logits [s, b, v] in fp32 alone are held from forward to backward.
   const int64_t logits = c.seq_length * c.micro_batch_size * c.vocab_size * 4;
   EXPECT_GT(st.activation_bytes, logits);
-  EXPECT_GE(st.activation_peak_bytes, st.activation_bytes);
-  EXPECT_GT(st.peak_device_bytes, st.activation_peak_bytes);
   // The step releases what it held: the next step measures the same amount.
   const auto st2 = trainer.train_step();
   EXPECT_EQ(st2.activation_bytes, st.activation_bytes);
+  // From step 2 on, the device holds parameters, gradients and both AdamW moments throughout,
+  // and the step's peak sits on top of them.
+  const int64_t state = 4 * 4 * trainer.model().num_parameters();
+  EXPECT_GE(st2.peak_device_bytes, state + st2.activation_peak_bytes);
+  EXPECT_LT(st2.peak_device_bytes, state + st2.activation_peak_bytes + (1 << 20));
 }
 
 TEST(Trainer, TimelineMarksEveryLayerForwardAndBackward) {
@@ -113,7 +116,7 @@ TEST(Trainer, TimelineMarksEveryLayerForwardAndBackward) {
   const std::vector<std::string> want = {"fwd start", "fwd embedding", "fwd layer 0", "fwd layer 1",
                                          "fwd loss",  "bwd head",      "bwd layer 1", "bwd layer 0",
                                          "bwd end"};
-  EXPECT_EQ(labels, want);
+  ASSERT_EQ(labels, want);
   const auto& e = trainer.last_timeline().entries();
   EXPECT_GT(e[4].current_bytes, e[0].current_bytes);  // forward accumulates activations
   EXPECT_LT(e.back().current_bytes, e[4].current_bytes);  // backward releases them
@@ -143,9 +146,10 @@ TEST(IterationStats, JsonHasEveryFieldAndDoublesRoundTrip) {
   st.activation_peak_bytes = 9;
   const std::string line = to_json(st).dump();
   const auto j = nlohmann::json::parse(line);
-  for (const char* key : {"iteration", "loss", "grad_norm", "grad_digest", "step_time_s",
+  for (const char* key : {"iteration", "loss", "grad_norm", "grad_digest", "lr", "step_time_s",
                           "tokens_per_s", "peak_device_bytes", "activation_bytes",
-                          "activation_peak_bytes"}) {
+                          "activation_peak_bytes", "predicted_activation_bytes",
+                          "offloaded_bytes", "host_peak_bytes", "offload_wait_s"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["loss"].get<double>(), st.loss);

@@ -18,6 +18,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -68,8 +69,9 @@ class ActivationLedger final : public SavedTensorHook {
  private:
   std::vector<SavedTensorRecord> records_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;  // parallel to records_
-  std::unordered_set<const void*> counted_;
-  std::unordered_set<const void*> excluded_;
+  std::unordered_set<const void*> counted_;  // storages of this forward (alive while saved)
+  // Weak, so a freed excluded storage (last step's batch) cannot exclude a new one at its address.
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> excluded_;
 };
 
 /// Records into `ledger` while alive (on this thread): pushes it on the saved-tensor hook stack

@@ -70,6 +70,9 @@ struct PredictedBytes {
   std::vector<std::pair<std::string, int64_t>> by_module;  // module path -> bytes
   int64_t total = 0;
 };
-PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4);
+/// On CUDA the checkpoints' random-state snapshots live in host memory and are not counted;
+/// on CPU they are device bytes like everything else.
+PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4,
+                                        bool snapshots_on_device = true);
 
 }  // namespace actmem
