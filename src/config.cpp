@@ -97,6 +97,50 @@ void validate_recompute(const TransformerConfig& c) {
 }
 }  // namespace
 
+bool TransformerConfig::offloads(const std::string& module) const {
+  return fine_grained_activation_offloading &&
+         std::find(offload_modules.begin(), offload_modules.end(), module) != offload_modules.end();
+}
+
+namespace {
+// Megatron's fine-grained offload rules (megatron-spec §4.4 rule 19) and the exclusions with
+// recompute; deliberate differences are marked.
+void validate_offload(const TransformerConfig& c) {
+  if (!c.fine_grained_activation_offloading) {
+    TORCH_CHECK(c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules only applies "
+                "with fine_grained_activation_offloading");
+    return;
+  }
+  TORCH_CHECK(!c.cpu_offloading(), "actmem::TransformerConfig: fine_grained_activation_offloading "
+              "cannot be enabled with cpu_offloading.");
+  TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name at "
+              "least one module when fine_grained_activation_offloading is on");
+  static const std::vector<std::string> allowed = {"core_attn", "attn_proj", "expert_fc1", "moe_act",
+                                                   "attn_norm", "mlp_norm", "qkv_linear"};
+  std::vector<std::string> invalid;
+  for (const auto& m : c.offload_modules) {
+    if (std::find(allowed.begin(), allowed.end(), m) == allowed.end()) invalid.push_back(m);
+  }
+  TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
+              join_set(invalid), ". Allowed modules are: ", join_set(allowed));
+  TORCH_CHECK(!c.offloads("expert_fc1") && !c.offloads("moe_act"), "actmem::TransformerConfig: "
+              "expert_fc1 and moe_act in offload_modules need MoE layers, and this model is dense");
+  TORCH_CHECK(!c.offloads("attn_proj") || c.offloads("core_attn"), "actmem::TransformerConfig: "
+              "attn_proj cannot be set to offload_modules alone without core_attn because the input "
+              "of attn_proj is the output of core_attn, which is needed in core_attn.backward().");
+  // Megatron silently skips core_attn offload when core_attn is recomputed; refused here.
+  TORCH_CHECK(!(c.offloads("core_attn") && c.recomputes("core_attn")),
+              "actmem::TransformerConfig: core_attn cannot be both offloaded and recomputed: "
+              "remove it from offload_modules or from recompute_modules");
+  // Our restriction: whole-layer checkpoints and module offload groups do not compose here.
+  TORCH_CHECK(!c.full_recompute(), "actmem::TransformerConfig: fine_grained_activation_offloading "
+              "works with selective recompute only, not with recompute_granularity full");
+  TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
+              "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
+              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
+}
+}  // namespace
+
 bool TransformerConfig::recomputes(const std::string& module) const {
   if (recompute_granularity != "selective") return false;
   const auto modules = resolved_recompute_modules();
@@ -156,6 +200,7 @@ void TransformerConfig::validate() const {
   TORCH_CHECK(min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
               "min_offloaded_tensor_size must be >= 0, got ", min_offloaded_tensor_size);
   validate_recompute(*this);
+  validate_offload(*this);
 }
 
 }  // namespace actmem

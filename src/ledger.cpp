@@ -103,7 +103,13 @@ std::shared_ptr<PackedTensor> ActivationLedger::pack(const at::Tensor& t) {
   r.shape = t.sizes().vec();
   r.dtype = c10::toString(t.scalar_type());
   r.storage_bytes = static_cast<int64_t>(t.storage().nbytes());
-  r.counted = counted_.insert(storage).second;
+  const auto seen = counted_.find(storage);
+  r.counted = seen == counted_.end() || seen->second.expired();
+  if (r.counted) {
+    counted_.insert_or_assign(storage, c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                           c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+                                               t.storage().unsafeGetStorageImpl())));
+  }
   records_.push_back(std::move(r));
   storages_.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
       t.storage().unsafeGetStorageImpl()));

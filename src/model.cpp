@@ -13,6 +13,7 @@
 #include <torch/autograd.h>
 
 #include <cmath>
+#include <optional>
 
 namespace actmem {
 
@@ -173,7 +174,10 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
 SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dtype)
     : heads_(config.num_attention_heads),
       head_dim_(config.kv_channels()),
-      checkpoint_core_attention_(config.recomputes("core_attn")) {
+      checkpoint_core_attention_(config.recomputes("core_attn")),
+      offload_qkv_(config.offloads("qkv_linear")),
+      offload_core_(config.offloads("core_attn")),
+      offload_proj_(config.offloads("attn_proj")) {
   const int64_t h = config.hidden_size;
   linear_qkv = register_module(
       "linear_qkv", std::make_shared<Linear>(h, 3 * h, config.add_bias_linear, false, dtype));
@@ -185,11 +189,28 @@ SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dty
 std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
                                                          const LayerContext& ctx) {
   const int64_t s = x.size(0), b = x.size(1);
+  ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
+  // Fine-grained offload (seed §7): a module's group starts at its input and commits at its
+  // output; what it saves is captured in between (Note [Offload state machine], offload.cpp).
+  auto in_group = [&](bool enabled, const char* name, const at::Tensor& input, auto&& run,
+                      std::vector<at::Tensor> forced) {
+    if (!enabled || off == nullptr) return run(input);
+    const int g = off->start_group(name);
+    const at::Tensor started = offload_group_start(*off, input, g);
+    at::Tensor out;
+    {
+      ActivationOffloader::CaptureScope capture(*off, g);
+      out = run(started);
+    }
+    return offload_group_commit(*off, out, g, forced);
+  };
   // Megatron's layout: [s, b, a, 3d], split per head into q, k, v.
   at::Tensor qkv;
   {
     ModuleScope scope("linear_qkv");
-    qkv = linear_qkv->forward(x).first.view({s, b, heads_, 3 * head_dim_});
+    qkv = in_group(offload_qkv_, "qkv_linear", x,
+                   [&](const at::Tensor& in) { return linear_qkv->forward(in).first; }, {})
+              .view({s, b, heads_, 3 * head_dim_});
   }
   auto parts = qkv.split(head_dim_, -1);
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
@@ -211,11 +232,24 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
           },
           /*distribute_saved_activations=*/false, {q, k, v})[0];
     } else {
-      context = core_attention->forward(q, k, v, ctx.attention_mask);
+      // q, k and v are not read again in forward: their storage goes once copied.
+      context = in_group(offload_core_, "core_attn", q,
+                         [&](const at::Tensor& qs) {
+                           return core_attention->forward(qs, k, v, ctx.attention_mask);
+                         },
+                         {q, k, v});
     }
   }
   ModuleScope scope("linear_proj");
-  return linear_proj->forward(context);
+  at::Tensor bias;
+  at::Tensor out = in_group(offload_proj_, "attn_proj", context,
+                            [&](const at::Tensor& in) {
+                              auto r = linear_proj->forward(in);
+                              bias = r.second;
+                              return r.first;
+                            },
+                            {context});
+  return {out, bias};
 }
 
 // ---- MLP --------------------------------------------------------------------------------------
@@ -256,7 +290,9 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, int64_t laye
     : layer_number_(layer_number),
       hidden_dropout_(config.hidden_dropout),
       recompute_mlp_(config.recomputes("mlp")),
-      recompute_layernorm_(config.recomputes("layernorm")) {
+      recompute_layernorm_(config.recomputes("layernorm")),
+      offload_attn_norm_(config.offloads("attn_norm")),
+      offload_mlp_norm_(config.offloads("mlp_norm")) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
   self_attention = register_module("self_attention", std::make_shared<SelfAttention>(config, dtype));
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
@@ -291,10 +327,23 @@ at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContex
                            {x})[0];
   };
   at::Tensor ln1, attn, attn_bias, mid, ln2, mlp_out, mlp_bias;
+  ActivationOffloader* off = train ? ctx.offloader : nullptr;
+  // attn_norm and mlp_norm groups commit after the bias-dropout-add (the residual, which is the
+  // norm's input, is read there), then release the residual (Megatron's placement).
+  auto start = [&](bool enabled, const char* name, const at::Tensor& x, int* g) {
+    *g = enabled && off != nullptr ? off->start_group(name) : -1;
+    return *g >= 0 ? offload_group_start(*off, x, *g) : x;
+  };
+  int g_attn_norm = -1, g_mlp_norm = -1;
   {
     ModuleScope scope("input_layernorm");
-    ln1 = norm(input_layernorm, ln1_ckpt, hidden);
+    const at::Tensor x = start(offload_attn_norm_, "attn_norm", hidden, &g_attn_norm);
+    std::optional<ActivationOffloader::CaptureScope> capture;
+    if (g_attn_norm >= 0) capture.emplace(*off, g_attn_norm);
+    ln1 = norm(input_layernorm, ln1_ckpt, x);
   }
+  // A norm output that output-discarding recompute frees is not worth a copy.
+  if (discard_norms && off != nullptr) off->exclude_this_forward(ln1);
   {
     ModuleScope scope("self_attention");
     std::tie(attn, attn_bias) = self_attention->forward(ln1, ctx);
@@ -303,18 +352,25 @@ at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContex
   {
     ModuleScope scope("self_attn_bda");
     mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
+    if (g_attn_norm >= 0) mid = offload_group_commit(*off, mid, g_attn_norm, {hidden});
   }
   {
     ModuleScope scope("pre_mlp_layernorm");
-    ln2 = norm(pre_mlp_layernorm, ln2_ckpt, mid);
+    const at::Tensor x = start(offload_mlp_norm_, "mlp_norm", mid, &g_mlp_norm);
+    std::optional<ActivationOffloader::CaptureScope> capture;
+    if (g_mlp_norm >= 0) capture.emplace(*off, g_mlp_norm);
+    ln2 = norm(pre_mlp_layernorm, ln2_ckpt, x);
   }
+  if (discard_norms && off != nullptr) off->exclude_this_forward(ln2);
   {
     ModuleScope scope("mlp");
     mlp_out = forward_mlp(ln2, &mlp_bias);
   }
   if (discard_norms) ln2_ckpt.discard_output_and_register_recompute(mlp_out);
   ModuleScope scope("mlp_bda");
-  return bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
+  at::Tensor out = bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
+  if (g_mlp_norm >= 0) out = offload_group_commit(*off, out, g_mlp_norm, {mid});
+  return out;
 }
 
 // ---- TransformerBlock -------------------------------------------------------------------------
@@ -359,21 +415,22 @@ std::vector<std::pair<int64_t, int64_t>> TransformerBlock::checkpoint_chunks(
 at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_t end,
                                         const LayerContext& ctx) {
   const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
-  const bool offload = offloader_ != nullptr && is_training() && at::GradMode::is_enabled();
+  ActivationOffloader* off = ctx.offloader;
+  const bool offload = off != nullptr && config_.cpu_offloading() && is_training() &&
+                       at::GradMode::is_enabled();
   for (int64_t i = start; i < end; ++i) {
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
     ModuleScope scope("layers", i);
     if (offload && i < config_.cpu_offloading_num_layers) {
       // Layer-level offload (seed §8): what layer i saves goes to the host when its forward
       // ends (the group commits) ...
-      auto group = offloader_->group();
+      auto group = off->group();
       hidden = layers[i]->forward(hidden, ctx);
     } else {
       hidden = layers[i]->forward(hidden, ctx);
     }
     if (offload && i >= 1 && i <= config_.cpu_offloading_num_layers && hidden.requires_grad()) {
       // ... and comes back while layer i's backward runs, one layer ahead of its own backward.
-      ActivationOffloader* off = offloader_;
       hidden.register_hook([off, i](const at::Tensor&) { off->prefetch(static_cast<int>(i) - 1); });
     }
     timeline_mark(prefix + std::to_string(i));
@@ -383,8 +440,8 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
 
 at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
   at::Tensor hidden = hidden_in;
-  if (offloader_ != nullptr && is_training() && at::GradMode::is_enabled()) {
-    offloader_->begin_forward();
+  if (ctx.offloader != nullptr && is_training() && at::GradMode::is_enabled()) {
+    ctx.offloader->begin_forward();
   }
   const auto L = static_cast<int64_t>(layers.size());
   if (config_.full_recompute() && is_training()) {
@@ -490,7 +547,7 @@ at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   timeline_mark("fwd embedding");
   {
     ModuleScope scope("decoder");
-    hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_});
+    hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
   }
   ModuleScope scope("output_layer");
   return at::matmul(hidden, output_weight.t());  // [s, b, v]

@@ -2,6 +2,7 @@
 #include "actmem/offload.h"
 
 #include <ATen/ATen.h>
+#include <torch/csrc/autograd/custom_function.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
@@ -161,17 +162,21 @@ const char* to_string(ActivationOffloader::State s) {
 
 // Note [Offload state machine]
 // One Entry per device storage saved in a group (views of one storage share it, so a storage is
-// copied once). Transitions, each checked under the entry's mutex:
+// copied once, and a storage saved again by a later group of the same forward reuses the entry).
+// Transitions, each checked under the entry's mutex:
 //   resident   -> offloading  commit(): D2H copy queued; the copy job holds the device bytes
-//   offloading -> offloaded   D2H worker, after the copy: the device bytes are dropped
+//   offloading -> offloaded   D2H worker, after the copy: the device bytes are dropped (and a
+//                             forced tensor's storage is freed even if other references remain)
 //   offloading -> reloading   prefetch()/unpack() before the D2H finished: the H2D job waits the
 //   offloaded  -> reloading   offload event first, so a reload never reads a half-written buffer
+//                             (Megatron's race, megatron-spec §9.2, fixed)
 //   reloading  -> reloaded    H2D worker, after the copy: the host buffer returns to the pool
-// An unpack in any other state than reloaded waits (offload_wait_s counts it).
+// An unpack in any state other than resident or reloaded waits (offload_wait_s counts it).
 struct ActivationOffloader::Entry {
   std::mutex mutex;
   State state = State::kResident;
   bool offload_finished = false;
+  bool force_release = false;
   int64_t nbytes = 0;
   at::Tensor device;    // uint8 alias of the whole device storage while resident/offloading
   at::Tensor host;      // pool buffer while offloading..reloading
@@ -181,9 +186,12 @@ struct ActivationOffloader::Entry {
 };
 
 struct ActivationOffloader::Group {
-  std::vector<std::weak_ptr<Entry>> entries;  // handles (autograd's saved variables) own them
-  std::map<const void*, std::weak_ptr<Entry>> by_storage;
+  std::string name;
+  bool apply_margin = true;
+  bool offload = true;
   bool committed = false;
+  int64_t bytes = 0, tensors = 0;
+  std::vector<std::weak_ptr<Entry>> entries;  // handles (autograd's saved variables) own them
 };
 
 namespace {
@@ -197,24 +205,36 @@ void expect_state(ActivationOffloader::State actual,
               to_string(actual));
 }
 
+bool weakly_contains(const std::map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>>& m,
+                     const void* key) {
+  const auto it = m.find(key);
+  return it != m.end() && !it->second.expired();
+}
+
+void weakly_insert(std::map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>>& m,
+                   const at::Tensor& t) {
+  if (!t.defined() || !t.has_storage()) return;
+  c10::StorageImpl* impl = t.storage().unsafeGetStorageImpl();
+  m.insert_or_assign(impl, c10::weak_intrusive_ptr<c10::StorageImpl>(
+                               c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(impl)));
+}
+
 class OffloadedView final : public PackedTensor {
  public:
-  OffloadedView(ActivationOffloader* owner, std::shared_ptr<ActivationOffloader::Entry> entry,
-                const at::Tensor& t, std::function<void(ActivationOffloader::Entry&)> wait)
+  OffloadedView(std::shared_ptr<ActivationOffloader::Entry> entry, const at::Tensor& t,
+                std::function<void(ActivationOffloader::Entry&)> wait)
       : entry_(std::move(entry)),
         options_(t.options()),
         sizes_(t.sizes().vec()),
         strides_(t.strides().vec()),
         offset_(t.storage_offset()),
-        wait_(std::move(wait)) {
-    (void)owner;
-  }
+        wait_(std::move(wait)) {}
   at::Tensor unpack() override {
     wait_(*entry_);
     at::Tensor bytes;
     {
       std::lock_guard<std::mutex> lock(entry_->mutex);
-      // An entry that was never offloaded (group not committed) still holds its device bytes.
+      // An entry of a group that did not offload (or was not committed) is still resident.
       bytes = entry_->state == ActivationOffloader::State::kResident ? entry_->device
                                                                      : entry_->reloaded;
     }
@@ -232,70 +252,109 @@ class OffloadedView final : public PackedTensor {
 
 }  // namespace
 
-ActivationOffloader::ActivationOffloader(int64_t min_elements, double bytes_per_second)
-    : min_elements_(min_elements), d2h_("d2h", bytes_per_second), h2d_("h2d", bytes_per_second) {
+ActivationOffloader::ActivationOffloader(int64_t min_elements, double bytes_per_second,
+                                         int max_inflight)
+    : min_elements_(min_elements),
+      max_inflight_(max_inflight),
+      d2h_("d2h", bytes_per_second),
+      h2d_("h2d", bytes_per_second) {
   TORCH_CHECK(min_elements >= 0, "actmem::ActivationOffloader: min_offloaded_tensor_size must be "
               ">= 0, got ", min_elements);
 }
 
 ActivationOffloader::~ActivationOffloader() = default;
 
-void ActivationOffloader::exclude(const at::Tensor& t) {
-  if (t.defined() && t.has_storage()) excluded_.insert(t.storage().unsafeGetStorageImpl());
+void ActivationOffloader::exclude(const at::Tensor& t) { weakly_insert(excluded_, t); }
+
+void ActivationOffloader::exclude_this_forward(const at::Tensor& t) {
+  weakly_insert(excluded_forward_, t);
 }
 
-std::unique_ptr<ActivationOffloader::GroupScope> ActivationOffloader::group() {
+int ActivationOffloader::start_group(const std::string& name, bool apply_margin) {
   std::lock_guard<std::mutex> lock(mutex_);
-  groups_.push_back(std::make_shared<Group>());
-  return std::make_unique<GroupScope>(*this, static_cast<int>(groups_.size()) - 1);
+  auto g = std::make_shared<Group>();
+  g->name = name;
+  g->apply_margin = apply_margin;
+  const size_t index = groups_.size();
+  // Warmup offloads everything; afterwards the decisions of the warmup step hold, by position.
+  g->offload = warmup_ || index >= decisions_.size() || decisions_[index];
+  groups_.push_back(std::move(g));
+  return static_cast<int>(index);
 }
 
-ActivationOffloader::GroupScope::GroupScope(ActivationOffloader& owner, int index)
-    : owner_(owner), index_(index), hooks_(owner) {
+ActivationOffloader::CaptureScope::CaptureScope(ActivationOffloader& owner, int index)
+    : owner_(owner), previous_(owner.current_), hooks_(owner) {
   owner_.current_ = index;
 }
 
+ActivationOffloader::CaptureScope::~CaptureScope() { owner_.current_ = previous_; }
+
+std::unique_ptr<ActivationOffloader::GroupScope> ActivationOffloader::group(const std::string& name) {
+  return std::make_unique<GroupScope>(*this, start_group(name, /*apply_margin=*/false));
+}
+
+ActivationOffloader::GroupScope::GroupScope(ActivationOffloader& owner, int index)
+    : owner_(owner), index_(index), capture_(owner, index) {}
+
 ActivationOffloader::GroupScope::~GroupScope() {
-  owner_.current_ = -1;
-  owner_.commit(index_);
+  try {
+    owner_.commit(index_);
+  } catch (const std::exception& e) {
+    TORCH_WARN("actmem::ActivationOffloader: commit failed: ", e.what());
+  }
 }
 
 std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
   if (current_ < 0 || !t.defined() || !t.has_storage() || t.numel() < min_elements_) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter
   const void* key = t.storage().unsafeGetStorageImpl();
-  if (excluded_.count(key) != 0) return nullptr;
   std::shared_ptr<Entry> entry;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    Group& g = *groups_[current_];
-    auto it = g.by_storage.find(key);
-    if (it != g.by_storage.end()) entry = it->second.lock();
+    if (weakly_contains(excluded_, key) || weakly_contains(excluded_forward_, key)) return nullptr;
+    auto it = by_storage_.find(key);
+    if (it != by_storage_.end() && !it->second.first.expired()) entry = it->second.second.lock();
     if (!entry) {
+      Group& g = *groups_.at(current_);
+      if (!g.offload) return nullptr;  // kept on the device by the margin rule
       entry = std::make_shared<Entry>();
       entry->nbytes = static_cast<int64_t>(t.storage().nbytes());
       entry->device = at::empty({0}, t.options().dtype(at::kByte))
                           .set_(t.storage(), 0, {entry->nbytes}, {1});
-      g.by_storage[key] = entry;
+      by_storage_.insert_or_assign(
+          key, std::make_pair(c10::weak_intrusive_ptr<c10::StorageImpl>(
+                                  c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+                                      t.storage().unsafeGetStorageImpl())),
+                              std::weak_ptr<Entry>(entry)));
       g.entries.push_back(entry);
     }
   }
-  return std::make_shared<OffloadedView>(this, entry, t, [this](Entry& e) { wait_reloaded(e); });
+  return std::make_shared<OffloadedView>(entry, t, [this](Entry& e) { wait_reloaded(e); });
 }
 
-void ActivationOffloader::commit(int index) {
+void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& forced) {
   std::shared_ptr<Group> g;
   {
     std::lock_guard<std::mutex> lock(mutex_);
     g = groups_.at(index);
+    TORCH_CHECK(!g->committed, "actmem::ActivationOffloader::commit: group ", index, " (", g->name,
+                ") committed twice");
     g->committed = true;
-    g->by_storage.clear();  // a later group saving the same storage gets its own entry
   }
+  if (!g->offload) return;
+  std::unordered_set<const void*> forced_storages;
+  for (const auto& t : forced) {
+    if (t.defined() && t.has_storage()) forced_storages.insert(t.storage().unsafeGetStorageImpl());
+  }
+  CopyEvent last;
+  bool any = false;
   for (const auto& weak : g->entries) {
     auto entry = weak.lock();
     if (!entry) continue;
     std::lock_guard<std::mutex> lock(entry->mutex);
     expect_state(entry->state, {State::kResident}, "offload");
+    entry->force_release =
+        forced_storages.count(entry->device.storage().unsafeGetStorageImpl()) != 0;
     entry->host = pool_.acquire(entry->nbytes);
     entry->state = State::kOffloading;
     std::weak_ptr<Entry> back = entry;
@@ -303,13 +362,40 @@ void ActivationOffloader::commit(int index) {
       if (auto e = back.lock()) {
         std::lock_guard<std::mutex> l(e->mutex);
         e->offload_finished = true;
+        if (e->force_release) {
+          // Free the device bytes now, although forward code may still hold references: the
+          // caller promised nothing reads them again before backward (which reads the reload).
+          c10::StorageImpl* impl = e->device.storage().unsafeGetStorageImpl();
+          impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
+          impl->set_nbytes(0);
+        }
         e->device = at::Tensor();  // the device copy is released: the point of offloading
         if (e->state == State::kOffloading) e->state = State::kOffloaded;
       }
     });
+    last = entry->offloaded;
+    any = true;
+    std::lock_guard<std::mutex> l(mutex_);
+    offloaded_bytes_ += entry->nbytes;
+    if (warmup_) {
+      g->bytes += entry->nbytes;
+      ++g->tensors;
+    }
+  }
+  if (any && max_inflight_ >= 0) {
+    // Cap on offloads in flight per group name: compute waits for the oldest beyond it.
+    std::deque<CopyEvent>* pending;
     {
-      std::lock_guard<std::mutex> l(mutex_);
-      offloaded_bytes_ += entry->nbytes;
+      std::lock_guard<std::mutex> lock(mutex_);
+      pending = &inflight_[g->name];
+      pending->push_back(last);
+    }
+    while (static_cast<int>(pending->size()) > max_inflight_) {
+      const auto t0 = Clock::now();
+      pending->front().wait();
+      wait_ns_.fetch_add(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+      pending->pop_front();
     }
   }
 }
@@ -321,7 +407,7 @@ void ActivationOffloader::prefetch(int index) {
     if (index < 0 || index >= static_cast<int>(groups_.size())) return;
     g = groups_[index];
   }
-  if (!g->committed) return;
+  if (!g->committed || !g->offload) return;
   for (const auto& weak : g->entries) {
     auto entry = weak.lock();
     if (!entry) continue;
@@ -346,21 +432,56 @@ void ActivationOffloader::prefetch(int index) {
   }
 }
 
-void ActivationOffloader::wait_reloaded(Entry& entry) {
+void ActivationOffloader::wait_group(int index) {
+  std::shared_ptr<Group> g;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (index < 0 || index >= static_cast<int>(groups_.size())) return;
+    g = groups_[index];
+  }
+  if (!g->committed || !g->offload) return;
+  prefetch(index);
   const auto t0 = Clock::now();
-  CopyEvent event;
+  for (const auto& weak : g->entries) {
+    auto entry = weak.lock();
+    if (!entry) continue;
+    CopyEvent ev;
+    {
+      std::lock_guard<std::mutex> lock(entry->mutex);
+      ev = entry->reloaded_event;
+    }
+    ev.wait();
+  }
+  wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+}
+
+void ActivationOffloader::on_commit_backward(int index) { wait_group(index); }
+
+void ActivationOffloader::on_start_backward(int index) {
+  // One group ahead: the closest earlier group that offloaded is the next one backward needs.
+  int target = -1;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    for (int i = std::min(index, static_cast<int>(groups_.size())) - 1; i >= 0 && target < 0; --i) {
+      if (groups_[i]->committed && groups_[i]->offload && !groups_[i]->entries.empty()) target = i;
+    }
+  }
+  if (target >= 0) prefetch(target);
+}
+
+void ActivationOffloader::wait_reloaded(Entry& entry) {
   {
     std::lock_guard<std::mutex> lock(entry.mutex);
     if (entry.state == State::kResident || entry.state == State::kReloaded) return;
   }
-  // Not prefetched (or still in flight): make sure a reload is queued, then wait for it.
+  const auto t0 = Clock::now();
   bool queued;
   {
     std::lock_guard<std::mutex> lock(entry.mutex);
     queued = entry.reload_queued;
   }
   if (!queued) {
-    // Find this entry's group and reload all of it (the rest is needed next anyway).
+    // Not prefetched: reload this entry's whole group (the rest is needed next anyway).
     int index = -1;
     {
       std::lock_guard<std::mutex> lock(mutex_);
@@ -373,6 +494,7 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
     TORCH_INTERNAL_ASSERT(index >= 0, "offloaded entry without a group");
     prefetch(index);
   }
+  CopyEvent event;
   {
     std::lock_guard<std::mutex> lock(entry.mutex);
     event = entry.reloaded_event;
@@ -383,7 +505,6 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
 
 void ActivationOffloader::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
-  groups_.clear();
   offloaded_bytes_ = 0;
   wait_ns_ = 0;
   d2h_busy_at_step_ = d2h_.busy_seconds();
@@ -391,19 +512,96 @@ void ActivationOffloader::begin_step() {
   pool_.reset_peak();
 }
 
+void ActivationOffloader::end_step() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (!warmup_) return;
+  // Note [Offload margin]: for each group name, the group the backward reaches first (the last
+  // one in forward order) would be reloaded as soon as it finished offloading: keep it on the
+  // device (Megatron's post_warmup_callback). Decisions are fixed by forward position.
+  warmup_ = false;
+  decisions_.assign(groups_.size(), true);
+  std::map<std::string, size_t> last;
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (groups_[i]->apply_margin) last[groups_[i]->name] = i;
+  }
+  for (const auto& [name, i] : last) decisions_[i] = false;
+  summary_.clear();
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    if (!decisions_[i]) continue;
+    const auto& g = *groups_[i];
+    auto it = std::find_if(summary_.begin(), summary_.end(),
+                           [&](const OffloadSummaryRow& r) { return r.name == g.name; });
+    if (it == summary_.end()) {
+      summary_.push_back({g.name, 0, 0});
+      it = summary_.end() - 1;
+    }
+    it->bytes += g.bytes;
+    it->tensors += g.tensors;
+  }
+}
+
 void ActivationOffloader::begin_forward() {
   std::lock_guard<std::mutex> lock(mutex_);
   groups_.clear();
+  by_storage_.clear();
+  excluded_forward_.clear();
+  inflight_.clear();
 }
 
 OffloadStats ActivationOffloader::stats() const {
   std::lock_guard<std::mutex> lock(mutex_);
   OffloadStats s;
   s.offloaded_bytes = offloaded_bytes_;
-  s.wait_s = wait_ns_.load() * 1e-9;
+  s.wait_s = static_cast<double>(wait_ns_.load()) * 1e-9;
   s.d2h_busy_s = d2h_.busy_seconds() - d2h_busy_at_step_;
   s.h2d_busy_s = h2d_.busy_seconds() - h2d_busy_at_step_;
   return s;
+}
+
+// ---- group start / commit as identity autograd functions --------------------------------------
+
+namespace {
+ActivationOffloader* offloader_of(torch::autograd::AutogradContext* ctx) {
+  return reinterpret_cast<ActivationOffloader*>(ctx->saved_data.at("offloader").toInt());
+}
+
+struct GroupStartFunction : torch::autograd::Function<GroupStartFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            int64_t offloader, int64_t index) {
+    ctx->saved_data["offloader"] = offloader;
+    ctx->saved_data["index"] = index;
+    return x.view_as(x);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    offloader_of(ctx)->on_start_backward(static_cast<int>(ctx->saved_data.at("index").toInt()));
+    return {grads[0], at::Tensor(), at::Tensor()};
+  }
+};
+
+struct GroupCommitFunction : torch::autograd::Function<GroupCommitFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
+                            int64_t offloader, int64_t index, const std::vector<at::Tensor>& forced) {
+    ctx->saved_data["offloader"] = offloader;
+    ctx->saved_data["index"] = index;
+    reinterpret_cast<ActivationOffloader*>(offloader)->commit(static_cast<int>(index), forced);
+    return y.view_as(y);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    offloader_of(ctx)->on_commit_backward(static_cast<int>(ctx->saved_data.at("index").toInt()));
+    return {grads[0], at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+}  // namespace
+
+at::Tensor offload_group_start(ActivationOffloader& offloader, const at::Tensor& x, int index) {
+  return GroupStartFunction::apply(x, reinterpret_cast<int64_t>(&offloader), index);
+}
+
+at::Tensor offload_group_commit(ActivationOffloader& offloader, const at::Tensor& y, int index,
+                                const std::vector<at::Tensor>& forced) {
+  return GroupCommitFunction::apply(y, reinterpret_cast<int64_t>(&offloader), index, forced);
 }
 
 }  // namespace actmem

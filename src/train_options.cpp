@@ -89,6 +89,15 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
   // CPU offload (docs/offload.md).
   app.add_option("--cpu-offloading-num-layers", m.cpu_offloading_num_layers,
                  "Offload the saved activations of the first K layers to host memory");
+  app.add_flag("--fine-grained-activation-offloading", m.fine_grained_activation_offloading,
+               "Offload what the modules of --offload-modules save");
+  app.add_option("--offload-modules", m.offload_modules,
+                 "Space-separated: attn_norm qkv_linear core_attn attn_proj mlp_norm")
+      ->expected(1, -1);
+  app.add_option("--fine-grained-offloading-max-inflight-offloads",
+                 m.fine_grained_offloading_max_inflight_offloads,
+                 "Groups of one name with copies in flight before compute waits (-1 = no cap)")
+      ->capture_default_str();
   app.add_option("--min-offloaded-tensor-size", m.min_offloaded_tensor_size,
                  "Saved tensors with fewer elements stay on the device")
       ->capture_default_str();

@@ -203,15 +203,16 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                                                   model_config_.micro_batch_size,
                                                   model_config_.seed + 1);
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
-  if (model_config_.cpu_offloading()) {
+  if (model_config_.cpu_offloading() || model_config_.fine_grained_activation_offloading) {
     TORCH_CHECK(device_.is_cpu(), "actmem::Trainer: CPU offload on ", device_.str(),
                 " needs the CUDA copy engine, which this build does not have yet");
-    offloader_ = std::make_unique<ActivationOffloader>(model_config_.min_offloaded_tensor_size,
-                                                       config_.offload_bandwidth_gbps * 1e9);
+    offloader_ = std::make_unique<ActivationOffloader>(
+        model_config_.min_offloaded_tensor_size, config_.offload_bandwidth_gbps * 1e9,
+        static_cast<int>(model_config_.fine_grained_offloading_max_inflight_offloads));
     for (const auto& p : params_) offloader_->exclude(p);
     for (const auto& b : model_->buffers()) offloader_->exclude(b);
     offloader_->exclude(model_->attention_mask());
-    model_->decoder->set_activation_offloader(offloader_.get());
+    model_->set_activation_offloader(offloader_.get());
   }
   predicted_activation_bytes_ = predict_activation_bytes(model_config_, 4, device_.is_cpu()).total;
 }
@@ -315,6 +316,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
                                         model_config_.seq_length) / busy_s;
   st.peak_device_bytes = step_peak;
   if (offloader_) {
+    offloader_->end_step();  // the first step is the warmup (Note [Offload margin])
     const OffloadStats os = offloader_->stats();
     st.offloaded_bytes = os.offloaded_bytes;
     st.offload_wait_s = os.wait_s;

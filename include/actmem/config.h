@@ -68,6 +68,14 @@ struct TransformerConfig {
   /// Saved tensors with fewer elements stay on the device (Megatron's default 1024 * 1024).
   int64_t min_offloaded_tensor_size = 1024 * 1024;
   bool cpu_offloading() const { return cpu_offloading_num_layers != 0; }
+  /// Fine-grained (module-level) offload, seed §7: the groups named in offload_modules
+  /// (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm) offload what they save.
+  bool fine_grained_activation_offloading = false;
+  std::vector<std::string> offload_modules;
+  /// Groups of one name whose copies may be in flight before compute waits (-1 = no cap).
+  int64_t fine_grained_offloading_max_inflight_offloads = -1;
+  /// True when fine-grained offload is on and `module` is among offload_modules.
+  bool offloads(const std::string& module) const;
 
   /// recompute_modules with Megatron's default resolved.
   std::vector<std::string> resolved_recompute_modules() const {

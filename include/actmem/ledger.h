@@ -69,7 +69,9 @@ class ActivationLedger final : public SavedTensorHook {
  private:
   std::vector<SavedTensorRecord> records_;
   std::vector<c10::weak_intrusive_ptr<c10::StorageImpl>> storages_;  // parallel to records_
-  std::unordered_set<const void*> counted_;  // storages of this forward (alive while saved)
+  // Storages counted in this forward; weak, because an offloaded storage can be freed during the
+  // forward and a new one allocated at its address.
+  std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> counted_;
   // Weak, so a freed excluded storage (last step's batch) cannot exclude a new one at its address.
   std::unordered_map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> excluded_;
 };

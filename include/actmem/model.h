@@ -92,6 +92,7 @@ class RotaryEmbedding {
 struct LayerContext {
   const RotaryEmbedding* rope = nullptr;  // null with learned positions
   at::Tensor attention_mask;              // [1, 1, S, S] bool, S >= s (see make_causal_mask)
+  ActivationOffloader* offloader = nullptr;  // layer-level or fine-grained offload (training)
 };
 
 class SelfAttention : public torch::nn::Module {
@@ -106,6 +107,7 @@ class SelfAttention : public torch::nn::Module {
  private:
   int64_t heads_, head_dim_;
   bool checkpoint_core_attention_;  // selective recompute of core_attn (training only)
+  bool offload_qkv_, offload_core_, offload_proj_;  // fine-grained offload groups
 };
 
 class MLP : public torch::nn::Module {
@@ -146,6 +148,7 @@ class TransformerLayer : public torch::nn::Module {
   double hidden_dropout_;
   bool recompute_mlp_;        // selective "mlp": checkpoint the whole MLP
   bool recompute_layernorm_;  // selective "layernorm": output-discarding norms
+  bool offload_attn_norm_, offload_mlp_norm_;  // fine-grained offload groups
 };
 
 class TransformerBlock : public torch::nn::Module {
@@ -160,11 +163,8 @@ class TransformerBlock : public torch::nn::Module {
   static std::vector<std::pair<int64_t, int64_t>> checkpoint_chunks(const TransformerConfig& c);
   std::vector<std::shared_ptr<TransformerLayer>> layers;
   std::shared_ptr<Norm> final_layernorm;
-  /// Layer-level offload of the first config.cpu_offloading_num_layers layers (training only).
-  void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
  private:
-  ActivationOffloader* offloader_ = nullptr;
   at::Tensor run_layers(at::Tensor hidden, int64_t start, int64_t end, const LayerContext& ctx);
   TransformerConfig config_;
 };
@@ -181,6 +181,9 @@ class GPTModel : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& labels);
   /// Moves parameters and buffers.
   void to_device(const at::Device& device);
+  /// Offload for training forwards: layer-level (config.cpu_offloading_num_layers) or
+  /// fine-grained (config.offload_modules). nullptr turns it off. Not owned.
+  void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
   const TransformerConfig& config() const { return config_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
@@ -200,6 +203,7 @@ class GPTModel : public torch::nn::Module {
   TransformerConfig config_;
   std::unique_ptr<RotaryEmbedding> rope_;
   at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
+  ActivationOffloader* offloader_ = nullptr;
 };
 
 }  // namespace actmem

@@ -10,6 +10,8 @@
 #include "actmem/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/StorageImpl.h>
+#include <c10/util/intrusive_ptr.h>
 
 #include <atomic>
 #include <condition_variable>
@@ -107,45 +109,90 @@ class HostPool {
 /// Per-step offload measurements.
 struct OffloadStats {
   int64_t offloaded_bytes = 0;   // device bytes copied to host this step
-  double wait_s = 0.0;           // time compute waited for reloads (and for offloads to finish)
+  double wait_s = 0.0;           // time compute waited for reloads (and for the in-flight cap)
   double d2h_busy_s = 0.0;       // copy-engine time this step, each direction
   double h2d_busy_s = 0.0;
 };
 
-/// Offloads the tensors autograd saves inside groups. Usage per forward:
-///   { auto g = offloader.group("layer 0"); ...run the layer... }   // commit: D2H starts
-/// and from a gradient hook ahead of the group's backward, offloader.prefetch(...).
+/// Bytes and tensors offloaded per group name in the warmup iteration, after the margin rule.
+struct OffloadSummaryRow {
+  std::string name;
+  int64_t bytes = 0;
+  int64_t tensors = 0;
+};
+
+/// Offloads the tensors autograd saves inside groups (Megatron's fine-grained offload, seed §7,
+/// and layer-level offload, seed §8, on one mechanism). A group is opened by start_group(), sees
+/// the tensors saved while a CaptureScope of it is alive, and is committed by commit(): its
+/// device-to-host copies are queued then. In backward, on_commit_backward() waits for the
+/// group's reload (and only there) and on_start_backward() prefetches the group before it.
+/// The first step is the warmup: every group offloads and its bytes are recorded; from the
+/// second step on the margin rule keeps, for each group name, the group the backward reaches
+/// first on the device (it would be reloaded right away), and the decisions stay fixed.
 /// Saved tensors below min_elements, parameters and registered exclusions stay on the device.
 class ActivationOffloader final : public SavedTensorHook {
  public:
-  ActivationOffloader(int64_t min_elements, double bytes_per_second);
+  /// max_inflight < 0: no cap; otherwise at most that many groups of one name may have copies
+  /// in flight before compute waits for the oldest.
+  ActivationOffloader(int64_t min_elements, double bytes_per_second, int max_inflight = -1);
   ~ActivationOffloader() override;
 
-  /// Storages never offloaded (parameters, model buffers, the batch).
+  /// Storages never offloaded (parameters, model buffers, the batch). Persistent.
   void exclude(const at::Tensor& t);
+  /// Storages not offloaded in the current forward (e.g. outputs that output-discarding
+  /// recompute frees anyway). Cleared by begin_forward().
+  void exclude_this_forward(const at::Tensor& t);
 
+  /// Opens group `name` of this forward; returns its index (forward order from 0).
+  int start_group(const std::string& name, bool apply_margin = true);
+  /// Routes saved tensors into group `index` while alive.
+  class CaptureScope {
+   public:
+    CaptureScope(ActivationOffloader& owner, int index);
+    ~CaptureScope();
+    CaptureScope(const CaptureScope&) = delete;
+    CaptureScope& operator=(const CaptureScope&) = delete;
+
+   private:
+    ActivationOffloader& owner_;
+    int previous_;
+    SavedTensorHooksGuard hooks_;
+  };
+  /// Queues the group's device-to-host copies (if the group offloads). `forced` tensors' device
+  /// storage is freed as soon as its copy finished, even if other references to it remain (the
+  /// caller guarantees nothing reads them in forward any more).
+  void commit(int index, const std::vector<at::Tensor>& forced = {});
+  /// Backward, before the group's module: waits for the group's reload (starting it if needed).
+  void on_commit_backward(int index);
+  /// Backward, after the group's module: prefetches the closest earlier offloaded group.
+  void on_start_backward(int index);
+
+  /// Layer-level convenience: start_group + CaptureScope, commit on destruction.
   class GroupScope {
    public:
     GroupScope(ActivationOffloader& owner, int index);
-    ~GroupScope();  // commits the group: queues its device-to-host copies
-    GroupScope(const GroupScope&) = delete;
-    GroupScope& operator=(const GroupScope&) = delete;
+    ~GroupScope();
     int index() const { return index_; }
 
    private:
     ActivationOffloader& owner_;
     int index_;
-    SavedTensorHooksGuard hooks_;
+    CaptureScope capture_;
   };
-  /// Opens the next group of this forward (groups are numbered from 0 in forward order).
-  std::unique_ptr<GroupScope> group();
-  /// Starts reloading group `index` (no-op if it is resident or already reloading).
+  std::unique_ptr<GroupScope> group(const std::string& name = "layer");
+  /// Starts reloading group `index` (no-op if it did not offload or is already reloading).
   void prefetch(int index);
-  /// Call at the start of each step: forgets the previous step's groups and resets the stats.
+
+  /// Call at the start of each step: forgets the previous step's groups, resets the stats.
   void begin_step();
-  /// Call at the start of each forward: group numbering restarts at 0 (the previous micro-batch's
-  /// backward has finished, so its groups are no longer needed by index).
+  /// Call at the end of each step; the first call ends the warmup: the margin rule fixes which
+  /// groups offload from now on and the summary is computed.
+  void end_step();
+  /// Call at the start of each forward: group numbering restarts at 0.
   void begin_forward();
+  bool in_warmup() const { return warmup_; }
+  /// Per-name offloaded bytes of the warmup step, after the margin rule (empty until then).
+  const std::vector<OffloadSummaryRow>& summary() const { return summary_; }
   OffloadStats stats() const;
   HostPool& pool() { return pool_; }
   CopyStream& d2h() { return d2h_; }
@@ -160,15 +207,24 @@ class ActivationOffloader final : public SavedTensorHook {
   struct Group;
 
  private:
-  friend class GroupScope;
-  void commit(int index);
   void wait_reloaded(Entry& entry);
+  void wait_group(int index);
   int64_t min_elements_;
+  int max_inflight_;
   HostPool pool_;
   CopyStream d2h_, h2d_;
-  std::unordered_set<const void*> excluded_;
+  // Weak, so a freed excluded storage cannot exclude a new one allocated at its address.
+  std::map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> excluded_, excluded_forward_;
   std::vector<std::shared_ptr<Group>> groups_;
-  int current_ = -1;  // group whose forward is running
+  // This forward's entries by storage. The weak storage pointer guards against a new storage
+  // allocated at a freed one's address being mistaken for it.
+  std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::weak_ptr<Entry>>>
+      by_storage_;
+  std::map<std::string, std::deque<CopyEvent>> inflight_;
+  int current_ = -1;  // group capturing saved tensors
+  bool warmup_ = true;
+  std::vector<bool> decisions_;  // per forward-order index, fixed after warmup
+  std::vector<OffloadSummaryRow> summary_;
   mutable std::mutex mutex_;
   int64_t offloaded_bytes_ = 0;
   std::atomic<int64_t> wait_ns_{0};
@@ -176,5 +232,12 @@ class ActivationOffloader final : public SavedTensorHook {
 };
 
 const char* to_string(ActivationOffloader::State s);
+
+/// Identity on x; its backward calls on_start_backward(index) (Megatron's group start).
+at::Tensor offload_group_start(ActivationOffloader& offloader, const at::Tensor& x, int index);
+/// Identity on y; its forward commits group `index` (forced tensors released after their copy),
+/// its backward calls on_commit_backward(index) (Megatron's group commit).
+at::Tensor offload_group_commit(ActivationOffloader& offloader, const at::Tensor& y, int index,
+                                const std::vector<at::Tensor>& forced = {});
 
 }  // namespace actmem
