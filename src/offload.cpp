@@ -1,6 +1,8 @@
 // offload.cpp — copy engine, host pool and the activation offloader.
 #include "actmem/offload.h"
 
+#include "actmem/trace.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <c10/util/Exception.h>
@@ -95,7 +97,12 @@ void CopyStream::run() {
                                   static_cast<double>(job.src.nbytes()) / bytes_per_second_));
         std::this_thread::sleep_until(due);
       }
-      busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+      const auto t1 = Clock::now();
+      busy_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(t1 - t0).count());
+      if (TraceRecorder* trace = active_trace()) {
+        trace->span(name_, "copy " + std::to_string(job.src.nbytes()) + " B", t0, t1,
+                    "{\"bytes\": " + std::to_string(job.src.nbytes()) + "}");
+      }
       if (job.on_done) job.on_done();
     } catch (...) {
       error = std::current_exception();
@@ -546,6 +553,13 @@ void ActivationOffloader::begin_forward() {
   by_storage_.clear();
   excluded_forward_.clear();
   inflight_.clear();
+}
+
+void ActivationOffloader::wait_idle() {
+  // An empty copy queued behind everything else completes when the stream has drained.
+  const at::Tensor none = at::empty({0}, at::kByte);
+  d2h_.copy_async(none, none).wait();
+  h2d_.copy_async(none, none).wait();
 }
 
 OffloadStats ActivationOffloader::stats() const {

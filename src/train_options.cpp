@@ -137,6 +137,8 @@ void add_training_flags(CLI::App& app, TrainOptions& o) {
                  "Emulated host link for offload copies, GB/s per direction (0 = uncapped)")
       ->capture_default_str();
   app.add_option("--log-json", o.log_json, "Write one JSON object per iteration to FILE");
+  app.add_option("--trace", o.trace,
+                 "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
   app.add_option("--threads", o.threads, "Intra-op CPU threads (default: one per core)")
       ->check(kPositive);
 }

@@ -5,6 +5,7 @@
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
 #include "actmem/offload.h"
+#include "actmem/trace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -62,6 +63,27 @@ at::Device validated_device(const TransformerConfig& model, const TrainingConfig
   return at::Device(training.device);
 }
 }  // namespace
+
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows) {
+  // Megatron's post-warmup table (one rank): MiB offloaded per group name, and the total.
+  int width = 12;
+  for (const auto& r : rows) width = std::max(width, static_cast<int>(r.name.size()) + 2);
+  const int total_width = 6 + width * static_cast<int>(rows.size() + 1);
+  const std::string title = "Activation Offload Summary (MB)";
+  os << std::string(total_width, '=') << "\n"
+     << std::string(std::max(0, (total_width - static_cast<int>(title.size())) / 2), ' ') << title
+     << "\n" << std::string(total_width, '=') << "\n" << std::setw(6) << std::left << "Rank"
+     << std::right;
+  for (const auto& r : rows) os << std::setw(width) << r.name;
+  os << std::setw(width) << "Total" << "\n" << std::string(total_width, '-') << "\n";
+  double total = 0;
+  os << std::setw(6) << std::left << "0" << std::right << std::fixed << std::setprecision(2);
+  for (const auto& r : rows) {
+    os << std::setw(width) << r.bytes / 1048576.0;
+    total += static_cast<double>(r.bytes);
+  }
+  os << std::setw(width) << total / 1048576.0 << "\n" << std::string(total_width, '=') << "\n";
+}
 
 std::string format_bytes(double bytes) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
@@ -236,6 +258,9 @@ double Trainer::lr_at(int64_t it) const {
 
 IterationStats Trainer::train_step(bool compute_digest) {
   SwapRngState rng(generators_, rng_state_);
+  std::unique_ptr<TraceScope> trace_scope;
+  const bool record = record_timeline_ || trace_ != nullptr;
+  if (trace_ != nullptr) trace_scope = std::make_unique<TraceScope>(*trace_);
   IterationStats st;
   st.iteration = ++iteration_;
   st.predicted_activation_bytes = predicted_activation_bytes_;
@@ -256,7 +281,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
     const at::Tensor tokens = batch.first.to(device_), labels = batch.second.to(device_);
     synchronize_device(device_);
     std::unique_ptr<TimelineScope> scope;
-    if (record_timeline_ && m == 0) {
+    if (record && m == 0) {
       timeline_->clear();
       scope = std::make_unique<TimelineScope>(*timeline_);
     }
@@ -315,6 +340,19 @@ IterationStats Trainer::train_step(bool compute_digest) {
   st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
                                         model_config_.seq_length) / busy_s;
   st.peak_device_bytes = step_peak;
+  if (trace_ != nullptr) {
+    // Compute spans between consecutive timeline marks of the first micro-batch.
+    const auto& e = timeline_->entries();
+    const auto origin = timeline_->start_time();
+    for (size_t i = 1; i < e.size(); ++i) {
+      trace_->span("compute", e[i].label,
+                   origin + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(e[i - 1].time_s)),
+                   origin + std::chrono::duration_cast<Clock::duration>(
+                                std::chrono::duration<double>(e[i].time_s)),
+                   "{\"device_bytes\": " + std::to_string(e[i].current_bytes) + "}");
+    }
+  }
   if (offloader_) {
     offloader_->end_step();  // the first step is the warmup (Note [Offload margin])
     const OffloadStats os = offloader_->stats();
@@ -339,13 +377,26 @@ double Trainer::evaluate() {
 
 void Trainer::run(std::ostream* progress,
                   const std::function<void(const IterationStats&)>& on_step,
-                  bool compute_digest) {
+                  bool compute_digest, const std::string& trace_path) {
+  TraceRecorder recorder;
+  const int64_t traced = std::min<int64_t>(2, config_.train_iters);
   const int64_t total = config_.train_iters;
   const int width = static_cast<int>(std::to_string(total).size());
   double window_time = 0.0;
   int64_t window_steps = 0;
   for (int64_t it = 1; it <= total; ++it) {
+    if (!trace_path.empty() && it == traced) set_trace(&recorder);
     IterationStats st = train_step(compute_digest);
+    if (!trace_path.empty() && it == traced) {
+      set_trace(nullptr);
+      // Copies of this step may still be running: wait for the streams to drain first.
+      if (offloader_) offloader_->wait_idle();
+      recorder.write(trace_path);
+      if (progress != nullptr) *progress << "trace of iteration " << it << ": " << trace_path << "\n";
+    }
+    if (it == 1 && offloader_ && progress != nullptr && !offloader_->summary().empty()) {
+      print_offload_summary(*progress, offloader_->summary());
+    }
     window_time += st.step_time_s;
     ++window_steps;
     const bool eval_now = config_.eval_interval > 0 &&

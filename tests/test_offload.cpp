@@ -5,7 +5,11 @@
 #include "actmem/trainer.h"
 #include "test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <chrono>
+#include <fstream>
+#include <set>
 
 namespace actmem {
 namespace {
@@ -203,6 +207,90 @@ INSTANTIATE_TEST_SUITE_P(
                       FineGrained{"WithSelectiveRecompute", {"attn_norm", "qkv_linear", "mlp_norm"},
                                   {"core_attn", "mlp", "layernorm"}}),
     [](const auto& info) { return std::string(info.param.name); });
+
+}  // namespace
+}  // namespace actmem
+
+namespace actmem {
+namespace {
+
+TEST(FineGrainedMemory, PeakDropsByTheSummaryBytesAfterWarmupAndThePoolStopsGrowing) {
+  TransformerConfig base = offload_model();
+  base.hidden_size = 64;
+  base.seq_length = 64;
+  TransformerConfig off = base;
+  off.fine_grained_activation_offloading = true;
+  off.offload_modules = {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"};
+  off.min_offloaded_tensor_size = 1024;
+  TrainingConfig t;
+  t.eval_interval = 0;
+  Trainer plain(base, t), offloaded(off, t);
+  IterationStats a, b;
+  int64_t allocations_after_first = 0;
+  for (int step = 1; step <= 4; ++step) {
+    a = plain.train_step(false);
+    b = offloaded.train_step(false);
+    if (step == 1) {
+      allocations_after_first = offloaded.offloader()->pool().allocations();
+      EXPECT_FALSE(offloaded.offloader()->in_warmup());
+    }
+  }
+  EXPECT_EQ(offloaded.offloader()->pool().allocations(), allocations_after_first);
+  const auto& summary = offloaded.offloader()->summary();
+  ASSERT_EQ(summary.size(), 5u);
+  int64_t summary_bytes = 0;
+  for (const auto& row : summary) summary_bytes += row.bytes;
+  EXPECT_EQ(b.offloaded_bytes, summary_bytes);  // the margin rule fixed after warmup
+  const double drop = static_cast<double>(a.activation_peak_bytes - b.activation_peak_bytes);
+  EXPECT_NEAR(drop, static_cast<double>(summary_bytes),
+              std::min(0.3 * static_cast<double>(summary_bytes), 20.0 * (1 << 20)));
+}
+
+TEST(FineGrained, ValidationMessages) {
+  auto with = [](std::vector<std::string> modules) {
+    TransformerConfig c = offload_model();
+    c.fine_grained_activation_offloading = true;
+    c.offload_modules = std::move(modules);
+    return c;
+  };
+  expect_error_containing([&] { with({}).validate(); }, "offload_modules must name at least one");
+  expect_error_containing([&] { with({"core_attn", "fc9"}).validate(); },
+                          "Invalid choices for offload_modules: {'fc9'}");
+  expect_error_containing([&] { with({"attn_proj"}).validate(); },
+                          "attn_proj cannot be set to offload_modules alone without core_attn");
+  expect_error_containing([&] { with({"moe_act"}).validate(); }, "need MoE layers");
+  auto both = with({"core_attn"});
+  both.recompute_granularity = "selective";
+  expect_error_containing([&] { both.validate(); }, "core_attn cannot be both offloaded and recomputed");
+  auto layer = with({"core_attn"});
+  layer.cpu_offloading_num_layers = 1;
+  expect_error_containing([&] { layer.validate(); }, "cannot be enabled with cpu_offloading");
+  auto full = with({"core_attn"});
+  full.recompute_granularity = "full";
+  full.recompute_method = "uniform";
+  full.recompute_num_layers = 1;
+  expect_error_containing([&] { full.validate(); }, "selective recompute only");
+  TransformerConfig stray = offload_model();
+  stray.offload_modules = {"core_attn"};
+  expect_error_containing([&] { stray.validate(); }, "offload_modules only applies with");
+}
+
+TEST(FineGrained, TraceHasComputeAndBothCopyStreams) {
+  const std::string trace = ::testing::TempDir() + "offload_trace.json";
+  const auto r = actmem::testing::run_actmem(
+      "train --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
+      "--micro-batch-size 2 --train-iters 2 --eval-interval 0 --fine-grained-activation-offloading "
+      "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 1024 --trace " + trace);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("Activation Offload Summary (MB)"), std::string::npos) << r.output;
+  std::ifstream in(trace);
+  const auto j = nlohmann::json::parse(in);
+  std::set<std::string> tracks;
+  for (const auto& e : j["traceEvents"]) {
+    if (e["ph"] == "X") tracks.insert(e["cat"].get<std::string>());
+  }
+  EXPECT_EQ(tracks, (std::set<std::string>{"compute", "d2h", "h2d"}));
+}
 
 }  // namespace
 }  // namespace actmem

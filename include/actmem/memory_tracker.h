@@ -67,6 +67,7 @@ class MemoryTimeline {
   /// Records the bytes held now and the window peak since the previous mark.
   void mark(const std::string& label);
   const std::vector<Entry>& entries() const { return entries_; }
+  std::chrono::steady_clock::time_point start_time() const { return start_; }
   void clear();
 
  private:

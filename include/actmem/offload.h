@@ -194,6 +194,8 @@ class ActivationOffloader final : public SavedTensorHook {
   /// Per-name offloaded bytes of the warmup step, after the margin rule (empty until then).
   const std::vector<OffloadSummaryRow>& summary() const { return summary_; }
   OffloadStats stats() const;
+  /// Blocks until both copy streams have finished everything queued so far.
+  void wait_idle();
   HostPool& pool() { return pool_; }
   CopyStream& d2h() { return d2h_; }
   CopyStream& h2d() { return h2d_; }

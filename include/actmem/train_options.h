@@ -19,6 +19,7 @@ struct TrainOptions {
   TransformerConfig model;
   TrainingConfig training;
   std::string log_json;          // --log-json FILE ("" = none)
+  std::string trace;             // --trace FILE ("" = none): Chrome trace of one iteration
   std::string normalization_flag = "LayerNorm";
   bool swiglu = false;
   bool disable_bias_linear = false;

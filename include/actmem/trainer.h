@@ -26,6 +26,7 @@ namespace actmem {
 
 class ActivationLedger;
 class ActivationOffloader;
+class TraceRecorder;
 
 /// Optimisation and data settings (Megatron's names where it has them).
 struct TrainingConfig {
@@ -103,8 +104,10 @@ class Trainer {
   double evaluate();
   /// train_iters steps with progress on `progress` (if not null) and `on_step` per step;
   /// validation every eval_interval.
+  /// With trace_path set, the second step (the first after offload's warmup; the first if
+  /// there is only one) is written there as a Chrome trace.
   void run(std::ostream* progress, const std::function<void(const IterationStats&)>& on_step,
-           bool compute_digest = true);
+           bool compute_digest = true, const std::string& trace_path = "");
 
   GPTModel& model() { return *model_; }
   const Corpus& corpus() const { return corpus_; }
@@ -114,6 +117,9 @@ class Trainer {
   /// Records the saved tensors of the first micro-batch's forward of each following step into
   /// `ledger` (cleared per step; parameters, buffers and the batch excluded). nullptr stops.
   void set_ledger(ActivationLedger* ledger) { ledger_ = ledger; }
+  /// Records the next train_step() as a Chrome trace into `recorder` (compute spans per layer
+  /// forward and backward, and the copy streams' spans); nullptr stops.
+  void set_trace(TraceRecorder* recorder) { trace_ = recorder; }
   /// This trainer's dropout stream: the default generators' states between its steps.
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
   /// The layer-level offloader (null without cpu_offloading_num_layers).
@@ -139,11 +145,16 @@ class Trainer {
   bool record_timeline_ = false;
   int64_t predicted_activation_bytes_ = 0;
   ActivationLedger* ledger_ = nullptr;
+  TraceRecorder* trace_ = nullptr;
   // Note [Trainer RNG stream]: see trainer.cpp.
   std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
   std::vector<at::Tensor> rng_state_;
   int64_t iteration_ = 0;
 };
+
+struct OffloadSummaryRow;
+/// Megatron's "Activation Offload Summary (MB)" table.
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows);
 
 /// Human-readable byte count ("12.3 MiB").
 std::string format_bytes(double bytes);

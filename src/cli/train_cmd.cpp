@@ -57,7 +57,7 @@ int run_train(actmem::TrainOptions& o) {
       log << actmem::to_json(st).dump() << "\n";
       log.flush();
     }
-  }, /*compute_digest=*/log.is_open());
+  }, /*compute_digest=*/log.is_open(), o.trace);
   std::cout << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
             << last_loss;
   if (last_val) std::cout << " | validation loss " << *last_val;
