@@ -155,6 +155,7 @@ nlohmann::json to_json(const IterationStats& s) {
       {"offloaded_bytes", s.offloaded_bytes},
       {"host_peak_bytes", s.host_peak_bytes},
       {"offload_wait_s", s.offload_wait_s},
+      {"offload_copy_s", s.offload_copy_s},
   };
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   return j;
@@ -358,6 +359,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
     const OffloadStats os = offloader_->stats();
     st.offloaded_bytes = os.offloaded_bytes;
     st.offload_wait_s = os.wait_s;
+    st.offload_copy_s = os.d2h_busy_s + os.h2d_busy_s;
     st.host_peak_bytes = offloader_->pool().peak_bytes_in_use();
   }
   return st;

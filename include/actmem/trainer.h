@@ -81,6 +81,7 @@ struct IterationStats {
   int64_t offloaded_bytes = 0;   // device bytes copied to host this step (offload)
   int64_t host_peak_bytes = 0;   // peak host-buffer bytes in use this step
   double offload_wait_s = 0.0;   // time the compute waited for reloads this step
+  double offload_copy_s = 0.0;   // copy-engine busy time this step, both directions
   std::optional<double> val_loss;     // when validation ran after this step
 };
 
