@@ -17,13 +17,6 @@
 #include <iomanip>
 #include <iostream>
 
-namespace {
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-}  // namespace
 
 int main(int argc, char** argv) {
   actmem::ensure_passive_openmp_wait(argv);
@@ -86,14 +79,14 @@ int main(int argc, char** argv) {
       }
       std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all runs\n";
     }
-    const double plain = median(runs[0].times);
+    const double plain = actmem::median(runs[0].times);
     nlohmann::json out = {{"plain_step_s", plain}, {"runs", nlohmann::json::array()}};
     std::cout << std::left << std::setw(34) << "run" << std::right << std::setw(9) << "step s"
               << std::setw(8) << "ratio" << std::setw(12) << "offloaded" << std::setw(12)
               << "activations" << std::setw(11) << "act. peak" << std::setw(10) << "copy s"
               << std::setw(10) << "wait s" << std::setw(10) << "hidden\n";
     for (const auto& r : runs) {
-      const double step = median(r.times), wait = median(r.waits), copy = median(r.copies);
+      const double step = actmem::median(r.times), wait = actmem::median(r.waits), copy = actmem::median(r.copies);
       const double hidden = copy > 0 ? std::max(0.0, 1.0 - wait / copy) : 0.0;
       std::cout << std::left << std::setw(34) << r.name << std::right << std::fixed
                 << std::setprecision(3) << std::setw(9) << step << std::setw(8) << step / plain

@@ -25,11 +25,6 @@
 
 namespace {
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 struct Strategy {
   std::string name;
@@ -71,7 +66,7 @@ double time_forward(actmem::GPTModel& model, const actmem::TransformerConfig& c,
     { at::Tensor loss = model.forward(tokens, tokens); }
     if (i > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  return median(t);
+  return actmem::median(t);
 }
 
 // Median time of the core-attention forward of one layer with grad enabled.
@@ -90,7 +85,7 @@ double time_core_attention(const actmem::TransformerConfig& c, int iters) {
     { at::Tensor out = attn.forward(q, k, v, mask); }
     if (i > 0) t.push_back(std::chrono::duration<double>(Clock::now() - t0).count());
   }
-  return median(t);
+  return actmem::median(t);
 }
 
 }  // namespace
@@ -139,7 +134,7 @@ int main(int argc, char** argv) {
       }
       std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
     }
-    const double plain = median(times[0]);
+    const double plain = actmem::median(times[0]);
     const double fwd = time_forward(trainers[0]->model(), base, iters);
     const double core = time_core_attention(base, iters) * static_cast<double>(base.num_layers);
     nlohmann::json out = {{"model",
@@ -163,7 +158,7 @@ int main(int argc, char** argv) {
               << std::setw(8) << "ratio" << std::setw(14) << "activations" << std::setw(12)
               << "vs plain" << std::setw(14) << "act. peak" << std::setw(9) << "exact\n";
     for (size_t i = 0; i < list.size(); ++i) {
-      const double step = median(times[i]);
+      const double step = actmem::median(times[i]);
       const auto& st = last[i];
       std::cout << std::left << std::setw(24) << list[i].name << std::right << std::setw(10)
                 << std::setprecision(3) << step << std::setw(8) << step / plain << std::setw(14)

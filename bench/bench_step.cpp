@@ -36,11 +36,6 @@ std::vector<Preset> presets() {
   return {{"default", small}, {"4x512", large}};
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 }  // namespace
 
@@ -73,7 +68,7 @@ int main(int argc, char** argv) {
         if (i >= warmup) times.push_back(last.step_time_s);
       }
       const auto& m = preset.model;
-      const double step = median(times);
+      const double step = actmem::median(times);
       const double tokens = static_cast<double>(m.seq_length * m.micro_batch_size);
       nlohmann::json r = {{"config", preset.name},
                           {"num_layers", m.num_layers},

@@ -103,12 +103,16 @@ void CopyStream::run() {
         trace->span(name_, "copy " + std::to_string(job.src.nbytes()) + " B", t0, t1,
                     "{\"bytes\": " + std::to_string(job.src.nbytes()) + "}");
       }
+      // Drop this job's references before on_done publishes completion: afterwards the compute
+      // thread may free or re-point the source's storage, and must not race with our release.
+      job.dst = at::Tensor();
+      job.src = at::Tensor();
       if (job.on_done) job.on_done();
     } catch (...) {
       error = std::current_exception();
     }
     job.dst = at::Tensor();
-    job.src = at::Tensor();  // release the source before signalling: its memory may be freed now
+    job.src = at::Tensor();
     job.event.mark_done(error);
   }
 }
@@ -172,8 +176,10 @@ const char* to_string(ActivationOffloader::State s) {
 // copied once, and a storage saved again by a later group of the same forward reuses the entry).
 // Transitions, each checked under the entry's mutex:
 //   resident   -> offloading  commit(): D2H copy queued; the copy job holds the device bytes
-//   offloading -> offloaded   D2H worker, after the copy: the device bytes are dropped (and a
-//                             forced tensor's storage is freed even if other references remain)
+//   offloading -> offloaded   D2H worker, after the copy: its reference to the device bytes is
+//                             dropped; a forced tensor's storage is then freed by the compute
+//                             thread at its next offload call, even if other references remain
+//                             (the worker never touches a storage the compute thread may free)
 //   offloading -> reloading   prefetch()/unpack() before the D2H finished: the H2D job waits the
 //   offloaded  -> reloading   offload event first, so a reload never reads a half-written buffer
 //                             (Megatron's race, megatron-spec §9.2, fixed)
@@ -184,6 +190,7 @@ struct ActivationOffloader::Entry {
   State state = State::kResident;
   bool offload_finished = false;
   bool force_release = false;
+  c10::weak_intrusive_ptr<c10::StorageImpl> forced_storage{c10::intrusive_ptr<c10::StorageImpl>()};
   int64_t nbytes = 0;
   at::Tensor device;    // uint8 alias of the whole device storage while resident/offloading
   at::Tensor host;      // pool buffer while offloading..reloading
@@ -277,7 +284,38 @@ void ActivationOffloader::exclude_this_forward(const at::Tensor& t) {
   weakly_insert(excluded_forward_, t);
 }
 
+void ActivationOffloader::release_forced(bool wait) {
+  // Compute thread only. A forced tensor's device bytes are freed once its copy has finished,
+  // although forward code may still hold references: the caller promised nothing reads them
+  // again before backward (which reads the reload).
+  std::vector<std::shared_ptr<Entry>> pending;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    pending.swap(pending_release_);
+  }
+  std::vector<std::shared_ptr<Entry>> later;
+  for (auto& e : pending) {
+    if (wait) e->offloaded.wait();
+    bool done;
+    {
+      std::lock_guard<std::mutex> lock(e->mutex);
+      done = e->offload_finished;
+    }
+    if (!done) {
+      later.push_back(std::move(e));
+      continue;
+    }
+    if (auto impl = e->forced_storage.lock()) {
+      impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
+      impl->set_nbytes(0);
+    }
+  }
+  std::lock_guard<std::mutex> lock(mutex_);
+  for (auto& e : later) pending_release_.push_back(std::move(e));
+}
+
 int ActivationOffloader::start_group(const std::string& name, bool apply_margin) {
+  release_forced(/*wait=*/false);
   std::lock_guard<std::mutex> lock(mutex_);
   auto g = std::make_shared<Group>();
   g->name = name;
@@ -362,6 +400,13 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
     expect_state(entry->state, {State::kResident}, "offload");
     entry->force_release =
         forced_storages.count(entry->device.storage().unsafeGetStorageImpl()) != 0;
+    if (entry->force_release) {
+      entry->forced_storage = c10::weak_intrusive_ptr<c10::StorageImpl>(
+          c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
+              entry->device.storage().unsafeGetStorageImpl()));
+      std::lock_guard<std::mutex> l(mutex_);
+      pending_release_.push_back(entry);
+    }
     entry->host = pool_.acquire(entry->nbytes);
     entry->state = State::kOffloading;
     std::weak_ptr<Entry> back = entry;
@@ -369,13 +414,6 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
       if (auto e = back.lock()) {
         std::lock_guard<std::mutex> l(e->mutex);
         e->offload_finished = true;
-        if (e->force_release) {
-          // Free the device bytes now, although forward code may still hold references: the
-          // caller promised nothing reads them again before backward (which reads the reload).
-          c10::StorageImpl* impl = e->device.storage().unsafeGetStorageImpl();
-          impl->set_data_ptr_noswap(c10::DataPtr(nullptr, impl->device()));
-          impl->set_nbytes(0);
-        }
         e->device = at::Tensor();  // the device copy is released: the point of offloading
         if (e->state == State::kOffloading) e->state = State::kOffloaded;
       }
@@ -462,7 +500,10 @@ void ActivationOffloader::wait_group(int index) {
   wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
 
-void ActivationOffloader::on_commit_backward(int index) { wait_group(index); }
+void ActivationOffloader::on_commit_backward(int index) {
+  release_forced(/*wait=*/true);  // backward has begun: every forced release is due
+  wait_group(index);
+}
 
 void ActivationOffloader::on_start_backward(int index) {
   // One group ahead: the closest earlier group that offloaded is the next one backward needs.
@@ -548,6 +589,7 @@ void ActivationOffloader::end_step() {
 }
 
 void ActivationOffloader::begin_forward() {
+  release_forced(/*wait=*/true);
   std::lock_guard<std::mutex> lock(mutex_);
   groups_.clear();
   by_storage_.clear();
@@ -560,6 +602,7 @@ void ActivationOffloader::wait_idle() {
   const at::Tensor none = at::empty({0}, at::kByte);
   d2h_.copy_async(none, none).wait();
   h2d_.copy_async(none, none).wait();
+  release_forced(/*wait=*/true);
 }
 
 OffloadStats ActivationOffloader::stats() const {

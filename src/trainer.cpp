@@ -13,6 +13,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <iomanip>
@@ -83,6 +84,13 @@ void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow
     total += static_cast<double>(r.bytes);
   }
   os << std::setw(width) << total / 1048576.0 << "\n" << std::string(total_width, '=') << "\n";
+}
+
+double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "actmem::median: empty sample");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 std::string format_bytes(double bytes) {

@@ -211,6 +211,8 @@ class ActivationOffloader final : public SavedTensorHook {
  private:
   void wait_reloaded(Entry& entry);
   void wait_group(int index);
+  void release_forced(bool wait);
+  std::vector<std::shared_ptr<Entry>> pending_release_;  // forced tensors awaiting their copy
   int64_t min_elements_;
   int max_inflight_;
   HostPool pool_;

@@ -157,6 +157,9 @@ struct OffloadSummaryRow;
 /// Megatron's "Activation Offload Summary (MB)" table.
 void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows);
 
+/// Median of a non-empty sample (the mean of the middle two for an even count).
+double median(std::vector<double> values);
+
 /// Human-readable byte count ("12.3 MiB").
 std::string format_bytes(double bytes);
 

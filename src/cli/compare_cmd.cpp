@@ -70,11 +70,6 @@ TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
   return c;
 }
 
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
 
 int run(CompareOptions& o) {
   o.train.finalize();

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# tsan.sh — build the tests with ThreadSanitizer (build-tsan/) and run the offload tests under it.
+# The offload tests run in-process with one intra-op thread; libtorch and libgomp are not
+# instrumented, so multi-threaded kernels outside our code would only add false reports.
+# Fails on any ThreadSanitizer report. Run after scripts/setup.sh (CI: .ci/run).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+build="$root/build-tsan"
+cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DACTMEM_SANITIZE=thread \
+  -DACTMEM_BUILD_BENCH=OFF >/dev/null
+cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target actmem_tests
+filter='CopyStream*:HostPool*:ActivationOffloader*:K/*:LayerOffload*:Modules/*:FineGrainedMemory*:FineGrained.ValidationMessages'
+TSAN_OPTIONS="halt_on_error=1 exitcode=66 ${TSAN_OPTIONS:-}" OMP_NUM_THREADS=1 \
+  "$build/tests/actmem_tests" --gtest_filter="$filter"
+echo "tsan: offload tests clean under ThreadSanitizer"
