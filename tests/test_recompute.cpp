@@ -6,6 +6,7 @@
 #include "actmem/recompute.h"
 #include "actmem/rng.h"
 #include "actmem/trainer.h"
+#include "exactness.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -266,19 +267,7 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   t.eval_interval = 0;
   Trainer plain(base, t), other(strat, t);
   recompute_counters().reset();
-  for (int step = 1; step <= 3; ++step) {
-    const auto a = plain.train_step(), b = other.train_step();
-    EXPECT_EQ(a.loss, b.loss) << "step " << step;
-    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
-    EXPECT_EQ(a.grad_digest, b.grad_digest) << "step " << step;
-    ASSERT_EQ(plain.rng_state().size(), other.rng_state().size());
-    for (size_t g = 0; g < plain.rng_state().size(); ++g) {
-      EXPECT_TRUE(bitwise_equal(plain.rng_state()[g], other.rng_state()[g]))
-          << "default generator differs after step " << step;
-    }
-  }
-  const auto pa = plain.model().ordered_parameters(), pb = other.model().ordered_parameters();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i;
+  actmem::testing::expect_bitwise_equal_training(plain, other, 3);
   // The strategy really recomputed something (otherwise this test could not fail).
   EXPECT_GT(recompute_counters().recomputes.load() + recompute_counters().output_recomputes.load(), 0);
 }

@@ -1,0 +1,45 @@
+// exactness.h — the project's exactness check: a strategy trains bitwise like the plain run.
+#pragma once
+
+#include "actmem/trainer.h"
+#include "test_util.h"
+
+#include <functional>
+
+namespace actmem::testing {
+
+/// Steps `reference` and `candidate` together for `steps` optimizer steps and expects, at every
+/// step, bitwise-equal losses, gradient norms, gradient digests and default-generator states,
+/// and bitwise-equal parameters at the end. On a digest mismatch it names the parameters whose
+/// gradients differ and stops. `per_step` sees the candidate's stats of each step.
+inline void expect_bitwise_equal_training(
+    Trainer& reference, Trainer& candidate, int steps,
+    const std::function<void(const IterationStats&)>& per_step = nullptr) {
+  for (int step = 1; step <= steps; ++step) {
+    const auto a = reference.train_step(), b = candidate.train_step();
+    EXPECT_EQ(a.loss, b.loss) << "step " << step;
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
+    EXPECT_EQ(a.grad_digest, b.grad_digest) << "step " << step;
+    ASSERT_EQ(reference.rng_state().size(), candidate.rng_state().size());
+    for (size_t g = 0; g < reference.rng_state().size(); ++g) {
+      EXPECT_TRUE(bitwise_equal(reference.rng_state()[g], candidate.rng_state()[g]))
+          << "default generator differs after step " << step;
+    }
+    if (per_step) per_step(b);
+    if (a.grad_digest != b.grad_digest) {
+      const auto pa = reference.model().named_parameters();
+      const auto pb = candidate.model().named_parameters();
+      for (size_t i = 0; i < pa.size(); ++i) {
+        if (!bitwise_equal(pa[i].value().grad(), pb[i].value().grad())) {
+          ADD_FAILURE() << "step " << step << ": gradient of " << pa[i].key() << " differs";
+        }
+      }
+      return;
+    }
+  }
+  const auto pa = reference.model().ordered_parameters();
+  const auto pb = candidate.model().ordered_parameters();
+  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i;
+}
+
+}  // namespace actmem::testing
