@@ -29,6 +29,8 @@ int main(int argc, char** argv) {
       actmem::cli::add_estimate_command(app),
       actmem::cli::add_inspect_command(app),
       actmem::cli::add_compare_command(app),
+      actmem::cli::add_launch_command(app),
+      actmem::cli::add_dist_check_command(app),
   };
   try {
     app.parse(argc, argv);

@@ -1,0 +1,49 @@
+// distributed.h — process groups from torchrun-style environment variables (c10d), and the
+// multi-process launcher behind `actmem launch`.
+//
+// Workers find each other through a c10d TCPStore at MASTER_ADDR:MASTER_PORT (rank 0 serves it)
+// and talk through ProcessGroupGloo on CPU. Tensor and sequence parallelism build on this.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace actmem {
+
+/// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them.
+struct DistEnv {
+  int rank = 0;
+  int world_size = 1;
+  int local_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;
+  bool from_environment = false;  // false: no RANK/WORLD_SIZE set, a single process
+};
+
+/// Reads the variables; throws a clear error for malformed or inconsistent values.
+DistEnv dist_env_from_environment();
+
+/// A Gloo process group over a TCPStore (rank 0 hosts it). Throws on timeout.
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
+    const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+/// Starts `nproc` copies of this program (argv = `args`) with RANK, WORLD_SIZE, LOCAL_RANK,
+/// MASTER_ADDR and MASTER_PORT set; forwards SIGINT and SIGTERM to them; when one exits
+/// non-zero (or dies), stops the others (SIGTERM, then SIGKILL after `grace`) and returns that
+/// worker's exit code, after printing "actmem launch: worker R failed ..." on stderr; returns 0
+/// when all succeed. Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
+int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
+                   std::chrono::milliseconds grace = std::chrono::seconds(5));
+
+/// A free TCP port on the loopback interface (for MASTER_PORT when none is given).
+int free_loopback_port();
+
+}  // namespace actmem

@@ -1,0 +1,169 @@
+// distributed.cpp — environment parsing, process-group creation and the worker launcher.
+#include "actmem/distributed.h"
+
+#include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <arpa/inet.h>
+#include <csignal>
+#include <cstdlib>
+#include <cstring>
+#include <netinet/in.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <thread>
+#include <unistd.h>
+
+namespace actmem {
+
+namespace {
+int env_int(const char* name, int fallback, bool* found = nullptr) {
+  const char* v = std::getenv(name);
+  if (found) *found = v != nullptr;
+  if (v == nullptr) return fallback;
+  char* end = nullptr;
+  const long x = std::strtol(v, &end, 10);
+  TORCH_CHECK(end != v && *end == '\0' && x >= 0 && x <= 1 << 20, "actmem: environment variable ",
+              name, "='", v, "' is not a non-negative integer");
+  return static_cast<int>(x);
+}
+}  // namespace
+
+DistEnv dist_env_from_environment() {
+  DistEnv e;
+  bool has_rank = false, has_world = false;
+  e.rank = env_int("RANK", 0, &has_rank);
+  e.world_size = env_int("WORLD_SIZE", 1, &has_world);
+  TORCH_CHECK(has_rank == has_world, "actmem: RANK and WORLD_SIZE must be set together");
+  e.from_environment = has_rank;
+  e.local_rank = env_int("LOCAL_RANK", e.rank);
+  e.master_port = env_int("MASTER_PORT", 29500);
+  if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  TORCH_CHECK(e.world_size >= 1, "actmem: WORLD_SIZE must be at least 1, got ", e.world_size);
+  TORCH_CHECK(e.rank < e.world_size, "actmem: RANK (", e.rank, ") must be below WORLD_SIZE (",
+              e.world_size, ")");
+  TORCH_CHECK(e.master_port > 0 && e.master_port < 65536, "actmem: MASTER_PORT must be a TCP port, "
+              "got ", e.master_port);
+  return e;
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const DistEnv& env,
+                                                          std::chrono::milliseconds timeout) {
+  c10d::TCPStoreOptions opts;
+  opts.port = static_cast<std::uint16_t>(env.master_port);
+  opts.isServer = env.rank == 0;
+  opts.numWorkers = static_cast<std::size_t>(env.world_size);
+  opts.waitWorkers = true;
+  opts.timeout = timeout;
+  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, pg_opts);
+}
+
+int free_loopback_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "actmem: cannot open a socket: ", std::strerror(errno));
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
+                  getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
+  close(fd);
+  TORCH_CHECK(ok, "actmem: cannot find a free loopback port");
+  return ntohs(addr.sin_port);
+}
+
+namespace {
+volatile sig_atomic_t g_forward_signal = 0;
+void on_signal(int sig) { g_forward_signal = sig; }
+}  // namespace
+
+int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
+                   std::chrono::milliseconds grace) {
+  TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
+  TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
+              "actmem launch --nproc-per-node 2 -- train");
+  const int port = master_port > 0 ? master_port : free_loopback_port();
+  const pid_t launcher = getpid();
+  std::vector<pid_t> pids;
+  for (int r = 0; r < nproc; ++r) {
+    const pid_t pid = fork();
+    TORCH_CHECK(pid >= 0, "actmem launch: fork failed: ", std::strerror(errno));
+    if (pid == 0) {
+      prctl(PR_SET_PDEATHSIG, SIGTERM);      // die with the launcher: no orphans
+      if (getppid() != launcher) _exit(1);   // the launcher died before prctl took effect
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      std::vector<char*> argv;
+      std::string self = "actmem";
+      argv.push_back(self.data());
+      std::vector<std::string> copy = args;
+      for (auto& a : copy) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      execv("/proc/self/exe", argv.data());
+      std::fprintf(stderr, "actmem launch: worker %d could not start: %s\n", r, std::strerror(errno));
+      _exit(127);
+    }
+    pids.push_back(pid);
+  }
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  struct sigaction old_int {}, old_term {};
+  sigaction(SIGINT, &sa, &old_int);
+  sigaction(SIGTERM, &sa, &old_term);
+
+  std::vector<bool> alive(nproc, true);
+  int remaining = nproc, result = 0, failed_rank = -1;
+  auto stop_all = [&](int sig) {
+    for (int r = 0; r < nproc; ++r) {
+      if (alive[r]) kill(pids[r], sig);
+    }
+  };
+  std::chrono::steady_clock::time_point kill_deadline{};
+  bool stopping = false;
+  while (remaining > 0) {
+    if (g_forward_signal != 0) {
+      stop_all(g_forward_signal);
+      if (result == 0) result = 128 + g_forward_signal;
+      g_forward_signal = 0;
+      if (!stopping) kill_deadline = std::chrono::steady_clock::now() + grace;
+      stopping = true;
+    }
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      const int r = static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+      if (r >= nproc) continue;
+      alive[r] = false;
+      --remaining;
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      if (code != 0 && failed_rank < 0 && !stopping) {
+        failed_rank = r;
+        result = code;
+        std::fprintf(stderr, "actmem launch: worker %d failed (%s %d); stopping the other %d\n", r,
+                     WIFEXITED(status) ? "exit code" : "signal",
+                     WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), remaining);
+        stop_all(SIGTERM);
+        stopping = true;
+        kill_deadline = std::chrono::steady_clock::now() + grace;
+      }
+      continue;
+    }
+    if (stopping && std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  sigaction(SIGINT, &old_int, nullptr);
+  sigaction(SIGTERM, &old_term, nullptr);
+  return result;
+}
+
+}  // namespace actmem

@@ -1,0 +1,110 @@
+// test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, a failing worker
+// fails the launch with its message, and no worker outlives the launcher (SIGTERM or SIGKILL).
+#include "actmem/distributed.h"
+#include "test_util.h"
+
+#include <dirent.h>
+
+#include <chrono>
+#include <fstream>
+#include <random>
+#include <thread>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+using actmem::testing::run_actmem;
+
+// Processes whose environment holds ACTMEM_TEST_TAG=tag.
+int processes_tagged(const std::string& tag) {
+  int n = 0;
+  DIR* proc = opendir("/proc");
+  if (proc == nullptr) return -1;
+  const std::string needle = "ACTMEM_TEST_TAG=" + tag;
+  while (dirent* d = readdir(proc)) {
+    if (d->d_name[0] < '0' || d->d_name[0] > '9') continue;
+    std::ifstream env(std::string("/proc/") + d->d_name + "/environ", std::ios::binary);
+    std::string all((std::istreambuf_iterator<char>(env)), std::istreambuf_iterator<char>());
+    if (all.find(needle) != std::string::npos) ++n;
+  }
+  closedir(proc);
+  return n;
+}
+
+std::string fresh_tag() { return std::to_string(std::random_device{}()); }
+
+int wait_until_no_process(const std::string& tag, int seconds) {
+  for (int i = 0; i < seconds * 10; ++i) {
+    if (processes_tagged(tag) == 0) return 0;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return processes_tagged(tag);
+}
+
+TEST(Launch, TwoProcessAllReduceOverGloo) {
+  const auto r = run_actmem("launch --nproc-per-node 2 -- dist-check");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("all-reduce ok on 2 ranks"), std::string::npos) << r.output;
+}
+
+TEST(Launch, AFailingWorkerFailsTheLaunchWithItsMessageAndLeavesNoProcess) {
+  const std::string tag = fresh_tag();
+  const auto r = run_actmem("launch --nproc-per-node 3 -- dist-check --fail-rank 1");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.stderr_text.find("rank 1 fails on purpose"), std::string::npos) << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("actmem launch: worker 1 failed (exit code 1)"), std::string::npos)
+      << r.stderr_text;
+  // With the environment tag: the whole tree is gone once launch returned.
+  const std::string cmd = "ACTMEM_TEST_TAG=" + tag + " " + std::string(ACTMEM_BINARY) +
+                          " launch --nproc-per-node 2 -- dist-check --fail-rank 0 2>/dev/null";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  EXPECT_EQ(processes_tagged(tag), 0);
+}
+
+TEST(Launch, SignalsReachTheWorkersAndKillingTheLauncherKillsThem) {
+  for (const char* sig : {"TERM", "KILL"}) {
+    const std::string tag = fresh_tag();
+    // Rank 0 never joins, so rank 1 waits in the rendezvous: both are alive until stopped.
+    const std::string cmd = "ACTMEM_TEST_TAG=" + tag + " " + std::string(ACTMEM_BINARY) +
+                            " launch --nproc-per-node 2 -- dist-check --hang-rank 0 2>/dev/null & "
+                            "pid=$!; sleep 1.5; kill -" + sig + " $pid; wait $pid; exit $?";
+    const int status = std::system(cmd.c_str());
+    EXPECT_NE(status, 0) << sig;
+    EXPECT_EQ(wait_until_no_process(tag, 10), 0) << "workers outlived the launcher after SIG" << sig;
+  }
+}
+
+TEST(Launch, BadInputIsAClearError) {
+  auto r = run_actmem("launch --nproc-per-node 0 -- dist-check");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("--nproc-per-node must be at least 1"), std::string::npos) << r.stderr_text;
+  r = run_actmem("launch --nproc-per-node 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("command"), std::string::npos) << r.stderr_text;
+}
+
+TEST(DistEnv, ParsesAndValidatesTheVariables) {
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_PORT", "1234", 1);
+  const DistEnv e = dist_env_from_environment();
+  EXPECT_EQ(e.rank, 1);
+  EXPECT_EQ(e.world_size, 2);
+  EXPECT_EQ(e.local_rank, 1);
+  EXPECT_EQ(e.master_port, 1234);
+  EXPECT_TRUE(e.from_environment);
+  setenv("RANK", "2", 1);
+  expect_error_containing([] { dist_env_from_environment(); }, "RANK (2) must be below WORLD_SIZE (2)");
+  setenv("RANK", "x", 1);
+  expect_error_containing([] { dist_env_from_environment(); }, "RANK='x' is not a non-negative integer");
+  setenv("RANK", "0", 1);
+  unsetenv("WORLD_SIZE");
+  expect_error_containing([] { dist_env_from_environment(); }, "RANK and WORLD_SIZE must be set together");
+  unsetenv("RANK");
+  unsetenv("MASTER_PORT");
+  EXPECT_FALSE(dist_env_from_environment().from_environment);
+}
+
+}  // namespace
+}  // namespace actmem
