@@ -48,6 +48,25 @@ TEST(Launch, TwoProcessAllReduceOverGloo) {
   EXPECT_NE(r.output.find("all-reduce ok on 2 ranks"), std::string::npos) << r.output;
 }
 
+TEST(Launch, TrainUnderLaunchLogsFromRankZeroOnly) {
+  const std::string log = ::testing::TempDir() + "launch_train.jsonl";
+  const auto r = run_actmem("launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 "
+                            "--num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+                            "--train-iters 2 --eval-interval 0 --log-json " + log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  size_t headers = 0;
+  for (size_t p = r.output.find("actmem train:"); p != std::string::npos;
+       p = r.output.find("actmem train:", p + 1)) {
+    ++headers;
+  }
+  EXPECT_EQ(headers, 1u) << r.output;
+  std::ifstream in(log);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 2);  // one writer, two iterations
+}
+
 TEST(Launch, AFailingWorkerFailsTheLaunchWithItsMessageAndLeavesNoProcess) {
   const std::string tag = fresh_tag();
   const auto r = run_actmem("launch --nproc-per-node 3 -- dist-check --fail-rank 1");

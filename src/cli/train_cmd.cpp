@@ -1,4 +1,5 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
+#include "actmem/distributed.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 #include "commands.h"
@@ -37,17 +38,23 @@ void print_header(const actmem::Trainer& trainer, const actmem::TrainOptions& o,
 int run_train(actmem::TrainOptions& o) {
   o.finalize();
   actmem::apply_thread_count(o.threads);
+  // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
+  const actmem::DistEnv dist = actmem::dist_env_from_environment();
+  if (dist.rank != 0) {
+    o.log_json.clear();
+    o.trace.clear();
+  }
   std::ofstream log;
   if (!o.log_json.empty()) {
     log.open(o.log_json, std::ios::trunc);
     TORCH_CHECK(log.good(), "actmem train: cannot write --log-json file '", o.log_json, "'");
   }
   actmem::Trainer trainer(o.model, o.training);
-  print_header(trainer, o, trainer.model());
+  if (dist.rank == 0) print_header(trainer, o, trainer.model());
   double first_loss = NAN, last_loss = NAN, total_time = 0.0;
   std::optional<double> last_val;
   int64_t steps = 0;
-  trainer.run(&std::cout, [&](const actmem::IterationStats& st) {
+  trainer.run(dist.rank == 0 ? &std::cout : nullptr, [&](const actmem::IterationStats& st) {
     if (std::isnan(first_loss)) first_loss = st.loss;
     last_loss = st.loss;
     total_time += st.step_time_s;
@@ -58,6 +65,7 @@ int run_train(actmem::TrainOptions& o) {
       log.flush();
     }
   }, /*compute_digest=*/log.is_open(), o.trace);
+  if (dist.rank != 0) return 0;
   std::cout << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
             << last_loss;
   if (last_val) std::cout << " | validation loss " << *last_val;
