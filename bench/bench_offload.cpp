@@ -6,6 +6,7 @@
 // loss and gradient digest must equal the plain run's at every step. Bandwidth is emulated by the
 // CPU copy engine (design.md): a copy of n bytes takes at least n / bandwidth.
 #include "actmem/process.h"
+#include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 
@@ -17,17 +18,11 @@
 #include <iomanip>
 #include <iostream>
 
-
 int main(int argc, char** argv) {
   actmem::ensure_passive_openmp_wait(argv);
   CLI::App app{"bench_offload: step-time overhead and overlap of CPU offload"};
   actmem::TrainOptions o;
-  o.model.num_layers = 4;
-  o.model.hidden_size = 512;
-  o.model.num_attention_heads = 8;
-  o.model.ffn_hidden_size = 2048;
-  o.model.seq_length = 512;
-  o.model.micro_batch_size = 4;
+  actmem::bench::use_reference_model(o.model);
   actmem::add_model_flags(app, o);
   std::vector<double> bandwidths = {0, 20, 5, 1};
   int iters = 3, warmup = 1;
@@ -105,8 +100,7 @@ int main(int argc, char** argv) {
     std::cout << "hidden = 1 - wait / copy: the share of copy time the compute did not wait for\n";
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << e.msg().substr(0, e.msg().find('\n')) << std::endl;
-    return 1;
+    return actmem::bench::report(e);
   }
   return 0;
 }

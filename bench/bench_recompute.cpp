@@ -9,6 +9,7 @@
 // (step + L * core-attention forward) / step.
 #include "actmem/model.h"
 #include "actmem/process.h"
+#include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 
@@ -94,12 +95,7 @@ int main(int argc, char** argv) {
   actmem::ensure_passive_openmp_wait(argv);
   CLI::App app{"bench_recompute: step time and activation memory of every recompute strategy"};
   actmem::TrainOptions o;
-  o.model.num_layers = 4;
-  o.model.hidden_size = 512;
-  o.model.num_attention_heads = 8;
-  o.model.ffn_hidden_size = 2048;
-  o.model.seq_length = 512;
-  o.model.micro_batch_size = 4;
+  actmem::bench::use_reference_model(o.model);
   actmem::add_model_flags(app, o);
   int iters = 3, warmup = 1;
   std::string json_path;
@@ -176,8 +172,7 @@ int main(int argc, char** argv) {
     }
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << e.msg().substr(0, e.msg().find('\n')) << std::endl;
-    return 1;
+    return actmem::bench::report(e);
   }
   return 0;
 }

@@ -6,6 +6,7 @@
 // --iters steps after --warmup steps, measured by the Trainer around forward, backward and the
 // optimizer step only.
 #include "actmem/process.h"
+#include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 
@@ -27,12 +28,7 @@ struct Preset {
 std::vector<Preset> presets() {
   actmem::TransformerConfig small;  // the built-in default of `actmem train`
   actmem::TransformerConfig large;
-  large.num_layers = 4;
-  large.hidden_size = 512;
-  large.num_attention_heads = 8;
-  large.ffn_hidden_size = 2048;
-  large.seq_length = 512;
-  large.micro_batch_size = 4;
+  actmem::bench::use_reference_model(large);
   return {{"default", small}, {"4x512", large}};
 }
 
@@ -93,8 +89,7 @@ int main(int argc, char** argv) {
     std::cout << results.dump(2) << std::endl;
     if (!json_path.empty()) std::ofstream(json_path) << results.dump(2) << "\n";
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << e.msg().substr(0, e.msg().find('\n')) << std::endl;
-    return 1;
+    return actmem::bench::report(e);
   }
   return 0;
 }
