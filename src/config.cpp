@@ -179,14 +179,22 @@ void TransformerConfig::validate() const {
               rotary_base);
   TORCH_CHECK(init_method_std > 0.0, "actmem::TransformerConfig: init_method_std must be "
               "positive, got ", init_method_std);
-  TORCH_CHECK(tensor_model_parallel_size == 1, "actmem::TransformerConfig: "
-              "tensor_model_parallel_size must be 1 in this build (tensor parallelism is not "
-              "implemented yet), got ", tensor_model_parallel_size);
+  // Tensor and sequence parallelism (docs/parallelism.md): heads, the MLP's columns and, with
+  // sequence parallelism, the sequence are split evenly across the t ranks.
+  const int64_t t = tensor_model_parallel_size;
+  check_positive(t, "tensor_model_parallel_size");
+  TORCH_CHECK(num_attention_heads % t == 0, "actmem::TransformerConfig: num_attention_heads (",
+              num_attention_heads, ") must be divisible by tensor_model_parallel_size (", t, ")");
+  TORCH_CHECK(ffn() % t == 0, "actmem::TransformerConfig: ffn_hidden_size (", ffn(),
+              ") must be divisible by tensor_model_parallel_size (", t, ")");
   TORCH_CHECK(pipeline_model_parallel_size == 1, "actmem::TransformerConfig: "
-              "pipeline_model_parallel_size must be 1 in this build, got ",
-              pipeline_model_parallel_size);
-  TORCH_CHECK(!sequence_parallel || tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
+              "pipeline_model_parallel_size must be 1 (pipeline parallelism is not implemented), "
+              "got ", pipeline_model_parallel_size);
+  TORCH_CHECK(!sequence_parallel || t > 1, "actmem::TransformerConfig: "
               "sequence_parallel requires tensor_model_parallel_size > 1");
+  TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
+              "sequence_parallel needs seq_length (", seq_length, ") divisible by "
+              "tensor_model_parallel_size (", t, ")");
   // Megatron's layer-level offload rules (megatron-spec §4.4 rules 1-3; rule 30: K > 0 enables).
   if (cpu_offloading()) {
     TORCH_CHECK(cpu_offloading_num_layers > 0 && cpu_offloading_num_layers < num_layers,

@@ -85,6 +85,11 @@ void on_signal(int sig) { g_forward_signal = sig; }
 
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
                    std::chrono::milliseconds grace) {
+  return launch_program(nproc, "/proc/self/exe", args, master_port, grace);
+}
+
+int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
+                   int master_port, std::chrono::milliseconds grace) {
   TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
   TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
               "actmem launch --nproc-per-node 2 -- train");
@@ -103,12 +108,12 @@ int launch_workers(int nproc, const std::vector<std::string>& args, int master_p
       setenv("MASTER_ADDR", "127.0.0.1", 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       std::vector<char*> argv;
-      std::string self = "actmem";
+      std::string self = program == "/proc/self/exe" ? "actmem" : program;
       argv.push_back(self.data());
       std::vector<std::string> copy = args;
       for (auto& a : copy) argv.push_back(a.data());
       argv.push_back(nullptr);
-      execv("/proc/self/exe", argv.data());
+      execv(program.c_str(), argv.data());
       std::fprintf(stderr, "actmem launch: worker %d could not start: %s\n", r, std::strerror(errno));
       _exit(127);
     }

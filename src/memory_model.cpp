@@ -116,30 +116,36 @@ double korthikanti_module_bytes(const std::string& path, const TransformerConfig
                       c.micro_batch_size;
   const double k = static_cast<double>(dtype_bytes) / 2.0;  // 16-bit terms at this dtype
   const double ffn_ratio = static_cast<double>(c.ffn()) / static_cast<double>(c.hidden_size);
-  if (ends_with("input_layernorm") || ends_with("pre_mlp_layernorm")) return 2 * sbh * k;
-  if (ends_with("self_attention.linear_qkv")) return 2 * sbh * k;
+  // Table 2: terms inside the tensor-parallel region are divided by t; the replicated ones
+  // (norms, the inputs of linear_qkv and linear_fc1, the residual dropout masks) only with SP.
+  const double t = static_cast<double>(c.tensor_model_parallel_size);
+  const double rep = c.sequence_parallel ? t : 1.0;
+  if (ends_with("input_layernorm") || ends_with("pre_mlp_layernorm")) return 2 * sbh * k / rep;
+  if (ends_with("self_attention.linear_qkv")) return 2 * sbh * k / rep;
   // Q and K 4sbh, V 2sbh; softmax output 2as^2b, its dropout mask as^2b, dropout output 2as^2b.
-  if (ends_with("self_attention.core_attention")) return 6 * sbh * k + 4 * as2b * k + as2b;
-  if (ends_with("self_attention.linear_proj")) return 2 * sbh * k;
-  if (ends_with("self_attn_bda") || ends_with("mlp_bda")) return sbh;  // dropout mask
-  if (ends_with("mlp.linear_fc1")) return 2 * sbh * k;
-  if (ends_with("mlp.activation_func") || ends_with("mlp.linear_fc2")) return 2 * ffn_ratio * sbh * k;
+  if (ends_with("self_attention.core_attention")) return (6 * sbh * k + 4 * as2b * k + as2b) / t;
+  if (ends_with("self_attention.linear_proj")) return 2 * sbh * k / t;
+  if (ends_with("self_attn_bda") || ends_with("mlp_bda")) return sbh / rep;  // dropout mask
+  if (ends_with("mlp.linear_fc1")) return 2 * sbh * k / rep;
+  if (ends_with("mlp.activation_func") || ends_with("mlp.linear_fc2")) {
+    return 2 * ffn_ratio * sbh * k / t;
+  }
   return -1.0;
 }
 
 // ---- the exact predictor ----------------------------------------------------------------------
 
-namespace {
-// Bytes of one random-state snapshot as a checkpoint keeps it (CPU and CUDA generator states and
-// the tracker's streams): read off the live generators, so it is exact on every build.
-int64_t snapshot_bytes() {
+int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
+  if (!snapshots_on_device) return 0;
+  // The CPU (and CUDA) generator states and the tracker's three streams of
+  // model_parallel_manual_seed, which are CPU generator states on CPU. Read off the live
+  // generators, so it is exact on every build.
   const RngSnapshot s = get_all_rng_states();
-  int64_t n = static_cast<int64_t>(s.cpu.nbytes());
+  const int64_t cpu = static_cast<int64_t>(s.cpu.nbytes());
+  int64_t n = cpu + 3 * cpu;
   if (s.cuda.defined()) n += static_cast<int64_t>(s.cuda.nbytes());
-  for (const auto& [name, state] : s.tracker) n += static_cast<int64_t>(state.nbytes());
   return n;
 }
-}  // namespace
 
 // Note [What this model saves] (read off the activation ledger, `actmem inspect --records`;
 // e = dtype bytes, masks 1 byte, mean/rstd in the dtype):
@@ -167,9 +173,16 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
               e);
   const int64_t s = c.seq_length, b = c.micro_batch_size, h = c.hidden_size;
   const int64_t a = c.num_attention_heads, f = c.ffn(), v = c.vocab_size;
-  const int64_t sb = s * b, sbh = sb * h, sbf = sb * f, as2b = a * s * s * b;
+  // Per tensor-parallel rank: heads and MLP columns are split t ways; with sequence parallelism
+  // the residual stream (norms, their inputs, dropout masks) holds s/t tokens (docs/parallelism.md).
+  const int64_t t = c.tensor_model_parallel_size;
+  const bool sp = c.sequence_parallel;
+  const int64_t sbh_full = s * b * h;
+  const int64_t sb = sp ? s * b / t : s * b;  // tokens on this rank in the residual stream
+  const int64_t sbh = sb * h;
+  const int64_t sbh_t = sbh_full / t, sbf = s * b * f / t, as2b = a * s * s * b / t;
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
-  const int64_t snapshot = snapshots_on_device ? snapshot_bytes() : 0;
+  const int64_t snapshot = checkpoint_snapshot_bytes(snapshots_on_device);
   const int64_t norm_stats = c.use_rmsnorm() ? sb * e : 2 * sb * e;
 
   PredictedBytes p;
@@ -203,7 +216,8 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
     const std::string layer = "decoder.layers." + std::to_string(i);
     if (inside[i]) {
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
-      if (chunk_start[i]) add(layer, sbh * e + snapshot);
+      // With distribute_saved_activations it is this rank's 1/t chunk.
+      if (chunk_start[i]) add(layer, (c.distribute_saved_activations ? sbh_full / t : sbh) * e + snapshot);
       continue;
     }
     // A norm keeps its input (the residual stream) either way; output-discarding recompute keeps
@@ -212,14 +226,14 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
     add(layer + ".self_attention.linear_qkv", norm_out);
-    int64_t core = 3 * sbh * e + (c.use_rope() ? 2 * sbh * e : 0);
+    int64_t core = 3 * sbh_t * e + (c.use_rope() ? 2 * sbh_t * e : 0);
     if (sel_core) {
       core += snapshot;
     } else {
       core += as2b * e + (attn_drop ? as2b + as2b * e : 0);
     }
     add(layer + ".self_attention.core_attention", core);
-    add(layer + ".self_attention.linear_proj", sbh * e);
+    add(layer + ".self_attention.linear_proj", sbh_t * e);
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);
     if (sel_mlp) {
@@ -233,9 +247,9 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
     add(layer + ".mlp_bda", hidden_drop ? sbh : 0);
   }
   add("decoder.final_layernorm", sbh * e + norm_stats);
-  add("output_layer", sbh * e);
+  add("output_layer", sbh_full * e);  // the gathered [s, b, h] input of the replicated layer
   // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.
-  add("loss", sb * v * e + (b > 1 && s > 1 ? 8 * sb : 0) + e);
+  add("loss", s * b * v * e + (b > 1 && s > 1 ? 8 * s * b : 0) + e);
   add("loss value", e);
   return p;
 }

@@ -6,6 +6,8 @@
 #include "actmem/memory_tracker.h"
 #include "actmem/offload.h"
 #include "actmem/recompute.h"
+#include "actmem/rng.h"
+#include "actmem/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -93,14 +95,28 @@ at::Tensor Norm::forward(const at::Tensor& x) {
 
 // ---- Linear -----------------------------------------------------------------------------------
 
-Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::ScalarType dtype)
-    : skip_bias_add_(skip_bias_add) {
+Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::ScalarType dtype,
+               LinearParallel parallel, bool sequence_parallel)
+    : skip_bias_add_(skip_bias_add), parallel_(parallel), sequence_parallel_(sequence_parallel) {
   // The caller re-initialises weight with the right std; zeros here keep construction cheap.
   weight = register_parameter("weight", at::zeros({out, in}, at::TensorOptions().dtype(dtype)));
   if (bias_on) bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
 }
 
 std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
+  switch (parallel_) {
+    case LinearParallel::kColumn:
+      if (skip_bias_add_) return {column_parallel_linear(x, weight, at::Tensor(), sequence_parallel_), bias};
+      return {column_parallel_linear(x, weight, bias, sequence_parallel_), at::Tensor()};
+    case LinearParallel::kRow: {
+      // The bias is added after the reduction (once, not once per rank).
+      at::Tensor out = row_parallel_linear(x, weight, sequence_parallel_);
+      if (skip_bias_add_) return {out, bias};
+      return {bias.defined() ? out + bias : out, at::Tensor()};
+    }
+    case LinearParallel::kNone:
+      break;
+  }
   if (skip_bias_add_) return {at::linear(x, weight), bias};
   return {at::linear(x, weight, bias), at::Tensor()};
 }
@@ -122,7 +138,8 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
 
 // ---- CoreAttention ----------------------------------------------------------------------------
 
-CoreAttention::CoreAttention(const TransformerConfig& config) : dropout_(config.attention_dropout) {}
+CoreAttention::CoreAttention(const TransformerConfig& config)
+    : dropout_(config.attention_dropout), sequence_parallel_(config.sequence_parallel) {}
 
 at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
   return at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device))
@@ -144,7 +161,21 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
   // Megatron's attention_mask_func; the mask may be larger than s (a prefix of the model's table).
   scores4.masked_fill_(mask.narrow(2, 0, s).narrow(3, 0, s), -10000.0);
   at::Tensor probs = at::softmax(scores4, -1);
-  probs = apply_dropout(probs, dropout_, is_training());
+  {
+    // Seed §3.3: dropout inside the tensor-parallel region draws from the model-parallel stream
+    // (seed + 2718 + tp_rank), so ranks drop their own heads independently. With sequence
+    // parallelism the block already runs in that stream (Megatron does not fork twice).
+    std::optional<RngFork> fork;
+    auto& tracker = get_rng_tracker();
+    if (is_training() && dropout_ > 0.0 && !sequence_parallel_ &&
+        tracker.current_state_name() != kModelParallelRng) {
+      TORCH_CHECK(tracker.has(kModelParallelRng) || tensor_parallel_group().size == 1,
+                  "actmem::CoreAttention: tensor-parallel attention dropout needs the "
+                  "model-parallel random stream (call model_parallel_manual_seed first)");
+      if (tracker.has(kModelParallelRng)) fork.emplace(tracker.fork(kModelParallelRng));
+    }
+    probs = apply_dropout(probs, dropout_, is_training());
+  }
   const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, d]
   return context.view({b, a, s, d}).permute({2, 0, 1, 3}).reshape({s, b, a * d});
 }
@@ -172,23 +203,28 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
 // ---- SelfAttention ----------------------------------------------------------------------------
 
 SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dtype)
-    : heads_(config.num_attention_heads),
+    : heads_(config.num_attention_heads / config.tensor_model_parallel_size),
       head_dim_(config.kv_channels()),
       checkpoint_core_attention_(config.recomputes("core_attn")),
       offload_qkv_(config.offloads("qkv_linear")),
       offload_core_(config.offloads("core_attn")),
       offload_proj_(config.offloads("attn_proj")) {
-  const int64_t h = config.hidden_size;
+  const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
+  const bool sp = config.sequence_parallel;
+  // Each tensor-parallel rank holds a/t heads: 3h/t rows of linear_qkv, h/t columns of linear_proj.
   linear_qkv = register_module(
-      "linear_qkv", std::make_shared<Linear>(h, 3 * h, config.add_bias_linear, false, dtype));
+      "linear_qkv", std::make_shared<Linear>(h, 3 * h / t, config.add_bias_linear, false, dtype,
+                                             LinearParallel::kColumn, sp));
   core_attention = register_module("core_attention", std::make_shared<CoreAttention>(config));
   linear_proj = register_module(
-      "linear_proj", std::make_shared<Linear>(h, h, config.add_bias_linear, true, dtype));
+      "linear_proj", std::make_shared<Linear>(h / t, h, config.add_bias_linear, true, dtype,
+                                              LinearParallel::kRow, sp));
 }
 
 std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
                                                          const LayerContext& ctx) {
-  const int64_t s = x.size(0), b = x.size(1);
+  // With sequence parallelism x is the [s/t, b, h] shard; linear_qkv's output covers all s.
+  const int64_t b = x.size(1);
   ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
   // Fine-grained offload (seed §7): a module's group starts at its input and commits at its
   // output; what it saves is captured in between (Note [Offload state machine], offload.cpp).
@@ -209,8 +245,8 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   {
     ModuleScope scope("linear_qkv");
     qkv = in_group(offload_qkv_, "qkv_linear", x,
-                   [&](const at::Tensor& in) { return linear_qkv->forward(in).first; }, {})
-              .view({s, b, heads_, 3 * head_dim_});
+                   [&](const at::Tensor& in) { return linear_qkv->forward(in).first; }, {});
+    qkv = qkv.view({qkv.size(0), b, heads_, 3 * head_dim_});
   }
   auto parts = qkv.split(head_dim_, -1);
   at::Tensor q = parts[0], k = parts[1], v = parts[2];
@@ -255,12 +291,15 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
 // ---- MLP --------------------------------------------------------------------------------------
 
 MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.gated_linear_unit) {
-  const int64_t h = config.hidden_size, f = config.ffn();
+  const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
+  const int64_t f = config.ffn() / t;  // this rank's share of the MLP's hidden columns
+  const bool sp = config.sequence_parallel;
   linear_fc1 = register_module(
-      "linear_fc1",
-      std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false, dtype));
+      "linear_fc1", std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false,
+                                             dtype, LinearParallel::kColumn, sp));
   linear_fc2 = register_module(
-      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype));
+      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype,
+                                             LinearParallel::kRow, sp));
 }
 
 std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
@@ -440,6 +479,15 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
 
 at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerContext& ctx) {
   at::Tensor hidden = hidden_in;
+  // With sequence parallelism every layer works on this rank's tokens, so all of the block's
+  // dropout draws from the model-parallel stream (Megatron's TransformerBlock.forward).
+  std::optional<RngFork> sp_fork;
+  if (config_.sequence_parallel && is_training() &&
+      get_rng_tracker().current_state_name() != kModelParallelRng) {
+    TORCH_CHECK(get_rng_tracker().has(kModelParallelRng), "actmem::TransformerBlock: sequence "
+                "parallelism needs the model-parallel random stream (model_parallel_manual_seed)");
+    sp_fork.emplace(get_rng_tracker().fork(kModelParallelRng));
+  }
   if (ctx.offloader != nullptr && is_training() && at::GradMode::is_enabled()) {
     ctx.offloader->begin_forward();
   }
@@ -473,6 +521,11 @@ GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : conf
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
               "actmem::GPTModel: expected dtype float or double, got ", dtype);
   const int64_t h = config.hidden_size, v = config.vocab_size;
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  TORCH_CHECK(tp.size == config.tensor_model_parallel_size, "actmem::GPTModel: "
+              "tensor_model_parallel_size is ", config.tensor_model_parallel_size, " but this process ",
+              "is in a tensor-parallel group of ", tp.size, tp.size == 1 ? " (run it under `actmem "
+              "launch --nproc-per-node " + std::to_string(config.tensor_model_parallel_size) + "`)" : "");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
   t_init_gen = &gen;
   struct Reset {
@@ -504,16 +557,28 @@ GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : conf
   causal_mask_ = make_causal_mask(config.max_positions());
   decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, dtype));
   {
+    // Every rank draws the full (t = 1) weights in the same order and keeps its slice, so a
+    // tensor-parallel model computes the same function as the single-process one (Megatron's
+    // _initialize_affine_weight_cpu).
     at::NoGradGuard no_grad;
+    const int r = tp.rank, t = tp.size;
+    const int64_t f = config.ffn();
+    auto rows = [&](const at::Tensor& full) { return full.chunk(t, 0)[r]; };
+    auto cols = [&](const at::Tensor& full) { return full.chunk(t, 1)[r]; };
     for (auto& layer : decoder->layers) {
-      layer->self_attention->linear_qkv->weight.copy_(
-          init_normal(layer->self_attention->linear_qkv->weight.sizes(), std, dtype));
+      layer->self_attention->linear_qkv->weight.copy_(rows(init_normal({3 * h, h}, std, dtype)));
       layer->self_attention->linear_proj->weight.copy_(
-          init_normal(layer->self_attention->linear_proj->weight.sizes(), scaled_std, dtype));
-      layer->mlp->linear_fc1->weight.copy_(
-          init_normal(layer->mlp->linear_fc1->weight.sizes(), std, dtype));
-      layer->mlp->linear_fc2->weight.copy_(
-          init_normal(layer->mlp->linear_fc2->weight.sizes(), scaled_std, dtype));
+          cols(init_normal({h, h}, scaled_std, dtype)));
+      const at::Tensor fc1 = init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype);
+      if (config.gated_linear_unit) {
+        // SwiGLU's fc1 is [gate; up]: each rank keeps its slice of both halves, in that order,
+        // so chunk(2) of its local output still splits gate from up.
+        const auto halves = fc1.chunk(2, 0);
+        layer->mlp->linear_fc1->weight.copy_(at::cat({rows(halves[0]), rows(halves[1])}, 0));
+      } else {
+        layer->mlp->linear_fc1->weight.copy_(rows(fc1));
+      }
+      layer->mlp->linear_fc2->weight.copy_(cols(init_normal({h, f}, scaled_std, dtype)));
     }
   }
   if (config.untie_embeddings_and_output_weights) {
@@ -542,7 +607,21 @@ at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   at::Tensor hidden;
   {
     ModuleScope scope("embedding");
-    hidden = apply_dropout(embed(tokens), config_.hidden_dropout, is_training());
+    hidden = embed(tokens);
+    if (config_.sequence_parallel) {
+      // Each rank keeps its s/t tokens (a copy, so the full embedding output is freed) and
+      // drops them with its own stream, as Megatron's LanguageModelEmbedding does.
+      hidden = scatter_to_sequence_parallel_region(hidden);
+      std::optional<RngFork> fork;
+      if (is_training() && config_.hidden_dropout > 0.0) {
+        TORCH_CHECK(get_rng_tracker().has(kModelParallelRng), "actmem::GPTModel: sequence "
+                    "parallelism needs the model-parallel random stream (model_parallel_manual_seed)");
+        fork.emplace(get_rng_tracker().fork(kModelParallelRng));
+      }
+      hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
+    } else {
+      hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
+    }
   }
   timeline_mark("fwd embedding");
   {
@@ -550,6 +629,9 @@ at::Tensor GPTModel::logits(const at::Tensor& tokens) {
     hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
   }
   ModuleScope scope("output_layer");
+  // The output layer is replicated (docs/parallelism.md): with sequence parallelism the shards
+  // are gathered, and backward keeps this rank's slice of the (identical) full gradient.
+  if (config_.sequence_parallel) hidden = gather_from_sequence_parallel_region(hidden, false);
   return at::matmul(hidden, output_weight.t());  // [s, b, v]
 }
 
@@ -570,6 +652,37 @@ void GPTModel::to_device(const at::Device& device) {
 }
 
 std::vector<at::Tensor> GPTModel::ordered_parameters() const { return parameters(); }
+
+namespace {
+bool ends_with(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+}  // namespace
+
+std::vector<bool> GPTModel::tensor_parallel_flags() const {
+  std::vector<bool> flags;
+  for (const auto& item : named_parameters()) {
+    const std::string& n = item.key();
+    flags.push_back(config_.tensor_model_parallel_size > 1 &&
+                    (n.find("linear_qkv.") != std::string::npos ||
+                     n.find("linear_fc1.") != std::string::npos ||
+                     ends_with(n, "linear_proj.weight") || ends_with(n, "linear_fc2.weight")));
+  }
+  return flags;
+}
+
+std::vector<at::Tensor> GPTModel::sequence_parallel_parameters() const {
+  std::vector<at::Tensor> out;
+  if (!config_.sequence_parallel) return out;
+  for (const auto& item : named_parameters()) {
+    const std::string& n = item.key();
+    if (n.find("layernorm.") != std::string::npos || ends_with(n, "linear_proj.bias") ||
+        ends_with(n, "linear_fc2.bias")) {
+      out.push_back(item.value());
+    }
+  }
+  return out;
+}
 
 int64_t GPTModel::num_parameters() const {
   int64_t n = 0;

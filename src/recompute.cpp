@@ -2,6 +2,7 @@
 #include "actmem/recompute.h"
 
 #include "actmem/rng.h"
+#include "actmem/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -76,6 +77,12 @@ TensorList backward_through(const TensorList& outputs, const TensorList& grads,
 struct CheckpointState : torch::CustomClassHolder {
   CheckpointFn fn;
   RngSnapshot rng;
+  // Note [distribute_saved_activations]: with t > 1 tensor-parallel ranks the first input is
+  // kept as this rank's 1/t chunk (flattened, a new buffer: the caller's full tensor is freed
+  // when the caller drops it) and all-gathered back to its shape before the replay.
+  bool distribute = false;
+  std::vector<int64_t> input0_shape;
+  bool input0_requires_grad = false;
 };
 
 struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
@@ -87,7 +94,16 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     TensorList in(inputs.begin(), inputs.end());
     TensorList outputs = state->fn(in);  // grad mode is off inside Function::forward
     ctx->saved_data["state"] = c10::IValue::make_capsule(state);
-    ctx->save_for_backward(in);
+    if (state->distribute && !in.empty() && in[0].defined()) {
+      state->input0_shape = in[0].sizes().vec();
+      state->input0_requires_grad = in[0].requires_grad();
+      TensorList kept = in;
+      kept[0] = split_tensor_into_1d_equal_chunks(in[0]);
+      ctx->save_for_backward(kept);
+    } else {
+      state->distribute = false;
+      ctx->save_for_backward(in);
+    }
     recompute_counters().checkpoints.fetch_add(1);
     return outputs;
   }
@@ -97,7 +113,10 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
     CheckpointingScope scope;
     auto state = c10::static_intrusive_pointer_cast<CheckpointState>(
         ctx->saved_data.at("state").toCapsule());
-    const TensorList leaves = detached_leaves(ctx->get_saved_variables());
+    TensorList saved = ctx->get_saved_variables();
+    if (state->distribute) saved[0] = gather_split_1d_tensor(saved[0]).view(state->input0_shape);
+    TensorList leaves = detached_leaves(saved);
+    if (state->distribute) leaves[0].set_requires_grad(state->input0_requires_grad);
     TensorList outputs;
     {
       RecomputingScope recomputing;
@@ -136,10 +155,6 @@ RecomputeCounters& recompute_counters() {
 
 TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
                       const TensorList& inputs) {
-  // Note [distribute_saved_activations]: with a tensor-parallel group of t ranks the first
-  // input would be kept as a 1/t shard and all-gathered before the replay. This build has no
-  // tensor-parallel group, i.e. t = 1, where the shard is the whole tensor: nothing to do.
-  (void)distribute_saved_activations;
   if (!at::GradMode::is_enabled()) return fn(inputs);
   bool any_grad = false;
   for (const auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
@@ -149,6 +164,8 @@ TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
   RECORD_FUNCTION("actmem::checkpoint", std::vector<c10::IValue>());
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
+  // Note [distribute_saved_activations]; with t = 1 the chunk would be the whole tensor.
+  state->distribute = distribute_saved_activations && tensor_parallel_group().size > 1;
   return CheckpointFunction::apply(state, at::TensorList(inputs));
 }
 

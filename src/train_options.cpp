@@ -65,6 +65,16 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling")
       ->capture_default_str();
 
+  // Tensor and sequence parallelism (docs/parallelism.md); run under `actmem launch`.
+  app.add_option("--tensor-model-parallel-size", m.tensor_model_parallel_size,
+                 "Tensor-parallel ranks t (= the launch's --nproc-per-node)")
+      ->capture_default_str();
+  app.add_flag("--sequence-parallel", m.sequence_parallel,
+               "Shard norms and dropouts along the sequence across the t ranks");
+  app.add_option("--pipeline-model-parallel-size", m.pipeline_model_parallel_size,
+                 "Pipeline stages (only 1 is implemented)")
+      ->capture_default_str();
+
   // Activation recompute (docs/recompute.md).
   app.add_option("--recompute-granularity", m.recompute_granularity,
                  "full (whole layers) or selective (--recompute-modules)")

@@ -5,6 +5,8 @@
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
 #include "actmem/offload.h"
+#include "actmem/rng.h"
+#include "actmem/tensor_parallel.h"
 #include "actmem/trace.h"
 
 #include <ATen/ATen.h>
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <iomanip>
 #include <mutex>
 #include <ostream>
@@ -56,6 +59,32 @@ class SwapRngState {
   std::vector<at::Tensor>& states_;
   std::vector<at::Tensor> ambient_;
 };
+
+// The trainer's named streams (model-parallel-rng, ...) are swapped into the process-wide
+// tracker for a step like its default-generator stream (Note [Trainer RNG stream]).
+class SwapTrackerStates {
+ public:
+  explicit SwapTrackerStates(std::map<std::string, at::Tensor>& states)
+      : states_(states), ambient_(get_rng_tracker().get_states()) {
+    get_rng_tracker().set_states(states_);
+  }
+  ~SwapTrackerStates() {
+    auto& tracker = get_rng_tracker();
+    states_ = tracker.get_states();
+    tracker.reset();
+    if (!ambient_.empty()) tracker.set_states(ambient_);
+  }
+
+ private:
+  std::map<std::string, at::Tensor>& states_;
+  std::map<std::string, at::Tensor> ambient_;
+};
+
+// Gathers one int64 per rank (rank order) over the tensor-parallel group.
+std::vector<int64_t> gather_per_rank(int64_t value) {
+  const at::Tensor all = all_gather_dim0(at::full({1}, value, at::kLong));
+  return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
+}
 
 // Validates both configs before anything is built; returns the training device.
 at::Device validated_device(const TransformerConfig& model, const TrainingConfig& training) {
@@ -165,6 +194,12 @@ nlohmann::json to_json(const IterationStats& s) {
       {"offload_wait_s", s.offload_wait_s},
       {"offload_copy_s", s.offload_copy_s},
   };
+  if (!s.activation_bytes_per_rank.empty()) {
+    j["activation_bytes_per_rank"] = s.activation_bytes_per_rank;
+    j["activation_peak_bytes_per_rank"] = s.activation_peak_bytes_per_rank;
+    j["peak_device_bytes_per_rank"] = s.peak_device_bytes_per_rank;
+  }
+  if (!s.grad_digest_per_rank.empty()) j["grad_digest_per_rank"] = s.grad_digest_per_rank;
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   return j;
 }
@@ -175,12 +210,17 @@ double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) 
   const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
   const double a = static_cast<double>(c.num_attention_heads);
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
-  const double params = L * (4.0 * h * h + h * fc1 + f * h + 8.0 * h + fc1) + 2.0 * v * h +
-                        static_cast<double>(c.max_positions()) * h;
+  const double t = static_cast<double>(c.tensor_model_parallel_size);
+  // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
+  const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 5.0 * h) +
+                        2.0 * v * h + static_cast<double>(c.max_positions()) * h;
   const double state = 4.0 * params * static_cast<double>(dtype_bytes);  // weight, grad, m, v
-  // Activations of one micro-batch in dtype_bytes (Korthikanti eq. 1 scaled from 2 bytes, and
-  // the logits with their log-softmax and gradient).
-  const double per_layer = s * b * h * (34.0 + 5.0 * a * s / h) * (dtype_bytes / 2.0);
+  // Activations of one micro-batch in dtype_bytes (Korthikanti eq. 1, 2 or 4 scaled from 2
+  // bytes, and the logits with their log-softmax and gradient).
+  const double per_layer = s * b * h *
+                           (c.sequence_parallel ? (34.0 + 5.0 * a * s / h) / t
+                                                : 10.0 + 24.0 / t + 5.0 * a * s / (h * t)) *
+                           (dtype_bytes / 2.0);
   const double logits = 3.0 * s * b * v * static_cast<double>(dtype_bytes);
   return state + L * per_layer + logits;
 }
@@ -213,10 +253,25 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     rng_state_.push_back(gen.get_state());
     gen.set_state(ambient);
   }
+  {
+    // The named streams of seed §3.3 (model-parallel-rng = seed + 2718 + tp_rank, ...), kept
+    // by this trainer and swapped in per step; the ambient random state is left as it was.
+    const auto ambient = get_rng_tracker().get_states();
+    {
+      ForkRng keep_ambient;
+      model_parallel_manual_seed(model_config_.seed, tensor_parallel_group().rank, 0, 0,
+                                 device_.is_cpu() ? c10::Device(c10::kCPU) : device_);
+      tracker_states_ = get_rng_tracker().get_states();
+    }
+    get_rng_tracker().reset();
+    if (!ambient.empty()) get_rng_tracker().set_states(ambient);
+  }
   model_ = std::make_shared<GPTModel>(model_config_);
   model_->to_device(device_);
   model_->train();
   params_ = model_->ordered_parameters();
+  tensor_parallel_flags_ = model_->tensor_parallel_flags();
+  sequence_parallel_params_ = model_->sequence_parallel_parameters();
   {
     // Gradients live for the whole run: allocated once here, zeroed in place each step.
     at::NoGradGuard no_grad;
@@ -267,6 +322,7 @@ double Trainer::lr_at(int64_t it) const {
 
 IterationStats Trainer::train_step(bool compute_digest) {
   SwapRngState rng(generators_, rng_state_);
+  SwapTrackerStates tracker(tracker_states_);
   std::unique_ptr<TraceScope> trace_scope;
   const bool record = record_timeline_ || trace_ != nullptr;
   if (trace_ != nullptr) trace_scope = std::make_unique<TraceScope>(*trace_);
@@ -324,15 +380,57 @@ IterationStats Trainer::train_step(bool compute_digest) {
   }
   st.loss = loss_sum;  // the losses were scaled by 1/n_micro, so their sum is the mean
 
+  const int tp = tensor_parallel_group().size;
+  if (!sequence_parallel_params_.empty()) {
+    // Sequence parallelism: norms and row-parallel biases saw this rank's tokens only; their
+    // gradients are summed over the ranks (one flat all-reduce), then equal everywhere.
+    at::NoGradGuard no_grad;
+    std::vector<at::Tensor> flat;
+    for (const auto& p : sequence_parallel_params_) flat.push_back(p.grad().reshape({-1}));
+    const at::Tensor summed = all_reduce_sum(at::cat(flat));
+    int64_t offset = 0;
+    for (const auto& p : sequence_parallel_params_) {
+      const int64_t n = p.numel();
+      p.grad().copy_(summed.narrow(0, offset, n).view_as(p.grad()));
+      offset += n;
+    }
+  }
+
   if (compute_digest) st.grad_digest = grad_digest(params_);
+  if (tp > 1) {
+    if (compute_digest) {
+      const std::string& d = st.grad_digest;
+      at::Tensor bytes = at::empty({1, static_cast<int64_t>(d.size())}, at::kByte);
+      std::memcpy(bytes.data_ptr<uint8_t>(), d.data(), d.size());
+      const at::Tensor all = all_gather_dim0(bytes);
+      for (int64_t r = 0; r < all.size(0); ++r) {
+        st.grad_digest_per_rank.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()),
+                                             d.size());
+      }
+    }
+    st.activation_bytes_per_rank = gather_per_rank(st.activation_bytes);
+    st.activation_peak_bytes_per_rank = gather_per_rank(st.activation_peak_bytes);
+  }
 
   const auto t1 = Clock::now();
   {
     at::NoGradGuard no_grad;
-    std::vector<at::Tensor> norms;
-    norms.reserve(params_.size());
-    for (const auto& p : params_) norms.push_back(p.grad().norm());
-    st.grad_norm = at::stack(norms).norm().item<double>();
+    if (tp == 1) {
+      std::vector<at::Tensor> norms;
+      norms.reserve(params_.size());
+      for (const auto& p : params_) norms.push_back(p.grad().norm());
+      st.grad_norm = at::stack(norms).norm().item<double>();
+    } else {
+      // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once.
+      const bool first = tensor_parallel_group().rank == 0;
+      at::Tensor sq = at::zeros({1}, at::kDouble);
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (tensor_parallel_flags_[i] || first) {
+          sq += params_[i].grad().to(at::kDouble).pow(2).sum().cpu();
+        }
+      }
+      st.grad_norm = std::sqrt(all_reduce_sum(sq).item<double>());
+    }
     if (config_.clip_grad > 0.0) {
       const double coeff = config_.clip_grad / (st.grad_norm + 1e-6);
       if (coeff < 1.0) {
@@ -349,6 +447,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
                                         model_config_.seq_length) / busy_s;
   st.peak_device_bytes = step_peak;
+  if (tp > 1) st.peak_device_bytes_per_rank = gather_per_rank(step_peak);
   if (trace_ != nullptr) {
     // Compute spans between consecutive timeline marks of the first micro-batch.
     const auto& e = timeline_->entries();

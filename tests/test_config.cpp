@@ -49,7 +49,12 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"rope_odd", [](auto& c) { c.position_embedding_type = "rope"; c.hidden_size = 12; c.num_attention_heads = 4; }, "rope needs an even head dimension"},
         ConfigCase{"rotary_base", [](auto& c) { c.rotary_base = 0.0; }, "rotary_base must be positive"},
         ConfigCase{"init_std", [](auto& c) { c.init_method_std = 0.0; }, "init_method_std must be positive"},
-        ConfigCase{"tp", [](auto& c) { c.tensor_model_parallel_size = 2; }, "tensor_model_parallel_size must be 1 in this build"},
+        ConfigCase{"tp_zero", [](auto& c) { c.tensor_model_parallel_size = 0; }, "tensor_model_parallel_size must be positive, got 0"},
+        ConfigCase{"tp_heads", [](auto& c) { c.tensor_model_parallel_size = 3; c.num_attention_heads = 4; }, "num_attention_heads (4) must be divisible by tensor_model_parallel_size (3)"},
+        ConfigCase{"tp_ffn", [](auto& c) { c.tensor_model_parallel_size = 2; c.ffn_hidden_size = 101; }, "ffn_hidden_size (101) must be divisible by tensor_model_parallel_size (2)"},
+        ConfigCase{"sp_seq", [](auto& c) { c.tensor_model_parallel_size = 2; c.sequence_parallel = true; c.seq_length = 127; c.max_position_embeddings = 128; }, "sequence_parallel needs seq_length (127) divisible by tensor_model_parallel_size (2)"},
+        ConfigCase{"distribute_sp", [](auto& c) { c.tensor_model_parallel_size = 2; c.sequence_parallel = true; c.recompute_granularity = "full"; c.recompute_method = "uniform"; c.recompute_num_layers = 1; c.distribute_saved_activations = true; }, "distribute_saved_activations: 1 must be false when sequence parallel is enabled: 1"},
+        ConfigCase{"distribute_selective", [](auto& c) { c.tensor_model_parallel_size = 2; c.recompute_granularity = "selective"; c.distribute_saved_activations = true; }, "distribute_saved_activations requires recompute_granularity full with a recompute_method"},
         ConfigCase{"pp", [](auto& c) { c.pipeline_model_parallel_size = 2; }, "pipeline_model_parallel_size must be 1"},
         ConfigCase{"sp", [](auto& c) { c.sequence_parallel = true; }, "sequence_parallel requires tensor_model_parallel_size > 1"},
         // Megatron's recompute rules (megatron-spec §4.4), one message each.

@@ -50,8 +50,9 @@ TEST(Launch, TwoProcessAllReduceOverGloo) {
 
 TEST(Launch, TrainUnderLaunchLogsFromRankZeroOnly) {
   const std::string log = ::testing::TempDir() + "launch_train.jsonl";
-  const auto r = run_actmem("launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 "
-                            "--num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+  const auto r = run_actmem("launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
+                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+                            "--seq-length 16 --micro-batch-size 2 --threads 1 "
                             "--train-iters 2 --eval-interval 0 --log-json " + log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   size_t headers = 0;

@@ -221,7 +221,7 @@ TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
                                    [&](const auto& p) { return p.first == module; });
       ASSERT_NE(it, predicted.by_module.end()) << policy << ": ledger module " << module;
       EXPECT_LE(bytes, it->second) << policy << " " << module;
-      EXPECT_GE(bytes, it->second - 16 * 1024) << policy << " " << module;
+      EXPECT_GE(bytes, it->second - checkpoint_snapshot_bytes()) << policy << " " << module;
     }
   }
 }

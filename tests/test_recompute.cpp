@@ -3,6 +3,7 @@
 // re-execution counts, chunk layouts and the memory each strategy saves.
 #include "actmem/memory_tracker.h"
 #include "actmem/model.h"
+#include "actmem/memory_model.h"
 #include "actmem/recompute.h"
 #include "actmem/rng.h"
 #include "actmem/trainer.h"
@@ -386,8 +387,8 @@ TransformerConfig memory_model() {
   return c;
 }
 
-// A checkpoint's random-state snapshot: the CPU generator state (a few KB) per checkpoint.
-const int64_t kSnapshotSlack = 8 * 1024;
+// A checkpoint's random-state snapshot: the CPU generator and the three tracker streams' states.
+const int64_t kSnapshotSlack = checkpoint_snapshot_bytes();
 
 TEST(RecomputeMemory, SelectiveCoreAttnSavesNoSquareTensor) {
   const auto m = memory_model();

@@ -43,6 +43,11 @@ c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
                    std::chrono::milliseconds grace = std::chrono::seconds(5));
 
+/// launch_workers for another program: starts `nproc` copies of `program` (a path) with
+/// arguments `args` (argv[1...]) and the same environment, signal and failure handling.
+int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
+                   int master_port, std::chrono::milliseconds grace = std::chrono::seconds(5));
+
 /// A free TCP port on the loopback interface (for MASTER_PORT when none is given).
 int free_loopback_port();
 

@@ -70,6 +70,10 @@ struct PredictedBytes {
   std::vector<std::pair<std::string, int64_t>> by_module;  // module path -> bytes
   int64_t total = 0;
 };
+/// Bytes of the random-state snapshot each checkpoint in a Trainer keeps (CPU generator state and
+/// the three tracker streams, 4 x 5056 bytes on CPU); 0 when snapshots are not on the device.
+int64_t checkpoint_snapshot_bytes(bool snapshots_on_device = true);
+
 /// On CUDA the checkpoints' random-state snapshots live in host memory and are not counted;
 /// on CPU they are device bytes like everything else.
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4,

@@ -48,11 +48,21 @@ class Norm : public torch::nn::Module {
   double eps_;
 };
 
+/// How a Linear's weight is split across the tensor-parallel ranks (tensor_parallel.h).
+enum class LinearParallel {
+  kNone,    // replicated
+  kColumn,  // ColumnParallelLinear: this rank holds out/t output rows (and bias entries)
+  kRow,     // RowParallelLinear: this rank holds in/t input columns; output reduced across ranks
+};
+
 /// y = x W^T (+ b). With skip_bias_add the bias is returned separately for bias-dropout-add,
-/// as Megatron's RowParallelLinear does for linear_proj and linear_fc2.
+/// as Megatron's RowParallelLinear does for linear_proj and linear_fc2. `in` and `out` are this
+/// rank's sizes. With sequence_parallel a column-parallel layer takes the [s/t, b, in] shard and
+/// a row-parallel one returns it (all-gather / reduce-scatter at the boundary).
 class Linear : public torch::nn::Module {
  public:
-  Linear(int64_t in, int64_t out, bool bias, bool skip_bias_add, at::ScalarType dtype);
+  Linear(int64_t in, int64_t out, bool bias, bool skip_bias_add, at::ScalarType dtype,
+         LinearParallel parallel = LinearParallel::kNone, bool sequence_parallel = false);
   /// Returns the output and, when skip_bias_add, the bias to add later (else undefined).
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
   at::Tensor weight;  // [out, in]
@@ -60,6 +70,8 @@ class Linear : public torch::nn::Module {
 
  private:
   bool skip_bias_add_;
+  LinearParallel parallel_;
+  bool sequence_parallel_;
 };
 
 /// [1, 1, s, s] bool, true above the diagonal (the positions a query may not attend to).
@@ -68,6 +80,8 @@ at::Tensor make_causal_mask(int64_t s, const at::Device& device = at::kCPU);
 /// Unfused scaled-dot-product attention with a causal mask and attention dropout.
 class CoreAttention : public torch::nn::Module {
  public:
+  /// Attention dropout draws from the model-parallel stream (each tensor-parallel rank drops
+  /// its own heads differently); under sequence parallelism the whole block already runs in it.
   explicit CoreAttention(const TransformerConfig& config);
   /// q, k, v: [s, b, a, d]; mask: [1, 1, >=s, >=s] bool  ->  context [s, b, a*d]
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -75,6 +89,7 @@ class CoreAttention : public torch::nn::Module {
 
  private:
   double dropout_;
+  bool sequence_parallel_;
 };
 
 /// Rotary position embedding tables (cos and sin, [s, 1, 1, d]).
@@ -190,6 +205,15 @@ class GPTModel : public torch::nn::Module {
   const at::Tensor& attention_mask() const { return causal_mask_; }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;
+  /// Per ordered parameter: true when each tensor-parallel rank holds a different slice
+  /// (linear_qkv, linear_fc1 weights and biases, linear_proj and linear_fc2 weights); the
+  /// others are replicated.
+  std::vector<bool> tensor_parallel_flags() const;
+  /// Replicated parameters that, with sequence parallelism, see only this rank's tokens (norms
+  /// and the row-parallel biases): their gradients must be summed over the tensor-parallel
+  /// ranks after backward (Megatron's allreduce of sequence-parallel gradients). Empty without
+  /// sequence parallelism.
+  std::vector<at::Tensor> sequence_parallel_parameters() const;
   int64_t num_parameters() const;
 
   at::Tensor word_embeddings;      // [v, h]

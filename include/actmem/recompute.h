@@ -28,8 +28,9 @@ using CheckpointFn = std::function<TensorList(const TensorList&)>;
 /// - At least one input must require grad (else parameters inside would get no gradient).
 /// - Backward through torch::autograd::grad() is refused, as in Megatron ("Checkpointing is not
 ///   compatible with .grad()"): use backward().
-/// - distribute_saved_activations shards the first input over the tensor-parallel group; without
-///   one (this build) the group has a single rank and the shard is the whole tensor.
+/// - distribute_saved_activations keeps the first input as this rank's 1/t chunk of the
+///   tensor-parallel group (tensor_parallel.h) and all-gathers it before the replay; with a
+///   single rank the chunk would be the whole tensor, so nothing changes.
 /// fn must be deterministic given its inputs and the random state, and must not keep references
 /// to its inputs beyond the call.
 TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,

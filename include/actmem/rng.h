@@ -32,6 +32,8 @@ class RngStatesTracker {
   /// Forgets every state and seed; the current stream becomes "default-rng".
   void reset();
   bool is_initialized() const { return initialized_; }
+  /// Whether stream `name` was added.
+  bool has(const std::string& name) const { return states_.count(name) > 0; }
   /// Deep copies of every named state.
   std::map<std::string, at::Tensor> get_states() const;
   /// Adopts deep copies of `states` (no validation, as Megatron); marks the tracker initialised.

@@ -13,6 +13,7 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include <functional>
+#include <map>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -82,6 +83,11 @@ struct IterationStats {
   int64_t host_peak_bytes = 0;   // peak host-buffer bytes in use this step
   double offload_wait_s = 0.0;   // time the compute waited for reloads this step
   double offload_copy_s = 0.0;   // copy-engine busy time this step, both directions
+  // With tensor parallelism (t > 1), every rank's values, gathered to all ranks (rank order):
+  std::vector<std::string> grad_digest_per_rank;       // when digests are computed
+  std::vector<int64_t> activation_bytes_per_rank;
+  std::vector<int64_t> activation_peak_bytes_per_rank;
+  std::vector<int64_t> peak_device_bytes_per_rank;
   std::optional<double> val_loss;     // when validation ran after this step
 };
 
@@ -99,7 +105,8 @@ class Trainer {
   Trainer(const TransformerConfig& model, const TrainingConfig& training);
   ~Trainer();
 
-  /// One optimizer step (all micro-batches). compute_digest=false skips the gradient digest.
+  /// One optimizer step (all micro-batches). compute_digest=false skips the gradient digest;
+  /// under tensor parallelism every rank must pass the same value (it gathers the digests).
   IterationStats train_step(bool compute_digest = true);
   /// Mean validation loss over eval_iters fixed micro-batches, in eval mode without grad.
   double evaluate();
@@ -150,6 +157,9 @@ class Trainer {
   // Note [Trainer RNG stream]: see trainer.cpp.
   std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
   std::vector<at::Tensor> rng_state_;
+  std::map<std::string, at::Tensor> tracker_states_;  // this trainer's named streams
+  std::vector<bool> tensor_parallel_flags_;           // per params_ entry
+  std::vector<at::Tensor> sequence_parallel_params_;
   int64_t iteration_ = 0;
 };
 

@@ -1,8 +1,10 @@
 // inspect_cmd.cpp — `actmem inspect`: run one training step and print the activation ledger per
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
+#include "actmem/distributed.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
+#include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 #include "commands.h"
@@ -31,12 +33,16 @@ int run(InspectOptions& o) {
   TrainingConfig t = o.train.training;
   t.eval_interval = 0;
   const TransformerConfig& c = o.train.model;
+  // Under `actmem launch` each rank measures its own activations; rank 0 prints.
+  const DistEnv dist = dist_env_from_environment();
+  init_tensor_parallel_from_environment(dist);
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);
   const IterationStats st = trainer.train_step(false);
   trainer.set_ledger(nullptr);
   const PredictedBytes predicted = predict_activation_bytes(c, 4);
+  if (dist.rank != 0) return 0;
 
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
   const double as2b = static_cast<double>(c.num_attention_heads * c.seq_length * c.seq_length *

@@ -1,5 +1,6 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
 #include "actmem/distributed.h"
+#include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 #include "commands.h"
@@ -33,6 +34,12 @@ void print_header(const actmem::Trainer& trainer, const actmem::TrainOptions& o,
             << trainer.corpus().source << " (" << trainer.corpus().train.numel() << " train / "
             << trainer.corpus().valid.numel() << " validation tokens) | device " << t.device
             << " | " << at::get_num_threads() << " threads\n";
+  if (m.tensor_model_parallel_size > 1) {
+    std::cout << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
+              << (m.sequence_parallel ? " with sequence parallelism" : "")
+              << " | parameters per rank " << model.num_parameters() << " | numbers below are "
+              << "rank 0's; the JSON log has every rank's memory\n";
+  }
 }
 
 int run_train(actmem::TrainOptions& o) {
@@ -40,6 +47,14 @@ int run_train(actmem::TrainOptions& o) {
   actmem::apply_thread_count(o.threads);
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
+  TORCH_CHECK(dist.world_size == o.model.tensor_model_parallel_size, "actmem train: ",
+              dist.world_size, " process(es) but --tensor-model-parallel-size ",
+              o.model.tensor_model_parallel_size, "; every launched process is one tensor-parallel "
+              "rank (data parallelism is not implemented), so use `actmem launch --nproc-per-node ",
+              o.model.tensor_model_parallel_size, " -- train ...`");
+  actmem::init_tensor_parallel_from_environment(dist);
+  // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
+  const bool digests = !o.log_json.empty();
   if (dist.rank != 0) {
     o.log_json.clear();
     o.trace.clear();
@@ -64,7 +79,7 @@ int run_train(actmem::TrainOptions& o) {
       log << actmem::to_json(st).dump() << "\n";
       log.flush();
     }
-  }, /*compute_digest=*/log.is_open(), o.trace);
+  }, /*compute_digest=*/digests, o.trace);
   if (dist.rank != 0) return 0;
   std::cout << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
             << last_loss;

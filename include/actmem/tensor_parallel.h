@@ -1,0 +1,87 @@
+// tensor_parallel.h — Megatron's tensor and sequence parallelism on a c10d process group:
+// the process-wide tensor-parallel group, the autograd mappings between the replicated,
+// tensor-parallel and sequence-parallel regions, and the parallel linear layers' forwards.
+//
+// With a group of size 1 (the default, no process group) every mapping is the identity and
+// returns its input unchanged, so a single-process model builds exactly the graph it always did.
+//
+//   mapping                                forward              backward
+//   copy_to_tensor_parallel_region         identity             all-reduce
+//   reduce_from_tensor_parallel_region     all-reduce           identity
+//   scatter_to_sequence_parallel_region    split dim 0          all-gather dim 0
+//   gather_from_sequence_parallel_region   all-gather dim 0     reduce-scatter dim 0, or split
+//                                                               when the consumer is replicated
+//   reduce_scatter_to_sequence_parallel    reduce-scatter dim 0 all-gather dim 0
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace actmem {
+
+struct DistEnv;
+
+/// The ranks that split each layer's weights (here: every process of the launch).
+struct TensorParallelGroup {
+  c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null when size == 1
+  int rank = 0;
+  int size = 1;
+};
+
+/// The process-wide group (Megatron's parallel_state); size 1 until set.
+const TensorParallelGroup& tensor_parallel_group();
+void set_tensor_parallel_group(TensorParallelGroup group);
+
+/// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers and makes
+/// it the tensor-parallel group. A no-op in a single process. Returns the group.
+const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env);
+
+// ---- collectives on the group (identity for size 1); inputs are not modified ---------------
+
+at::Tensor all_reduce_sum(const at::Tensor& x);
+/// Concatenation of every rank's x along dim 0 (x must have the same shape on every rank).
+at::Tensor all_gather_dim0(const at::Tensor& x);
+/// This rank's 1/size slice of the rank-wise sum, along dim 0 (dim 0 divisible by size).
+at::Tensor reduce_scatter_dim0(const at::Tensor& x);
+/// This rank's 1/size slice along dim 0, as a new tensor (not a view).
+at::Tensor split_dim0(const at::Tensor& x);
+
+// ---- autograd mappings (Megatron's tensor_parallel/mappings.py) ------------------------------
+
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x);
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x);
+at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x);
+/// tensor_parallel_output_grad: the consumer is tensor-parallel (its gradient is a partial sum
+/// to reduce-scatter); false when it is replicated (each rank holds the full gradient: split).
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x,
+                                                bool tensor_parallel_output_grad = true);
+at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x);
+
+// ---- parallel linear layers ------------------------------------------------------------------
+
+/// ColumnParallelLinear: weight [out/t, in] (and bias [out/t]) hold this rank's output columns.
+/// Without sequence parallelism x is the replicated [s, b, in] (copied into the region); with
+/// it x is this rank's [s/t, b, in] shard, all-gathered in forward and again in backward, so
+/// only the shard is saved (Megatron's LinearWithGradAccumulationAndAsyncCommunication).
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& bias, bool sequence_parallel);
+/// RowParallelLinear without its bias (skip_bias_add): x [s, b, in/t] -> all-reduced [s, b, out],
+/// or with sequence parallelism reduce-scattered to [s/t, b, out].
+at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                               bool sequence_parallel);
+
+// ---- distribute_saved_activations (seed §2.4) -------------------------------------------------
+
+/// This rank's contiguous 1/size chunk of x flattened, in a new buffer (Megatron's
+/// split_tensor_into_1d_equal_chunks(new_buffer=True)); x.numel() must divide by the size.
+at::Tensor split_tensor_into_1d_equal_chunks(const at::Tensor& x);
+/// The inverse: all-gathers the chunks into a new [size * chunk.numel()] tensor.
+at::Tensor gather_split_1d_tensor(const at::Tensor& chunk);
+
+}  // namespace actmem

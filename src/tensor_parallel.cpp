@@ -1,0 +1,229 @@
+// tensor_parallel.cpp — the tensor-parallel group, collectives, autograd mappings and parallel
+// linear layers on c10d (Gloo on CPU).
+//
+// Note [Reduce-scatter on Gloo]
+// libtorch 1.13's ProcessGroupGloo has no reduce_scatter, so reduce-scatter is an all-reduce of
+// the whole tensor followed by taking this rank's slice: the same sums (each element is reduced
+// once, in the same order on every rank), twice the traffic of a true reduce-scatter. The
+// full-size buffer exists anyway (it is the matmul output being reduced), so the memory an
+// activation keeps is the same as with NCCL's reduce-scatter.
+#include "actmem/tensor_parallel.h"
+
+#include "actmem/distributed.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/csrc/autograd/custom_function.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <utility>
+#include <vector>
+
+namespace actmem {
+
+namespace {
+TensorParallelGroup& group_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
+
+bool single() { return tensor_parallel_group().size == 1; }
+
+c10d::ProcessGroup& pg() {
+  const auto& g = tensor_parallel_group();
+  TORCH_INTERNAL_ASSERT(g.pg, "actmem: tensor-parallel collective without a process group");
+  return *g.pg;
+}
+
+void check_dim0(const at::Tensor& x, const char* api) {
+  const int t = tensor_parallel_group().size;
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % t == 0, api, ": expected dim 0 divisible by the ",
+              "tensor-parallel size ", t, ", got shape ", x.sizes());
+}
+}  // namespace
+
+const TensorParallelGroup& tensor_parallel_group() { return group_storage(); }
+
+void set_tensor_parallel_group(TensorParallelGroup group) {
+  TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size,
+              "actmem::set_tensor_parallel_group: rank ", group.rank, " of size ", group.size);
+  TORCH_CHECK(group.size == 1 || group.pg, "actmem::set_tensor_parallel_group: a group of ",
+              group.size, " ranks needs a process group");
+  group_storage() = std::move(group);
+}
+
+const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env) {
+  if (env.world_size > 1) {
+    TensorParallelGroup g;
+    g.pg = init_process_group(env);
+    g.rank = env.rank;
+    g.size = env.world_size;
+    set_tensor_parallel_group(std::move(g));
+  }
+  return tensor_parallel_group();
+}
+
+// ---- collectives ------------------------------------------------------------------------------
+
+at::Tensor all_reduce_sum(const at::Tensor& x) {
+  if (single()) return x;
+  RECORD_FUNCTION("actmem::all_reduce", std::vector<c10::IValue>());
+  std::vector<at::Tensor> buf = {x.contiguous().clone()};
+  pg().allreduce(buf)->wait();
+  return buf[0];
+}
+
+at::Tensor all_gather_dim0(const at::Tensor& x) {
+  if (single()) return x;
+  RECORD_FUNCTION("actmem::all_gather", std::vector<c10::IValue>());
+  const int t = tensor_parallel_group().size;
+  std::vector<int64_t> shape = x.sizes().vec();
+  const int64_t n0 = shape[0];
+  shape[0] *= t;
+  at::Tensor out = at::empty(shape, x.options());
+  // Each rank's part is written straight into its dim-0 slice (contiguous views).
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < t; ++r) outputs[0].push_back(out.narrow(0, r * n0, n0));
+  std::vector<at::Tensor> inputs = {x.contiguous()};
+  pg().allgather(outputs, inputs)->wait();
+  return out;
+}
+
+at::Tensor reduce_scatter_dim0(const at::Tensor& x) {
+  if (single()) return x;
+  check_dim0(x, "actmem::reduce_scatter_dim0");
+  // Note [Reduce-scatter on Gloo].
+  RECORD_FUNCTION("actmem::reduce_scatter", std::vector<c10::IValue>());
+  const auto& g = tensor_parallel_group();
+  std::vector<at::Tensor> buf = {x.contiguous().clone()};
+  pg().allreduce(buf)->wait();
+  const int64_t part = x.size(0) / g.size;
+  return buf[0].narrow(0, g.rank * part, part).clone();
+}
+
+at::Tensor split_dim0(const at::Tensor& x) {
+  if (single()) return x;
+  check_dim0(x, "actmem::split_dim0");
+  const auto& g = tensor_parallel_group();
+  const int64_t part = x.size(0) / g.size;
+  return x.narrow(0, g.rank * part, part).clone();
+}
+
+// ---- autograd mappings ------------------------------------------------------------------------
+
+namespace {
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return x.view_as(x); }
+  static variable_list backward(AutogradContext*, variable_list g) { return {all_reduce_sum(g[0])}; }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return all_reduce_sum(x); }
+  static variable_list backward(AutogradContext*, variable_list g) { return {g[0]}; }
+};
+
+struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return split_dim0(x); }
+  static variable_list backward(AutogradContext*, variable_list g) { return {all_gather_dim0(g[0])}; }
+};
+
+struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, bool tp_output_grad) {
+    ctx->saved_data["tp_output_grad"] = tp_output_grad;
+    return all_gather_dim0(x);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list g) {
+    const bool tp_output_grad = ctx->saved_data["tp_output_grad"].toBool();
+    return {tp_output_grad ? reduce_scatter_dim0(g[0]) : split_dim0(g[0]), at::Tensor()};
+  }
+};
+
+struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return reduce_scatter_dim0(x); }
+  static variable_list backward(AutogradContext*, variable_list g) { return {all_gather_dim0(g[0])}; }
+};
+
+// y = all_gather(x) W^T + b, saving the shard x rather than the gathered input; backward
+// gathers x again for the weight gradient and reduce-scatters the input gradient.
+struct SequenceParallelColumnLinear : torch::autograd::Function<SequenceParallelColumnLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias) {
+    ctx->save_for_backward({x, weight});
+    ctx->saved_data["has_bias"] = bias.defined();
+    const at::Tensor full = all_gather_dim0(x);
+    return bias.defined() ? at::linear(full, weight, bias) : at::linear(full, weight);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor& x = saved[0];
+    const at::Tensor& weight = saved[1];
+    const at::Tensor g = grads[0].contiguous();  // [s, b, out/t]
+    const at::Tensor full = all_gather_dim0(x);  // [s, b, in]
+    const int64_t in = weight.size(1), out = weight.size(0);
+    const at::Tensor g2 = g.view({-1, out});
+    const at::Tensor grad_input = reduce_scatter_dim0(at::matmul(g, weight));
+    const at::Tensor grad_weight = g2.t().mm(full.reshape({-1, in}));
+    const at::Tensor grad_bias =
+        ctx->saved_data["has_bias"].toBool() ? g2.sum(0) : at::Tensor();
+    return {grad_input, grad_weight, grad_bias};
+  }
+};
+}  // namespace
+
+at::Tensor copy_to_tensor_parallel_region(const at::Tensor& x) {
+  return single() ? x : CopyToRegion::apply(x);
+}
+
+at::Tensor reduce_from_tensor_parallel_region(const at::Tensor& x) {
+  return single() ? x : ReduceFromRegion::apply(x);
+}
+
+at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x) {
+  return single() ? x : ScatterToSequence::apply(x);
+}
+
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, bool tensor_parallel_output_grad) {
+  return single() ? x : GatherFromSequence::apply(x, tensor_parallel_output_grad);
+}
+
+at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x) {
+  return single() ? x : ReduceScatterToSequence::apply(x);
+}
+
+at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                                  const at::Tensor& bias, bool sequence_parallel) {
+  if (sequence_parallel && !single()) {
+    return SequenceParallelColumnLinear::apply(x, weight, bias);
+  }
+  const at::Tensor in = copy_to_tensor_parallel_region(x);
+  return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);
+}
+
+at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
+                               bool sequence_parallel) {
+  const at::Tensor partial = at::linear(x, weight);
+  return sequence_parallel ? reduce_scatter_to_sequence_parallel_region(partial)
+                           : reduce_from_tensor_parallel_region(partial);
+}
+
+// ---- distribute_saved_activations -------------------------------------------------------------
+
+at::Tensor split_tensor_into_1d_equal_chunks(const at::Tensor& x) {
+  const auto& g = tensor_parallel_group();
+  TORCH_CHECK(x.numel() % g.size == 0, "actmem::split_tensor_into_1d_equal_chunks: ",
+              "distribute_saved_activations needs the checkpoint input's element count (", x.numel(),
+              ", shape ", x.sizes(), ") divisible by the tensor-parallel size ", g.size);
+  const int64_t part = x.numel() / g.size;
+  return x.reshape({-1}).narrow(0, g.rank * part, part).clone();
+}
+
+at::Tensor gather_split_1d_tensor(const at::Tensor& chunk) {
+  TORCH_CHECK(chunk.dim() == 1, "actmem::gather_split_1d_tensor: expected a 1-D chunk, got shape ",
+              chunk.sizes());
+  return all_gather_dim0(chunk);
+}
+
+}  // namespace actmem

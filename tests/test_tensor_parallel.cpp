@@ -1,0 +1,250 @@
+// test_tensor_parallel.cpp — tensor and sequence parallelism across real processes: each test
+// launches actmem_tp_worker ranks (Gloo over loopback, launch_workers) and compares what they
+// wrote. TP = 2 against TP = 1 without dropout, every recompute and offload strategy bitwise
+// against the TP = 2 plain run with dropout, dropout masks across ranks, and per-rank memory
+// against the predictor.
+#include "actmem/distributed.h"
+#include "actmem/tensor_parallel.h"
+#include "actmem/trainer.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+using nlohmann::json;
+
+// Runs `nproc` worker ranks; returns each rank's JSON (rank order). Fails the test on error.
+std::vector<json> run_workers(int nproc, std::vector<std::string> args) {
+  static int counter = 0;
+  const std::string dir = ::testing::TempDir() + "tp_" + std::to_string(::getpid()) + "_" +
+                          std::to_string(counter++);
+  EXPECT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  std::vector<std::string> argv = {args.at(0), dir};
+  argv.insert(argv.end(), args.begin() + 1, args.end());
+  const int rc = launch_program(nproc, ACTMEM_TP_WORKER, argv, free_loopback_port());
+  EXPECT_EQ(rc, 0) << "worker launch failed";
+  std::vector<json> out;
+  for (int r = 0; r < nproc; ++r) {
+    std::ifstream f(dir + "/rank" + std::to_string(r) + ".json");
+    if (!f.good()) {
+      ADD_FAILURE() << "rank " << r << " wrote no result";
+      return {};
+    }
+    out.push_back(json::parse(f));
+  }
+  return out;
+}
+
+double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
+TEST(TensorParallel, TwoRanksMatchOneRankWithoutDropout) {
+  const auto one = run_workers(1, {"strategies", "--no-dropout", "--only", "plain"});
+  ASSERT_EQ(one.size(), 1u);
+  for (const bool sp : {false, true}) {
+    std::vector<std::string> args = {"strategies", "--no-dropout", "--only", "plain"};
+    if (sp) args.push_back("--sp");
+    const auto two = run_workers(2, args);
+    ASSERT_EQ(two.size(), 2u);
+    const json& ref = one[0]["strategies"]["plain"];
+    for (const auto& rank : two) {
+      const json& got = rank["strategies"]["plain"];
+      for (int i = 0; i < 3; ++i) {
+        // Losses after two optimizer steps reflect the parameters the gradients produced.
+        EXPECT_LT(rel(got["loss"][i], ref["loss"][i]), 1e-5) << "sp " << sp << " step " << i;
+        EXPECT_LT(rel(got["grad_norm"][i], ref["grad_norm"][i]), 1e-5) << "sp " << sp;
+      }
+    }
+  }
+}
+
+void expect_strategies_bitwise_equal_to_plain(bool sp) {
+  std::vector<std::string> args = {"strategies"};
+  if (sp) args.push_back("--sp");
+  const auto ranks = run_workers(2, args);
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& rank : ranks) {
+    const json& all = rank["strategies"];
+    const json& plain = all["plain"];
+    ASSERT_GE(all.size(), sp ? 10u : 12u);
+    for (const auto& [name, got] : all.items()) {
+      if (name == "plain") continue;
+      for (int i = 0; i < 3; ++i) {
+        EXPECT_EQ(got["loss"][i], plain["loss"][i]) << name << " rank " << rank["rank"];
+        EXPECT_EQ(got["grad_digest"][i], plain["grad_digest"][i]) << name << " step " << i;
+        EXPECT_EQ(got["grad_norm"][i], plain["grad_norm"][i]) << name;
+      }
+      EXPECT_EQ(got["param_digest"], plain["param_digest"]) << name;
+    }
+  }
+  // The ranks hold different slices: their gradients differ, their losses agree.
+  EXPECT_NE(ranks[0]["strategies"]["plain"]["grad_digest"][0],
+            ranks[1]["strategies"]["plain"]["grad_digest"][0]);
+  EXPECT_EQ(ranks[0]["strategies"]["plain"]["loss"], ranks[1]["strategies"]["plain"]["loss"]);
+}
+
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithDropout) {
+  expect_strategies_bitwise_equal_to_plain(false);
+}
+
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithSequenceParallelAndDropout) {
+  expect_strategies_bitwise_equal_to_plain(true);
+}
+
+// Masks in the tensor-parallel region (attention dropout, model-parallel stream) differ across
+// ranks; masks on replicated data (embedding and bias-dropout-add, default stream) agree. With
+// sequence parallelism each rank drops its own tokens from the model-parallel stream.
+TEST(TensorParallel, DropoutMasksFollowTheRegion) {
+  for (const bool sp : {false, true}) {
+    std::vector<std::string> args = {"masks"};
+    if (sp) args.push_back("--sp");
+    const auto ranks = run_workers(2, args);
+    ASSERT_EQ(ranks.size(), 2u);
+    int attention = 0, hidden = 0;
+    for (const auto& m : ranks[0]["masks"]) {
+      const std::string module = m["module"];
+      const bool same = m["same_on_all_ranks"];
+      const double dropped = m["dropped_fraction"];
+      EXPECT_GT(dropped, 0.05) << module;  // a real dropout mask (p = 0.1)
+      EXPECT_LT(dropped, 0.15) << module;
+      if (module.find("core_attention") != std::string::npos) {
+        ++attention;
+        EXPECT_FALSE(same) << "sp " << sp << ": " << module;
+      } else {
+        ++hidden;
+        EXPECT_EQ(same, !sp) << "sp " << sp << ": " << module;
+      }
+    }
+    EXPECT_EQ(attention, 2);   // one per layer
+    EXPECT_EQ(hidden, 1 + 4);  // embedding + two bias-dropout-adds per layer
+  }
+}
+
+// Per-rank activation bytes: the predictor is exact on every rank, and the measured drops from
+// TP = 1 to TP = 2, to sequence parallelism and to distributed checkpoint inputs are the
+// predicted ones.
+TEST(TensorParallel, PerRankActivationMemoryMatchesThePredictor) {
+  const auto one = run_workers(1, {"strategies", "--only", "plain"});
+  const auto two = run_workers(2, {"strategies"});
+  const auto sp = run_workers(2, {"strategies", "--sp"});
+  ASSERT_TRUE(one.size() == 1 && two.size() == 2 && sp.size() == 2);
+  auto measured = [](const json& rank, const char* name) {
+    return rank["strategies"][name]["activation_bytes"][0].get<double>();
+  };
+  auto predicted = [](const json& rank, const char* name) {
+    return rank["strategies"][name]["predicted_activation_bytes"].get<double>();
+  };
+  for (const auto* runs : {&two, &sp}) {
+    for (const auto& rank : *runs) {
+      for (const auto& [name, r] : rank["strategies"].items()) {
+        // The predictor counts what is saved; offload moves part of it to host memory.
+        if (name.rfind("offload", 0) == 0) continue;
+        const double m = r["activation_bytes"][0], p = r["predicted_activation_bytes"];
+        EXPECT_LT(rel(p, m), 0.03) << name << ": predicted " << p << " measured " << m;
+      }
+    }
+  }
+  const double t1 = measured(one[0], "plain"), t2 = measured(two[0], "plain");
+  const double t2sp = measured(sp[0], "plain");
+  EXPECT_LT(rel(t2 / t1, predicted(two[0], "plain") / predicted(one[0], "plain")), 0.03);
+  EXPECT_LT(rel(t2sp / t2, predicted(sp[0], "plain") / predicted(two[0], "plain")), 0.03);
+  EXPECT_LT(t2, 0.75 * t1);
+  EXPECT_LT(t2sp, 0.9 * t2);
+  // distribute_saved_activations keeps each checkpoint input as a half: 4 inputs of sbh floats.
+  const double sbh4 = 32.0 * 4 * 64 * 4;
+  EXPECT_DOUBLE_EQ(measured(two[0], "full_uniform_1") - measured(two[0], "distribute_uniform_1"),
+                   4 * sbh4 / 2);
+  EXPECT_DOUBLE_EQ(measured(two[1], "full_block_2") - measured(two[1], "distribute_block_2"),
+                   2 * sbh4 / 2);
+}
+
+// `actmem inspect` under launch: rank 0's ledger per module against Korthikanti Table 2's terms
+// (tensor-parallel region divided by t; the replicated rest only with sequence parallelism).
+TEST(TensorParallel, InspectMatchesTableTwoPerModule) {
+  for (const bool sp : {false, true}) {
+    const auto r = actmem::testing::run_actmem(
+        std::string("launch --nproc-per-node 2 -- inspect --tensor-model-parallel-size 2 ") +
+        (sp ? "--sequence-parallel " : "") +
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+        "--micro-batch-size 2 --threads 1 --json");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto j = json::parse(r.output.substr(0, r.output.rfind('}') + 1));
+    EXPECT_EQ(j["predicted_bytes"].get<int64_t>(), j["activation_bytes"].get<int64_t>());
+    int with_paper = 0;
+    const double stats = 2.0 * (sp ? 8 : 16) * 2 * 4;  // LayerNorm mean and rstd, [s(/t), b, 1]
+    for (const auto& m : j["modules"]) {
+      if (!m.contains("korthikanti_bytes")) continue;
+      ++with_paper;
+      const auto name = m["module"].get<std::string>();
+      const double paper = m["korthikanti_bytes"].get<double>(), bytes = m["bytes"].get<double>();
+      EXPECT_EQ(bytes, paper + (name.find("layernorm") != std::string::npos ? stats : 0.0))
+          << "sp " << sp << ": " << name;
+    }
+    EXPECT_EQ(with_paper, 2 * 10);
+  }
+}
+
+TEST(TensorParallel, SingleProcessRefusesTensorParallelSize) {
+  TransformerConfig c;
+  c.tensor_model_parallel_size = 2;
+  TrainingConfig t;
+  expect_error_containing([&] { Trainer trainer(c, t); },
+                          "tensor_model_parallel_size is 2 but this process is in a "
+                          "tensor-parallel group of 1 (run it under `actmem launch "
+                          "--nproc-per-node 2`)");
+}
+
+TEST(TensorParallel, SingleRankMappingsAreIdentity) {
+  ASSERT_EQ(tensor_parallel_group().size, 1);
+  const at::Tensor x = at::randn({4, 2, 3});
+  for (const auto& y : {copy_to_tensor_parallel_region(x), reduce_from_tensor_parallel_region(x),
+                        scatter_to_sequence_parallel_region(x),
+                        gather_from_sequence_parallel_region(x),
+                        reduce_scatter_to_sequence_parallel_region(x)}) {
+    EXPECT_TRUE(y.is_same(x));  // the very tensor: a single process builds its old graph
+  }
+  EXPECT_TRUE(actmem::testing::bitwise_equal(
+      gather_split_1d_tensor(split_tensor_into_1d_equal_chunks(x)), x.reshape({-1})));
+}
+
+TEST(TensorParallel, TrainUnderLaunchLogsEveryRanksMemory) {
+  const std::string log = ::testing::TempDir() + "tp_train.jsonl";
+  const auto r = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 --sequence-parallel "
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+      "--micro-batch-size 2 --train-iters 2 --eval-interval 2 --threads 1 --log-json " + log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tensor parallel 2 ranks with sequence parallelism"), std::string::npos)
+      << r.output;
+  std::ifstream f(log);
+  std::string line;
+  int lines = 0;
+  while (std::getline(f, line)) {
+    const json j = json::parse(line);
+    ++lines;
+    ASSERT_EQ(j["activation_bytes_per_rank"].size(), 2u);
+    EXPECT_EQ(j["activation_bytes_per_rank"][0], j["activation_bytes"]);
+    ASSERT_EQ(j["grad_digest_per_rank"].size(), 2u);
+    EXPECT_NE(j["grad_digest_per_rank"][0], j["grad_digest_per_rank"][1]);
+  }
+  EXPECT_EQ(lines, 2);
+}
+
+TEST(TensorParallel, LaunchSizeMustMatchTensorParallelSize) {
+  const auto r = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --train-iters 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("2 process(es) but --tensor-model-parallel-size 1"), std::string::npos)
+      << r.output;
+}
+
+}  // namespace
+}  // namespace actmem
