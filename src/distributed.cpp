@@ -49,7 +49,7 @@ DistEnv dist_env_from_environment() {
   return e;
 }
 
-c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(const DistEnv& env,
+c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
                                                           std::chrono::milliseconds timeout) {
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.master_port);

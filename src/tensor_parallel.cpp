@@ -15,6 +15,9 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
 
 #include <utility>
 #include <vector>
@@ -29,7 +32,7 @@ TensorParallelGroup& group_storage() {
 
 bool single() { return tensor_parallel_group().size == 1; }
 
-c10d::ProcessGroup& pg() {
+CollectiveGroup& pg() {
   const auto& g = tensor_parallel_group();
   TORCH_INTERNAL_ASSERT(g.pg, "actmem: tensor-parallel collective without a process group");
   return *g.pg;

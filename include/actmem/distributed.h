@@ -5,6 +5,8 @@
 // and talk through ProcessGroupGloo on CPU. Tensor and sequence parallelism build on this.
 #pragma once
 
+#include "actmem/compat.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -12,11 +14,21 @@
 #include <string>
 #include <vector>
 
+// The object collectives are called on: libtorch 1.13's ProcessGroupGloo is a ProcessGroup; from
+// 2.0 on it (and ProcessGroupNCCL) is a c10d::Backend. Both have allreduce and allgather with the
+// same signatures.
 namespace c10d {
 class ProcessGroup;
-}
+class Backend;
+}  // namespace c10d
 
 namespace actmem {
+
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+using CollectiveGroup = c10d::Backend;
+#else
+using CollectiveGroup = c10d::ProcessGroup;
+#endif
 
 /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them.
 struct DistEnv {
@@ -32,7 +44,7 @@ struct DistEnv {
 DistEnv dist_env_from_environment();
 
 /// A Gloo process group over a TCPStore (rank 0 hosts it). Throws on timeout.
-c10::intrusive_ptr<c10d::ProcessGroup> init_process_group(
+c10::intrusive_ptr<CollectiveGroup> init_process_group(
     const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 /// Starts `nproc` copies of this program (argv = `args`) with RANK, WORLD_SIZE, LOCAL_RANK,

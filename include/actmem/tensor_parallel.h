@@ -14,22 +14,18 @@
 //   reduce_scatter_to_sequence_parallel    reduce-scatter dim 0 all-gather dim 0
 #pragma once
 
+#include "actmem/distributed.h"
+
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
 
-namespace c10d {
-class ProcessGroup;
-}
-
 namespace actmem {
-
-struct DistEnv;
 
 /// The ranks that split each layer's weights (here: every process of the launch).
 struct TensorParallelGroup {
-  c10::intrusive_ptr<c10d::ProcessGroup> pg;  // null when size == 1
+  c10::intrusive_ptr<CollectiveGroup> pg;  // null when size == 1
   int rank = 0;
   int size = 1;
 };
