@@ -482,7 +482,8 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
   // With sequence parallelism every layer works on this rank's tokens, so all of the block's
   // dropout draws from the model-parallel stream (Megatron's TransformerBlock.forward).
   std::optional<RngFork> sp_fork;
-  if (config_.sequence_parallel && is_training() &&
+  const bool any_dropout = config_.hidden_dropout > 0.0 || config_.attention_dropout > 0.0;
+  if (config_.sequence_parallel && is_training() && any_dropout &&
       get_rng_tracker().current_state_name() != kModelParallelRng) {
     TORCH_CHECK(get_rng_tracker().has(kModelParallelRng), "actmem::TransformerBlock: sequence "
                 "parallelism needs the model-parallel random stream (model_parallel_manual_seed)");

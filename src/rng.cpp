@@ -125,23 +125,31 @@ RngStatesTracker& get_rng_tracker() {
   return tracker;
 }
 
-void model_parallel_manual_seed(uint64_t seed, int64_t tp_rank, int64_t ep_rank, int64_t etp_rank,
-                                const c10::Device& device) {
+RngStatesTracker make_model_parallel_tracker(uint64_t seed, int64_t tp_rank, int64_t ep_rank,
+                                             int64_t etp_rank, const c10::Device& device) {
   TORCH_CHECK(tp_rank >= 0 && ep_rank >= 0 && etp_rank >= 0,
               "actmem::model_parallel_manual_seed: ranks must be >= 0, got tp ", tp_rank, " ep ",
               ep_rank, " etp ", etp_rank);
   const uint64_t tp_seed = seed + 2718 + static_cast<uint64_t>(tp_rank);
   const uint64_t ep_seed = seed + 1024 + 100 * static_cast<uint64_t>(ep_rank) +
                            static_cast<uint64_t>(etp_rank);
-  auto& tracker = get_rng_tracker();
-  TORCH_CHECK(tracker.current_state_name() == kDefaultRng, "actmem::model_parallel_manual_seed: "
-              "called inside fork('", tracker.current_state_name(), "'); leave the fork first");
-  tracker.reset();
+  RngStatesTracker tracker;
   tracker.set_device(device);
-  at::manual_seed(seed);  // the default generators are the data-parallel stream
+  // add() seeds a state from a fresh seed and leaves the device's generator as it was.
   tracker.add(kDataParallelRng, seed);
   tracker.add(kModelParallelRng, tp_seed);
   tracker.add(kExpertParallelRng, ep_seed);
+  return tracker;
+}
+
+void model_parallel_manual_seed(uint64_t seed, int64_t tp_rank, int64_t ep_rank, int64_t etp_rank,
+                                const c10::Device& device) {
+  auto& tracker = get_rng_tracker();
+  TORCH_CHECK(tracker.current_state_name() == kDefaultRng, "actmem::model_parallel_manual_seed: "
+              "called inside fork('", tracker.current_state_name(), "'); leave the fork first");
+  RngStatesTracker seeded = make_model_parallel_tracker(seed, tp_rank, ep_rank, etp_rank, device);
+  tracker = std::move(seeded);
+  at::manual_seed(seed);  // the default generators are the data-parallel stream
 }
 
 RngSnapshot get_all_rng_states() {

@@ -19,6 +19,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 
+#include <chrono>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -36,6 +38,18 @@ CollectiveGroup& pg() {
   const auto& g = tensor_parallel_group();
   TORCH_INTERNAL_ASSERT(g.pg, "actmem: tensor-parallel collective without a process group");
   return *g.pg;
+}
+
+// Note [Collective buffers]: Gloo's worker thread holds a reference to a finished work object,
+// and through it to the tensors the collective used, until just after wait() returns. Waiting
+// for that reference to go makes a collective's temporary buffers free when the call returns,
+// so the tracker never sees them linger into the next measurement. Bounded: never a hang.
+void wait_and_release(c10::intrusive_ptr<c10d::Work> work) {
+  work->wait();
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(200);
+  while (work.use_count() > 1 && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::yield();
+  }
 }
 
 void check_dim0(const at::Tensor& x, const char* api) {
@@ -72,7 +86,7 @@ at::Tensor all_reduce_sum(const at::Tensor& x) {
   if (single()) return x;
   RECORD_FUNCTION("actmem::all_reduce", std::vector<c10::IValue>());
   std::vector<at::Tensor> buf = {x.contiguous().clone()};
-  pg().allreduce(buf)->wait();
+  wait_and_release(pg().allreduce(buf));
   return buf[0];
 }
 
@@ -88,7 +102,7 @@ at::Tensor all_gather_dim0(const at::Tensor& x) {
   std::vector<std::vector<at::Tensor>> outputs(1);
   for (int r = 0; r < t; ++r) outputs[0].push_back(out.narrow(0, r * n0, n0));
   std::vector<at::Tensor> inputs = {x.contiguous()};
-  pg().allgather(outputs, inputs)->wait();
+  wait_and_release(pg().allgather(outputs, inputs));
   return out;
 }
 
@@ -99,7 +113,7 @@ at::Tensor reduce_scatter_dim0(const at::Tensor& x) {
   RECORD_FUNCTION("actmem::reduce_scatter", std::vector<c10::IValue>());
   const auto& g = tensor_parallel_group();
   std::vector<at::Tensor> buf = {x.contiguous().clone()};
-  pg().allreduce(buf)->wait();
+  wait_and_release(pg().allreduce(buf));
   const int64_t part = x.size(0) / g.size;
   return buf[0].narrow(0, g.rank * part, part).clone();
 }
@@ -149,29 +163,49 @@ struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequen
   static variable_list backward(AutogradContext*, variable_list g) { return {all_gather_dim0(g[0])}; }
 };
 
-// y = all_gather(x) W^T + b, saving the shard x rather than the gathered input; backward
-// gathers x again for the weight gradient and reduce-scatters the input gradient.
-struct SequenceParallelColumnLinear : torch::autograd::Function<SequenceParallelColumnLinear> {
+// y = all_gather(x) W^T (+ b), saving the shard x rather than the gathered input; backward
+// gathers x again for the weight gradient and reduce-scatters the input gradient. Two Functions
+// (with and without bias): an undefined tensor cannot be a custom Function's input.
+struct SequenceParallelLinearImpl {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
                             const at::Tensor& bias) {
     ctx->save_for_backward({x, weight});
-    ctx->saved_data["has_bias"] = bias.defined();
     const at::Tensor full = all_gather_dim0(x);
     return bias.defined() ? at::linear(full, weight, bias) : at::linear(full, weight);
   }
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+  // Returns the gradients of x, weight and (if with_bias) bias.
+  static variable_list backward(AutogradContext* ctx, const at::Tensor& grad, bool with_bias) {
     const auto saved = ctx->get_saved_variables();
     const at::Tensor& x = saved[0];
     const at::Tensor& weight = saved[1];
-    const at::Tensor g = grads[0].contiguous();  // [s, b, out/t]
+    const at::Tensor g = grad.contiguous();      // [s, b, out/t]
     const at::Tensor full = all_gather_dim0(x);  // [s, b, in]
     const int64_t in = weight.size(1), out = weight.size(0);
     const at::Tensor g2 = g.view({-1, out});
-    const at::Tensor grad_input = reduce_scatter_dim0(at::matmul(g, weight));
-    const at::Tensor grad_weight = g2.t().mm(full.reshape({-1, in}));
-    const at::Tensor grad_bias =
-        ctx->saved_data["has_bias"].toBool() ? g2.sum(0) : at::Tensor();
-    return {grad_input, grad_weight, grad_bias};
+    variable_list result = {reduce_scatter_dim0(at::matmul(g, weight)),
+                            g2.t().mm(full.reshape({-1, in}))};
+    if (with_bias) result.push_back(g2.sum(0));
+    return result;
+  }
+};
+
+struct SequenceParallelColumnLinear : torch::autograd::Function<SequenceParallelColumnLinear> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight) {
+    return SequenceParallelLinearImpl::forward(ctx, x, weight, at::Tensor());
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return SequenceParallelLinearImpl::backward(ctx, grads[0], false);
+  }
+};
+
+struct SequenceParallelColumnLinearBias
+    : torch::autograd::Function<SequenceParallelColumnLinearBias> {
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& weight,
+                            const at::Tensor& bias) {
+    return SequenceParallelLinearImpl::forward(ctx, x, weight, bias);
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    return SequenceParallelLinearImpl::backward(ctx, grads[0], true);
   }
 };
 }  // namespace
@@ -199,7 +233,8 @@ at::Tensor reduce_scatter_to_sequence_parallel_region(const at::Tensor& x) {
 at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
                                   const at::Tensor& bias, bool sequence_parallel) {
   if (sequence_parallel && !single()) {
-    return SequenceParallelColumnLinear::apply(x, weight, bias);
+    return bias.defined() ? SequenceParallelColumnLinearBias::apply(x, weight, bias)
+                          : SequenceParallelColumnLinear::apply(x, weight);
   }
   const at::Tensor in = copy_to_tensor_parallel_region(x);
   return bias.defined() ? at::linear(in, weight, bias) : at::linear(in, weight);

@@ -60,24 +60,23 @@ class SwapRngState {
   std::vector<at::Tensor> ambient_;
 };
 
-// The trainer's named streams (model-parallel-rng, ...) are swapped into the process-wide
-// tracker for a step like its default-generator stream (Note [Trainer RNG stream]).
-class SwapTrackerStates {
+// The trainer's named streams (model-parallel-rng, ...) live in its own tracker, swapped with
+// the process-wide one for a step like its default-generator stream (Note [Trainer RNG
+// stream]): states, seeds and device travel together, and the swap cannot throw on the way out.
+class SwapTracker {
  public:
-  explicit SwapTrackerStates(std::map<std::string, at::Tensor>& states)
-      : states_(states), ambient_(get_rng_tracker().get_states()) {
-    get_rng_tracker().set_states(states_);
+  explicit SwapTracker(RngStatesTracker& own) : own_(own) {
+    TORCH_CHECK(get_rng_tracker().current_state_name() == kDefaultRng,
+                "actmem::Trainer::train_step: called inside an RNG fork ('",
+                get_rng_tracker().current_state_name(), "'); the trainer uses its own streams");
+    std::swap(get_rng_tracker(), own_);
   }
-  ~SwapTrackerStates() {
-    auto& tracker = get_rng_tracker();
-    states_ = tracker.get_states();
-    tracker.reset();
-    if (!ambient_.empty()) tracker.set_states(ambient_);
-  }
+  ~SwapTracker() { std::swap(get_rng_tracker(), own_); }
+  SwapTracker(const SwapTracker&) = delete;
+  SwapTracker& operator=(const SwapTracker&) = delete;
 
  private:
-  std::map<std::string, at::Tensor>& states_;
-  std::map<std::string, at::Tensor> ambient_;
+  RngStatesTracker& own_;
 };
 
 // Gathers one int64 per rank (rank order) over the tensor-parallel group.
@@ -212,7 +211,8 @@ double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) 
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
   const double t = static_cast<double>(c.tensor_model_parallel_size);
   // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
-  const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 5.0 * h) +
+  // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h).
+  const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
                         2.0 * v * h + static_cast<double>(c.max_positions()) * h;
   const double state = 4.0 * params * static_cast<double>(dtype_bytes);  // weight, grad, m, v
   // Activations of one micro-batch in dtype_bytes (Korthikanti eq. 1, 2 or 4 scaled from 2
@@ -231,8 +231,10 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       device_(validated_device(model, training)),
       memory_(device_memory(device_)) {
   if (device_.is_cpu()) {
-    const int64_t limit =
-        config_.device_memory_limit > 0 ? config_.device_memory_limit : physical_memory_bytes();
+    // Tensor-parallel ranks of one launch share this machine's memory.
+    const int64_t limit = config_.device_memory_limit > 0
+                              ? config_.device_memory_limit
+                              : physical_memory_bytes() / tensor_parallel_group().size;
     const double need = estimate_required_bytes(model_config_);
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
@@ -253,19 +255,10 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     rng_state_.push_back(gen.get_state());
     gen.set_state(ambient);
   }
-  {
-    // The named streams of seed §3.3 (model-parallel-rng = seed + 2718 + tp_rank, ...), kept
-    // by this trainer and swapped in per step; the ambient random state is left as it was.
-    const auto ambient = get_rng_tracker().get_states();
-    {
-      ForkRng keep_ambient;
-      model_parallel_manual_seed(model_config_.seed, tensor_parallel_group().rank, 0, 0,
-                                 device_.is_cpu() ? c10::Device(c10::kCPU) : device_);
-      tracker_states_ = get_rng_tracker().get_states();
-    }
-    get_rng_tracker().reset();
-    if (!ambient.empty()) get_rng_tracker().set_states(ambient);
-  }
+  // The named streams of seed §3.3 (model-parallel-rng = seed + 2718 + tp_rank, ...), kept
+  // by this trainer and swapped in per step; no global random state is touched.
+  tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank, 0, 0,
+                                         device_.is_cpu() ? c10::Device(c10::kCPU) : device_);
   model_ = std::make_shared<GPTModel>(model_config_);
   model_->to_device(device_);
   model_->train();
@@ -322,7 +315,7 @@ double Trainer::lr_at(int64_t it) const {
 
 IterationStats Trainer::train_step(bool compute_digest) {
   SwapRngState rng(generators_, rng_state_);
-  SwapTrackerStates tracker(tracker_states_);
+  SwapTracker tracker(tracker_);
   std::unique_ptr<TraceScope> trace_scope;
   const bool record = record_timeline_ || trace_ != nullptr;
   if (trace_ != nullptr) trace_scope = std::make_unique<TraceScope>(*trace_);

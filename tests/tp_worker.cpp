@@ -2,7 +2,9 @@
 // them with launch_workers). Each rank trains or probes a small model with t = WORLD_SIZE and
 // writes what it measured to OUT_DIR/rank<R>.json; the test process compares the ranks' files.
 //
-//   actmem_tp_worker strategies OUT_DIR [--sp] [--no-dropout] [--only NAME]
+//   actmem_tp_worker strategies OUT_DIR [--sp] [--no-dropout] [--only NAME] [--variant V]
+//     V = base (LayerNorm, GeLU, learned positions, tied output, biases) or
+//         swiglu (RMSNorm, SwiGLU, RoPE, untied output layer, no linear biases)
 //   actmem_tp_worker masks OUT_DIR [--sp]
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
@@ -27,7 +29,7 @@ namespace {
 using actmem::TransformerConfig;
 using Mutator = std::function<void(TransformerConfig&)>;
 
-TransformerConfig base_config(int t, bool sp, bool dropout) {
+TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& variant = "base") {
   TransformerConfig c;
   c.num_layers = 4;
   c.hidden_size = 64;
@@ -39,6 +41,15 @@ TransformerConfig base_config(int t, bool sp, bool dropout) {
   c.hidden_dropout = dropout ? 0.1 : 0.0;
   c.tensor_model_parallel_size = t;
   c.sequence_parallel = sp;
+  if (variant == "swiglu") {
+    c.normalization = "RMSNorm";
+    c.gated_linear_unit = true;
+    c.position_embedding_type = "rope";
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+  } else {
+    TORCH_CHECK(variant == "base", "actmem_tp_worker: unknown variant ", variant);
+  }
   return c;
 }
 
@@ -92,11 +103,12 @@ std::string param_digest(actmem::GPTModel& model) {
   return d.hex();
 }
 
-nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& only) {
+nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& only,
+                              const std::string& variant) {
   nlohmann::json out;
   for (const auto& [name, mutate] : strategies(sp)) {
     if (!only.empty() && name != only) continue;
-    TransformerConfig c = base_config(t, sp, dropout);
+    TransformerConfig c = base_config(t, sp, dropout, variant);
     mutate(c);
     actmem::TrainingConfig tc;
     tc.global_batch_size = 2 * c.micro_batch_size;  // two micro-batches per step
@@ -162,7 +174,7 @@ int main(int argc, char** argv) {
                 "[--no-dropout] [--only NAME]");
     const std::string scenario = argv[1], out_dir = argv[2];
     bool sp = false, dropout = true;
-    std::string only;
+    std::string only, variant = "base";
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--sp") {
@@ -171,6 +183,8 @@ int main(int argc, char** argv) {
         dropout = false;
       } else if (a == "--only" && i + 1 < argc) {
         only = argv[++i];
+      } else if (a == "--variant" && i + 1 < argc) {
+        variant = argv[++i];
       } else {
         TORCH_CHECK(false, "actmem_tp_worker: unknown argument ", a);
       }
@@ -180,7 +194,7 @@ int main(int argc, char** argv) {
     const auto& group = actmem::init_tensor_parallel_from_environment(env);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};
     if (scenario == "strategies") {
-      result["strategies"] = run_strategies(group.size, sp, dropout, only);
+      result["strategies"] = run_strategies(group.size, sp, dropout, only, variant);
     } else if (scenario == "masks") {
       result["masks"] = run_masks(group.size, sp);
     } else {

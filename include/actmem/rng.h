@@ -84,6 +84,12 @@ class RngFork {
 /// The process-wide tracker (Megatron's get_cuda_rng_tracker()).
 RngStatesTracker& get_rng_tracker();
 
+/// A tracker holding Megatron's three streams for these ranks (below), built without touching
+/// any global generator or the process-wide tracker (a Trainer keeps its own).
+RngStatesTracker make_model_parallel_tracker(uint64_t seed, int64_t tp_rank = 0,
+                                             int64_t ep_rank = 0, int64_t etp_rank = 0,
+                                             const c10::Device& device = c10::kCPU);
+
 /// Seeds the default generators with `seed` and registers Megatron's three streams:
 /// data-parallel-rng = seed, model-parallel-rng = seed + 2718 + tp_rank,
 /// expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank. Resets the tracker first.

@@ -9,6 +9,7 @@
 #include "actmem/data.h"
 #include "actmem/memory_tracker.h"
 #include "actmem/model.h"
+#include "actmem/rng.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -157,7 +158,7 @@ class Trainer {
   // Note [Trainer RNG stream]: see trainer.cpp.
   std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
   std::vector<at::Tensor> rng_state_;
-  std::map<std::string, at::Tensor> tracker_states_;  // this trainer's named streams
+  RngStatesTracker tracker_;  // this trainer's named streams (swapped in per step)
   std::vector<bool> tensor_parallel_flags_;           // per params_ entry
   std::vector<at::Tensor> sequence_parallel_params_;
   int64_t iteration_ = 0;
