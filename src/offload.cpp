@@ -6,6 +6,11 @@
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <c10/util/Exception.h>
+#ifdef ACTMEM_WITH_CUDA
+#include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 #include <chrono>
 #include <cstdlib>
@@ -41,10 +46,41 @@ void CopyEvent::mark_done(std::exception_ptr error) const {
 
 // ---- CopyStream -------------------------------------------------------------------------------
 
-CopyStream::CopyStream(std::string name, double bytes_per_second)
-    : name_(std::move(name)), bytes_per_second_(bytes_per_second) {
+// Note [CUDA copy engine]
+// On a CUDA device each CopyStream owns a CUDA stream from libtorch's pool. copy_async(), on the
+// compute thread, records an event on the caller's current stream: everything queued so far
+// (the kernels that produced a D2H source, or that last used the memory an H2D destination was
+// just allocated from). The worker makes its copy stream wait for that event on the GPU, issues
+// a non-blocking copy between device memory and a pinned host buffer, records a completion
+// event and synchronizes it before running on_done and completing the job's CopyEvent. So a
+// completed CopyEvent means the bytes have arrived, and the job's references (record_stream's
+// role) are dropped only after the GPU finished with them: the caching allocator cannot hand the
+// source's block to another kernel while the copy still reads it. The compute thread blocks in
+// CopyEvent::wait() only where the CPU engine would (a reload not yet finished), and compute and
+// copies overlap on the GPU otherwise. Compiled only with ACTMEM_WITH_CUDA.
+struct CopyStream::CudaState {
+#ifdef ACTMEM_WITH_CUDA
+  explicit CudaState(c10::DeviceIndex index)
+      : stream(c10::cuda::getStreamFromPool(/*isHighPriority=*/false, index)) {}
+  c10::cuda::CUDAStream stream;
+#endif
+};
+
+CopyStream::CopyStream(std::string name, double bytes_per_second, c10::Device device)
+    : name_(std::move(name)), bytes_per_second_(bytes_per_second), device_(device) {
   TORCH_CHECK(bytes_per_second >= 0, "actmem::CopyStream: bandwidth must be >= 0, got ",
               bytes_per_second);
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "actmem::CopyStream: expected a cpu or cuda "
+              "device, got ", device.str());
+  if (device.is_cuda()) {
+#ifdef ACTMEM_WITH_CUDA
+    cuda_ = std::make_unique<CudaState>(device.has_index() ? device.index()
+                                                           : c10::cuda::current_device());
+#else
+    TORCH_CHECK(false, "actmem::CopyStream: ", device.str(), " needs a build with CUDA "
+                "(ACTMEM_CUDA=ON)");
+#endif
+  }
   worker_ = std::thread([this] { run(); });
 }
 
@@ -62,7 +98,15 @@ CopyEvent CopyStream::copy_async(at::Tensor dst, at::Tensor src, const CopyEvent
   TORCH_CHECK(dst.nbytes() == src.nbytes(), "actmem::CopyStream::copy_async: ", name_,
               ": destination has ", dst.nbytes(), " bytes, source ", src.nbytes());
   Job job{std::move(dst), std::move(src), CopyEvent(),
-          after ? std::make_shared<CopyEvent>(*after) : nullptr, std::move(on_done)};
+          after ? std::make_shared<CopyEvent>(*after) : nullptr, std::move(on_done), nullptr};
+#ifdef ACTMEM_WITH_CUDA
+  if (cuda_) {
+    // Note [CUDA copy engine]: order the copy after the caller's stream's work so far.
+    auto ready = std::make_shared<at::cuda::CUDAEvent>();
+    ready->record(c10::cuda::getCurrentCUDAStream(cuda_->stream.device_index()));
+    job.producer_event = ready;
+  }
+#endif
   CopyEvent event = job.event;
   {
     std::lock_guard<std::mutex> lock(mutex_);
@@ -90,7 +134,7 @@ void CopyStream::run() {
         std::this_thread::sleep_for(std::chrono::microseconds(rng() % jitter));
       }
       const auto t0 = Clock::now();
-      job.dst.copy_(job.src);
+      copy(job);
       if (bytes_per_second_ > 0) {
         // Emulated link: the copy takes at least bytes / bandwidth.
         const auto due = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
@@ -117,6 +161,23 @@ void CopyStream::run() {
   }
 }
 
+void CopyStream::copy(Job& job) {
+#ifdef ACTMEM_WITH_CUDA
+  if (cuda_) {
+    c10::cuda::CUDAStreamGuard guard(cuda_->stream);
+    if (job.producer_event) {
+      static_cast<at::cuda::CUDAEvent*>(job.producer_event.get())->block(cuda_->stream);
+    }
+    job.dst.copy_(job.src, /*non_blocking=*/true);
+    at::cuda::CUDAEvent done;
+    done.record(cuda_->stream);
+    done.synchronize();  // the worker waits for the GPU, the compute thread does not
+    return;
+  }
+#endif
+  job.dst.copy_(job.src);
+}
+
 // ---- HostPool ---------------------------------------------------------------------------------
 
 HostPool::~HostPool() = default;
@@ -131,6 +192,14 @@ at::Tensor HostPool::acquire(int64_t bytes) {
       buffer = std::move(list.back());
       list.pop_back();
     }
+  }
+  if (!buffer.defined() && pinned_) {
+    // Page-locked host memory for DMA to and from a CUDA device (libtorch's pinned allocator).
+    buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    std::lock_guard<std::mutex> lock(mutex_);
+    owned_.insert(buffer.data_ptr());
+    allocated_ += bytes;
+    ++allocations_;
   }
   if (!buffer.defined()) {
     // Host memory is not device memory: allocate it outside the tracked CPU allocator.
@@ -195,6 +264,7 @@ struct ActivationOffloader::Entry {
   at::Tensor device;    // uint8 alias of the whole device storage while resident/offloading
   at::Tensor host;      // pool buffer while offloading..reloading
   at::Tensor reloaded;  // uint8 device buffer after the reload
+  c10::Device where{c10::kCPU};  // the device the storage lives on
   CopyEvent offloaded, reloaded_event;
   bool reload_queued = false;
 };
@@ -267,11 +337,13 @@ class OffloadedView final : public PackedTensor {
 }  // namespace
 
 ActivationOffloader::ActivationOffloader(int64_t min_elements, double bytes_per_second,
-                                         int max_inflight)
+                                         int max_inflight, c10::Device device)
     : min_elements_(min_elements),
       max_inflight_(max_inflight),
-      d2h_("d2h", bytes_per_second),
-      h2d_("h2d", bytes_per_second) {
+      device_(device),
+      pool_(/*pinned=*/device.is_cuda()),
+      d2h_("d2h", bytes_per_second, device),
+      h2d_("h2d", bytes_per_second, device) {
   TORCH_CHECK(min_elements >= 0, "actmem::ActivationOffloader: min_offloaded_tensor_size must be "
               ">= 0, got ", min_elements);
 }
@@ -352,6 +424,7 @@ ActivationOffloader::GroupScope::~GroupScope() {
 std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
   if (current_ < 0 || !t.defined() || !t.has_storage() || t.numel() < min_elements_) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter
+  if (t.device().type() != device_.type()) return nullptr;  // e.g. a CPU tensor in CUDA training
   const void* key = t.storage().unsafeGetStorageImpl();
   std::shared_ptr<Entry> entry;
   {
@@ -364,6 +437,7 @@ std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
       if (!g.offload) return nullptr;  // kept on the device by the margin rule
       entry = std::make_shared<Entry>();
       entry->nbytes = static_cast<int64_t>(t.storage().nbytes());
+      entry->where = t.device();
       entry->device = at::empty({0}, t.options().dtype(at::kByte))
                           .set_(t.storage(), 0, {entry->nbytes}, {1});
       by_storage_.insert_or_assign(
@@ -461,8 +535,10 @@ void ActivationOffloader::prefetch(int index) {
     expect_state(entry->state, {State::kOffloading, State::kOffloaded}, "reload");
     entry->state = State::kReloading;
     entry->reload_queued = true;
-    // The reload buffer is device memory, allocated here on the compute side.
-    entry->reloaded = at::empty({entry->nbytes}, at::TensorOptions().dtype(at::kByte));
+    // The reload buffer is device memory, allocated here on the compute side (on CUDA from the
+    // compute stream; the copy is ordered after it, Note [CUDA copy engine]).
+    entry->reloaded =
+        at::empty({entry->nbytes}, at::TensorOptions().dtype(at::kByte).device(entry->where));
     std::weak_ptr<Entry> back = entry;
     HostPool* pool = &pool_;
     entry->reloaded_event = h2d_.copy_async(entry->reloaded, entry->host, &entry->offloaded, [back, pool] {

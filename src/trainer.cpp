@@ -283,11 +283,10 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                                                   model_config_.seed + 1);
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   if (model_config_.cpu_offloading() || model_config_.fine_grained_activation_offloading) {
-    TORCH_CHECK(device_.is_cpu(), "actmem::Trainer: CPU offload on ", device_.str(),
-                " needs the CUDA copy engine, which this build does not have yet");
+    // On CUDA the copy engine uses CUDA streams and pinned host buffers (offload.cpp).
     offloader_ = std::make_unique<ActivationOffloader>(
         model_config_.min_offloaded_tensor_size, config_.offload_bandwidth_gbps * 1e9,
-        static_cast<int>(model_config_.fine_grained_offloading_max_inflight_offloads));
+        static_cast<int>(model_config_.fine_grained_offloading_max_inflight_offloads), device_);
     for (const auto& p : params_) offloader_->exclude(p);
     for (const auto& b : model_->buffers()) offloader_->exclude(b);
     offloader_->exclude(model_->attention_mask());

@@ -1,5 +1,6 @@
 // test_offload.cpp — copy engine, host pool, the offload state machine under random delays, and
 // layer-level offload: bitwise exactness, memory drop, host pool reuse.
+#include "actmem/compat.h"
 #include "actmem/memory_tracker.h"
 #include "actmem/offload.h"
 #include "actmem/trainer.h"
@@ -9,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <functional>
 #include <fstream>
 #include <set>
 
@@ -275,6 +277,67 @@ TEST(FineGrained, TraceHasComputeAndBothCopyStreams) {
   }
   EXPECT_EQ(tracks, (std::set<std::string>{"compute", "d2h", "h2d"}));
 }
+
+
+// ---- the CUDA copy engine (builds with CUDA; skipped without a CUDA device) ------------------
+
+#ifdef ACTMEM_WITH_CUDA
+TEST(CudaCopyEngine, RoundTripIsOrderedAfterComputeThroughPinnedBuffers) {
+  if (!compat::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  const at::Device cuda("cuda:0");
+  CopyStream d2h("d2h", 0, cuda), h2d("h2d", 0, cuda);
+  HostPool pool(/*pinned=*/true);
+  for (int round = 0; round < 10; ++round) {
+    // Kernels queued on the compute stream produce src; the copy must see their final result.
+    at::Tensor src = at::zeros({1 << 22}, at::TensorOptions().device(cuda));
+    for (int i = 0; i < 50; ++i) src.add_(1.0);
+    const at::Tensor bytes = src.view(at::kByte);
+    at::Tensor host = pool.acquire(static_cast<int64_t>(src.nbytes()));
+    EXPECT_TRUE(host.is_pinned());
+    const CopyEvent off = d2h.copy_async(host, bytes);
+    at::Tensor back = at::empty({static_cast<int64_t>(src.nbytes())},
+                                at::TensorOptions().dtype(at::kByte).device(cuda));
+    const CopyEvent on = h2d.copy_async(back, host, &off);  // never before the offload finished
+    on.wait();
+    EXPECT_TRUE(off.ready());
+    EXPECT_TRUE(at::all(host.view(at::kFloat) == 50.0).item<bool>()) << "round " << round;
+    EXPECT_TRUE(bitwise_equal(back.view(at::kFloat), src)) << "round " << round;
+    pool.release(host);
+  }
+  EXPECT_EQ(pool.allocations(), 1);  // one pinned buffer, reused every round
+}
+
+TEST(CudaOffload, FineGrainedAndLayerLevelAreBitwiseEqualToPlainOnCuda) {
+  if (!compat::cuda_available()) GTEST_SKIP() << "no CUDA device";
+  auto config = [](const std::function<void(TransformerConfig&)>& apply) {
+    TransformerConfig c;
+    c.num_layers = 4;
+    c.hidden_size = 128;
+    c.num_attention_heads = 4;
+    c.seq_length = 128;
+    c.micro_batch_size = 4;
+    c.min_offloaded_tensor_size = 0;
+    if (apply) apply(c);
+    return c;
+  };
+  TrainingConfig t;
+  t.device = "cuda";
+  t.eval_interval = 0;
+  t.global_batch_size = 8;
+  for (const auto& apply : std::vector<std::function<void(TransformerConfig&)>>{
+           [](TransformerConfig& c) {
+             c.fine_grained_activation_offloading = true;
+             c.offload_modules = {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"};
+           },
+           [](TransformerConfig& c) { c.cpu_offloading_num_layers = 2; }}) {
+    Trainer plain(config(nullptr), t), offload(config(apply), t);
+    actmem::testing::expect_bitwise_equal_training(plain, offload, 3, [](const IterationStats& st) {
+      EXPECT_GT(st.offloaded_bytes, 0);
+      EXPECT_GT(st.host_peak_bytes, 0);
+    });
+  }
+}
+#endif
 
 }  // namespace
 }  // namespace actmem

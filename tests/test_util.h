@@ -31,7 +31,7 @@ inline void expect_error_containing(const std::function<void()>& fn, const std::
 /// True when a and b have the same dtype, shape and bytes.
 inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
-  const at::Tensor x = a.contiguous(), y = b.contiguous();
+  const at::Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();  // CUDA tensors too
   return std::memcmp(x.data_ptr(), y.data_ptr(), x.nbytes()) == 0;
 }
 

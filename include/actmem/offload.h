@@ -5,11 +5,15 @@
 // On a CPU-only build "device" memory is the tracked allocator and "host" memory is allocated
 // outside it (reported separately); the copy engine runs each direction on its own worker thread,
 // optionally capped to a bandwidth to emulate a PCIe link (design.md, "The CPU stand-in").
+// On CUDA (builds with ACTMEM_WITH_CUDA) the same worker issues each copy on its own c10 CUDA
+// stream, ordered after the compute stream's work by an event, from and to pinned host buffers
+// (Note [CUDA copy engine] in offload.cpp).
 #pragma once
 
 #include "actmem/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/core/StorageImpl.h>
 #include <c10/util/intrusive_ptr.h>
 
@@ -48,15 +52,19 @@ class CopyEvent {
 };
 
 /// One copy direction: a worker thread running jobs in FIFO order (the role of a CUDA stream).
+/// For a CUDA device the worker issues each copy on a dedicated CUDA stream and completes the
+/// job's event once the copy has finished on the GPU.
 class CopyStream {
  public:
   /// bytes_per_second = 0 means uncapped.
-  CopyStream(std::string name, double bytes_per_second);
+  CopyStream(std::string name, double bytes_per_second, c10::Device device = c10::kCPU);
   ~CopyStream();
   CopyStream(const CopyStream&) = delete;
   CopyStream& operator=(const CopyStream&) = delete;
   /// Queues dst.copy_(src) after `after` (if given) has completed; dst and src stay alive until
   /// the copy is done (record_stream's role); `on_done` runs on the worker after the copy.
+  /// On CUDA the copy is also ordered after the work queued so far on the calling thread's
+  /// current stream (which produced src, or last used dst's memory).
   /// Returns the event that completes with it.
   CopyEvent copy_async(at::Tensor dst, at::Tensor src, const CopyEvent* after = nullptr,
                        std::function<void()> on_done = nullptr);
@@ -66,15 +74,20 @@ class CopyStream {
   void set_jitter_us(int max_us) { jitter_us_ = max_us; }
 
  private:
+  struct CudaState;  // the CUDA stream; null on CPU
   struct Job {
     at::Tensor dst, src;
     CopyEvent event;
     std::shared_ptr<CopyEvent> after;
     std::function<void()> on_done;
+    std::shared_ptr<void> producer_event;  // CUDA: recorded on the caller's stream
   };
   void run();
+  void copy(Job& job);
   std::string name_;
   double bytes_per_second_;
+  c10::Device device_;
+  std::unique_ptr<CudaState> cuda_;
   std::mutex mutex_;
   std::condition_variable cv_;
   std::deque<Job> jobs_;
@@ -85,10 +98,13 @@ class CopyStream {
 };
 
 /// Host buffers reused across iterations, keyed by byte size. Memory comes from the system
-/// allocator directly, never from the tracked device allocator.
+/// allocator directly, never from the tracked device allocator; pinned (page-locked, through
+/// libtorch's pinned-memory allocator) for a CUDA device, so copies are true async DMA.
 class HostPool {
  public:
+  explicit HostPool(bool pinned = false) : pinned_(pinned) {}
   ~HostPool();
+  bool pinned() const { return pinned_; }
   /// A [bytes] uint8 host tensor (from the free list when one of that size is free).
   at::Tensor acquire(int64_t bytes);
   /// Returns a buffer acquired here; throws for a foreign tensor.
@@ -100,6 +116,7 @@ class HostPool {
   void reset_peak() { peak_.store(in_use_.load()); }
 
  private:
+  bool pinned_;
   std::mutex mutex_;
   std::map<int64_t, std::vector<at::Tensor>> free_;
   std::unordered_set<const void*> owned_;
@@ -133,8 +150,10 @@ struct OffloadSummaryRow {
 class ActivationOffloader final : public SavedTensorHook {
  public:
   /// max_inflight < 0: no cap; otherwise at most that many groups of one name may have copies
-  /// in flight before compute waits for the oldest.
-  ActivationOffloader(int64_t min_elements, double bytes_per_second, int max_inflight = -1);
+  /// in flight before compute waits for the oldest. `device`: where the activations live
+  /// (CPU, or a CUDA device in builds with ACTMEM_WITH_CUDA).
+  ActivationOffloader(int64_t min_elements, double bytes_per_second, int max_inflight = -1,
+                      c10::Device device = c10::kCPU);
   ~ActivationOffloader() override;
 
   /// Storages never offloaded (parameters, model buffers, the batch). Persistent.
@@ -215,6 +234,7 @@ class ActivationOffloader final : public SavedTensorHook {
   std::vector<std::shared_ptr<Entry>> pending_release_;  // forced tensors awaiting their copy
   int64_t min_elements_;
   int max_inflight_;
+  c10::Device device_;
   HostPool pool_;
   CopyStream d2h_, h2d_;
   // Weak, so a freed excluded storage cannot exclude a new one allocated at its address.
