@@ -4,6 +4,10 @@
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef ACTMEM_WITH_NCCL
+#include <c10/cuda/CUDAFunctions.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <arpa/inet.h>
 #include <csignal>
@@ -50,7 +54,14 @@ DistEnv dist_env_from_environment() {
 }
 
 c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
-                                                          std::chrono::milliseconds timeout) {
+                                                       std::chrono::milliseconds timeout,
+                                                       const c10::Device& device) {
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "actmem: process groups for cpu or cuda "
+              "devices, got ", device.str());
+#ifndef ACTMEM_WITH_NCCL
+  TORCH_CHECK(device.is_cpu(), "actmem: collectives on ", device.str(), " need NCCL, and this "
+              "build has none (a CUDA libtorch whose nccl.h CMake finds; docs/parallelism.md)");
+#endif
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.master_port);
   opts.isServer = env.rank == 0;
@@ -58,6 +69,14 @@ c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
   opts.waitWorkers = true;
   opts.timeout = timeout;
   auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+#ifdef ACTMEM_WITH_NCCL
+  if (device.is_cuda()) {
+    if (device.has_index()) c10::cuda::set_device(device.index());
+    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+    nccl_opts->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_opts);
+  }
+#endif
   auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
   pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, pg_opts);

@@ -69,10 +69,16 @@ void set_tensor_parallel_group(TensorParallelGroup group) {
   group_storage() = std::move(group);
 }
 
-const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env) {
+std::string device_for_rank(const std::string& device, const DistEnv& env) {
+  if (env.world_size > 1 && device == "cuda") return "cuda:" + std::to_string(env.local_rank);
+  return device;
+}
+
+const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env,
+                                                                 const c10::Device& device) {
   if (env.world_size > 1) {
     TensorParallelGroup g;
-    g.pg = init_process_group(env);
+    g.pg = init_process_group(env, std::chrono::seconds(60), device);
     g.rank = env.rank;
     g.size = env.world_size;
     set_tensor_parallel_group(std::move(g));

@@ -79,9 +79,11 @@ class SwapTracker {
   RngStatesTracker& own_;
 };
 
-// Gathers one int64 per rank (rank order) over the tensor-parallel group.
-std::vector<int64_t> gather_per_rank(int64_t value) {
-  const at::Tensor all = all_gather_dim0(at::full({1}, value, at::kLong));
+// Gathers one int64 per rank (rank order) over the tensor-parallel group; the value travels on
+// the training device (NCCL takes device tensors only).
+std::vector<int64_t> gather_per_rank(int64_t value, const at::Device& device) {
+  const at::Tensor all =
+      all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device))).cpu();
   return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
 }
 
@@ -394,14 +396,14 @@ IterationStats Trainer::train_step(bool compute_digest) {
       const std::string& d = st.grad_digest;
       at::Tensor bytes = at::empty({1, static_cast<int64_t>(d.size())}, at::kByte);
       std::memcpy(bytes.data_ptr<uint8_t>(), d.data(), d.size());
-      const at::Tensor all = all_gather_dim0(bytes);
+      const at::Tensor all = all_gather_dim0(bytes.to(device_)).cpu();
       for (int64_t r = 0; r < all.size(0); ++r) {
         st.grad_digest_per_rank.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()),
                                              d.size());
       }
     }
-    st.activation_bytes_per_rank = gather_per_rank(st.activation_bytes);
-    st.activation_peak_bytes_per_rank = gather_per_rank(st.activation_peak_bytes);
+    st.activation_bytes_per_rank = gather_per_rank(st.activation_bytes, device_);
+    st.activation_peak_bytes_per_rank = gather_per_rank(st.activation_peak_bytes, device_);
   }
 
   const auto t1 = Clock::now();
@@ -415,10 +417,10 @@ IterationStats Trainer::train_step(bool compute_digest) {
     } else {
       // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once.
       const bool first = tensor_parallel_group().rank == 0;
-      at::Tensor sq = at::zeros({1}, at::kDouble);
+      at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
       for (size_t i = 0; i < params_.size(); ++i) {
         if (tensor_parallel_flags_[i] || first) {
-          sq += params_[i].grad().to(at::kDouble).pow(2).sum().cpu();
+          sq += params_[i].grad().to(at::kDouble).pow(2).sum();
         }
       }
       st.grad_norm = std::sqrt(all_reduce_sum(sq).item<double>());
@@ -439,7 +441,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
                                         model_config_.seq_length) / busy_s;
   st.peak_device_bytes = step_peak;
-  if (tp > 1) st.peak_device_bytes_per_rank = gather_per_rank(step_peak);
+  if (tp > 1) st.peak_device_bytes_per_rank = gather_per_rank(step_peak, device_);
   if (trace_ != nullptr) {
     // Compute spans between consecutive timeline marks of the first micro-batch.
     const auto& e = timeline_->entries();

@@ -8,6 +8,7 @@
 #include "actmem/compat.h"
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <c10/util/intrusive_ptr.h>
 
 #include <chrono>
@@ -43,9 +44,12 @@ struct DistEnv {
 /// Reads the variables; throws a clear error for malformed or inconsistent values.
 DistEnv dist_env_from_environment();
 
-/// A Gloo process group over a TCPStore (rank 0 hosts it). Throws on timeout.
+/// A process group over a TCPStore (rank 0 hosts it): Gloo for CPU tensors, NCCL for a CUDA
+/// `device` (builds with ACTMEM_WITH_NCCL; that device becomes the current one). Throws on
+/// timeout, and for a CUDA device in a build without NCCL.
 c10::intrusive_ptr<CollectiveGroup> init_process_group(
-    const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60));
+    const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60),
+    const c10::Device& device = c10::kCPU);
 
 /// Starts `nproc` copies of this program (argv = `args`) with RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR and MASTER_PORT set; forwards SIGINT and SIGTERM to them; when one exits

@@ -20,6 +20,7 @@
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <string>
 
 namespace actmem {
 
@@ -34,9 +35,14 @@ struct TensorParallelGroup {
 const TensorParallelGroup& tensor_parallel_group();
 void set_tensor_parallel_group(TensorParallelGroup group);
 
-/// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers and makes
-/// it the tensor-parallel group. A no-op in a single process. Returns the group.
-const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env);
+/// The device a launched rank trains on: "cuda" becomes "cuda:LOCAL_RANK" under a launch of
+/// several processes (one GPU per rank, as torchrun users expect); anything else is kept.
+std::string device_for_rank(const std::string& device, const DistEnv& env);
+
+/// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
+/// NCCL for a CUDA device) and makes it the tensor-parallel group. A no-op in a single process.
+const TensorParallelGroup& init_tensor_parallel_from_environment(
+    const DistEnv& env, const c10::Device& device = c10::kCPU);
 
 // ---- collectives on the group (identity for size 1); inputs are not modified ---------------
 

@@ -35,7 +35,8 @@ int run(InspectOptions& o) {
   const TransformerConfig& c = o.train.model;
   // Under `actmem launch` each rank measures its own activations; rank 0 prints.
   const DistEnv dist = dist_env_from_environment();
-  init_tensor_parallel_from_environment(dist);
+  t.device = device_for_rank(t.device, dist);
+  init_tensor_parallel_from_environment(dist, c10::Device(t.device));
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);

@@ -52,11 +52,8 @@ int run_train(actmem::TrainOptions& o) {
               o.model.tensor_model_parallel_size, "; every launched process is one tensor-parallel "
               "rank (data parallelism is not implemented), so use `actmem launch --nproc-per-node ",
               o.model.tensor_model_parallel_size, " -- train ...`");
-  // One device per rank on CUDA (cuda:LOCAL_RANK), as torchrun users expect.
-  if (dist.world_size > 1 && o.training.device == "cuda") {
-    o.training.device = "cuda:" + std::to_string(dist.local_rank);
-  }
-  actmem::init_tensor_parallel_from_environment(dist);
+  o.training.device = actmem::device_for_rank(o.training.device, dist);
+  actmem::init_tensor_parallel_from_environment(dist, c10::Device(o.training.device));
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   if (dist.rank != 0) {
