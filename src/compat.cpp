@@ -16,7 +16,9 @@ bool cuda_available() { return c10::cuda::device_count() > 0; }
 CudaMemoryStats cuda_memory_stats(int device) {
   namespace cca = c10::cuda::CUDACachingAllocator;
   const auto stats = cca::getDeviceStats(static_cast<c10::DeviceIndex>(device));
-  const auto& allocated = stats.allocated_bytes[static_cast<size_t>(cca::StatType::AGGREGATE)];
+  // Index 0 is the aggregate pool in every version (StatType::AGGREGATE moved from
+  // CUDACachingAllocator to c10::CachingAllocator in libtorch 2.6).
+  const auto& allocated = stats.allocated_bytes[0];
   return {allocated.current, allocated.peak};
 }
 

@@ -8,6 +8,8 @@
 #include <c10/util/Exception.h>
 #ifdef ACTMEM_WITH_CUDA
 #include <ATen/cuda/CUDAEvent.h>
+#include <c10/cuda/CUDACachingAllocator.h>
+#include <c10/cuda/CUDAFunctions.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #endif
@@ -57,7 +59,10 @@ void CopyEvent::mark_done(std::exception_ptr error) const {
 // role) are dropped only after the GPU finished with them: the caching allocator cannot hand the
 // source's block to another kernel while the copy still reads it. The compute thread blocks in
 // CopyEvent::wait() only where the CPU engine would (a reload not yet finished), and compute and
-// copies overlap on the GPU otherwise. Compiled only with ACTMEM_WITH_CUDA.
+// copies overlap on the GPU otherwise. Reloads are the exception to the producer event: their
+// buffer comes from the H2D stream's own pool (empty_for_copy) and is recorded as used by the
+// compute stream, so a prefetch starts at once instead of behind the backward kernels already
+// queued (which would serialise every reload with compute). Compiled only with ACTMEM_WITH_CUDA.
 struct CopyStream::CudaState {
 #ifdef ACTMEM_WITH_CUDA
   explicit CudaState(c10::DeviceIndex index)
@@ -94,13 +99,13 @@ CopyStream::~CopyStream() {
 }
 
 CopyEvent CopyStream::copy_async(at::Tensor dst, at::Tensor src, const CopyEvent* after,
-                                 std::function<void()> on_done) {
+                                 std::function<void()> on_done, bool order_after_caller) {
   TORCH_CHECK(dst.nbytes() == src.nbytes(), "actmem::CopyStream::copy_async: ", name_,
               ": destination has ", dst.nbytes(), " bytes, source ", src.nbytes());
   Job job{std::move(dst), std::move(src), CopyEvent(),
           after ? std::make_shared<CopyEvent>(*after) : nullptr, std::move(on_done), nullptr};
 #ifdef ACTMEM_WITH_CUDA
-  if (cuda_) {
+  if (cuda_ && order_after_caller) {
     // Note [CUDA copy engine]: order the copy after the caller's stream's work so far.
     auto ready = std::make_shared<at::cuda::CUDAEvent>();
     ready->record(c10::cuda::getCurrentCUDAStream(cuda_->stream.device_index()));
@@ -117,6 +122,9 @@ CopyEvent CopyStream::copy_async(at::Tensor dst, at::Tensor src, const CopyEvent
 }
 
 void CopyStream::run() {
+#ifdef ACTMEM_WITH_CUDA
+  if (cuda_) c10::cuda::set_device(cuda_->stream.device_index());  // this thread's device
+#endif
   std::mt19937 rng(12345);
   for (;;) {
     Job job;
@@ -159,6 +167,24 @@ void CopyStream::run() {
     job.src = at::Tensor();
     job.event.mark_done(error);
   }
+}
+
+at::Tensor CopyStream::empty_for_copy(int64_t bytes, const c10::Device& device) {
+  const auto options = at::TensorOptions().dtype(at::kByte).device(device);
+#ifdef ACTMEM_WITH_CUDA
+  if (cuda_ && device.is_cuda()) {
+    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(cuda_->stream.device_index());
+    at::Tensor buffer;
+    {
+      c10::cuda::CUDAStreamGuard guard(cuda_->stream);  // the block belongs to this stream
+      buffer = at::empty({bytes}, options);
+    }
+    // Freed later, the block waits for the caller's stream's work at that time.
+    c10::cuda::CUDACachingAllocator::recordStream(buffer.storage().data_ptr(), caller);
+    return buffer;
+  }
+#endif
+  return at::empty({bytes}, options);
 }
 
 void CopyStream::copy(Job& job) {
@@ -336,11 +362,23 @@ class OffloadedView final : public PackedTensor {
 
 }  // namespace
 
+namespace {
+// A CUDA device without an index means the current one: offload compares devices exactly.
+c10::Device resolved(const c10::Device& device) {
+#ifdef ACTMEM_WITH_CUDA
+  if (device.is_cuda() && !device.has_index()) {
+    return c10::Device(c10::kCUDA, c10::cuda::current_device());
+  }
+#endif
+  return device;
+}
+}  // namespace
+
 ActivationOffloader::ActivationOffloader(int64_t min_elements, double bytes_per_second,
                                          int max_inflight, c10::Device device)
     : min_elements_(min_elements),
       max_inflight_(max_inflight),
-      device_(device),
+      device_(resolved(device)),
       pool_(/*pinned=*/device.is_cuda()),
       d2h_("d2h", bytes_per_second, device),
       h2d_("h2d", bytes_per_second, device) {
@@ -424,7 +462,7 @@ ActivationOffloader::GroupScope::~GroupScope() {
 std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
   if (current_ < 0 || !t.defined() || !t.has_storage() || t.numel() < min_elements_) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter
-  if (t.device().type() != device_.type()) return nullptr;  // e.g. a CPU tensor in CUDA training
+  if (t.device() != device_) return nullptr;  // e.g. a CPU tensor in CUDA training
   const void* key = t.storage().unsafeGetStorageImpl();
   std::shared_ptr<Entry> entry;
   {
@@ -536,9 +574,8 @@ void ActivationOffloader::prefetch(int index) {
     entry->state = State::kReloading;
     entry->reload_queued = true;
     // The reload buffer is device memory, allocated here on the compute side (on CUDA from the
-    // compute stream; the copy is ordered after it, Note [CUDA copy engine]).
-    entry->reloaded =
-        at::empty({entry->nbytes}, at::TensorOptions().dtype(at::kByte).device(entry->where));
+    // H2D stream's pool and handed to the compute stream, Note [CUDA copy engine]).
+    entry->reloaded = h2d_.empty_for_copy(entry->nbytes, entry->where);
     std::weak_ptr<Entry> back = entry;
     HostPool* pool = &pool_;
     entry->reloaded_event = h2d_.copy_async(entry->reloaded, entry->host, &entry->offloaded, [back, pool] {
@@ -549,7 +586,7 @@ void ActivationOffloader::prefetch(int index) {
         e->host = at::Tensor();
         e->state = State::kReloaded;
       }
-    });
+    }, /*order_after_caller=*/false);  // its buffer is the H2D stream's own (empty_for_copy)
   }
 }
 

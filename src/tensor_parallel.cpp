@@ -69,6 +69,14 @@ void set_tensor_parallel_group(TensorParallelGroup group) {
   group_storage() = std::move(group);
 }
 
+void reset_tensor_parallel_group() { group_storage() = TensorParallelGroup{}; }
+
+TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device) {
+  init_tensor_parallel_from_environment(env, device);
+}
+
+TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
+
 std::string device_for_rank(const std::string& device, const DistEnv& env) {
   if (env.world_size > 1 && device == "cuda") return "cuda:" + std::to_string(env.local_rank);
   return device;

@@ -67,7 +67,12 @@ class CopyStream {
   /// current stream (which produced src, or last used dst's memory).
   /// Returns the event that completes with it.
   CopyEvent copy_async(at::Tensor dst, at::Tensor src, const CopyEvent* after = nullptr,
-                       std::function<void()> on_done = nullptr);
+                       std::function<void()> on_done = nullptr, bool order_after_caller = true);
+  /// A [bytes] uint8 buffer on `device` for a copy this stream will write, which the calling
+  /// thread's stream reads afterwards: on CUDA allocated from this stream's pool and recorded as
+  /// used by the caller's stream (so its block is not reused before that stream is done with it),
+  /// so the copy need not wait for the caller's queued work (order_after_caller = false).
+  at::Tensor empty_for_copy(int64_t bytes, const c10::Device& device);
   /// Seconds spent copying (including the bandwidth cap's waits) since construction.
   double busy_seconds() const { return static_cast<double>(busy_ns_.load()) * 1e-9; }
   /// Test hook: extra random delay, up to this many microseconds, before each copy.

@@ -44,6 +44,20 @@ std::string device_for_rank(const std::string& device, const DistEnv& env);
 const TensorParallelGroup& init_tensor_parallel_from_environment(
     const DistEnv& env, const c10::Device& device = c10::kCPU);
 
+/// Drops the process group (size 1 again).
+void reset_tensor_parallel_group();
+
+/// init_tensor_parallel_from_environment for the object's lifetime, then
+/// reset_tensor_parallel_group(): commands hold one, so a NCCL group is torn down while the CUDA
+/// runtime is still alive rather than in static destruction.
+class TensorParallelSession {
+ public:
+  TensorParallelSession(const DistEnv& env, const c10::Device& device);
+  ~TensorParallelSession();
+  TensorParallelSession(const TensorParallelSession&) = delete;
+  TensorParallelSession& operator=(const TensorParallelSession&) = delete;
+};
+
 // ---- collectives on the group (identity for size 1); inputs are not modified ---------------
 
 at::Tensor all_reduce_sum(const at::Tensor& x);

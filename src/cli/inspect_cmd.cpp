@@ -36,7 +36,7 @@ int run(InspectOptions& o) {
   // Under `actmem launch` each rank measures its own activations; rank 0 prints.
   const DistEnv dist = dist_env_from_environment();
   t.device = device_for_rank(t.device, dist);
-  init_tensor_parallel_from_environment(dist, c10::Device(t.device));
+  const TensorParallelSession tp_session(dist, c10::Device(t.device));
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);

@@ -53,7 +53,7 @@ int run_train(actmem::TrainOptions& o) {
               "rank (data parallelism is not implemented), so use `actmem launch --nproc-per-node ",
               o.model.tensor_model_parallel_size, " -- train ...`");
   o.training.device = actmem::device_for_rank(o.training.device, dist);
-  actmem::init_tensor_parallel_from_environment(dist, c10::Device(o.training.device));
+  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device));
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   if (dist.rank != 0) {
