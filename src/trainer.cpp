@@ -260,7 +260,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   // The named streams of seed §3.3 (model-parallel-rng = seed + 2718 + tp_rank, ...), kept
   // by this trainer and swapped in per step; no global random state is touched.
   tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank, 0, 0,
-                                         device_.is_cpu() ? c10::Device(c10::kCPU) : device_);
+                                         device_);
   model_ = std::make_shared<GPTModel>(model_config_);
   model_->to_device(device_);
   model_->train();
