@@ -9,14 +9,17 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
+#include <algorithm>
 #include <arpa/inet.h>
 #include <csignal>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <netinet/in.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <random>
 #include <thread>
 #include <unistd.h>
 
@@ -82,19 +85,44 @@ c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
   return c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, pg_opts);
 }
 
-int free_loopback_port() {
+namespace {
+// Binds a loopback TCP socket to `port` (0: any) and returns the port bound, or -1.
+int try_bind_loopback(int port) {
   const int fd = socket(AF_INET, SOCK_STREAM, 0);
   TORCH_CHECK(fd >= 0, "actmem: cannot open a socket: ", std::strerror(errno));
   sockaddr_in addr{};
   addr.sin_family = AF_INET;
   addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
+  addr.sin_port = htons(static_cast<uint16_t>(port));
   socklen_t len = sizeof(addr);
   const bool ok = bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0 &&
                   getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0;
   close(fd);
-  TORCH_CHECK(ok, "actmem: cannot find a free loopback port");
-  return ntohs(addr.sin_port);
+  return ok ? ntohs(addr.sin_port) : -1;
+}
+}  // namespace
+
+int free_loopback_port() {
+  // Note [Rendezvous port]: the port is free now, but rank 0 binds it only after its process has
+  // started. A port below the kernel's ephemeral range cannot be handed meanwhile to a socket the
+  // kernel numbers itself (Gloo's connections, any client), so it is drawn from there first.
+  int ephemeral_low = 32768;
+  if (FILE* f = std::fopen("/proc/sys/net/ipv4/ip_local_port_range", "r")) {
+    if (std::fscanf(f, "%d", &ephemeral_low) != 1) ephemeral_low = 32768;
+    std::fclose(f);
+  }
+  const int high = std::min(ephemeral_low, 65536), low = std::max(10000, high - 12000);
+  if (high - low >= 1000) {
+    std::random_device rd;
+    std::uniform_int_distribution<int> pick(low, high - 1);
+    for (int attempt = 0; attempt < 64; ++attempt) {
+      const int port = try_bind_loopback(pick(rd));
+      if (port > 0) return port;
+    }
+  }
+  const int port = try_bind_loopback(0);
+  TORCH_CHECK(port > 0, "actmem: cannot find a free loopback port");
+  return port;
 }
 
 namespace {
