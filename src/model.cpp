@@ -38,6 +38,19 @@ at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) 
   return at::empty(shape, at::TensorOptions().dtype(dtype)).normal_(0.0, std, *t_init_gen);
 }
 
+// Forks model-parallel-rng unless it is already the current stream (seed §3.3). Without that
+// stream: an error naming `api` when `required`, else no fork (a bare single-process model).
+std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
+  auto& tracker = get_rng_tracker();
+  if (tracker.current_state_name() == kModelParallelRng) return std::nullopt;
+  if (!tracker.has(kModelParallelRng)) {
+    TORCH_CHECK(!required, api, " needs the model-parallel random stream (call "
+                "model_parallel_manual_seed first)");
+    return std::nullopt;
+  }
+  return tracker.fork(kModelParallelRng);
+}
+
 }  // namespace
 
 ForwardCounters& forward_counters() {
@@ -165,15 +178,11 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
     // Seed §3.3: dropout inside the tensor-parallel region draws from the model-parallel stream
     // (seed + 2718 + tp_rank), so ranks drop their own heads independently. With sequence
     // parallelism the block already runs in that stream (Megatron does not fork twice).
-    std::optional<RngFork> fork;
-    auto& tracker = get_rng_tracker();
-    if (is_training() && dropout_ > 0.0 && !sequence_parallel_ &&
-        tracker.current_state_name() != kModelParallelRng) {
-      TORCH_CHECK(tracker.has(kModelParallelRng) || tensor_parallel_group().size == 1,
-                  "actmem::CoreAttention: tensor-parallel attention dropout needs the "
-                  "model-parallel random stream (call model_parallel_manual_seed first)");
-      if (tracker.has(kModelParallelRng)) fork.emplace(tracker.fork(kModelParallelRng));
-    }
+    const std::optional<RngFork> fork =
+        is_training() && dropout_ > 0.0 && !sequence_parallel_
+            ? fork_model_parallel_rng(tensor_parallel_group().size > 1,
+                                      "actmem::CoreAttention: tensor-parallel attention dropout")
+            : std::nullopt;
     probs = apply_dropout(probs, dropout_, is_training());
   }
   const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, d]
@@ -481,14 +490,11 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
   at::Tensor hidden = hidden_in;
   // With sequence parallelism every layer works on this rank's tokens, so all of the block's
   // dropout draws from the model-parallel stream (Megatron's TransformerBlock.forward).
-  std::optional<RngFork> sp_fork;
   const bool any_dropout = config_.hidden_dropout > 0.0 || config_.attention_dropout > 0.0;
-  if (config_.sequence_parallel && is_training() && any_dropout &&
-      get_rng_tracker().current_state_name() != kModelParallelRng) {
-    TORCH_CHECK(get_rng_tracker().has(kModelParallelRng), "actmem::TransformerBlock: sequence "
-                "parallelism needs the model-parallel random stream (model_parallel_manual_seed)");
-    sp_fork.emplace(get_rng_tracker().fork(kModelParallelRng));
-  }
+  const std::optional<RngFork> sp_fork =
+      config_.sequence_parallel && is_training() && any_dropout
+          ? fork_model_parallel_rng(true, "actmem::TransformerBlock: sequence parallelism")
+          : std::nullopt;
   if (ctx.offloader != nullptr && is_training() && at::GradMode::is_enabled()) {
     ctx.offloader->begin_forward();
   }
@@ -609,20 +615,14 @@ at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   {
     ModuleScope scope("embedding");
     hidden = embed(tokens);
-    if (config_.sequence_parallel) {
-      // Each rank keeps its s/t tokens (a copy, so the full embedding output is freed) and
-      // drops them with its own stream, as Megatron's LanguageModelEmbedding does.
-      hidden = scatter_to_sequence_parallel_region(hidden);
-      std::optional<RngFork> fork;
-      if (is_training() && config_.hidden_dropout > 0.0) {
-        TORCH_CHECK(get_rng_tracker().has(kModelParallelRng), "actmem::GPTModel: sequence "
-                    "parallelism needs the model-parallel random stream (model_parallel_manual_seed)");
-        fork.emplace(get_rng_tracker().fork(kModelParallelRng));
-      }
-      hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
-    } else {
-      hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
-    }
+    // Each rank keeps its s/t tokens (a copy, so the full embedding output is freed) and drops
+    // them with its own stream, as Megatron's LanguageModelEmbedding does.
+    if (config_.sequence_parallel) hidden = scatter_to_sequence_parallel_region(hidden);
+    const std::optional<RngFork> fork =
+        config_.sequence_parallel && is_training() && config_.hidden_dropout > 0.0
+            ? fork_model_parallel_rng(true, "actmem::GPTModel: sequence parallelism")
+            : std::nullopt;
+    hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
   }
   timeline_mark("fwd embedding");
   {

@@ -123,13 +123,9 @@ at::Tensor all_gather_dim0(const at::Tensor& x) {
 at::Tensor reduce_scatter_dim0(const at::Tensor& x) {
   if (single()) return x;
   check_dim0(x, "actmem::reduce_scatter_dim0");
-  // Note [Reduce-scatter on Gloo].
+  // Note [Reduce-scatter on Gloo]: this rank's slice of the all-reduced tensor.
   RECORD_FUNCTION("actmem::reduce_scatter", std::vector<c10::IValue>());
-  const auto& g = tensor_parallel_group();
-  std::vector<at::Tensor> buf = {x.contiguous().clone()};
-  wait_and_release(pg().allreduce(buf));
-  const int64_t part = x.size(0) / g.size;
-  return buf[0].narrow(0, g.rank * part, part).clone();
+  return split_dim0(all_reduce_sum(x));
 }
 
 at::Tensor split_dim0(const at::Tensor& x) {
