@@ -4,7 +4,8 @@
 //
 // Reference: the plain run, stepped round-robin with the offload runs. Validation: every run's
 // loss and gradient digest must equal the plain run's at every step. Bandwidth is emulated by the
-// CPU copy engine (design.md): a copy of n bytes takes at least n / bandwidth.
+// CPU copy engine (docs/offload.md, "Copy engine"): a copy of n bytes takes at least
+// n / bandwidth.
 #include "actmem/process.h"
 #include "bench_common.h"
 #include "actmem/train_options.h"

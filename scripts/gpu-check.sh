@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# gpu-check.sh — run ON THE GPU MACHINE (PyTorch with CUDA, CMake, ninja and nvcc installed, no
-# internet), from the repository root, with .gpu-deps/ carried (scripts/gpu-deps.sh). Builds
-# actmem against the CUDA libtorch inside PyTorch, runs the CUDA tests (the copy engine, CUDA
-# offload exactness), short CUDA training runs with offload, then the whole test suite (last, under
-# a time limit, so the GPU evidence comes back first). Logs and JSON go to $OUT or ./gpu-out.
-# Fits one device call of 600 s on a 16-core machine: run it with timeout_s 590.
+# gpu-check.sh — run ON THE GPU MACHINE (PyTorch with CUDA, CMake, ninja and nvcc installed; no
+# internet needed), from the repository root, after copying the working tree there together with
+# .gpu-deps/ (made by scripts/gpu-deps.sh). Builds actmem against the CUDA libtorch inside
+# PyTorch for compute capability 9.0 (Hopper), runs the CUDA tests (the copy engine, CUDA offload
+# exactness), short CUDA training runs with offload, then the whole test suite (last, under a time
+# limit, so the CUDA results are written first). Logs, JSON and summary.txt go to the directory
+# named by $OUT, or ./gpu-out when OUT is unset. The whole script is meant to finish within about
+# 10 minutes on a 16-core machine.
 set -uo pipefail
 OUT="${OUT:-$PWD/gpu-out}"
 mkdir -p "$OUT"

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# gpu-deps.sh — run HERE (the development machine, Debian 12 with the project's packages
+# gpu-deps.sh — run on the development machine (Debian 12 with the project's packages
 # installed): copies the header-only and source dependencies a GPU machine without internet
-# lacks (CLI11, nlohmann-json, GoogleTest sources) into .gpu-deps/, which git ignores, so the
-# device tool can carry it (`carry: [".gpu-deps"]`). Then run scripts/gpu-check.sh there.
+# lacks (CLI11, nlohmann-json, GoogleTest sources) into .gpu-deps/, which git ignores. Copy the
+# working tree to the GPU machine together with .gpu-deps/, then run scripts/gpu-check.sh there.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 rm -rf .gpu-deps

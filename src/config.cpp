@@ -2,6 +2,7 @@
 #include "actmem/config.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <sstream>
@@ -24,8 +25,10 @@ std::string join_set(const std::vector<std::string>& items) {
   return os.str();
 }
 
-// Megatron's recompute rules (megatron-spec §4.4 rules 4-17 and 26-28) for a dense model, in its
-// order and with its conditions; deliberate differences are marked "fixed".
+// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
+// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
+// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
+// are marked "fixed".
 void validate_recompute(const TransformerConfig& c) {
   const std::string& g = c.recompute_granularity;
   if (!g.empty()) {
@@ -103,8 +106,9 @@ bool TransformerConfig::offloads(const std::string& module) const {
 }
 
 namespace {
-// Megatron's fine-grained offload rules (megatron-spec §4.4 rule 19) and the exclusions with
-// recompute; deliberate differences are marked.
+// Megatron's fine-grained offload rules (the fine_grained_activation_offloading checks of
+// TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py) and the
+// exclusions with recompute; deliberate differences are marked.
 void validate_offload(const TransformerConfig& c) {
   if (!c.fine_grained_activation_offloading) {
     TORCH_CHECK(c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules only applies "
@@ -179,6 +183,8 @@ void TransformerConfig::validate() const {
               rotary_base);
   TORCH_CHECK(init_method_std > 0.0, "actmem::TransformerConfig: init_method_std must be "
               "positive, got ", init_method_std);
+  TORCH_CHECK(seed >= 1 && seed <= kMaxSeed, "actmem::TransformerConfig: seed must be in [1, ",
+              kMaxSeed, "] (Megatron requires seed > 0), got ", seed);
   // Tensor and sequence parallelism (docs/parallelism.md): heads, the MLP's columns and, with
   // sequence parallelism, the sequence are split evenly across the t ranks.
   const int64_t t = tensor_model_parallel_size;
@@ -195,7 +201,9 @@ void TransformerConfig::validate() const {
   TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
               "sequence_parallel needs seq_length (", seq_length, ") divisible by "
               "tensor_model_parallel_size (", t, ")");
-  // Megatron's layer-level offload rules (megatron-spec §4.4 rules 1-3; rule 30: K > 0 enables).
+  // Megatron's layer-level offload rules (the cpu_offloading checks of TransformerConfig's
+  // __post_init__, megatron/core/transformer/transformer_config.py; as in validate_args,
+  // megatron/training/arguments.py, cpu_offloading_num_layers K > 0 turns offloading on).
   if (cpu_offloading()) {
     TORCH_CHECK(cpu_offloading_num_layers > 0 && cpu_offloading_num_layers < num_layers,
                 "actmem::TransformerConfig: CPU offloading can be done only for layers less than ",
@@ -209,6 +217,51 @@ void TransformerConfig::validate() const {
               "min_offloaded_tensor_size must be >= 0, got ", min_offloaded_tensor_size);
   validate_recompute(*this);
   validate_offload(*this);
+}
+
+nlohmann::json to_json(const TransformerConfig& c) {
+  nlohmann::json j = {
+      {"num_layers", c.num_layers},
+      {"hidden_size", c.hidden_size},
+      {"num_attention_heads", c.num_attention_heads},
+      {"ffn_hidden_size", c.ffn()},
+      {"seq_length", c.seq_length},
+      {"max_position_embeddings", c.max_positions()},
+      {"micro_batch_size", c.micro_batch_size},
+      {"vocab_size", c.vocab_size},
+      {"attention_dropout", c.attention_dropout},
+      {"hidden_dropout", c.hidden_dropout},
+      {"normalization", c.normalization},
+      {"layernorm_epsilon", c.layernorm_epsilon},
+      {"gated_linear_unit", c.gated_linear_unit},
+      {"add_bias_linear", c.add_bias_linear},
+      {"position_embedding_type", c.position_embedding_type},
+      {"rotary_base", c.rotary_base},
+      {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights},
+      {"init_method_std", c.init_method_std},
+      {"seed", c.seed},
+      {"tensor_model_parallel_size", c.tensor_model_parallel_size},
+      {"pipeline_model_parallel_size", c.pipeline_model_parallel_size},
+      {"sequence_parallel", c.sequence_parallel},
+      {"recompute_granularity", c.recompute_granularity.empty()
+                                    ? nlohmann::json(nullptr)
+                                    : nlohmann::json(c.recompute_granularity)},
+      {"recompute_method", c.recompute_method.empty() ? nlohmann::json(nullptr)
+                                                      : nlohmann::json(c.recompute_method)},
+      {"recompute_num_layers", c.recompute_num_layers ? nlohmann::json(*c.recompute_num_layers)
+                                                      : nlohmann::json(nullptr)},
+      {"recompute_modules", c.recompute_granularity == "selective"
+                                ? nlohmann::json(c.resolved_recompute_modules())
+                                : nlohmann::json(nullptr)},
+      {"distribute_saved_activations", c.distribute_saved_activations},
+      {"cpu_offloading_num_layers", c.cpu_offloading_num_layers},
+      {"fine_grained_activation_offloading", c.fine_grained_activation_offloading},
+      {"offload_modules", c.offload_modules},
+      {"fine_grained_offloading_max_inflight_offloads",
+       c.fine_grained_offloading_max_inflight_offloads},
+      {"min_offloaded_tensor_size", c.min_offloaded_tensor_size},
+  };
+  return j;
 }
 
 }  // namespace actmem

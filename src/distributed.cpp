@@ -15,7 +15,9 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fcntl.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -135,20 +137,98 @@ int launch_workers(int nproc, const std::vector<std::string>& args, int master_p
   return launch_program(nproc, "/proc/self/exe", args, master_port, grace);
 }
 
+namespace {
+// Note [Worker stderr]
+// Each worker's stderr is a pipe the launcher reads: complete lines are passed through to the
+// launcher's stderr (lines of different workers never interleave mid-line), and each worker's
+// first "error: ..." line is remembered with its arrival order. When workers fail, the one whose
+// error arrived first is reported, with its message: when rank 0 fails, rank 1 often fails a
+// moment later because its peer went away, and reporting rank 1 would point at the wrong cause.
+struct WorkerOutput {
+  int fd = -1;
+  std::string partial;
+  std::string first_error;
+  int64_t error_order = -1;
+};
+
+void forward_lines(WorkerOutput& w, int64_t& order, bool at_eof) {
+  size_t start = 0;
+  for (size_t nl; (nl = w.partial.find('\n', start)) != std::string::npos; start = nl + 1) {
+    const std::string line = w.partial.substr(start, nl - start);
+    std::fprintf(stderr, "%s\n", line.c_str());
+    if (w.error_order < 0 && line.rfind("error:", 0) == 0) {
+      w.first_error = line;
+      w.error_order = order++;
+    }
+  }
+  w.partial.erase(0, start);
+  if (at_eof && !w.partial.empty()) {
+    w.partial += '\n';
+    forward_lines(w, order, false);
+  }
+  std::fflush(stderr);
+}
+
+// Reads what the workers wrote so far (waiting up to timeout_ms for the first byte).
+void pump_worker_output(std::vector<WorkerOutput>& out, int64_t& order, int timeout_ms) {
+  std::vector<pollfd> fds;
+  std::vector<size_t> index;
+  for (size_t r = 0; r < out.size(); ++r) {
+    if (out[r].fd >= 0) {
+      fds.push_back({out[r].fd, POLLIN, 0});
+      index.push_back(r);
+    }
+  }
+  if (fds.empty()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(timeout_ms));
+    return;
+  }
+  if (::poll(fds.data(), fds.size(), timeout_ms) <= 0) return;
+  for (size_t i = 0; i < fds.size(); ++i) {
+    if (fds[i].revents == 0) continue;
+    WorkerOutput& w = out[index[i]];
+    char buf[4096];
+    for (;;) {
+      const ssize_t n = ::read(w.fd, buf, sizeof(buf));
+      if (n > 0) {
+        w.partial.append(buf, static_cast<size_t>(n));
+        continue;
+      }
+      if (n < 0 && errno == EINTR) continue;
+      const bool eof = n == 0;
+      if (eof) {
+        ::close(w.fd);
+        w.fd = -1;
+      }
+      forward_lines(w, order, eof);
+      break;
+    }
+  }
+}
+}  // namespace
+
 int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
                    int master_port, std::chrono::milliseconds grace) {
   TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
   TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
               "actmem launch --nproc-per-node 2 -- train");
+  TORCH_CHECK(master_port >= 0 && master_port < 65536, "actmem launch: --master-port must be a "
+              "TCP port in 1..65535 (or 0 for a free one), got ", master_port);
   const int port = master_port > 0 ? master_port : free_loopback_port();
   const pid_t launcher = getpid();
   std::vector<pid_t> pids;
+  std::vector<WorkerOutput> output(static_cast<size_t>(nproc));
   for (int r = 0; r < nproc; ++r) {
+    int pipe_fds[2];
+    TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "actmem launch: pipe failed: ",
+                std::strerror(errno));
+    std::fflush(nullptr);
     const pid_t pid = fork();
     TORCH_CHECK(pid >= 0, "actmem launch: fork failed: ", std::strerror(errno));
     if (pid == 0) {
       prctl(PR_SET_PDEATHSIG, SIGTERM);      // die with the launcher: no orphans
       if (getppid() != launcher) _exit(1);   // the launcher died before prctl took effect
+      ::dup2(pipe_fds[1], STDERR_FILENO);    // Note [Worker stderr]
       setenv("RANK", std::to_string(r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
@@ -161,9 +241,12 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       for (auto& a : copy) argv.push_back(a.data());
       argv.push_back(nullptr);
       execv(program.c_str(), argv.data());
-      std::fprintf(stderr, "actmem launch: worker %d could not start: %s\n", r, std::strerror(errno));
+      std::fprintf(stderr, "error: actmem launch: worker %d could not start: %s\n", r,
+                   std::strerror(errno));
       _exit(127);
     }
+    ::close(pipe_fds[1]);
+    output[static_cast<size_t>(r)].fd = pipe_fds[0];
     pids.push_back(pid);
   }
   struct sigaction sa {};
@@ -174,7 +257,9 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   sigaction(SIGTERM, &sa, &old_term);
 
   std::vector<bool> alive(nproc, true);
-  int remaining = nproc, result = 0, failed_rank = -1;
+  std::vector<int> codes(nproc, 0);
+  int remaining = nproc, result = 0;
+  int64_t order = 0;
   auto stop_all = [&](int sig) {
     for (int r = 0; r < nproc; ++r) {
       if (alive[r]) kill(pids[r], sig);
@@ -198,12 +283,35 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       alive[r] = false;
       --remaining;
       const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      if (code != 0 && failed_rank < 0 && !stopping) {
-        failed_rank = r;
-        result = code;
-        std::fprintf(stderr, "actmem launch: worker %d failed (%s %d); stopping the other %d\n", r,
-                     WIFEXITED(status) ? "exit code" : "signal",
-                     WIFEXITED(status) ? WEXITSTATUS(status) : WTERMSIG(status), remaining);
+      codes[r] = code;
+      if (code != 0 && !stopping) {
+        // Everything the workers wrote up to now, so the first error is known (Note [Worker
+        // stderr]); the exited worker's pipe is at its end.
+        for (int i = 0; i < 50 && output[r].fd >= 0; ++i) pump_worker_output(output, order, 10);
+        pump_worker_output(output, order, 0);
+        int first = r;
+        for (int i = 0; i < nproc; ++i) {
+          const auto& w = output[i];
+          if (w.error_order >= 0 &&
+              (output[first].error_order < 0 || w.error_order < output[first].error_order)) {
+            first = i;
+          }
+        }
+        result = alive[first] ? code : codes[first];
+        std::string why;
+        if (alive[first]) {
+          why = "reported an error";
+        } else if (first == r && !WIFEXITED(status)) {
+          why = "signal " + std::to_string(WTERMSIG(status));
+        } else {
+          why = "exit code " + std::to_string(codes[first]);
+        }
+        const std::string& line = output[first].first_error;  // "error: ..." or empty
+        const size_t text = line.empty() ? std::string::npos : line.find_first_not_of(' ', 6);
+        const std::string message = text == std::string::npos ? "" : line.substr(text);
+        std::fprintf(stderr, "actmem launch: worker %d failed (%s)%s%s; stopping the other %d\n",
+                     first, why.c_str(), message.empty() ? "" : ": ", message.c_str(), remaining);
+        std::fflush(stderr);
         stop_all(SIGTERM);
         stopping = true;
         kill_deadline = std::chrono::steady_clock::now() + grace;
@@ -211,7 +319,11 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       continue;
     }
     if (stopping && std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    pump_worker_output(output, order, 20);
+  }
+  // The rest of what the workers wrote.
+  while (std::any_of(output.begin(), output.end(), [](const WorkerOutput& w) { return w.fd >= 0; })) {
+    pump_worker_output(output, order, 100);
   }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);

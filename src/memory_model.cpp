@@ -22,8 +22,8 @@ PaperShape shape(double s, double b, double h, double a, double L, double ffn, d
 
 const std::map<std::string, PaperShape>& presets() {
   static const std::map<std::string, PaperShape> table = {
-      // The seed's worked example (§6): s=4096, b=2, h=4096, a=32, L=32, ffn=14336 (SwiGLU),
-      // TP=2 with SP, PP=2 (16 layers per stage). Vocabulary 32000.
+      // A 7B worked example (docs/memory-model.md): s=4096, b=2, h=4096, a=32, L=32,
+      // ffn=14336 (SwiGLU), TP=2 with SP, PP=2 (16 layers per stage). Vocabulary 32000.
       {"7b", shape(4096, 2, 4096, 32, 32, 14336, 32000, 2, 2, true)},
       // Korthikanti et al. Table 3 (s = 2048, v = 51200, ffn = 4h), with SP as in the paper.
       {"22b", shape(2048, 4, 6144, 64, 48, 4 * 6144, 51200, 8, 1, true)},
@@ -66,7 +66,8 @@ LayerBytes paper_layer_bytes(const PaperShape& m) {
   const double lin_sel = 18.0 + 4.0 * m.ffn / m.h;  // Megatron's selective term (34 at ffn = 4h)
   LayerBytes r;
   if (t == 1.0 || m.sp) {
-    // eq. (1) / eq. (4): the paper's 34 (as in the seed's worked example) plus the s^2 term.
+    // eq. (1) / eq. (4): the paper's 34 (kept even for ffn != 4h, as the 7B preset's numbers in
+    // docs/memory-model.md do) plus the s^2 term.
     r.none = sbh * (34.0 + sq) / t;
     r.selective = sbh * lin_sel / t;
     r.full = 2.0 * sbh / (m.sp ? t : 1.0);

@@ -38,7 +38,8 @@ at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) 
   return at::empty(shape, at::TensorOptions().dtype(dtype)).normal_(0.0, std, *t_init_gen);
 }
 
-// Forks model-parallel-rng unless it is already the current stream (seed §3.3). Without that
+// Forks model-parallel-rng unless it is already the current stream (the tensor-parallel dropout
+// stream of Megatron's model_parallel_cuda_manual_seed; docs/parallelism.md). Without that
 // stream: an error naming `api` when `required`, else no fork (a bare single-process model).
 std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
   auto& tracker = get_rng_tracker();
@@ -175,7 +176,8 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
   scores4.masked_fill_(mask.narrow(2, 0, s).narrow(3, 0, s), -10000.0);
   at::Tensor probs = at::softmax(scores4, -1);
   {
-    // Seed §3.3: dropout inside the tensor-parallel region draws from the model-parallel stream
+    // As in Megatron (model_parallel_cuda_manual_seed, megatron/core/tensor_parallel/random.py),
+    // dropout inside the tensor-parallel region draws from the model-parallel stream
     // (seed + 2718 + tp_rank), so ranks drop their own heads independently. With sequence
     // parallelism the block already runs in that stream (Megatron does not fork twice).
     const std::optional<RngFork> fork =
@@ -235,8 +237,10 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   // With sequence parallelism x is the [s/t, b, h] shard; linear_qkv's output covers all s.
   const int64_t b = x.size(1);
   ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
-  // Fine-grained offload (seed §7): a module's group starts at its input and commits at its
-  // output; what it saves is captured in between (Note [Offload state machine], offload.cpp).
+  // Fine-grained offload (Megatron's
+  // megatron/core/pipeline_parallel/fine_grained_activation_offload.py; docs/offload.md): a
+  // module's group starts at its input and commits at its output; what it saves is captured in
+  // between (Note [Offload state machine], offload.cpp).
   auto in_group = [&](bool enabled, const char* name, const at::Tensor& input, auto&& run,
                       std::vector<at::Tensor> forced) {
     if (!enabled || off == nullptr) return run(input);
@@ -470,8 +474,9 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
     ModuleScope scope("layers", i);
     if (offload && i < config_.cpu_offloading_num_layers) {
-      // Layer-level offload (seed §8): what layer i saves goes to the host when its forward
-      // ends (the group commits) ...
+      // Layer-level offload (Megatron's cpu_offloading_num_layers, which runs each of the first
+      // K layers in Transformer Engine's CPU offload context; docs/offload.md): what layer i
+      // saves goes to the host when its forward ends (the group commits) ...
       auto group = off->group();
       hidden = layers[i]->forward(hidden, ctx);
     } else {

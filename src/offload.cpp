@@ -277,7 +277,7 @@ const char* to_string(ActivationOffloader::State s) {
 //                             (the worker never touches a storage the compute thread may free)
 //   offloading -> reloading   prefetch()/unpack() before the D2H finished: the H2D job waits the
 //   offloaded  -> reloading   offload event first, so a reload never reads a half-written buffer
-//                             (Megatron's race, megatron-spec §9.2, fixed)
+//                             (Megatron's race, Megatron-LM issue #7398, fixed)
 //   reloading  -> reloaded    H2D worker, after the copy: the host buffer returns to the pool
 // An unpack in any state other than resident or reloaded waits (offload_wait_s counts it).
 struct ActivationOffloader::Entry {
@@ -460,9 +460,17 @@ ActivationOffloader::GroupScope::~GroupScope() {
 }
 
 std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
-  if (current_ < 0 || !t.defined() || !t.has_storage() || t.numel() < min_elements_) return nullptr;
+  if (current_ < 0 || !t.defined() || !t.has_storage()) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter
   if (t.device() != device_) return nullptr;  // e.g. a CPU tensor in CUDA training
+  if (t.numel() < min_elements_) {
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (t.numel() > largest_kept_.numel) {
+      largest_kept_ = {t.numel(), t.sizes().vec(), std::string(c10::toString(t.scalar_type())),
+                       groups_.at(current_)->name};
+    }
+    return nullptr;
+  }
   const void* key = t.storage().unsafeGetStorageImpl();
   std::shared_ptr<Entry> entry;
   {
@@ -667,6 +675,7 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
 void ActivationOffloader::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   offloaded_bytes_ = 0;
+  largest_kept_ = {};
   wait_ns_ = 0;
   d2h_busy_at_step_ = d2h_.busy_seconds();
   h2d_busy_at_step_ = h2d_.busy_seconds();
@@ -716,6 +725,11 @@ void ActivationOffloader::wait_idle() {
   d2h_.copy_async(none, none).wait();
   h2d_.copy_async(none, none).wait();
   release_forced(/*wait=*/true);
+}
+
+ActivationOffloader::KeptTensor ActivationOffloader::largest_below_threshold() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return largest_kept_;
 }
 
 OffloadStats ActivationOffloader::stats() const {

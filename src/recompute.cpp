@@ -176,7 +176,8 @@ struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
   RngSnapshot rng;
   // The checkpoint's autograd node: its saved variables are the inputs. Reading them through
   // autograd (not through aliases kept here) checks their versions and lets saved-tensor hooks
-  // (offload) bring them back to the device before the replay (seed §7.6).
+  // (offload) bring them back to the device before the replay: a recompute's inputs must be on
+  // the device before it runs (docs/offload.md, the paragraph on selective recompute).
   std::weak_ptr<torch::autograd::Node> node;
   std::vector<bool> needs_grad;  // which inputs required grad in forward
   // The outputs' storages, not the output tensors: a tensor would point back at the autograd

@@ -1,11 +1,12 @@
 // trace.cpp — TraceRecorder.
 #include "actmem/trace.h"
 
+#include "actmem/output_file.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <atomic>
-#include <fstream>
 #include <map>
 
 namespace actmem {
@@ -30,7 +31,7 @@ size_t TraceRecorder::size() const {
   return events_.size();
 }
 
-void TraceRecorder::write(const std::string& path) const {
+std::string TraceRecorder::json() const {
   nlohmann::json events = nlohmann::json::array();
   std::map<std::string, int> tids;
   std::lock_guard<std::mutex> lock(mutex_);
@@ -44,9 +45,13 @@ void TraceRecorder::write(const std::string& path) const {
     events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid},
                       {"args", {{"name", track}}}});
   }
-  std::ofstream out(path);
-  TORCH_CHECK(out.good(), "actmem::TraceRecorder::write: cannot write '", path, "'");
-  out << nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() << "\n";
+  return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n";
+}
+
+void TraceRecorder::write(const std::string& path) const {
+  OutputFile file({"--trace", path});
+  file.write(json());
+  file.close();
 }
 
 TraceRecorder* active_trace() { return g_active.load(); }

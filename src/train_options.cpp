@@ -1,34 +1,71 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
 #include "actmem/train_options.h"
 
+#include "actmem/environment.h"
+
 #include <CLI/CLI.hpp>
 
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <charconv>
 #include <cmath>
+#include <limits>
 #include <thread>
 
 namespace actmem {
 
 namespace {
-// kPositive prints the whole double range in its message; this says what is expected.
+// CLI11's own checks accept "inf" as a positive number and let integers wrap or saturate; these
+// say what is expected and refuse both.
 const CLI::Validator kPositive(
     [](std::string& text) -> std::string {
       double v = 0.0;
-      if (!CLI::detail::lexical_cast(text, v) || !(v > 0.0)) {
+      if (!CLI::detail::lexical_cast(text, v) || !(v > 0.0) || !std::isfinite(v)) {
         return "expected a positive number, got '" + text + "'";
       }
       return {};
     },
     "POSITIVE");
+const CLI::Validator kNonNegative(
+    [](std::string& text) -> std::string {
+      double v = 0.0;
+      if (!CLI::detail::lexical_cast(text, v) || !(v >= 0.0) || !std::isfinite(v)) {
+        return "expected a non-negative number, got '" + text + "'";
+      }
+      return {};
+    },
+    "NONNEGATIVE");
 }  // namespace
 
 const CLI::Validator& positive_number_validator() { return kPositive; }
 
-void add_model_flags(CLI::App& app, TrainOptions& o) {
+CLI::Validator integer_in_range(int64_t lo, int64_t hi) {
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  return CLI::Validator(
+      [lo, hi](std::string& text) -> std::string {
+        int64_t v = 0;
+        const char* last = text.data() + text.size();
+        const auto [end, ec] = std::from_chars(text.data(), last, v);
+        if (ec == std::errc() && end != last) return "expected an integer, got '" + text + "'";
+        if (ec == std::errc() && v >= lo && v <= hi) return {};
+        if (ec != std::errc::result_out_of_range && hi == kMax && (lo == 0 || lo == 1)) {
+          return std::string(lo == 1 ? "expected a positive number, got '"
+                                     : "expected a non-negative number, got '") + text + "'";
+        }
+        return "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
+               "], got '" + text + "'";
+      },
+      "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
+}
+
+namespace {
+constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
+
+void add_shape_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
-  const auto& positive = kPositive;
+  const CLI::Validator positive = integer_in_range(1, kMaxInt);
   app.add_option("--num-layers", m.num_layers, "Number of transformer layers")
       ->capture_default_str()->check(positive);
   app.add_option("--hidden-size", m.hidden_size, "Hidden size h")
@@ -52,29 +89,37 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--normalization", o.normalization_flag, "LayerNorm or RMSNorm")
       ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
-  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")->capture_default_str();
+  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")
+      ->capture_default_str()->check(kPositive);
   app.add_flag("--swiglu", o.swiglu, "Gated linear unit with SiLU (SwiGLU) instead of GeLU");
   app.add_flag("--disable-bias-linear", o.disable_bias_linear, "Linear layers without biases");
   app.add_flag("--use-rotary-position-embeddings", o.use_rope,
                "RoPE instead of learned absolute positions");
-  app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str();
+  app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str()->check(kPositive);
   app.add_flag("--untie-embeddings-and-output-weights", o.untie,
                "Separate output layer instead of the tied word embedding");
   app.add_option("--init-method-std", m.init_method_std, "Std of the normal initialisation")
-      ->capture_default_str();
-  app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling")
-      ->capture_default_str();
+      ->capture_default_str()->check(kPositive);
+  // Megatron requires seed > 0; the upper bound leaves room for the stream offsets added to it.
+  app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling (> 0)")
+      ->capture_default_str()->check(integer_in_range(1, static_cast<int64_t>(kMaxSeed)));
+}
 
+void add_parallel_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
   // Tensor and sequence parallelism (docs/parallelism.md); run under `actmem launch`.
   app.add_option("--tensor-model-parallel-size", m.tensor_model_parallel_size,
                  "Tensor-parallel ranks t (= the launch's --nproc-per-node)")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
   app.add_flag("--sequence-parallel", m.sequence_parallel,
                "Shard norms and dropouts along the sequence across the t ranks");
   app.add_option("--pipeline-model-parallel-size", m.pipeline_model_parallel_size,
                  "Pipeline stages (only 1 is implemented)")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+}
 
+void add_recompute_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
   // Activation recompute (docs/recompute.md).
   app.add_option("--recompute-granularity", m.recompute_granularity,
                  "full (whole layers) or selective (--recompute-modules)")
@@ -83,8 +128,9 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
                  "Full recompute: uniform (chunks of N layers) or block (first N layers)")
       ->check(CLI::IsMember({"uniform", "block"}));
   app.add_option_function<int64_t>(
-      "--recompute-num-layers", [&m](const int64_t& n) { m.recompute_num_layers = n; },
-      "Full recompute: layers per chunk (uniform) or checkpointed layers (block)");
+         "--recompute-num-layers", [&m](const int64_t& n) { m.recompute_num_layers = n; },
+         "Full recompute: layers per chunk (uniform) or checkpointed layers (block)")
+      ->check(integer_in_range(0, kMaxInt));
   app.add_option_function<std::vector<std::string>>(
          "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
          "Selective targets, space-separated: core_attn mlp layernorm (default core_attn)")
@@ -95,10 +141,14 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
                "Removed (refused): use --recompute-activations or --recompute-granularity");
   app.add_flag("--distribute-saved-activations", m.distribute_saved_activations,
                "Full recompute: keep checkpoint inputs sharded over tensor-parallel ranks");
+}
 
+void add_offload_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
   // CPU offload (docs/offload.md).
   app.add_option("--cpu-offloading-num-layers", m.cpu_offloading_num_layers,
-                 "Offload the saved activations of the first K layers to host memory");
+                 "Offload the saved activations of the first K layers to host memory")
+      ->check(integer_in_range(0, kMaxInt));
   app.add_flag("--fine-grained-activation-offloading", m.fine_grained_activation_offloading,
                "Offload what the modules of --offload-modules save");
   app.add_option("--offload-modules", m.offload_modules,
@@ -107,54 +157,97 @@ void add_model_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--fine-grained-offloading-max-inflight-offloads",
                  m.fine_grained_offloading_max_inflight_offloads,
                  "Groups of one name with copies in flight before compute waits (-1 = no cap)")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(-1, kMaxInt));
   app.add_option("--min-offloaded-tensor-size", m.min_offloaded_tensor_size,
                  "Saved tensors with fewer elements stay on the device")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
+  app.add_option("--offload-bandwidth-gbps", o.training.offload_bandwidth_gbps,
+                 "Emulated host link for offload copies, GB/s per direction (0 = uncapped; "
+                 "otherwise " + c10::str(kMinOffloadBandwidthGbps) + " to " +
+                 c10::str(kMaxOffloadBandwidthGbps) + ")")
+      ->capture_default_str()->check(kNonNegative);
 }
 
-void add_training_flags(CLI::App& app, TrainOptions& o) {
+void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
   app.add_option("--global-batch-size", t.global_batch_size,
                  "Samples per optimizer step (a multiple of --micro-batch-size)")
-      ->capture_default_str()->check(kPositive);
-  app.add_option("--train-iters", t.train_iters, "Optimizer steps")
-      ->capture_default_str()->check(kPositive);
-  app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str()->check(kPositive);
+  app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")
+      ->capture_default_str()->check(kNonNegative);
   app.add_option("--lr-warmup-iters", t.lr_warmup_iters, "Linear warmup steps")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
   app.add_option("--lr-decay-style", t.lr_decay_style, "constant, linear or cosine")
       ->capture_default_str()->check(CLI::IsMember({"constant", "linear", "cosine"}));
-  app.add_option("--weight-decay", t.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--weight-decay", t.weight_decay, "AdamW weight decay")
+      ->capture_default_str()->check(kNonNegative);
   app.add_option("--adam-beta1", t.adam_beta1, "AdamW beta1")->capture_default_str();
   app.add_option("--adam-beta2", t.adam_beta2, "AdamW beta2")->capture_default_str();
-  app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str();
+  app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str()->check(kPositive);
   app.add_option("--clip-grad", t.clip_grad, "Global gradient-norm clip (0 = off)")
-      ->capture_default_str();
+      ->capture_default_str()->check(kNonNegative);
+}
+
+void add_schedule_flags(CLI::App& app, TrainOptions& o) {
+  auto& t = o.training;
+  app.add_option("--train-iters", t.train_iters, "Optimizer steps")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
   app.add_option("--eval-interval", t.eval_interval, "Validate every N steps (0 = never)")
-      ->capture_default_str();
-  app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
+  app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
   app.add_option("--log-interval", t.log_interval, "Progress line every N steps")
-      ->capture_default_str();
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+}
+
+void add_data_flags(CLI::App& app, TrainOptions& o) {
+  auto& t = o.training;
   app.add_option("--data", t.data_path, "Text file to train on (default: built-in corpus)");
   app.add_option("--split", t.split, "train,validation[,test] weights")->capture_default_str();
+}
+
+void add_runtime_flags(CLI::App& app, TrainOptions& o) {
+  auto& t = o.training;
   app.add_option("--device", t.device, "cpu or cuda[:i]")->capture_default_str();
   app.add_option("--device-memory-limit", o.device_memory_limit_gib,
                  "Device memory limit in GiB (CPU; default: physical memory)")
       ->check(kPositive);
-  app.add_option("--offload-bandwidth-gbps", t.offload_bandwidth_gbps,
-                 "Emulated host link for offload copies, GB/s per direction (0 = uncapped)")
-      ->capture_default_str();
-  app.add_option("--log-json", o.log_json, "Write one JSON object per iteration to FILE");
-  app.add_option("--trace", o.trace,
-                 "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
-  app.add_option("--threads", o.threads, "Intra-op CPU threads (default: one per core)")
-      ->check(kPositive);
+  app.add_option("--threads", o.threads,
+                 "Intra-op CPU threads, at most the cores available (default: one per core)")
+      ->check(integer_in_range(1, 1 << 20));
 }
 
+void add_output_flags(CLI::App& app, TrainOptions& o) {
+  app.add_option("--log-json", o.log_json,
+                 "Write the run's configuration, then one JSON object per iteration, to FILE "
+                 "('-': standard output)");
+  app.add_option("--trace", o.trace,
+                 "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
+}
+}  // namespace
+
+void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
+  if (groups & kShapeFlags) add_shape_flags(app, o);
+  if (groups & kParallelFlags) add_parallel_flags(app, o);
+  if (groups & kRecomputeFlags) add_recompute_flags(app, o);
+  if (groups & kOffloadFlags) add_offload_flags(app, o);
+  if (groups & kOptimizerFlags) add_optimizer_flags(app, o);
+  if (groups & kScheduleFlags) add_schedule_flags(app, o);
+  if (groups & kDataFlags) add_data_flags(app, o);
+  if (groups & kRuntimeFlags) add_runtime_flags(app, o);
+  if (groups & kOutputFlags) add_output_flags(app, o);
+}
+
+void add_model_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kModelFlags); }
+void add_training_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kTrainingFlags); }
+
 int apply_thread_count(int threads) {
-  const int n = threads > 0 ? threads : static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = available_cores();
+  TORCH_CHECK(threads <= cores, "actmem: --threads ", threads, " exceeds the ", cores,
+              " core(s) this process may run on; more threads than cores only slow the step "
+              "(give at most ", cores, ")");
+  const int n = threads > 0 ? threads : cores;
   at::set_num_threads(n);
   return n;
 }

@@ -5,6 +5,7 @@
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
 #include "actmem/offload.h"
+#include "actmem/output_file.h"
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trace.h"
@@ -20,6 +21,7 @@
 #include <cmath>
 #include <cstring>
 #include <iomanip>
+#include <limits>
 #include <mutex>
 #include <ostream>
 #include <sstream>
@@ -171,8 +173,12 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
                           device.find_first_not_of("0123456789", 5) == std::string::npos;
   TORCH_CHECK(device == "cpu" || device == "cuda" || cuda_index,
               "actmem::TrainingConfig: device must be cpu, cuda or cuda:N, got \"", device, "\"");
-  TORCH_CHECK(offload_bandwidth_gbps >= 0.0, "actmem::TrainingConfig: offload_bandwidth_gbps must "
-              "be >= 0, got ", offload_bandwidth_gbps);
+  TORCH_CHECK(offload_bandwidth_gbps == 0.0 ||
+                  (offload_bandwidth_gbps >= kMinOffloadBandwidthGbps &&
+                   offload_bandwidth_gbps <= kMaxOffloadBandwidthGbps),
+              "actmem::TrainingConfig: offload_bandwidth_gbps must be 0 (uncapped) or in [",
+              kMinOffloadBandwidthGbps, ", ", kMaxOffloadBandwidthGbps, "] GB/s, got ",
+              offload_bandwidth_gbps);
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
 }
@@ -205,6 +211,43 @@ nlohmann::json to_json(const IterationStats& s) {
   return j;
 }
 
+nlohmann::json to_json(const TrainingConfig& t) {
+  return {
+      {"global_batch_size", t.global_batch_size},
+      {"train_iters", t.train_iters},
+      {"lr", t.lr},
+      {"min_lr", t.min_lr},
+      {"lr_warmup_iters", t.lr_warmup_iters},
+      {"lr_decay_style", t.lr_decay_style},
+      {"weight_decay", t.weight_decay},
+      {"adam_beta1", t.adam_beta1},
+      {"adam_beta2", t.adam_beta2},
+      {"adam_eps", t.adam_eps},
+      {"clip_grad", t.clip_grad},
+      {"eval_interval", t.eval_interval},
+      {"eval_iters", t.eval_iters},
+      {"log_interval", t.log_interval},
+      {"data", t.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_path)},
+      {"split", t.split},
+      {"device", t.device},
+      {"device_memory_limit", t.device_memory_limit},
+      {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},
+  };
+}
+
+// Note [Memory pre-check]
+// The Trainer refuses a configuration whose step cannot fit before it allocates anything, so the
+// bound must cover the whole peak of a step, for every strategy:
+// - parameters, gradients and both AdamW moments (4 x parameters), plus the optimizer step's
+//   temporaries (at most two of the largest parameter);
+// - the activations the plain forward leaves for the backward (the exact predictor,
+//   memory_model.h, for the config without recompute or offload: every strategy leaves less,
+//   and a recomputed chunk is rebuilt from what the plain run would have kept);
+// - the backward's transients on top of them: the gradient flowing through the op being
+//   differentiated, its result and one temporary, each at most the largest single tensor of
+//   the step (the logits [s, b, v], the scores [a/t, s, s, b], the MLP's [s, b, fc1/t]).
+// Checked against the tracker's measured peak over a sweep of models and strategies
+// (MemoryPreCheck.CountsEverythingTheRunAllocates in tests/test_robustness.cpp).
 double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) {
   const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.ffn());
   const double L = static_cast<double>(c.num_layers), v = static_cast<double>(c.vocab_size);
@@ -212,19 +255,28 @@ double estimate_required_bytes(const TransformerConfig& c, int64_t dtype_bytes) 
   const double a = static_cast<double>(c.num_attention_heads);
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
   const double t = static_cast<double>(c.tensor_model_parallel_size);
+  const double e = static_cast<double>(dtype_bytes);
   // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
-  // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h).
+  // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
+  // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
   const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
-                        2.0 * v * h + static_cast<double>(c.max_positions()) * h;
-  const double state = 4.0 * params * static_cast<double>(dtype_bytes);  // weight, grad, m, v
-  // Activations of one micro-batch in dtype_bytes (Korthikanti eq. 1, 2 or 4 scaled from 2
-  // bytes, and the logits with their log-softmax and gradient).
-  const double per_layer = s * b * h *
-                           (c.sequence_parallel ? (34.0 + 5.0 * a * s / h) / t
-                                                : 10.0 + 24.0 / t + 5.0 * a * s / (h * t)) *
-                           (dtype_bytes / 2.0);
-  const double logits = 3.0 * s * b * v * static_cast<double>(dtype_bytes);
-  return state + L * per_layer + logits;
+                        2.0 * v * h + static_cast<double>(c.max_positions()) * h + 2.0 * h;
+  const double largest_param = std::max(v * h, h * fc1 / t) * e;
+  const double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+  // Sizes whose exact count would not fit the predictor's 64-bit integers cannot fit a device.
+  if (largest_tensor * L * 64.0 > 0x1p62) return std::numeric_limits<double>::infinity();
+  TransformerConfig plain = c;
+  plain.recompute_granularity.clear();
+  plain.recompute_method.clear();
+  plain.recompute_num_layers.reset();
+  plain.recompute_modules.reset();
+  plain.distribute_saved_activations = false;
+  plain.cpu_offloading_num_layers = 0;
+  plain.fine_grained_activation_offloading = false;
+  plain.offload_modules.clear();
+  const double activations =
+      static_cast<double>(predict_activation_bytes(plain, dtype_bytes).total);
+  return 4.0 * params * e + 2.0 * largest_param + activations + 3.0 * largest_tensor;
 }
 
 Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
@@ -232,19 +284,27 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       config_(training),
       device_(validated_device(model, training)),
       memory_(device_memory(device_)) {
+  // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
+  // memory] in data.h); loading it first lets the pre-check count it.
+  corpus_ = load_corpus(config_.data_path, config_.split, model_config_.seq_length);
   if (device_.is_cpu()) {
-    // Tensor-parallel ranks of one launch share this machine's memory.
-    const int64_t limit = config_.device_memory_limit > 0
-                              ? config_.device_memory_limit
-                              : physical_memory_bytes() / tensor_parallel_group().size;
+    // On CPU the device is this machine's memory: tensor-parallel ranks of one launch share it,
+    // and the corpus held in it (unless memory-mapped) is not available to them.
+    const bool explicit_limit = config_.device_memory_limit > 0;
+    const int64_t limit =
+        explicit_limit ? config_.device_memory_limit
+                       : (physical_memory_bytes() - corpus_.resident_bytes()) /
+                             tensor_parallel_group().size;
     const double need = estimate_required_bytes(model_config_);
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
-                "state and one micro-batch of activations) but the limit is ", format_bytes(limit),
+                "state and one micro-batch of activations at their peak) but the limit is ",
+                format_bytes(static_cast<double>(limit)),
+                explicit_limit ? std::string() : " (physical memory less the corpus's " +
+                    format_bytes(static_cast<double>(corpus_.resident_bytes())) + ")",
                 "; reduce --num-layers, --hidden-size, --seq-length or --micro-batch-size");
     memory_.set_capacity(limit);
   }
-  corpus_ = load_corpus(config_.data_path, config_.split, model_config_.seq_length);
   TORCH_CHECK(model_config_.vocab_size >= ByteTokenizer::kVocabSize, "actmem::Trainer: vocab_size (",
               model_config_.vocab_size, ") must be at least 256 for the byte-level tokenizer");
 
@@ -257,8 +317,9 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     rng_state_.push_back(gen.get_state());
     gen.set_state(ambient);
   }
-  // The named streams of seed §3.3 (model-parallel-rng = seed + 2718 + tp_rank, ...), kept
-  // by this trainer and swapped in per step; no global random state is touched.
+  // The named streams of Megatron's model_parallel_cuda_manual_seed
+  // (megatron/core/tensor_parallel/random.py: model-parallel-rng = seed + 2718 + tp_rank, ...),
+  // kept by this trainer and swapped in per step; no global random state is touched.
   tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank, 0, 0,
                                          device_);
   model_ = std::make_shared<GPTModel>(model_config_);
@@ -425,6 +486,12 @@ IterationStats Trainer::train_step(bool compute_digest) {
       }
       st.grad_norm = std::sqrt(all_reduce_sum(sq).item<double>());
     }
+    // Megatron fails on a NaN gradient norm (check_for_nan_in_loss_and_grad); stopping before
+    // the optimizer step leaves the parameters as they were.
+    TORCH_CHECK(std::isfinite(st.loss) && std::isfinite(st.grad_norm), "actmem::Trainer: "
+                "training diverged at iteration ", st.iteration, ": loss ", st.loss,
+                ", gradient norm ", st.grad_norm, "; stopped before the optimizer step (try a "
+                "lower --lr, a longer --lr-warmup-iters or --clip-grad)");
     if (config_.clip_grad > 0.0) {
       const double coeff = config_.clip_grad / (st.grad_norm + 1e-6);
       if (coeff < 1.0) {
@@ -478,27 +545,58 @@ double Trainer::evaluate() {
   return total / static_cast<double>(config_.eval_iters);
 }
 
-void Trainer::run(std::ostream* progress,
+namespace {
+// Note [Offload that moves nothing]: with Megatron's default --min-offloaded-tensor-size (2^20
+// elements) a small model saves no tensor large enough, and offload silently does nothing.
+std::string zero_offload_warning(const ActivationOffloader& offloader) {
+  const auto kept = offloader.largest_below_threshold();
+  std::ostringstream os;
+  os << "warning: offload moved 0 bytes in its warmup step: ";
+  if (kept.numel == 0) {
+    os << "the offload groups saved no tensor";
+  } else {
+    os << "every saved tensor is below --min-offloaded-tensor-size " << offloader.min_elements()
+       << " elements; the largest, in group " << kept.group << ", has " << kept.numel
+       << " elements ([";
+    for (size_t i = 0; i < kept.shape.size(); ++i) os << (i ? ", " : "") << kept.shape[i];
+    os << "] " << kept.dtype << "); pass --min-offloaded-tensor-size " << kept.numel
+       << " or less to offload it";
+  }
+  return os.str();
+}
+}  // namespace
+
+void Trainer::run(const RunOutput& out,
                   const std::function<void(const IterationStats&)>& on_step,
-                  bool compute_digest, const std::string& trace_path) {
+                  bool compute_digest) {
   TraceRecorder recorder;
   const int64_t traced = std::min<int64_t>(2, config_.train_iters);
   const int64_t total = config_.train_iters;
   const int width = static_cast<int>(std::to_string(total).size());
+  std::ostream* progress = out.progress;
   double window_time = 0.0;
   int64_t window_steps = 0;
   for (int64_t it = 1; it <= total; ++it) {
-    if (!trace_path.empty() && it == traced) set_trace(&recorder);
+    const bool trace_now = out.trace != nullptr && it == traced;
+    if (trace_now) set_trace(&recorder);
     IterationStats st = train_step(compute_digest);
-    if (!trace_path.empty() && it == traced) {
+    if (trace_now) {
       set_trace(nullptr);
       // Copies of this step may still be running: wait for the streams to drain first.
       if (offloader_) offloader_->wait_idle();
-      recorder.write(trace_path);
-      if (progress != nullptr) *progress << "trace of iteration " << it << ": " << trace_path << "\n";
+      out.trace->write(recorder.json(), "the trace of iteration " + std::to_string(it));
+      out.trace->close();
+      if (progress != nullptr) {
+        *progress << "trace of iteration " << it << ": " << out.trace->path() << "\n";
+      }
     }
-    if (it == 1 && offloader_ && progress != nullptr && !offloader_->summary().empty()) {
-      print_offload_summary(*progress, offloader_->summary());
+    if (it == 1 && offloader_) {
+      if (progress != nullptr && !offloader_->summary().empty()) {
+        print_offload_summary(*progress, offloader_->summary());
+      }
+      if (out.warnings != nullptr && st.offloaded_bytes == 0) {
+        *out.warnings << zero_offload_warning(*offloader_) << std::endl;
+      }
     }
     window_time += st.step_time_s;
     ++window_steps;

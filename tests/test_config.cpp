@@ -57,7 +57,7 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"distribute_selective", [](auto& c) { c.tensor_model_parallel_size = 2; c.recompute_granularity = "selective"; c.distribute_saved_activations = true; }, "distribute_saved_activations requires recompute_granularity full with a recompute_method"},
         ConfigCase{"pp", [](auto& c) { c.pipeline_model_parallel_size = 2; }, "pipeline_model_parallel_size must be 1"},
         ConfigCase{"sp", [](auto& c) { c.sequence_parallel = true; }, "sequence_parallel requires tensor_model_parallel_size > 1"},
-        // Megatron's recompute rules (megatron-spec §4.4), one message each.
+        // Megatron's recompute rules (TransformerConfig.__post_init__), one message each.
         ConfigCase{"granularity", [](auto& c) { c.recompute_granularity = "partial"; }, "recompute_granularity: partial must be \"full\" or \"selective\"."},
         ConfigCase{"method", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "random"; c.recompute_num_layers = 1; }, "recompute_method: random must be \"block\" or \"uniform\"."},
         ConfigCase{"full_needs_method", [](auto& c) { c.recompute_granularity = "full"; c.recompute_num_layers = 1; }, "Using recompute_granularity: full so recompute_method must be \"block\" or \"uniform\""},

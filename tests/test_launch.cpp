@@ -61,11 +61,8 @@ TEST(Launch, TrainUnderLaunchLogsFromRankZeroOnly) {
     ++headers;
   }
   EXPECT_EQ(headers, 1u) << r.output;
-  std::ifstream in(log);
-  std::string line;
-  int lines = 0;
-  while (std::getline(in, line)) ++lines;
-  EXPECT_EQ(lines, 2);  // one writer, two iterations
+  // One writer: the configuration record, then two iterations.
+  EXPECT_EQ(actmem::testing::read_json_log(log).iterations.size(), 2u);
 }
 
 TEST(Launch, AFailingWorkerFailsTheLaunchWithItsMessageAndLeavesNoProcess) {
@@ -80,6 +77,25 @@ TEST(Launch, AFailingWorkerFailsTheLaunchWithItsMessageAndLeavesNoProcess) {
                           " launch --nproc-per-node 2 -- dist-check --fail-rank 0 2>/dev/null";
   EXPECT_NE(std::system(cmd.c_str()), 0);
   EXPECT_EQ(processes_tagged(tag), 0);
+}
+
+TEST(Launch, ReportsTheWorkerWhoseErrorCameFirstNotTheFirstToExit) {
+  // Rank 0 reports the root cause, then takes a while to exit (a slow teardown); rank 1 fails a
+  // moment later because of it, and exits first. Note [Worker stderr] in distributed.cpp.
+  const std::string script =
+      "if [ \"$RANK\" = 0 ]; then echo 'error: the root cause' >&2; sleep 1.5; exit 3; "
+      "else sleep 0.3; echo 'error: my peer went away' >&2; exit 4; fi";
+  ::testing::internal::CaptureStderr();
+  const int rc = launch_program(2, "/bin/sh", {"-c", script}, 0, std::chrono::seconds(5));
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  EXPECT_NE(err.find("actmem launch: worker 0 failed (reported an error): the root cause"),
+            std::string::npos)
+      << err;
+  EXPECT_EQ(err.find("worker 1 failed"), std::string::npos) << err;
+  EXPECT_NE(rc, 0);
+  // Each worker's lines pass through whole.
+  EXPECT_NE(err.find("error: the root cause\n"), std::string::npos) << err;
+  EXPECT_NE(err.find("error: my peer went away\n"), std::string::npos) << err;
 }
 
 TEST(Launch, SignalsReachTheWorkersAndKillingTheLauncherKillsThem) {

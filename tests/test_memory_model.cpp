@@ -1,6 +1,6 @@
 // test_memory_model.cpp — the activation ledger against the tracker, the exact predictor within
 // 3% of measured over a sweep of shapes and every strategy, the hook stack, the paper's numbers
-// for the seed's 7B example, and the SVG plot.
+// for the 7B worked example (docs/memory-model.md), and the SVG plot.
 #include "actmem/compat.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_tracker.h"

@@ -54,7 +54,7 @@ TEST(HostPool, ReusesBuffersAndStaysOutsideDeviceMemory) {
 
 TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) {
   // Offload, then reload at once while the D2H copy is still delayed: the reload must wait for
-  // the offload (Megatron's race, megatron-spec §9.2), and the data must come back intact.
+  // the offload (Megatron's race, Megatron-LM issue #7398), and the data must come back intact.
   ActivationOffloader off(/*min_elements=*/1, /*bytes_per_second=*/200e6);
   off.d2h().set_jitter_us(3000);
   off.h2d().set_jitter_us(3000);

@@ -1,5 +1,5 @@
-// test_rng.cpp — the RNG tracker (Megatron's test_random.py, spec §8.1), seed formulas,
-// deep snapshots and ForkRng.
+// test_rng.cpp — the RNG tracker (Megatron's tests/unit_tests/tensor_parallel/test_random.py),
+// seed formulas, deep snapshots and ForkRng.
 #include "actmem/rng.h"
 #include "test_util.h"
 
@@ -138,7 +138,7 @@ TEST_F(RngTest, SnapshotsAreDeepCopies) {
     auto fork = get_rng_tracker().fork("a");
     at::randn({5});  // advances stream a in the tracker
   }
-  // The snapshot did not follow the tracker (not a live handle, megatron-spec §9.1) ...
+  // The snapshot did not follow the tracker (not a live handle, Megatron-LM PR #5841) ...
   EXPECT_TRUE(bitwise_equal(snap.tracker.at("a"), fresh_seeded_state(1)));
   set_all_rng_states(snap);
   EXPECT_TRUE(bitwise_equal(at::randn({5}), first));

@@ -269,11 +269,11 @@ TEST(TensorParallel, TrainUnderLaunchLogsEveryRanksMemory) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tensor parallel 2 ranks with sequence parallelism"), std::string::npos)
       << r.output;
-  std::ifstream f(log);
-  std::string line;
+  const auto parsed = actmem::testing::read_json_log(log);
+  EXPECT_EQ(parsed.config["runtime"]["world_size"], 2);
+  EXPECT_EQ(parsed.config["model"]["tensor_model_parallel_size"], 2);
   int lines = 0;
-  while (std::getline(f, line)) {
-    const json j = json::parse(line);
+  for (const json& j : parsed.iterations) {
     ++lines;
     // Both ranks' activations, gathered in rank order: each within 3% of the predictor (exact
     // on libtorch 1.13), and rank 0's entry is the line's own activation_bytes.

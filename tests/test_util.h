@@ -5,12 +5,14 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <torch/autograd.h>
 
 #include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -97,6 +99,32 @@ inline CommandResult run_actmem(const std::string& args) {
   std::remove(err_file.c_str());
   r.output += r.stderr_text;
   return r;
+}
+
+/// A JSON log of `actmem train --log-json`: its first record (the run's configuration) and one
+/// record per iteration. Adds a failure when the first record is not the configuration or a
+/// later one is not an iteration.
+struct JsonLog {
+  nlohmann::json config;
+  std::vector<nlohmann::json> iterations;
+};
+inline JsonLog read_json_log(const std::string& path) {
+  JsonLog log;
+  std::ifstream in(path);
+  std::string line;
+  bool first = true;
+  while (std::getline(in, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (first) {
+      EXPECT_EQ(j.value("record", ""), "config") << "first record of " << path << ": " << line;
+      log.config = std::move(j);
+      first = false;
+    } else {
+      EXPECT_TRUE(j.contains("iteration")) << path << ": " << line;
+      log.iterations.push_back(std::move(j));
+    }
+  }
+  return log;
 }
 
 }  // namespace actmem::testing

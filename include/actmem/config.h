@@ -1,8 +1,10 @@
 // config.h — TransformerConfig: the model's shape and regularisation, with Megatron's field names.
 //
 // validate() rejects every inconsistent value with a TORCH_CHECK naming the field and what was
-// expected. Recompute and offload fields are added by the issues that implement them.
+// expected.
 #pragma once
+
+#include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
 #include <optional>
@@ -10,6 +12,10 @@
 #include <vector>
 
 namespace actmem {
+
+/// The largest seed accepted: the named RNG streams add offsets to it (rng.h), which must not
+/// wrap around.
+constexpr uint64_t kMaxSeed = uint64_t{1} << 62;
 
 /// Shape and numerics of a GPT model, named as in Megatron-LM's TransformerConfig.
 struct TransformerConfig {
@@ -39,9 +45,10 @@ struct TransformerConfig {
   double rotary_base = 10000.0;
   bool untie_embeddings_and_output_weights = false;
   double init_method_std = 0.02;
+  /// In [1, kMaxSeed] (Megatron requires seed > 0).
   uint64_t seed = 1234;
 
-  // ---- parallelism (tensor/sequence parallelism arrive with their issue; validated now) ----
+  // ---- parallelism (docs/parallelism.md; pipeline parallelism is not implemented) ----
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
   bool sequence_parallel = false;
@@ -68,8 +75,9 @@ struct TransformerConfig {
   /// Saved tensors with fewer elements stay on the device (Megatron's default 1024 * 1024).
   int64_t min_offloaded_tensor_size = 1024 * 1024;
   bool cpu_offloading() const { return cpu_offloading_num_layers != 0; }
-  /// Fine-grained (module-level) offload, seed §7: the groups named in offload_modules
-  /// (attn_norm, qkv_linear, core_attn, attn_proj, mlp_norm) offload what they save.
+  /// Fine-grained (module-level) offload, as Megatron's fine_grained_activation_offload.py:
+  /// the groups named in offload_modules (attn_norm, qkv_linear, core_attn, attn_proj,
+  /// mlp_norm) offload what they save.
   bool fine_grained_activation_offloading = false;
   std::vector<std::string> offload_modules;
   /// Groups of one name whose copies may be in flight before compute waits (-1 = no cap).
@@ -98,5 +106,9 @@ struct TransformerConfig {
   /// Throws c10::Error ("actmem::TransformerConfig: ...") for the first inconsistent field.
   void validate() const;
 };
+
+/// Every field, with the defaults resolved (ffn_hidden_size, max_position_embeddings,
+/// recompute_modules), under Megatron's names.
+nlohmann::json to_json(const TransformerConfig& config);
 
 }  // namespace actmem

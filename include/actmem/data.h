@@ -3,6 +3,14 @@
 // Tokens are bytes (vocab 256). The built-in corpus is generated from a fixed seed, so every
 // machine trains on the same text without downloading anything. Sampling uses its own
 // counter-based generator and never touches libtorch's global RNG (which dropout consumes).
+//
+// Note [Corpus in bounded memory]
+// A corpus is host data (a data loader's, on a GPU machine): it lives outside the tracked device
+// allocator, in the narrowest integer type its vocabulary allows (one byte per token here). A
+// regular file is memory-mapped read-only and its bytes *are* the token stream: nothing is
+// copied, pages are read when a batch touches them and the kernel may drop them again, so a
+// corpus of any size costs at most its own size in memory. A file without a size (a pipe, a
+// character device such as /dev/zero) is read up to kMaxStreamBytes and refused beyond.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -16,22 +24,40 @@ namespace actmem {
 /// Maps text to token ids 0..255 (its bytes) and back.
 struct ByteTokenizer {
   static constexpr int64_t kVocabSize = 256;
-  /// [n] int64 tensor of the bytes of `text`.
+  /// [n] uint8 tensor of the bytes of `text` (the narrowest type that holds every token).
   static at::Tensor encode(const std::string& text);
   static std::string decode(const at::Tensor& tokens);
 };
 
+/// Size of the built-in corpus that load_corpus("") uses.
+constexpr size_t kBuiltinCorpusBytes = size_t{1} << 20;
+
 /// The built-in corpus: `bytes` bytes of English-like sentences, identical on every machine.
-std::string builtin_corpus(size_t bytes = 1 << 20);
+std::string builtin_corpus(size_t bytes = kBuiltinCorpusBytes);
 
-/// Reads a whole file; throws "actmem::read_text_file: ..." when it cannot be read or is empty.
-std::string read_text_file(const std::string& path);
+/// The most bytes read from a file that has no size (a pipe, a device); Note [Corpus in bounded
+/// memory].
+constexpr int64_t kMaxStreamBytes = int64_t{256} << 20;
 
-/// Train and validation token streams.
+/// The bytes of a file as a [n] uint8 host tensor, in bounded memory (Note [Corpus in bounded
+/// memory]): a regular file is memory-mapped, anything else read up to kMaxStreamBytes. Throws
+/// "actmem::read_text_file: ..." for a directory, a file that cannot be opened or read, an empty
+/// one, or one without a size that goes on beyond kMaxStreamBytes.
+at::Tensor read_text_file(const std::string& path);
+
+/// Train and validation token streams (views of one host tensor; Note [Corpus in bounded
+/// memory]).
 struct Corpus {
-  at::Tensor train;  // [n_train] int64
-  at::Tensor valid;  // [n_valid] int64
+  at::Tensor train;  // [n_train] uint8
+  at::Tensor valid;  // [n_valid] uint8
   std::string source;  // "built-in" or the path
+  /// Bytes of the token stream (train, validation and the unused test share).
+  int64_t bytes = 0;
+  /// True when the stream is a read-only mapping of the file: its pages are page cache, which
+  /// the kernel can drop and read again, so they are not counted as memory the run holds.
+  bool memory_mapped = false;
+  /// Host memory the stream holds that the kernel cannot drop (0 when memory-mapped).
+  int64_t resident_bytes() const { return memory_mapped ? 0 : bytes; }
 };
 
 /// Parses Megatron's --split ("95,5" or "969,30,1": train, validation[, test] weights) and cuts
@@ -43,8 +69,9 @@ Corpus split_corpus(const at::Tensor& tokens, const std::string& split, int64_t 
 /// Loads `path` (or the built-in corpus when empty), tokenizes and splits it.
 Corpus load_corpus(const std::string& path, const std::string& split, int64_t seq_length);
 
-/// Samples (tokens, labels) micro-batches of [b, s] from a token stream. labels are tokens
-/// shifted by one. Batch k of a sampler is a pure function of (seed, k).
+/// Samples (tokens, labels) micro-batches of [b, s] int64 from a token stream (uint8, int16,
+/// int32 or int64). labels are tokens shifted by one. Batch k of a sampler is a pure function of
+/// (seed, k).
 class BatchSampler {
  public:
   BatchSampler(at::Tensor stream, int64_t seq_length, int64_t micro_batch_size, uint64_t seed);

@@ -27,7 +27,8 @@ struct PaperShape {
   double layers_per_stage() const { return L / p; }
 };
 
-/// A named model from the seed (§6: "7b") or Korthikanti Table 3 ("22b", "175b", "530b", "1t").
+/// A named model: "7b" (a 7B worked example: s 4096, b 2, h 4096, a 32, L 32, ffn 14336, TP 2
+/// with SP, PP 2; docs/memory-model.md) or Korthikanti Table 3 ("22b", "175b", "530b", "1t").
 /// Throws for an unknown name, listing the known ones.
 PaperShape paper_preset(const std::string& name);
 std::vector<std::string> paper_preset_names();
@@ -43,7 +44,7 @@ struct LayerBytes {
 };
 LayerBytes paper_layer_bytes(const PaperShape& m);
 
-/// Megatron's megatron/training/theoretical_memory_usage.py activation terms (megatron-spec §7):
+/// Megatron's megatron/training/theoretical_memory_usage.py activation terms:
 /// compute_activation_memory (SP + selective) and compute_activation_memory_without_sp, for the
 /// first pipeline stage, including input ids, the embedding dropout mask, logits and the
 /// interleaving / in-flight factors.

@@ -1,8 +1,9 @@
 // memory_tracker.h — exact device-memory accounting and a timeline of bytes at named points.
 //
 // On CPU, "device memory" is every byte allocated through libtorch's CPU allocator, which
-// install() replaces with a tracking allocator (design.md fact 3): each block carries its size in
-// a small header before the pointer, so frees are exact and raw_allocate/raw_deallocate work.
+// install() replaces with a tracking allocator (c10::SetCPUAllocator; docs/memory-tracker.md):
+// each block carries its size in a small header before the pointer, so frees are exact and
+// raw_allocate/raw_deallocate work.
 // On CUDA the same interface reads the caching allocator's allocated-bytes statistics.
 // Host-side offload buffers (later issues) are allocated outside this allocator on purpose.
 #pragma once

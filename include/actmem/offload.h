@@ -1,10 +1,11 @@
 // offload.h — CPU offload of saved activations: a copy engine, a host buffer pool, and offload
 // groups whose saved tensors move to host memory after their forward and come back ahead of their
-// backward (layer-level offload, seed §8; fine-grained module groups build on the same pieces).
+// backward (layer-level offload as Megatron's cpu_offloading_num_layers; fine-grained module
+// groups, as Megatron's fine_grained_activation_offload.py, build on the same pieces).
 //
 // On a CPU-only build "device" memory is the tracked allocator and "host" memory is allocated
 // outside it (reported separately); the copy engine runs each direction on its own worker thread,
-// optionally capped to a bandwidth to emulate a PCIe link (design.md, "The CPU stand-in").
+// optionally capped to a bandwidth to emulate a PCIe link (docs/offload.md, "Copy engine").
 // On CUDA (builds with ACTMEM_WITH_CUDA) the same worker issues each copy on its own c10 CUDA
 // stream, ordered after the compute stream's work by an event, from and to pinned host buffers
 // (Note [CUDA copy engine] in offload.cpp).
@@ -143,8 +144,9 @@ struct OffloadSummaryRow {
   int64_t tensors = 0;
 };
 
-/// Offloads the tensors autograd saves inside groups (Megatron's fine-grained offload, seed §7,
-/// and layer-level offload, seed §8, on one mechanism). A group is opened by start_group(), sees
+/// Offloads the tensors autograd saves inside groups (Megatron's fine-grained offload,
+/// megatron/core/pipeline_parallel/fine_grained_activation_offload.py, and layer-level offload,
+/// cpu_offloading_num_layers, on one mechanism). A group is opened by start_group(), sees
 /// the tensors saved while a CaptureScope of it is alive, and is committed by commit(): its
 /// device-to-host copies are queued then. In backward, on_commit_backward() waits for the
 /// group's reload (and only there) and on_start_backward() prefetches the group before it.
@@ -218,6 +220,17 @@ class ActivationOffloader final : public SavedTensorHook {
   /// Per-name offloaded bytes of the warmup step, after the margin rule (empty until then).
   const std::vector<OffloadSummaryRow>& summary() const { return summary_; }
   OffloadStats stats() const;
+  /// The largest tensor saved inside a group this step that stayed on the device because it
+  /// has fewer than min_elements elements (numel 0 when there was none): what to name when an
+  /// offload moves nothing.
+  struct KeptTensor {
+    int64_t numel = 0;
+    std::vector<int64_t> shape;
+    std::string dtype;
+    std::string group;
+  };
+  KeptTensor largest_below_threshold() const;
+  int64_t min_elements() const { return min_elements_; }
   /// Blocks until both copy streams have finished everything queued so far.
   void wait_idle();
   HostPool& pool() { return pool_; }
@@ -256,6 +269,7 @@ class ActivationOffloader final : public SavedTensorHook {
   std::vector<OffloadSummaryRow> summary_;
   mutable std::mutex mutex_;
   int64_t offloaded_bytes_ = 0;
+  KeptTensor largest_kept_;
   std::atomic<int64_t> wait_ns_{0};
   double d2h_busy_at_step_ = 0, h2d_busy_at_step_ = 0;
 };

@@ -53,7 +53,8 @@ struct RecomputeCounters {
 };
 RecomputeCounters& recompute_counters();
 
-/// Megatron's CheckpointWithoutOutput (seed §3.5): a checkpoint whose *outputs* are also freed.
+/// Megatron's CheckpointWithoutOutput (megatron/core/tensor_parallel/random.py): a checkpoint
+/// whose *outputs* are also freed.
 ///   auto y = ckpt.checkpoint(norm_fn, {x})[0];   // no graph inside; x and the RNG kept
 ///   auto z = consumer(y);                        // consumers save y
 ///   ckpt.discard_output_and_register_recompute(z);

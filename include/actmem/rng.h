@@ -4,7 +4,8 @@
 // The tracker keeps generator states by name and swaps one into the compute device's default
 // generator for the duration of a fork() (CPU here, the CUDA default generator on CUDA).
 // Snapshots are deep copies: restoring one always restores the bytes taken, never a live handle
-// (Megatron's graph-safe snapshots were live generator handles, megatron-spec §9.1; fixed here).
+// (Megatron's graph-safe snapshots, _get_all_rng_states in megatron/core/tensor_parallel/random.py,
+// were live generator handles until Megatron-LM PR #5841 cloned them; fixed here).
 #pragma once
 
 #include <ATen/core/Generator.h>

@@ -3,8 +3,9 @@
 // libtorch 1.13 has no pure-C++ global saved-tensor hook stack (its hooks take PyObjects). The
 // autograd engine, however, asks Engine::get_default_saved_variable_hooks() for hooks every time
 // an op saves a tensor; actmem installs an Engine subclass (set_default_engine_stub) that returns
-// hooks built from a per-thread stack of SavedTensorHook objects (design.md fact 1). This header
-// is the only place that knows; callers push hooks with SavedTensorHooksGuard.
+// hooks built from a per-thread stack of SavedTensorHook objects (docs/memory-model.md, "The
+// ledger"). This header is the only place that knows; callers push hooks with
+// SavedTensorHooksGuard.
 #pragma once
 
 #include <ATen/core/Tensor.h>

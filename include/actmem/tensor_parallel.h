@@ -92,7 +92,7 @@ at::Tensor column_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
                                bool sequence_parallel);
 
-// ---- distribute_saved_activations (seed §2.4) -------------------------------------------------
+// ---- distribute_saved_activations (Megatron's CheckpointFunction, random.py) ------------------
 
 /// This rank's contiguous 1/size chunk of x flattened, in a new buffer (Megatron's
 /// split_tensor_into_1d_equal_chunks(new_buffer=True)); x.numel() must divide by the size.

@@ -15,7 +15,9 @@ class TraceRecorder {
   /// Records a complete span on `track` (e.g. "compute", "d2h", "h2d").
   void span(const std::string& track, const std::string& name, std::chrono::steady_clock::time_point t0,
             std::chrono::steady_clock::time_point t1, const std::string& args_json = "{}");
-  /// Writes {"traceEvents": [...]} to `path`; throws when the file cannot be written.
+  /// The trace as Chrome's JSON: {"traceEvents": [...]} and a newline.
+  std::string json() const;
+  /// Writes json() to `path`; throws when the file cannot be written completely.
   void write(const std::string& path) const;
   size_t size() const;
 

@@ -34,15 +34,38 @@ struct TrainOptions {
   void finalize();
 };
 
-/// Adds the model-shape flags (--num-layers, --hidden-size, ...).
+/// Groups of flags. Each command registers the groups it uses, so a flag it would ignore is an
+/// unknown flag there rather than a silent no-op.
+enum FlagGroup : unsigned {
+  kShapeFlags = 1u << 0,      // --num-layers, --hidden-size, ..., dropout, --seed
+  kParallelFlags = 1u << 1,   // --tensor-model-parallel-size, --sequence-parallel, ...
+  kRecomputeFlags = 1u << 2,  // --recompute-*, --distribute-saved-activations
+  kOffloadFlags = 1u << 3,    // --cpu-offloading-num-layers, --fine-grained-*, bandwidth
+  kOptimizerFlags = 1u << 4,  // --lr, --adam-*, --clip-grad, --global-batch-size, ...
+  kScheduleFlags = 1u << 5,   // --train-iters, --eval-*, --log-interval
+  kDataFlags = 1u << 6,       // --data, --split
+  kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
+  kOutputFlags = 1u << 8,     // --log-json, --trace
+  kModelFlags = kShapeFlags | kParallelFlags | kRecomputeFlags | kOffloadFlags,
+  kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags,
+};
+
+/// Adds the flags of `groups` (a FlagGroup mask), bound to `options`.
+void add_flags(CLI::App& app, TrainOptions& options, unsigned groups);
+/// add_flags(app, options, kModelFlags).
 void add_model_flags(CLI::App& app, TrainOptions& options);
-/// Adds the optimisation and data flags (--train-iters, --lr, --data, ...).
+/// add_flags(app, options, kTrainingFlags).
 void add_training_flags(CLI::App& app, TrainOptions& options);
 
-/// A CLI11 validator: "expected a positive number, got 'x'".
+/// A CLI11 validator: "expected a positive number, got 'x'" (finite: inf and nan are refused).
 const CLI::Validator& positive_number_validator();
+/// A CLI11 validator: an integer in [lo, hi] written in full (no silent overflow or wrap-around:
+/// "-1" and "99999999999999999999" are errors for a seed, not two spellings of 2^64 - 1).
+CLI::Validator integer_in_range(int64_t lo, int64_t hi);
 
-/// Sets libtorch's intra-op threads: `threads`, or one per core when 0. Returns the count.
+/// Sets libtorch's intra-op threads: `threads`, or one per core when 0. Throws when `threads`
+/// exceeds the cores this process may run on (available_cores()) (more threads than cores only slows the step).
+/// Returns the count.
 int apply_thread_count(int threads);
 
 }  // namespace actmem

@@ -28,7 +28,13 @@ namespace actmem {
 
 class ActivationLedger;
 class ActivationOffloader;
+class OutputFile;
 class TraceRecorder;
+
+/// The emulated host link's range (GB/s per direction) when it is capped: below the minimum a
+/// copy of a few MiB takes minutes; above the maximum the cap cannot be told from none.
+constexpr double kMinOffloadBandwidthGbps = 0.01;
+constexpr double kMaxOffloadBandwidthGbps = 1e5;
 
 /// Optimisation and data settings (Megatron's names where it has them).
 struct TrainingConfig {
@@ -57,7 +63,8 @@ struct TrainingConfig {
   std::string device = "cpu";
   /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
   int64_t device_memory_limit = 0;
-  /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped.
+  /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped,
+  /// otherwise in [kMinOffloadBandwidthGbps, kMaxOffloadBandwidthGbps].
   double offload_bandwidth_gbps = 0.0;
 
   int64_t num_microbatches(int64_t micro_batch_size) const {
@@ -94,9 +101,13 @@ struct IterationStats {
 
 /// One JSON object with the fields above; doubles round-trip exactly.
 nlohmann::json to_json(const IterationStats& stats);
+/// Every field of the training config under its flag's name (data_path as "data").
+nlohmann::json to_json(const TrainingConfig& config);
 
-/// Rough upper bound of the device bytes a configuration needs (parameters, gradients, AdamW
-/// state, one micro-batch's activations in fp32), used to refuse sizes that cannot fit.
+/// An upper bound of the device bytes a training step of this configuration holds at its peak:
+/// parameters, gradients, AdamW state, one micro-batch's activations in fp32 and the transient
+/// buffers of its backward. The Trainer refuses a configuration above its device-memory limit
+/// before allocating anything, so a run that starts does not fail later for memory.
 double estimate_required_bytes(const TransformerConfig& model, int64_t dtype_bytes = 4);
 
 class Trainer {
@@ -108,15 +119,24 @@ class Trainer {
 
   /// One optimizer step (all micro-batches). compute_digest=false skips the gradient digest;
   /// under tensor parallelism every rank must pass the same value (it gathers the digests).
+  /// Throws, before the optimizer step changes anything, when the loss or the gradient norm is
+  /// not finite (training diverged; Megatron checks the gradient norm for NaN the same way).
   IterationStats train_step(bool compute_digest = true);
   /// Mean validation loss over eval_iters fixed micro-batches, in eval mode without grad.
   double evaluate();
-  /// train_iters steps with progress on `progress` (if not null) and `on_step` per step;
-  /// validation every eval_interval.
-  /// With trace_path set, the second step (the first after offload's warmup; the first if
-  /// there is only one) is written there as a Chrome trace.
-  void run(std::ostream* progress, const std::function<void(const IterationStats&)>& on_step,
-           bool compute_digest = true, const std::string& trace_path = "");
+  /// Where run() reports; every member is optional.
+  struct RunOutput {
+    std::ostream* progress = nullptr;  // progress lines, validation, the offload summary
+    std::ostream* warnings = nullptr;  // "warning: ..." lines (e.g. an offload that moves nothing)
+    /// The second step (the first after offload's warmup; the first if there is only one) is
+    /// written here as a Chrome trace; opened by the caller before the run.
+    OutputFile* trace = nullptr;
+  };
+  /// train_iters steps with `on_step` per step and validation every eval_interval. Stops with a
+  /// c10::Error naming the iteration when the loss or the gradient norm is not finite (see
+  /// train_step()).
+  void run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
+           bool compute_digest = true);
 
   GPTModel& model() { return *model_; }
   const Corpus& corpus() const { return corpus_; }

@@ -1,6 +1,7 @@
 // compare_cmd.cpp — `actmem compare`: run several recompute strategies from the same seed and
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
+#include "actmem/output_file.h"
 #include "actmem/plot.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -9,8 +10,9 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <ATen/Parallel.h>
+
 #include <algorithm>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -20,12 +22,18 @@ namespace actmem::cli {
 
 namespace {
 
+// Fewer timed rounds than this, or a plain step whose range exceeds this fraction of its median,
+// is warned about (Note [Honest step ratios]).
+constexpr int kMinTrustedSteps = 5;
+constexpr double kMaxTrustedSpread = 0.25;
+
 struct CompareOptions {
   TrainOptions train;
   std::vector<std::string> strategies = {"plain", "selective-core_attn",
                                          "selective-core_attn+mlp+layernorm", "full-block-2",
                                          "full-uniform-1"};
-  int iters = 3;
+  int warmup = 2;
+  int iters = 7;
   std::string svg = "actmem-compare.svg";
   std::string json;
 };
@@ -71,11 +79,26 @@ TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
 }
 
 
+// Note [Honest step ratios]
+// A strategy's step time is only comparable with the plain step's when both ran under the same
+// conditions. So: the first --warmup rounds are not timed (allocator and thread-pool warm-up,
+// offload's warmup); in every timed round each strategy runs one step, in an order rotated from
+// round to round; a strategy's ratio is the median over rounds of its time divided by the plain
+// step's time *in the same round*, so drift of the machine cancels; the range of those per-round
+// ratios is printed beside it, and too few rounds or a plain step that varies a lot is warned
+// about instead of printed as if it were exact.
 int run(CompareOptions& o) {
   o.train.finalize();
   apply_thread_count(o.train.threads);
   TORCH_CHECK(o.iters > 0, "actmem compare: --iters must be positive, got ", o.iters);
+  TORCH_CHECK(o.warmup >= 0, "actmem compare: --warmup must be >= 0, got ", o.warmup);
   TORCH_CHECK(!o.strategies.empty(), "actmem compare: --strategies needs at least one strategy");
+  check_distinct_files({{"--data", o.train.training.data_path}},
+                       {{"--svg", o.svg}, {"--json", o.json}});
+  // Opened before any work (an unwritable path fails now, not after the work).
+  OutputFile svg_file, json_file;
+  if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
+  if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   std::vector<std::string> names = o.strategies;
   if (std::find(names.begin(), names.end(), "plain") == names.end()) {
     names.insert(names.begin(), "plain");  // the reference every ratio and equality refers to
@@ -87,7 +110,7 @@ int run(CompareOptions& o) {
   }
   TrainingConfig t = o.train.training;
   t.eval_interval = 0;
-  t.train_iters = o.iters;
+  t.train_iters = o.warmup + o.iters;
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (const auto& c : configs) trainers.push_back(std::make_unique<Trainer>(c, t));
   for (auto& tr : trainers) tr->record_timeline(true);
@@ -95,69 +118,105 @@ int run(CompareOptions& o) {
       std::find(names.begin(), names.end(), "plain") - names.begin());
 
   const size_t n = names.size();
-  std::vector<std::vector<double>> times(n);
+  const int rounds = o.warmup + o.iters;
+  std::vector<std::vector<double>> times(n), ratios(n);
   std::vector<IterationStats> last(n);
   std::vector<bool> equal(n, true);
-  std::vector<TimelineSeries> series(n);
-  for (int it = 0; it < o.iters; ++it) {
-    for (size_t i = 0; i < n; ++i) {  // round-robin: drift hits every strategy alike
+  for (int round = 0; round < rounds; ++round) {
+    std::vector<double> round_time(n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (k + static_cast<size_t>(round)) % n;  // rotated order
       last[i] = trainers[i]->train_step(/*compute_digest=*/true);
-      times[i].push_back(last[i].step_time_s);
+      round_time[i] = last[i].step_time_s;
     }
     for (size_t i = 0; i < n; ++i) {
       equal[i] = equal[i] && last[i].loss == last[ref].loss &&
                  last[i].grad_digest == last[ref].grad_digest;
+      if (round >= o.warmup) {
+        times[i].push_back(round_time[i]);
+        ratios[i].push_back(round_time[i] / round_time[ref]);
+      }
     }
-    std::cerr << "\rcompare: step " << it + 1 << "/" << o.iters << " of " << n << " strategies"
-              << std::flush;
+    std::cerr << "\rcompare: round " << round + 1 << "/" << rounds << " of " << n
+              << " strategies" << (round < o.warmup ? " (warm-up, not timed)" : "")
+              << "            " << std::flush;
   }
   std::cerr << "\n";
+  std::vector<TimelineSeries> series(n);
   for (size_t i = 0; i < n; ++i) {
     series[i] = {names[i], trainers[i]->last_timeline().entries(), last[i].activation_peak_bytes};
   }
   const auto& m = o.train.model;
-  const double plain_time = median(times[ref]);
   std::cout << "actmem compare: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
             << m.num_attention_heads << " heads, seq " << m.seq_length << ", micro-batch "
             << m.micro_batch_size << ", dropout " << m.attention_dropout << "/" << m.hidden_dropout
-            << "; " << o.iters << " steps each, same seed\n\n"
+            << "; " << o.warmup << " warm-up + " << o.iters << " timed steps each, same seed, "
+            << at::get_num_threads() << " threads\n\n"
             << std::left << std::setw(36) << "strategy" << std::right << std::setw(13)
             << "activations" << std::setw(13) << "predicted" << std::setw(9) << "error"
-            << std::setw(13) << "act. peak" << std::setw(13) << "step ratio" << std::setw(15)
-            << "bitwise equal\n";
-  nlohmann::json out = {{"strategies", nlohmann::json::array()}};
+            << std::setw(13) << "act. peak" << std::setw(12) << "step ratio" << std::setw(15)
+            << "range" << std::setw(15) << "bitwise equal\n";
+  nlohmann::json out = {{"warmup_steps", o.warmup}, {"timed_steps", o.iters},
+                        {"threads", at::get_num_threads()},
+                        {"strategies", nlohmann::json::array()}};
   for (size_t i = 0; i < n; ++i) {
     const auto& st = last[i];
     const double err = st.activation_bytes > 0
                            ? 100.0 * (st.predicted_activation_bytes - st.activation_bytes) /
                                  static_cast<double>(st.activation_bytes)
                            : 0.0;
-    const double ratio = median(times[i]) / plain_time;
+    const double ratio = median(ratios[i]);
+    const auto [lo, hi] = std::minmax_element(ratios[i].begin(), ratios[i].end());
+    std::ostringstream range;
+    range << std::fixed << std::setprecision(3) << *lo << "-" << *hi;
     std::cout << std::left << std::setw(36) << names[i] << std::right << std::setw(13)
               << format_bytes(st.activation_bytes) << std::setw(13)
               << format_bytes(st.predicted_activation_bytes) << std::setw(8) << std::fixed
               << std::setprecision(2) << err << "%" << std::setw(13)
-              << format_bytes(st.activation_peak_bytes) << std::setw(13) << std::setprecision(3)
-              << ratio << std::setw(14) << (equal[i] ? "yes" : "NO") << "\n";
+              << format_bytes(st.activation_peak_bytes) << std::setw(12) << std::setprecision(3)
+              << ratio << std::setw(15) << range.str() << std::setw(14)
+              << (equal[i] ? "yes" : "NO") << "\n";
     out["strategies"].push_back({{"name", names[i]},
                                  {"activation_bytes", st.activation_bytes},
                                  {"predicted_activation_bytes", st.predicted_activation_bytes},
                                  {"activation_peak_bytes", st.activation_peak_bytes},
                                  {"peak_device_bytes", st.peak_device_bytes},
                                  {"step_time_s", median(times[i])},
+                                 {"step_times_s", times[i]},
                                  {"step_time_ratio", ratio},
+                                 {"step_time_ratio_min", *lo},
+                                 {"step_time_ratio_max", *hi},
                                  {"bitwise_equal_to_plain", static_cast<bool>(equal[i])}});
   }
-  if (!o.svg.empty()) {
-    std::ofstream f(o.svg);
-    TORCH_CHECK(f.good(), "actmem compare: cannot write --svg file '", o.svg, "'");
-    f << memory_timeline_svg(series, "Device memory through one training step");
+  // Note [Honest step ratios]: say when the numbers above cannot carry their digits.
+  const double plain_median = median(times[ref]);
+  const auto [plain_lo, plain_hi] = std::minmax_element(times[ref].begin(), times[ref].end());
+  const double plain_spread = (*plain_hi - *plain_lo) / plain_median;
+  std::vector<std::string> warnings;
+  if (o.iters < kMinTrustedSteps) {
+    warnings.push_back(std::to_string(o.iters) + " timed step(s) per strategy are too few to trust "
+                       "the step ratios; use --iters " + std::to_string(kMinTrustedSteps) +
+                       " or more");
+  }
+  if (plain_spread > kMaxTrustedSpread) {
+    std::ostringstream w;
+    w << "the plain step took " << std::fixed << std::setprecision(1) << *plain_lo * 1e3 << " to "
+      << *plain_hi * 1e3 << " ms across rounds (" << std::setprecision(0) << 100 * plain_spread
+      << "% of its median): the machine is busy or the steps are too short; the ratios are "
+         "noisy (more --iters, or a larger model)";
+    warnings.push_back(w.str());
+  }
+  out["warnings"] = warnings;
+  for (const auto& w : warnings) std::cout << "\nwarning: " << w << "\n";
+  if (svg_file.is_open()) {
+    svg_file.write(memory_timeline_svg(series, "Device memory through one training step"),
+                   "the plot");
+    svg_file.close();
     std::cout << "\nmemory timeline: " << o.svg << "\n";
   }
-  if (!o.json.empty()) {
-    std::ofstream f(o.json);
-    TORCH_CHECK(f.good(), "actmem compare: cannot write --json file '", o.json, "'");
-    f << out.dump(2) << "\n";
+  if (json_file.is_open()) {
+    json_file.write(out.dump(2) + "\n", "the table");
+    json_file.close();
   }
   const bool all_equal = std::all_of(equal.begin(), equal.end(), [](bool b) { return b; });
   if (!all_equal) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
@@ -174,13 +233,16 @@ Runner add_compare_command(CLI::App& app) {
   o->train.model.seq_length = 256;
   o->train.model.micro_batch_size = 4;
   CLI::App* cmd = app.add_subcommand("compare", "Compare recompute strategies on one model");
-  add_model_flags(*cmd, o->train);
-  add_training_flags(*cmd, o->train);
+  // Only what compare uses: the strategies set recompute, so its flags are not accepted here.
+  add_flags(*cmd, o->train, kShapeFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--strategies", o->strategies,
                   "plain, full-uniform-N, full-block-N, selective, selective-MOD[+MOD...]")
       ->capture_default_str()
       ->expected(1, -1);
-  cmd->add_option("--iters", o->iters, "steps per strategy")->capture_default_str();
+  cmd->add_option("--iters", o->iters, "timed steps per strategy (after the warm-up)")
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  cmd->add_option("--warmup", o->warmup, "untimed steps per strategy first")
+      ->capture_default_str()->check(integer_in_range(0, 1 << 20));
   cmd->add_option("--svg", o->svg, "memory-timeline plot to write ('' = none)")->capture_default_str();
   cmd->add_option("--json", o->json, "also write the table as JSON");
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include <iomanip>
+#include <limits>
 #include <iostream>
 #include <memory>
 #include <sstream>
@@ -54,6 +55,14 @@ int run(const EstimateOptions& o) {
               ") must be divisible by the pipeline size (", m.p, ")");
   TORCH_CHECK(std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
               ") must divide hidden_size (", m.h, ")");
+  // Megatron's tensor-parallel rules: heads and the MLP's columns split evenly over t ranks, and
+  // with sequence parallelism the sequence too.
+  TORCH_CHECK(std::fmod(m.a, m.t) == 0, "actmem estimate: num_attention_heads (", m.a,
+              ") must be divisible by tensor_model_parallel_size (", m.t, ")");
+  TORCH_CHECK(std::fmod(m.ffn, m.t) == 0, "actmem estimate: ffn_hidden_size (", m.ffn,
+              ") must be divisible by tensor_model_parallel_size (", m.t, ")");
+  TORCH_CHECK(!m.sp || std::fmod(m.s, m.t) == 0, "actmem estimate: with sequence parallelism "
+              "seq_length (", m.s, ") must be divisible by tensor_model_parallel_size (", m.t, ")");
   const LayerBytes layer = paper_layer_bytes(m);
   const double per_stage = m.layers_per_stage();
   const double selective_stage = layer.selective * per_stage;
@@ -114,7 +123,7 @@ int run(const EstimateOptions& o) {
 Runner add_estimate_command(CLI::App& app) {
   auto o = std::make_shared<EstimateOptions>();
   CLI::App* cmd = app.add_subcommand("estimate", "Analytic activation memory (paper formulas)");
-  cmd->add_option("--preset", o->preset, "7b (the seed's example), 22b, 175b, 530b or 1t")
+  cmd->add_option("--preset", o->preset, "7b (the 7B worked example in docs/memory-model.md), 22b, 175b, 530b or 1t")
       ->capture_default_str();
   cmd->add_option("--seq-length", o->s, "s");
   cmd->add_option("--micro-batch-size", o->b, "b");
@@ -133,10 +142,15 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")
       ->capture_default_str();
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
+  // Sizes are positive integers written in full (no "inf", no "2.5" layers); the bandwidth is a
+  // positive finite number.
   for (auto* opt : cmd->get_options()) {
     const std::string name = opt->get_name();
-    if (opt->get_expected_max() > 0 && name != "--help" && name != "--preset") {
+    if (opt->get_expected_max() == 0 || name == "--help" || name == "--preset") continue;
+    if (name == "--offload-bandwidth-gbps") {
       opt->check(positive_number_validator());
+    } else {
+      opt->check(integer_in_range(1, std::numeric_limits<int64_t>::max()));
     }
   }
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };

@@ -111,8 +111,9 @@ int run(InspectOptions& o) {
 Runner add_inspect_command(CLI::App& app) {
   auto o = std::make_shared<InspectOptions>();
   CLI::App* cmd = app.add_subcommand("inspect", "Run one step and print the activation ledger");
-  add_model_flags(*cmd, o->train);
-  add_training_flags(*cmd, o->train);
+  // What one measured step uses: the model, its recompute and offload, the data and the runtime
+  // (no optimizer schedule, no logs: inspect runs one step and prints what it saved).
+  add_flags(*cmd, o->train, kModelFlags | kDataFlags | kRuntimeFlags);
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   cmd->add_flag("--records", o->records, "also list every saved tensor");
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };

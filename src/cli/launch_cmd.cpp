@@ -1,6 +1,7 @@
 // launch_cmd.cpp — `actmem launch` (start N workers of a subcommand) and `actmem dist-check`
 // (each worker joins the process group and all-reduces its rank: a quick health check).
 #include "actmem/distributed.h"
+#include "actmem/train_options.h"
 #include "commands.h"
 
 #include <ATen/ATen.h>
@@ -55,7 +56,8 @@ Runner add_launch_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "Start N worker processes of a subcommand: actmem launch --nproc-per-node N -- CMD");
   cmd->add_option("--nproc-per-node", o->nproc, "Worker processes")->capture_default_str();
-  cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free one)");
+  cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free one)")
+      ->check(integer_in_range(1, 65535));
   cmd->add_option("command", o->command, "The subcommand and its flags, after --")->required();
   return [o, cmd]() { return cmd->parsed() ? launch_workers(o->nproc, o->command, o->master_port) : -1; };
 }

@@ -1,5 +1,7 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
 #include "actmem/distributed.h"
+#include "actmem/environment.h"
+#include "actmem/output_file.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -10,41 +12,99 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
-#include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <sstream>
 
 namespace actmem::cli {
 
 namespace {
 
-void print_header(const actmem::Trainer& trainer, const actmem::TrainOptions& o,
+// The recompute and offload settings as one line of the header.
+std::string memory_settings(const TransformerConfig& m, const TrainingConfig& t) {
+  std::ostringstream os;
+  os << "  recompute ";
+  if (m.recompute_granularity.empty()) {
+    os << "none";
+  } else if (m.full_recompute()) {
+    os << "full, " << m.recompute_method << " " << m.recompute_num_layers.value_or(0)
+       << (m.distribute_saved_activations ? ", inputs distributed over the tensor-parallel ranks"
+                                          : "");
+  } else {
+    os << "selective:";
+    for (const auto& mod : m.resolved_recompute_modules()) os << " " << mod;
+  }
+  os << " | offload ";
+  if (m.cpu_offloading()) {
+    os << "the first " << m.cpu_offloading_num_layers << " layer(s)";
+  } else if (m.fine_grained_activation_offloading) {
+    os << "modules:";
+    for (const auto& mod : m.offload_modules) os << " " << mod;
+    if (m.fine_grained_offloading_max_inflight_offloads >= 0) {
+      os << ", at most " << m.fine_grained_offloading_max_inflight_offloads << " in flight";
+    }
+  } else {
+    os << "none";
+  }
+  if (m.cpu_offloading() || m.fine_grained_activation_offloading) {
+    os << ", tensors of at least " << m.min_offloaded_tensor_size << " elements, host link ";
+    if (t.offload_bandwidth_gbps > 0) {
+      os << t.offload_bandwidth_gbps << " GB/s";
+    } else {
+      os << "uncapped";
+    }
+  }
+  return os.str();
+}
+
+void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
                   actmem::GPTModel& model) {
   const auto& m = o.model;
   const auto& t = o.training;
-  std::cout << "actmem train: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
-            << m.num_attention_heads << " heads, ffn " << m.ffn() << ", seq " << m.seq_length
-            << ", micro-batch " << m.micro_batch_size << " x "
-            << t.num_microbatches(m.micro_batch_size) << " micro-batches, "
-            << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", " << m.normalization << ", "
-            << (m.use_rope() ? "RoPE" : "learned positions") << "\n"
-            << "  parameters " << model.num_parameters() << " | dropout attention "
-            << m.attention_dropout << " hidden " << m.hidden_dropout << " | corpus "
-            << trainer.corpus().source << " (" << trainer.corpus().train.numel() << " train / "
-            << trainer.corpus().valid.numel() << " validation tokens) | device " << t.device
-            << " | " << at::get_num_threads() << " threads\n";
+  const auto& corpus = trainer.corpus();
+  out << "actmem train: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
+      << m.num_attention_heads << " heads, ffn " << m.ffn() << ", seq " << m.seq_length
+      << ", micro-batch " << m.micro_batch_size << " x " << t.num_microbatches(m.micro_batch_size)
+      << " micro-batches, " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
+      << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions") << "\n"
+      << "  parameters " << model.num_parameters() << " | dropout attention "
+      << m.attention_dropout << " hidden " << m.hidden_dropout << " | corpus " << corpus.source
+      << " (" << corpus.train.numel() << " train / " << corpus.valid.numel()
+      << " validation tokens" << (corpus.memory_mapped ? ", memory-mapped" : "") << ") | device "
+      << t.device << " | " << at::get_num_threads() << " threads\n"
+      << memory_settings(m, t) << "\n";
   if (m.tensor_model_parallel_size > 1) {
-    std::cout << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
-              << (m.sequence_parallel ? " with sequence parallelism" : "")
-              << " | parameters per rank " << model.num_parameters() << " | numbers below are "
-              << "rank 0's; the JSON log has every rank's memory\n";
+    out << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
+        << (m.sequence_parallel ? " with sequence parallelism" : "")
+        << " | parameters per rank " << model.num_parameters() << " | numbers below are "
+        << "rank 0's; the JSON log has every rank's memory\n";
   }
+}
+
+// The first record of the JSON log: what produced it (Megatron's habit of logging its args).
+nlohmann::json config_record(const TrainOptions& o, const Trainer& trainer, int world_size) {
+  nlohmann::json j = {{"record", "config"}, {"command", "train"}};
+  j["runtime"] = runtime_info();
+  j["runtime"]["device"] = o.training.device;
+  j["runtime"]["world_size"] = world_size;
+  j["model"] = to_json(o.model);
+  j["training"] = to_json(o.training);
+  j["training"]["device_memory_limit"] = o.training.device_memory_limit;
+  j["corpus"] = {{"source", trainer.corpus().source},
+                 {"train_tokens", trainer.corpus().train.numel()},
+                 {"validation_tokens", trainer.corpus().valid.numel()},
+                 {"memory_mapped", trainer.corpus().memory_mapped}};
+  return j;
 }
 
 int run_train(actmem::TrainOptions& o) {
   o.finalize();
   actmem::apply_thread_count(o.threads);
+  // Note [Outputs never destroy inputs] (output_file.h).
+  check_distinct_files({{"--data", o.training.data_path}},
+                       {{"--log-json", o.log_json}, {"--trace", o.trace}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
   TORCH_CHECK(dist.world_size == o.model.tensor_model_parallel_size, "actmem train: ",
@@ -53,41 +113,50 @@ int run_train(actmem::TrainOptions& o) {
               "rank (data parallelism is not implemented), so use `actmem launch --nproc-per-node ",
               o.model.tensor_model_parallel_size, " -- train ...`");
   o.training.device = actmem::device_for_rank(o.training.device, dist);
+  // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
+  // under launch, before rank 0 joins its peers).
+  const bool writer = dist.rank == 0;
+  OutputFile log, trace;
+  if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
+  if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
   const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device));
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
-  if (dist.rank != 0) {
-    o.log_json.clear();
-    o.trace.clear();
-  }
-  std::ofstream log;
-  if (!o.log_json.empty()) {
-    log.open(o.log_json, std::ios::trunc);
-    TORCH_CHECK(log.good(), "actmem train: cannot write --log-json file '", o.log_json, "'");
-  }
   actmem::Trainer trainer(o.model, o.training);
-  if (dist.rank == 0) print_header(trainer, o, trainer.model());
+  // With the JSON log on standard output, everything meant for people goes to stderr.
+  std::ostream& human = log.is_stdout() ? std::cerr : std::cout;
+  if (writer) print_header(human, trainer, o, trainer.model());
+  if (log.is_open()) {
+    log.write(config_record(o, trainer, dist.world_size).dump() + "\n", "the config record");
+  }
   double first_loss = NAN, last_loss = NAN, total_time = 0.0;
   std::optional<double> last_val;
   int64_t steps = 0;
-  trainer.run(dist.rank == 0 ? &std::cout : nullptr, [&](const actmem::IterationStats& st) {
+  Trainer::RunOutput out;
+  if (writer) {
+    out.progress = &human;
+    out.warnings = &std::cerr;
+    if (trace.is_open()) out.trace = &trace;
+  }
+  trainer.run(out, [&](const actmem::IterationStats& st) {
     if (std::isnan(first_loss)) first_loss = st.loss;
     last_loss = st.loss;
     total_time += st.step_time_s;
     ++steps;
     if (st.val_loss) last_val = st.val_loss;
     if (log.is_open()) {
-      log << actmem::to_json(st).dump() << "\n";
-      log.flush();
+      // Whole lines only (Note [Whole records or nothing]).
+      log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
     }
-  }, /*compute_digest=*/digests, o.trace);
-  if (dist.rank != 0) return 0;
-  std::cout << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
-            << last_loss;
-  if (last_val) std::cout << " | validation loss " << *last_val;
-  std::cout << std::setprecision(1) << " | " << total_time << " s in steps ("
-            << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
-  if (log.is_open()) std::cout << "JSON log: " << o.log_json << "\n";
+  }, /*compute_digest=*/digests);
+  log.close();
+  if (!writer) return 0;
+  human << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
+        << last_loss;
+  if (last_val) human << " | validation loss " << *last_val;
+  human << std::setprecision(1) << " | " << total_time << " s in steps ("
+        << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
+  if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
 }
 
