@@ -59,6 +59,7 @@ Result run_case(const Case& c, const std::string& model_flags, int steps) {
   std::vector<double> times;
   while (std::getline(f, line)) {
     const auto j = nlohmann::json::parse(line);
+    if (!j.contains("iteration")) continue;  // the configuration record
     if (j["iteration"].get<int64_t>() > 1) times.push_back(j["step_time_s"].get<double>());
     r.loss = j["loss"].get<double>();
     r.predicted = j["predicted_activation_bytes"].get<int64_t>();
