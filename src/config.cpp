@@ -1,10 +1,13 @@
-// config.cpp — TransformerConfig::validate().
+// config.cpp — TransformerConfig and TrainingConfig: validation and JSON.
 #include "actmem/config.h"
+
+#include "actmem/activation_plan.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cmath>
 #include <sstream>
 
 namespace actmem {
@@ -17,141 +20,11 @@ void check_dropout(double p, const char* name) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "actmem::TransformerConfig: ", name,
               " must be in [0, 1), got ", p);
 }
-std::string join_set(const std::vector<std::string>& items) {
-  std::ostringstream os;
-  os << "{";
-  for (size_t i = 0; i < items.size(); ++i) os << (i ? ", " : "") << "'" << items[i] << "'";
-  os << "}";
-  return os.str();
-}
-
-// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
-// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
-// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
-// are marked "fixed".
-void validate_recompute(const TransformerConfig& c) {
-  const std::string& g = c.recompute_granularity;
-  if (!g.empty()) {
-    TORCH_CHECK(g == "full" || g == "selective", "actmem::TransformerConfig: recompute_granularity: ",
-                g, " must be \"full\" or \"selective\".");
-    TORCH_CHECK(c.recompute_method.empty() || c.recompute_method == "block" ||
-                    c.recompute_method == "uniform",
-                "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
-                " must be \"block\" or \"uniform\".");
-    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size;
-    if (g == "full") {
-      TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
-                  "recompute_granularity: full so recompute_method must be \"block\" or "
-                  "\"uniform\"");
-      // Megatron only checks for None; the range is checked here too (fixed).
-      TORCH_CHECK(c.recompute_num_layers.has_value() && *c.recompute_num_layers >= 1 &&
-                      *c.recompute_num_layers <= per_stage,
-                  "actmem::TransformerConfig: When using recompute_granularity: full, "
-                  "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: ",
-                  per_stage, (c.recompute_num_layers ? ", got " + std::to_string(*c.recompute_num_layers)
-                                                     : std::string(", got none")));
-    } else {
-      TORCH_CHECK(!c.recompute_num_layers.has_value(), "actmem::TransformerConfig: When using "
-                  "recompute_granularity: selective, recompute_num_layers must be None.");
-      TORCH_CHECK(c.recompute_method.empty(), "actmem::TransformerConfig: recompute method is not "
-                  "yet supported for selective recomputing granularity");
-    }
-    TORCH_CHECK(!(c.distribute_saved_activations && c.sequence_parallel),
-                "actmem::TransformerConfig: distribute_saved_activations: ",
-                c.distribute_saved_activations, " must be false when sequence parallel is enabled: ",
-                c.sequence_parallel);
-  }
-  if (c.distribute_saved_activations) {
-    TORCH_CHECK(c.tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
-                "distribute_saved_activations requires tensor_model_parallel_size > 1, got ",
-                c.tensor_model_parallel_size);
-    TORCH_CHECK(g == "full" && !c.recompute_method.empty(), "actmem::TransformerConfig: "
-                "distribute_saved_activations requires recompute_granularity full with a "
-                "recompute_method");
-  }
-  if (g == "selective") {
-    static const std::vector<std::string> allowed = {"core_attn", "moe_act", "layernorm",
-                                                     "mla_up_proj", "mlp", "moe",
-                                                     "shared_experts", "gdn_norm_out"};
-    const auto modules = c.resolved_recompute_modules();
-    std::vector<std::string> invalid;
-    for (const auto& m : modules) {
-      if (std::find(allowed.begin(), allowed.end(), m) == allowed.end()) invalid.push_back(m);
-    }
-    TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
-                "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
-                join_set(allowed));
-    auto has = [&](const char* m) {
-      return std::find(modules.begin(), modules.end(), m) != modules.end();
-    };
-    TORCH_CHECK(!has("moe_act"), "actmem::TransformerConfig: moe_act in recompute_modules is only "
-                "supported with moe_grouped_gemm.");
-    TORCH_CHECK(!has("mla_up_proj"), "actmem::TransformerConfig: mla_up_proj in recompute_modules "
-                "is only supported with multi_latent_attention.");
-    TORCH_CHECK(!has("gdn_norm_out"), "actmem::TransformerConfig: gdn_norm_out in "
-                "recompute_modules is only supported with the gated_delta_net attention variant.");
-    // Megatron silently ignores these on a dense model; a user asking for them expects an effect.
-    TORCH_CHECK(!has("moe") && !has("shared_experts"), "actmem::TransformerConfig: moe and "
-                "shared_experts in recompute_modules need MoE layers, and this model is dense");
-  } else {
-    TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
-                "only applies to recompute_granularity selective (got granularity \"", g, "\")");
-  }
-}
 }  // namespace
 
-bool TransformerConfig::offloads(const std::string& module) const {
-  return fine_grained_activation_offloading &&
-         std::find(offload_modules.begin(), offload_modules.end(), module) != offload_modules.end();
-}
+void TransformerConfig::validate() const { make_activation_plan(*this); }
 
-namespace {
-// Megatron's fine-grained offload rules (the fine_grained_activation_offloading checks of
-// TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py) and the
-// exclusions with recompute; deliberate differences are marked.
-void validate_offload(const TransformerConfig& c) {
-  if (!c.fine_grained_activation_offloading) {
-    TORCH_CHECK(c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules only applies "
-                "with fine_grained_activation_offloading");
-    return;
-  }
-  TORCH_CHECK(!c.cpu_offloading(), "actmem::TransformerConfig: fine_grained_activation_offloading "
-              "cannot be enabled with cpu_offloading.");
-  TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name at "
-              "least one module when fine_grained_activation_offloading is on");
-  static const std::vector<std::string> allowed = {"core_attn", "attn_proj", "expert_fc1", "moe_act",
-                                                   "attn_norm", "mlp_norm", "qkv_linear"};
-  std::vector<std::string> invalid;
-  for (const auto& m : c.offload_modules) {
-    if (std::find(allowed.begin(), allowed.end(), m) == allowed.end()) invalid.push_back(m);
-  }
-  TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
-              join_set(invalid), ". Allowed modules are: ", join_set(allowed));
-  TORCH_CHECK(!c.offloads("expert_fc1") && !c.offloads("moe_act"), "actmem::TransformerConfig: "
-              "expert_fc1 and moe_act in offload_modules need MoE layers, and this model is dense");
-  TORCH_CHECK(!c.offloads("attn_proj") || c.offloads("core_attn"), "actmem::TransformerConfig: "
-              "attn_proj cannot be set to offload_modules alone without core_attn because the input "
-              "of attn_proj is the output of core_attn, which is needed in core_attn.backward().");
-  // Megatron silently skips core_attn offload when core_attn is recomputed; refused here.
-  TORCH_CHECK(!(c.offloads("core_attn") && c.recomputes("core_attn")),
-              "actmem::TransformerConfig: core_attn cannot be both offloaded and recomputed: "
-              "remove it from offload_modules or from recompute_modules");
-  // Our restriction: whole-layer checkpoints and module offload groups do not compose here.
-  TORCH_CHECK(!c.full_recompute(), "actmem::TransformerConfig: fine_grained_activation_offloading "
-              "works with selective recompute only, not with recompute_granularity full");
-  TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
-              "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
-              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
-}
-}  // namespace
-
-bool TransformerConfig::recomputes(const std::string& module) const {
-  if (recompute_granularity != "selective") return false;
-  const auto modules = resolved_recompute_modules();
-  return std::find(modules.begin(), modules.end(), module) != modules.end();
-}
-
-void TransformerConfig::validate() const {
+void TransformerConfig::validate_shape() const {
   check_positive(num_layers, "num_layers");
   check_positive(hidden_size, "hidden_size");
   check_positive(num_attention_heads, "num_attention_heads");
@@ -201,22 +74,7 @@ void TransformerConfig::validate() const {
   TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
               "sequence_parallel needs seq_length (", seq_length, ") divisible by "
               "tensor_model_parallel_size (", t, ")");
-  // Megatron's layer-level offload rules (the cpu_offloading checks of TransformerConfig's
-  // __post_init__, megatron/core/transformer/transformer_config.py; as in validate_args,
-  // megatron/training/arguments.py, cpu_offloading_num_layers K > 0 turns offloading on).
-  if (cpu_offloading()) {
-    TORCH_CHECK(cpu_offloading_num_layers > 0 && cpu_offloading_num_layers < num_layers,
-                "actmem::TransformerConfig: CPU offloading can be done only for layers less than ",
-                num_layers, " (cpu_offloading_num_layers = ", cpu_offloading_num_layers, ")");
-    TORCH_CHECK(pipeline_model_parallel_size == 1, "actmem::TransformerConfig: Currently there is "
-                "no support for Pipeline parallelism with CPU offloading");
-    TORCH_CHECK(recompute_granularity.empty(), "actmem::TransformerConfig: CPU offloading does not "
-                "work when activation recomputation is enabled");
-  }
-  TORCH_CHECK(min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
-              "min_offloaded_tensor_size must be >= 0, got ", min_offloaded_tensor_size);
-  validate_recompute(*this);
-  validate_offload(*this);
+  // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
 }
 
 nlohmann::json to_json(const TransformerConfig& c) {
@@ -251,7 +109,7 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"recompute_num_layers", c.recompute_num_layers ? nlohmann::json(*c.recompute_num_layers)
                                                       : nlohmann::json(nullptr)},
       {"recompute_modules", c.recompute_granularity == "selective"
-                                ? nlohmann::json(c.resolved_recompute_modules())
+                                ? make_activation_plan(c).to_json()["recompute_modules"]
                                 : nlohmann::json(nullptr)},
       {"distribute_saved_activations", c.distribute_saved_activations},
       {"cpu_offloading_num_layers", c.cpu_offloading_num_layers},
@@ -262,6 +120,74 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"min_offloaded_tensor_size", c.min_offloaded_tensor_size},
   };
   return j;
+}
+
+void TrainingConfig::validate(const TransformerConfig& model) const {
+  TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
+              "got ", global_batch_size);
+  const int64_t gbs = global_batch_size > 0 ? global_batch_size : model.micro_batch_size;
+  TORCH_CHECK(gbs % model.micro_batch_size == 0, "actmem::TrainingConfig: global_batch_size (", gbs,
+              ") must be a multiple of micro_batch_size (", model.micro_batch_size, ")");
+  TORCH_CHECK(train_iters > 0, "actmem::TrainingConfig: train_iters must be positive, got ",
+              train_iters);
+  TORCH_CHECK(lr > 0.0 && std::isfinite(lr), "actmem::TrainingConfig: lr must be positive, got ", lr);
+  TORCH_CHECK(min_lr >= 0.0 && min_lr <= lr, "actmem::TrainingConfig: min_lr must be in [0, lr], "
+              "got ", min_lr);
+  TORCH_CHECK(lr_warmup_iters >= 0, "actmem::TrainingConfig: lr_warmup_iters must be >= 0, got ",
+              lr_warmup_iters);
+  TORCH_CHECK(lr_decay_style == "constant" || lr_decay_style == "linear" ||
+                  lr_decay_style == "cosine",
+              "actmem::TrainingConfig: lr_decay_style must be constant, linear or cosine, got \"",
+              lr_decay_style, "\"");
+  TORCH_CHECK(weight_decay >= 0.0, "actmem::TrainingConfig: weight_decay must be >= 0, got ",
+              weight_decay);
+  TORCH_CHECK(adam_beta1 >= 0.0 && adam_beta1 < 1.0 && adam_beta2 >= 0.0 && adam_beta2 < 1.0,
+              "actmem::TrainingConfig: adam_beta1 and adam_beta2 must be in [0, 1), got ",
+              adam_beta1, " and ", adam_beta2);
+  TORCH_CHECK(adam_eps > 0.0, "actmem::TrainingConfig: adam_eps must be positive, got ", adam_eps);
+  TORCH_CHECK(clip_grad >= 0.0, "actmem::TrainingConfig: clip_grad must be >= 0, got ", clip_grad);
+  TORCH_CHECK(eval_interval >= 0, "actmem::TrainingConfig: eval_interval must be >= 0, got ",
+              eval_interval);
+  TORCH_CHECK(eval_iters > 0, "actmem::TrainingConfig: eval_iters must be positive, got ",
+              eval_iters);
+  TORCH_CHECK(log_interval > 0, "actmem::TrainingConfig: log_interval must be positive, got ",
+              log_interval);
+  const bool cuda_index = device.rfind("cuda:", 0) == 0 && device.size() > 5 &&
+                          device.find_first_not_of("0123456789", 5) == std::string::npos;
+  TORCH_CHECK(device == "cpu" || device == "cuda" || cuda_index,
+              "actmem::TrainingConfig: device must be cpu, cuda or cuda:N, got \"", device, "\"");
+  TORCH_CHECK(offload_bandwidth_gbps == 0.0 ||
+                  (offload_bandwidth_gbps >= kMinOffloadBandwidthGbps &&
+                   offload_bandwidth_gbps <= kMaxOffloadBandwidthGbps),
+              "actmem::TrainingConfig: offload_bandwidth_gbps must be 0 (uncapped) or in [",
+              kMinOffloadBandwidthGbps, ", ", kMaxOffloadBandwidthGbps, "] GB/s, got ",
+              offload_bandwidth_gbps);
+  TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
+              "got ", device_memory_limit);
+}
+
+nlohmann::json to_json(const TrainingConfig& t) {
+  return {
+      {"global_batch_size", t.global_batch_size},
+      {"train_iters", t.train_iters},
+      {"lr", t.lr},
+      {"min_lr", t.min_lr},
+      {"lr_warmup_iters", t.lr_warmup_iters},
+      {"lr_decay_style", t.lr_decay_style},
+      {"weight_decay", t.weight_decay},
+      {"adam_beta1", t.adam_beta1},
+      {"adam_beta2", t.adam_beta2},
+      {"adam_eps", t.adam_eps},
+      {"clip_grad", t.clip_grad},
+      {"eval_interval", t.eval_interval},
+      {"eval_iters", t.eval_iters},
+      {"log_interval", t.log_interval},
+      {"data", t.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_path)},
+      {"split", t.split},
+      {"device", t.device},
+      {"device_memory_limit", t.device_memory_limit},
+      {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},
+  };
 }
 
 }  // namespace actmem

@@ -195,7 +195,8 @@ void pump_worker_output(std::vector<WorkerOutput>& out, int64_t& order, int time
         continue;
       }
       if (n < 0 && errno == EINTR) continue;
-      const bool eof = n == 0;
+      // Non-blocking: EAGAIN means everything written so far has been read.
+      const bool eof = n == 0 || (n < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
       if (eof) {
         ::close(w.fd);
         w.fd = -1;
@@ -246,6 +247,8 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       _exit(127);
     }
     ::close(pipe_fds[1]);
+    // Read without blocking, so one worker's open pipe never holds up the others' exits.
+    ::fcntl(pipe_fds[0], F_SETFL, ::fcntl(pipe_fds[0], F_GETFL) | O_NONBLOCK);
     output[static_cast<size_t>(r)].fd = pipe_fds[0];
     pids.push_back(pid);
   }

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <limits>
 #include <cmath>
 #include <map>
 
@@ -169,7 +170,15 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 // plus the loss value itself (e), and one random-state snapshot per checkpoint.
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
                                         bool snapshots_on_device) {
-  c.validate();
+  return predict_activation_bytes(c, make_activation_plan(c), e, snapshots_on_device);
+}
+
+PredictedBytes predict_activation_bytes(const TransformerConfig& c, const ActivationPlan& plan,
+                                        int64_t e, bool snapshots_on_device) {
+  c.validate_shape();
+  TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
+              "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
+              " layers, the config ", c.num_layers);
   TORCH_CHECK(e == 4 || e == 8, "actmem::predict_activation_bytes: dtype_bytes must be 4 or 8, got ",
               e);
   const int64_t s = c.seq_length, b = c.micro_batch_size, h = c.hidden_size;
@@ -200,35 +209,26 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
   };
 
   add("embedding", hidden_drop ? sbh : 0);
-  // Full recompute: which layers start a checkpointed chunk, and which run inside one.
-  std::vector<int> chunk_start(c.num_layers, 0), inside(c.num_layers, 0);
-  if (c.full_recompute()) {
-    const int64_t n = *c.recompute_num_layers;
-    if (c.recompute_method == "uniform") {
-      for (int64_t i = 0; i < c.num_layers; i += n) chunk_start[i] = 1;
-      std::fill(inside.begin(), inside.end(), 1);
-    } else {
-      for (int64_t i = 0; i < std::min<int64_t>(n, c.num_layers); ++i) chunk_start[i] = inside[i] = 1;
-    }
-  }
-  const bool sel_core = c.recomputes("core_attn"), sel_mlp = c.recomputes("mlp");
-  const bool sel_norm = c.recomputes("layernorm");
   for (int64_t i = 0; i < c.num_layers; ++i) {
+    const LayerPlan& lp = plan.layers[static_cast<size_t>(i)];
     const std::string layer = "decoder.layers." + std::to_string(i);
-    if (inside[i]) {
+    if (lp.in_chunk()) {
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
       // With distribute_saved_activations it is this rank's 1/t chunk.
-      if (chunk_start[i]) add(layer, (c.distribute_saved_activations ? sbh_full / t : sbh) * e + snapshot);
+      if (lp.starts_chunk) {
+        add(layer, (plan.distribute_saved_activations ? sbh_full / t : sbh) * e + snapshot);
+      }
       continue;
     }
     // A norm keeps its input (the residual stream) either way; output-discarding recompute keeps
     // it through the checkpoint with a snapshot, instead of the norm statistics.
+    const bool sel_norm = lp.discard_norm_outputs;
     const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
     add(layer + ".self_attention.linear_qkv", norm_out);
     int64_t core = 3 * sbh_t * e + (c.use_rope() ? 2 * sbh_t * e : 0);
-    if (sel_core) {
+    if (lp.recompute_core_attn) {
       core += snapshot;
     } else {
       core += as2b * e + (attn_drop ? as2b + as2b * e : 0);
@@ -237,7 +237,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
     add(layer + ".self_attention.linear_proj", sbh_t * e);
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);
-    if (sel_mlp) {
+    if (lp.recompute_mlp) {
       // The MLP checkpoint keeps its input (the norm output) and a snapshot.
       add(layer + ".mlp", (sel_norm ? 0 : sbh * e) + snapshot);
     } else {
@@ -253,6 +253,47 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
   add("loss", s * b * v * e + (b > 1 && s > 1 ? 8 * s * b : 0) + e);
   add("loss value", e);
   return p;
+}
+
+// Note [Memory pre-check]
+// The Trainer refuses a configuration whose step cannot fit before it allocates anything, so the
+// bound must cover the whole peak of a step, for every strategy:
+// - parameters, gradients and both AdamW moments (4 x parameters), plus the optimizer step's
+//   temporaries (at most two of the largest parameter);
+// - the activations the plain forward leaves for the backward (the exact predictor,
+//   memory_model.h, for the config without recompute or offload: every strategy leaves less,
+//   and a recomputed chunk is rebuilt from what the plain run would have kept);
+// - the backward's transients on top of them: the gradient flowing through the op being
+//   differentiated, its result and one temporary, each at most the largest single tensor of
+//   the step (the logits [s, b, v], the scores [a/t, s, s, b], the MLP's [s, b, fc1/t]).
+// Checked against the tracker's measured peak over a sweep of models and strategies
+// (MemoryPreCheck.CountsEverythingTheRunAllocates in tests/test_robustness.cpp). The Trainer
+// refuses a configuration above its device-memory limit before it allocates anything.
+double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) {
+  const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.ffn());
+  const double L = static_cast<double>(c.num_layers), v = static_cast<double>(c.vocab_size);
+  const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
+  const double a = static_cast<double>(c.num_attention_heads);
+  const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
+  const double t = static_cast<double>(c.tensor_model_parallel_size);
+  const double e = static_cast<double>(dtype_bytes);
+  // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
+  // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
+  // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
+  const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
+                        2.0 * v * h + static_cast<double>(c.max_positions()) * h + 2.0 * h;
+  const double largest_param = std::max(v * h, h * fc1 / t) * e;
+  const double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+  // Sizes whose exact count would not fit the predictor's 64-bit integers cannot fit a device.
+  if (largest_tensor * L * 64.0 > 0x1p62) return std::numeric_limits<double>::infinity();
+  ActivationPlan keep_all = make_activation_plan(c);
+  keep_all.granularity = RecomputeGranularity::kNone;
+  keep_all.distribute_saved_activations = false;
+  keep_all.chunks.clear();
+  keep_all.layers.assign(keep_all.layers.size(), LayerPlan{});
+  const double activations =
+      static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes).total);
+  return 4.0 * params * e + 2.0 * largest_param + activations + 3.0 * largest_tensor;
 }
 
 }  // namespace actmem

@@ -4,7 +4,7 @@
 
 #include "actmem/ledger.h"
 #include "actmem/memory_tracker.h"
-#include "actmem/offload.h"
+#include "actmem/activation_offloader.h"
 #include "actmem/recompute.h"
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
@@ -213,13 +213,11 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
 
 // ---- SelfAttention ----------------------------------------------------------------------------
 
-SelfAttention::SelfAttention(const TransformerConfig& config, at::ScalarType dtype)
+SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& plan,
+                             at::ScalarType dtype)
     : heads_(config.num_attention_heads / config.tensor_model_parallel_size),
       head_dim_(config.kv_channels()),
-      checkpoint_core_attention_(config.recomputes("core_attn")),
-      offload_qkv_(config.offloads("qkv_linear")),
-      offload_core_(config.offloads("core_attn")),
-      offload_proj_(config.offloads("attn_proj")) {
+      plan_(plan) {
   const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
   const bool sp = config.sequence_parallel;
   // Each tensor-parallel rank holds a/t heads: 3h/t rows of linear_qkv, h/t columns of linear_proj.
@@ -236,29 +234,19 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
                                                          const LayerContext& ctx) {
   // With sequence parallelism x is the [s/t, b, h] shard; linear_qkv's output covers all s.
   const int64_t b = x.size(1);
-  ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
   // Fine-grained offload (Megatron's
   // megatron/core/pipeline_parallel/fine_grained_activation_offload.py; docs/offload.md): a
-  // module's group starts at its input and commits at its output; what it saves is captured in
-  // between (Note [Offload state machine], offload.cpp).
-  auto in_group = [&](bool enabled, const char* name, const at::Tensor& input, auto&& run,
-                      std::vector<at::Tensor> forced) {
-    if (!enabled || off == nullptr) return run(input);
-    const int g = off->start_group(name);
-    const at::Tensor started = offload_group_start(*off, input, g);
-    at::Tensor out;
-    {
-      ActivationOffloader::CaptureScope capture(*off, g);
-      out = run(started);
-    }
-    return offload_group_commit(*off, out, g, forced);
+  // module's group starts at its input and commits at its output; what it saves in between goes
+  // to the host (activation_offloader.h). A region the plan does not ask for is inert.
+  auto group = [&](OffloadModule m) {
+    return plan_.offloads(m) && is_training() ? ctx.offloader : nullptr;
   };
   // Megatron's layout: [s, b, a, 3d], split per head into q, k, v.
   at::Tensor qkv;
   {
     ModuleScope scope("linear_qkv");
-    qkv = in_group(offload_qkv_, "qkv_linear", x,
-                   [&](const at::Tensor& in) { return linear_qkv->forward(in).first; }, {});
+    OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
+    qkv = region.commit(linear_qkv->forward(region.enter(x)).first);
     qkv = qkv.view({qkv.size(0), b, heads_, 3 * head_dim_});
   }
   auto parts = qkv.split(head_dim_, -1);
@@ -271,7 +259,7 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   at::Tensor context;  // [s, b, h]
   {
     ModuleScope scope("core_attention");
-    if (checkpoint_core_attention_ && is_training()) {
+    if (plan_.recompute_core_attn && is_training()) {
       // Selective recompute: only q, k, v (and the random state) are kept; the [b, a, s, s]
       // scores, probabilities and dropout mask are rebuilt in backward.
       const at::Tensor mask = ctx.attention_mask;
@@ -281,24 +269,16 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
           },
           /*distribute_saved_activations=*/false, {q, k, v})[0];
     } else {
+      OffloadRegion region(group(OffloadModule::kCoreAttn), to_string(OffloadModule::kCoreAttn));
+      const at::Tensor qs = region.enter(q);
       // q, k and v are not read again in forward: their storage goes once copied.
-      context = in_group(offload_core_, "core_attn", q,
-                         [&](const at::Tensor& qs) {
-                           return core_attention->forward(qs, k, v, ctx.attention_mask);
-                         },
-                         {q, k, v});
+      context = region.commit(core_attention->forward(qs, k, v, ctx.attention_mask), {q, k, v});
     }
   }
   ModuleScope scope("linear_proj");
-  at::Tensor bias;
-  at::Tensor out = in_group(offload_proj_, "attn_proj", context,
-                            [&](const at::Tensor& in) {
-                              auto r = linear_proj->forward(in);
-                              bias = r.second;
-                              return r.first;
-                            },
-                            {context});
-  return {out, bias};
+  OffloadRegion region(group(OffloadModule::kAttnProj), to_string(OffloadModule::kAttnProj));
+  auto [out, bias] = linear_proj->forward(region.enter(context));
+  return {region.commit(out, {context}), bias};
 }
 
 // ---- MLP --------------------------------------------------------------------------------------
@@ -337,92 +317,109 @@ std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
 
 // ---- TransformerLayer -------------------------------------------------------------------------
 
-TransformerLayer::TransformerLayer(const TransformerConfig& config, int64_t layer_number,
-                                   at::ScalarType dtype)
-    : layer_number_(layer_number),
-      hidden_dropout_(config.hidden_dropout),
-      recompute_mlp_(config.recomputes("mlp")),
-      recompute_layernorm_(config.recomputes("layernorm")),
-      offload_attn_norm_(config.offloads("attn_norm")),
-      offload_mlp_norm_(config.offloads("mlp_norm")) {
+TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerPlan& plan,
+                                   int64_t layer_number, at::ScalarType dtype)
+    : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
-  self_attention = register_module("self_attention", std::make_shared<SelfAttention>(config, dtype));
+  self_attention =
+      register_module("self_attention", std::make_shared<SelfAttention>(config, plan, dtype));
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
   mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
 }
 
-at::Tensor TransformerLayer::forward_mlp(const at::Tensor& x, at::Tensor* bias) {
-  if (recompute_mlp_ && is_training()) {
+namespace {
+// A layer's norm, plain or (selective "layernorm") output-discarding: its output is freed once
+// its consumer has saved it, and recomputed from the gradient hook of the consumer's module
+// output (Megatron's hook tensors: the attention output for input_layernorm, the MLP output for
+// pre_mlp_layernorm), which finish() registers.
+class LayerNormStep {
+ public:
+  LayerNormStep(std::shared_ptr<Norm> norm, bool discard, ActivationOffloader* offloader)
+      : norm_(std::move(norm)), discard_(discard), offloader_(offloader) {}
+  at::Tensor operator()(const at::Tensor& x) {
+    if (!discard_) return norm_->forward(x);
+    auto norm = norm_;
+    const at::Tensor out =
+        ckpt_.checkpoint([norm](const TensorList& in) { return TensorList{norm->forward(in[0])}; },
+                         {x})[0];
+    // A norm output that output-discarding recompute frees is not worth a copy.
+    if (offloader_ != nullptr) offloader_->exclude_this_forward(out);
+    return out;
+  }
+  void finish(const at::Tensor& hook_tensor) {
+    if (discard_) ckpt_.discard_output_and_register_recompute(hook_tensor);
+  }
+
+ private:
+  std::shared_ptr<Norm> norm_;
+  bool discard_;
+  ActivationOffloader* offloader_;
+  CheckpointWithoutOutput ckpt_;
+};
+}  // namespace
+
+std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x) {
+  if (plan_.recompute_mlp && is_training()) {
     // Selective "mlp": the whole MLP in one checkpoint; fc2's bias is a parameter, not an
     // activation, so it is returned beside the checkpoint as Megatron does.
-    *bias = mlp->linear_fc2->bias;
-    return checkpoint([this](const TensorList& in) { return TensorList{mlp->forward(in[0]).first}; },
-                      false, {x})[0];
+    const at::Tensor out = checkpoint(
+        [this](const TensorList& in) { return TensorList{mlp->forward(in[0]).first}; }, false,
+        {x})[0];
+    return {out, mlp->linear_fc2->bias};
   }
-  auto [out, b] = mlp->forward(x);
-  *bias = b;
-  return out;
+  return mlp->forward(x);
+}
+
+// The attn_norm and mlp_norm offload groups start at the norm's input and commit after the
+// bias-dropout-add (which reads the residual, the norm's input), then release the residual
+// (Megatron's placement); they capture only what the norm saves.
+at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const LayerContext& ctx) {
+  const bool train = is_training();
+  ActivationOffloader* off = train ? ctx.offloader : nullptr;
+  OffloadRegion region(plan_.offloads(OffloadModule::kAttnNorm) ? off : nullptr,
+                       to_string(OffloadModule::kAttnNorm));
+  LayerNormStep norm(input_layernorm, plan_.discard_norm_outputs && train, off);
+  at::Tensor ln;
+  {
+    ModuleScope scope("input_layernorm");
+    ln = norm(region.enter(hidden));
+    region.end_capture();
+  }
+  at::Tensor attn, bias;
+  {
+    ModuleScope scope("self_attention");
+    std::tie(attn, bias) = self_attention->forward(ln, ctx);
+  }
+  norm.finish(attn);
+  ModuleScope scope("self_attn_bda");
+  return region.commit(bias_dropout_add(attn, bias, hidden, hidden_dropout_, train), {hidden});
+}
+
+at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
+  const bool train = is_training();
+  ActivationOffloader* off = train ? ctx.offloader : nullptr;
+  OffloadRegion region(plan_.offloads(OffloadModule::kMlpNorm) ? off : nullptr,
+                       to_string(OffloadModule::kMlpNorm));
+  LayerNormStep norm(pre_mlp_layernorm, plan_.discard_norm_outputs && train, off);
+  at::Tensor ln;
+  {
+    ModuleScope scope("pre_mlp_layernorm");
+    ln = norm(region.enter(hidden));
+    region.end_capture();
+  }
+  at::Tensor out, bias;
+  {
+    ModuleScope scope("mlp");
+    std::tie(out, bias) = run_mlp(ln);
+  }
+  norm.finish(out);
+  ModuleScope scope("mlp_bda");
+  return region.commit(bias_dropout_add(out, bias, hidden, hidden_dropout_, train), {hidden});
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
   forward_counters().layer.fetch_add(1, std::memory_order_relaxed);
-  const bool train = is_training();
-  const bool discard_norms = recompute_layernorm_ && train;
-  // Selective "layernorm": each norm's output is freed once its consumer has saved it and is
-  // recomputed from the gradient hook of the consumer's module output (Megatron's hook tensors:
-  // the attention output for input_layernorm, the MLP output for pre_mlp_layernorm).
-  CheckpointWithoutOutput ln1_ckpt, ln2_ckpt;
-  auto norm = [&](const std::shared_ptr<Norm>& module, CheckpointWithoutOutput& ckpt,
-                  const at::Tensor& x) {
-    if (!discard_norms) return module->forward(x);
-    return ckpt.checkpoint([module](const TensorList& in) { return TensorList{module->forward(in[0])}; },
-                           {x})[0];
-  };
-  at::Tensor ln1, attn, attn_bias, mid, ln2, mlp_out, mlp_bias;
-  ActivationOffloader* off = train ? ctx.offloader : nullptr;
-  // attn_norm and mlp_norm groups commit after the bias-dropout-add (the residual, which is the
-  // norm's input, is read there), then release the residual (Megatron's placement).
-  auto start = [&](bool enabled, const char* name, const at::Tensor& x, int* g) {
-    *g = enabled && off != nullptr ? off->start_group(name) : -1;
-    return *g >= 0 ? offload_group_start(*off, x, *g) : x;
-  };
-  int g_attn_norm = -1, g_mlp_norm = -1;
-  {
-    ModuleScope scope("input_layernorm");
-    const at::Tensor x = start(offload_attn_norm_, "attn_norm", hidden, &g_attn_norm);
-    std::optional<ActivationOffloader::CaptureScope> capture;
-    if (g_attn_norm >= 0) capture.emplace(*off, g_attn_norm);
-    ln1 = norm(input_layernorm, ln1_ckpt, x);
-  }
-  // A norm output that output-discarding recompute frees is not worth a copy.
-  if (discard_norms && off != nullptr) off->exclude_this_forward(ln1);
-  {
-    ModuleScope scope("self_attention");
-    std::tie(attn, attn_bias) = self_attention->forward(ln1, ctx);
-  }
-  if (discard_norms) ln1_ckpt.discard_output_and_register_recompute(attn);
-  {
-    ModuleScope scope("self_attn_bda");
-    mid = bias_dropout_add(attn, attn_bias, hidden, hidden_dropout_, train);
-    if (g_attn_norm >= 0) mid = offload_group_commit(*off, mid, g_attn_norm, {hidden});
-  }
-  {
-    ModuleScope scope("pre_mlp_layernorm");
-    const at::Tensor x = start(offload_mlp_norm_, "mlp_norm", mid, &g_mlp_norm);
-    std::optional<ActivationOffloader::CaptureScope> capture;
-    if (g_mlp_norm >= 0) capture.emplace(*off, g_mlp_norm);
-    ln2 = norm(pre_mlp_layernorm, ln2_ckpt, x);
-  }
-  if (discard_norms && off != nullptr) off->exclude_this_forward(ln2);
-  {
-    ModuleScope scope("mlp");
-    mlp_out = forward_mlp(ln2, &mlp_bias);
-  }
-  if (discard_norms) ln2_ckpt.discard_output_and_register_recompute(mlp_out);
-  ModuleScope scope("mlp_bda");
-  at::Tensor out = bias_dropout_add(mlp_out, mlp_bias, mid, hidden_dropout_, train);
-  if (g_mlp_norm >= 0) out = offload_group_commit(*off, out, g_mlp_norm, {mid});
-  return out;
+  return forward_mlp(forward_attention(hidden, ctx), ctx);
 }
 
 // ---- TransformerBlock -------------------------------------------------------------------------
@@ -438,54 +435,34 @@ void mark_on_backward(const at::Tensor& t, std::string label) {
 }
 }  // namespace
 
-TransformerBlock::TransformerBlock(const TransformerConfig& config, at::ScalarType dtype)
-    : config_(config) {
+TransformerBlock::TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
+                                   at::ScalarType dtype)
+    : config_(config), plan_(plan) {
   auto list = register_module("layers", std::make_shared<LayerList>());
   for (int64_t i = 0; i < config.num_layers; ++i) {
     layers.push_back(list->register_module(
-        std::to_string(i), std::make_shared<TransformerLayer>(config, i + 1, dtype)));
+        std::to_string(i), std::make_shared<TransformerLayer>(
+                               config, plan.layers[static_cast<size_t>(i)], i + 1, dtype)));
   }
   final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
-}
-
-std::vector<std::pair<int64_t, int64_t>> TransformerBlock::checkpoint_chunks(
-    const TransformerConfig& c) {
-  std::vector<std::pair<int64_t, int64_t>> chunks;
-  if (!c.full_recompute()) return chunks;
-  const int64_t L = c.num_layers, n = c.recompute_num_layers.value_or(0);
-  TORCH_CHECK(n >= 1, "actmem::TransformerBlock: full recompute needs recompute_num_layers >= 1");
-  if (c.recompute_method == "uniform") {
-    for (int64_t i = 0; i < L; i += n) chunks.emplace_back(i, std::min(i + n, L));  // clamped
-  } else if (c.recompute_method == "block") {
-    for (int64_t i = 0; i < std::min(n, L); ++i) chunks.emplace_back(i, i + 1);
-  } else {
-    TORCH_CHECK(false, "actmem::TransformerBlock: Invalid activation recompute method.");
-  }
-  return chunks;
 }
 
 at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_t end,
                                         const LayerContext& ctx) {
   const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
-  ActivationOffloader* off = ctx.offloader;
-  const bool offload = off != nullptr && config_.cpu_offloading() && is_training() &&
-                       at::GradMode::is_enabled();
+  ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
   for (int64_t i = start; i < end; ++i) {
+    const LayerPlan& lp = plan_.layers[static_cast<size_t>(i)];
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
     ModuleScope scope("layers", i);
-    if (offload && i < config_.cpu_offloading_num_layers) {
-      // Layer-level offload (Megatron's cpu_offloading_num_layers, which runs each of the first
-      // K layers in Transformer Engine's CPU offload context; docs/offload.md): what layer i
-      // saves goes to the host when its forward ends (the group commits) ...
-      auto group = off->group();
-      hidden = layers[i]->forward(hidden, ctx);
-    } else {
-      hidden = layers[i]->forward(hidden, ctx);
-    }
-    if (offload && i >= 1 && i <= config_.cpu_offloading_num_layers && hidden.requires_grad()) {
-      // ... and comes back while layer i's backward runs, one layer ahead of its own backward.
-      hidden.register_hook([off, i](const at::Tensor&) { off->prefetch(static_cast<int>(i) - 1); });
-    }
+    // Layer-level offload (Megatron's cpu_offloading_num_layers, which runs each layer in
+    // Transformer Engine's CPU offload context; docs/offload.md): what each of the first K
+    // layers saves goes to the host when its forward ends, and comes back one layer ahead of its
+    // backward. Every layer opens a group, so the backward reaching layer K starts the reload
+    // of layer K - 1 (OffloadSchedule's prefetch order).
+    OffloadRegion region(lp.layer_group ? off : nullptr, "layer", GroupKind::kLayer,
+                         lp.offload_layer);
+    hidden = region.commit(layers[static_cast<size_t>(i)]->forward(region.enter(hidden), ctx));
     timeline_mark(prefix + std::to_string(i));
   }
   return hidden;
@@ -500,22 +477,19 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
       config_.sequence_parallel && is_training() && any_dropout
           ? fork_model_parallel_rng(true, "actmem::TransformerBlock: sequence parallelism")
           : std::nullopt;
-  if (ctx.offloader != nullptr && is_training() && at::GradMode::is_enabled()) {
-    ctx.offloader->begin_forward();
-  }
   const auto L = static_cast<int64_t>(layers.size());
-  if (config_.full_recompute() && is_training()) {
+  if (plan_.full_recompute() && is_training()) {
     // Megatron's checkpointed_forward: only each chunk's input is kept.
     int64_t next = 0;
-    for (const auto& [start, end] : checkpoint_chunks(config_)) {
-      hidden = run_layers(hidden, next, start, ctx);  // layers before a block chunk: plain
-      ModuleScope scope("layers", start);  // the chunk's saved input belongs to its first layer
+    for (const auto& chunk : plan_.chunks) {
+      hidden = run_layers(hidden, next, chunk.start, ctx);  // layers before a block chunk: plain
+      ModuleScope scope("layers", chunk.start);  // the chunk's saved input belongs to its first layer
       hidden = checkpoint(
-          [this, start = start, end = end, ctx](const TensorList& in) {
+          [this, start = chunk.start, end = chunk.end, ctx](const TensorList& in) {
             return TensorList{run_layers(in[0], start, end, ctx)};
           },
-          config_.distribute_saved_activations, {hidden})[0];
-      next = end;
+          plan_.distribute_saved_activations, {hidden})[0];
+      next = chunk.end;
     }
     hidden = run_layers(hidden, next, L, ctx);
   } else {
@@ -528,8 +502,13 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
 
 // ---- GPTModel ---------------------------------------------------------------------------------
 
-GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : config_(config) {
+GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype)
+    : GPTModel(config, make_activation_plan(config), dtype) {}  // validates the config
+
+GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType dtype)
+    : config_(config), plan_(std::move(plan)) {
   config_.validate();
+  check_activation_plan(config_, plan_);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
               "actmem::GPTModel: expected dtype float or double, got ", dtype);
   const int64_t h = config.hidden_size, v = config.vocab_size;
@@ -567,7 +546,7 @@ GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype) : conf
     rope_->sin = holder->register_buffer("sin", rope_->sin);
   }
   causal_mask_ = make_causal_mask(config.max_positions());
-  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, dtype));
+  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, plan_, dtype));
   {
     // Every rank draws the full (t = 1) weights in the same order and keeps its slice, so a
     // tensor-parallel model computes the same function as the single-process one (Megatron's

@@ -1,7 +1,7 @@
 // plot.cpp — memory_timeline_svg.
 #include "actmem/plot.h"
 
-#include "actmem/trainer.h"
+#include "actmem/report.h"
 
 #include <algorithm>
 #include <cmath>

@@ -36,20 +36,64 @@ void check_backward_not_grad(const char* api) {
               "(as Megatron: \"Checkpointing is not compatible with .grad()\")");
 }
 
-// Detached aliases of `inputs` that keep requires_grad: the leaves of a replayed forward.
-TensorList detached_leaves(const TensorList& inputs) {
+// Note [One replay]
+// Both checkpoint kinds recompute the same way: the forward ran without a graph under a random
+// state it snapshotted; the replay runs fn on detached aliases of the inputs (the leaves of a
+// fresh graph, requiring grad as the inputs did in forward), with grad on, under that snapshot
+// inside ForkRng (the ambient state is restored afterwards), then backpropagates the output
+// gradients through the fresh graph and hands the leaves' gradients back as the inputs'. The
+// helpers below are that sequence, shared by CheckpointFunction and CheckpointWithoutOutput
+// (MLX builds its checkpoint on one such primitive).
+
+// Throws unless some input requires grad: otherwise parameters inside fn would get no gradient.
+void check_some_input_requires_grad(const TensorList& inputs, const char* api) {
+  for (const auto& t : inputs) {
+    if (t.defined() && t.requires_grad()) return;
+  }
+  TORCH_CHECK(false, api, ": no input requires grad, so parameters used inside the checkpoint "
+              "would receive no gradient (the checkpoint needs at least one input that requires "
+              "grad)");
+}
+
+// Detached aliases of `inputs`, requiring grad where needs_grad says: the replay's leaves.
+TensorList detached_leaves(const TensorList& inputs, const std::vector<bool>& needs_grad) {
   TensorList out;
   out.reserve(inputs.size());
-  for (const auto& t : inputs) {
-    if (!t.defined()) {
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined()) {
       out.emplace_back();
       continue;
     }
-    at::Tensor d = t.detach();
-    d.set_requires_grad(t.requires_grad());
+    at::Tensor d = inputs[i].detach();
+    d.set_requires_grad(needs_grad[i]);
     out.push_back(std::move(d));
   }
   return out;
+}
+
+std::vector<bool> requires_grad_of(const TensorList& inputs) {
+  std::vector<bool> needs;
+  needs.reserve(inputs.size());
+  for (const auto& t : inputs) needs.push_back(t.defined() && t.requires_grad());
+  return needs;
+}
+
+// Runs fn on `leaves` with grad on, under `rng`, leaving the ambient random state untouched.
+TensorList replay(const CheckpointFn& fn, const RngSnapshot& rng, const TensorList& leaves) {
+  RecomputingScope recomputing;
+  ForkRng keep_ambient;  // restores the pre-recompute state on exit
+  set_all_rng_states(rng);
+  at::AutoGradMode enable(true);
+  return fn(leaves);
+}
+
+// The backward's return: nothing for the state argument, then the inputs' gradients.
+TensorList with_state_slot(TensorList input_grads) {
+  TensorList result;
+  result.reserve(1 + input_grads.size());
+  result.emplace_back();
+  for (auto& g : input_grads) result.push_back(std::move(g));
+  return result;
 }
 
 // Backpropagates `grads` through those `outputs` that require grad; returns the inputs' grads.
@@ -115,23 +159,12 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
         ctx->saved_data.at("state").toCapsule());
     TensorList saved = ctx->get_saved_variables();
     if (state->distribute) saved[0] = gather_split_1d_tensor(saved[0]).view(state->input0_shape);
-    TensorList leaves = detached_leaves(saved);
-    if (state->distribute) leaves[0].set_requires_grad(state->input0_requires_grad);
-    TensorList outputs;
-    {
-      RecomputingScope recomputing;
-      ForkRng keep_ambient;  // restores the pre-recompute state on exit
-      set_all_rng_states(state->rng);
-      at::AutoGradMode enable(true);
-      outputs = state->fn(leaves);
-    }
+    std::vector<bool> needs_grad = requires_grad_of(saved);
+    if (state->distribute) needs_grad[0] = state->input0_requires_grad;
+    const TensorList leaves = detached_leaves(saved, needs_grad);
+    const TensorList outputs = replay(state->fn, state->rng, leaves);
     recompute_counters().recomputes.fetch_add(1);
-    TensorList input_grads = backward_through(outputs, grads, leaves, "actmem::checkpoint");
-    TensorList result;
-    result.reserve(1 + input_grads.size());
-    result.emplace_back();  // the state argument
-    for (auto& g : input_grads) result.push_back(std::move(g));
-    return result;
+    return with_state_slot(backward_through(outputs, grads, leaves, "actmem::checkpoint"));
   }
 };
 
@@ -156,11 +189,7 @@ RecomputeCounters& recompute_counters() {
 TensorList checkpoint(const CheckpointFn& fn, bool distribute_saved_activations,
                       const TensorList& inputs) {
   if (!at::GradMode::is_enabled()) return fn(inputs);
-  bool any_grad = false;
-  for (const auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
-  TORCH_CHECK(any_grad, "actmem::checkpoint: no input requires grad, so parameters used inside "
-              "the checkpoint would receive no gradient (the checkpoint needs at least one input "
-              "that requires grad)");
+  check_some_input_requires_grad(inputs, "actmem::checkpoint");
   RECORD_FUNCTION("actmem::checkpoint", std::vector<c10::IValue>());
   auto state = c10::make_intrusive<CheckpointState>();
   state->fn = fn;
@@ -218,7 +247,7 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
     TensorList in(inputs.begin(), inputs.end());
     state->rng = get_all_rng_states();
     TensorList outputs = state->fn(in);
-    for (const auto& t : in) state->needs_grad.push_back(t.defined() && t.requires_grad());
+    state->needs_grad = requires_grad_of(in);
     for (const auto& out : outputs) {
       TORCH_CHECK(out.defined(), "actmem::CheckpointWithoutOutput: fn returned an undefined tensor");
       c10::StorageImpl* impl = out.storage().unsafeGetStorageImpl();
@@ -261,11 +290,7 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
                                               "actmem::CheckpointWithoutOutput");
     state->recomputed_outputs.clear();
     state->leaves.clear();
-    TensorList result;
-    result.reserve(1 + input_grads.size());
-    result.emplace_back();
-    for (auto& g : input_grads) result.push_back(std::move(g));
-    return result;
+    return with_state_slot(std::move(input_grads));
   }
 };
 
@@ -281,23 +306,8 @@ TensorList CheckpointWithoutOutput::State::saved_inputs() {
 void CheckpointWithoutOutput::State::recompute(const TensorList& inputs) {
   if (recomputed) return;
   CheckpointingScope scope;
-  leaves.clear();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].defined()) {
-      leaves.emplace_back();
-      continue;
-    }
-    at::Tensor d = inputs[i].detach();
-    d.set_requires_grad(needs_grad[i]);
-    leaves.push_back(std::move(d));
-  }
-  {
-    RecomputingScope recomputing;
-    ForkRng keep_ambient;
-    set_all_rng_states(rng);
-    at::AutoGradMode enable(true);
-    recomputed_outputs = fn(leaves);
-  }
+  leaves = detached_leaves(inputs, needs_grad);
+  recomputed_outputs = replay(fn, rng, leaves);
   TORCH_CHECK(recomputed_outputs.size() == storages.size(),
               "actmem::CheckpointWithoutOutput: the recompute returned ", recomputed_outputs.size(),
               " outputs, the forward ", storages.size());
@@ -324,10 +334,7 @@ TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const Ten
   TORCH_CHECK(!state_->active, "actmem::CheckpointWithoutOutput::checkpoint: this object already "
               "holds a checkpoint; use one object per checkpointed call");
   if (!at::GradMode::is_enabled()) return fn(inputs);
-  bool any_grad = false;
-  for (const auto& t : inputs) any_grad = any_grad || (t.defined() && t.requires_grad());
-  TORCH_CHECK(any_grad, "actmem::CheckpointWithoutOutput::checkpoint: no input requires grad, so "
-              "parameters used inside would receive no gradient");
+  check_some_input_requires_grad(inputs, "actmem::CheckpointWithoutOutput::checkpoint");
   RECORD_FUNCTION("actmem::checkpoint_without_output", std::vector<c10::IValue>());
   state_->fn = fn;
   TensorList outputs = OutputDiscardFunction::apply(state_, at::TensorList(inputs));

@@ -1,4 +1,5 @@
 // test_config.cpp — one test per TransformerConfig / TrainingConfig validation message.
+#include "actmem/activation_plan.h"
 #include "actmem/config.h"
 #include "actmem/trainer.h"
 #include "test_util.h"
@@ -117,23 +118,25 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::string(info.param.name); });
 
 TEST(TransformerConfig, RecomputeDefaultsFollowMegatron) {
+  // The plan is the resolved form of the recompute flags (Note [One plan]).
   TransformerConfig c;
-  EXPECT_FALSE(c.recomputes("core_attn"));  // no granularity: nothing recomputed
+  auto recomputes = [&c](RecomputeModule m) { return make_activation_plan(c).recomputes(m); };
+  EXPECT_FALSE(recomputes(RecomputeModule::kCoreAttn));  // no granularity: nothing recomputed
   c.recompute_granularity = "selective";
   c.validate();
-  EXPECT_TRUE(c.recomputes("core_attn"));  // recompute_modules defaults to {"core_attn"}
-  EXPECT_FALSE(c.recomputes("mlp"));
+  EXPECT_TRUE(recomputes(RecomputeModule::kCoreAttn));  // recompute_modules defaults to {"core_attn"}
+  EXPECT_FALSE(recomputes(RecomputeModule::kMlp));
   c.recompute_modules = std::vector<std::string>{"mlp", "layernorm"};
   c.validate();
-  EXPECT_FALSE(c.recomputes("core_attn"));
-  EXPECT_TRUE(c.recomputes("layernorm"));
+  EXPECT_FALSE(recomputes(RecomputeModule::kCoreAttn));
+  EXPECT_TRUE(recomputes(RecomputeModule::kLayernorm));
   c.recompute_modules.reset();
   c.recompute_granularity = "full";
   c.recompute_method = "uniform";
   c.recompute_num_layers = 2;
   c.validate();
-  EXPECT_TRUE(c.full_recompute());
-  EXPECT_FALSE(c.recomputes("core_attn"));
+  EXPECT_TRUE(make_activation_plan(c).full_recompute());
+  EXPECT_FALSE(recomputes(RecomputeModule::kCoreAttn));
 }
 
 TEST(TransformerConfig, DefaultsResolve) {

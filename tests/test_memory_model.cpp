@@ -7,6 +7,7 @@
 #include "actmem/memory_model.h"
 #include "actmem/plot.h"
 #include "actmem/trainer.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -119,16 +120,7 @@ TEST(ActivationLedger, CountsStoragesOnceExcludesParametersAndNamesModulesAndOps
   EXPECT_EQ(ledger.total_bytes(), 0);
 }
 
-TransformerConfig sweep_base() {
-  TransformerConfig c;
-  c.num_layers = 3;
-  c.hidden_size = 48;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 72;
-  c.seq_length = 24;
-  c.micro_batch_size = 3;
-  return c;
-}
+TransformerConfig sweep_base() { return actmem::testing::shaped_model(3, 48, 4, 72, 24, 3); }
 
 struct Shape {
   const char* name;

@@ -354,7 +354,7 @@ TEST(GradCheck, TransformerLayer) {
   c.hidden_size = 8;
   c.num_attention_heads = 2;
   c.ffn_hidden_size = 6;
-  TransformerLayer layer(c, 1, at::kDouble);
+  TransformerLayer layer(c, make_activation_plan(c).layers[0], 1, at::kDouble);
   layer.eval();
   {
     at::NoGradGuard no_grad;

@@ -2,9 +2,10 @@
 // layer-level offload: bitwise exactness, memory drop, host pool reuse.
 #include "actmem/compat.h"
 #include "actmem/memory_tracker.h"
-#include "actmem/offload.h"
+#include "actmem/activation_offloader.h"
 #include "actmem/trainer.h"
 #include "exactness.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -64,8 +65,9 @@ TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) 
     const at::Tensor x = at::randn({64, 64}).requires_grad_(true);
     at::Tensor y;
     {
-      auto g = off.group();
-      y = (x.sin() * x.cos()).sum();  // sin and cos outputs/inputs are saved and offloaded
+      OffloadRegion group(&off, "layer", GroupKind::kLayer);
+      const at::Tensor xs = group.enter(x);
+      y = group.commit((xs.sin() * xs.cos()).sum());  // sin and cos inputs are saved and offloaded
     }
     if (round % 2 == 0) off.prefetch(0);  // prefetch while the offload may still be running
     y.backward();
@@ -75,17 +77,7 @@ TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) 
   }
 }
 
-TransformerConfig offload_model() {
-  TransformerConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.seq_length = 32;
-  c.micro_batch_size = 2;
-  c.min_offloaded_tensor_size = 256;
-  return c;
-}
+using actmem::testing::offload_model;
 
 class LayerOffloadExactness : public ::testing::TestWithParam<int> {};
 

@@ -8,6 +8,7 @@
 #include "actmem/rng.h"
 #include "actmem/trainer.h"
 #include "exactness.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -204,18 +205,7 @@ TEST(CheckpointWithoutOutput, FiniteDifferenceGradCheckInDouble) {
 
 // ---- the model's strategies -------------------------------------------------------------------
 
-TransformerConfig small_model() {
-  TransformerConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 32;
-  c.num_attention_heads = 4;
-  c.ffn_hidden_size = 48;
-  c.seq_length = 24;
-  c.micro_batch_size = 2;
-  c.attention_dropout = 0.1;
-  c.hidden_dropout = 0.1;
-  return c;
-}
+using actmem::testing::small_model;
 
 struct Strategy {
   const char* name;
@@ -347,19 +337,22 @@ TEST(RecomputeCounts, EvalAndNoGradNeverRecompute) {
 }
 
 TEST(RecomputeChunks, UniformClampsAndBlockTakesTheFirstLayers) {
-  using Chunks = std::vector<std::pair<int64_t, int64_t>>;
+  using Chunks = std::vector<CheckpointChunk>;
+  auto chunks = [](const TransformerConfig& c) { return make_activation_plan(c).chunks; };
   TransformerConfig c;
   c.num_layers = 16;
   full(c, "uniform", 5);
-  EXPECT_EQ(TransformerBlock::checkpoint_chunks(c), (Chunks{{0, 5}, {5, 10}, {10, 15}, {15, 16}}));
+  EXPECT_EQ(chunks(c), (Chunks{{0, 5}, {5, 10}, {10, 15}, {15, 16}}));
   c.num_layers = 5;
   full(c, "uniform", 3);  // Megatron issue #2294
-  EXPECT_EQ(TransformerBlock::checkpoint_chunks(c), (Chunks{{0, 3}, {3, 5}}));
+  EXPECT_EQ(chunks(c), (Chunks{{0, 3}, {3, 5}}));
   c.num_layers = 4;
   full(c, "block", 2);
-  EXPECT_EQ(TransformerBlock::checkpoint_chunks(c), (Chunks{{0, 1}, {1, 2}}));
+  EXPECT_EQ(chunks(c), (Chunks{{0, 1}, {1, 2}}));
   c.recompute_granularity = "selective";
-  EXPECT_TRUE(TransformerBlock::checkpoint_chunks(c).empty());
+  c.recompute_method.clear();
+  c.recompute_num_layers.reset();
+  EXPECT_TRUE(chunks(c).empty());
 }
 
 // ---- memory ----------------------------------------------------------------------------------
@@ -377,15 +370,7 @@ int64_t activation_bytes(void (*apply)(TransformerConfig&), const TransformerCon
   return st.activation_bytes;
 }
 
-TransformerConfig memory_model() {
-  TransformerConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.seq_length = 64;
-  c.micro_batch_size = 2;
-  return c;
-}
+TransformerConfig memory_model() { return actmem::testing::shaped_model(4, 64, 4, 0, 64, 2); }
 
 // A checkpoint's random-state snapshot: the CPU generator and the three tracker streams' states.
 const int64_t kSnapshotSlack = checkpoint_snapshot_bytes();

@@ -3,7 +3,7 @@
 // no-ops are refused or warned about, outputs are opened before the work, repeated flags take
 // their last value, and the JSON log starts with the run's configuration.
 #include "actmem/data.h"
-#include "actmem/offload.h"
+#include "actmem/memory_model.h"
 #include "actmem/output_file.h"
 #include "actmem/trainer.h"
 #include "test_util.h"
@@ -299,7 +299,7 @@ TEST(MemoryPreCheck, CountsEverythingTheRunAllocates) {
     Trainer trainer(configs[i], t);
     int64_t peak = 0;
     for (int s = 0; s < 2; ++s) peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
-    EXPECT_GE(estimate_required_bytes(configs[i]), static_cast<double>(peak)) << "config " << i;
+    EXPECT_GE(predict_step_peak_bound(configs[i]), static_cast<double>(peak)) << "config " << i;
   }
   // So a limit the pre-check accepts is never hit later by an allocation.
   const auto r = run_actmem("train --train-iters 2 --eval-interval 0 --device-memory-limit 0.003");

@@ -3,6 +3,7 @@
 #include "actmem/digest.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <CLI/CLI.hpp>
@@ -17,26 +18,8 @@ namespace {
 
 using actmem::testing::expect_error_containing;
 using actmem::testing::run_actmem;
-
-TransformerConfig tiny_model() {
-  TransformerConfig c;
-  c.num_layers = 2;
-  c.hidden_size = 64;
-  c.num_attention_heads = 4;
-  c.seq_length = 32;
-  c.micro_batch_size = 4;
-  return c;
-}
-
-TrainingConfig tiny_training() {
-  TrainingConfig t;
-  t.train_iters = 40;
-  t.lr = 3e-3;
-  t.min_lr = 3e-4;
-  t.lr_warmup_iters = 5;
-  t.eval_interval = 0;
-  return t;
-}
+using actmem::testing::tiny_model;
+using actmem::testing::tiny_training;
 
 TEST(Trainer, LossFallsOnTheBuiltinCorpus) {
   Trainer trainer(tiny_model(), tiny_training());
@@ -248,13 +231,13 @@ TEST(Cli, RecomputeFlagsMapOntoTheConfig) {
   };
   auto m = parse({"--recompute-activations"});
   EXPECT_EQ(m.recompute_granularity, "selective");
-  EXPECT_TRUE(m.recomputes("core_attn"));
+  EXPECT_TRUE(make_activation_plan(m).recomputes(RecomputeModule::kCoreAttn));
   m = parse({"--recompute-granularity", "selective", "--recompute-modules", "mlp", "layernorm"});
   ASSERT_TRUE(m.recompute_modules.has_value());
   EXPECT_EQ(*m.recompute_modules, (std::vector<std::string>{"mlp", "layernorm"}));
   m = parse({"--recompute-granularity", "full", "--recompute-method", "block",
              "--recompute-num-layers", "2"});
-  EXPECT_TRUE(m.full_recompute());
+  EXPECT_TRUE(make_activation_plan(m).full_recompute());
   EXPECT_EQ(m.recompute_method, "block");
   EXPECT_EQ(m.recompute_num_layers.value_or(-1), 2);
 }

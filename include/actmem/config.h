@@ -1,4 +1,5 @@
-// config.h — TransformerConfig: the model's shape and regularisation, with Megatron's field names.
+// config.h — TransformerConfig (the model's shape, regularisation and activation flags) and
+// TrainingConfig (optimisation, data, runtime), with Megatron's field names.
 //
 // validate() rejects every inconsistent value with a TORCH_CHECK naming the field and what was
 // expected.
@@ -63,8 +64,8 @@ struct TransformerConfig {
   std::optional<int64_t> recompute_num_layers;
   /// Keep each full-recompute checkpoint input as a 1/t shard per tensor-parallel rank.
   bool distribute_saved_activations = false;
-  /// Selective targets: core_attn, mlp, layernorm (moe, moe_act, shared_experts, mla_up_proj and
-  /// gdn_norm_out name Megatron modules this model does not have). Unset means {"core_attn"}.
+  /// Selective targets by Megatron's names (kRecomputeModuleNames in activation_plan.h). Unset
+  /// means Megatron's default, core_attn.
   std::optional<std::vector<std::string>> recompute_modules;
 
   // ---- CPU offload (docs/offload.md) ----
@@ -74,24 +75,13 @@ struct TransformerConfig {
   int64_t cpu_offloading_num_layers = 0;
   /// Saved tensors with fewer elements stay on the device (Megatron's default 1024 * 1024).
   int64_t min_offloaded_tensor_size = 1024 * 1024;
-  bool cpu_offloading() const { return cpu_offloading_num_layers != 0; }
-  /// Fine-grained (module-level) offload, as Megatron's fine_grained_activation_offload.py:
-  /// the groups named in offload_modules (attn_norm, qkv_linear, core_attn, attn_proj,
-  /// mlp_norm) offload what they save.
+  /// Fine-grained (module-level) offload, as Megatron's fine_grained_activation_offload.py: the
+  /// groups named in offload_modules (kOffloadModuleNames in activation_plan.h) offload what
+  /// they save.
   bool fine_grained_activation_offloading = false;
   std::vector<std::string> offload_modules;
   /// Groups of one name whose copies may be in flight before compute waits (-1 = no cap).
   int64_t fine_grained_offloading_max_inflight_offloads = -1;
-  /// True when fine-grained offload is on and `module` is among offload_modules.
-  bool offloads(const std::string& module) const;
-
-  /// recompute_modules with Megatron's default resolved.
-  std::vector<std::string> resolved_recompute_modules() const {
-    return recompute_modules.value_or(std::vector<std::string>{"core_attn"});
-  }
-  /// True when selective recompute is on and `module` is among its targets.
-  bool recomputes(const std::string& module) const;
-  bool full_recompute() const { return recompute_granularity == "full"; }
 
   /// ffn_hidden_size with the 0 default resolved.
   int64_t ffn() const { return ffn_hidden_size > 0 ? ffn_hidden_size : 4 * hidden_size; }
@@ -103,12 +93,62 @@ struct TransformerConfig {
   bool use_rope() const { return position_embedding_type == "rope"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
 
-  /// Throws c10::Error ("actmem::TransformerConfig: ...") for the first inconsistent field.
+  /// Throws c10::Error ("actmem::TransformerConfig: ...") for the first inconsistent field:
+  /// validate_shape(), then the recompute and offload rules (make_activation_plan(), which
+  /// resolves those flags into the typed plan the model executes).
   void validate() const;
+  /// The shape, numerics and parallel-layout rules alone.
+  void validate_shape() const;
 };
 
 /// Every field, with the defaults resolved (ffn_hidden_size, max_position_embeddings,
 /// recompute_modules), under Megatron's names.
 nlohmann::json to_json(const TransformerConfig& config);
+
+/// The emulated host link's range (GB/s per direction) when it is capped: below the minimum a
+/// copy of a few MiB takes minutes; above the maximum the cap cannot be told from none.
+constexpr double kMinOffloadBandwidthGbps = 0.01;
+constexpr double kMaxOffloadBandwidthGbps = 1e5;
+
+/// Optimisation, data and runtime settings of training (Megatron's names where it has them).
+struct TrainingConfig {
+  /// 0 means micro_batch_size (one micro-batch per step).
+  int64_t global_batch_size = 0;
+  int64_t train_iters = 200;
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t lr_warmup_iters = 10;
+  /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr at train_iters).
+  std::string lr_decay_style = "cosine";
+  double weight_decay = 0.01;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  /// Global gradient-norm clip; 0 disables.
+  double clip_grad = 1.0;
+  /// Validation every eval_interval iterations over eval_iters fixed micro-batches; 0 disables.
+  int64_t eval_interval = 50;
+  int64_t eval_iters = 4;
+  int64_t log_interval = 20;
+  /// Text file to train on; empty means the built-in corpus.
+  std::string data_path;
+  std::string split = "95,5";
+  /// "cpu" or "cuda[:i]".
+  std::string device = "cpu";
+  /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
+  int64_t device_memory_limit = 0;
+  /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped,
+  /// otherwise in [kMinOffloadBandwidthGbps, kMaxOffloadBandwidthGbps].
+  double offload_bandwidth_gbps = 0.0;
+
+  int64_t num_microbatches(int64_t micro_batch_size) const {
+    return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;
+  }
+  /// Throws a clear error for inconsistent values (given the model's micro-batch size).
+  void validate(const TransformerConfig& model) const;
+};
+
+/// Every field of the training config under its flag's name (data_path as "data").
+nlohmann::json to_json(const TrainingConfig& config);
 
 }  // namespace actmem

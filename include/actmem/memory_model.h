@@ -6,6 +6,7 @@
 // docs/memory-model.md), and is checked against the tracker within 3% by the tests.
 #pragma once
 
+#include "actmem/activation_plan.h"
 #include "actmem/config.h"
 
 #include <cstdint>
@@ -76,8 +77,17 @@ struct PredictedBytes {
 int64_t checkpoint_snapshot_bytes(bool snapshots_on_device = true);
 
 /// On CUDA the checkpoints' random-state snapshots live in host memory and are not counted;
-/// on CPU they are device bytes like everything else.
+/// on CPU they are device bytes like everything else. Walks the activation plan the model
+/// executes (Note [One plan] in activation_plan.h): for config's own plan, or for `plan`.
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4,
                                         bool snapshots_on_device = true);
+PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
+                                        int64_t dtype_bytes = 4, bool snapshots_on_device = true);
+
+/// An upper bound of the device bytes one training step of `config` holds at its peak:
+/// parameters, gradients and AdamW state, the activations of one micro-batch and the transient
+/// buffers of its backward (Note [Memory pre-check] in memory_model.cpp). +inf for sizes whose
+/// exact count would overflow.
+double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 4);
 
 }  // namespace actmem

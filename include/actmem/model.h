@@ -8,10 +8,13 @@
 //
 // Core attention is the unfused form (QK^T, scale, causal mask, softmax, dropout, x V), so the
 // [b, a, s, s] tensors exist and are saved for backward. Parameter names match Megatron's
-// (decoder.layers.0.self_attention.linear_qkv.weight, ...). This header knows nothing about
-// recompute or offload; later mechanisms wrap the module calls.
+// (decoder.layers.0.self_attention.linear_qkv.weight, ...). What each layer keeps, recomputes or
+// offloads is decided by the model's ActivationPlan (activation_plan.h), built once from the
+// config; the modules execute their LayerPlan through the mechanisms (recompute.h,
+// activation_offloader.h) at the places Megatron calls them.
 #pragma once
 
+#include "actmem/activation_plan.h"
 #include "actmem/config.h"
 
 #include <torch/nn/module.h>
@@ -112,7 +115,7 @@ struct LayerContext {
 
 class SelfAttention : public torch::nn::Module {
  public:
-  SelfAttention(const TransformerConfig& config, at::ScalarType dtype);
+  SelfAttention(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
   /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined)
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
   std::shared_ptr<Linear> linear_qkv;
@@ -121,8 +124,7 @@ class SelfAttention : public torch::nn::Module {
 
  private:
   int64_t heads_, head_dim_;
-  bool checkpoint_core_attention_;  // selective recompute of core_attn (training only)
-  bool offload_qkv_, offload_core_, offload_proj_;  // fine-grained offload groups
+  LayerPlan plan_;
 };
 
 class MLP : public torch::nn::Module {
@@ -147,7 +149,8 @@ at::Tensor apply_dropout(const at::Tensor& x, double p, bool training);
 
 class TransformerLayer : public torch::nn::Module {
  public:
-  TransformerLayer(const TransformerConfig& config, int64_t layer_number, at::ScalarType dtype);
+  TransformerLayer(const TransformerConfig& config, const LayerPlan& plan, int64_t layer_number,
+                   at::ScalarType dtype);
   /// hidden: [s, b, h] -> [s, b, h]
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
   int64_t layer_number() const { return layer_number_; }  // 1-based, as in Megatron
@@ -158,30 +161,30 @@ class TransformerLayer : public torch::nn::Module {
   std::shared_ptr<MLP> mlp;
 
  private:
-  at::Tensor forward_mlp(const at::Tensor& x, at::Tensor* bias);
+  // Megatron's _forward_attention and _forward_mlp: norm, module, bias-dropout-add.
+  at::Tensor forward_attention(const at::Tensor& hidden, const LayerContext& ctx);
+  at::Tensor forward_mlp(const at::Tensor& hidden, const LayerContext& ctx);
+  // The MLP itself, in a checkpoint under selective "mlp"; returns its output and fc2's bias.
+  std::pair<at::Tensor, at::Tensor> run_mlp(const at::Tensor& x);
   int64_t layer_number_;
   double hidden_dropout_;
-  bool recompute_mlp_;        // selective "mlp": checkpoint the whole MLP
-  bool recompute_layernorm_;  // selective "layernorm": output-discarding norms
-  bool offload_attn_norm_, offload_mlp_norm_;  // fine-grained offload groups
+  LayerPlan plan_;
 };
 
 class TransformerBlock : public torch::nn::Module {
  public:
-  TransformerBlock(const TransformerConfig& config, at::ScalarType dtype);
-  /// hidden: [s, b, h] -> final-normed [s, b, h]. With full recompute (training only) layers
-  /// run inside checkpoints: uniform = chunks of recompute_num_layers layers (the last clamped),
-  /// block = the first recompute_num_layers layers one checkpoint each.
+  TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
+                   at::ScalarType dtype);
+  /// hidden: [s, b, h] -> final-normed [s, b, h]. With full recompute (training only) the
+  /// plan's chunks of layers run inside checkpoints (ActivationPlan::chunks).
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
-  /// The [start, end) layer ranges full recompute checkpoints, in order, for `num_layers`
-  /// layers (empty without full recompute).
-  static std::vector<std::pair<int64_t, int64_t>> checkpoint_chunks(const TransformerConfig& c);
   std::vector<std::shared_ptr<TransformerLayer>> layers;
   std::shared_ptr<Norm> final_layernorm;
 
  private:
   at::Tensor run_layers(at::Tensor hidden, int64_t start, int64_t end, const LayerContext& ctx);
   TransformerConfig config_;
+  ActivationPlan plan_;
 };
 
 class GPTModel : public torch::nn::Module {
@@ -189,6 +192,9 @@ class GPTModel : public torch::nn::Module {
   /// Builds and initialises the model on CPU from config.seed (independent of the global RNG).
   /// dtype is float by default; tests use double.
   explicit GPTModel(const TransformerConfig& config, at::ScalarType dtype = at::kFloat);
+  /// The same with an explicit activation plan (check_activation_plan() must accept it): the
+  /// model executes `plan` instead of the one its config's flags resolve to.
+  GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType dtype = at::kFloat);
 
   /// tokens: [b, s] int64 -> logits [s, b, v]
   at::Tensor logits(const at::Tensor& tokens);
@@ -196,11 +202,13 @@ class GPTModel : public torch::nn::Module {
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& labels);
   /// Moves parameters and buffers.
   void to_device(const at::Device& device);
-  /// Offload for training forwards: layer-level (config.cpu_offloading_num_layers) or
-  /// fine-grained (config.offload_modules). nullptr turns it off. Not owned.
+  /// Offload for training forwards, as the plan says: layer-level or fine-grained groups.
+  /// nullptr turns it off. Not owned; call its begin_forward() before each training forward.
   void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
   const TransformerConfig& config() const { return config_; }
+  /// What every layer keeps, recomputes or offloads (Note [One plan] in activation_plan.h).
+  const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
   const at::Tensor& attention_mask() const { return causal_mask_; }
   /// Parameters in registration order (the order of grad digests).
@@ -225,6 +233,7 @@ class GPTModel : public torch::nn::Module {
   /// tokens [b, s] -> embeddings [s, b, h], before dropout
   at::Tensor embed(const at::Tensor& tokens);
   TransformerConfig config_;
+  ActivationPlan plan_;
   std::unique_ptr<RotaryEmbedding> rope_;
   at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
   ActivationOffloader* offloader_ = nullptr;

@@ -9,12 +9,12 @@
 #include "actmem/data.h"
 #include "actmem/memory_tracker.h"
 #include "actmem/model.h"
+#include "actmem/report.h"
 #include "actmem/rng.h"
 
 #include <nlohmann/json_fwd.hpp>
 
 #include <functional>
-#include <map>
 #include <iosfwd>
 #include <memory>
 #include <optional>
@@ -30,49 +30,6 @@ class ActivationLedger;
 class ActivationOffloader;
 class OutputFile;
 class TraceRecorder;
-
-/// The emulated host link's range (GB/s per direction) when it is capped: below the minimum a
-/// copy of a few MiB takes minutes; above the maximum the cap cannot be told from none.
-constexpr double kMinOffloadBandwidthGbps = 0.01;
-constexpr double kMaxOffloadBandwidthGbps = 1e5;
-
-/// Optimisation and data settings (Megatron's names where it has them).
-struct TrainingConfig {
-  /// 0 means micro_batch_size (one micro-batch per step).
-  int64_t global_batch_size = 0;
-  int64_t train_iters = 200;
-  double lr = 3e-3;
-  double min_lr = 3e-4;
-  int64_t lr_warmup_iters = 10;
-  /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr at train_iters).
-  std::string lr_decay_style = "cosine";
-  double weight_decay = 0.01;
-  double adam_beta1 = 0.9;
-  double adam_beta2 = 0.95;
-  double adam_eps = 1e-8;
-  /// Global gradient-norm clip; 0 disables.
-  double clip_grad = 1.0;
-  /// Validation every eval_interval iterations over eval_iters fixed micro-batches; 0 disables.
-  int64_t eval_interval = 50;
-  int64_t eval_iters = 4;
-  int64_t log_interval = 20;
-  /// Text file to train on; empty means the built-in corpus.
-  std::string data_path;
-  std::string split = "95,5";
-  /// "cpu" or "cuda[:i]".
-  std::string device = "cpu";
-  /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
-  int64_t device_memory_limit = 0;
-  /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped,
-  /// otherwise in [kMinOffloadBandwidthGbps, kMaxOffloadBandwidthGbps].
-  double offload_bandwidth_gbps = 0.0;
-
-  int64_t num_microbatches(int64_t micro_batch_size) const {
-    return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;
-  }
-  /// Throws a clear error for inconsistent values (given the model's micro-batch size).
-  void validate(const TransformerConfig& model) const;
-};
 
 /// Everything measured in one optimizer step.
 struct IterationStats {
@@ -101,14 +58,7 @@ struct IterationStats {
 
 /// One JSON object with the fields above; doubles round-trip exactly.
 nlohmann::json to_json(const IterationStats& stats);
-/// Every field of the training config under its flag's name (data_path as "data").
-nlohmann::json to_json(const TrainingConfig& config);
 
-/// An upper bound of the device bytes a training step of this configuration holds at its peak:
-/// parameters, gradients, AdamW state, one micro-batch's activations in fp32 and the transient
-/// buffers of its backward. The Trainer refuses a configuration above its device-memory limit
-/// before allocating anything, so a run that starts does not fail later for memory.
-double estimate_required_bytes(const TransformerConfig& model, int64_t dtype_bytes = 4);
 
 class Trainer {
  public:
@@ -159,6 +109,17 @@ class Trainer {
 
  private:
   double lr_at(int64_t iteration) const;
+  // The steps of train_step() (Note [The steps of a training step] in trainer.cpp).
+  struct StepClock {
+    double busy_s = 0.0;  // forward, backward and optimizer time
+    int64_t peak = 0;     // device peak of the step
+  };
+  void forward_backward(IterationStats& st, StepClock& clock);
+  void reduce_sequence_parallel_gradients();
+  void gather_rank_stats(IterationStats& st, bool compute_digest);
+  /// The global gradient norm (NaN-checked), after which the gradients are clipped.
+  double clip_gradients(const IterationStats& st);
+  void finish_stats(IterationStats& st, const StepClock& clock);
   TransformerConfig model_config_;
   TrainingConfig config_;
   at::Device device_;
@@ -183,15 +144,5 @@ class Trainer {
   std::vector<at::Tensor> sequence_parallel_params_;
   int64_t iteration_ = 0;
 };
-
-struct OffloadSummaryRow;
-/// Megatron's "Activation Offload Summary (MB)" table.
-void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows);
-
-/// Median of a non-empty sample (the mean of the middle two for an even count).
-double median(std::vector<double> values);
-
-/// Human-readable byte count ("12.3 MiB").
-std::string format_bytes(double bytes);
 
 }  // namespace actmem

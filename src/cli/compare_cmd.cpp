@@ -1,6 +1,7 @@
 // compare_cmd.cpp — `actmem compare`: run several recompute strategies from the same seed and
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
+#include "actmem/activation_plan.h"
 #include "actmem/output_file.h"
 #include "actmem/plot.h"
 #include "actmem/train_options.h"
@@ -13,6 +14,8 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <charconv>
+#include <optional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -38,46 +41,50 @@ struct CompareOptions {
   std::string json;
 };
 
-// "plain", "full-uniform-N", "full-block-N", "selective" or "selective-m1+m2+..."
+// "plain", "full-METHOD-N", "selective" or "selective-m1+m2+...": the recompute flags of one
+// strategy, by Megatron's names; make_activation_plan() validates them like any other flags.
 TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
   auto bad = [&name] {
     TORCH_CHECK(false, "actmem compare: unknown strategy '", name, "'; expected plain, "
-                "full-uniform-N, full-block-N, selective or selective-MOD[+MOD...] with MOD in "
-                "core_attn, mlp, layernorm");
+                "full-uniform-N, full-block-N, selective or selective-MOD[+MOD...] with MOD a "
+                "recompute module (core_attn, mlp, layernorm)");
+  };
+  auto after = [&name](const std::string& prefix) -> std::optional<std::string> {
+    if (name.rfind(prefix, 0) != 0) return std::nullopt;
+    return name.substr(prefix.size());
   };
   if (name == "plain") return c;
-  if (name.rfind("full-", 0) == 0) {
-    const auto dash = name.find('-', 5);
-    if (dash == std::string::npos) bad();
-    c.recompute_granularity = "full";
-    c.recompute_method = name.substr(5, dash - 5);
-    if (c.recompute_method != "uniform" && c.recompute_method != "block") bad();
-    try {
-      size_t used = 0;
-      c.recompute_num_layers = std::stoll(name.substr(dash + 1), &used);
-      if (used != name.size() - dash - 1) bad();
-    } catch (const std::logic_error&) {
-      bad();
-    }
-    return c;
-  }
   if (name == "selective") {
     c.recompute_granularity = "selective";
-    return c;
-  }
-  if (name.rfind("selective-", 0) == 0) {
+  } else if (const auto modules = after("selective-")) {
     c.recompute_granularity = "selective";
-    std::vector<std::string> modules;
-    std::stringstream ss(name.substr(10));
+    std::vector<std::string> list;
+    std::stringstream ss(*modules);
     std::string m;
-    while (std::getline(ss, m, '+')) modules.push_back(m);
-    c.recompute_modules = modules;
-    return c;
+    while (std::getline(ss, m, '+')) list.push_back(m);
+    c.recompute_modules = list;
+  } else if (const auto rest = after("full-")) {
+    const auto dash = rest->find('-');
+    if (dash == std::string::npos) bad();
+    c.recompute_granularity = "full";
+    c.recompute_method = rest->substr(0, dash);
+    int64_t n = 0;
+    const std::string count = rest->substr(dash + 1);
+    const auto [end, ec] = std::from_chars(count.data(), count.data() + count.size(), n);
+    if (ec != std::errc() || end != count.data() + count.size()) bad();
+    c.recompute_num_layers = n;
+  } else {
+    bad();
   }
-  bad();
+  try {
+    make_activation_plan(c);
+  } catch (const c10::Error& e) {
+    const std::string why = e.msg();
+    TORCH_CHECK(false, "actmem compare: unknown strategy '", name, "': ",
+                why.substr(0, why.find('\n')));
+  }
   return c;
 }
-
 
 // Note [Honest step ratios]
 // A strategy's step time is only comparable with the plain step's when both ran under the same
@@ -104,10 +111,7 @@ int run(CompareOptions& o) {
     names.insert(names.begin(), "plain");  // the reference every ratio and equality refers to
   }
   std::vector<TransformerConfig> configs;
-  for (const auto& n : names) {
-    configs.push_back(apply_strategy(o.train.model, n));
-    configs.back().validate();
-  }
+  for (const auto& n : names) configs.push_back(apply_strategy(o.train.model, n));
   TrainingConfig t = o.train.training;
   t.eval_interval = 0;
   t.train_iters = o.warmup + o.iters;

@@ -2,6 +2,7 @@
 // explicit sizes, per layer and per pipeline stage, with Megatron's theoretical terms and the
 // offload transfer time.
 #include "actmem/memory_model.h"
+#include "actmem/report.h"
 #include "actmem/train_options.h"
 #include "commands.h"
 
@@ -17,17 +18,6 @@
 namespace actmem::cli {
 
 namespace {
-
-std::string gib(double bytes) {
-  std::ostringstream os;
-  const double mib = bytes / (1024.0 * 1024.0);
-  if (mib >= 1024.0) {
-    os << std::fixed << std::setprecision(mib >= 10 * 1024.0 ? 1 : 2) << mib / 1024.0 << " GiB";
-  } else {
-    os << std::fixed << std::setprecision(mib >= 100 ? 0 : 1) << mib << " MiB";
-  }
-  return os.str();
-}
 
 struct EstimateOptions {
   std::string preset = "7b";
@@ -96,23 +86,23 @@ int run(const EstimateOptions& o) {
             << std::setw(14) << "per stage" << "   formula\n";
   const std::string none_formula = (m.t == 1 || m.sp) ? "sbh(34 + 5as/h)" : "sbh(10 + 24/t + 5as/ht)";
   const std::string div = m.sp ? "/t" : "";
-  std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14) << gib(layer.none)
-            << std::setw(14) << gib(layer.none * per_stage) << "   " << none_formula << div << "\n"
+  std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14) << format_bytes_3sig(layer.none)
+            << std::setw(14) << format_bytes_3sig(layer.none * per_stage) << "   " << none_formula << div << "\n"
             << std::left << std::setw(18) << "selective" << std::right << std::setw(14)
-            << gib(layer.selective) << std::setw(14) << gib(selective_stage) << "   sbh(18 + 4 ffn/h)"
+            << format_bytes_3sig(layer.selective) << std::setw(14) << format_bytes_3sig(selective_stage) << "   sbh(18 + 4 ffn/h)"
             << div << "\n"
-            << std::left << std::setw(18) << "full" << std::right << std::setw(14) << gib(layer.full)
-            << std::setw(14) << gib(layer.full * per_stage) << "   2sbh" << div << "\n\n"
+            << std::left << std::setw(18) << "full" << std::right << std::setw(14) << format_bytes_3sig(layer.full)
+            << std::setw(14) << format_bytes_3sig(layer.full * per_stage) << "   2sbh" << div << "\n\n"
             << std::fixed << std::setprecision(1) << "s^2 share of a layer without recompute: "
             << 100.0 * layer.s2_fraction << "%\n"
             << "1F1B first stage holds p = " << static_cast<int64_t>(m.p) << " micro-batches in flight: no recompute "
-            << gib(layer.none * per_stage * m.p) << ", selective " << gib(selective_stage * m.p)
+            << format_bytes_3sig(layer.none * per_stage * m.p) << ", selective " << format_bytes_3sig(selective_stage * m.p)
             << "\n"
             << "Megatron theoretical_memory_usage (first stage, "
             << (m.sp ? "compute_activation_memory" : "compute_activation_memory_without_sp")
-            << "): " << gib(meg) << "\n"
+            << "): " << format_bytes_3sig(meg) << "\n"
             << std::setprecision(2) << "offloading the selective activations of one stage: "
-            << gib(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
+            << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
             << std::fixed << " GB/s = "
             << offload_s << " s per micro-batch (not overlapped)\n";
   return 0;

@@ -1,6 +1,7 @@
 // inspect_cmd.cpp — `actmem inspect`: run one training step and print the activation ledger per
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
+#include "actmem/activation_plan.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
@@ -25,10 +26,22 @@ struct InspectOptions {
   TrainOptions train;
   bool json = false;
   bool records = false;
+  bool plan = false;
 };
 
 int run(InspectOptions& o) {
   o.train.finalize();
+  if (o.plan) {
+    // The activation plan alone (Note [One plan]): no step runs.
+    const ActivationPlan plan = make_activation_plan(o.train.model);
+    if (o.json) {
+      std::cout << plan.to_json().dump(2) << std::endl;
+    } else {
+      std::cout << "actmem inspect --plan: " << o.train.model.num_layers << " layers\n";
+      print_activation_plan(std::cout, plan);
+    }
+    return 0;
+  }
   apply_thread_count(o.train.threads);
   TrainingConfig t = o.train.training;
   t.eval_interval = 0;
@@ -116,6 +129,8 @@ Runner add_inspect_command(CLI::App& app) {
   add_flags(*cmd, o->train, kModelFlags | kDataFlags | kRuntimeFlags);
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   cmd->add_flag("--records", o->records, "also list every saved tensor");
+  cmd->add_flag("--plan", o->plan,
+                "print the activation plan per layer (keep, recompute, offload) and stop");
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
 }
 

@@ -22,34 +22,12 @@ namespace actmem::cli {
 
 namespace {
 
-// The recompute and offload settings as one line of the header.
-std::string memory_settings(const TransformerConfig& m, const TrainingConfig& t) {
+// The recompute and offload settings as one line of the header: the model's plan.
+std::string memory_settings(const ActivationPlan& plan, const TrainingConfig& t) {
   std::ostringstream os;
-  os << "  recompute ";
-  if (m.recompute_granularity.empty()) {
-    os << "none";
-  } else if (m.full_recompute()) {
-    os << "full, " << m.recompute_method << " " << m.recompute_num_layers.value_or(0)
-       << (m.distribute_saved_activations ? ", inputs distributed over the tensor-parallel ranks"
-                                          : "");
-  } else {
-    os << "selective:";
-    for (const auto& mod : m.resolved_recompute_modules()) os << " " << mod;
-  }
-  os << " | offload ";
-  if (m.cpu_offloading()) {
-    os << "the first " << m.cpu_offloading_num_layers << " layer(s)";
-  } else if (m.fine_grained_activation_offloading) {
-    os << "modules:";
-    for (const auto& mod : m.offload_modules) os << " " << mod;
-    if (m.fine_grained_offloading_max_inflight_offloads >= 0) {
-      os << ", at most " << m.fine_grained_offloading_max_inflight_offloads << " in flight";
-    }
-  } else {
-    os << "none";
-  }
-  if (m.cpu_offloading() || m.fine_grained_activation_offloading) {
-    os << ", tensors of at least " << m.min_offloaded_tensor_size << " elements, host link ";
+  os << "  " << plan.summary();
+  if (plan.offloads()) {
+    os << ", host link ";
     if (t.offload_bandwidth_gbps > 0) {
       os << t.offload_bandwidth_gbps << " GB/s";
     } else {
@@ -74,7 +52,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << " (" << corpus.train.numel() << " train / " << corpus.valid.numel()
       << " validation tokens" << (corpus.memory_mapped ? ", memory-mapped" : "") << ") | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
-      << memory_settings(m, t) << "\n";
+      << memory_settings(model.plan(), t) << "\n";
   if (m.tensor_model_parallel_size > 1) {
     out << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
         << (m.sequence_parallel ? " with sequence parallelism" : "")
@@ -84,12 +62,13 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
 }
 
 // The first record of the JSON log: what produced it (Megatron's habit of logging its args).
-nlohmann::json config_record(const TrainOptions& o, const Trainer& trainer, int world_size) {
+nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_size) {
   nlohmann::json j = {{"record", "config"}, {"command", "train"}};
   j["runtime"] = runtime_info();
   j["runtime"]["device"] = o.training.device;
   j["runtime"]["world_size"] = world_size;
   j["model"] = to_json(o.model);
+  j["activation_plan"] = trainer.model().plan().to_json();
   j["training"] = to_json(o.training);
   j["training"]["device_memory_limit"] = o.training.device_memory_limit;
   j["corpus"] = {{"source", trainer.corpus().source},

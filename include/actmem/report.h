@@ -1,0 +1,30 @@
+// report.h — how numbers are shown to people: byte counts, medians, Megatron's offload summary.
+// One place, so every command and benchmark prints the same units the same way.
+#pragma once
+
+#include <iosfwd>
+#include <string>
+#include <vector>
+
+namespace actmem {
+
+/// "12.3 MiB": binary units, two decimals below 10, one above.
+std::string format_bytes(double bytes);
+/// "512 MiB", "3.03 GiB": binary units from MiB up, three significant digits (the paper-scale
+/// numbers of `actmem estimate`).
+std::string format_bytes_3sig(double bytes);
+
+/// Median of a non-empty sample (the mean of the middle two for an even count).
+double median(std::vector<double> values);
+
+/// One row of Megatron's "Activation Offload Summary (MB)": bytes offloaded per group name in
+/// the warmup step, after the margin rule.
+struct OffloadSummaryRow {
+  std::string name;
+  int64_t bytes = 0;
+  int64_t tensors = 0;
+};
+/// Megatron's post-warmup table (rank 0).
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows);
+
+}  // namespace actmem

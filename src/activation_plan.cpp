@@ -1,0 +1,413 @@
+// activation_plan.cpp — make_activation_plan(): Megatron's recompute and offload rules, then the
+// per-layer decisions (Note [One plan] in activation_plan.h).
+#include "actmem/activation_plan.h"
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+
+namespace actmem {
+
+namespace {
+
+template <typename Table>
+std::string join_names(const Table& table) {
+  std::ostringstream os;
+  os << "{";
+  for (size_t i = 0; i < table.size(); ++i) os << (i ? ", " : "") << "'" << table[i].second << "'";
+  os << "}";
+  return os.str();
+}
+
+std::string join_set(const std::vector<std::string>& items) {
+  std::ostringstream os;
+  os << "{";
+  for (size_t i = 0; i < items.size(); ++i) os << (i ? ", " : "") << "'" << items[i] << "'";
+  os << "}";
+  return os.str();
+}
+
+template <typename Table, typename Enum>
+const char* name_in(const Table& table, Enum value) {
+  for (const auto& [e, name] : table) {
+    if (e == value) return name.data();
+  }
+  return "?";
+}
+
+template <typename Table>
+auto parse_in(const Table& table, std::string_view name)
+    -> std::optional<typename Table::value_type::first_type> {
+  for (const auto& [e, n] : table) {
+    if (n == name) return e;
+  }
+  return std::nullopt;
+}
+
+// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
+// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
+// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
+// are marked "fixed" or "refused". Fills the recompute half of `plan`.
+void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
+  const std::string& g = c.recompute_granularity;
+  if (!g.empty()) {
+    TORCH_CHECK(g == "full" || g == "selective", "actmem::TransformerConfig: recompute_granularity: ",
+                g, " must be \"full\" or \"selective\".");
+    TORCH_CHECK(c.recompute_method.empty() || c.recompute_method == "block" ||
+                    c.recompute_method == "uniform",
+                "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
+                " must be \"block\" or \"uniform\".");
+    plan.granularity = g == "full" ? RecomputeGranularity::kFull : RecomputeGranularity::kSelective;
+    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size;
+    if (plan.granularity == RecomputeGranularity::kFull) {
+      TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
+                  "recompute_granularity: full so recompute_method must be \"block\" or "
+                  "\"uniform\"");
+      // Megatron only checks for None; the range is checked here too (fixed).
+      TORCH_CHECK(c.recompute_num_layers.has_value() && *c.recompute_num_layers >= 1 &&
+                      *c.recompute_num_layers <= per_stage,
+                  "actmem::TransformerConfig: When using recompute_granularity: full, "
+                  "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: ",
+                  per_stage, (c.recompute_num_layers ? ", got " + std::to_string(*c.recompute_num_layers)
+                                                     : std::string(", got none")));
+      plan.method = c.recompute_method == "uniform" ? RecomputeMethod::kUniform
+                                                    : RecomputeMethod::kBlock;
+      plan.recompute_num_layers = *c.recompute_num_layers;
+    } else {
+      TORCH_CHECK(!c.recompute_num_layers.has_value(), "actmem::TransformerConfig: When using "
+                  "recompute_granularity: selective, recompute_num_layers must be None.");
+      TORCH_CHECK(c.recompute_method.empty(), "actmem::TransformerConfig: recompute method is not "
+                  "yet supported for selective recomputing granularity");
+    }
+    TORCH_CHECK(!(c.distribute_saved_activations && c.sequence_parallel),
+                "actmem::TransformerConfig: distribute_saved_activations: ",
+                c.distribute_saved_activations, " must be false when sequence parallel is enabled: ",
+                c.sequence_parallel);
+  }
+  if (c.distribute_saved_activations) {
+    TORCH_CHECK(c.tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
+                "distribute_saved_activations requires tensor_model_parallel_size > 1, got ",
+                c.tensor_model_parallel_size);
+    TORCH_CHECK(plan.full_recompute() && !c.recompute_method.empty(), "actmem::TransformerConfig: "
+                "distribute_saved_activations requires recompute_granularity full with a "
+                "recompute_method");
+    plan.distribute_saved_activations = true;
+  }
+  if (plan.granularity == RecomputeGranularity::kSelective) {
+    const std::vector<std::string> names =
+        c.recompute_modules.value_or(std::vector<std::string>{"core_attn"});  // Megatron's default
+    std::vector<std::string> invalid;
+    for (const auto& n : names) {
+      if (const auto m = parse_recompute_module(n)) {
+        if (std::find(plan.recompute_modules.begin(), plan.recompute_modules.end(), *m) ==
+            plan.recompute_modules.end()) {
+          plan.recompute_modules.push_back(*m);
+        }
+      } else {
+        invalid.push_back(n);
+      }
+    }
+    TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
+                "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
+                join_names(kRecomputeModuleNames));
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct), "actmem::TransformerConfig: moe_act "
+                "in recompute_modules is only supported with moe_grouped_gemm.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj), "actmem::TransformerConfig: "
+                "mla_up_proj in recompute_modules is only supported with multi_latent_attention.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut), "actmem::TransformerConfig: "
+                "gdn_norm_out in recompute_modules is only supported with the gated_delta_net "
+                "attention variant.");
+    // Megatron silently ignores these on a dense model; a user asking for them expects an effect.
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoe) &&
+                    !plan.recomputes(RecomputeModule::kSharedExperts),
+                "actmem::TransformerConfig: moe and shared_experts in recompute_modules need MoE "
+                "layers, and this model is dense");
+  } else {
+    TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
+                "only applies to recompute_granularity selective (got granularity \"", g, "\")");
+  }
+}
+
+// Megatron's layer-level offload rules (the cpu_offloading checks of TransformerConfig's
+// __post_init__, megatron/core/transformer/transformer_config.py; as in validate_args,
+// megatron/training/arguments.py, cpu_offloading_num_layers K > 0 turns offloading on).
+void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
+  if (c.cpu_offloading_num_layers != 0) {
+    TORCH_CHECK(c.cpu_offloading_num_layers > 0 && c.cpu_offloading_num_layers < c.num_layers,
+                "actmem::TransformerConfig: CPU offloading can be done only for layers less than ",
+                c.num_layers, " (cpu_offloading_num_layers = ", c.cpu_offloading_num_layers, ")");
+    TORCH_CHECK(c.pipeline_model_parallel_size == 1, "actmem::TransformerConfig: Currently there "
+                "is no support for Pipeline parallelism with CPU offloading");
+    TORCH_CHECK(c.recompute_granularity.empty(), "actmem::TransformerConfig: CPU offloading does "
+                "not work when activation recomputation is enabled");
+    plan.cpu_offloading_num_layers = c.cpu_offloading_num_layers;
+  }
+  TORCH_CHECK(c.min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
+              "min_offloaded_tensor_size must be >= 0, got ", c.min_offloaded_tensor_size);
+  plan.min_offloaded_tensor_size = c.min_offloaded_tensor_size;
+}
+
+// Megatron's fine-grained offload rules (the fine-grained offloading checks of validate_args in
+// megatron/training/arguments.py) and the exclusions with recompute; deliberate differences are
+// marked. Runs after resolve_recompute (it reads the recompute decisions).
+void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& plan) {
+  if (!c.fine_grained_activation_offloading) {
+    TORCH_CHECK(c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules only "
+                "applies with fine_grained_activation_offloading");
+    return;
+  }
+  TORCH_CHECK(c.cpu_offloading_num_layers == 0, "actmem::TransformerConfig: "
+              "fine_grained_activation_offloading cannot be enabled with cpu_offloading.");
+  TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name "
+              "at least one module when fine_grained_activation_offloading is on");
+  std::vector<std::string> invalid;
+  for (const auto& n : c.offload_modules) {
+    if (const auto m = parse_offload_module(n)) {
+      if (std::find(plan.offload_modules.begin(), plan.offload_modules.end(), *m) ==
+          plan.offload_modules.end()) {
+        plan.offload_modules.push_back(*m);
+      }
+    } else {
+      invalid.push_back(n);
+    }
+  }
+  TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
+              join_set(invalid), ". Allowed modules are: ", join_names(kOffloadModuleNames));
+  TORCH_CHECK(!plan.offloads(OffloadModule::kExpertFc1) && !plan.offloads(OffloadModule::kMoeAct),
+              "actmem::TransformerConfig: expert_fc1 and moe_act in offload_modules need MoE "
+              "layers, and this model is dense");
+  TORCH_CHECK(!plan.offloads(OffloadModule::kAttnProj) || plan.offloads(OffloadModule::kCoreAttn),
+              "actmem::TransformerConfig: attn_proj cannot be set to offload_modules alone "
+              "without core_attn because the input of attn_proj is the output of core_attn, which "
+              "is needed in core_attn.backward().");
+  // Megatron silently skips core_attn offload when core_attn is recomputed; refused here.
+  TORCH_CHECK(!(plan.offloads(OffloadModule::kCoreAttn) &&
+                plan.recomputes(RecomputeModule::kCoreAttn)),
+              "actmem::TransformerConfig: core_attn cannot be both offloaded and recomputed: "
+              "remove it from offload_modules or from recompute_modules");
+  // Our restriction: whole-layer checkpoints and module offload groups do not compose here.
+  TORCH_CHECK(!plan.full_recompute(), "actmem::TransformerConfig: "
+              "fine_grained_activation_offloading works with selective recompute only, not with "
+              "recompute_granularity full");
+  TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
+              "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
+              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
+  plan.max_inflight_offloads = c.fine_grained_offloading_max_inflight_offloads;
+}
+
+// Megatron's _checkpointed_forward (megatron/core/transformer/transformer_block.py): uniform =
+// chunks of n layers, the last clamped; block = the first n layers, one checkpoint each.
+std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan, int64_t num_layers) {
+  std::vector<CheckpointChunk> chunks;
+  const int64_t n = plan.recompute_num_layers;
+  if (plan.method == RecomputeMethod::kUniform) {
+    for (int64_t i = 0; i < num_layers; i += n) chunks.push_back({i, std::min(i + n, num_layers)});
+  } else if (plan.method == RecomputeMethod::kBlock) {
+    for (int64_t i = 0; i < std::min(n, num_layers); ++i) chunks.push_back({i, i + 1});
+  }
+  return chunks;
+}
+
+}  // namespace
+
+const char* to_string(RecomputeModule m) { return name_in(kRecomputeModuleNames, m); }
+const char* to_string(OffloadModule m) { return name_in(kOffloadModuleNames, m); }
+std::optional<RecomputeModule> parse_recompute_module(std::string_view name) {
+  return parse_in(kRecomputeModuleNames, name);
+}
+std::optional<OffloadModule> parse_offload_module(std::string_view name) {
+  return parse_in(kOffloadModuleNames, name);
+}
+
+const char* to_string(RecomputeGranularity g) {
+  switch (g) {
+    case RecomputeGranularity::kNone: return "none";
+    case RecomputeGranularity::kFull: return "full";
+    case RecomputeGranularity::kSelective: return "selective";
+  }
+  return "?";
+}
+
+const char* to_string(RecomputeMethod m) {
+  switch (m) {
+    case RecomputeMethod::kNone: return "none";
+    case RecomputeMethod::kUniform: return "uniform";
+    case RecomputeMethod::kBlock: return "block";
+  }
+  return "?";
+}
+
+bool ActivationPlan::recomputes(RecomputeModule m) const {
+  return std::find(recompute_modules.begin(), recompute_modules.end(), m) !=
+         recompute_modules.end();
+}
+
+bool ActivationPlan::offloads(OffloadModule m) const {
+  return std::find(offload_modules.begin(), offload_modules.end(), m) != offload_modules.end();
+}
+
+ActivationPlan make_activation_plan(const TransformerConfig& c) {
+  c.validate_shape();
+  ActivationPlan plan;
+  resolve_layer_offload(c, plan);
+  resolve_recompute(c, plan);
+  resolve_fine_grained_offload(c, plan);
+  plan.chunks = checkpoint_chunks(plan, c.num_layers);
+  plan.layers.resize(static_cast<size_t>(c.num_layers));
+  for (size_t k = 0; k < plan.chunks.size(); ++k) {
+    for (int64_t i = plan.chunks[k].start; i < plan.chunks[k].end; ++i) {
+      plan.layers[static_cast<size_t>(i)].chunk = static_cast<int>(k);
+    }
+    plan.layers[static_cast<size_t>(plan.chunks[k].start)].starts_chunk = true;
+  }
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    LayerPlan& layer = plan.layers[i];
+    layer.recompute_core_attn = plan.recomputes(RecomputeModule::kCoreAttn);
+    layer.recompute_mlp = plan.recomputes(RecomputeModule::kMlp);
+    layer.discard_norm_outputs = plan.recomputes(RecomputeModule::kLayernorm);
+    for (const auto m : plan.offload_modules) layer.offload_module[static_cast<size_t>(m)] = true;
+    layer.layer_group = plan.layer_offload();
+    layer.offload_layer = static_cast<int64_t>(i) < plan.cpu_offloading_num_layers;
+  }
+  check_activation_plan(c, plan);
+  return plan;
+}
+
+void check_activation_plan(const TransformerConfig& c, const ActivationPlan& plan) {
+  const char* api = "actmem::check_activation_plan: ";
+  TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers), api, "the plan has ",
+              plan.layers.size(), " layers, the model ", c.num_layers);
+  int64_t next = 0;
+  for (size_t k = 0; k < plan.chunks.size(); ++k) {
+    const CheckpointChunk& chunk = plan.chunks[k];
+    TORCH_CHECK(chunk.start >= next && chunk.start < chunk.end && chunk.end <= c.num_layers, api,
+                "chunk ", k, " [", chunk.start, ", ", chunk.end, ") is empty, overlaps the one "
+                "before or runs past layer ", c.num_layers);
+    for (int64_t i = chunk.start; i < chunk.end; ++i) {
+      const LayerPlan& l = plan.layers[static_cast<size_t>(i)];
+      TORCH_CHECK(l.chunk == static_cast<int>(k) && l.starts_chunk == (i == chunk.start), api,
+                  "layer ", i, " does not say it runs in chunk ", k);
+    }
+    next = chunk.end;
+  }
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlan& l = plan.layers[i];
+    const bool selective = l.recompute_core_attn || l.recompute_mlp || l.discard_norm_outputs;
+    const bool module_offload =
+        std::any_of(l.offload_module.begin(), l.offload_module.end(), [](bool b) { return b; });
+    TORCH_CHECK(l.chunk < static_cast<int>(plan.chunks.size()), api, "layer ", i,
+                " names chunk ", l.chunk, " of ", plan.chunks.size());
+    TORCH_CHECK(!l.in_chunk() || (!selective && !module_offload && !l.layer_group), api,
+                "layer ", i, " runs in a full-recompute chunk and cannot also recompute or "
+                "offload its modules");
+    TORCH_CHECK(!(l.offload_layer && module_offload), api, "layer ", i,
+                " offloads the whole layer and module groups at once");
+    TORCH_CHECK(!l.offload_layer || l.layer_group, api, "layer ", i,
+                " offloads the whole layer but opens no layer group");
+    TORCH_CHECK(!(l.offloads(OffloadModule::kCoreAttn) && l.recompute_core_attn), api, "layer ",
+                i, ": core_attn cannot be both offloaded and recomputed");
+  }
+  TORCH_CHECK(!plan.distribute_saved_activations ||
+                  (!plan.chunks.empty() && c.tensor_model_parallel_size > 1),
+              api, "distribute_saved_activations needs full-recompute chunks and "
+              "tensor_model_parallel_size > 1");
+}
+
+std::string ActivationPlan::summary() const {
+  std::ostringstream os;
+  os << "recompute ";
+  switch (granularity) {
+    case RecomputeGranularity::kNone:
+      os << "none";
+      break;
+    case RecomputeGranularity::kFull:
+      os << "full, " << to_string(method) << " " << recompute_num_layers
+         << (distribute_saved_activations ? ", inputs distributed over the tensor-parallel ranks"
+                                          : "");
+      break;
+    case RecomputeGranularity::kSelective:
+      os << "selective:";
+      for (const auto m : recompute_modules) os << " " << to_string(m);
+      break;
+  }
+  os << " | offload ";
+  if (layer_offload()) {
+    os << "the first " << cpu_offloading_num_layers << " layer(s)";
+  } else if (fine_grained_offload()) {
+    os << "modules:";
+    for (const auto m : offload_modules) os << " " << to_string(m);
+    if (max_inflight_offloads >= 0) os << ", at most " << max_inflight_offloads << " in flight";
+  } else {
+    os << "none";
+  }
+  if (offloads()) os << ", tensors of at least " << min_offloaded_tensor_size << " elements";
+  return os.str();
+}
+
+nlohmann::json ActivationPlan::to_json() const {
+  nlohmann::json j;
+  j["recompute_granularity"] = to_string(granularity);
+  j["recompute_method"] = to_string(method);
+  j["recompute_num_layers"] = recompute_num_layers;
+  j["recompute_modules"] = nlohmann::json::array();
+  for (const auto m : recompute_modules) j["recompute_modules"].push_back(to_string(m));
+  j["distribute_saved_activations"] = distribute_saved_activations;
+  j["cpu_offloading_num_layers"] = cpu_offloading_num_layers;
+  j["offload_modules"] = nlohmann::json::array();
+  for (const auto m : offload_modules) j["offload_modules"].push_back(to_string(m));
+  j["min_offloaded_tensor_size"] = min_offloaded_tensor_size;
+  j["max_inflight_offloads"] = max_inflight_offloads;
+  j["chunks"] = nlohmann::json::array();
+  for (const auto& c : chunks) j["chunks"].push_back({c.start, c.end});
+  j["layers"] = nlohmann::json::array();
+  for (const auto& l : layers) {
+    nlohmann::json lj = {{"chunk", l.chunk},
+                         {"recompute_core_attn", l.recompute_core_attn},
+                         {"recompute_mlp", l.recompute_mlp},
+                         {"discard_norm_outputs", l.discard_norm_outputs},
+                         {"offload_layer", l.offload_layer},
+                         {"offload_modules", nlohmann::json::array()}};
+    for (const auto& [m, name] : kOffloadModuleNames) {
+      if (l.offloads(m)) lj["offload_modules"].push_back(std::string(name));
+    }
+    j["layers"].push_back(std::move(lj));
+  }
+  return j;
+}
+
+void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
+  os << plan.summary() << "\n\n"
+     << std::left << std::setw(8) << "layer" << std::setw(44) << "recompute" << "offload\n";
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    const LayerPlan& l = plan.layers[i];
+    std::string recompute;
+    if (l.in_chunk()) {
+      const CheckpointChunk& c = plan.chunks[static_cast<size_t>(l.chunk)];
+      recompute = "full, chunk " + std::to_string(l.chunk) + " (layers " +
+                  std::to_string(c.start) + "-" + std::to_string(c.end - 1) + ")" +
+                  (l.starts_chunk ? (plan.distribute_saved_activations ? ": keeps 1/t of its input"
+                                                                       : ": keeps its input")
+                                  : "");
+    } else {
+      if (l.recompute_core_attn) recompute += "core_attn ";
+      if (l.recompute_mlp) recompute += "mlp ";
+      if (l.discard_norm_outputs) recompute += "layernorm ";
+      if (recompute.empty()) recompute = "keep";
+    }
+    std::string offload;
+    if (l.offload_layer) offload = "whole layer ";
+    for (const auto& [m, name] : kOffloadModuleNames) {
+      if (l.offloads(m)) offload += std::string(name) + " ";
+    }
+    if (offload.empty()) offload = "-";
+    while (!recompute.empty() && recompute.back() == ' ') recompute.pop_back();
+    while (!offload.empty() && offload.back() == ' ') offload.pop_back();
+    os << std::left << std::setw(8) << i << std::setw(44) << recompute << offload << "\n";
+  }
+}
+
+}  // namespace actmem

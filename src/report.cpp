@@ -1,0 +1,67 @@
+// report.cpp — formatting of bytes, medians and the offload summary.
+#include "actmem/report.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+#include <iomanip>
+#include <ostream>
+#include <sstream>
+
+namespace actmem {
+
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows) {
+  // Megatron's post-warmup table (one rank): MiB offloaded per group name, and the total.
+  int width = 12;
+  for (const auto& r : rows) width = std::max(width, static_cast<int>(r.name.size()) + 2);
+  const int total_width = 6 + width * static_cast<int>(rows.size() + 1);
+  const std::string title = "Activation Offload Summary (MB)";
+  os << std::string(total_width, '=') << "\n"
+     << std::string(std::max(0, (total_width - static_cast<int>(title.size())) / 2), ' ') << title
+     << "\n" << std::string(total_width, '=') << "\n" << std::setw(6) << std::left << "Rank"
+     << std::right;
+  for (const auto& r : rows) os << std::setw(width) << r.name;
+  os << std::setw(width) << "Total" << "\n" << std::string(total_width, '-') << "\n";
+  double total = 0;
+  os << std::setw(6) << std::left << "0" << std::right << std::fixed << std::setprecision(2);
+  for (const auto& r : rows) {
+    os << std::setw(width) << r.bytes / 1048576.0;
+    total += static_cast<double>(r.bytes);
+  }
+  os << std::setw(width) << total / 1048576.0 << "\n" << std::string(total_width, '=') << "\n";
+}
+
+double median(std::vector<double> v) {
+  TORCH_CHECK(!v.empty(), "actmem::median: empty sample");
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string format_bytes(double bytes) {
+  static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  int u = 0;
+  double v = bytes;
+  while (std::fabs(v) >= 1024.0 && u < 5) {
+    v /= 1024.0;
+    ++u;
+  }
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(u == 0 ? 0 : (std::fabs(v) < 10 ? 2 : 1)) << v << ' '
+     << units[u];
+  return os.str();
+}
+
+std::string format_bytes_3sig(double bytes) {
+  std::ostringstream os;
+  const double mib = bytes / (1024.0 * 1024.0);
+  if (mib >= 1024.0) {
+    os << std::fixed << std::setprecision(mib >= 10 * 1024.0 ? 1 : 2) << mib / 1024.0 << " GiB";
+  } else {
+    os << std::fixed << std::setprecision(mib >= 100 ? 0 : 1) << mib << " MiB";
+  }
+  return os.str();
+}
+
+}  // namespace actmem

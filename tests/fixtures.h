@@ -1,0 +1,49 @@
+// fixtures.h — the small models and training settings the test files share, so that each file
+// names the model it means instead of building its own config field by field.
+#pragma once
+
+#include "actmem/config.h"
+
+#include <cstdint>
+
+namespace actmem::testing {
+
+/// A config of the given shape; everything else keeps TransformerConfig's defaults (dropout 0.1,
+/// LayerNorm, GeLU, learned positions, byte vocabulary). ffn 0 means 4h.
+inline TransformerConfig shaped_model(int64_t layers, int64_t hidden, int64_t heads, int64_t ffn,
+                                      int64_t seq, int64_t micro_batch) {
+  TransformerConfig c;
+  c.num_layers = layers;
+  c.hidden_size = hidden;
+  c.num_attention_heads = heads;
+  c.ffn_hidden_size = ffn;
+  c.seq_length = seq;
+  c.micro_batch_size = micro_batch;
+  return c;
+}
+
+/// 2 layers, h 64, 4 heads, s 32, b 4: trains visibly in a few dozen steps.
+inline TransformerConfig tiny_model() { return shaped_model(2, 64, 4, 0, 32, 4); }
+
+/// 4 layers, h 32, ffn 48, s 24, b 2: enough layers for every recompute chunking.
+inline TransformerConfig small_model() { return shaped_model(4, 32, 4, 48, 24, 2); }
+
+/// small_model with s 32 and offload from 256 elements, so every group moves something.
+inline TransformerConfig offload_model() {
+  TransformerConfig c = shaped_model(4, 32, 4, 48, 32, 2);
+  c.min_offloaded_tensor_size = 256;
+  return c;
+}
+
+/// 40 steps of AdamW with a short warmup, no validation.
+inline TrainingConfig tiny_training() {
+  TrainingConfig t;
+  t.train_iters = 40;
+  t.lr = 3e-3;
+  t.min_lr = 3e-4;
+  t.lr_warmup_iters = 5;
+  t.eval_interval = 0;
+  return t;
+}
+
+}  // namespace actmem::testing
