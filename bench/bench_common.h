@@ -10,7 +10,7 @@
 
 namespace actmem::bench {
 
-/// The 4-layer model later issues compare strategies on: hidden 512, 8 heads, ffn 2048,
+/// The 4-layer model the benchmarks compare strategies on: hidden 512, 8 heads, ffn 2048,
 /// sequence 512, micro-batch 4 (the other fields keep their defaults).
 inline void use_reference_model(TransformerConfig& c) {
   c.num_layers = 4;

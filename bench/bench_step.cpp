@@ -1,5 +1,5 @@
 // bench_step.cpp — step time and tokens/s of the plain training step, for the default model and
-// the 4-layer hidden-512 model that later issues compare their strategies against.
+// the 4-layer hidden-512 model the strategy benchmarks compare against.
 //
 // Reference: the same model in PyTorch eager on the same libtorch (bench/eager_step.py; run both
 // with bench/compare_eager.sh). Validation: every step's loss must be finite. Timing: median of

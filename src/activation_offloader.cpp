@@ -313,14 +313,16 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
   }
 }
 
+std::shared_ptr<ActivationOffloader::Group> ActivationOffloader::offloaded_group(int index) const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  if (index < 0 || index >= static_cast<int>(groups_.size())) return nullptr;
+  const auto& g = groups_[static_cast<size_t>(index)];
+  return g->info.committed && g->info.offloads ? g : nullptr;
+}
+
 void ActivationOffloader::prefetch(int index) {
-  std::shared_ptr<Group> g;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (index < 0 || index >= static_cast<int>(groups_.size())) return;
-    g = groups_[index];
-  }
-  if (!g->info.committed || !g->info.offloads) return;
+  const std::shared_ptr<Group> g = offloaded_group(index);
+  if (!g) return;
   for (const auto& weak : g->entries) {
     auto entry = weak.lock();
     if (!entry) continue;
@@ -346,13 +348,8 @@ void ActivationOffloader::prefetch(int index) {
 }
 
 void ActivationOffloader::wait_group(int index) {
-  std::shared_ptr<Group> g;
-  {
-    std::lock_guard<std::mutex> lock(mutex_);
-    if (index < 0 || index >= static_cast<int>(groups_.size())) return;
-    g = groups_[index];
-  }
-  if (!g->info.committed || !g->info.offloads) return;
+  const std::shared_ptr<Group> g = offloaded_group(index);
+  if (!g) return;
   prefetch(index);
   const auto t0 = Clock::now();
   for (const auto& weak : g->entries) {
@@ -514,9 +511,11 @@ struct OffloadBackward {
 
 namespace {
 
-// Identity on x; its backward tells the offloader the group's backward is done (Megatron's
-// group start).
-struct GroupStartFunction : torch::autograd::Function<GroupStartFunction> {
+// Identity on its input; its backward tells the offloader the group's backward begins (at the
+// commit, Megatron's group commit: wait for the reload) or is done (at the start, Megatron's
+// group start: prefetch the next group backward needs).
+template <BackwardPoint kPoint>
+struct GroupBoundaryFunction : torch::autograd::Function<GroupBoundaryFunction<kPoint>> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const c10::IValue& handle, int64_t index) {
     ctx->saved_data["offloader"] = handle;
@@ -525,26 +524,16 @@ struct GroupStartFunction : torch::autograd::Function<GroupStartFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    OffloadBackward::start_backward(ctx);
+    if (kPoint == BackwardPoint::kCommit) {
+      OffloadBackward::commit_backward(ctx);
+    } else {
+      OffloadBackward::start_backward(ctx);
+    }
     return {grads[0], at::Tensor(), at::Tensor()};
   }
 };
-
-// Identity on y; its backward waits for the group's reload before the group's backward runs
-// (Megatron's group commit).
-struct GroupCommitFunction : torch::autograd::Function<GroupCommitFunction> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& y,
-                            const c10::IValue& handle, int64_t index) {
-    ctx->saved_data["offloader"] = handle;
-    ctx->saved_data["index"] = index;
-    return y.view_as(y);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    OffloadBackward::commit_backward(ctx);
-    return {grads[0], at::Tensor(), at::Tensor()};
-  }
-};
+using GroupStartFunction = GroupBoundaryFunction<BackwardPoint::kStart>;
+using GroupCommitFunction = GroupBoundaryFunction<BackwardPoint::kCommit>;
 
 }  // namespace
 

@@ -31,6 +31,23 @@ std::string join_set(const std::vector<std::string>& items) {
   return os.str();
 }
 
+// Resolves `names` through `table` into `out` (in order, each once); returns the unknown ones.
+template <typename Table, typename Enum>
+std::vector<std::string> resolve_names(const std::vector<std::string>& names, const Table& table,
+                                       std::vector<Enum>& out) {
+  std::vector<std::string> unknown;
+  for (const auto& n : names) {
+    bool found = false;
+    for (const auto& [e, name] : table) {
+      if (name != n) continue;
+      found = true;
+      if (std::find(out.begin(), out.end(), e) == out.end()) out.push_back(e);
+    }
+    if (!found) unknown.push_back(n);
+  }
+  return unknown;
+}
+
 template <typename Table, typename Enum>
 const char* name_in(const Table& table, Enum value) {
   for (const auto& [e, name] : table) {
@@ -100,17 +117,7 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
   if (plan.granularity == RecomputeGranularity::kSelective) {
     const std::vector<std::string> names =
         c.recompute_modules.value_or(std::vector<std::string>{"core_attn"});  // Megatron's default
-    std::vector<std::string> invalid;
-    for (const auto& n : names) {
-      if (const auto m = parse_recompute_module(n)) {
-        if (std::find(plan.recompute_modules.begin(), plan.recompute_modules.end(), *m) ==
-            plan.recompute_modules.end()) {
-          plan.recompute_modules.push_back(*m);
-        }
-      } else {
-        invalid.push_back(n);
-      }
-    }
+    const auto invalid = resolve_names(names, kRecomputeModuleNames, plan.recompute_modules);
     TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
                 "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
                 join_names(kRecomputeModuleNames));
@@ -164,17 +171,7 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
               "fine_grained_activation_offloading cannot be enabled with cpu_offloading.");
   TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name "
               "at least one module when fine_grained_activation_offloading is on");
-  std::vector<std::string> invalid;
-  for (const auto& n : c.offload_modules) {
-    if (const auto m = parse_offload_module(n)) {
-      if (std::find(plan.offload_modules.begin(), plan.offload_modules.end(), *m) ==
-          plan.offload_modules.end()) {
-        plan.offload_modules.push_back(*m);
-      }
-    } else {
-      invalid.push_back(n);
-    }
-  }
+  const auto invalid = resolve_names(c.offload_modules, kOffloadModuleNames, plan.offload_modules);
   TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
               join_set(invalid), ". Allowed modules are: ", join_names(kOffloadModuleNames));
   TORCH_CHECK(!plan.offloads(OffloadModule::kExpertFc1) && !plan.offloads(OffloadModule::kMoeAct),

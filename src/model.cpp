@@ -370,51 +370,43 @@ std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x)
   return mlp->forward(x);
 }
 
-// The attn_norm and mlp_norm offload groups start at the norm's input and commit after the
-// bias-dropout-add (which reads the residual, the norm's input), then release the residual
-// (Megatron's placement); they capture only what the norm saves.
-at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const LayerContext& ctx) {
+// One half of a layer, as Megatron's _forward_attention and _forward_mlp: a norm, its module and
+// the bias-dropout-add. The attn_norm and mlp_norm offload groups start at the norm's input and
+// commit after the bias-dropout-add (which reads the residual, the norm's input), then release
+// the residual (Megatron's placement); they capture only what the norm saves.
+at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const LayerContext& ctx,
+                                             const HalfLayer& half, const ModuleFn& module) {
   const bool train = is_training();
   ActivationOffloader* off = train ? ctx.offloader : nullptr;
-  OffloadRegion region(plan_.offloads(OffloadModule::kAttnNorm) ? off : nullptr,
-                       to_string(OffloadModule::kAttnNorm));
-  LayerNormStep norm(input_layernorm, plan_.discard_norm_outputs && train, off);
+  OffloadRegion region(plan_.offloads(half.group) ? off : nullptr, to_string(half.group));
+  LayerNormStep norm(half.norm, plan_.discard_norm_outputs && train, off);
   at::Tensor ln;
   {
-    ModuleScope scope("input_layernorm");
-    ln = norm(region.enter(hidden));
-    region.end_capture();
-  }
-  at::Tensor attn, bias;
-  {
-    ModuleScope scope("self_attention");
-    std::tie(attn, bias) = self_attention->forward(ln, ctx);
-  }
-  norm.finish(attn);
-  ModuleScope scope("self_attn_bda");
-  return region.commit(bias_dropout_add(attn, bias, hidden, hidden_dropout_, train), {hidden});
-}
-
-at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
-  const bool train = is_training();
-  ActivationOffloader* off = train ? ctx.offloader : nullptr;
-  OffloadRegion region(plan_.offloads(OffloadModule::kMlpNorm) ? off : nullptr,
-                       to_string(OffloadModule::kMlpNorm));
-  LayerNormStep norm(pre_mlp_layernorm, plan_.discard_norm_outputs && train, off);
-  at::Tensor ln;
-  {
-    ModuleScope scope("pre_mlp_layernorm");
+    ModuleScope scope(half.norm_name);
     ln = norm(region.enter(hidden));
     region.end_capture();
   }
   at::Tensor out, bias;
   {
-    ModuleScope scope("mlp");
-    std::tie(out, bias) = run_mlp(ln);
+    ModuleScope scope(half.module_name);
+    std::tie(out, bias) = module(ln);
   }
   norm.finish(out);
-  ModuleScope scope("mlp_bda");
+  ModuleScope scope(half.bda_name);
   return region.commit(bias_dropout_add(out, bias, hidden, hidden_dropout_, train), {hidden});
+}
+
+at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const LayerContext& ctx) {
+  return norm_module_bda(
+      hidden, ctx, {input_layernorm, OffloadModule::kAttnNorm, "input_layernorm", "self_attention",
+                    "self_attn_bda"},
+      [&](const at::Tensor& ln) { return self_attention->forward(ln, ctx); });
+}
+
+at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
+  return norm_module_bda(hidden, ctx, {pre_mlp_layernorm, OffloadModule::kMlpNorm,
+                                       "pre_mlp_layernorm", "mlp", "mlp_bda"},
+                         [&](const at::Tensor& ln) { return run_mlp(ln); });
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {

@@ -173,6 +173,8 @@ class ActivationOffloader final : public SavedTensorHook {
   void wait_group(int index);
   void release_forced(bool wait);
   const GroupInfo* group_info(int index) const;  // caller holds mutex_
+  /// Group `index` when it is committed and offloads, else null.
+  std::shared_ptr<Group> offloaded_group(int index) const;
 
   std::vector<std::shared_ptr<Entry>> pending_release_;  // forced tensors awaiting their copy
   int64_t min_elements_;

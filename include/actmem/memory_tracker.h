@@ -5,7 +5,7 @@
 // each block carries its size in a small header before the pointer, so frees are exact and
 // raw_allocate/raw_deallocate work.
 // On CUDA the same interface reads the caching allocator's allocated-bytes statistics.
-// Host-side offload buffers (later issues) are allocated outside this allocator on purpose.
+// Host-side offload buffers (copy_engine.h) are allocated outside this allocator on purpose.
 #pragma once
 
 #include <c10/core/Device.h>

@@ -20,6 +20,7 @@
 #include <torch/nn/module.h>
 
 #include <atomic>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -164,6 +165,16 @@ class TransformerLayer : public torch::nn::Module {
   // Megatron's _forward_attention and _forward_mlp: norm, module, bias-dropout-add.
   at::Tensor forward_attention(const at::Tensor& hidden, const LayerContext& ctx);
   at::Tensor forward_mlp(const at::Tensor& hidden, const LayerContext& ctx);
+  struct HalfLayer {
+    std::shared_ptr<Norm> norm;
+    OffloadModule group;  // the norm's fine-grained offload group
+    const char* norm_name;
+    const char* module_name;
+    const char* bda_name;
+  };
+  using ModuleFn = std::function<std::pair<at::Tensor, at::Tensor>(const at::Tensor&)>;
+  at::Tensor norm_module_bda(const at::Tensor& hidden, const LayerContext& ctx,
+                             const HalfLayer& half, const ModuleFn& module);
   // The MLP itself, in a checkpoint under selective "mlp"; returns its output and fc2's bias.
   std::pair<at::Tensor, at::Tensor> run_mlp(const at::Tensor& x);
   int64_t layer_number_;
