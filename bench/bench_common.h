@@ -2,6 +2,7 @@
 // how they report an error.
 #pragma once
 
+#include "actmem/blas_kernels.h"
 #include "actmem/config.h"
 
 #include <c10/util/Exception.h>
@@ -20,6 +21,10 @@ inline void use_reference_model(TransformerConfig& c) {
   c.seq_length = 512;
   c.micro_batch_size = 4;
 }
+
+/// The kernels the BLAS runs (Note [BLAS kernel choice]): a line on stderr at start-up, so every
+/// benchmark's numbers say which kernels produced them.
+inline void print_blas() { std::cerr << blas_report().summary() << std::endl; }
 
 /// One line on stderr and exit status 1, as `actmem` does.
 inline int report(const c10::Error& e) {

@@ -20,7 +20,7 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
-  actmem::ensure_passive_openmp_wait(argv);
+  actmem::prepare_process(argv);
   CLI::App app{"bench_offload: step-time overhead and overlap of CPU offload"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);
@@ -36,6 +36,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "Intra-op threads (default: one per core)");
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
+  actmem::bench::print_blas();
   try {
     o.finalize();
     actmem::apply_thread_count(o.threads);

@@ -92,7 +92,7 @@ double time_core_attention(const actmem::TransformerConfig& c, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::ensure_passive_openmp_wait(argv);
+  actmem::prepare_process(argv);
   CLI::App app{"bench_recompute: step time and activation memory of every recompute strategy"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);
@@ -104,6 +104,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", o.threads, "Intra-op threads (default: one per core)");
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
+  actmem::bench::print_blas();
   try {
     o.finalize();
     actmem::apply_thread_count(o.threads);

@@ -36,7 +36,7 @@ std::vector<Preset> presets() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::ensure_passive_openmp_wait(argv);
+  actmem::prepare_process(argv);
   CLI::App app{"bench_step: plain training-step time of actmem's GPT model"};
   std::string which = "all", json_path;
   int iters = 5, warmup = 2, threads = 0;
@@ -46,6 +46,7 @@ int main(int argc, char** argv) {
   app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
+  actmem::bench::print_blas();
 
   try {
     const int n_threads = actmem::apply_thread_count(threads);
@@ -80,7 +81,8 @@ int main(int argc, char** argv) {
                           {"tokens_per_s", tokens / step},
                           {"peak_device_bytes", last.peak_device_bytes},
                           {"activation_bytes", last.activation_bytes},
-                          {"activation_peak_bytes", last.activation_peak_bytes}};
+                          {"activation_peak_bytes", last.activation_peak_bytes},
+                          {"blas", actmem::blas_report().to_json()}};
       std::cerr << preset.name << ": " << step * 1e3 << " ms/step, " << tokens / step
                 << " tokens/s, activations " << actmem::format_bytes(last.activation_bytes)
                 << "\n";

@@ -1,6 +1,8 @@
 // environment.cpp — available_cores and runtime_info.
 #include "actmem/environment.h"
 
+#include "actmem/blas_kernels.h"
+
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 #include <torch/version.h>
@@ -36,6 +38,7 @@ nlohmann::json runtime_info() {
 #endif
       {"cores", available_cores()},
       {"threads", at::get_num_threads()},
+      {"blas", blas_report().to_json()},
   };
 }
 

@@ -10,7 +10,8 @@ namespace actmem {
 /// The cores this process may run on (its CPU affinity mask), at least 1.
 int available_cores();
 
-/// {"actmem": version, "libtorch": version, "cuda": bool, "cores": n, "threads": n}.
+/// {"actmem": version, "libtorch": version, "cuda": bool, "cores": n, "threads": n,
+///  "blas": the BLAS kernel report (blas_kernels.h)}.
 nlohmann::json runtime_info();
 
 }  // namespace actmem

@@ -2,6 +2,8 @@
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
 #include "actmem/activation_plan.h"
+#include "actmem/blas_kernels.h"
+#include "actmem/environment.h"
 #include "actmem/output_file.h"
 #include "actmem/plot.h"
 #include "actmem/train_options.h"
@@ -155,13 +157,14 @@ int run(CompareOptions& o) {
             << m.num_attention_heads << " heads, seq " << m.seq_length << ", micro-batch "
             << m.micro_batch_size << ", dropout " << m.attention_dropout << "/" << m.hidden_dropout
             << "; " << o.warmup << " warm-up + " << o.iters << " timed steps each, same seed, "
-            << at::get_num_threads() << " threads\n\n"
+            << at::get_num_threads() << " threads\n"
+            << blas_report().summary() << "\n\n"
             << std::left << std::setw(36) << "strategy" << std::right << std::setw(13)
             << "activations" << std::setw(13) << "predicted" << std::setw(9) << "error"
             << std::setw(13) << "act. peak" << std::setw(12) << "step ratio" << std::setw(15)
             << "range" << std::setw(15) << "bitwise equal\n";
   nlohmann::json out = {{"warmup_steps", o.warmup}, {"timed_steps", o.iters},
-                        {"threads", at::get_num_threads()},
+                        {"threads", at::get_num_threads()}, {"runtime", runtime_info()},
                         {"strategies", nlohmann::json::array()}};
   for (size_t i = 0; i < n; ++i) {
     const auto& st = last[i];

@@ -2,6 +2,7 @@
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
 #include "actmem/activation_plan.h"
+#include "actmem/blas_kernels.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
@@ -83,7 +84,8 @@ int run(InspectOptions& o) {
   std::cout << "actmem inspect: activations saved by one forward (s=" << c.seq_length
             << " b=" << c.micro_batch_size << " h=" << c.hidden_size
             << " a=" << c.num_attention_heads << "; sbh = " << static_cast<int64_t>(sbh)
-            << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n\n";
+            << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n"
+            << blas_report().summary() << "\n\n";
   std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"
             << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)
             << "Korthikanti" << "\n";

@@ -47,13 +47,18 @@ std::vector<std::string> last_occurrence_wins(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::ensure_passive_openmp_wait(argv);
+  actmem::prepare_process(argv);
   CLI::App app{"actmem: train transformers on libtorch with managed activation memory"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return "error: " + std::string(e.what()) + " (run with --help for usage)\n";
   });
+  // Decided by prepare_process() before the BLAS was used (Note [BLAS kernel choice]); accepted
+  // here and after every subcommand so that it can be given anywhere.
+  bool no_blas_kernel_choice = false;
+  app.add_flag("--no-blas-kernel-choice", no_blas_kernel_choice,
+               "Keep the BLAS kernels OpenBLAS detected (also ACTMEM_BLAS_KERNEL_CHOICE=off)");
   const std::vector<actmem::cli::Runner> commands = {
       actmem::cli::add_train_command(app),
       actmem::cli::add_estimate_command(app),
@@ -62,6 +67,7 @@ int main(int argc, char** argv) {
       actmem::cli::add_launch_command(app),
       actmem::cli::add_dist_check_command(app),
   };
+  for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) sub->fallthrough();
   try {
     std::vector<std::string> args = last_occurrence_wins(argc, argv);
     std::reverse(args.begin(), args.end());  // CLI11 takes its argument list reversed

@@ -1,4 +1,5 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
+#include "actmem/blas_kernels.h"
 #include "actmem/distributed.h"
 #include "actmem/environment.h"
 #include "actmem/output_file.h"
@@ -52,7 +53,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << " (" << corpus.train.numel() << " train / " << corpus.valid.numel()
       << " validation tokens" << (corpus.memory_mapped ? ", memory-mapped" : "") << ") | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
-      << memory_settings(model.plan(), t) << "\n";
+      << memory_settings(model.plan(), t) << "\n"
+      << "  " << blas_report().summary() << "\n";
   if (m.tensor_model_parallel_size > 1) {
     out << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
         << (m.sequence_parallel ? " with sequence parallelism" : "")
