@@ -6,6 +6,7 @@
 #include "actmem/memory_model.h"
 #include "actmem/output_file.h"
 #include "actmem/trainer.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -274,14 +275,7 @@ TEST(Corpus, EndlessOrSizelessFilesAreBounded) {
 
 TEST(MemoryPreCheck, CountsEverythingTheRunAllocates) {
   // The estimate is an upper bound of the measured peak for every kind of model and strategy.
-  std::vector<TransformerConfig> configs(6);
-  for (auto& c : configs) {
-    c.num_layers = 2;
-    c.hidden_size = 64;
-    c.num_attention_heads = 4;
-    c.seq_length = 64;
-    c.micro_batch_size = 2;
-  }
+  std::vector<TransformerConfig> configs(6, actmem::testing::shaped_model(2, 64, 4, 0, 64, 2));
   configs[1].gated_linear_unit = true;
   configs[1].normalization = "RMSNorm";
   configs[2].untie_embeddings_and_output_weights = true;
@@ -311,12 +305,7 @@ TEST(MemoryPreCheck, CountsEverythingTheRunAllocates) {
 // ---- divergence stops the run -------------------------------------------------------------------
 
 TEST(Divergence, ANonFiniteLossOrGradientNormStopsBeforeTheOptimizerStep) {
-  TransformerConfig m;
-  m.num_layers = 1;
-  m.hidden_size = 32;
-  m.num_attention_heads = 2;
-  m.seq_length = 16;
-  m.micro_batch_size = 2;
+  const TransformerConfig m = actmem::testing::shaped_model(1, 32, 2, 0, 16, 2);
   TrainingConfig t;
   t.lr = 1e30;
   t.lr_warmup_iters = 0;
