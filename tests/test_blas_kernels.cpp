@@ -147,7 +147,7 @@ TEST(BlasProbe, ChildVerdictsSurviveCrashesHangsAndWrongKernels) {
 // The program, through the seam that fakes what detection picked (ACTMEM_BLAS_FAKE_CORE), with
 // its own verdict cache.
 nlohmann::json blas_record(const std::string& env, const std::string& cache) {
-  const std::string log = ::testing::TempDir() + "blas_record.jsonl";
+  const std::string log = cache + ".jsonl";  // one per test: ctest runs them side by side
   const std::string cmd = "env -u OPENBLAS_CORETYPE XDG_CACHE_HOME=" + cache + " " + env + " " +
                           std::string(ACTMEM_BINARY) +
                           " train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
