@@ -499,7 +499,9 @@ GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype)
 
 GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType dtype)
     : config_(config), plan_(std::move(plan)) {
-  config_.validate();
+  // The plan replaces the config's recompute and offload flags, so only the shape is checked
+  // here (a plan from make_activation_plan() was checked against the flags already).
+  config_.validate_shape();
   check_activation_plan(config_, plan_);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
               "actmem::GPTModel: expected dtype float or double, got ", dtype);

@@ -19,24 +19,22 @@ namespace actmem {
 namespace {
 // CLI11's own checks accept "inf" as a positive number and let integers wrap or saturate; these
 // say what is expected and refuse both.
-const CLI::Validator kPositive(
-    [](std::string& text) -> std::string {
-      double v = 0.0;
-      if (!CLI::detail::lexical_cast(text, v) || !(v > 0.0) || !std::isfinite(v)) {
-        return "expected a positive number, got '" + text + "'";
-      }
-      return {};
-    },
-    "POSITIVE");
-const CLI::Validator kNonNegative(
-    [](std::string& text) -> std::string {
-      double v = 0.0;
-      if (!CLI::detail::lexical_cast(text, v) || !(v >= 0.0) || !std::isfinite(v)) {
-        return "expected a non-negative number, got '" + text + "'";
-      }
-      return {};
-    },
-    "NONNEGATIVE");
+// A finite number above zero, or at least zero.
+CLI::Validator finite_number(bool zero_allowed) {
+  const std::string expected = zero_allowed ? "a non-negative number" : "a positive number";
+  return CLI::Validator(
+      [zero_allowed, expected](std::string& text) -> std::string {
+        double v = 0.0;
+        if (!CLI::detail::lexical_cast(text, v) || !std::isfinite(v) || v < 0.0 ||
+            (v == 0.0 && !zero_allowed)) {
+          return "expected " + expected + ", got '" + text + "'";
+        }
+        return {};
+      },
+      zero_allowed ? "NONNEGATIVE" : "POSITIVE");
+}
+const CLI::Validator kPositive = finite_number(false);
+const CLI::Validator kNonNegative = finite_number(true);
 }  // namespace
 
 const CLI::Validator& positive_number_validator() { return kPositive; }

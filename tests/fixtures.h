@@ -5,6 +5,9 @@
 #include "actmem/config.h"
 
 #include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
 
 namespace actmem::testing {
 
@@ -34,6 +37,35 @@ inline TransformerConfig offload_model() {
   c.min_offloaded_tensor_size = 256;
   return c;
 }
+
+/// The recompute strategies the predictor and plan tests sweep: keep everything, each selective
+/// module and all of them, full uniform and block.
+inline const std::pair<const char*, void (*)(TransformerConfig&)> kRecomputePolicies[] = {
+    {"plain", [](TransformerConfig&) {}},
+    {"core_attn", [](TransformerConfig& c) { c.recompute_granularity = "selective"; }},
+    {"mlp", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"mlp"};
+     }},
+    {"layernorm", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"layernorm"};
+     }},
+    {"all", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
+     }},
+    {"uniform2", [](TransformerConfig& c) {
+       c.recompute_granularity = "full";
+       c.recompute_method = "uniform";
+       c.recompute_num_layers = 2;
+     }},
+    {"block1", [](TransformerConfig& c) {
+       c.recompute_granularity = "full";
+       c.recompute_method = "block";
+       c.recompute_num_layers = 1;
+     }},
+};
 
 /// 40 steps of AdamW with a short warmup, no validation.
 inline TrainingConfig tiny_training() {

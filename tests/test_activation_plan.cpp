@@ -90,13 +90,9 @@ void expect_layers_agree(GPTModel& model, const std::string& what) {
   }
 }
 
-const std::pair<const char*, void (*)(TransformerConfig&)> kFlagPlans[] = {
-    {"keep everything", [](TransformerConfig&) {}},
-    {"selective core_attn", [](TransformerConfig& c) { c.recompute_granularity = "selective"; }},
-    {"selective mlp layernorm", [](TransformerConfig& c) {
-       c.recompute_granularity = "selective";
-       c.recompute_modules = std::vector<std::string>{"mlp", "layernorm"};
-     }},
+// Beyond the shared sweep: the chunkings that shape the plan most (one layer per chunk, a clamped
+// tail, a block of two).
+const std::pair<const char*, void (*)(TransformerConfig&)> kMoreChunkings[] = {
     {"full uniform 1", [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
@@ -115,8 +111,12 @@ const std::pair<const char*, void (*)(TransformerConfig&)> kFlagPlans[] = {
 };
 
 TEST(ActivationPlan, ModelAndPredictorAgreeLayerByLayerForEveryFlagPlan) {
+  std::vector<std::pair<const char*, void (*)(TransformerConfig&)>> plans(
+      std::begin(actmem::testing::kRecomputePolicies),
+      std::end(actmem::testing::kRecomputePolicies));
+  plans.insert(plans.end(), std::begin(kMoreChunkings), std::end(kMoreChunkings));
   for (const bool variant : {false, true}) {
-    for (const auto& [name, apply] : kFlagPlans) {
+    for (const auto& [name, apply] : plans) {
       TransformerConfig c = actmem::testing::small_model();
       if (variant) {
         c.normalization = "RMSNorm";

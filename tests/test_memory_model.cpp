@@ -154,37 +154,12 @@ const Shape kShapes[] = {
      }},
 };
 
-const std::pair<const char*, void (*)(TransformerConfig&)> kPolicies[] = {
-    {"plain", [](TransformerConfig&) {}},
-    {"core_attn", [](TransformerConfig& c) { c.recompute_granularity = "selective"; }},
-    {"mlp", [](TransformerConfig& c) {
-       c.recompute_granularity = "selective";
-       c.recompute_modules = std::vector<std::string>{"mlp"};
-     }},
-    {"layernorm", [](TransformerConfig& c) {
-       c.recompute_granularity = "selective";
-       c.recompute_modules = std::vector<std::string>{"layernorm"};
-     }},
-    {"all", [](TransformerConfig& c) {
-       c.recompute_granularity = "selective";
-       c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
-     }},
-    {"uniform2", [](TransformerConfig& c) {
-       c.recompute_granularity = "full";
-       c.recompute_method = "uniform";
-       c.recompute_num_layers = 2;
-     }},
-    {"block1", [](TransformerConfig& c) {
-       c.recompute_granularity = "full";
-       c.recompute_method = "block";
-       c.recompute_num_layers = 1;
-     }},
-};
+using actmem::testing::kRecomputePolicies;
 
 class PredictorSweep : public ::testing::TestWithParam<Shape> {};
 
 TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
-  for (const auto& [policy, apply] : kPolicies) {
+  for (const auto& [policy, apply] : kRecomputePolicies) {
     TransformerConfig c = sweep_base();
     GetParam().apply(c);
     apply(c);
