@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <optional>
 #include <iostream>
 
 namespace {
@@ -38,12 +39,15 @@ std::vector<Preset> presets() {
 int main(int argc, char** argv) {
   actmem::prepare_process(argv);
   CLI::App app{"bench_step: plain training-step time of actmem's GPT model"};
-  std::string which = "all", json_path;
+  std::string which = "all", json_path, precision = "fp32";
   int iters = 5, warmup = 2, threads = 0;
   app.add_option("--config", which, "default, 4x512 or all")->capture_default_str();
   app.add_option("--iters", iters, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
+  app.add_option("--precision", precision,
+                 "fp32, bf16, or both (each model at fp32 then bf16, with the bf16/fp32 ratios)")
+      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "both"}));
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
   actmem::bench::print_blas();
@@ -51,42 +55,64 @@ int main(int argc, char** argv) {
   try {
     const int n_threads = actmem::apply_thread_count(threads);
     nlohmann::json results = nlohmann::json::array();
+    std::vector<std::string> precisions;
+    if (precision != "bf16") precisions.push_back("fp32");
+    if (precision != "fp32") precisions.push_back("bf16");
     for (const auto& preset : presets()) {
       if (which != "all" && which != preset.name) continue;
-      actmem::TrainingConfig training;
-      training.train_iters = warmup + iters;
-      training.eval_interval = 0;
-      actmem::Trainer trainer(preset.model, training);
-      std::vector<double> times;
-      actmem::IterationStats last;
-      for (int i = 0; i < warmup + iters; ++i) {
-        last = trainer.train_step(/*compute_digest=*/false);
-        TORCH_CHECK(std::isfinite(last.loss), "bench_step: non-finite loss at step ", i + 1);
-        if (i >= warmup) times.push_back(last.step_time_s);
+      std::optional<nlohmann::json> fp32_result;
+      for (const auto& prec : precisions) {
+        actmem::TrainingConfig training;
+        training.train_iters = warmup + iters;
+        training.eval_interval = 0;
+        actmem::TransformerConfig model = preset.model;
+        model.bf16 = prec == "bf16";
+        model.attention_softmax_in_fp32 = model.bf16;
+        actmem::Trainer trainer(model, training);
+        std::vector<double> times;
+        actmem::IterationStats last;
+        for (int i = 0; i < warmup + iters; ++i) {
+          last = trainer.train_step(/*compute_digest=*/false);
+          TORCH_CHECK(std::isfinite(last.loss), "bench_step: non-finite loss at step ", i + 1);
+          if (i >= warmup) times.push_back(last.step_time_s);
+        }
+        const auto& m = model;
+        const double step = actmem::median(times);
+        const double tokens = static_cast<double>(m.seq_length * m.micro_batch_size);
+        nlohmann::json r = {{"config", preset.name},
+                            {"precision", prec},
+                            {"num_layers", m.num_layers},
+                            {"hidden_size", m.hidden_size},
+                            {"num_attention_heads", m.num_attention_heads},
+                            {"ffn_hidden_size", m.ffn()},
+                            {"seq_length", m.seq_length},
+                            {"micro_batch_size", m.micro_batch_size},
+                            {"threads", n_threads},
+                            {"iters", iters},
+                            {"step_time_s", step},
+                            {"step_time_min_s", *std::min_element(times.begin(), times.end())},
+                            {"tokens_per_s", tokens / step},
+                            {"peak_device_bytes", last.peak_device_bytes},
+                            {"activation_bytes", last.activation_bytes},
+                            {"activation_peak_bytes", last.activation_peak_bytes},
+                            {"blas", actmem::blas_report().to_json()}};
+        std::cerr << preset.name << " " << prec << ": " << step * 1e3 << " ms/step, "
+                  << tokens / step << " tokens/s, activations "
+                  << actmem::format_bytes(last.activation_bytes) << ", peak "
+                  << actmem::format_bytes(last.peak_device_bytes) << "\n";
+        if (prec == "fp32") fp32_result = r;
+        if (prec == "bf16" && fp32_result) {
+          // Ratios against the fp32 run of the same model in this process.
+          r["step_time_ratio_vs_fp32"] = step / (*fp32_result)["step_time_s"].get<double>();
+          r["activation_bytes_ratio_vs_fp32"] =
+              static_cast<double>(last.activation_bytes) /
+              (*fp32_result)["activation_bytes"].get<double>();
+          std::cerr << preset.name << " bf16/fp32: step time x"
+                    << r["step_time_ratio_vs_fp32"].get<double>() << ", activations x"
+                    << r["activation_bytes_ratio_vs_fp32"].get<double>() << "\n";
+        }
+        results.push_back(r);
       }
-      const auto& m = preset.model;
-      const double step = actmem::median(times);
-      const double tokens = static_cast<double>(m.seq_length * m.micro_batch_size);
-      nlohmann::json r = {{"config", preset.name},
-                          {"num_layers", m.num_layers},
-                          {"hidden_size", m.hidden_size},
-                          {"num_attention_heads", m.num_attention_heads},
-                          {"ffn_hidden_size", m.ffn()},
-                          {"seq_length", m.seq_length},
-                          {"micro_batch_size", m.micro_batch_size},
-                          {"threads", n_threads},
-                          {"iters", iters},
-                          {"step_time_s", step},
-                          {"step_time_min_s", *std::min_element(times.begin(), times.end())},
-                          {"tokens_per_s", tokens / step},
-                          {"peak_device_bytes", last.peak_device_bytes},
-                          {"activation_bytes", last.activation_bytes},
-                          {"activation_peak_bytes", last.activation_peak_bytes},
-                          {"blas", actmem::blas_report().to_json()}};
-      std::cerr << preset.name << ": " << step * 1e3 << " ms/step, " << tokens / step
-                << " tokens/s, activations " << actmem::format_bytes(last.activation_bytes)
-                << "\n";
-      results.push_back(r);
     }
     std::cout << results.dump(2) << std::endl;
     if (!json_path.empty()) std::ofstream(json_path) << results.dump(2) << "\n";

@@ -58,6 +58,9 @@ void TransformerConfig::validate_shape() const {
               "positive, got ", init_method_std);
   TORCH_CHECK(seed >= 1 && seed <= kMaxSeed, "actmem::TransformerConfig: seed must be in [1, ",
               kMaxSeed, "] (Megatron requires seed > 0), got ", seed);
+  // Megatron's arguments.py: "assert not args.bf16" under fp16, and the converse.
+  TORCH_CHECK(!(bf16 && fp16), "actmem::TransformerConfig: bf16 and fp16 are exclusive; choose "
+              "one of --bf16 and --fp16");
   // Tensor and sequence parallelism (docs/parallelism.md): heads, the MLP's columns and, with
   // sequence parallelism, the sequence are split evenly across the t ranks.
   const int64_t t = tensor_model_parallel_size;
@@ -98,6 +101,10 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights},
       {"init_method_std", c.init_method_std},
       {"seed", c.seed},
+      {"precision", c.precision()},
+      {"bf16", c.bf16},
+      {"fp16", c.fp16},
+      {"attention_softmax_in_fp32", c.attention_softmax_in_fp32},
       {"tensor_model_parallel_size", c.tensor_model_parallel_size},
       {"pipeline_model_parallel_size", c.pipeline_model_parallel_size},
       {"sequence_parallel", c.sequence_parallel},
@@ -146,6 +153,25 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               adam_beta1, " and ", adam_beta2);
   TORCH_CHECK(adam_eps > 0.0, "actmem::TrainingConfig: adam_eps must be positive, got ", adam_eps);
   TORCH_CHECK(clip_grad >= 0.0, "actmem::TrainingConfig: clip_grad must be >= 0, got ", clip_grad);
+  // Mixed precision (Megatron's arguments.py and optimizer/__init__.py).
+  TORCH_CHECK(!(model.bf16 && accumulate_allreduce_grads_in_fp32 == false),
+              "actmem::TrainingConfig: bf16 accumulates and reduces gradients in fp32 (Megatron "
+              "forces accumulate_allreduce_grads_in_fp32 with bf16); it cannot be turned off");
+  TORCH_CHECK(!accumulate_allreduce_grads_in_fp32.value_or(false) || model.bf16 || model.fp16,
+              "actmem::TrainingConfig: accumulate_allreduce_grads_in_fp32 applies to --bf16 or "
+              "--fp16 (fp32 training already accumulates in fp32)");
+  TORCH_CHECK(!loss_scale || model.bf16 || model.fp16, "actmem::TrainingConfig: loss_scale "
+              "applies to --fp16 or --bf16 training");
+  TORCH_CHECK(!loss_scale || (*loss_scale > 0.0 && std::isfinite(*loss_scale)),
+              "actmem::TrainingConfig: loss_scale must be positive and finite, got ",
+              loss_scale.value_or(0.0));
+  TORCH_CHECK(initial_loss_scale > 0.0 && std::isfinite(initial_loss_scale) &&
+                  min_loss_scale > 0.0 && min_loss_scale <= initial_loss_scale,
+              "actmem::TrainingConfig: the dynamic loss scale needs 0 < min_loss_scale <= "
+              "initial_loss_scale (finite), got ", min_loss_scale, " and ", initial_loss_scale);
+  TORCH_CHECK(loss_scale_window >= 1 && hysteresis >= 1, "actmem::TrainingConfig: "
+              "loss_scale_window and hysteresis must be at least 1, got ", loss_scale_window,
+              " and ", hysteresis);
   TORCH_CHECK(eval_interval >= 0, "actmem::TrainingConfig: eval_interval must be >= 0, got ",
               eval_interval);
   TORCH_CHECK(eval_iters > 0, "actmem::TrainingConfig: eval_iters must be positive, got ",
@@ -179,6 +205,14 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"adam_beta2", t.adam_beta2},
       {"adam_eps", t.adam_eps},
       {"clip_grad", t.clip_grad},
+      {"accumulate_allreduce_grads_in_fp32",
+       t.accumulate_allreduce_grads_in_fp32 ? nlohmann::json(*t.accumulate_allreduce_grads_in_fp32)
+                                            : nlohmann::json(nullptr)},
+      {"loss_scale", t.loss_scale ? nlohmann::json(*t.loss_scale) : nlohmann::json(nullptr)},
+      {"initial_loss_scale", t.initial_loss_scale},
+      {"min_loss_scale", t.min_loss_scale},
+      {"loss_scale_window", t.loss_scale_window},
+      {"hysteresis", t.hysteresis},
       {"eval_interval", t.eval_interval},
       {"eval_iters", t.eval_iters},
       {"log_interval", t.log_interval},

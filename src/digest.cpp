@@ -69,4 +69,10 @@ std::string grad_digest(const std::vector<at::Tensor>& params) {
   return d.hex();
 }
 
+std::string digest_of(const std::vector<at::Tensor>& tensors) {
+  Digest d;
+  for (const auto& t : tensors) d.update(t);
+  return d.hex();
+}
+
 }  // namespace actmem

@@ -21,11 +21,19 @@ PaperShape shape(double s, double b, double h, double a, double L, double ffn, d
   return m;
 }
 
+// SwiGLU with untied embeddings, as the Llama-style models of that size.
+PaperShape seven_b() {
+  PaperShape m = shape(4096, 2, 4096, 32, 32, 14336, 32000, 2, 2, true);
+  m.swiglu = true;
+  m.untied = true;
+  return m;
+}
+
 const std::map<std::string, PaperShape>& presets() {
   static const std::map<std::string, PaperShape> table = {
       // A 7B worked example (docs/memory-model.md): s=4096, b=2, h=4096, a=32, L=32,
       // ffn=14336 (SwiGLU), TP=2 with SP, PP=2 (16 layers per stage). Vocabulary 32000.
-      {"7b", shape(4096, 2, 4096, 32, 32, 14336, 32000, 2, 2, true)},
+      {"7b", seven_b()},
       // Korthikanti et al. Table 3 (s = 2048, v = 51200, ffn = 4h), with SP as in the paper.
       {"22b", shape(2048, 4, 6144, 64, 48, 4 * 6144, 51200, 8, 1, true)},
       {"175b", shape(2048, 1, 12288, 96, 96, 4 * 12288, 51200, 8, 8, true, 3.0)},
@@ -101,6 +109,26 @@ double megatron_activation_memory_without_sp(const PaperShape& m) {
   return a * 1.05;
 }
 
+WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
+  TORCH_CHECK(m.h > 0 && m.L > 0 && m.v > 0 && m.ffn > 0 && m.t >= 1 && m.p >= 1 && m.d >= 1,
+              "actmem::megatron_weight_and_optimizer_memory: sizes must be positive, t, p, d >= 1");
+  const double gated = m.swiglu ? 1.5 : 1.0;
+  // 2Lh^2 (attention 2 + MLP 2 ffn/h x gated + norms 2/h + final norm 1/(Lh)); query groups = a.
+  const double layers = 2.0 * m.L * m.h * m.h *
+                        (2.0 + (m.ffn / m.h) * gated + 2.0 / m.h + 1.0 / (m.L * m.h));
+  const double embedding = m.h * m.v;
+  WeightMemory w;
+  w.parameters = layers + (m.untied ? 2.0 : 1.0) * embedding;
+  w.parameters_on_rank = (layers / m.p + embedding) / m.t;
+  if (m.untied && m.p == 1) w.parameters_on_rank += embedding / m.t;
+  const double n = w.parameters_on_rank;
+  w.weight_bytes = 2.0 * n;
+  w.gradient_bytes = 4.0 * n;  // fp32 main grads, on every data-parallel rank
+  w.optimizer_bytes = (m.distributed_optimizer ? 12.0 / m.d : 12.0) * n;
+  w.bytes_per_parameter = m.distributed_optimizer ? 6.0 + 12.0 / m.d : 18.0;
+  return w;
+}
+
 double offload_round_trip_seconds(double bytes, double gbps) {
   TORCH_CHECK(gbps > 0, "actmem::offload_round_trip_seconds: bandwidth must be positive, got ", gbps);
   return 2.0 * bytes / (gbps * 1e9);
@@ -135,6 +163,47 @@ double korthikanti_module_bytes(const std::string& path, const TransformerConfig
   return -1.0;
 }
 
+ModuleExtra module_bytes_beyond_paper(const std::string& path, const TransformerConfig& c,
+                                      bool cpu) {
+  auto ends_with = [&path](const std::string& suffix) {
+    return path.size() >= suffix.size() &&
+           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+           (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
+  };
+  const int64_t e = c.element_bytes(), up = e == 2 ? 4 : e;
+  const int64_t t = c.tensor_model_parallel_size;
+  const int64_t sb = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
+                                         : c.seq_length * c.micro_batch_size;
+  const int64_t sbh_t = c.seq_length * c.micro_batch_size * c.hidden_size / t;
+  const int64_t sbf_t = c.seq_length * c.micro_batch_size * c.ffn() / t;
+  const int64_t as2b_t =
+      c.num_attention_heads * c.seq_length * c.seq_length * c.micro_batch_size / t;
+  ModuleExtra x;
+  auto add = [&x](int64_t bytes, const std::string& what) {
+    x.bytes += bytes;
+    x.what += (x.what.empty() ? "" : "; ") + what;
+  };
+  if (ends_with("input_layernorm") || ends_with("pre_mlp_layernorm")) {
+    if (c.use_rmsnorm()) {
+      add(sb * up, "RMSNorm's rstd [s, b, 1] in " + std::string(up == 4 ? "fp32" : "the dtype"));
+    } else {
+      const int64_t stat = cpu ? e : up;
+      add(2 * sb * stat, std::string("LayerNorm's mean and rstd [s, b, 1] in ") +
+                             (stat == e ? c.precision() : "fp32"));
+    }
+  } else if (ends_with("self_attention.core_attention")) {
+    if (c.use_rope()) add(2 * sbh_t * e, "RoPE's rotated q and k");
+    if (c.attention_dropout == 0.0) {
+      add(-(as2b_t + as2b_t * e), "no attention dropout: no mask, no dropped probabilities");
+    }
+  } else if (ends_with("mlp.activation_func")) {
+    if (c.gated_linear_unit) add(2 * sbf_t * e, "SwiGLU: fc1's output is 2f wide, plus silu's output");
+  } else if (ends_with("self_attn_bda") || ends_with("mlp_bda")) {
+    if (c.hidden_dropout == 0.0) add(-sb * c.hidden_size, "no hidden dropout: no mask");
+  }
+  return x;
+}
+
 // ---- the exact predictor ----------------------------------------------------------------------
 
 int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
@@ -150,7 +219,8 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 }
 
 // Note [What this model saves] (read off the activation ledger, `actmem inspect --records`;
-// e = dtype bytes, masks 1 byte, mean/rstd in the dtype):
+// e = dtype bytes, masks 1 byte, mean/rstd in the dtype; at 16 bits the loss's values and
+// RMSNorm's rstd are fp32, and so are LayerNorm's mean/rstd on CUDA — 2 bytes on CPU):
 //   embedding            dropout mask sbh                           (if hidden_dropout > 0)
 //   input_layernorm      input sbh·e + mean, rstd 2·sb·e (LayerNorm) | input + rstd sb·e (RMSNorm)
 //   linear_qkv           its input (the norm output) sbh·e
@@ -179,8 +249,15 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
               "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
               " layers, the config ", c.num_layers);
-  TORCH_CHECK(e == 4 || e == 8, "actmem::predict_activation_bytes: dtype_bytes must be 4 or 8, got ",
-              e);
+  if (e == 0) e = c.element_bytes();
+  TORCH_CHECK(e == 2 || e == 4 || e == 8, "actmem::predict_activation_bytes: dtype_bytes must be "
+              "2, 4 or 8 (or 0 for the config's precision), got ", e);
+  // Upcast values (Note [What this model saves]): fp32 at 16 bits, the dtype otherwise.
+  const int64_t up = e == 2 ? 4 : e;
+  // LayerNorm's mean and rstd: libtorch's CPU kernel keeps them in the input's type, the CUDA
+  // kernel in fp32 at 16 bits (its accumulate type). RMSNorm (ours) keeps rstd upcast.
+  const bool cpu = snapshots_on_device;
+  const int64_t ln_stat = cpu ? e : up;
   const int64_t s = c.seq_length, b = c.micro_batch_size, h = c.hidden_size;
   const int64_t a = c.num_attention_heads, f = c.ffn(), v = c.vocab_size;
   // Per tensor-parallel rank: heads and MLP columns are split t ways; with sequence parallelism
@@ -193,7 +270,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   const int64_t sbh_t = sbh_full / t, sbf = s * b * f / t, as2b = a * s * s * b / t;
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
   const int64_t snapshot = checkpoint_snapshot_bytes(snapshots_on_device);
-  const int64_t norm_stats = c.use_rmsnorm() ? sb * e : 2 * sb * e;
+  const int64_t norm_stats = c.use_rmsnorm() ? sb * up : 2 * sb * ln_stat;
 
   PredictedBytes p;
   auto add = [&p](const std::string& module, int64_t bytes) {
@@ -250,8 +327,9 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   add("decoder.final_layernorm", sbh * e + norm_stats);
   add("output_layer", sbh_full * e);  // the gathered [s, b, h] input of the replicated layer
   // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.
-  add("loss", s * b * v * e + (b > 1 && s > 1 ? 8 * s * b : 0) + e);
-  add("loss value", e);
+  // At 16 bits the loss runs on the upcast logits: fp32 log-softmax output and total weight.
+  add("loss", s * b * v * up + (b > 1 && s > 1 ? 8 * s * b : 0) + up);
+  add("loss value", up);
   return p;
 }
 
@@ -276,7 +354,13 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   const double a = static_cast<double>(c.num_attention_heads);
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
   const double t = static_cast<double>(c.tensor_model_parallel_size);
+  if (dtype_bytes == 0) dtype_bytes = c.element_bytes();
   const double e = static_cast<double>(dtype_bytes);
+  // Per parameter: fp32 (or double) training keeps parameter, gradient and both AdamW moments
+  // (4e). 16-bit training keeps the 16-bit parameter, fp32 main grad, main parameter and moments
+  // (Megatron's 18 bytes) and, transiently, a 16-bit gradient before its hook adds it into the
+  // main grad (2 more).
+  const double per_param = e == 2.0 ? 20.0 : 4.0 * e;
   // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
   // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
   // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
@@ -293,7 +377,11 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   keep_all.layers.assign(keep_all.layers.size(), LayerPlan{});
   const double activations =
       static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes).total);
-  return 4.0 * params * e + 2.0 * largest_param + activations + 3.0 * largest_tensor;
+  // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
+  // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
+  const double upcast = e == 2.0 ? 2.0 : 1.0;
+  return per_param * params + 2.0 * largest_param * upcast + activations +
+         3.0 * largest_tensor * upcast;
 }
 
 }  // namespace actmem

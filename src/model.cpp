@@ -35,7 +35,10 @@ thread_local at::Generator* t_init_gen = nullptr;
 at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) {
   TORCH_INTERNAL_ASSERT(t_init_gen != nullptr, "init_normal outside GPTModel construction");
   at::NoGradGuard no_grad;
-  return at::empty(shape, at::TensorOptions().dtype(dtype)).normal_(0.0, std, *t_init_gen);
+  // A 16-bit model is the fp32 model rounded: the draws are made in fp32 (the same numbers as
+  // an fp32 run) and cast, as Megatron initialises in fp32 and converts to params_dtype.
+  const at::ScalarType draw = is_16bit(dtype) ? at::kFloat : dtype;
+  return at::empty(shape, at::TensorOptions().dtype(draw)).normal_(0.0, std, *t_init_gen).to(dtype);
 }
 
 // Forks model-parallel-rng unless it is already the current stream (the tensor-parallel dropout
@@ -75,23 +78,49 @@ namespace {
 // produces them. Output-discarding recompute of the norm sums the two norm contributions first,
 // which rounds differently. One node with an explicit backward (as fused GPU kernels have) gives
 // x a single contribution, so every strategy sums the same two terms and stays bitwise exact.
+// At 16 bits the norm computes in fp32 and keeps rstd in fp32 (sb * 4 bytes), as the fused
+// kernels Megatron uses do; the input and output stay 16-bit.
 struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const at::Tensor& weight, double eps) {
-    const at::Tensor rstd = at::rsqrt(x.pow(2).mean({-1}, /*keepdim=*/true) + eps);  // [..., 1]
+    const at::ScalarType acc = compute_dtype(x.scalar_type());
+    const at::Tensor xa = x.to(acc);
+    const at::Tensor rstd = at::rsqrt(xa.pow(2).mean({-1}, /*keepdim=*/true) + eps);  // [..., 1]
     ctx->save_for_backward({x, weight, rstd});
-    return x * rstd * weight;
+    return (xa * rstd * weight.to(acc)).to(x.scalar_type());
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const auto saved = ctx->get_saved_variables();
-    const at::Tensor &x = saved[0], &weight = saved[1], &rstd = saved[2];
-    const at::Tensor& g = grads[0];
+    const at::Tensor &x16 = saved[0], &weight16 = saved[1], &rstd = saved[2];
+    const at::ScalarType acc = rstd.scalar_type();
+    const at::Tensor x = x16.to(acc), weight = weight16.to(acc), g = grads[0].to(acc);
     const at::Tensor gw = g * weight;
     // d/dx_j: rstd * gw_j - x_j * rstd^3 * mean_i(gw_i * x_i)
     const at::Tensor dx = rstd * gw - x * rstd.pow(3) * (gw * x).mean({-1}, /*keepdim=*/true);
     const at::Tensor dw = (g * x * rstd).reshape({-1, x.size(-1)}).sum(0);
-    return {dx, dw, at::Tensor()};
+    return {dx.to(x16.scalar_type()), dw.to(weight16.scalar_type()), at::Tensor()};
+  }
+};
+
+// Note [Softmax in fp32]
+// --attention-softmax-in-fp32 at 16 bits: the softmax runs in fp32 on the upcast scores and its
+// output is rounded back to 16 bits, which is what backward keeps (2as^2b bytes, Korthikanti's
+// term), as Megatron's fused scale-mask-softmax kernels do; backward recomputes in fp32 from the
+// kept 16-bit output. Composing at::softmax with casts instead would keep the fp32 output
+// (twice the bytes).
+struct Fp32SoftmaxFunction : torch::autograd::Function<Fp32SoftmaxFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x) {
+    const at::Tensor y = at::_softmax(x.to(at::kFloat), -1, false).to(x.scalar_type());
+    ctx->save_for_backward({y});
+    return y;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const at::Tensor y = ctx->get_saved_variables()[0];
+    const at::Tensor dx = at::_softmax_backward_data(grads[0].to(at::kFloat), y.to(at::kFloat), -1,
+                                                     at::kFloat);
+    return {dx.to(y.scalar_type())};
   }
 };
 }  // namespace
@@ -153,7 +182,9 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
 // ---- CoreAttention ----------------------------------------------------------------------------
 
 CoreAttention::CoreAttention(const TransformerConfig& config)
-    : dropout_(config.attention_dropout), sequence_parallel_(config.sequence_parallel) {}
+    : dropout_(config.attention_dropout),
+      sequence_parallel_(config.sequence_parallel),
+      softmax_in_fp32_(config.attention_softmax_in_fp32) {}
 
 at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
   return at::ones({s, s}, at::TensorOptions().dtype(at::kBool).device(device))
@@ -174,7 +205,9 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
   at::Tensor scores4 = scores.view({b, a, s, s});
   // Megatron's attention_mask_func; the mask may be larger than s (a prefix of the model's table).
   scores4.masked_fill_(mask.narrow(2, 0, s).narrow(3, 0, s), -10000.0);
-  at::Tensor probs = at::softmax(scores4, -1);
+  at::Tensor probs = softmax_in_fp32_ && is_16bit(scores4.scalar_type())
+                         ? Fp32SoftmaxFunction::apply(scores4)  // Note [Softmax in fp32]
+                         : at::softmax(scores4, -1);
   {
     // As in Megatron (model_parallel_cuda_manual_seed, megatron/core/tensor_parallel/random.py),
     // dropout inside the tensor-parallel region draws from the model-parallel stream
@@ -494,17 +527,26 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
 
 // ---- GPTModel ---------------------------------------------------------------------------------
 
+at::ScalarType params_dtype(const TransformerConfig& config) {
+  return config.bf16 ? at::kBFloat16 : config.fp16 ? at::kHalf : at::kFloat;
+}
+
 GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype)
     : GPTModel(config, make_activation_plan(config), dtype) {}  // validates the config
 
-GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType dtype)
+GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType requested)
     : config_(config), plan_(std::move(plan)) {
   // The plan replaces the config's recompute and offload flags, so only the shape is checked
   // here (a plan from make_activation_plan() was checked against the flags already).
   config_.validate_shape();
   check_activation_plan(config_, plan_);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble,
-              "actmem::GPTModel: expected dtype float or double, got ", dtype);
+  const at::ScalarType dtype =
+      requested == at::ScalarType::Undefined ? params_dtype(config) : requested;
+  TORCH_CHECK(dtype == params_dtype(config) || (dtype == at::kDouble && !is_16bit(params_dtype(config))),
+              "actmem::GPTModel: the config's precision is ", config.precision(),
+              " (parameters in ", params_dtype(config), ") but dtype ", dtype, " was requested; "
+              "double is accepted for an fp32 config only");
+  dtype_ = dtype;
   const int64_t h = config.hidden_size, v = config.vocab_size;
   const TensorParallelGroup& tp = tensor_parallel_group();
   TORCH_CHECK(tp.size == config.tensor_model_parallel_size, "actmem::GPTModel: "
@@ -620,7 +662,10 @@ at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels)
   const at::Tensor out = logits(tokens);
   const int64_t v = out.size(-1);
   ModuleScope scope("loss");
-  at::Tensor loss = at::cross_entropy_loss(out.reshape({-1, v}), labels.t().reshape({-1}));
+  // At 16 bits the loss is computed in fp32 (Megatron's vocab_parallel_cross_entropy of
+  // output.float()): the cast keeps nothing, the log-softmax keeps its fp32 output.
+  at::Tensor loss = at::cross_entropy_loss(out.reshape({-1, v}).to(compute_dtype(out.scalar_type())),
+                                           labels.t().reshape({-1}));
   timeline_mark("fwd loss");
   return loss;
 }

@@ -96,9 +96,23 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
 
 // ---- collectives ------------------------------------------------------------------------------
 
+// Note [bfloat16 on Gloo]
+// libtorch 1.13's ProcessGroupGloo refuses bfloat16 ("Invalid scalar type"). An all-gather only
+// moves bits, so a bf16 tensor travels reinterpreted as float16 (same size, 2 bytes per element).
+// A sum cannot: a bf16 all-reduce on CPU adds in fp32 and rounds once to bf16 (every rank gets
+// the same bits; twice the bytes on the wire). NCCL (CUDA) reduces bf16 natively.
+namespace {
+bool gloo_bf16(const at::Tensor& x) { return x.is_cpu() && x.scalar_type() == at::kBFloat16; }
+}  // namespace
+
 at::Tensor all_reduce_sum(const at::Tensor& x) {
   if (single()) return x;
   RECORD_FUNCTION("actmem::all_reduce", std::vector<c10::IValue>());
+  if (gloo_bf16(x)) {
+    std::vector<at::Tensor> buf = {x.contiguous().to(at::kFloat)};
+    wait_and_release(pg().allreduce(buf));
+    return buf[0].to(at::kBFloat16);
+  }
   std::vector<at::Tensor> buf = {x.contiguous().clone()};
   wait_and_release(pg().allreduce(buf));
   return buf[0];
@@ -113,9 +127,11 @@ at::Tensor all_gather_dim0(const at::Tensor& x) {
   shape[0] *= t;
   at::Tensor out = at::empty(shape, x.options());
   // Each rank's part is written straight into its dim-0 slice (contiguous views).
+  const bool as_half = gloo_bf16(x);  // Note [bfloat16 on Gloo]
+  const at::Tensor wire = as_half ? out.view(at::kHalf) : out;
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < t; ++r) outputs[0].push_back(out.narrow(0, r * n0, n0));
-  std::vector<at::Tensor> inputs = {x.contiguous()};
+  for (int r = 0; r < t; ++r) outputs[0].push_back(wire.narrow(0, r * n0, n0));
+  std::vector<at::Tensor> inputs = {as_half ? x.contiguous().view(at::kHalf) : x.contiguous()};
   wait_and_release(pg().allgather(outputs, inputs));
   return out;
 }

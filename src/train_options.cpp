@@ -98,6 +98,13 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
                "Separate output layer instead of the tied word embedding");
   app.add_option("--init-method-std", m.init_method_std, "Std of the normal initialisation")
       ->capture_default_str()->check(kPositive);
+  // Precision (docs/mixed-precision.md).
+  app.add_flag("--bf16", m.bf16, "Parameters and activations in bfloat16 (fp32 main parameters, "
+               "gradients accumulated in fp32)");
+  app.add_flag("--fp16", m.fp16, "Parameters and activations in float16 with loss scaling "
+               "(needs half-precision kernels: CUDA)");
+  app.add_flag("--attention-softmax-in-fp32", m.attention_softmax_in_fp32,
+               "Compute the attention softmax in fp32 (16-bit runs)");
   // Megatron requires seed > 0; the upper bound leaves room for the stream offsets added to it.
   app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling (> 0)")
       ->capture_default_str()->check(integer_in_range(1, static_cast<int64_t>(kMaxSeed)));
@@ -185,6 +192,32 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str()->check(kPositive);
   app.add_option("--clip-grad", t.clip_grad, "Global gradient-norm clip (0 = off)")
       ->capture_default_str()->check(kNonNegative);
+  // Mixed precision (docs/mixed-precision.md).
+  app.add_flag_function(
+      "--accumulate-allreduce-grads-in-fp32",
+      [&t](int64_t) { t.accumulate_allreduce_grads_in_fp32 = true; },
+      "Accumulate and reduce gradients in fp32 main-grad buffers (always on with --bf16)");
+  app.add_option_function<double>(
+         "--loss-scale", [&t](const double& v) { t.loss_scale = v; },
+         "Constant loss scale (16-bit runs; default: dynamic with --fp16, none with --bf16)")
+      ->check(kPositive);
+  auto dynamic = [&o](const char* flag) {
+    return [&o, flag] { o.dynamic_scaling_flag = flag; };
+  };
+  app.add_option("--initial-loss-scale", t.initial_loss_scale, "Dynamic loss scale: start value")
+      ->capture_default_str()->check(kPositive)->each([f = dynamic("--initial-loss-scale")](
+          const std::string&) { f(); });
+  app.add_option("--min-loss-scale", t.min_loss_scale, "Dynamic loss scale: lower bound")
+      ->capture_default_str()->check(kPositive)->each([f = dynamic("--min-loss-scale")](
+          const std::string&) { f(); });
+  app.add_option("--loss-scale-window", t.loss_scale_window,
+                 "Dynamic loss scale: steps without overflow before it doubles")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt))
+      ->each([f = dynamic("--loss-scale-window")](const std::string&) { f(); });
+  app.add_option("--hysteresis", t.hysteresis,
+                 "Dynamic loss scale: overflows tolerated before it halves")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt))
+      ->each([f = dynamic("--hysteresis")](const std::string&) { f(); });
 }
 
 void add_schedule_flags(CLI::App& app, TrainOptions& o) {
@@ -266,6 +299,9 @@ void TrainOptions::finalize() {
     TORCH_CHECK(training.device_memory_limit > 0, "--device-memory-limit ", device_memory_limit_gib,
                 " GiB rounds to 0 bytes; give at least one byte");
   }
+  TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
+              dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
+              "and no --loss-scale");
   model.validate();
   training.validate(model);
 }

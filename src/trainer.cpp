@@ -5,6 +5,7 @@
 #include "actmem/ledger.h"
 #include "actmem/activation_offloader.h"
 #include "actmem/memory_model.h"
+#include "actmem/mixed_precision.h"
 #include "actmem/output_file.h"
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
@@ -101,9 +102,11 @@ nlohmann::json to_json(const IterationStats& s) {
   nlohmann::json j = {
       {"iteration", s.iteration},
       {"loss", s.loss},
-      {"grad_norm", s.grad_norm},
+      {"grad_norm", s.skipped ? nlohmann::json(nullptr) : nlohmann::json(s.grad_norm)},
       {"grad_digest", s.grad_digest},
       {"lr", s.lr},
+      {"loss_scale", s.loss_scale},
+      {"skipped", s.skipped},
       {"step_time_s", s.step_time_s},
       {"tokens_per_s", s.tokens_per_s},
       {"peak_device_bytes", s.peak_device_bytes},
@@ -151,6 +154,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                 "; reduce --num-layers, --hidden-size, --seq-length or --micro-batch-size");
     memory_.set_capacity(limit);
   }
+  if (model_config_.fp16 || model_config_.bf16) {
+    const auto missing = missing_kernel(params_dtype(model_config_), device_);
+    TORCH_CHECK(!missing, "actmem::Trainer: --", model_config_.precision(), " needs ",
+                params_dtype(model_config_), " kernels on ", device_, ", which this libtorch (",
+                TORCH_VERSION, ") does not have: ", *missing,
+                model_config_.fp16 && device_.is_cpu() ? "; use --bf16 on CPU (or --fp16 on CUDA)"
+                                                       : "");
+  }
   TORCH_CHECK(model_config_.vocab_size >= ByteTokenizer::kVocabSize, "actmem::Trainer: vocab_size (",
               model_config_.vocab_size, ") must be at least 256 for the byte-level tokenizer");
 
@@ -174,16 +185,34 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   params_ = model_->ordered_parameters();
   tensor_parallel_flags_ = model_->tensor_parallel_flags();
   sequence_parallel_params_ = model_->sequence_parallel_parameters();
-  {
-    // Gradients live for the whole run: allocated once here, zeroed in place each step.
-    at::NoGradGuard no_grad;
-    for (auto& p : params_) p.mutable_grad() = at::zeros_like(p);
+  if (is_16bit(model_->dtype())) {
+    // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
+    std::optional<GradScaler> scaler;
+    if (config_.loss_scale) {
+      scaler = GradScaler::constant(*config_.loss_scale);
+    } else if (config_.dynamic_loss_scale(model_config_)) {
+      scaler = GradScaler::dynamic(config_.initial_loss_scale, config_.min_loss_scale,
+                                   config_.loss_scale_window, config_.hysteresis);
+    }
+    mixed_ = std::make_unique<MixedPrecisionOptimizer>(
+        params_,
+        AdamWSettings{config_.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps,
+                      config_.weight_decay},
+        config_.fp32_main_grads(model_config_) ? at::kFloat : model_->dtype(), scaler);
+    grads_ = mixed_->main_grads();
+  } else {
+    {
+      // Gradients live for the whole run: allocated once here, zeroed in place each step.
+      at::NoGradGuard no_grad;
+      for (auto& p : params_) p.mutable_grad() = at::zeros_like(p);
+    }
+    for (auto& p : params_) grads_.push_back(p.grad());
+    optimizer_ = std::make_unique<torch::optim::AdamW>(
+        params_, torch::optim::AdamWOptions(config_.lr)
+                     .betas({config_.adam_beta1, config_.adam_beta2})
+                     .eps(config_.adam_eps)
+                     .weight_decay(config_.weight_decay));
   }
-  optimizer_ = std::make_unique<torch::optim::AdamW>(
-      params_, torch::optim::AdamWOptions(config_.lr)
-                   .betas({config_.adam_beta1, config_.adam_beta2})
-                   .eps(config_.adam_eps)
-                   .weight_decay(config_.weight_decay));
   train_sampler_ = std::make_unique<BatchSampler>(corpus_.train, model_config_.seq_length,
                                                   model_config_.micro_batch_size,
                                                   model_config_.seed);
@@ -203,7 +232,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     model_->set_activation_offloader(offloader_.get());
   }
   predicted_activation_bytes_ =
-      predict_activation_bytes(model_config_, plan, 4, device_.is_cpu()).total;
+      predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
+                               device_.is_cpu()).total;
 }
 
 Trainer::~Trainer() = default;
@@ -237,23 +267,52 @@ IterationStats Trainer::train_step(bool compute_digest) {
   IterationStats st;
   st.iteration = ++iteration_;
   st.predicted_activation_bytes = predicted_activation_bytes_;
-  st.lr = lr_at(iteration_);
-  for (auto& group : optimizer_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(st.lr);
+  // The schedule advances with the optimizer steps taken: a skipped step (loss-scale overflow)
+  // leaves it where it was, as Megatron's opt_param_scheduler.step only on a successful update.
+  st.lr = lr_at(scheduler_steps_ + 1);
+  if (mixed_) {
+    mixed_->set_lr(st.lr);
+    mixed_->zero_grad();
+    st.loss_scale = mixed_->loss_scale();
+  } else {
+    for (auto& group : optimizer_->param_groups()) {
+      static_cast<torch::optim::AdamWOptions&>(group.options()).lr(st.lr);
+    }
+    for (auto& g : grads_) g.zero_();
   }
-  for (auto& p : params_) p.mutable_grad().zero_();
   if (offloader_) offloader_->begin_step();
 
   StepClock clock{0.0, memory_.current_bytes()};
   forward_backward(st, clock);
   reduce_sequence_parallel_gradients();
-  if (compute_digest) st.grad_digest = grad_digest(params_);
-  gather_rank_stats(st, compute_digest);
   const auto t1 = Clock::now();
-  st.grad_norm = clip_gradients(st);
-  optimizer_->step();
-  synchronize_device(device_);
+  if (mixed_) {
+    // Unscale and check for inf/NaN on every tensor-parallel rank (Megatron all-reduces
+    // found_inf with MAX over the model-parallel group); the scaler updates either way.
+    st.skipped = mixed_->unscale_and_check([this](bool local) {
+      if (tensor_parallel_group().size == 1) return local;
+      const at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
+                                       at::TensorOptions().dtype(at::kFloat).device(device_));
+      return all_reduce_sum(flag).item<float>() > 0.0f;
+    });
+  }
   clock.busy_s += seconds_since(t1);
+  if (compute_digest) st.grad_digest = digest_of(grads_);
+  gather_rank_stats(st, compute_digest);
+  const auto t2 = Clock::now();
+  if (st.skipped) {
+    st.grad_norm = std::numeric_limits<double>::quiet_NaN();
+  } else {
+    st.grad_norm = clip_gradients(st);
+    if (mixed_) {
+      mixed_->step();
+    } else {
+      optimizer_->step();
+    }
+    ++scheduler_steps_;
+  }
+  synchronize_device(device_);
+  clock.busy_s += seconds_since(t2);
   clock.peak = std::max(clock.peak, memory_.peak_bytes());
   finish_stats(st, clock);
   return st;
@@ -292,7 +351,12 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     if (n_micro > 1) loss = loss / static_cast<double>(n_micro);
     synchronize_device(device_);
     const int64_t after_forward = memory_.current_bytes();
-    loss.backward();
+    if (mixed_ && mixed_->scaler()) {
+      // Megatron's grad_scale_func: backward from loss * scale (an fp32 product).
+      (loss * mixed_->loss_scale()).backward();
+    } else {
+      loss.backward();
+    }
     synchronize_device(device_);
     clock.busy_s += seconds_since(t0);
     timeline_mark("bwd end");
@@ -302,7 +366,7 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     clock.peak = std::max(clock.peak, peak);
     loss_sum += loss.item<double>();
   }
-  st.loss = loss_sum;  // the losses were scaled by 1/n_micro, so their sum is the mean
+  st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
 }
 
 void Trainer::reduce_sequence_parallel_gradients() {
@@ -310,13 +374,22 @@ void Trainer::reduce_sequence_parallel_gradients() {
   // Sequence parallelism: norms and row-parallel biases saw this rank's tokens only; their
   // gradients are summed over the ranks (one flat all-reduce), then equal everywhere.
   at::NoGradGuard no_grad;
+  // At 16 bits the reduction runs on the main-grad buffers (fp32 with bf16), as Megatron's
+  // _allreduce_layernorm_grads reduces param.main_grad.
+  std::vector<at::Tensor> grads;
+  for (const auto& p : sequence_parallel_params_) {
+    const auto it = std::find_if(params_.begin(), params_.end(),
+                                 [&p](const at::Tensor& q) { return q.is_same(p); });
+    TORCH_INTERNAL_ASSERT(it != params_.end());
+    grads.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
+  }
   std::vector<at::Tensor> flat;
-  for (const auto& p : sequence_parallel_params_) flat.push_back(p.grad().reshape({-1}));
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
   const at::Tensor summed = all_reduce_sum(at::cat(flat));
   int64_t offset = 0;
-  for (const auto& p : sequence_parallel_params_) {
-    const int64_t n = p.numel();
-    p.grad().copy_(summed.narrow(0, offset, n).view_as(p.grad()));
+  for (auto& g : grads) {
+    const int64_t n = g.numel();
+    g.copy_(summed.narrow(0, offset, n).view_as(g));
     offset += n;
   }
 }
@@ -343,7 +416,7 @@ double Trainer::clip_gradients(const IterationStats& st) {
   if (tensor_parallel_group().size == 1) {
     std::vector<at::Tensor> norms;
     norms.reserve(params_.size());
-    for (const auto& p : params_) norms.push_back(p.grad().norm());
+    for (const auto& g : grads_) norms.push_back(g.norm());
     grad_norm = at::stack(norms).norm().item<double>();
   } else {
     // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once.
@@ -351,7 +424,7 @@ double Trainer::clip_gradients(const IterationStats& st) {
     at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (size_t i = 0; i < params_.size(); ++i) {
       if (tensor_parallel_flags_[i] || first) {
-        sq += params_[i].grad().to(at::kDouble).pow(2).sum();
+        sq += grads_[i].to(at::kDouble).pow(2).sum();
       }
     }
     grad_norm = std::sqrt(all_reduce_sum(sq).item<double>());
@@ -365,7 +438,7 @@ double Trainer::clip_gradients(const IterationStats& st) {
   if (config_.clip_grad > 0.0) {
     const double coeff = config_.clip_grad / (grad_norm + 1e-6);
     if (coeff < 1.0) {
-      for (auto& p : params_) p.mutable_grad().mul_(coeff);
+      for (auto& g : grads_) g.mul_(coeff);
     }
   }
   return grad_norm;
@@ -446,6 +519,7 @@ void Trainer::run(const RunOutput& out,
   std::ostream* progress = out.progress;
   double window_time = 0.0;
   int64_t window_steps = 0;
+  int64_t window_skipped = 0;  // Megatron's "number of skipped iterations" per log line
   for (int64_t it = 1; it <= total; ++it) {
     const bool trace_now = out.trace != nullptr && it == traced;
     if (trace_now) set_trace(&recorder);
@@ -470,20 +544,32 @@ void Trainer::run(const RunOutput& out,
     }
     window_time += st.step_time_s;
     ++window_steps;
+    if (st.skipped) ++window_skipped;
     const bool eval_now = config_.eval_interval > 0 &&
                           (it % config_.eval_interval == 0 || it == total);
     if (eval_now) st.val_loss = evaluate();
     if (progress != nullptr && (it % config_.log_interval == 0 || it == 1 || it == total)) {
       const double mean_step = window_time / static_cast<double>(window_steps);
       *progress << "iter " << std::setw(width) << it << "/" << total << " | loss " << std::fixed
-                << std::setprecision(4) << st.loss << " | grad norm " << std::setprecision(3)
-                << st.grad_norm << " | lr " << std::scientific << std::setprecision(2) << st.lr
+                << std::setprecision(4) << st.loss;
+      if (st.skipped) {
+        *progress << " | skipped (gradient overflow at loss scale " << std::defaultfloat
+                  << st.loss_scale << ")" << std::fixed;
+      } else {
+        *progress << " | grad norm " << std::setprecision(3) << st.grad_norm;
+      }
+      if (mixed_ && mixed_->scaler()) {
+        *progress << " | loss scale " << std::defaultfloat << mixed_->loss_scale() << std::fixed
+                  << " | skipped " << window_skipped;
+      }
+      *progress << " | lr " << std::scientific << std::setprecision(2) << st.lr
                 << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | "
                 << std::setprecision(0) << st.tokens_per_s << " tok/s | peak "
                 << format_bytes(static_cast<double>(st.peak_device_bytes)) << " | act "
                 << format_bytes(static_cast<double>(st.activation_bytes)) << "\n";
       window_time = 0.0;
       window_steps = 0;
+      window_skipped = 0;
     }
     if (progress != nullptr && st.val_loss) {
       *progress << "validation at iter " << it << " | loss " << std::fixed << std::setprecision(4)

@@ -1,7 +1,9 @@
 // exactness.h — the project's exactness check: a strategy trains bitwise like the plain run.
 #pragma once
 
+#include "actmem/mixed_precision.h"
 #include "actmem/trainer.h"
+#include "fixtures.h"
 #include "test_util.h"
 
 #include <functional>
@@ -26,12 +28,14 @@ inline void expect_bitwise_equal_training(
           << "default generator differs after step " << step;
     }
     if (per_step) per_step(b);
+    EXPECT_EQ(a.skipped, b.skipped) << "step " << step;
     if (a.grad_digest != b.grad_digest) {
-      const auto pa = reference.model().named_parameters();
-      const auto pb = candidate.model().named_parameters();
-      for (size_t i = 0; i < pa.size(); ++i) {
-        if (!bitwise_equal(pa[i].value().grad(), pb[i].value().grad())) {
-          ADD_FAILURE() << "step " << step << ": gradient of " << pa[i].key() << " differs";
+      const auto names = reference.model().named_parameters();
+      const auto& ga = reference.gradients();
+      const auto& gb = candidate.gradients();
+      for (size_t i = 0; i < ga.size(); ++i) {
+        if (!bitwise_equal(ga[i], gb[i])) {
+          ADD_FAILURE() << "step " << step << ": gradient of " << names[i].key() << " differs";
         }
       }
       return;
@@ -40,6 +44,16 @@ inline void expect_bitwise_equal_training(
   const auto pa = reference.model().ordered_parameters();
   const auto pb = candidate.model().ordered_parameters();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i;
+  // At 16 bits the fp32 main parameters the optimizer steps must agree as well.
+  ASSERT_EQ(reference.mixed_precision() == nullptr, candidate.mixed_precision() == nullptr);
+  if (reference.mixed_precision() != nullptr) {
+    const auto& ma = reference.mixed_precision()->main_params();
+    const auto& mb = candidate.mixed_precision()->main_params();
+    for (size_t i = 0; i < ma.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(ma[i], mb[i])) << "main param " << i;
+    }
+  }
 }
+
 
 }  // namespace actmem::testing

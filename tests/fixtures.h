@@ -31,6 +31,17 @@ inline TransformerConfig tiny_model() { return shaped_model(2, 64, 4, 0, 32, 4);
 /// 4 layers, h 32, ffn 48, s 24, b 2: enough layers for every recompute chunking.
 inline TransformerConfig small_model() { return shaped_model(4, 32, 4, 48, 24, 2); }
 
+/// The precisions the exactness and memory suites run at: fp32 and bf16 (fp16 has no CPU
+/// kernels in the libtorch this project builds against: the trainer refuses it there).
+inline const char* const kPrecisions[] = {"fp32", "bf16"};
+/// Sets config's precision by name, with the softmax in fp32 at 16 bits (Megatron's usual
+/// --attention-softmax-in-fp32).
+inline void set_precision(TransformerConfig& c, const std::string& precision) {
+  c.bf16 = precision == "bf16";
+  c.fp16 = precision == "fp16";
+  c.attention_softmax_in_fp32 = c.bf16 || c.fp16;
+}
+
 /// small_model with s 32 and offload from 256 elements, so every group moves something.
 inline TransformerConfig offload_model() {
   TransformerConfig c = shaped_model(4, 32, 4, 48, 32, 2);

@@ -156,12 +156,13 @@ const Shape kShapes[] = {
 
 using actmem::testing::kRecomputePolicies;
 
-class PredictorSweep : public ::testing::TestWithParam<Shape> {};
+class PredictorSweep : public ::testing::TestWithParam<std::tuple<Shape, const char*>> {};
 
 TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
   for (const auto& [policy, apply] : kRecomputePolicies) {
     TransformerConfig c = sweep_base();
-    GetParam().apply(c);
+    std::get<0>(GetParam()).apply(c);
+    actmem::testing::set_precision(c, std::get<1>(GetParam()));
     apply(c);
     TrainingConfig t;
     t.eval_interval = 0;
@@ -169,7 +170,7 @@ TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
     ActivationLedger ledger;
     trainer.set_ledger(&ledger);
     const auto st = trainer.train_step(false);
-    const auto predicted = predict_activation_bytes(c, 4);
+    const auto predicted = predict_activation_bytes(c);
     EXPECT_EQ(st.predicted_activation_bytes, predicted.total);
     ASSERT_FALSE(ledger.records().empty()) << policy;
 #if !ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
@@ -193,8 +194,13 @@ TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Shapes, PredictorSweep, ::testing::ValuesIn(kShapes),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Shapes, PredictorSweep,
+                         ::testing::Combine(::testing::ValuesIn(kShapes),
+                                            ::testing::ValuesIn(actmem::testing::kPrecisions)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::get<1>(info.param);
+                         });
 
 TEST(ActivationLedger, SeesDiscardedNormOutputsAsFreed) {
   TransformerConfig c = sweep_base();
@@ -263,6 +269,33 @@ TEST(Estimate, MegatronTheoreticalTerms) {
   EXPECT_DOUBLE_EQ(megatron_activation_memory(p), base * (1 + 7.0 / 24.0) / p.t);
 }
 
+// Megatron's compute_weight_and_optimizer_memory, recounted module by module: per layer the QKV
+// and output projections (4h^2), SwiGLU's fc1 (2f x h) and fc2 (h x f), two norms' weights and
+// biases (4h); the final norm (2h); the word embedding and the untied output layer (vh each).
+TEST(Estimate, WeightAndOptimizerMemoryAsMegatronCountsIt) {
+  PaperShape m = paper_preset("7b");  // t 2, p 2, SwiGLU, untied
+  const double h = 4096, L = 32, f = 14336, v = 32000;
+  const double layers = L * (4 * h * h + 3 * h * f + 4 * h) + 2 * h;
+  WeightMemory w = megatron_weight_and_optimizer_memory(m);
+  EXPECT_DOUBLE_EQ(w.parameters, layers + 2 * v * h);
+  // The first of two stages holds half the layers and the embedding (the output layer is on the
+  // last stage), split over t = 2.
+  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (layers / 2 + v * h) / 2);
+  EXPECT_DOUBLE_EQ(w.total(), 18 * w.parameters_on_rank);  // 2 + 4 + 4 + 8
+  EXPECT_DOUBLE_EQ(w.weight_bytes, 2 * w.parameters_on_rank);
+  m.distributed_optimizer = true;
+  m.d = 4;
+  w = megatron_weight_and_optimizer_memory(m);
+  EXPECT_DOUBLE_EQ(w.total(), (6 + 12.0 / 4) * w.parameters_on_rank);
+  m.p = 1;  // one stage holds everything, the untied output layer included
+  w = megatron_weight_and_optimizer_memory(m);
+  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (layers + 2 * v * h) / 2);
+  PaperShape g = paper_preset("22b");  // GeLU (ffn 4h), tied: 12h^2 + 4h per layer
+  const double gh = 6144;
+  EXPECT_DOUBLE_EQ(megatron_weight_and_optimizer_memory(g).parameters,
+                   48 * (12 * gh * gh + 4 * gh) + 2 * gh + 51200 * gh);
+}
+
 TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   const auto r = actmem::testing::run_actmem("estimate");
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -274,6 +307,17 @@ TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   const auto parsed = nlohmann::json::parse(j.output);
   EXPECT_DOUBLE_EQ(parsed["per_stage_bytes"]["selective"].get<double>(), 8.0 * (1 << 30));
   EXPECT_DOUBLE_EQ(parsed["per_layer_bytes"]["full"].get<double>(), 32.0 * (1 << 20));
+  // The whole device: weights and optimizer at 18 bytes per parameter, plus activations.
+  const auto& w = parsed["weights_and_optimizer"];
+  EXPECT_DOUBLE_EQ(w["total_bytes"].get<double>(), 18 * w["parameters_on_rank"].get<double>());
+  EXPECT_DOUBLE_EQ(parsed["device_bytes_per_rank"]["selective"].get<double>(),
+                   w["total_bytes"].get<double>() + 2 * 8.0 * (1 << 30));  // p = 2 in flight
+  EXPECT_NE(r.output.find("18 B/param"), std::string::npos) << r.output;
+  const auto d = actmem::testing::run_actmem("estimate --json --use-distributed-optimizer "
+                                             "--data-parallel-size 4");
+  ASSERT_EQ(d.exit_code, 0) << d.output;
+  EXPECT_DOUBLE_EQ(nlohmann::json::parse(d.output)["weights_and_optimizer"]["bytes_per_parameter"]
+                       .get<double>(), 9.0);
   EXPECT_NEAR(parsed["s2_fraction"].get<double>(), 0.825, 0.0005);
   const auto bad = actmem::testing::run_actmem("estimate --hidden-size -3");
   EXPECT_NE(bad.exit_code, 0);

@@ -79,11 +79,13 @@ TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) 
 
 using actmem::testing::offload_model;
 
-class LayerOffloadExactness : public ::testing::TestWithParam<int> {};
+class LayerOffloadExactness : public ::testing::TestWithParam<std::tuple<int, const char*>> {};
 
 TEST_P(LayerOffloadExactness, BitwiseEqualToPlainOverThreeSteps) {
-  TransformerConfig base = offload_model(), off = base;
-  off.cpu_offloading_num_layers = GetParam();
+  TransformerConfig base = offload_model();
+  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  TransformerConfig off = base;
+  off.cpu_offloading_num_layers = std::get<0>(GetParam());
   TrainingConfig t;
   t.global_batch_size = 4;  // two micro-batches
   t.eval_interval = 0;
@@ -96,7 +98,13 @@ TEST_P(LayerOffloadExactness, BitwiseEqualToPlainOverThreeSteps) {
       plain, offloaded, 3, [](const IterationStats& b) { EXPECT_GT(b.offloaded_bytes, 0); });
 }
 
-INSTANTIATE_TEST_SUITE_P(K, LayerOffloadExactness, ::testing::Values(1, 2, 3));
+INSTANTIATE_TEST_SUITE_P(K, LayerOffloadExactness,
+                         ::testing::Combine(::testing::Values(1, 2, 3),
+                                            ::testing::ValuesIn(actmem::testing::kPrecisions)),
+                         [](const auto& info) {
+                           return std::to_string(std::get<0>(info.param)) + "_" +
+                                  std::get<1>(info.param);
+                         });
 
 TEST(LayerOffloadMemory, PeakDropsByTheOffloadedBytesAndThePoolStopsGrowing) {
   TransformerConfig base = offload_model();
@@ -155,15 +163,19 @@ struct FineGrained {
 };
 inline void PrintTo(const FineGrained& f, std::ostream* os) { *os << f.name; }
 
-class FineGrainedExactness : public ::testing::TestWithParam<FineGrained> {};
+class FineGrainedExactness
+    : public ::testing::TestWithParam<std::tuple<FineGrained, const char*>> {};
 
 TEST_P(FineGrainedExactness, BitwiseEqualToPlainOverThreeSteps) {
-  TransformerConfig base = offload_model(), off = base;
+  const FineGrained& param = std::get<0>(GetParam());
+  TransformerConfig base = offload_model();
+  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  TransformerConfig off = base;
   off.fine_grained_activation_offloading = true;
-  off.offload_modules = GetParam().modules;
-  if (!GetParam().recompute.empty()) {
+  off.offload_modules = param.modules;
+  if (!param.recompute.empty()) {
     base.recompute_granularity = off.recompute_granularity = "selective";
-    base.recompute_modules = off.recompute_modules = GetParam().recompute;
+    base.recompute_modules = off.recompute_modules = param.recompute;
   }
   TrainingConfig t;
   t.global_batch_size = 4;
@@ -175,7 +187,7 @@ TEST_P(FineGrainedExactness, BitwiseEqualToPlainOverThreeSteps) {
 
 INSTANTIATE_TEST_SUITE_P(
     Modules, FineGrainedExactness,
-    ::testing::Values(FineGrained{"AttnNorm", {"attn_norm"}, {}},
+    ::testing::Combine(::testing::Values(FineGrained{"AttnNorm", {"attn_norm"}, {}},
                       FineGrained{"QkvLinear", {"qkv_linear"}, {}},
                       FineGrained{"CoreAttn", {"core_attn"}, {}},
                       FineGrained{"CoreAttnAttnProj", {"core_attn", "attn_proj"}, {}},
@@ -183,7 +195,10 @@ INSTANTIATE_TEST_SUITE_P(
                       FineGrained{"All", {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"}, {}},
                       FineGrained{"WithSelectiveRecompute", {"attn_norm", "qkv_linear", "mlp_norm"},
                                   {"core_attn", "mlp", "layernorm"}}),
-    [](const auto& info) { return std::string(info.param.name); });
+                       ::testing::ValuesIn(actmem::testing::kPrecisions)),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param).name) + "_" + std::get<1>(info.param);
+    });
 
 }  // namespace
 }  // namespace actmem

@@ -241,17 +241,20 @@ const Strategy kStrategies[] = {
      }},
 };
 
-class RecomputeExactness : public ::testing::TestWithParam<Strategy> {};
+class RecomputeExactness
+    : public ::testing::TestWithParam<std::tuple<Strategy, const char*>> {};
 
 TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
+  const Strategy& strategy = std::get<0>(GetParam());
   TransformerConfig base = small_model();
-  if (std::string(GetParam().name).find("Rope") != std::string::npos) {
+  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  if (std::string(strategy.name).find("Rope") != std::string::npos) {
     base.normalization = "RMSNorm";
     base.gated_linear_unit = true;
     base.position_embedding_type = "rope";
   }
   TransformerConfig strat = base;
-  GetParam().apply(strat);
+  strategy.apply(strat);
   TrainingConfig t;
   t.global_batch_size = 4;  // two micro-batches per step
   t.train_iters = 3;
@@ -263,8 +266,13 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   EXPECT_GT(recompute_counters().recomputes.load() + recompute_counters().output_recomputes.load(), 0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, RecomputeExactness, ::testing::ValuesIn(kStrategies),
-                         [](const auto& info) { return std::string(info.param.name); });
+INSTANTIATE_TEST_SUITE_P(Strategies, RecomputeExactness,
+                         ::testing::Combine(::testing::ValuesIn(kStrategies),
+                                            ::testing::ValuesIn(actmem::testing::kPrecisions)),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param).name) + "_" +
+                                  std::get<1>(info.param);
+                         });
 
 struct Counts {
   int64_t layer, core, mlp, norm, checkpoints, output_recomputes;

@@ -289,6 +289,12 @@ TEST(MemoryPreCheck, CountsEverythingTheRunAllocates) {
   configs[5].num_attention_heads = 8;
   TrainingConfig t;
   t.eval_interval = 0;
+  // The same models at bf16: 16-bit weights and activations, fp32 main parameters and grads,
+  // the transient 16-bit gradients, the fp32 loss.
+  for (size_t i = 0, n = configs.size(); i < n; ++i) {
+    configs.push_back(configs[i]);
+    actmem::testing::set_precision(configs.back(), "bf16");
+  }
   for (size_t i = 0; i < configs.size(); ++i) {
     Trainer trainer(configs[i], t);
     int64_t peak = 0;

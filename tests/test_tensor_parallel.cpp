@@ -112,6 +112,18 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainRmsSwigluRopeUntiedNoBias) {
   expect_strategies_bitwise_equal_to_plain(true, "swiglu");
 }
 
+// bf16 parameters and activations: the collectives carry bf16 (Note [bfloat16 on Gloo]), the
+// sequence-parallel gradients are reduced in the fp32 main grads.
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtBf16WithSequenceParallel) {
+  expect_strategies_bitwise_equal_to_plain(true, "bf16");
+}
+
+// Without sequence parallelism the sweep adds distribute_saved_activations (1/t bf16 shards of
+// the checkpoint inputs, gathered in backward).
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtBf16) {
+  expect_strategies_bitwise_equal_to_plain(false, "bf16");
+}
+
 // Masks in the tensor-parallel region (attention dropout, model-parallel stream) differ across
 // ranks; masks on replicated data (embedding and bias-dropout-add, default stream) agree. With
 // sequence parallelism each rank drops its own tokens from the model-parallel stream.

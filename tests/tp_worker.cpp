@@ -41,7 +41,10 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
   c.hidden_dropout = dropout ? 0.1 : 0.0;
   c.tensor_model_parallel_size = t;
   c.sequence_parallel = sp;
-  if (variant == "swiglu") {
+  if (variant == "bf16") {
+    c.bf16 = true;
+    c.attention_softmax_in_fp32 = true;
+  } else if (variant == "swiglu") {
     c.normalization = "RMSNorm";
     c.gated_linear_unit = true;
     c.position_embedding_type = "rope";

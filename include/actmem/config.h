@@ -49,6 +49,15 @@ struct TransformerConfig {
   /// In [1, kMaxSeed] (Megatron requires seed > 0).
   uint64_t seed = 1234;
 
+  // ---- precision (docs/mixed-precision.md) ----
+  /// Parameters and activations in bfloat16 / float16 (Megatron's --bf16 / --fp16; at most one).
+  /// The optimizer keeps fp32 main parameters; the loss is computed in fp32.
+  bool bf16 = false;
+  bool fp16 = false;
+  /// Attention softmax computed in fp32 from 16-bit scores (its output is still kept in 16 bits,
+  /// as Megatron's fused scale-mask-softmax kernel does).
+  bool attention_softmax_in_fp32 = false;
+
   // ---- parallelism (docs/parallelism.md; pipeline parallelism is not implemented) ----
   int64_t tensor_model_parallel_size = 1;
   int64_t pipeline_model_parallel_size = 1;
@@ -92,6 +101,10 @@ struct TransformerConfig {
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
   bool use_rope() const { return position_embedding_type == "rope"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
+  /// "fp32", "bf16" or "fp16".
+  const char* precision() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }
+  /// Bytes of one parameter or activation element: 2 with --bf16 / --fp16, else 4.
+  int64_t element_bytes() const { return bf16 || fp16 ? 2 : 4; }
 
   /// Throws c10::Error ("actmem::TransformerConfig: ...") for the first inconsistent field:
   /// validate_shape(), then the recompute and offload rules (make_activation_plan(), which
@@ -126,6 +139,18 @@ struct TrainingConfig {
   double adam_eps = 1e-8;
   /// Global gradient-norm clip; 0 disables.
   double clip_grad = 1.0;
+
+  // ---- mixed precision (docs/mixed-precision.md), Megatron's names ----
+  /// Gradients accumulated across micro-batches (and reduced) in fp32 main-grad buffers. Unset
+  /// means Megatron's default: on with --bf16 (forced), off with --fp16.
+  std::optional<bool> accumulate_allreduce_grads_in_fp32;
+  /// Constant loss scale (--loss-scale); unset means dynamic scaling with --fp16, none with bf16.
+  std::optional<double> loss_scale;
+  /// Dynamic loss scaling (--fp16 without --loss-scale): Megatron's DynamicGradScaler.
+  double initial_loss_scale = 4294967296.0;  // 2^32
+  double min_loss_scale = 1.0;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
   /// Validation every eval_interval iterations over eval_iters fixed micro-batches; 0 disables.
   int64_t eval_interval = 50;
   int64_t eval_iters = 4;
@@ -140,6 +165,15 @@ struct TrainingConfig {
   /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped,
   /// otherwise in [kMinOffloadBandwidthGbps, kMaxOffloadBandwidthGbps].
   double offload_bandwidth_gbps = 0.0;
+
+  /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.
+  bool fp32_main_grads(const TransformerConfig& model) const {
+    return model.bf16 || accumulate_allreduce_grads_in_fp32.value_or(false);
+  }
+  /// Whether `model` trains with a dynamic loss scale (fp16 without a constant --loss-scale).
+  bool dynamic_loss_scale(const TransformerConfig& model) const {
+    return model.fp16 && !loss_scale.has_value();
+  }
 
   int64_t num_microbatches(int64_t micro_batch_size) const {
     return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;

@@ -29,5 +29,7 @@ class Digest {
 
 /// Digest of the gradients of `params`, in order (undefined gradients included as markers).
 std::string grad_digest(const std::vector<at::Tensor>& params);
+/// Digest of `tensors` themselves, in order (a trainer's gradients() at any precision).
+std::string digest_of(const std::vector<at::Tensor>& tensors);
 
 }  // namespace actmem

@@ -24,6 +24,10 @@ struct PaperShape {
   bool sp = false;
   std::optional<double> vpp;   // virtual pipeline stages per rank (interleaved 1F1B)
   std::optional<double> num_microbatches;
+  bool swiglu = false;   // gated MLP: fc1 is 2 x ffn wide (Megatron's 3/2 multiplier)
+  bool untied = false;   // separate output layer (untie_embeddings_and_output_weights)
+  double d = 1;          // data-parallel size
+  bool distributed_optimizer = false;  // optimizer state sharded over the d ranks
   double sbh() const { return s * b * h; }
   double layers_per_stage() const { return L / p; }
 };
@@ -52,6 +56,23 @@ LayerBytes paper_layer_bytes(const PaperShape& m);
 double megatron_activation_memory(const PaperShape& m);
 double megatron_activation_memory_without_sp(const PaperShape& m);
 
+/// Megatron's compute_weight_and_optimizer_memory (megatron/training/theoretical_memory_usage.py)
+/// for mixed-precision training: parameters counted as Megatron counts them (attention, MLP with
+/// the gated multiplier, the layer norms, the embedding; biases ignored), the most loaded rank
+/// holding 1/p of the layers plus the embedding (and an untied output layer when p = 1), split t
+/// ways, at 18 bytes per parameter (2 bf16 weight + 4 fp32 grad + 4 fp32 main parameter + 8 Adam
+/// moments) or 6 + 12/d with the distributed optimizer.
+struct WeightMemory {
+  double parameters = 0;             // the whole model
+  double parameters_on_rank = 0;     // the most loaded rank (first pipeline stage)
+  double weight_bytes = 0;           // 2 per parameter on the rank
+  double gradient_bytes = 0;         // 4
+  double optimizer_bytes = 0;        // 12, or 12/d with the distributed optimizer
+  double bytes_per_parameter = 0;    // 18 or 6 + 12/d
+  double total() const { return weight_bytes + gradient_bytes + optimizer_bytes; }
+};
+WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m);
+
 /// Transfer time, in seconds, of `bytes` each way (device->host then host->device) over a link
 /// of `gbps` GB/s (10^9 bytes/s) per direction, not overlapped.
 double offload_round_trip_seconds(double bytes, double gbps);
@@ -65,9 +86,22 @@ double offload_round_trip_seconds(double bytes, double gbps);
 double korthikanti_module_bytes(const std::string& module_path, const TransformerConfig& config,
                                 int64_t dtype_bytes);
 
+/// What this project's GPTModel keeps for a module beyond korthikanti_module_bytes() at the
+/// config's precision, without recompute or offload, and why (docs/memory-model.md): the norms'
+/// statistics, RoPE's rotated q and k, SwiGLU's second fc1 half and its SiLU output.
+struct ModuleExtra {
+  int64_t bytes = 0;
+  std::string what;  // "" when nothing
+};
+ModuleExtra module_bytes_beyond_paper(const std::string& module_path,
+                                      const TransformerConfig& config, bool cpu = true);
+
 /// Exact activation bytes this project's GPTModel keeps from the end of a training forward to
 /// its backward, per module, for `config` (including its recompute policy) at `dtype_bytes`
-/// (4 = fp32, 8 = double). Derived from what libtorch's ops save (see docs/memory-model.md).
+/// (2 = bf16/fp16, 4 = fp32, 8 = double; 0 = the config's precision, config.element_bytes()).
+/// Derived from what libtorch's ops save (see docs/memory-model.md). At 16 bits the loss is
+/// computed in fp32, and the norms' statistics are fp32 except libtorch's CPU LayerNorm, which
+/// keeps its mean and rstd in the input's type.
 struct PredictedBytes {
   std::vector<std::pair<std::string, int64_t>> by_module;  // module path -> bytes
   int64_t total = 0;
@@ -79,15 +113,16 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device = true);
 /// On CUDA the checkpoints' random-state snapshots live in host memory and are not counted;
 /// on CPU they are device bytes like everything else. Walks the activation plan the model
 /// executes (Note [One plan] in activation_plan.h): for config's own plan, or for `plan`.
-PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 4,
+PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 0,
                                         bool snapshots_on_device = true);
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
-                                        int64_t dtype_bytes = 4, bool snapshots_on_device = true);
+                                        int64_t dtype_bytes = 0, bool snapshots_on_device = true);
 
 /// An upper bound of the device bytes one training step of `config` holds at its peak:
-/// parameters, gradients and AdamW state, the activations of one micro-batch and the transient
-/// buffers of its backward (Note [Memory pre-check] in memory_model.cpp). +inf for sizes whose
-/// exact count would overflow.
-double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 4);
+/// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient
+/// gradients, fp32 main parameters, main grads and moments), the activations of one micro-batch
+/// and the transient buffers of its backward (Note [Memory pre-check] in memory_model.cpp). +inf
+/// for sizes whose exact count would overflow. dtype_bytes 0 = the config's precision.
+double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 0);
 
 }  // namespace actmem

@@ -36,6 +36,14 @@ struct ForwardCounters {
 };
 ForwardCounters& forward_counters();
 
+/// True for bfloat16 and float16.
+inline bool is_16bit(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+/// The type 16-bit tensors are computed in where Megatron upcasts (norm statistics, the fp32
+/// softmax, the loss): float for 16-bit types, the type itself otherwise.
+inline at::ScalarType compute_dtype(at::ScalarType t) { return is_16bit(t) ? at::kFloat : t; }
+/// The parameter (and activation) type of `config`'s precision: float, bfloat16 or half.
+at::ScalarType params_dtype(const TransformerConfig& config);
+
 /// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm]).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
@@ -94,6 +102,7 @@ class CoreAttention : public torch::nn::Module {
  private:
   double dropout_;
   bool sequence_parallel_;
+  bool softmax_in_fp32_;
 };
 
 /// Rotary position embedding tables (cos and sin, [s, 1, 1, d]).
@@ -201,11 +210,16 @@ class TransformerBlock : public torch::nn::Module {
 class GPTModel : public torch::nn::Module {
  public:
   /// Builds and initialises the model on CPU from config.seed (independent of the global RNG).
-  /// dtype is float by default; tests use double.
-  explicit GPTModel(const TransformerConfig& config, at::ScalarType dtype = at::kFloat);
+  /// dtype Undefined means the config's precision (params_dtype()); an fp32 config also accepts
+  /// double (tests). A 16-bit model holds the fp32 model's initial values rounded.
+  explicit GPTModel(const TransformerConfig& config,
+                    at::ScalarType dtype = at::ScalarType::Undefined);
   /// The same with an explicit activation plan (check_activation_plan() must accept it): the
   /// model executes `plan` instead of the one its config's flags resolve to.
-  GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType dtype = at::kFloat);
+  GPTModel(const TransformerConfig& config, ActivationPlan plan,
+           at::ScalarType dtype = at::ScalarType::Undefined);
+  /// The parameters' type.
+  at::ScalarType dtype() const { return dtype_; }
 
   /// tokens: [b, s] int64 -> logits [s, b, v]
   at::Tensor logits(const at::Tensor& tokens);
@@ -245,6 +259,7 @@ class GPTModel : public torch::nn::Module {
   at::Tensor embed(const at::Tensor& tokens);
   TransformerConfig config_;
   ActivationPlan plan_;
+  at::ScalarType dtype_ = at::kFloat;
   std::unique_ptr<RotaryEmbedding> rope_;
   at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
   ActivationOffloader* offloader_ = nullptr;

@@ -28,6 +28,9 @@ struct TrainOptions {
   bool recompute_activations = false;   // legacy: = --recompute-granularity selective
   bool checkpoint_activations = false;  // removed flag: refused with Megatron's message
   double device_memory_limit_gib = 0.0;
+  /// Set when a dynamic-loss-scaling flag (--initial-loss-scale, --min-loss-scale,
+  /// --loss-scale-window, --hysteresis) was given: refused unless the run scales dynamically.
+  std::string dynamic_scaling_flag;
   /// Intra-op threads for libtorch; 0 means one per core.
   int threads = 0;
   /// Applies the derived fields (flags that map onto config fields) and validates everything.

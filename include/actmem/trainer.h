@@ -27,6 +27,7 @@ class AdamW;
 namespace actmem {
 
 class ActivationLedger;
+class MixedPrecisionOptimizer;
 class ActivationOffloader;
 class OutputFile;
 class TraceRecorder;
@@ -38,6 +39,12 @@ struct IterationStats {
   double grad_norm = 0.0;      // global L2 norm before clipping
   std::string grad_digest;     // bytes of every parameter gradient, before the optimizer step
   double lr = 0.0;
+  /// The loss scale this step's backward used (1 without loss scaling).
+  double loss_scale = 1.0;
+  /// True when the gradients overflowed (inf/NaN under loss scaling) and the optimizer step was
+  /// skipped, as Megatron's skipped iterations: parameters, moments and the learning-rate
+  /// schedule are left as they were; grad_norm is NaN (null in JSON).
+  bool skipped = false;
   double step_time_s = 0.0;    // forward, backward and optimizer step of all micro-batches
   double tokens_per_s = 0.0;
   int64_t peak_device_bytes = 0;      // tracker peak during the step
@@ -99,6 +106,11 @@ class Trainer {
   /// Records the next train_step() as a Chrome trace into `recorder` (compute spans per layer
   /// forward and backward, and the copy streams' spans); nullptr stops.
   void set_trace(TraceRecorder* recorder) { trace_ = recorder; }
+  /// The gradients each step reduces, clips and digests, one per ordered parameter: the
+  /// parameters' own gradients in fp32, the fp32 (or 16-bit) main-grad buffers at 16 bits.
+  const std::vector<at::Tensor>& gradients() const { return grads_; }
+  /// The mixed-precision optimizer (null in fp32 training).
+  MixedPrecisionOptimizer* mixed_precision() { return mixed_.get(); }
   /// This trainer's dropout stream: the default generators' states between its steps.
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
   /// The layer-level offloader (null without cpu_offloading_num_layers).
@@ -127,7 +139,10 @@ class Trainer {
   Corpus corpus_;
   std::shared_ptr<GPTModel> model_;
   std::vector<at::Tensor> params_;
-  std::unique_ptr<torch::optim::AdamW> optimizer_;
+  std::unique_ptr<torch::optim::AdamW> optimizer_;       // fp32 training
+  std::unique_ptr<MixedPrecisionOptimizer> mixed_;       // --bf16 / --fp16
+  std::vector<at::Tensor> grads_;                        // see gradients()
+  int64_t scheduler_steps_ = 0;  // optimizer steps taken (skipped ones do not advance the lr)
   std::unique_ptr<BatchSampler> train_sampler_;
   std::unique_ptr<BatchSampler> valid_sampler_;
   std::unique_ptr<MemoryTimeline> timeline_;

@@ -22,7 +22,8 @@ namespace {
 struct EstimateOptions {
   std::string preset = "7b";
   double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0, t = 0, p = 0, vpp = 0, m = 0;
-  bool sp = false, no_sp = false, json = false;
+  double d = 0;
+  bool sp = false, no_sp = false, json = false, swiglu = false, untie = false, dist_opt = false;
   double bandwidth_gbps = 50.0;
 };
 
@@ -37,6 +38,10 @@ int run(const EstimateOptions& o) {
   else if (o.h > 0) m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
   if (o.vpp > 0) m.vpp = o.vpp;
   if (o.m > 0) m.num_microbatches = o.m;
+  if (o.d > 0) m.d = o.d;
+  if (o.swiglu) m.swiglu = true;
+  if (o.untie) m.untied = true;
+  if (o.dist_opt) m.distributed_optimizer = true;
   if (o.sp) m.sp = true;
   if (o.no_sp) m.sp = false;
   TORCH_CHECK(!(m.sp && m.t == 1), "actmem estimate: --sequence-parallel needs "
@@ -58,6 +63,10 @@ int run(const EstimateOptions& o) {
   const double selective_stage = layer.selective * per_stage;
   const double offload_s = offload_round_trip_seconds(selective_stage, o.bandwidth_gbps);
   const double meg = m.sp ? megatron_activation_memory(m) : megatron_activation_memory_without_sp(m);
+  const WeightMemory w = megatron_weight_and_optimizer_memory(m);
+  // The first pipeline stage holds p micro-batches at the 1F1B peak (Korthikanti eq. 5).
+  const double in_flight = m.p;
+  auto total = [&](double per_layer) { return w.total() + per_layer * per_stage * in_flight; };
   if (o.json) {
     nlohmann::json j = {
         {"model", {{"seq_length", m.s}, {"micro_batch_size", m.b}, {"hidden_size", m.h},
@@ -71,6 +80,17 @@ int run(const EstimateOptions& o) {
         {"s2_fraction", layer.s2_fraction},
         {"layers_per_stage", per_stage},
         {"megatron_theoretical_activation_bytes", meg},
+        {"weights_and_optimizer",
+         {{"parameters", w.parameters}, {"parameters_on_rank", w.parameters_on_rank},
+          {"bytes_per_parameter", w.bytes_per_parameter}, {"weight_bytes", w.weight_bytes},
+          {"gradient_bytes", w.gradient_bytes}, {"optimizer_bytes", w.optimizer_bytes},
+          {"total_bytes", w.total()}, {"data_parallel_size", m.d},
+          {"distributed_optimizer", m.distributed_optimizer}, {"swiglu", m.swiglu},
+          {"untied", m.untied}}},
+        {"device_bytes_per_rank", {{"none", total(layer.none)},
+                                   {"selective", total(layer.selective)},
+                                   {"full", total(layer.full)},
+                                   {"megatron_theoretical", w.total() + meg}}},
         {"offload", {{"bytes_each_way", selective_stage},
                      {"bandwidth_gbps", o.bandwidth_gbps},
                      {"round_trip_s", offload_s}}}};
@@ -105,6 +125,32 @@ int run(const EstimateOptions& o) {
             << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
             << std::fixed << " GB/s = "
             << offload_s << " s per micro-batch (not overlapped)\n";
+  std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
+               "precision, d=" << std::defaultfloat << m.d
+            << (m.distributed_optimizer ? " with the distributed optimizer" : "") << "\n"
+            << "  parameters " << std::fixed
+            << std::setprecision(2) << w.parameters / 1e9 << " B in the model ("
+            << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
+            << " embeddings), " << w.parameters_on_rank / 1e9 << " B on this rank\n"
+            << std::left << std::setw(44) << "  weights (bf16, 2 B/param)" << std::right
+            << std::setw(12) << format_bytes_3sig(w.weight_bytes) << "\n"
+            << std::left << std::setw(44) << "  gradients (fp32 main grads, 4 B/param)" << std::right
+            << std::setw(12) << format_bytes_3sig(w.gradient_bytes) << "\n"
+            << std::left << std::setw(44)
+            << (m.distributed_optimizer ? "  optimizer (fp32 params + Adam, 12/d B/param)"
+                                        : "  optimizer (fp32 params + Adam, 12 B/param)")
+            << std::right << std::setw(12) << format_bytes_3sig(w.optimizer_bytes) << "\n"
+            << std::left << std::setw(44) << "  weights and optimizer" << std::right
+            << std::setw(12) << format_bytes_3sig(w.total()) << "   " << std::defaultfloat
+            << w.bytes_per_parameter << " B/param (Megatron's compute_weight_and_optimizer_memory)\n"
+            << std::left << std::setw(44) << "  total, no recompute (p in flight)" << std::right
+            << std::setw(12) << format_bytes_3sig(total(layer.none)) << "\n"
+            << std::left << std::setw(44) << "  total, selective recompute (p in flight)" << std::right
+            << std::setw(12) << format_bytes_3sig(total(layer.selective)) << "\n"
+            << std::left << std::setw(44) << "  total, full recompute (p in flight)" << std::right
+            << std::setw(12) << format_bytes_3sig(total(layer.full)) << "\n"
+            << std::left << std::setw(44) << "  total, Megatron's report_theoretical_memory" << std::right
+            << std::setw(12) << format_bytes_3sig(w.total() + meg) << "\n";
   return 0;
 }
 
@@ -127,6 +173,13 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--num-layers-per-virtual-pipeline-stage", o->vpp,
                   "virtual stages per rank (interleaved 1F1B)");
   cmd->add_option("--num-microbatches", o->m, "micro-batches per step (Megatron's min(1, m/p))");
+  cmd->add_option("--data-parallel-size", o->d, "d (divides the optimizer state with "
+                  "--use-distributed-optimizer)");
+  cmd->add_flag("--use-distributed-optimizer", o->dist_opt,
+                "optimizer state sharded over the data-parallel ranks (6 + 12/d bytes/param)");
+  cmd->add_flag("--swiglu", o->swiglu, "gated MLP (the 7b preset has it)");
+  cmd->add_flag("--untie-embeddings-and-output-weights", o->untie,
+                "separate output layer (the 7b preset has it)");
   cmd->add_flag("--sequence-parallel", o->sp, "sequence parallelism on");
   cmd->add_flag("--no-sequence-parallel", o->no_sp, "sequence parallelism off");
   cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")

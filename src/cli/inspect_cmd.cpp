@@ -56,22 +56,30 @@ int run(InspectOptions& o) {
   trainer.set_ledger(&ledger);
   const IterationStats st = trainer.train_step(false);
   trainer.set_ledger(nullptr);
-  const PredictedBytes predicted = predict_activation_bytes(c, 4);
+  const bool cpu = c10::Device(t.device).is_cpu();
+  const PredictedBytes predicted = predict_activation_bytes(c, 0, cpu);
+  const int64_t e = c.element_bytes();
   if (dist.rank != 0) return 0;
 
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
   const double as2b = static_cast<double>(c.num_attention_heads * c.seq_length * c.seq_length *
                                           c.micro_batch_size);
   if (o.json) {
-    nlohmann::json j = {{"activation_bytes", st.activation_bytes},
+    nlohmann::json j = {{"precision", c.precision()},
+                        {"activation_bytes", st.activation_bytes},
                         {"ledger_bytes", ledger.total_bytes()},
                         {"predicted_bytes", predicted.total},
                         {"modules", nlohmann::json::array()},
                         {"records", nlohmann::json::array()}};
     for (const auto& [module, bytes] : ledger.bytes_by_module()) {
-      const double paper = korthikanti_module_bytes(module, c, 4);
+      const double paper = korthikanti_module_bytes(module, c, e);
       j["modules"].push_back({{"module", module}, {"bytes", bytes}, {"sbh", bytes / sbh}});
-      if (paper >= 0) j["modules"].back()["korthikanti_bytes"] = paper;
+      if (paper >= 0) {
+        j["modules"].back()["korthikanti_bytes"] = paper;
+        const ModuleExtra extra = module_bytes_beyond_paper(module, c, cpu);
+        j["modules"].back()["beyond_paper_bytes"] = extra.bytes;
+        j["modules"].back()["beyond_paper"] = extra.what;
+      }
     }
     for (const auto& r : ledger.records()) {
       j["records"].push_back({{"module", r.module}, {"op", r.op}, {"shape", r.shape},
@@ -83,12 +91,13 @@ int run(InspectOptions& o) {
   }
   std::cout << "actmem inspect: activations saved by one forward (s=" << c.seq_length
             << " b=" << c.micro_batch_size << " h=" << c.hidden_size
-            << " a=" << c.num_attention_heads << "; sbh = " << static_cast<int64_t>(sbh)
+            << " a=" << c.num_attention_heads << ", " << c.precision()
+            << "; sbh = " << static_cast<int64_t>(sbh)
             << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n"
             << blas_report().summary() << "\n\n";
   std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"
             << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)
-            << "Korthikanti" << "\n";
+            << "Korthikanti" << std::setw(10) << "beyond" << "  what\n";
   for (const auto& [module, bytes] : ledger.bytes_by_module()) {
     // The s x s share of this module: records whose last two dims are both s.
     int64_t square = 0;
@@ -98,15 +107,23 @@ int run(InspectOptions& o) {
         square += r.storage_bytes;
       }
     }
-    const double paper = korthikanti_module_bytes(module, c, 4);
+    const double paper = korthikanti_module_bytes(module, c, e);
     std::cout << std::left << std::setw(52) << module << std::right << std::setw(12) << bytes
               << std::fixed << std::setprecision(2) << std::setw(8) << (bytes - square) / sbh
               << std::setw(8) << square / as2b << std::setw(14)
-              << (paper >= 0 ? std::to_string(static_cast<int64_t>(paper)) : std::string("-"))
-              << "\n";
+              << (paper >= 0 ? std::to_string(static_cast<int64_t>(paper)) : std::string("-"));
+    if (paper >= 0) {
+      const ModuleExtra extra = module_bytes_beyond_paper(module, c, cpu);
+      std::cout << std::setw(10) << extra.bytes << "  " << extra.what;
+    }
+    std::cout << "\n";
   }
   std::cout << "\n(sbh and as2b: units of s*b*h and a*s*s*b elements; Korthikanti: the paper's "
-               "term for the module at fp32, 16-bit terms doubled, 1-byte masks)\n"
+               "term for the module "
+            << (e == 2 ? "(its own units: 16-bit values, 1-byte masks)"
+                       : "at " + std::string(c.precision()) + " (16-bit terms scaled by " +
+                             std::to_string(e / 2) + ", 1-byte masks)")
+            << "; beyond: what this implementation keeps beyond the paper's term)\n"
             << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
             << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
             << predicted.total << " B\n";

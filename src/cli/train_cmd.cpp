@@ -38,6 +38,22 @@ std::string memory_settings(const ActivationPlan& plan, const TrainingConfig& t)
   return os.str();
 }
 
+// "bf16 (fp32 main parameters and gradients, softmax in fp32, loss in fp32)".
+std::string precision_summary(const actmem::TransformerConfig& m, const actmem::TrainingConfig& t) {
+  std::string s = m.precision();
+  if (!(m.bf16 || m.fp16)) return s;
+  s += std::string(" (fp32 main parameters, gradients accumulated in ") +
+       (t.fp32_main_grads(m) ? "fp32" : m.precision()) +
+       (m.attention_softmax_in_fp32 ? ", softmax in fp32" : "") + ", loss in fp32";
+  if (t.loss_scale) {
+    s += ", loss scale " + c10::str(*t.loss_scale);
+  } else if (t.dynamic_loss_scale(m)) {
+    s += ", dynamic loss scale from " + c10::str(t.initial_loss_scale) + " (window " +
+         std::to_string(t.loss_scale_window) + ", hysteresis " + std::to_string(t.hysteresis) + ")";
+  }
+  return s + ")";
+}
+
 void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
                   actmem::GPTModel& model) {
   const auto& m = o.model;
@@ -48,6 +64,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << ", micro-batch " << m.micro_batch_size << " x " << t.num_microbatches(m.micro_batch_size)
       << " micro-batches, " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
       << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions") << "\n"
+      << "  precision " << precision_summary(m, t) << "\n"
       << "  parameters " << model.num_parameters() << " | dropout attention "
       << m.attention_dropout << " hidden " << m.hidden_dropout << " | corpus " << corpus.source
       << " (" << corpus.train.numel() << " train / " << corpus.valid.numel()
