@@ -134,13 +134,18 @@ double offload_round_trip_seconds(double bytes, double gbps) {
   return 2.0 * bytes / (gbps * 1e9);
 }
 
+namespace {
+// Whether module `path` is `suffix` or ends with "." + suffix (decoder.layers.3.mlp.linear_fc1).
+bool is_module(const std::string& path, const std::string& suffix) {
+  return path.size() >= suffix.size() &&
+         path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+         (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
+}
+}  // namespace
+
 double korthikanti_module_bytes(const std::string& path, const TransformerConfig& c,
                                 int64_t dtype_bytes) {
-  auto ends_with = [&path](const std::string& suffix) {
-    return path.size() >= suffix.size() &&
-           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-           (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
-  };
+  auto ends_with = [&path](const char* suffix) { return is_module(path, suffix); };
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
   const double as2b = static_cast<double>(c.num_attention_heads) * c.seq_length * c.seq_length *
                       c.micro_batch_size;
@@ -165,11 +170,7 @@ double korthikanti_module_bytes(const std::string& path, const TransformerConfig
 
 ModuleExtra module_bytes_beyond_paper(const std::string& path, const TransformerConfig& c,
                                       bool cpu) {
-  auto ends_with = [&path](const std::string& suffix) {
-    return path.size() >= suffix.size() &&
-           path.compare(path.size() - suffix.size(), suffix.size(), suffix) == 0 &&
-           (path.size() == suffix.size() || path[path.size() - suffix.size() - 1] == '.');
-  };
+  auto ends_with = [&path](const char* suffix) { return is_module(path, suffix); };
   const int64_t e = c.element_bytes(), up = e == 2 ? 4 : e;
   const int64_t t = c.tensor_model_parallel_size;
   const int64_t sb = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
