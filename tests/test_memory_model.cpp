@@ -388,8 +388,21 @@ TEST(Compare, WritesAValidSvgWithPeaksInOrder) {
 TEST(Compare, RejectsUnknownStrategies) {
   const auto r = actmem::testing::run_actmem("compare --strategies plain full-diagonal-2 --svg ''");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("unknown strategy 'full-diagonal-2'"), std::string::npos)
+  EXPECT_NE(r.stderr_text.find("strategy 'full-diagonal-2' cannot run: "), std::string::npos)
       << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("diagonal must be \"block\" or \"uniform\""), std::string::npos)
+      << r.stderr_text;
+  // A well-formed strategy the model cannot run is named as such, with the config's reason.
+  const auto big = actmem::testing::run_actmem(
+      "compare --num-layers 2 --strategies plain full-block-5 --svg ''");
+  EXPECT_NE(big.exit_code, 0);
+  EXPECT_NE(big.stderr_text.find("strategy 'full-block-5' cannot run: "),
+            std::string::npos) << big.stderr_text;
+  // The default set runs on a one-layer model (its block recompute takes the one layer).
+  const auto one = actmem::testing::run_actmem(
+      "compare --num-layers 1 --hidden-size 32 --seq-length 16 --warmup 0 --iters 1 --svg ''");
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_NE(one.output.find("full-block-1"), std::string::npos) << one.output;
 }
 
 }  // namespace
