@@ -184,7 +184,6 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   model_->train();
   params_ = model_->ordered_parameters();
   tensor_parallel_flags_ = model_->tensor_parallel_flags();
-  sequence_parallel_params_ = model_->sequence_parallel_parameters();
   if (is_16bit(model_->dtype())) {
     // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
     std::optional<GradScaler> scaler;
@@ -212,6 +211,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                      .betas({config_.adam_beta1, config_.adam_beta2})
                      .eps(config_.adam_eps)
                      .weight_decay(config_.weight_decay));
+  }
+  // The gradients the sequence-parallel all-reduce sums (at 16 bits: their main grads), found
+  // once here rather than per step.
+  for (const auto& p : model_->sequence_parallel_parameters()) {
+    const auto it = std::find_if(params_.begin(), params_.end(),
+                                 [&p](const at::Tensor& q) { return q.is_same(p); });
+    TORCH_INTERNAL_ASSERT(it != params_.end());
+    sequence_parallel_grads_.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
   }
   train_sampler_ = std::make_unique<BatchSampler>(corpus_.train, model_config_.seq_length,
                                                   model_config_.micro_batch_size,
@@ -370,24 +377,17 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
 }
 
 void Trainer::reduce_sequence_parallel_gradients() {
-  if (sequence_parallel_params_.empty()) return;
+  if (sequence_parallel_grads_.empty()) return;
   // Sequence parallelism: norms and row-parallel biases saw this rank's tokens only; their
   // gradients are summed over the ranks (one flat all-reduce), then equal everywhere.
   at::NoGradGuard no_grad;
   // At 16 bits the reduction runs on the main-grad buffers (fp32 with bf16), as Megatron's
   // _allreduce_layernorm_grads reduces param.main_grad.
-  std::vector<at::Tensor> grads;
-  for (const auto& p : sequence_parallel_params_) {
-    const auto it = std::find_if(params_.begin(), params_.end(),
-                                 [&p](const at::Tensor& q) { return q.is_same(p); });
-    TORCH_INTERNAL_ASSERT(it != params_.end());
-    grads.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
-  }
   std::vector<at::Tensor> flat;
-  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  for (const auto& g : sequence_parallel_grads_) flat.push_back(g.reshape({-1}));
   const at::Tensor summed = all_reduce_sum(at::cat(flat));
   int64_t offset = 0;
-  for (auto& g : grads) {
+  for (auto& g : sequence_parallel_grads_) {
     const int64_t n = g.numel();
     g.copy_(summed.narrow(0, offset, n).view_as(g));
     offset += n;

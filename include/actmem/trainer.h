@@ -156,7 +156,7 @@ class Trainer {
   std::vector<at::Tensor> rng_state_;
   RngStatesTracker tracker_;  // this trainer's named streams (swapped in per step)
   std::vector<bool> tensor_parallel_flags_;           // per params_ entry
-  std::vector<at::Tensor> sequence_parallel_params_;
+  std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
   int64_t iteration_ = 0;
 };
 
