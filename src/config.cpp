@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cmath>
 #include <sstream>
+#include <utility>
 
 namespace actmem {
 
@@ -190,6 +191,18 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               offload_bandwidth_gbps);
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
+  TORCH_CHECK(save_interval >= 0, "actmem::TrainingConfig: save_interval must be >= 0, got ",
+              save_interval);
+  TORCH_CHECK(save_interval == 0 || !save.empty(), "actmem::TrainingConfig: save_interval (",
+              save_interval, ") needs a directory to save in (--save DIR)");
+  // Flags that only modify a load do nothing without one: refused rather than ignored.
+  for (const auto& [on, flag] : {std::pair<bool, const char*>{no_load_optim, "--no-load-optim"},
+                                 {no_load_rng, "--no-load-rng"},
+                                 {finetune, "--finetune"},
+                                 {override_opt_param_scheduler, "--override-opt_param-scheduler"}}) {
+    TORCH_CHECK(!on || !load.empty(), "actmem::TrainingConfig: ", flag, " applies to loading a "
+                "checkpoint; give --load DIR");
+  }
 }
 
 nlohmann::json to_json(const TrainingConfig& t) {
@@ -218,6 +231,14 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"log_interval", t.log_interval},
       {"data", t.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_path)},
       {"split", t.split},
+      {"save", t.save.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.save)},
+      {"save_interval", t.save_interval},
+      {"load", t.load.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.load)},
+      {"no_load_optim", t.no_load_optim},
+      {"no_load_rng", t.no_load_rng},
+      {"finetune", t.finetune},
+      {"override_opt_param_scheduler", t.override_opt_param_scheduler},
+      {"exit_signal_handler", t.exit_signal_handler},
       {"device", t.device},
       {"device_memory_limit", t.device_memory_limit},
       {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},

@@ -305,6 +305,12 @@ std::pair<at::Tensor, at::Tensor> BatchSampler::next() {
   return gather(offsets);
 }
 
+void BatchSampler::seek(int64_t batches) {
+  TORCH_CHECK(batches >= 0, "actmem::BatchSampler::seek: expected a non-negative batch count, got ",
+              batches);
+  drawn_ = batches;
+}
+
 std::pair<at::Tensor, at::Tensor> BatchSampler::fixed(int64_t i, int64_t count) const {
   TORCH_CHECK(count > 0 && i >= 0 && i < count, "actmem::BatchSampler::fixed: expected 0 <= i < "
               "count, got i=", i, " count=", count);

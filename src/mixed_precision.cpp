@@ -8,6 +8,7 @@
 #include <torch/optim/adamw.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace actmem {
 
@@ -39,6 +40,16 @@ GradScaler GradScaler::dynamic(double initial_scale, double min_scale, int64_t g
   g.hysteresis_ = hysteresis;
   g.hysteresis_tracker_ = hysteresis;
   return g;
+}
+
+void GradScaler::load_state(float scale, int64_t growth_tracker, int64_t hysteresis_left) {
+  TORCH_CHECK(std::isfinite(scale) && scale > 0.0f && growth_tracker >= 0 && hysteresis_left >= 0,
+              "actmem::GradScaler::load_state: expected a positive finite scale and non-negative "
+              "trackers, got scale ", scale, ", growth tracker ", growth_tracker,
+              ", hysteresis tracker ", hysteresis_left);
+  scale_ = scale;
+  growth_tracker_ = growth_tracker;
+  hysteresis_tracker_ = hysteresis_left;
 }
 
 float GradScaler::inv_scale() const {

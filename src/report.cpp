@@ -39,6 +39,22 @@ double median(std::vector<double> v) {
   return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const auto total = static_cast<int64_t>(std::llround(seconds));
+  const int64_t h = total / 3600, m = (total / 60) % 60, s = total % 60;
+  std::ostringstream os;
+  os << std::setfill('0');
+  if (h > 0) {
+    os << h << "h" << std::setw(2) << m << "m";
+  } else if (m > 0) {
+    os << m << "m" << std::setw(2) << s << "s";
+  } else {
+    os << s << "s";
+  }
+  return os.str();
+}
+
 std::string format_bytes(double bytes) {
   static const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   int u = 0;

@@ -256,6 +256,24 @@ void add_output_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--trace", o.trace,
                  "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
 }
+void add_checkpoint_flags(CLI::App& app, TrainOptions& o) {
+  auto& t = o.training;
+  // Checkpoints in Megatron's layout (docs/checkpoints.md).
+  app.add_option("--save", t.save, "Directory to save checkpoints in (iter_NNNNNNN/mp_rank_RR/)");
+  app.add_option("--save-interval", t.save_interval,
+                 "Save every N iterations (default: only at the end and on an exit signal)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--load", t.load, "Resume from the latest checkpoint in this directory");
+  app.add_flag("--no-load-optim", t.no_load_optim,
+               "Do not load the optimizer state (the learning-rate schedule restarts)");
+  app.add_flag("--no-load-rng", t.no_load_rng, "Do not load the random states");
+  app.add_flag("--finetune", t.finetune,
+               "Load the model weights only; iteration 0, fresh optimizer and random states");
+  app.add_flag("--override-opt_param-scheduler", t.override_opt_param_scheduler,
+               "Use this run's learning-rate settings where the checkpoint's differ");
+  app.add_flag("--exit-signal-handler", t.exit_signal_handler,
+               "On SIGTERM or SIGINT: finish the step, save (with --save) and exit");
+}
 }  // namespace
 
 void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
@@ -268,6 +286,7 @@ void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kDataFlags) add_data_flags(app, o);
   if (groups & kRuntimeFlags) add_runtime_flags(app, o);
   if (groups & kOutputFlags) add_output_flags(app, o);
+  if (groups & kCheckpointFlags) add_checkpoint_flags(app, o);
 }
 
 void add_model_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kModelFlags); }

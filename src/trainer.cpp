@@ -105,6 +105,8 @@ nlohmann::json to_json(const IterationStats& s) {
       {"grad_norm", s.skipped ? nlohmann::json(nullptr) : nlohmann::json(s.grad_norm)},
       {"grad_digest", s.grad_digest},
       {"lr", s.lr},
+      {"consumed_samples", s.consumed_samples},
+      {"elapsed_s", s.elapsed_s},
       {"loss_scale", s.loss_scale},
       {"skipped", s.skipped},
       {"step_time_s", s.step_time_s},
@@ -322,6 +324,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   clock.busy_s += seconds_since(t2);
   clock.peak = std::max(clock.peak, memory_.peak_bytes());
   finish_stats(st, clock);
+  st.consumed_samples = consumed_train_samples();
   return st;
 }
 
@@ -509,21 +512,34 @@ std::string zero_offload_warning(const ActivationOffloader& offloader) {
 }
 }  // namespace
 
-void Trainer::run(const RunOutput& out,
-                  const std::function<void(const IterationStats&)>& on_step,
-                  bool compute_digest) {
+int Trainer::run(const RunOutput& out,
+                 const std::function<void(const IterationStats&)>& on_step,
+                 bool compute_digest) {
   TraceRecorder recorder;
-  const int64_t traced = std::min<int64_t>(2, config_.train_iters);
+  const int64_t first = iteration_ + 1;  // after a loaded checkpoint, the step that follows it
+  const int64_t traced = std::min<int64_t>(first + 1, config_.train_iters);
   const int64_t total = config_.train_iters;
+  int64_t saved_at = iteration_;  // a loaded checkpoint need not be saved again
+  const auto run_start = Clock::now();
+  auto save = [&] {
+    const auto t0 = Clock::now();
+    const std::string where = save_checkpoint(config_.save);
+    saved_at = iteration_;
+    if (out.progress != nullptr) {
+      *out.progress << "saved checkpoint at iteration " << iteration_ << " to " << where << " in "
+                    << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
+    }
+  };
   const int width = static_cast<int>(std::to_string(total).size());
   std::ostream* progress = out.progress;
   double window_time = 0.0;
   int64_t window_steps = 0;
   int64_t window_skipped = 0;  // Megatron's "number of skipped iterations" per log line
-  for (int64_t it = 1; it <= total; ++it) {
+  for (int64_t it = first; it <= total; ++it) {
     const bool trace_now = out.trace != nullptr && it == traced;
     if (trace_now) set_trace(&recorder);
     IterationStats st = train_step(compute_digest);
+    st.elapsed_s = seconds_since(run_start);
     if (trace_now) {
       set_trace(nullptr);
       // Copies of this step may still be running: wait for the streams to drain first.
@@ -534,7 +550,7 @@ void Trainer::run(const RunOutput& out,
         *progress << "trace of iteration " << it << ": " << out.trace->path() << "\n";
       }
     }
-    if (it == 1 && offloader_) {
+    if (it == first && offloader_) {
       if (progress != nullptr && !offloader_->summary().empty()) {
         print_offload_summary(*progress, offloader_->summary());
       }
@@ -548,7 +564,7 @@ void Trainer::run(const RunOutput& out,
     const bool eval_now = config_.eval_interval > 0 &&
                           (it % config_.eval_interval == 0 || it == total);
     if (eval_now) st.val_loss = evaluate();
-    if (progress != nullptr && (it % config_.log_interval == 0 || it == 1 || it == total)) {
+    if (progress != nullptr && (it % config_.log_interval == 0 || it == first || it == total)) {
       const double mean_step = window_time / static_cast<double>(window_steps);
       *progress << "iter " << std::setw(width) << it << "/" << total << " | loss " << std::fixed
                 << std::setprecision(4) << st.loss;
@@ -566,7 +582,13 @@ void Trainer::run(const RunOutput& out,
                 << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | "
                 << std::setprecision(0) << st.tokens_per_s << " tok/s | peak "
                 << format_bytes(static_cast<double>(st.peak_device_bytes)) << " | act "
-                << format_bytes(static_cast<double>(st.activation_bytes)) << "\n";
+                << format_bytes(static_cast<double>(st.activation_bytes));
+      if (it < total) {
+        // Wall time per step so far (validation and saves included) times the steps left.
+        const double per_step = st.elapsed_s / static_cast<double>(it - first + 1);
+        *progress << " | ETA " << format_duration(per_step * static_cast<double>(total - it));
+      }
+      *progress << "\n";
       window_time = 0.0;
       window_steps = 0;
       window_skipped = 0;
@@ -578,7 +600,30 @@ void Trainer::run(const RunOutput& out,
     }
     if (progress != nullptr) progress->flush();
     if (on_step) on_step(st);
+    if (!config_.save.empty() && config_.save_interval > 0 && it % config_.save_interval == 0) {
+      save();
+    }
+    if (out.exit_signals != nullptr) {
+      // Every rank stops after the same step: the ranks agree on whether any received one.
+      int signal = out.exit_signals->received();
+      if (tensor_parallel_group().size > 1) {
+        for (const int64_t r : gather_per_rank(signal, device_)) {
+          signal = std::max(signal, static_cast<int>(r));
+        }
+      }
+      if (signal != 0) {
+        if (!config_.save.empty() && saved_at != iteration_) save();
+        if (progress != nullptr) {
+          *progress << "exiting after iteration " << iteration_ << " on signal " << signal
+                    << (config_.save.empty() ? " (no --save: nothing saved)" : "") << "\n";
+          progress->flush();
+        }
+        return signal;
+      }
+    }
   }
+  if (!config_.save.empty() && saved_at != iteration_) save();
+  return 0;
 }
 
 }  // namespace actmem

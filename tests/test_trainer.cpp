@@ -184,7 +184,8 @@ TEST(IterationStats, JsonHasEveryFieldAndDoublesRoundTrip) {
   for (const char* key : {"iteration", "loss", "grad_norm", "grad_digest", "lr", "step_time_s",
                           "tokens_per_s", "peak_device_bytes", "activation_bytes",
                           "activation_peak_bytes", "predicted_activation_bytes",
-                          "offloaded_bytes", "host_peak_bytes", "offload_wait_s"}) {
+                          "offloaded_bytes", "host_peak_bytes", "offload_wait_s",
+                          "consumed_samples", "elapsed_s"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["loss"].get<double>(), st.loss);
@@ -192,6 +193,22 @@ TEST(IterationStats, JsonHasEveryFieldAndDoublesRoundTrip) {
   EXPECT_EQ(j["step_time_s"].get<double>(), st.step_time_s);
   EXPECT_EQ(j["peak_device_bytes"].get<int64_t>(), st.peak_device_bytes);
   EXPECT_FALSE(j.contains("val_loss"));
+}
+
+TEST(Trainer, ConsumedSamplesCountEveryMicroBatch) {
+  TrainingConfig t = tiny_training();
+  t.global_batch_size = 3 * tiny_model().micro_batch_size;
+  Trainer trainer(tiny_model(), t);
+  EXPECT_EQ(trainer.train_step(false).consumed_samples, 3 * tiny_model().micro_batch_size);
+  EXPECT_EQ(trainer.train_step(false).consumed_samples, 6 * tiny_model().micro_batch_size);
+}
+
+TEST(Report, DurationsForProgressLines) {
+  EXPECT_EQ(format_duration(0.4), "0s");
+  EXPECT_EQ(format_duration(42.5), "43s");
+  EXPECT_EQ(format_duration(185), "3m05s");
+  EXPECT_EQ(format_duration(2 * 3600 + 7 * 60 + 59), "2h07m");
+  EXPECT_EQ(format_duration(-1), "?");
 }
 
 TEST(Digest, DetectsOneBitAndBoundaries) {

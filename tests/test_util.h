@@ -72,6 +72,13 @@ inline void gradcheck(const std::function<at::Tensor(const std::vector<at::Tenso
   }
 }
 
+/// A new, empty directory under the test temp dir (unique: ctest runs tests in parallel).
+inline std::string fresh_temp_dir(const std::string& prefix) {
+  std::string path = ::testing::TempDir() + prefix + "_XXXXXX";
+  if (mkdtemp(path.data()) == nullptr) ADD_FAILURE() << "mkdtemp failed for " << path;
+  return path;
+}
+
 struct CommandResult {
   int exit_code = -1;
   std::string output;  // stdout and stderr together

@@ -158,6 +158,21 @@ struct TrainingConfig {
   /// Text file to train on; empty means the built-in corpus.
   std::string data_path;
   std::string split = "95,5";
+  // ---- checkpoints (docs/checkpoints.md), Megatron's names ----
+  /// Directory to save checkpoints in (--save); empty means none.
+  std::string save;
+  /// Save every save_interval iterations (--save-interval); 0 saves only at the end of the run
+  /// and when an exit signal arrives.
+  int64_t save_interval = 0;
+  /// Directory to resume from (--load): its latest checkpoint.
+  std::string load;
+  bool no_load_optim = false;
+  bool no_load_rng = false;
+  bool finetune = false;
+  bool override_opt_param_scheduler = false;
+  /// Catch SIGTERM/SIGINT, save (with --save) after the current step and exit
+  /// (--exit-signal-handler).
+  bool exit_signal_handler = false;
   /// "cpu" or "cuda[:i]".
   std::string device = "cpu";
   /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.

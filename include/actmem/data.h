@@ -80,6 +80,8 @@ class BatchSampler {
   /// The i-th of `count` evenly spaced, fixed micro-batches (for validation).
   std::pair<at::Tensor, at::Tensor> fixed(int64_t i, int64_t count) const;
   int64_t batches_drawn() const { return drawn_; }
+  /// Continues as if `batches` micro-batches had been drawn (resuming from a checkpoint).
+  void seek(int64_t batches);
 
  private:
   std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& offsets) const;

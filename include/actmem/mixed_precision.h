@@ -44,6 +44,9 @@ class GradScaler {
   void update(bool found_inf);
   int64_t hysteresis_left() const { return hysteresis_tracker_; }
   int64_t growth_tracker() const { return growth_tracker_; }
+  /// Restores what Megatron's DynamicGradScaler.load_state_dict restores (scale, growth and
+  /// hysteresis trackers), from a checkpoint; the settings stay this scaler's.
+  void load_state(float scale, int64_t growth_tracker, int64_t hysteresis_left);
 
  private:
   bool dynamic_ = false;
@@ -84,6 +87,9 @@ class MixedPrecisionOptimizer {
   /// The loss multiplier for backward: the scaler's scale, or 1 without one.
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
   const std::optional<GradScaler>& scaler() const { return scaler_; }
+  std::optional<GradScaler>& scaler() { return scaler_; }
+  /// The AdamW that steps main_params() (its per-parameter state is what a checkpoint keeps).
+  torch::optim::AdamW& adamw() { return *adamw_; }
   /// With a scaler: multiplies the main gradients by 1/scale and returns whether any is inf or
   /// NaN on any rank (`found_inf_any_rank` reduces the local flag, e.g. a max over the
   /// tensor-parallel group), then updates the scaler. Without one: false.

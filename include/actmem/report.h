@@ -14,6 +14,9 @@ std::string format_bytes(double bytes);
 /// numbers of `actmem estimate`).
 std::string format_bytes_3sig(double bytes);
 
+/// "42s", "3m05s", "2h07m": a duration for progress lines (ETA), rounded to the second.
+std::string format_duration(double seconds);
+
 /// Median of a non-empty sample (the mean of the middle two for an even count).
 double median(std::vector<double> values);
 

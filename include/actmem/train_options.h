@@ -49,8 +49,10 @@ enum FlagGroup : unsigned {
   kDataFlags = 1u << 6,       // --data, --split
   kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
   kOutputFlags = 1u << 8,     // --log-json, --trace
+  kCheckpointFlags = 1u << 9, // --save, --load, --save-interval, --exit-signal-handler, ...
   kModelFlags = kShapeFlags | kParallelFlags | kRecomputeFlags | kOffloadFlags,
-  kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags,
+  kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags |
+                   kCheckpointFlags,
 };
 
 /// Adds the flags of `groups` (a FlagGroup mask), bound to `options`.

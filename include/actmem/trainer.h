@@ -5,6 +5,7 @@
 // construction, so activation measurements never include first-touch gradient allocations.
 #pragma once
 
+#include "actmem/checkpoint.h"
 #include "actmem/config.h"
 #include "actmem/data.h"
 #include "actmem/memory_tracker.h"
@@ -39,6 +40,10 @@ struct IterationStats {
   double grad_norm = 0.0;      // global L2 norm before clipping
   std::string grad_digest;     // bytes of every parameter gradient, before the optimizer step
   double lr = 0.0;
+  /// Training samples consumed after this step (Megatron's consumed_train_samples).
+  int64_t consumed_samples = 0;
+  /// Seconds since run() started (0 outside run()).
+  double elapsed_s = 0.0;
   /// The loss scale this step's backward used (1 without loss scaling).
   double loss_scale = 1.0;
   /// True when the gradients overflowed (inf/NaN under loss scaling) and the optimizer step was
@@ -88,12 +93,30 @@ class Trainer {
     /// The second step (the first after offload's warmup; the first if there is only one) is
     /// written here as a Chrome trace; opened by the caller before the run.
     OutputFile* trace = nullptr;
+    /// With --exit-signal-handler: after the step in which it received a signal, run() saves
+    /// (with --save) and returns early; every tensor-parallel rank stops at the same step.
+    const ExitSignalHandler* exit_signals = nullptr;
   };
   /// train_iters steps with `on_step` per step and validation every eval_interval. Stops with a
   /// c10::Error naming the iteration when the loss or the gradient norm is not finite (see
   /// train_step()).
-  void run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
-           bool compute_digest = true);
+  /// Steps run from iteration() + 1 (after a load) to train_iters. With --save it saves every
+  /// save_interval iterations and at the end. Returns the signal that stopped it early, or 0.
+  int run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
+          bool compute_digest = true);
+
+  /// Writes the checkpoint of the current iteration into `dir` in Megatron's layout
+  /// (checkpoint.h, Note [Checkpoint protocol]); collective over the tensor-parallel ranks.
+  /// Returns the iteration directory.
+  std::string save_checkpoint(const std::string& dir);
+  /// Loads `dir`'s latest checkpoint (collective). Returns the iteration it holds, or nullopt
+  /// when `dir` has no latest_checkpointed_iteration.txt (nothing is loaded, as in Megatron).
+  /// Refuses, naming the field, a checkpoint of another model shape, tensor-parallel size or
+  /// precision.
+  std::optional<int64_t> load_checkpoint(const std::string& dir,
+                                         const CheckpointLoadOptions& options = {});
+  /// Samples the training data has consumed (Megatron's consumed_train_samples).
+  int64_t consumed_train_samples() const;
 
   GPTModel& model() { return *model_; }
   const Corpus& corpus() const { return corpus_; }
@@ -121,6 +144,8 @@ class Trainer {
 
  private:
   double lr_at(int64_t iteration) const;
+  c10::impl::GenericDict checkpoint_state() const;  // checkpoint.cpp
+  void check_checkpoint_args(const nlohmann::json& args, const std::string& path) const;
   // The steps of train_step() (Note [The steps of a training step] in trainer.cpp).
   struct StepClock {
     double busy_s = 0.0;  // forward, backward and optimizer time

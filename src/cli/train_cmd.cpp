@@ -123,7 +123,27 @@ int run_train(actmem::TrainOptions& o) {
   actmem::Trainer trainer(o.model, o.training);
   // With the JSON log on standard output, everything meant for people goes to stderr.
   std::ostream& human = log.is_stdout() ? std::cerr : std::cout;
-  if (writer) print_header(human, trainer, o, trainer.model());
+  std::optional<int64_t> resumed;
+  if (!o.training.load.empty()) {
+    const auto& t = o.training;
+    resumed = trainer.load_checkpoint(
+        t.load, {!t.no_load_optim, !t.no_load_rng, t.finetune, t.override_opt_param_scheduler});
+    if (!resumed && writer) {
+      std::cerr << "warning: " << t.load << " has no " << actmem::kLatestCheckpointFile
+                << "; no checkpoint loaded, training from scratch\n";
+    }
+  }
+  if (writer) {
+    print_header(human, trainer, o, trainer.model());
+    if (resumed) {
+      human << "  loaded " << actmem::checkpoint_iteration_dir(o.training.load, *resumed)
+            << (o.training.finetune ? " (weights only: --finetune)" : "")
+            << (o.training.no_load_optim && !o.training.finetune ? " (without the optimizer)" : "")
+            << (o.training.no_load_rng && !o.training.finetune ? " (without random states)" : "")
+            << "; continuing at iteration " << trainer.iteration() + 1 << ", "
+            << trainer.consumed_train_samples() << " samples consumed\n";
+    }
+  }
   if (log.is_open()) {
     log.write(config_record(o, trainer, dist.world_size).dump() + "\n", "the config record");
   }
@@ -131,12 +151,17 @@ int run_train(actmem::TrainOptions& o) {
   std::optional<double> last_val;
   int64_t steps = 0;
   Trainer::RunOutput out;
+  std::optional<actmem::ExitSignalHandler> signals;
+  if (o.training.exit_signal_handler) {
+    signals.emplace();
+    out.exit_signals = &*signals;
+  }
   if (writer) {
     out.progress = &human;
     out.warnings = &std::cerr;
     if (trace.is_open()) out.trace = &trace;
   }
-  trainer.run(out, [&](const actmem::IterationStats& st) {
+  const int stopped_by = trainer.run(out, [&](const actmem::IterationStats& st) {
     if (std::isnan(first_loss)) first_loss = st.loss;
     last_loss = st.loss;
     total_time += st.step_time_s;
@@ -147,8 +172,14 @@ int run_train(actmem::TrainOptions& o) {
       log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
     }
   }, /*compute_digest=*/digests);
+  (void)stopped_by;  // run() reported it; Megatron exits with status 0 after a signal, too
   log.close();
   if (!writer) return 0;
+  if (steps == 0) {
+    human << "done: nothing to train (iteration " << trainer.iteration() << " of --train-iters "
+          << o.training.train_iters << ")\n";
+    return 0;
+  }
   human << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
         << last_loss;
   if (last_val) human << " | validation loss " << *last_val;

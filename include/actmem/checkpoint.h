@@ -1,0 +1,76 @@
+// checkpoint.h — checkpoints in Megatron-LM's layout (megatron/training/checkpointing.py):
+//
+//   DIR/latest_checkpointed_iteration.txt            "100" (no newline), written last
+//   DIR/iter_0000100/mp_rank_00/model_optim_rng.pt   one file per tensor-parallel rank
+//
+// Each file is a torch pickle (libtorch's torch::pickle_save: the zip archive torch.save
+// writes), so Python's torch.load reads it as a dict with Megatron's keys: args,
+// checkpoint_version (3.0), iteration, model (Megatron's parameter names -> tensors), optimizer,
+// opt_param_scheduler and rng_state. What Trainer::save_checkpoint writes, and how a crash
+// during a save is survived, is Note [Checkpoint protocol] in checkpoint.cpp; docs/checkpoints.md
+// is the user's guide.
+#pragma once
+
+#include <ATen/core/ivalue.h>
+#include <nlohmann/json_fwd.hpp>
+
+#include <atomic>
+#include <cstdint>
+#include <optional>
+#include <string>
+
+namespace actmem {
+
+/// The file naming the newest complete checkpoint of a directory.
+inline constexpr const char* kLatestCheckpointFile = "latest_checkpointed_iteration.txt";
+/// Megatron's checkpoint_version of the files written here.
+inline constexpr double kCheckpointVersion = 3.0;
+
+/// DIR/iter_0000100 (seven digits, as Megatron's get_checkpoint_name).
+std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
+/// DIR/iter_0000100/mp_rank_03/model_optim_rng.pt: tensor-parallel rank 3's file.
+std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank);
+
+/// The iteration DIR/latest_checkpointed_iteration.txt names; nullopt when the file does not
+/// exist. Throws for a file that is not a non-negative iteration number ("release" checkpoints
+/// of converted models are not supported).
+std::optional<int64_t> read_latest_checkpointed_iteration(const std::string& dir);
+
+/// Reads a checkpoint file as a dict; throws naming the path when it is missing, truncated or
+/// not a torch pickle of a dict.
+c10::impl::GenericDict read_checkpoint_file(const std::string& path);
+
+/// JSON values as pickled Python values (null -> None, objects -> dicts with string keys,
+/// arrays -> lists) and back; what the args entry of a checkpoint holds.
+c10::IValue json_to_ivalue(const nlohmann::json& value);
+nlohmann::json ivalue_to_json(const c10::IValue& value);
+
+/// What Trainer::load_checkpoint restores (Megatron's --no-load-optim, --no-load-rng,
+/// --finetune, --override-opt_param-scheduler).
+struct CheckpointLoadOptions {
+  /// The optimizer state (moments, fp32 main parameters, loss scaler) and the learning-rate
+  /// schedule. Without it the schedule starts again from its first step, as in Megatron.
+  bool optimizer = true;
+  /// Every random state (the default generators and the tracker's named streams).
+  bool rng = true;
+  /// Model weights only: iteration, data position, optimizer and random states start afresh.
+  bool finetune = false;
+  /// Use this run's learning-rate settings where the checkpoint's differ (otherwise refused).
+  bool override_scheduler = false;
+};
+
+/// Catches SIGTERM and SIGINT while it lives (Megatron's --exit-signal-handler): the first one
+/// is recorded for the training loop to act on after its current step (save, then exit); the
+/// handler is then reset, so a second signal ends the process at once. The previous handlers
+/// are restored on destruction. One may exist at a time.
+class ExitSignalHandler {
+ public:
+  ExitSignalHandler();
+  ~ExitSignalHandler();
+  ExitSignalHandler(const ExitSignalHandler&) = delete;
+  ExitSignalHandler& operator=(const ExitSignalHandler&) = delete;
+  /// The signal received (SIGTERM or SIGINT), or 0.
+  int received() const;
+};
+
+}  // namespace actmem

@@ -1,0 +1,683 @@
+// checkpoint.cpp — Megatron-layout checkpoints: the files, the save protocol, and what a Trainer
+// writes into and restores from them.
+#include "actmem/checkpoint.h"
+
+#include "actmem/mixed_precision.h"
+#include "actmem/tensor_parallel.h"
+#include "actmem/trainer.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/irange.h>
+#include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/optim/adamw.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cerrno>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <iomanip>
+#include <sstream>
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+namespace actmem {
+
+namespace fs = std::filesystem;
+
+// Note [Checkpoint protocol]
+// A checkpoint is published in three moves, each atomic on a POSIX file system, so a crash at
+// any instant leaves the directory loading the newest *complete* checkpoint:
+//   1. every rank writes DIR/iter_N.tmp/mp_rank_RR/model_optim_rng.pt, then fsyncs the file and
+//      its directory; the ranks agree that all succeeded (one all-reduce);
+//   2. rank 0 renames iter_N.tmp to iter_N (exchanging the two atomically when iter_N exists,
+//      e.g. a run resumed from N saving N again; the old one is removed afterwards) and fsyncs
+//      DIR;
+//   3. rank 0 writes latest_checkpointed_iteration.txt.tmp, fsyncs it and renames it over
+//      latest_checkpointed_iteration.txt (last: the pointer moves only to a complete
+//      checkpoint), then fsyncs DIR.
+// Older checkpoints are never touched, so the previous one stays loadable until the new one is
+// complete (Megatron keeps them all as well). A leftover iter_N.tmp from a crash is ignored by
+// loads and removed by the next save of N. Tests kill the process between the moves
+// (ACTMEM_CHECKPOINT_FAULT=STAGE[@ITER], STAGE one of mid-file, before-publish, before-latest:
+// the process sends itself SIGKILL there).
+
+namespace {
+
+std::string errno_text() { return std::strerror(errno); }
+
+// Test-only fault injection (Note [Checkpoint protocol]).
+void maybe_fault(const char* stage, int64_t iteration) {
+  const char* spec = std::getenv("ACTMEM_CHECKPOINT_FAULT");
+  if (spec == nullptr) return;
+  std::string s(spec);
+  const auto at = s.find('@');
+  if (s.substr(0, at) != stage) return;
+  if (at != std::string::npos && std::to_string(iteration) != s.substr(at + 1)) return;
+  std::raise(SIGKILL);
+}
+
+void fsync_path(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
+  TORCH_CHECK(fd >= 0, "actmem::save_checkpoint: cannot open ", path, " to sync it: ", errno_text());
+  const int rc = ::fsync(fd);
+  const std::string err = rc != 0 ? errno_text() : std::string();
+  ::close(fd);
+  TORCH_CHECK(rc == 0, "actmem::save_checkpoint: fsync of ", path, " failed: ", err);
+}
+
+// Writes `bytes` to `path` (created or truncated) and fsyncs it. `fault_iteration` >= 0 arms
+// the mid-file fault point.
+void write_durably(const std::string& path, const char* data, size_t size,
+                   int64_t fault_iteration = -1) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "actmem::save_checkpoint: cannot create ", path, ": ", errno_text());
+  size_t done = 0;
+  std::string err;
+  while (done < size && err.empty()) {
+    if (fault_iteration >= 0 && done >= size / 2 && done > 0) {
+      ::fsync(fd);
+      maybe_fault("mid-file", fault_iteration);
+      fault_iteration = -1;
+    }
+    // At most half the file per write before the fault point, so the point is reached.
+    const size_t chunk = fault_iteration >= 0 ? std::max<size_t>(1, size / 2 - done) : size - done;
+    const ssize_t n = ::write(fd, data + done, std::min(chunk, size - done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      err = "write failed: " + errno_text();
+      break;
+    }
+    done += static_cast<size_t>(n);
+  }
+  if (err.empty() && ::fsync(fd) != 0) err = "fsync failed: " + errno_text();
+  if (::close(fd) != 0 && err.empty()) err = "close failed: " + errno_text();
+  TORCH_CHECK(err.empty(), "actmem::save_checkpoint: ", path, ": ", err,
+              " (is the disk full? the previous checkpoint is untouched)");
+}
+
+// Whether every tensor-parallel rank succeeded; the ranks call it together, so one rank's
+// failure reaches the others instead of leaving them waiting in the next collective.
+bool all_ranks_ok(bool ok, const at::Device& device) {
+  if (tensor_parallel_group().size == 1) return ok;
+  const at::Tensor failures = at::full({1}, ok ? 0.0f : 1.0f,
+                                       at::TensorOptions().dtype(at::kFloat).device(device));
+  return all_reduce_sum(failures).item<float>() == 0.0f;
+}
+
+// Runs `fn` on every rank, then agrees on success: rethrows a local error, or reports another
+// rank's.
+template <typename Fn>
+void on_all_ranks(const at::Device& device, const char* what, Fn&& fn) {
+  std::exception_ptr error;
+  try {
+    fn();
+  } catch (...) {
+    error = std::current_exception();
+  }
+  const bool all_ok = all_ranks_ok(!error, device);
+  if (error) std::rethrow_exception(error);
+  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor-parallel rank failed ",
+              what, " (its error is in its output); nothing was published");
+}
+
+// Publishes `tmp` as `final` atomically (Note [Checkpoint protocol], move 2).
+void publish_directory(const std::string& tmp, const std::string& final) {
+  std::error_code ec;
+  if (!fs::exists(final, ec)) {
+    TORCH_CHECK(::rename(tmp.c_str(), final.c_str()) == 0, "actmem::save_checkpoint: cannot "
+                "rename ", tmp, " to ", final, ": ", errno_text());
+    return;
+  }
+  // Exchange, then remove the old copy: iter_N names a complete checkpoint at every instant.
+  const std::string old = final + ".old";
+  fs::remove_all(old, ec);
+#ifdef RENAME_EXCHANGE
+  if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final.c_str(), RENAME_EXCHANGE) == 0) {
+    fs::rename(tmp, old);  // tmp now holds the old checkpoint
+    fs::remove_all(old, ec);
+    return;
+  }
+#endif
+  // A file system without the exchange: a short window in which only iter_N.old exists.
+  fs::rename(final, old);
+  fs::rename(tmp, final);
+  fs::remove_all(old, ec);
+}
+
+c10::impl::GenericDict string_dict() {
+  return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
+}
+
+at::Tensor host_copy(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous().clone(); }
+
+const c10::IValue& entry(const c10::impl::GenericDict& d, const std::string& key,
+                         const std::string& path) {
+  const auto it = d.find(key);
+  TORCH_CHECK(it != d.end(), "actmem::Trainer::load_checkpoint: ", path, " has no '", key,
+              "' entry; it is not a checkpoint written by actmem or Megatron-LM");
+  return it->value();
+}
+
+c10::impl::GenericDict dict_entry(const c10::impl::GenericDict& d, const std::string& key,
+                                  const std::string& path) {
+  const c10::IValue& v = entry(d, key, path);
+  TORCH_CHECK(v.isGenericDict(), "actmem::Trainer::load_checkpoint: ", path, ": '", key,
+              "' is not a dict");
+  return v.toGenericDict();
+}
+
+// An AdamW's per-parameter state as torch's Optimizer.state_dict() lays it out:
+// {"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [0..n)}]}.
+c10::impl::GenericDict adamw_state_dict(torch::optim::AdamW& opt,
+                                        const std::vector<at::Tensor>& params) {
+  c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+  for (const auto i : c10::irange(params.size())) {
+    const auto it = opt.state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
+    if (it == opt.state().end()) continue;  // no step taken yet
+    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    auto d = string_dict();
+    d.insert("step", s.step());
+    d.insert("exp_avg", host_copy(s.exp_avg()));
+    d.insert("exp_avg_sq", host_copy(s.exp_avg_sq()));
+    state.insert(static_cast<int64_t>(i), d);
+  }
+  const auto& o = static_cast<const torch::optim::AdamWOptions&>(opt.param_groups()[0].options());
+  auto group = string_dict();
+  group.insert("lr", o.lr());
+  group.insert("betas", c10::List<double>({std::get<0>(o.betas()), std::get<1>(o.betas())}));
+  group.insert("eps", o.eps());
+  group.insert("weight_decay", o.weight_decay());
+  group.insert("amsgrad", o.amsgrad());
+  c10::List<int64_t> ids;
+  for (const auto i : c10::irange(params.size())) ids.push_back(static_cast<int64_t>(i));
+  group.insert("params", ids);
+  c10::impl::GenericList groups(c10::AnyType::get());
+  groups.push_back(group);
+  auto out = string_dict();
+  out.insert("state", state);
+  out.insert("param_groups", groups);
+  return out;
+}
+
+void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& params,
+                      const c10::impl::GenericDict& sd, const std::string& path) {
+  const c10::IValue& state_v = entry(sd, "state", path);
+  TORCH_CHECK(state_v.isGenericDict(), "actmem::Trainer::load_checkpoint: ", path,
+              ": the optimizer state is not a dict");
+  opt.state().clear();
+  for (const auto& e : state_v.toGenericDict()) {
+    TORCH_CHECK(e.key().isInt() && e.key().toInt() >= 0 &&
+                    e.key().toInt() < static_cast<int64_t>(params.size()) &&
+                    e.value().isGenericDict(),
+                "actmem::Trainer::load_checkpoint: ", path, ": optimizer state entry ",
+                e.key(), " does not belong to any of this model's ", params.size(), " parameters");
+    const at::Tensor& p = params[static_cast<size_t>(e.key().toInt())];
+    const auto d = e.value().toGenericDict();
+    auto tensor = [&](const char* name) {
+      const at::Tensor t = entry(d, name, path).toTensor();
+      TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type(),
+                  "actmem::Trainer::load_checkpoint: ", path, ": optimizer ", name, " of parameter ",
+                  e.key().toInt(), " is ", t.sizes(), " ", t.scalar_type(), ", expected ",
+                  p.sizes(), " ", p.scalar_type());
+      return t.to(p.device()).clone();
+    };
+    auto s = std::make_unique<torch::optim::AdamWParamState>();
+    s->step(entry(d, "step", path).toInt());
+    s->exp_avg(tensor("exp_avg"));
+    s->exp_avg_sq(tensor("exp_avg_sq"));
+    opt.state()[c10::guts::to_string(p.unsafeGetTensorImpl())] = std::move(s);
+  }
+}
+
+// The fields of args a checkpoint must agree with this run on: the ones that decide the
+// parameters' names, shapes and types, and the tensor-parallel layout.
+constexpr const char* kShapeFields[] = {
+    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
+    "normalization", "gated_linear_unit", "add_bias_linear", "position_embedding_type",
+    "untie_embeddings_and_output_weights", "tensor_model_parallel_size", "precision"};
+
+// "mp_rank_03" (Megatron's name without a pipeline stage).
+std::string rank_dir_name(int64_t tp_rank) {
+  std::ostringstream os;
+  os << "mp_rank_" << std::setw(2) << std::setfill('0') << tp_rank;
+  return os.str();
+}
+
+}  // namespace
+
+std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration) {
+  std::ostringstream os;
+  os << "iter_" << std::setw(7) << std::setfill('0') << iteration;
+  return (fs::path(dir) / os.str()).string();
+}
+
+std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank) {
+  return (fs::path(checkpoint_iteration_dir(dir, iteration)) / rank_dir_name(tp_rank) /
+          "model_optim_rng.pt")
+      .string();
+}
+
+std::optional<int64_t> read_latest_checkpointed_iteration(const std::string& dir) {
+  const fs::path path = fs::path(dir) / kLatestCheckpointFile;
+  std::ifstream in(path);
+  if (!in) return std::nullopt;
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  while (!text.empty() && std::isspace(static_cast<unsigned char>(text.back()))) text.pop_back();
+  TORCH_CHECK(text != "release", "actmem::read_latest_checkpointed_iteration: ", path.string(),
+              " names a 'release' checkpoint (a converted model); actmem loads iteration "
+              "checkpoints only");
+  int64_t iteration = -1;
+  const bool digits = !text.empty() && text.size() <= 18 &&
+                      text.find_first_not_of("0123456789") == std::string::npos;
+  if (digits) iteration = std::stoll(text);
+  TORCH_CHECK(digits, "actmem::read_latest_checkpointed_iteration: ", path.string(),
+              " should hold an iteration number, found '", text.substr(0, 40), "'");
+  return iteration;
+}
+
+c10::impl::GenericDict read_checkpoint_file(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  TORCH_CHECK(in, "actmem::read_checkpoint_file: cannot open ", path, ": ", errno_text());
+  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  c10::IValue value;
+  try {
+    value = torch::jit::pickle_load(bytes);
+  } catch (const c10::Error& e) {
+    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " (", bytes.size(), " bytes) is "
+                "not a readable torch pickle (truncated or not a checkpoint): ",
+                e.what_without_backtrace());
+  }
+  TORCH_CHECK(value.isGenericDict(), "actmem::read_checkpoint_file: ", path,
+              " holds a ", value.tagKind(), ", not a checkpoint dict");
+  return value.toGenericDict();
+}
+
+c10::IValue json_to_ivalue(const nlohmann::json& j) {
+  using T = nlohmann::json::value_t;
+  switch (j.type()) {
+    case T::null:
+      return c10::IValue();
+    case T::boolean:
+      return c10::IValue(j.get<bool>());
+    case T::number_integer:
+      return c10::IValue(j.get<int64_t>());
+    case T::number_unsigned: {
+      const uint64_t u = j.get<uint64_t>();
+      TORCH_CHECK(u <= static_cast<uint64_t>(std::numeric_limits<int64_t>::max()),
+                  "actmem::json_to_ivalue: ", u, " does not fit a pickled int");
+      return c10::IValue(static_cast<int64_t>(u));
+    }
+    case T::number_float:
+      return c10::IValue(j.get<double>());
+    case T::string:
+      return c10::IValue(j.get<std::string>());
+    case T::array: {
+      c10::impl::GenericList list(c10::AnyType::get());
+      for (const auto& v : j) list.push_back(json_to_ivalue(v));
+      return list;
+    }
+    case T::object: {
+      auto d = string_dict();
+      for (const auto& [k, v] : j.items()) d.insert(k, json_to_ivalue(v));
+      return d;
+    }
+    default:
+      TORCH_CHECK(false, "actmem::json_to_ivalue: unsupported JSON value ", j.dump());
+  }
+}
+
+nlohmann::json ivalue_to_json(const c10::IValue& v) {
+  if (v.isNone()) return nullptr;
+  if (v.isBool()) return v.toBool();
+  if (v.isInt()) return v.toInt();
+  if (v.isDouble()) return v.toDouble();
+  if (v.isString()) return v.toStringRef();
+  if (v.isList()) {
+    nlohmann::json a = nlohmann::json::array();
+    for (const auto& e : v.toListRef()) a.push_back(ivalue_to_json(e));
+    return a;
+  }
+  if (v.isGenericDict()) {
+    nlohmann::json o = nlohmann::json::object();
+    for (const auto& e : v.toGenericDict()) {
+      TORCH_CHECK(e.key().isString(), "actmem::ivalue_to_json: a dict key is not a string");
+      o[e.key().toStringRef()] = ivalue_to_json(e.value());
+    }
+    return o;
+  }
+  TORCH_CHECK(false, "actmem::ivalue_to_json: cannot represent a ", v.tagKind(), " as JSON");
+}
+
+// ---- ExitSignalHandler -------------------------------------------------------------------------
+
+namespace {
+std::atomic<int> g_exit_signal{0};
+std::atomic<bool> g_handler_installed{false};
+struct sigaction g_previous_term, g_previous_int;
+extern "C" void record_exit_signal(int sig) { g_exit_signal.store(sig); }
+}  // namespace
+
+ExitSignalHandler::ExitSignalHandler() {
+  TORCH_CHECK(!g_handler_installed.exchange(true),
+              "actmem::ExitSignalHandler: one is installed already");
+  g_exit_signal.store(0);
+  struct sigaction action {};
+  action.sa_handler = record_exit_signal;
+  sigemptyset(&action.sa_mask);
+  action.sa_flags = SA_RESETHAND;  // a second signal takes the default action: exit now
+  ::sigaction(SIGTERM, &action, &g_previous_term);
+  ::sigaction(SIGINT, &action, &g_previous_int);
+}
+
+ExitSignalHandler::~ExitSignalHandler() {
+  ::sigaction(SIGTERM, &g_previous_term, nullptr);
+  ::sigaction(SIGINT, &g_previous_int, nullptr);
+  g_handler_installed.store(false);
+}
+
+int ExitSignalHandler::received() const { return g_exit_signal.load(); }
+
+// ---- Trainer: what a checkpoint holds ----------------------------------------------------------
+
+int64_t Trainer::consumed_train_samples() const {
+  return train_sampler_->batches_drawn() * model_config_.micro_batch_size;
+}
+
+c10::impl::GenericDict Trainer::checkpoint_state() const {
+  auto top = string_dict();
+  nlohmann::json args = to_json(model_config_);
+  const nlohmann::json training = to_json(config_);
+  for (const auto& [k, v] : training.items()) args[k] = v;
+  args["iteration"] = iteration_;
+  args["consumed_train_samples"] = consumed_train_samples();
+  top.insert("args", json_to_ivalue(args));
+  top.insert("checkpoint_version", kCheckpointVersion);
+  top.insert("iteration", iteration_);
+
+  c10::impl::GenericDict model(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+    model.insert(item.key(), host_copy(item.value()));
+  }
+  top.insert("model", model);
+
+  if (mixed_) {
+    // Megatron's Float16OptimizerWithFloat16Params.state_dict().
+    auto opt = string_dict();
+    opt.insert("optimizer", adamw_state_dict(mixed_->adamw(), mixed_->main_params()));
+    if (const auto& scaler = mixed_->scaler()) {
+      auto gs = string_dict();
+      gs.insert("scale", static_cast<double>(scaler->scale()));
+      gs.insert("growth_tracker", scaler->growth_tracker());
+      gs.insert("hysteresis_tracker", scaler->hysteresis_left());
+      opt.insert("grad_scaler", gs);
+    } else {
+      opt.insert("grad_scaler", c10::IValue());
+    }
+    c10::List<at::Tensor> mains;
+    for (const auto& p : mixed_->main_params()) mains.push_back(host_copy(p));
+    c10::impl::GenericList groups(c10::AnyType::get());
+    groups.push_back(mains);
+    opt.insert("fp32_from_fp16_params", groups);
+    top.insert("optimizer", opt);
+  } else {
+    top.insert("optimizer", adamw_state_dict(*optimizer_, params_));
+  }
+
+  // Megatron's OptimizerParamScheduler.state_dict(): its steps count samples.
+  const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
+                      model_config_.micro_batch_size;
+  auto sched = string_dict();
+  sched.insert("max_lr", config_.lr);
+  sched.insert("min_lr", config_.min_lr);
+  sched.insert("lr_warmup_steps", config_.lr_warmup_iters * gbs);
+  sched.insert("lr_decay_steps", config_.train_iters * gbs);
+  sched.insert("lr_decay_style", config_.lr_decay_style);
+  sched.insert("num_steps", scheduler_steps_ * gbs);
+  top.insert("opt_param_scheduler", sched);
+
+  // Megatron's rng_state: one entry per data-parallel rank (one here).
+  auto rng = string_dict();
+  rng.insert("torch_rng_state", host_copy(rng_state_[0]));
+  if (rng_state_.size() > 1) rng.insert("cuda_rng_state", host_copy(rng_state_[1]));
+  c10::impl::GenericDict tracker(c10::StringType::get(), c10::TensorType::get());
+  for (const auto& [name, state] : tracker_.get_states()) tracker.insert(name, host_copy(state));
+  rng.insert("rng_tracker_states", tracker);
+  c10::impl::GenericList rng_list(c10::AnyType::get());
+  rng_list.push_back(rng);
+  top.insert("rng_state", rng_list);
+  return top;
+}
+
+std::string Trainer::save_checkpoint(const std::string& dir) {
+  TORCH_CHECK(!dir.empty(), "actmem::Trainer::save_checkpoint: empty directory");
+  const auto& tp = tensor_parallel_group();
+  const std::string final_dir = checkpoint_iteration_dir(dir, iteration_);
+  const std::string tmp_dir = final_dir + ".tmp";
+  on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
+    if (tp.rank != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    TORCH_CHECK(!ec && fs::is_directory(dir), "actmem::Trainer::save_checkpoint: cannot create "
+                "the directory ", dir, ": ", ec.message());
+    fs::remove_all(tmp_dir, ec);  // a crashed save's leftovers
+    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot remove ", tmp_dir, ": ",
+                ec.message());
+    fs::create_directories(tmp_dir, ec);
+    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", tmp_dir, ": ",
+                ec.message());
+  });
+  // Move 1: every rank's file, durable.
+  on_all_ranks(device_, "to write its file", [&] {
+    const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank);
+    std::error_code ec;
+    fs::create_directories(rank_dir, ec);
+    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
+                ec.message());
+    const std::vector<char> bytes = torch::jit::pickle_save(checkpoint_state());
+    const std::string path = (rank_dir / "model_optim_rng.pt").string();
+    write_durably(path, bytes.data(), bytes.size(), iteration_);
+    fsync_path(rank_dir.string(), true);
+  });
+  // Moves 2 and 3, on rank 0.
+  on_all_ranks(device_, "to publish the checkpoint", [&] {
+    if (tp.rank != 0) return;
+    fsync_path(tmp_dir, true);
+    maybe_fault("before-publish", iteration_);
+    publish_directory(tmp_dir, final_dir);
+    fsync_path(dir, true);
+    maybe_fault("before-latest", iteration_);
+    const std::string latest = (fs::path(dir) / kLatestCheckpointFile).string();
+    const std::string text = std::to_string(iteration_);
+    write_durably(latest + ".tmp", text.data(), text.size());
+    TORCH_CHECK(::rename((latest + ".tmp").c_str(), latest.c_str()) == 0,
+                "actmem::Trainer::save_checkpoint: cannot rename ", latest, ".tmp: ", errno_text());
+    fsync_path(dir, true);
+  });
+  return final_dir;
+}
+
+void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::string& path) const {
+  const nlohmann::json mine = to_json(model_config_);
+  std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
+  if (!model_config_.use_rope()) fields.emplace_back("max_position_embeddings");
+  for (const auto& f : fields) {
+    TORCH_CHECK(args.contains(f), "actmem::Trainer::load_checkpoint: ", path, " does not record ",
+                f, " in its args; cannot tell whether it fits this model");
+    TORCH_CHECK(args[f] == mine[f], "actmem::Trainer::load_checkpoint: the checkpoint has ", f,
+                " = ", args[f].dump(), " but this run has ", f, " = ", mine[f].dump(), " (", path,
+                "); a checkpoint loads only into the model shape, tensor-parallel size and "
+                "precision it was saved with");
+  }
+}
+
+std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
+                                                const CheckpointLoadOptions& options) {
+  const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
+  if (!latest) return std::nullopt;
+  const auto& tp = tensor_parallel_group();
+  std::string path = checkpoint_file(dir, *latest, tp.rank);
+  std::error_code ec;
+  if (!fs::exists(path, ec)) {
+    // Another tensor-parallel size names the mismatch; otherwise the file is missing.
+    const std::string first = checkpoint_file(dir, *latest, 0);
+    if (fs::exists(first, ec)) {
+      check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)), first);
+    }
+    TORCH_CHECK(false, "actmem::Trainer::load_checkpoint: ", dir, "/", kLatestCheckpointFile,
+                " names iteration ", *latest, " but ", path, " does not exist");
+  }
+  const c10::impl::GenericDict ckpt = read_checkpoint_file(path);
+  const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", path));
+  check_checkpoint_args(args, path);
+  const c10::IValue& version = entry(ckpt, "checkpoint_version", path);
+  TORCH_CHECK(version.isDouble() && version.toDouble() >= 3.0, "actmem::Trainer::load_checkpoint: ",
+              path, " has checkpoint_version ", version, "; actmem reads version 3.0 and later");
+
+  // The model, strictly: every parameter present with its shape and type, nothing else.
+  const c10::impl::GenericDict model = dict_entry(ckpt, "model", path);
+  const auto named = model_->named_parameters(/*recurse=*/true);
+  for (const auto& e : model) {
+    TORCH_CHECK(e.key().isString() && named.find(e.key().toStringRef()) != nullptr,
+                "actmem::Trainer::load_checkpoint: ", path, " has a parameter this model does "
+                "not: ", e.key());
+  }
+  {
+    at::NoGradGuard no_grad;
+    for (const auto& item : named) {
+      const auto it = model.find(item.key());
+      TORCH_CHECK(it != model.end() && it->value().isTensor(), "actmem::Trainer::load_checkpoint: ",
+                  path, " has no tensor for parameter ", item.key());
+      const at::Tensor t = it->value().toTensor();
+      at::Tensor p = item.value();
+      TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type(),
+                  "actmem::Trainer::load_checkpoint: ", item.key(), " is ", t.sizes(), " ",
+                  t.scalar_type(), " in ", path, " but ", p.sizes(), " ", p.scalar_type(),
+                  " in this model");
+      p.copy_(t);
+    }
+  }
+
+  const bool optimizer = options.optimizer && !options.finetune;
+  if (options.finetune) {
+    iteration_ = 0;
+    scheduler_steps_ = 0;
+    train_sampler_->seek(0);
+  } else {
+    iteration_ = entry(ckpt, "iteration", path).toInt();
+    const int64_t consumed = args.value("consumed_train_samples", int64_t{-1});
+    TORCH_CHECK(consumed >= 0 && consumed % model_config_.micro_batch_size == 0,
+                "actmem::Trainer::load_checkpoint: ", path, " records consumed_train_samples ",
+                consumed, ", which is not a whole number of this run's micro-batches (",
+                model_config_.micro_batch_size, " samples)");
+    train_sampler_->seek(consumed / model_config_.micro_batch_size);
+  }
+
+  if (optimizer) {
+    const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
+    const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
+                        model_config_.micro_batch_size;
+    // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
+    // checkpoint's unless --override-opt_param-scheduler.
+    auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
+      return v.isString() ? v.toStringRef() : ivalue_to_json(v).dump();
+    };
+    auto check = [&](const c10::IValue& mine, const char* key, const char* name,
+                     bool in_samples) {
+      const c10::IValue& theirs = entry(sched, key, path);
+      TORCH_CHECK(options.override_scheduler || mine == theirs,
+                  "OptimizerParamScheduler: class input value ", text(mine),
+                  " and checkpoint value ", text(theirs), " for ", name, " do not match",
+                  in_samples ? " (counted in samples: iterations x global batch size " +
+                                   std::to_string(gbs) + ")"
+                             : std::string(),
+                  " (", path, "; pass --override-opt_param-scheduler to use this run's value)");
+    };
+    check(config_.lr, "max_lr", "learning rate", false);
+    check(config_.min_lr, "min_lr", "minimum learning rate", false);
+    check(config_.lr_warmup_iters * gbs, "lr_warmup_steps", "warmup iterations", true);
+    check(config_.train_iters * gbs, "lr_decay_steps", "total number of iterations", true);
+    check(config_.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
+    const int64_t num_steps = entry(sched, "num_steps", path).toInt();
+    TORCH_CHECK(num_steps % gbs == 0, "actmem::Trainer::load_checkpoint: ", path, ": the schedule "
+                "is at sample ", num_steps, ", not a whole number of this run's global batches (",
+                gbs, " samples)");
+    scheduler_steps_ = num_steps / gbs;
+
+    const c10::impl::GenericDict opt = dict_entry(ckpt, "optimizer", path);
+    if (mixed_) {
+      TORCH_CHECK(opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
+                  " has no fp32 main parameters (saved by an fp32 run)");
+      load_adamw_state(mixed_->adamw(), mixed_->main_params(), dict_entry(opt, "optimizer", path),
+                       path);
+      const auto groups = entry(opt, "fp32_from_fp16_params", path).toListRef();
+      TORCH_CHECK(groups.size() == 1 && groups[0].isList(), "actmem::Trainer::load_checkpoint: ",
+                  path, ": fp32_from_fp16_params should hold one parameter group");
+      const auto mains = groups[0].toListRef();
+      const auto& mine = mixed_->main_params();
+      TORCH_CHECK(mains.size() == mine.size(), "actmem::Trainer::load_checkpoint: ", path, " has ",
+                  mains.size(), " fp32 main parameters, this model ", mine.size());
+      at::NoGradGuard no_grad;
+      for (const auto i : c10::irange(mine.size())) {
+        const at::Tensor t = mains[i].toTensor();
+        TORCH_CHECK(t.sizes() == mine[i].sizes() && t.scalar_type() == at::kFloat,
+                    "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i,
+                    " is ", t.sizes(), " ", t.scalar_type(), ", expected ", mine[i].sizes(),
+                    " Float");
+        mine[i].copy_(t);
+      }
+      const c10::IValue& gs = entry(opt, "grad_scaler", path);
+      if (auto& scaler = mixed_->scaler(); scaler && gs.isGenericDict()) {
+        const auto d = gs.toGenericDict();
+        scaler->load_state(static_cast<float>(entry(d, "scale", path).toDouble()),
+                           entry(d, "growth_tracker", path).toInt(),
+                           entry(d, "hysteresis_tracker", path).toInt());
+      }
+    } else {
+      TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ",
+                  path, " holds a 16-bit run's optimizer");
+      load_adamw_state(*optimizer_, params_, opt, path);
+    }
+  } else {
+    // Megatron's reload_model_params: the fp32 main parameters start from the loaded model.
+    // Without the optimizer state the schedule starts again from its first step.
+    scheduler_steps_ = 0;
+    if (mixed_) {
+      at::NoGradGuard no_grad;
+      for (const auto i : c10::irange(params_.size())) mixed_->main_params()[i].copy_(params_[i]);
+    }
+  }
+
+  if (options.rng && !options.finetune) {
+    const auto list = entry(ckpt, "rng_state", path).toListRef();
+    TORCH_CHECK(list.size() == 1 && list[0].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
+                path, ": rng_state should hold one entry (one data-parallel rank), has ",
+                list.size());
+    const auto rng = list[0].toGenericDict();
+    rng_state_[0] = entry(rng, "torch_rng_state", path).toTensor().clone();
+    if (rng_state_.size() > 1) {
+      TORCH_CHECK(rng.contains("cuda_rng_state"), "actmem::Trainer::load_checkpoint: ", path,
+                  " was saved without a device generator state (a CPU run); pass --no-load-rng");
+      rng_state_[1] = entry(rng, "cuda_rng_state", path).toTensor().clone();
+    }
+    std::map<std::string, at::Tensor> streams;
+    for (const auto& e : dict_entry(rng, "rng_tracker_states", path)) {
+      streams[e.key().toStringRef()] = e.value().toTensor().clone();
+    }
+    for (const auto& [name, state] : tracker_.get_states()) {
+      TORCH_CHECK(streams.count(name), "actmem::Trainer::load_checkpoint: ", path,
+                  " has no state for the random stream ", name);
+      (void)state;
+    }
+    tracker_.set_states(streams);
+  }
+  return iteration_;
+}
+
+}  // namespace actmem

@@ -1,0 +1,508 @@
+// test_checkpoint.cpp — checkpoints: bitwise resume (also with another recompute or offload
+// strategy, at fp32 and bf16, and under tensor parallelism), the crash-safe save protocol,
+// refusals of checkpoints that do not fit, the load options, the exit-signal handler, and
+// Python's torch.load reading what libtorch wrote.
+#include "actmem/checkpoint.h"
+#include "actmem/digest.h"
+#include "actmem/mixed_precision.h"
+#include "actmem/trainer.h"
+#include "fixtures.h"
+#include "test_util.h"
+
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace actmem {
+namespace {
+
+using testing::expect_error_containing;
+namespace fs = std::filesystem;
+
+struct Steps {
+  std::vector<double> loss, lr;
+  std::vector<std::string> digest;
+};
+
+Steps run_steps(Trainer& trainer, int n) {
+  Steps s;
+  for (int i = 0; i < n; ++i) {
+    const IterationStats st = trainer.train_step();
+    s.loss.push_back(st.loss);
+    s.lr.push_back(st.lr);
+    s.digest.push_back(st.grad_digest);
+  }
+  return s;
+}
+
+std::vector<at::Tensor> parameters_of(Trainer& t) { return t.model().ordered_parameters(); }
+
+TrainingConfig resume_training() {
+  TrainingConfig t = testing::tiny_training();
+  t.train_iters = 6;
+  t.lr_warmup_iters = 2;
+  return t;
+}
+
+TransformerConfig resume_model(const std::string& precision) {
+  TransformerConfig c = testing::offload_model();
+  testing::set_precision(c, precision);
+  return c;
+}
+
+// What the second half of a resumed run may change: how activations are kept.
+const std::pair<const char*, void (*)(TransformerConfig&)> kResumeStrategies[] = {
+    {"same", [](TransformerConfig&) {}},
+    {"full_uniform", [](TransformerConfig& c) {
+       c.recompute_granularity = "full";
+       c.recompute_method = "uniform";
+       c.recompute_num_layers = 2;
+     }},
+    {"selective_all", [](TransformerConfig& c) {
+       c.recompute_granularity = "selective";
+       c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
+     }},
+    {"layer_offload", [](TransformerConfig& c) { c.cpu_offloading_num_layers = 2; }},
+    {"fine_grained_offload", [](TransformerConfig& c) {
+       c.fine_grained_activation_offloading = true;
+       c.offload_modules = {"core_attn", "mlp_norm"};
+     }},
+};
+
+class ResumeTest : public ::testing::TestWithParam<std::tuple<const char*, size_t>> {};
+
+TEST_P(ResumeTest, SaveHalfwayLoadAndContinueIsBitwiseTheUninterruptedRun) {
+  const std::string precision = std::get<0>(GetParam());
+  const auto& [name, apply] = kResumeStrategies[std::get<1>(GetParam())];
+  const TransformerConfig model = resume_model(precision);
+  TrainingConfig training = resume_training();
+  training.global_batch_size = 2 * model.micro_batch_size;  // accumulation across micro-batches
+
+  Trainer whole(model, training);
+  const Steps ref = run_steps(whole, 6);
+
+  const std::string dir = testing::fresh_temp_dir("resume");
+  {
+    Trainer first(model, training);
+    const Steps half = run_steps(first, 3);
+    ASSERT_EQ(half.digest, std::vector<std::string>(ref.digest.begin(), ref.digest.begin() + 3));
+    EXPECT_EQ(first.save_checkpoint(dir), checkpoint_iteration_dir(dir, 3));
+  }
+  TransformerConfig changed = model;
+  apply(changed);
+  Trainer second(changed, training);
+  ASSERT_EQ(second.load_checkpoint(dir), 3);
+  EXPECT_EQ(second.iteration(), 3);
+  EXPECT_EQ(second.consumed_train_samples(), 3 * training.global_batch_size);
+  const Steps rest = run_steps(second, 3);
+  for (int i = 0; i < 3; ++i) {
+    EXPECT_EQ(rest.loss[i], ref.loss[3 + i]) << name << " iteration " << 4 + i;
+    EXPECT_EQ(rest.lr[i], ref.lr[3 + i]) << name << " iteration " << 4 + i;
+    EXPECT_EQ(rest.digest[i], ref.digest[3 + i]) << name << " iteration " << 4 + i;
+  }
+  EXPECT_EQ(digest_of(parameters_of(second)), digest_of(parameters_of(whole))) << name;
+  if (whole.mixed_precision() != nullptr) {
+    EXPECT_EQ(digest_of(second.mixed_precision()->main_params()),
+              digest_of(whole.mixed_precision()->main_params()))
+        << name;
+  }
+  fs::remove_all(dir);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, ResumeTest,
+    ::testing::Combine(::testing::ValuesIn(testing::kPrecisions),
+                       ::testing::Range<size_t>(0, std::size(kResumeStrategies))),
+    [](const auto& info) {
+      return std::string(std::get<0>(info.param)) + "_" +
+             kResumeStrategies[std::get<1>(info.param)].first;
+    });
+
+TEST(CheckpointFiles, LayoutIsMegatrons) {
+  EXPECT_EQ(checkpoint_iteration_dir("/d", 100), "/d/iter_0000100");
+  EXPECT_EQ(checkpoint_file("/d", 7, 3), "/d/iter_0000007/mp_rank_03/model_optim_rng.pt");
+  const std::string dir = testing::fresh_temp_dir("layout");
+  Trainer t(testing::tiny_model(), testing::tiny_training());
+  run_steps(t, 2);
+  t.save_checkpoint(dir);
+  std::ifstream latest(dir + "/" + kLatestCheckpointFile);
+  std::string text((std::istreambuf_iterator<char>(latest)), std::istreambuf_iterator<char>());
+  EXPECT_EQ(text, "2");  // Megatron writes the number without a newline
+  const auto ckpt = read_checkpoint_file(checkpoint_file(dir, 2, 0));
+  for (const char* key : {"args", "checkpoint_version", "iteration", "model", "optimizer",
+                          "opt_param_scheduler", "rng_state"}) {
+    EXPECT_TRUE(ckpt.contains(key)) << key;
+  }
+  EXPECT_EQ(ckpt.at("iteration").toInt(), 2);
+  const auto model = ckpt.at("model").toGenericDict();
+  EXPECT_TRUE(model.contains("decoder.layers.0.self_attention.linear_qkv.weight"));
+  EXPECT_TRUE(model.contains("embedding.word_embeddings.weight"));
+  EXPECT_FALSE(model.contains("output_layer.weight"));  // tied to the word embedding
+  // The random streams of Megatron's tracker are all there.
+  const auto rng = ckpt.at("rng_state").toListRef()[0].toGenericDict();
+  const auto streams = rng.at("rng_tracker_states").toGenericDict();
+  for (const char* s : {kModelParallelRng, kExpertParallelRng, kDataParallelRng}) {
+    EXPECT_TRUE(streams.contains(s)) << s;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, SavingTheSameIterationAgainReplacesItWhole) {
+  const std::string dir = testing::fresh_temp_dir("resave");
+  Trainer a(testing::tiny_model(), testing::tiny_training());
+  run_steps(a, 2);
+  a.save_checkpoint(dir);
+  // A run resumed from 2 that saves at 2 again (e.g. after changing nothing).
+  Trainer b(testing::tiny_model(), testing::tiny_training());
+  ASSERT_EQ(b.load_checkpoint(dir), 2);
+  b.save_checkpoint(dir);
+  EXPECT_FALSE(fs::exists(checkpoint_iteration_dir(dir, 2) + ".tmp"));
+  EXPECT_FALSE(fs::exists(checkpoint_iteration_dir(dir, 2) + ".old"));
+  Trainer c(testing::tiny_model(), testing::tiny_training());
+  ASSERT_EQ(c.load_checkpoint(dir), 2);
+  EXPECT_EQ(digest_of(parameters_of(c)), digest_of(parameters_of(a)));
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, AMissingLatestFileLoadsNothing) {
+  const std::string dir = testing::fresh_temp_dir("empty");
+  Trainer t(testing::tiny_model(), testing::tiny_training());
+  const std::string before = digest_of(parameters_of(t));
+  EXPECT_FALSE(t.load_checkpoint(dir).has_value());
+  EXPECT_FALSE(t.load_checkpoint(dir + "/does-not-exist").has_value());
+  EXPECT_EQ(digest_of(parameters_of(t)), before);
+  EXPECT_EQ(t.iteration(), 0);
+  fs::remove_all(dir);
+}
+
+// Saves a tiny model's checkpoint after 2 steps into a fresh directory.
+std::string saved_tiny(const TransformerConfig& model, const TrainingConfig& training) {
+  const std::string dir = testing::fresh_temp_dir("saved");
+  Trainer t(model, training);
+  run_steps(t, 2);
+  t.save_checkpoint(dir);
+  return dir;
+}
+
+TEST(CheckpointFiles, RefusesAnotherShapeOrPrecisionNamingTheField) {
+  const TransformerConfig model = testing::tiny_model();
+  const std::string dir = saved_tiny(model, testing::tiny_training());
+  struct Case {
+    const char* field;
+    void (*change)(TransformerConfig&);
+    const char* needle;
+  };
+  const Case cases[] = {
+      {"hidden_size", [](TransformerConfig& c) { c.hidden_size = 32; }, "hidden_size = 64 but this run has hidden_size = 32"},
+      {"num_layers", [](TransformerConfig& c) { c.num_layers = 3; }, "num_layers = 2 but this run has num_layers = 3"},
+      {"ffn_hidden_size", [](TransformerConfig& c) { c.ffn_hidden_size = 128; }, "ffn_hidden_size = 256"},
+      {"precision", [](TransformerConfig& c) { testing::set_precision(c, "bf16"); }, "precision = \"fp32\" but this run has precision = \"bf16\""},
+      {"gated_linear_unit", [](TransformerConfig& c) { c.gated_linear_unit = true; }, "gated_linear_unit = false"},
+      {"max_position_embeddings", [](TransformerConfig& c) { c.max_position_embeddings = 64; }, "max_position_embeddings = 32"},
+  };
+  for (const auto& k : cases) {
+    TransformerConfig other = model;
+    k.change(other);
+    Trainer t(other, testing::tiny_training());
+    expect_error_containing([&] { t.load_checkpoint(dir); }, k.needle);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, RefusesAChangedScheduleUnlessOverridden) {
+  const TrainingConfig training = testing::tiny_training();
+  const std::string dir = saved_tiny(testing::tiny_model(), training);
+  TrainingConfig other = training;
+  other.lr = 1e-3;
+  {
+    Trainer t(testing::tiny_model(), other);
+    expect_error_containing([&] { t.load_checkpoint(dir); },
+                            "OptimizerParamScheduler: class input value 0.001 and checkpoint value "
+                            "0.003 for learning rate do not match");
+  }
+  other = training;
+  other.train_iters = 80;
+  {
+    Trainer t(testing::tiny_model(), other);
+    expect_error_containing([&] { t.load_checkpoint(dir); }, "for total number of iterations");
+    CheckpointLoadOptions o;
+    o.override_scheduler = true;
+    EXPECT_EQ(t.load_checkpoint(dir, o), 2);
+    // The run's own schedule from the checkpoint's step: iteration 3 of an 80-step cosine.
+    const IterationStats st = t.train_step(false);
+    Trainer fresh(testing::tiny_model(), other);
+    run_steps(fresh, 2);
+    EXPECT_EQ(st.lr, fresh.train_step(false).lr);
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, LoadOptionsRestoreWhatTheySay) {
+  const TransformerConfig model = testing::tiny_model();
+  const TrainingConfig training = testing::tiny_training();
+  const std::string dir = saved_tiny(model, training);
+  Trainer saved(model, training);
+  const Steps ref = run_steps(saved, 3);  // step 3 of the uninterrupted run
+  {
+    // --finetune: the weights only, from iteration 0 with a fresh optimizer and streams.
+    CheckpointLoadOptions o;
+    o.finetune = true;
+    Trainer t(model, training);
+    EXPECT_EQ(t.load_checkpoint(dir, o), 0);
+    EXPECT_EQ(t.iteration(), 0);
+    EXPECT_EQ(t.consumed_train_samples(), 0);
+    const auto ckpt = read_checkpoint_file(checkpoint_file(dir, 2, 0));
+    const at::Tensor w = ckpt.at("model").toGenericDict().at("embedding.word_embeddings.weight").toTensor();
+    EXPECT_TRUE(testing::bitwise_equal(t.model().word_embeddings, w));
+    const IterationStats st = t.train_step(false);
+    EXPECT_EQ(st.iteration, 1);
+    EXPECT_EQ(st.lr, ref.lr[0]);  // the schedule's first step
+  }
+  {
+    // --no-load-rng: everything but the random streams, so dropout differs from the resumed run.
+    CheckpointLoadOptions o;
+    o.rng = false;
+    Trainer t(model, training);
+    EXPECT_EQ(t.load_checkpoint(dir, o), 2);
+    const Steps s = run_steps(t, 1);
+    EXPECT_EQ(s.lr[0], ref.lr[2]);
+    EXPECT_NE(s.loss[0], ref.loss[2]);
+  }
+  {
+    // --no-load-optim: fresh moments and the schedule from its first step (as Megatron).
+    CheckpointLoadOptions o;
+    o.optimizer = false;
+    Trainer t(model, training);
+    EXPECT_EQ(t.load_checkpoint(dir, o), 2);
+    const Steps s = run_steps(t, 1);
+    EXPECT_EQ(s.lr[0], ref.lr[0]);
+    EXPECT_EQ(s.loss[0], ref.loss[2]);  // same weights, data and dropout: same forward
+  }
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, DamagedFilesAreClearErrors) {
+  const std::string dir = saved_tiny(testing::tiny_model(), testing::tiny_training());
+  const std::string file = checkpoint_file(dir, 2, 0);
+  Trainer t(testing::tiny_model(), testing::tiny_training());
+  {
+    std::ofstream(dir + "/" + kLatestCheckpointFile) << "twelve";
+    expect_error_containing([&] { t.load_checkpoint(dir); }, "should hold an iteration number, found 'twelve'");
+    std::ofstream(dir + "/" + kLatestCheckpointFile) << "9";
+    expect_error_containing([&] { t.load_checkpoint(dir); }, "names iteration 9 but");
+    std::ofstream(dir + "/" + kLatestCheckpointFile) << "2";
+  }
+  fs::resize_file(file, fs::file_size(file) / 2);
+  expect_error_containing([&] { t.load_checkpoint(dir); }, "is not a readable torch pickle");
+  std::ofstream(file, std::ios::trunc) << "not a checkpoint";
+  expect_error_containing([&] { t.load_checkpoint(dir); }, "is not a readable torch pickle");
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointFiles, ArgsRoundTripThroughPickledValues) {
+  const nlohmann::json j = {{"a", 1}, {"b", 2.5}, {"c", "x"}, {"d", nullptr}, {"e", true},
+                            {"f", {1, 2, 3}}, {"g", {{"h", "i"}}}};
+  EXPECT_EQ(ivalue_to_json(json_to_ivalue(j)), j);
+}
+
+// ---- through the command line: the crash-safe protocol, the signal handler, TP and Python ---
+
+const char* kTinyFlags =
+    " --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16"
+    " --micro-batch-size 2 --eval-interval 0 --lr-warmup-iters 1 --threads 1";
+
+struct LoggedStep {
+  double loss;
+  std::string digest;
+};
+std::map<int64_t, LoggedStep> logged_steps(const std::string& log) {
+  std::map<int64_t, LoggedStep> out;
+  for (const auto& it : testing::read_json_log(log).iterations) {
+    std::string digest = it["grad_digest"].get<std::string>();
+    if (it.contains("grad_digest_per_rank")) digest = it["grad_digest_per_rank"].dump();
+    out[it["iteration"].get<int64_t>()] = {it["loss"].get<double>(), digest};
+  }
+  return out;
+}
+
+std::string latest_of(const std::string& dir) {
+  const auto it = read_latest_checkpointed_iteration(dir);
+  return it ? std::to_string(*it) : "none";
+}
+
+TEST(CheckpointCrash, AKillAtAnyPointOfASaveLeavesThePreviousCheckpointLoadable) {
+  const std::string ref_log = testing::fresh_temp_dir("crash_ref") + "/ref.jsonl";
+  auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --log-json " + ref_log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = logged_steps(ref_log);
+  for (const char* stage : {"mid-file", "before-publish", "before-latest"}) {
+    const std::string dir = testing::fresh_temp_dir(std::string("crash_") + stage);
+    r = testing::run_actmem(std::string("train") + kTinyFlags +
+                            " --train-iters 4 --save " + dir + " --save-interval 2");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    // Kill the process inside the save of iteration 4 (a fresh directory each time).
+    const std::string crashed = dir + "/crashed";
+    const std::string cmd = std::string("ACTMEM_CHECKPOINT_FAULT=") + stage + "@4 " + ACTMEM_BINARY +
+                            " train" + kTinyFlags + " --train-iters 4 --save " + crashed +
+                            " --save-interval 2 >/dev/null 2>&1";
+    const int status = std::system(cmd.c_str());
+    ASSERT_TRUE(WIFEXITED(status) || WIFSIGNALED(status));
+    EXPECT_NE(status, 0) << stage << ": the fault point was not reached";
+    EXPECT_EQ(latest_of(crashed), "2") << stage;
+    if (std::string(stage) == "mid-file") {
+      const auto f = fs::path(crashed) / "iter_0000004.tmp" / "mp_rank_00" / "model_optim_rng.pt";
+      ASSERT_TRUE(fs::exists(f)) << stage;
+      EXPECT_LT(fs::file_size(f), fs::file_size(checkpoint_file(dir, 4, 0))) << "not cut short";
+    }
+    if (std::string(stage) == "before-latest") {
+      EXPECT_TRUE(fs::exists(checkpoint_file(crashed, 4, 0)));  // complete, but not yet named
+    }
+    // The previous checkpoint loads and continues as the uninterrupted run.
+    const std::string log = dir + "/resumed.jsonl";
+    r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --load " +
+                            crashed + " --save " + crashed + " --log-json " + log);
+    ASSERT_EQ(r.exit_code, 0) << stage << "\n" << r.output;
+    EXPECT_NE(r.output.find("loaded " + crashed + "/iter_0000002"), std::string::npos) << r.output;
+    const auto resumed = logged_steps(log);
+    ASSERT_EQ(resumed.size(), 2u) << stage;
+    for (const auto& [it, step] : resumed) {
+      EXPECT_EQ(step.loss, ref.at(it).loss) << stage << " iteration " << it;
+      EXPECT_EQ(step.digest, ref.at(it).digest) << stage << " iteration " << it;
+    }
+    // The save that followed replaced the leftovers.
+    EXPECT_EQ(latest_of(crashed), "4");
+    EXPECT_FALSE(fs::exists(fs::path(crashed) / "iter_0000004.tmp")) << stage;
+    fs::remove_all(dir);
+  }
+}
+
+TEST(CheckpointCli, FlagsThatNeedALoadOrASaveAreRefused) {
+  for (const char* flag : {"--no-load-optim", "--no-load-rng", "--finetune",
+                           "--override-opt_param-scheduler"}) {
+    const auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 " + flag);
+    EXPECT_NE(r.exit_code, 0) << flag;
+    EXPECT_NE(r.stderr_text.find(std::string(flag) + " applies to loading a checkpoint; give --load DIR"),
+              std::string::npos) << r.stderr_text;
+  }
+  const auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 --save-interval 5");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("needs a directory to save in (--save DIR)"), std::string::npos)
+      << r.stderr_text;
+}
+
+TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
+  const std::string dir = testing::fresh_temp_dir("sigterm");
+  const std::string log = dir + "/log.jsonl", out = dir + "/out.txt";
+  // Long enough that it is still training when the signal comes; wait for three records.
+  const std::string cmd =
+      std::string(ACTMEM_BINARY) + " train" + kTinyFlags + " --train-iters 1000000 --save " + dir +
+      "/ckpt --exit-signal-handler --log-json " + log + " >" + out + " 2>&1 & pid=$!; "
+      "for i in $(seq 600); do [ -f " + log + " ] && [ $(wc -l < " + log + ") -ge 4 ] && break; "
+      "sleep 0.05; done; kill -TERM $pid; wait $pid";
+  const int status = std::system(cmd.c_str());
+  std::ifstream o(out);
+  const std::string text((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << text;
+  const auto steps = logged_steps(log);
+  ASSERT_GE(steps.size(), 3u);
+  const int64_t last = steps.rbegin()->first;
+  EXPECT_LT(last, 1000000);
+  EXPECT_NE(text.find("exiting after iteration " + std::to_string(last) + " on signal 15"),
+            std::string::npos) << text;
+  EXPECT_EQ(latest_of(dir + "/ckpt"), std::to_string(last));
+  fs::remove_all(dir);
+}
+
+TEST(CheckpointCli, TensorParallelResumeIsBitwiseAndAnotherSizeIsRefused) {
+  const std::string dir = testing::fresh_temp_dir("tp_resume");
+  const std::string tp = std::string(kTinyFlags) + " --tensor-model-parallel-size 2 --train-iters 4";
+  const std::string launch = "launch --nproc-per-node 2 -- train";
+  auto r = testing::run_actmem(launch + tp + " --log-json " + dir + "/ref.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Halfway: save at 2, and die inside the save of 4 (latest stays at 2).
+  const std::string cmd = "ACTMEM_CHECKPOINT_FAULT=before-latest@4 " + std::string(ACTMEM_BINARY) +
+                          " " + launch + tp + " --save " + dir + "/ckpt --save-interval 2 >/dev/null 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  ASSERT_EQ(latest_of(dir + "/ckpt"), "2");
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 1)));  // one file per rank
+  // Continue with another strategy (full recompute): bitwise, every rank.
+  r = testing::run_actmem(launch + tp + " --load " + dir + "/ckpt --recompute-granularity full "
+                          "--recompute-method uniform --recompute-num-layers 1 --log-json " + dir +
+                          "/resumed.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = logged_steps(dir + "/ref.jsonl"), resumed = logged_steps(dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 2u);
+  for (const auto& [it, step] : resumed) {
+    EXPECT_EQ(step.loss, ref.at(it).loss) << "iteration " << it;
+    EXPECT_EQ(step.digest, ref.at(it).digest) << "iteration " << it;  // every rank's
+  }
+  // One process cannot load the two-rank checkpoint.
+  r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --load " + dir + "/ckpt");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("tensor_model_parallel_size = 2 but this run has "
+                               "tensor_model_parallel_size = 1"),
+            std::string::npos) << r.stderr_text;
+  fs::remove_all(dir);
+}
+
+// Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
+TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "python3-torch is not installed";
+  }
+  TransformerConfig model = testing::tiny_model();
+  testing::set_precision(model, "bf16");
+  model.untie_embeddings_and_output_weights = true;
+  const std::string dir = testing::fresh_temp_dir("python");
+  Trainer t(model, testing::tiny_training());
+  run_steps(t, 1);
+  t.save_checkpoint(dir);
+  const std::string script = dir + "/read.py", listing = dir + "/listing.txt";
+  std::ofstream(script) <<
+      "import sys, torch\n"
+      "d = torch.load(sys.argv[1])\n"
+      "assert isinstance(d, dict), type(d)\n"
+      "print('keys', ' '.join(sorted(d.keys())))\n"
+      "print('iteration', d['iteration'], d['checkpoint_version'])\n"
+      "for name, t in d['model'].items():\n"
+      "    print(name, str(t.dtype), ' '.join(map(str, t.shape)),\n"
+      "          ' '.join(float(x).hex() for x in t.float().flatten().tolist()))\n";
+  const std::string cmd = "/usr/bin/python3 " + script + " " + checkpoint_file(dir, 1, 0) + " > " +
+                          listing + " 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << std::ifstream(listing).rdbuf();
+  std::ifstream in(listing);
+  std::string line;
+  std::getline(in, line);
+  EXPECT_EQ(line, "keys args checkpoint_version iteration model opt_param_scheduler optimizer rng_state");
+  std::getline(in, line);
+  EXPECT_EQ(line, "iteration 1 3.0");
+  const auto params = t.model().named_parameters(true);
+  size_t seen = 0;
+  while (std::getline(in, line)) {
+    std::istringstream ls(line);
+    std::string name, dtype;
+    ls >> name >> dtype;
+    const at::Tensor* p = params.find(name);
+    ASSERT_NE(p, nullptr) << "Python sees a parameter the model does not have: " << name;
+    EXPECT_EQ(dtype, "torch.bfloat16") << name;
+    std::vector<int64_t> shape(static_cast<size_t>(p->dim()));
+    for (auto& s : shape) ls >> s;
+    EXPECT_EQ(at::IntArrayRef(shape), p->sizes()) << name;
+    const at::Tensor values = p->detach().to(at::kFloat).flatten();
+    std::string hex;
+    for (int64_t i = 0; i < values.numel(); ++i) {
+      ls >> hex;
+      ASSERT_EQ(std::strtod(hex.c_str(), nullptr), values[i].item<float>()) << name << "[" << i << "]";
+    }
+    ++seen;
+  }
+  EXPECT_EQ(seen, params.size());
+  EXPECT_NE(params.find("output_layer.weight"), nullptr);
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace actmem
