@@ -14,12 +14,14 @@ build="${ACTMEM_BUILD_DIR:-$root/build}"
 
 # libopenblas0-pthread: without it libtorch falls back to the reference BLAS (~14x slower matmuls).
 # libgloo-dev: headers for c10d's Gloo process group.
+# libsentencepiece-dev: the SentencePiece tokenizer and its trainer.
 packages=(
   g++ make cmake
   libtorch-dev
   libopenblas0-pthread
   libgloo-dev
   libcli11-dev nlohmann-json3-dev libgtest-dev
+  libsentencepiece-dev
 )
 
 if [[ "${ACTMEM_SKIP_APT:-0}" != 1 ]]; then

@@ -3,6 +3,7 @@
 #include "actmem/checkpoint.h"
 
 #include "actmem/mixed_precision.h"
+#include "actmem/model.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trainer.h"
 
@@ -386,6 +387,79 @@ int ExitSignalHandler::received() const { return g_exit_signal.load(); }
 
 // ---- Trainer: what a checkpoint holds ----------------------------------------------------------
 
+void load_model_state(GPTModel& model, const c10::impl::GenericDict& ckpt, const std::string& path) {
+  const c10::impl::GenericDict state = dict_entry(ckpt, "model", path);
+  const auto named = model.named_parameters(/*recurse=*/true);
+  for (const auto& e : state) {
+    TORCH_CHECK(e.key().isString() && named.find(e.key().toStringRef()) != nullptr,
+                "actmem::load_checkpoint: ", path, " has a parameter this model does not: ", e.key());
+  }
+  at::NoGradGuard no_grad;
+  for (const auto& item : named) {
+    const auto it = state.find(item.key());
+    TORCH_CHECK(it != state.end() && it->value().isTensor(), "actmem::load_checkpoint: ", path,
+                " has no tensor for parameter ", item.key());
+    const at::Tensor t = it->value().toTensor();
+    at::Tensor p = item.value();
+    TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type(),
+                "actmem::load_checkpoint: ", item.key(), " is ", t.sizes(), " ", t.scalar_type(),
+                " in ", path, " but ", p.sizes(), " ", p.scalar_type(), " in this model");
+    p.copy_(t);
+  }
+}
+
+TransformerConfig config_from_args(const nlohmann::json& a) {
+  TransformerConfig c;
+  auto get = [&a](const char* key, auto& field) {
+    if (a.contains(key) && !a[key].is_null()) field = a[key].get<std::decay_t<decltype(field)>>();
+  };
+  get("num_layers", c.num_layers);
+  get("hidden_size", c.hidden_size);
+  get("num_attention_heads", c.num_attention_heads);
+  get("ffn_hidden_size", c.ffn_hidden_size);
+  get("seq_length", c.seq_length);
+  get("max_position_embeddings", c.max_position_embeddings);
+  get("vocab_size", c.vocab_size);
+  get("attention_dropout", c.attention_dropout);
+  get("hidden_dropout", c.hidden_dropout);
+  get("normalization", c.normalization);
+  get("layernorm_epsilon", c.layernorm_epsilon);
+  get("gated_linear_unit", c.gated_linear_unit);
+  get("add_bias_linear", c.add_bias_linear);
+  get("position_embedding_type", c.position_embedding_type);
+  get("rotary_base", c.rotary_base);
+  get("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
+  get("init_method_std", c.init_method_std);
+  get("seed", c.seed);
+  get("bf16", c.bf16);
+  get("fp16", c.fp16);
+  get("attention_softmax_in_fp32", c.attention_softmax_in_fp32);
+  get("tensor_model_parallel_size", c.tensor_model_parallel_size);
+  c.micro_batch_size = 1;
+  return c;
+}
+
+LoadedModel load_model_for_inference(const std::string& dir) {
+  const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
+  TORCH_CHECK(latest.has_value(), "actmem::load_model_for_inference: ", dir, " has no ",
+              kLatestCheckpointFile, " (train with --save ", dir, " first)");
+  LoadedModel out;
+  out.path = checkpoint_file(dir, *latest, 0);
+  const c10::impl::GenericDict ckpt = read_checkpoint_file(out.path);
+  const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", out.path));
+  out.args_json = args.dump();
+  out.iteration = entry(ckpt, "iteration", out.path).toInt();
+  const TransformerConfig config = config_from_args(args);
+  TORCH_CHECK(config.tensor_model_parallel_size == 1, "actmem::load_model_for_inference: ", out.path,
+              " is one of ", config.tensor_model_parallel_size, " tensor-parallel shards; "
+              "generation loads a checkpoint of tensor_model_parallel_size 1");
+  config.validate_shape();
+  out.model = std::make_shared<GPTModel>(config);
+  load_model_state(*out.model, ckpt, out.path);
+  out.model->eval();
+  return out;
+}
+
 int64_t Trainer::consumed_train_samples() const {
   return train_sampler_->batches_drawn() * model_config_.micro_batch_size;
 }
@@ -540,29 +614,7 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
   TORCH_CHECK(version.isDouble() && version.toDouble() >= 3.0, "actmem::Trainer::load_checkpoint: ",
               path, " has checkpoint_version ", version, "; actmem reads version 3.0 and later");
 
-  // The model, strictly: every parameter present with its shape and type, nothing else.
-  const c10::impl::GenericDict model = dict_entry(ckpt, "model", path);
-  const auto named = model_->named_parameters(/*recurse=*/true);
-  for (const auto& e : model) {
-    TORCH_CHECK(e.key().isString() && named.find(e.key().toStringRef()) != nullptr,
-                "actmem::Trainer::load_checkpoint: ", path, " has a parameter this model does "
-                "not: ", e.key());
-  }
-  {
-    at::NoGradGuard no_grad;
-    for (const auto& item : named) {
-      const auto it = model.find(item.key());
-      TORCH_CHECK(it != model.end() && it->value().isTensor(), "actmem::Trainer::load_checkpoint: ",
-                  path, " has no tensor for parameter ", item.key());
-      const at::Tensor t = it->value().toTensor();
-      at::Tensor p = item.value();
-      TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type(),
-                  "actmem::Trainer::load_checkpoint: ", item.key(), " is ", t.sizes(), " ",
-                  t.scalar_type(), " in ", path, " but ", p.sizes(), " ", p.scalar_type(),
-                  " in this model");
-      p.copy_(t);
-    }
-  }
+  load_model_state(*model_, ckpt, path);
 
   const bool optimizer = options.optimizer && !options.finetune;
   if (options.finetune) {

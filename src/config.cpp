@@ -191,6 +191,13 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               offload_bandwidth_gbps);
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
+  TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
+              "file) and --data-path (indexed datasets) are exclusive");
+  TORCH_CHECK(data_cache_path.empty() || !data_paths.empty(), "actmem::TrainingConfig: "
+              "--data-cache-path applies to --data-path");
+  TORCH_CHECK(data_paths.empty() || model.seed <= 0xffffffffULL, "actmem::TrainingConfig: "
+              "--data-path shuffles with numpy's RandomState(seed), as Megatron, which takes seeds "
+              "below 2^32; got --seed ", model.seed);
   TORCH_CHECK(save_interval >= 0, "actmem::TrainingConfig: save_interval must be >= 0, got ",
               save_interval);
   TORCH_CHECK(save_interval == 0 || !save.empty(), "actmem::TrainingConfig: save_interval (",
@@ -230,6 +237,12 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"eval_iters", t.eval_iters},
       {"log_interval", t.log_interval},
       {"data", t.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_path)},
+      {"data_path", t.data_paths},
+      {"tokenizer_type", t.tokenizer_type.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_type)},
+      {"tokenizer_model", t.tokenizer_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_model)},
+      {"make_vocab_size_divisible_by", t.make_vocab_size_divisible_by},
+      {"data_cache_path", t.data_cache_path.empty() ? nlohmann::json(nullptr)
+                                                    : nlohmann::json(t.data_cache_path)},
       {"split", t.split},
       {"save", t.save.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.save)},
       {"save_interval", t.save_interval},

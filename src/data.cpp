@@ -305,8 +305,8 @@ std::pair<at::Tensor, at::Tensor> BatchSampler::next() {
   return gather(offsets);
 }
 
-void BatchSampler::seek(int64_t batches) {
-  TORCH_CHECK(batches >= 0, "actmem::BatchSampler::seek: expected a non-negative batch count, got ",
+void BatchSource::seek(int64_t batches) {
+  TORCH_CHECK(batches >= 0, "actmem::BatchSource::seek: expected a non-negative batch count, got ",
               batches);
   drawn_ = batches;
 }

@@ -110,6 +110,9 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     TORCH_CHECK(num_doc_indices_ >= 1, "actmem::IndexedDataset: ", idx, " has no document indices");
 
     bin_map_ = map_file(bin, bin_bytes_);
+    // Samples are read at random places: no readahead, or every page fault would map (and keep
+    // resident) tens of pages around the sample that nothing reads.
+    if (bin_map_ != nullptr) ::madvise(bin_map_, static_cast<size_t>(bin_bytes_), MADV_RANDOM);
     int64_t expected = 0;
     for (int64_t i = 0; i < num_sequences_; ++i) {
       const auto len = read_le<int32_t>(reinterpret_cast<const char*>(lengths_ + i));

@@ -237,11 +237,13 @@ RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType
   sin = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
 }
 
-at::Tensor RotaryEmbedding::apply(const at::Tensor& x) const {
+at::Tensor RotaryEmbedding::apply(const at::Tensor& x, int64_t offset) const {
   const int64_t s = x.size(0);
+  TORCH_CHECK(offset >= 0 && offset + s <= cos.size(0), "actmem::RotaryEmbedding: positions [",
+              offset, ", ", offset + s, ") beyond the table of ", cos.size(0));
   const auto halves = x.chunk(2, -1);
   const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
-  return x * cos.narrow(0, 0, s) + rotated * sin.narrow(0, 0, s);
+  return x * cos.narrow(0, offset, s) + rotated * sin.narrow(0, offset, s);
 }
 
 // ---- SelfAttention ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 #include "actmem/train_options.h"
 
 #include "actmem/environment.h"
+#include "actmem/tokenizer.h"
 
 #include <CLI/CLI.hpp>
 
@@ -79,8 +80,10 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
       ->check(positive);
   app.add_option("--micro-batch-size", m.micro_batch_size, "Micro-batch size b")
       ->capture_default_str()->check(positive);
-  app.add_option("--vocab-size", m.vocab_size, "Vocabulary size (>= 256 for bytes)")
-      ->capture_default_str()->check(positive);
+  app.add_option("--vocab-size", m.vocab_size,
+                 "Vocabulary size (>= 256 for bytes; set by --tokenizer-type when given)")
+      ->capture_default_str()->check(positive)
+      ->each([&o](const std::string&) { o.vocab_size_given = true; });
   app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout in bias-dropout-add and embedding")
@@ -235,6 +238,20 @@ void add_schedule_flags(CLI::App& app, TrainOptions& o) {
 void add_data_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
   app.add_option("--data", t.data_path, "Text file to train on (default: built-in corpus)");
+  app.add_option("--data-path", t.data_paths,
+                 "Megatron indexed dataset(s): PREFIX (PREFIX.bin + PREFIX.idx), or weight-prefix "
+                 "pairs for a blend (0.3 A 0.7 B)")
+      ->expected(1, -1);
+  app.add_option("--tokenizer-type", t.tokenizer_type,
+                 "Tokenizer the --data-path data was made with: ByteTokenizer or "
+                 "SentencePieceTokenizer (sets the vocabulary)")
+      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer"}));
+  app.add_option("--tokenizer-model", t.tokenizer_model, "SentencePiece model file (M.model)");
+  app.add_option("--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
+                 "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  app.add_option("--data-cache-path", t.data_cache_path,
+                 "Where --data-path caches its sample indices (default: PREFIX/cache/GPTDataset_indices)");
   app.add_option("--split", t.split, "train,validation[,test] weights")->capture_default_str();
 }
 
@@ -321,6 +338,17 @@ void TrainOptions::finalize() {
   TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
               dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
               "and no --loss-scale");
+  if (!training.tokenizer_type.empty()) {
+    TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
+                "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
+    const auto tokenizer = make_tokenizer(training.tokenizer_type, training.tokenizer_model);
+    model.vocab_size = padded_vocab_size(tokenizer->vocab_size(),
+                                         training.make_vocab_size_divisible_by,
+                                         model.tensor_model_parallel_size);
+  } else {
+    TORCH_CHECK(training.tokenizer_model.empty(), "--tokenizer-model needs --tokenizer-type "
+                "SentencePieceTokenizer");
+  }
   model.validate();
   training.validate(model);
 }

@@ -2,6 +2,7 @@
 #include "actmem/trainer.h"
 
 #include "actmem/digest.h"
+#include "actmem/gpt_dataset.h"
 #include "actmem/ledger.h"
 #include "actmem/activation_offloader.h"
 #include "actmem/memory_model.h"
@@ -137,7 +138,38 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       memory_(device_memory(device_)) {
   // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
   // memory] in data.h); loading it first lets the pre-check count it.
-  corpus_ = load_corpus(config_.data_path, config_.split, model_config_.seq_length);
+  std::shared_ptr<const SampleSource> train_samples, valid_samples;
+  if (config_.data_paths.empty()) {
+    corpus_ = load_corpus(config_.data_path, config_.split, model_config_.seq_length);
+  } else {
+    // Megatron's GPTDataset and BlendedDataset over memory-mapped indexed datasets, sized as
+    // Megatron sizes them (train_valid_test_num_samples).
+    const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
+                        model_config_.micro_batch_size;
+    const int64_t valid = config_.eval_interval > 0
+                              ? (config_.train_iters / config_.eval_interval + 1) *
+                                    config_.eval_iters * gbs
+                              : 0;
+    const DataBlend blend = parse_data_path(config_.data_paths);
+    const GPTSplits splits =
+        build_gpt_splits(blend, config_.split, model_config_.seq_length,
+                         static_cast<uint32_t>(model_config_.seed),
+                         {config_.train_iters * gbs, valid, 0}, config_.data_cache_path);
+    train_samples = splits.train;
+    valid_samples = splits.valid;
+    std::ostringstream source;
+    for (size_t i = 0; i < blend.prefixes.size(); ++i) {
+      if (i) source << " + ";
+      if (!blend.weights.empty()) source << blend.weights[i] << " x ";
+      source << blend.prefixes[i];
+    }
+    corpus_.source = source.str();
+    corpus_.memory_mapped = true;
+    corpus_.documents = splits.documents;
+    corpus_.bytes = splits.tokens;
+    corpus_.train_samples = train_samples->size();
+    corpus_.valid_samples = valid_samples ? valid_samples->size() : 0;
+  }
   if (device_.is_cpu()) {
     // On CPU the device is this machine's memory: tensor-parallel ranks of one launch share it,
     // and the corpus held in it (unless memory-mapped) is not available to them.
@@ -164,7 +196,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                 model_config_.fp16 && device_.is_cpu() ? "; use --bf16 on CPU (or --fp16 on CUDA)"
                                                        : "");
   }
-  TORCH_CHECK(model_config_.vocab_size >= ByteTokenizer::kVocabSize, "actmem::Trainer: vocab_size (",
+  TORCH_CHECK(!config_.data_paths.empty() || model_config_.vocab_size >= ByteTokenizer::kVocabSize,
+              "actmem::Trainer: vocab_size (",
               model_config_.vocab_size, ") must be at least 256 for the byte-level tokenizer");
 
   generators_.push_back(at::detail::getDefaultCPUGenerator());
@@ -222,12 +255,23 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     TORCH_INTERNAL_ASSERT(it != params_.end());
     sequence_parallel_grads_.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
   }
-  train_sampler_ = std::make_unique<BatchSampler>(corpus_.train, model_config_.seq_length,
-                                                  model_config_.micro_batch_size,
-                                                  model_config_.seed);
-  valid_sampler_ = std::make_unique<BatchSampler>(corpus_.valid, model_config_.seq_length,
-                                                  model_config_.micro_batch_size,
-                                                  model_config_.seed + 1);
+  if (train_samples) {
+    train_sampler_ = std::make_unique<DatasetBatches>(
+        train_samples, model_config_.seq_length, model_config_.micro_batch_size,
+        model_config_.vocab_size, "training");
+    if (valid_samples) {
+      valid_sampler_ = std::make_unique<DatasetBatches>(
+          valid_samples, model_config_.seq_length, model_config_.micro_batch_size,
+          model_config_.vocab_size, "validation");
+    }
+  } else {
+    train_sampler_ = std::make_unique<BatchSampler>(corpus_.train, model_config_.seq_length,
+                                                    model_config_.micro_batch_size,
+                                                    model_config_.seed);
+    valid_sampler_ = std::make_unique<BatchSampler>(corpus_.valid, model_config_.seq_length,
+                                                    model_config_.micro_batch_size,
+                                                    model_config_.seed + 1);
+  }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   const ActivationPlan& plan = model_->plan();
   if (plan.offloads()) {
@@ -480,6 +524,8 @@ void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
 }
 
 double Trainer::evaluate() {
+  TORCH_CHECK(valid_sampler_ != nullptr, "actmem::Trainer::evaluate: no validation data (with "
+              "--data-path, validation samples are built only when --eval-interval > 0)");
   at::NoGradGuard no_grad;
   model_->eval();
   double total = 0.0;

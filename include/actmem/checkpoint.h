@@ -16,6 +16,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 
@@ -44,6 +45,29 @@ c10::impl::GenericDict read_checkpoint_file(const std::string& path);
 /// arrays -> lists) and back; what the args entry of a checkpoint holds.
 c10::IValue json_to_ivalue(const nlohmann::json& value);
 nlohmann::json ivalue_to_json(const c10::IValue& value);
+
+class GPTModel;
+struct TransformerConfig;
+
+/// Copies a checkpoint's "model" entry into `model`, strictly: every parameter present with its
+/// shape and type, no parameter the model lacks. Throws naming the parameter and `path`.
+void load_model_state(GPTModel& model, const c10::impl::GenericDict& checkpoint,
+                      const std::string& path);
+
+/// A model rebuilt from a checkpoint for inference (`actmem generate`): the config its args
+/// record (shape, vocabulary, positions, precision; no recompute or offload), the model with its
+/// weights in eval mode, and the args themselves (tokenizer, iteration).
+struct LoadedModel {
+  std::shared_ptr<GPTModel> model;
+  std::string args_json;  // the checkpoint's args, as JSON text
+  int64_t iteration = 0;
+  std::string path;
+};
+/// Loads DIR's latest checkpoint (tensor-parallel size 1). Throws when DIR has none.
+LoadedModel load_model_for_inference(const std::string& dir);
+/// The config fields of a checkpoint's args (the inverse of to_json(TransformerConfig) for the
+/// fields that decide the model); memory settings are left at their defaults.
+TransformerConfig config_from_args(const nlohmann::json& args);
 
 /// What Trainer::load_checkpoint restores (Megatron's --no-load-optim, --no-load-rng,
 /// --finetune, --override-opt_param-scheduler).

@@ -155,8 +155,18 @@ struct TrainingConfig {
   int64_t eval_interval = 50;
   int64_t eval_iters = 4;
   int64_t log_interval = 20;
-  /// Text file to train on; empty means the built-in corpus.
+  /// Text file to train on; empty means the built-in corpus (or data_paths).
   std::string data_path;
+  /// Megatron's --data-path: indexed-dataset prefixes, or weight-prefix pairs (a blend).
+  std::vector<std::string> data_paths;
+  /// Where the dataset indices are cached (--data-cache-path); empty: PREFIX/cache/GPTDataset_indices.
+  std::string data_cache_path;
+  /// The tokenizer the data was made with (tokenizer.h); empty: bytes, vocabulary --vocab-size.
+  /// With one, the model's vocabulary is the tokenizer's padded to a multiple of
+  /// make_vocab_size_divisible_by x tensor-parallel size (TrainOptions::finalize).
+  std::string tokenizer_type;
+  std::string tokenizer_model;
+  int64_t make_vocab_size_divisible_by = 128;
   std::string split = "95,5";
   // ---- checkpoints (docs/checkpoints.md), Megatron's names ----
   /// Directory to save checkpoints in (--save); empty means none.

@@ -58,6 +58,10 @@ struct Corpus {
   bool memory_mapped = false;
   /// Host memory the stream holds that the kernel cannot drop (0 when memory-mapped).
   int64_t resident_bytes() const { return memory_mapped ? 0 : bytes; }
+  /// With --data-path (Megatron's indexed datasets): train and validation sample counts; the
+  /// two streams above are then undefined.
+  int64_t train_samples = 0, valid_samples = 0;
+  int64_t documents = 0;
 };
 
 /// Parses Megatron's --split ("95,5" or "969,30,1": train, validation[, test] weights) and cuts
@@ -69,26 +73,38 @@ Corpus split_corpus(const at::Tensor& tokens, const std::string& split, int64_t 
 /// Loads `path` (or the built-in corpus when empty), tokenizes and splits it.
 Corpus load_corpus(const std::string& path, const std::string& split, int64_t seq_length);
 
-/// Samples (tokens, labels) micro-batches of [b, s] int64 from a token stream (uint8, int16,
-/// int32 or int64). labels are tokens shifted by one. Batch k of a sampler is a pure function of
-/// (seed, k).
-class BatchSampler {
+/// Where a trainer's (tokens, labels) micro-batches of [b, s] int64 come from. Batch k is a
+/// pure function of the source and k, so a run resumes by seeking to the batches it consumed.
+class BatchSource {
  public:
-  BatchSampler(at::Tensor stream, int64_t seq_length, int64_t micro_batch_size, uint64_t seed);
-  /// The next random micro-batch.
-  std::pair<at::Tensor, at::Tensor> next();
-  /// The i-th of `count` evenly spaced, fixed micro-batches (for validation).
-  std::pair<at::Tensor, at::Tensor> fixed(int64_t i, int64_t count) const;
+  virtual ~BatchSource() = default;
+  /// The next micro-batch.
+  virtual std::pair<at::Tensor, at::Tensor> next() = 0;
+  /// The i-th of `count` fixed micro-batches (for validation).
+  virtual std::pair<at::Tensor, at::Tensor> fixed(int64_t i, int64_t count) const = 0;
   int64_t batches_drawn() const { return drawn_; }
   /// Continues as if `batches` micro-batches had been drawn (resuming from a checkpoint).
   void seek(int64_t batches);
+
+ protected:
+  int64_t drawn_ = 0;
+};
+
+/// Samples micro-batches from a token stream (uint8, int16, int32 or int64) at random offsets.
+/// labels are tokens shifted by one. Batch k is a pure function of (seed, k).
+class BatchSampler : public BatchSource {
+ public:
+  BatchSampler(at::Tensor stream, int64_t seq_length, int64_t micro_batch_size, uint64_t seed);
+  /// The next random micro-batch.
+  std::pair<at::Tensor, at::Tensor> next() override;
+  /// The i-th of `count` evenly spaced, fixed micro-batches.
+  std::pair<at::Tensor, at::Tensor> fixed(int64_t i, int64_t count) const override;
 
  private:
   std::pair<at::Tensor, at::Tensor> gather(const std::vector<int64_t>& offsets) const;
   at::Tensor stream_;
   int64_t seq_, batch_;
   uint64_t seed_;
-  int64_t drawn_ = 0;
 };
 
 /// SplitMix64: a small, fast, well-mixed deterministic generator.

@@ -109,8 +109,8 @@ class CoreAttention : public torch::nn::Module {
 class RotaryEmbedding {
  public:
   RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype);
-  /// Rotates x: [s, b, a, d].
-  at::Tensor apply(const at::Tensor& x) const;
+  /// Rotates x: [s, b, a, d], whose first position is `offset` (a KV-cached continuation).
+  at::Tensor apply(const at::Tensor& x, int64_t offset = 0) const;
   /// The tables; GPTModel registers them as buffers (rotary_pos_emb.cos, .sin), so they move
   /// with the model and are not counted as activations.
   at::Tensor cos, sin;
@@ -236,6 +236,8 @@ class GPTModel : public torch::nn::Module {
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
   const at::Tensor& attention_mask() const { return causal_mask_; }
+  /// The rotary tables (null with learned positions).
+  const RotaryEmbedding* rope() const { return rope_.get(); }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;
   /// Per ordered parameter: true when each tensor-parallel rank holds a different slice

@@ -28,6 +28,7 @@ struct TrainOptions {
   bool recompute_activations = false;   // legacy: = --recompute-granularity selective
   bool checkpoint_activations = false;  // removed flag: refused with Megatron's message
   double device_memory_limit_gib = 0.0;
+  bool vocab_size_given = false;  // --vocab-size on the command line (exclusive with a tokenizer)
   /// Set when a dynamic-loss-scaling flag (--initial-loss-scale, --min-loss-scale,
   /// --loss-scale-window, --hysteresis) was given: refused unless the run scales dynamically.
   std::string dynamic_scaling_flag;

@@ -168,8 +168,8 @@ class Trainer {
   std::unique_ptr<MixedPrecisionOptimizer> mixed_;       // --bf16 / --fp16
   std::vector<at::Tensor> grads_;                        // see gradients()
   int64_t scheduler_steps_ = 0;  // optimizer steps taken (skipped ones do not advance the lr)
-  std::unique_ptr<BatchSampler> train_sampler_;
-  std::unique_ptr<BatchSampler> valid_sampler_;
+  std::unique_ptr<BatchSource> train_sampler_;
+  std::unique_ptr<BatchSource> valid_sampler_;
   std::unique_ptr<MemoryTimeline> timeline_;
   std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;

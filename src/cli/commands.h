@@ -18,5 +18,7 @@ Runner add_inspect_command(CLI::App& app);
 Runner add_compare_command(CLI::App& app);
 Runner add_launch_command(CLI::App& app);
 Runner add_dist_check_command(CLI::App& app);
+Runner add_preprocess_command(CLI::App& app);
+Runner add_generate_command(CLI::App& app);
 
 }  // namespace actmem::cli

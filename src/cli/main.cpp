@@ -66,6 +66,8 @@ int main(int argc, char** argv) {
       actmem::cli::add_compare_command(app),
       actmem::cli::add_launch_command(app),
       actmem::cli::add_dist_check_command(app),
+      actmem::cli::add_preprocess_command(app),
+      actmem::cli::add_generate_command(app),
   };
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) sub->fallthrough();
   try {

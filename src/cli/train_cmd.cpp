@@ -66,9 +66,17 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions") << "\n"
       << "  precision " << precision_summary(m, t) << "\n"
       << "  parameters " << model.num_parameters() << " | dropout attention "
-      << m.attention_dropout << " hidden " << m.hidden_dropout << " | corpus " << corpus.source
-      << " (" << corpus.train.numel() << " train / " << corpus.valid.numel()
-      << " validation tokens" << (corpus.memory_mapped ? ", memory-mapped" : "") << ") | device "
+      << m.attention_dropout << " hidden " << m.hidden_dropout << " | ";
+  if (corpus.train.defined()) {
+    out << "corpus " << corpus.source << " (" << corpus.train.numel() << " train / "
+        << corpus.valid.numel() << " validation tokens"
+        << (corpus.memory_mapped ? ", memory-mapped" : "") << ")";
+  } else {
+    out << "data " << corpus.source << " (" << corpus.documents << " documents, " << corpus.bytes
+        << " tokens; " << corpus.train_samples << " train / " << corpus.valid_samples
+        << " validation samples, memory-mapped)";
+  }
+  out << " | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
       << memory_settings(model.plan(), t) << "\n"
       << "  " << blas_report().summary() << "\n";
@@ -90,10 +98,17 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
   j["activation_plan"] = trainer.model().plan().to_json();
   j["training"] = to_json(o.training);
   j["training"]["device_memory_limit"] = o.training.device_memory_limit;
-  j["corpus"] = {{"source", trainer.corpus().source},
-                 {"train_tokens", trainer.corpus().train.numel()},
-                 {"validation_tokens", trainer.corpus().valid.numel()},
-                 {"memory_mapped", trainer.corpus().memory_mapped}};
+  const auto& c = trainer.corpus();
+  if (c.train.defined()) {
+    j["corpus"] = {{"source", c.source},
+                   {"train_tokens", c.train.numel()},
+                   {"validation_tokens", c.valid.numel()},
+                   {"memory_mapped", c.memory_mapped}};
+  } else {
+    j["corpus"] = {{"source", c.source},           {"documents", c.documents},
+                   {"tokens", c.bytes},             {"train_samples", c.train_samples},
+                   {"validation_samples", c.valid_samples}, {"memory_mapped", true}};
+  }
   return j;
 }
 
@@ -101,8 +116,12 @@ int run_train(actmem::TrainOptions& o) {
   o.finalize();
   actmem::apply_thread_count(o.threads);
   // Note [Outputs never destroy inputs] (output_file.h).
-  check_distinct_files({{"--data", o.training.data_path}},
-                       {{"--log-json", o.log_json}, {"--trace", o.trace}});
+  std::vector<actmem::NamedPath> inputs{{"--data", o.training.data_path}};
+  for (const auto& p : o.training.data_paths) {
+    inputs.push_back({"--data-path", p + ".bin"});
+    inputs.push_back({"--data-path", p + ".idx"});
+  }
+  check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
   TORCH_CHECK(dist.world_size == o.model.tensor_model_parallel_size, "actmem train: ",

@@ -1,0 +1,64 @@
+// generate.h — text generation from a trained GPTModel: a key-value cache so each new token
+// costs one position of compute, and greedy, temperature, top-k and top-p sampling.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <functional>
+#include <vector>
+
+namespace actmem {
+
+class GPTModel;
+
+/// Feeds tokens through `model` (eval mode, one sequence, tensor-parallel size 1), keeping every
+/// layer's keys and values, so the logits of the next position cost one position of compute.
+/// The arithmetic is the model's own (its norms, linears, MLP and rotary tables); attention runs
+/// over the cached keys with the causal rule. Equal to GPTModel::logits up to floating-point
+/// summation order (tests compare them).
+class KVCache {
+ public:
+  explicit KVCache(GPTModel& model);
+  /// Appends `tokens` and returns the logits of each appended position, [n, vocab] (fp32).
+  at::Tensor feed(const std::vector<int64_t>& tokens);
+  int64_t length() const { return length_; }
+  /// The positions the model has (max_position_embeddings): the cache's capacity.
+  int64_t capacity() const { return capacity_; }
+  /// Bytes of the key and value tensors (all layers, full capacity).
+  int64_t bytes() const;
+  void clear() { length_ = 0; }
+
+ private:
+  GPTModel& model_;
+  int64_t capacity_, heads_, head_dim_;
+  std::vector<at::Tensor> keys_, values_;  // per layer [capacity, a, d]
+  int64_t length_ = 0;
+};
+
+struct SamplingOptions {
+  int64_t max_new_tokens = 100;
+  /// Take the most likely token (temperature, top-k and top-p are then unused).
+  bool greedy = false;
+  double temperature = 1.0;
+  /// Keep the k most likely tokens (0: all).
+  int64_t top_k = 0;
+  /// Keep the smallest set of most likely tokens whose probability reaches p (0: all).
+  double top_p = 0.0;
+  uint64_t seed = 1234;
+  /// Stop after this token (the tokenizer's <eod>); -1: never.
+  int64_t stop_token = -1;
+};
+
+/// Picks the next token from fp32 logits [v] as `options` says (the generator draws for
+/// sampling). Throws for invalid options (temperature <= 0, top_p outside [0, 1], top_k < 0).
+int64_t sample_token(const at::Tensor& logits, const SamplingOptions& options, at::Generator& gen);
+
+/// Generates after `prompt` (at least one token); `on_token` sees each new token as it is made.
+/// Stops at max_new_tokens, at stop_token, or when the model's positions are used up. Returns
+/// the new tokens.
+std::vector<int64_t> generate(GPTModel& model, const std::vector<int64_t>& prompt,
+                              const SamplingOptions& options,
+                              const std::function<void(int64_t)>& on_token = {});
+
+}  // namespace actmem

@@ -1,0 +1,153 @@
+// gpt_dataset.h — Megatron-LM's GPT training samples over indexed datasets
+// (megatron/core/datasets/gpt_dataset.py, blended_dataset.py, blended_megatron_dataset_builder.py
+// and helpers.cpp), reproduced index for index:
+//
+//   document index   the split's documents, repeated for enough epochs, shuffled
+//   sample index     (position in the document index, token offset) where each sample starts:
+//                    samples of seq_length + 1 tokens that run across document boundaries and
+//                    overlap by one token (the label of the last position)
+//   shuffle index    a permutation of the samples
+//   blending         dataset i gets the sample whose share lags its weight the most
+//
+// The shuffles draw from numpy's legacy RandomState(seed) (MT19937 and its bounded-integer
+// rejection), reimplemented here, so a dataset yields the samples Megatron's yields for the same
+// files, split, sizes and seed. The indices are cached as .npy files beside the data.
+#pragma once
+
+#include "actmem/data.h"
+#include "actmem/indexed_dataset.h"
+
+#include <cstdint>
+#include <memory>
+#include <random>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace actmem {
+
+/// numpy.random.RandomState(seed), as far as Megatron's datasets use it: shuffle of a 1-D array
+/// (Fisher–Yates from the end, numpy's random_interval draws).
+class NumpyRandomState {
+ public:
+  explicit NumpyRandomState(uint32_t seed) : mt_(seed) {}
+  uint32_t next_uint32() { return static_cast<uint32_t>(mt_()); }
+  uint64_t next_uint64() {
+    const uint64_t hi = next_uint32();
+    return (hi << 32) | next_uint32();
+  }
+  /// A uniform integer in [0, max] (numpy's random_interval).
+  uint64_t random_interval(uint64_t max);
+  template <typename T>
+  void shuffle(std::vector<T>& v) {
+    for (size_t i = v.size(); i-- > 1;) {
+      std::swap(v[i], v[static_cast<size_t>(random_interval(i))]);
+    }
+  }
+
+ private:
+  std::mt19937 mt_;  // the same MT19937, seeded as numpy's mt19937_seed (init_genrand)
+};
+
+/// Megatron's split of `num_documents` by weights (--split 949,50,1): the [begin, end) document
+/// ranges of train, validation and test (_get_split_indices).
+std::vector<std::pair<int64_t, int64_t>> split_document_ranges(const std::vector<double>& weights,
+                                                               int64_t num_documents);
+/// Parses "949,50,1" (or "95,5") into normalised weights; throws a clear error otherwise.
+std::vector<double> parse_split(const std::string& split);
+
+/// One source of samples of seq_length + 1 tokens.
+class SampleSource {
+ public:
+  virtual ~SampleSource() = default;
+  virtual int64_t size() const = 0;
+  /// Sample i (0 <= i < size()), appended to `out`.
+  virtual void sample(int64_t i, std::vector<int64_t>& out) const = 0;
+};
+
+/// Megatron's GPTDataset over documents [begin, end) of one indexed dataset.
+class GPTDataset : public SampleSource {
+ public:
+  /// num_samples: the samples this split must provide (Megatron's target size); the document
+  /// index repeats the documents for as many epochs as that takes. cache_dir empty: no cache.
+  GPTDataset(std::shared_ptr<const IndexedDataset> data, std::pair<int64_t, int64_t> documents,
+             int64_t num_samples, int64_t seq_length, uint32_t seed, const std::string& split_name,
+             const std::string& cache_dir);
+  /// Samples available (every sample of every epoch built; at least the requested number).
+  int64_t size() const override { return static_cast<int64_t>(shuffle_index_.size()); }
+  void sample(int64_t i, std::vector<int64_t>& out) const override;
+  const std::vector<int32_t>& document_index() const { return document_index_; }
+  /// Pairs (document-index position, offset), flattened: 2 * (samples + 1) entries.
+  const std::vector<int64_t>& sample_index() const { return sample_index_; }
+  const std::vector<int64_t>& shuffle_index() const { return shuffle_index_; }
+  int64_t num_epochs() const { return num_epochs_; }
+  /// Whether the indices came from the cache.
+  bool loaded_from_cache() const { return from_cache_; }
+
+ private:
+  void build(int64_t num_samples, uint32_t seed);
+  std::shared_ptr<const IndexedDataset> data_;
+  std::pair<int64_t, int64_t> documents_;
+  int64_t seq_length_;
+  int64_t num_epochs_ = 1;
+  bool from_cache_ = false;
+  std::vector<int32_t> document_index_;
+  std::vector<int64_t> sample_index_;
+  std::vector<int64_t> shuffle_index_;
+};
+
+/// Megatron's BlendedDataset: `size` samples drawn from `datasets` in proportion to `weights`
+/// (build_blending_indices: each sample goes to the dataset furthest below its share).
+class BlendedDataset : public SampleSource {
+ public:
+  BlendedDataset(std::vector<std::shared_ptr<const SampleSource>> datasets,
+                 std::vector<double> weights, int64_t size);
+  int64_t size() const override { return static_cast<int64_t>(dataset_index_.size()); }
+  void sample(int64_t i, std::vector<int64_t>& out) const override;
+  const std::vector<int16_t>& dataset_index() const { return dataset_index_; }
+
+ private:
+  std::vector<std::shared_ptr<const SampleSource>> datasets_;
+  std::vector<int16_t> dataset_index_;
+  std::vector<int64_t> dataset_sample_index_;
+};
+
+/// Micro-batches from a sample source, as Megatron's MegatronPretrainingSampler walks it:
+/// micro-batch k holds samples [k b, (k + 1) b); tokens are a sample's first seq_length tokens,
+/// labels its last seq_length. Every token must be below vocab_size (checked per batch, with
+/// the sample named).
+class DatasetBatches : public BatchSource {
+ public:
+  DatasetBatches(std::shared_ptr<const SampleSource> source, int64_t seq_length,
+                 int64_t micro_batch_size, int64_t vocab_size, std::string what);
+  std::pair<at::Tensor, at::Tensor> next() override;
+  /// Micro-batch i of the source (count is unused: validation takes the first ones).
+  std::pair<at::Tensor, at::Tensor> fixed(int64_t i, int64_t count) const override;
+
+ private:
+  std::pair<at::Tensor, at::Tensor> batch(int64_t k) const;
+  std::shared_ptr<const SampleSource> source_;
+  int64_t seq_, batch_, vocab_;
+  std::string what_;
+};
+
+/// --data-path: either one prefix, or weight/prefix pairs ("0.3 A 0.7 B"). Weights normalised.
+struct DataBlend {
+  std::vector<std::string> prefixes;
+  std::vector<double> weights;  // empty for a single prefix
+};
+DataBlend parse_data_path(const std::vector<std::string>& args);
+
+/// The train, validation and test sources Megatron's BlendedMegatronDatasetBuilder builds for
+/// these sizes (a source is null when it needs no samples). cache_dir empty means Megatron's
+/// default, PREFIX/cache/GPTDataset_indices per dataset.
+struct GPTSplits {
+  std::shared_ptr<const SampleSource> train, valid, test;
+  int64_t documents = 0;       // over all datasets
+  int64_t tokens = 0;          // over all datasets
+};
+GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
+                           uint32_t seed, const std::vector<int64_t>& samples_per_split,
+                           const std::string& cache_dir);
+
+}  // namespace actmem

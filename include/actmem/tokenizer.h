@@ -1,0 +1,47 @@
+// tokenizer.h — the tokenizers `actmem preprocess`, `train --data-path` and `generate` share:
+// text <-> token ids, the vocabulary size the model is built with, and the end-of-document id.
+//
+//   ByteTokenizer            ids 0..255 are the bytes of UTF-8 text, 256 is <eod> (vocab 257)
+//   SentencePieceTokenizer   a SentencePiece model (--tokenizer-model M.model), through
+//                            libsentencepiece; <eod> is the model's </s>
+//
+// The model's embedding table is the vocabulary padded as Megatron pads it
+// (--make-vocab-size-divisible-by, times the tensor-parallel size).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace actmem {
+
+class Tokenizer {
+ public:
+  virtual ~Tokenizer() = default;
+  /// "ByteTokenizer" or "SentencePieceTokenizer".
+  virtual std::string type() const = 0;
+  /// Ids in use (before padding).
+  virtual int64_t vocab_size() const = 0;
+  /// The end-of-document id appended by `preprocess --append-eod`.
+  virtual int64_t eod() const = 0;
+  virtual std::vector<int64_t> tokenize(const std::string& text) const = 0;
+  /// Text of `ids`; ids it does not know (padding) are skipped, <eod> becomes "\n".
+  virtual std::string detokenize(const std::vector<int64_t>& ids) const = 0;
+};
+
+/// The tokenizer of `type`; SentencePieceTokenizer needs `model_path`. Throws naming the type
+/// or the file when either is unusable.
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path);
+
+/// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp_size that
+/// holds vocab_size.
+int64_t padded_vocab_size(int64_t vocab_size, int64_t divisible_by, int64_t tp_size);
+
+/// Trains a SentencePiece model (unigram, as SentencePiece's default) on the text of `input`
+/// (one document per line) and writes MODEL_PREFIX.model and .vocab. Throws with the library's
+/// message when training fails.
+void train_sentencepiece(const std::string& input, const std::string& model_prefix,
+                         int64_t vocab_size, int threads);
+
+}  // namespace actmem

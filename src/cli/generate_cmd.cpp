@@ -1,0 +1,154 @@
+// generate_cmd.cpp — `actmem generate`: text from a saved checkpoint, with a KV cache.
+#include "actmem/checkpoint.h"
+#include "actmem/generate.h"
+#include "actmem/model.h"
+#include "actmem/output_file.h"
+#include "actmem/report.h"
+#include "actmem/tokenizer.h"
+#include "actmem/train_options.h"
+#include "commands.h"
+
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <iomanip>
+#include <iostream>
+#include <memory>
+
+namespace actmem::cli {
+
+namespace {
+
+struct GenerateOptions {
+  std::string load;
+  std::string prompt;
+  SamplingOptions sampling;
+  std::string tokenizer_type, tokenizer_model;  // default: what the checkpoint was trained with
+  bool ignore_eod = false;
+  std::string log_json;
+  int threads = 0;
+};
+
+int run_generate(GenerateOptions& o) {
+  TORCH_CHECK(!o.load.empty(), "actmem generate: --load DIR is required");
+  TORCH_CHECK(!o.prompt.empty(), "actmem generate: --prompt TEXT is required");
+  OutputFile log;
+  if (!o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
+  apply_thread_count(o.threads);
+  const LoadedModel loaded = load_model_for_inference(o.load);
+  const nlohmann::json args = nlohmann::json::parse(loaded.args_json);
+  // The tokenizer the model was trained with, unless overridden; without one, bytes.
+  std::string type = o.tokenizer_type, model_path = o.tokenizer_model;
+  if (type.empty() && args.contains("tokenizer_type") && !args["tokenizer_type"].is_null()) {
+    type = args["tokenizer_type"].get<std::string>();
+    if (model_path.empty() && args.contains("tokenizer_model") && !args["tokenizer_model"].is_null()) {
+      model_path = args["tokenizer_model"].get<std::string>();
+    }
+  }
+  std::unique_ptr<Tokenizer> tokenizer;
+  std::vector<int64_t> prompt;
+  std::function<std::string(const std::vector<int64_t>&)> detokenize;
+  if (type.empty()) {
+    for (const unsigned char c : o.prompt) prompt.push_back(c);  // the byte corpus's tokens
+    detokenize = [](const std::vector<int64_t>& ids) {
+      std::string s;
+      for (const int64_t id : ids) {
+        if (id >= 0 && id < 256) s.push_back(static_cast<char>(id));
+      }
+      return s;
+    };
+  } else {
+    tokenizer = make_tokenizer(type, model_path);
+    prompt = tokenizer->tokenize(o.prompt);
+    if (!o.ignore_eod) o.sampling.stop_token = tokenizer->eod();
+    detokenize = [&tokenizer](const std::vector<int64_t>& ids) { return tokenizer->detokenize(ids); };
+  }
+  TORCH_CHECK(!prompt.empty(), "actmem generate: the prompt tokenizes to nothing");
+  const auto& cfg = loaded.model->config();
+  std::cerr << "actmem generate: " << loaded.path << " (iteration " << loaded.iteration << ", "
+            << cfg.num_layers << " layers, hidden " << cfg.hidden_size << ", vocabulary "
+            << cfg.vocab_size << ", " << cfg.precision() << ", "
+            << (type.empty() ? std::string("byte tokens") : type) << ") | "
+            << (o.sampling.greedy ? std::string("greedy")
+                                  : "temperature " + c10::str(o.sampling.temperature) +
+                                        (o.sampling.top_k > 0 ? ", top-k " + std::to_string(o.sampling.top_k) : "") +
+                                        (o.sampling.top_p > 0 ? ", top-p " + c10::str(o.sampling.top_p) : "") +
+                                        ", seed " + std::to_string(o.sampling.seed))
+            << "\n";
+  // The text streams as it is made: what detokenizing prompt and new tokens together adds
+  // beyond the prompt's own text (SentencePiece drops a leading space when decoding a piece
+  // alone, so the continuation is never decoded by itself).
+  std::cout << o.prompt << std::flush;
+  std::vector<int64_t> all = prompt, made;
+  const std::string base = detokenize(prompt);
+  auto continuation = [&] {
+    const std::string full = detokenize(all);
+    return full.compare(0, base.size(), base) == 0 ? full.substr(base.size()) : detokenize(made);
+  };
+  std::string printed;
+  const auto t0 = std::chrono::steady_clock::now();
+  generate(*loaded.model, prompt, o.sampling, [&](int64_t token) {
+    made.push_back(token);
+    all.push_back(token);
+    const std::string text = continuation();
+    if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+      std::cout << text.substr(printed.size()) << std::flush;
+      printed = text;
+    }
+  });
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string text = continuation();
+  if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
+    std::cout << text.substr(printed.size());
+  }
+  std::cout << "\n";
+  KVCache probe(*loaded.model);
+  std::cerr << "generated " << made.size() << " tokens in " << std::fixed << std::setprecision(2)
+            << seconds << " s (" << std::setprecision(1)
+            << static_cast<double>(made.size()) / std::max(seconds, 1e-9) << " tokens/s, prompt "
+            << prompt.size() << " tokens, KV cache " << format_bytes(static_cast<double>(probe.bytes()))
+            << ")\n";
+  if (log.is_open()) {
+    const nlohmann::json j = {{"checkpoint", loaded.path},  {"iteration", loaded.iteration},
+                              {"prompt", o.prompt},         {"prompt_tokens", prompt},
+                              {"tokens", made},             {"text", text},
+                              {"seconds", seconds},         {"greedy", o.sampling.greedy},
+                              {"temperature", o.sampling.temperature},
+                              {"top_k", o.sampling.top_k},  {"top_p", o.sampling.top_p},
+                              {"seed", o.sampling.seed},    {"kv_cache_bytes", probe.bytes()}};
+    log.write(j.dump() + "\n", "the generation record");
+    log.close();
+  }
+  return 0;
+}
+
+}  // namespace
+
+Runner add_generate_command(CLI::App& app) {
+  auto o = std::make_shared<GenerateOptions>();
+  CLI::App* cmd = app.add_subcommand("generate", "Generate text from a checkpoint (--load DIR)");
+  cmd->add_option("--load", o->load, "Checkpoint directory (its latest checkpoint)");
+  cmd->add_option("--prompt", o->prompt, "Text to continue");
+  cmd->add_option("--max-new-tokens", o->sampling.max_new_tokens, "Tokens to generate")
+      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+  cmd->add_flag("--greedy", o->sampling.greedy, "Always take the most likely token");
+  cmd->add_option("--temperature", o->sampling.temperature, "Divide the logits by this")
+      ->capture_default_str()->check(CLI::PositiveNumber);
+  cmd->add_option("--top-k", o->sampling.top_k, "Sample from the k most likely tokens (0: all)")
+      ->capture_default_str()->check(CLI::NonNegativeNumber);
+  cmd->add_option("--top-p", o->sampling.top_p,
+                  "Sample from the most likely tokens that reach probability p (0: all)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  cmd->add_option("--seed", o->sampling.seed, "Sampling seed")->capture_default_str();
+  cmd->add_option("--tokenizer-type", o->tokenizer_type,
+                  "Override the checkpoint's tokenizer: ByteTokenizer or SentencePieceTokenizer");
+  cmd->add_option("--tokenizer-model", o->tokenizer_model, "SentencePiece model (override)");
+  cmd->add_flag("--ignore-eod", o->ignore_eod, "Do not stop at the end-of-document token");
+  cmd->add_option("--log-json", o->log_json, "Write the prompt, tokens, text and timing as JSON");
+  cmd->add_option("--threads", o->threads, "Intra-op CPU threads (default: one per core)")
+      ->check(CLI::Range(1, 1 << 20));
+  return [o, cmd]() { return cmd->parsed() ? run_generate(*o) : -1; };
+}
+
+}  // namespace actmem::cli

@@ -1,0 +1,442 @@
+// gpt_dataset.cpp — Megatron's GPTDataset, BlendedDataset and their builder (gpt_dataset.h).
+#include "actmem/gpt_dataset.h"
+
+#include "actmem/digest.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <numeric>
+#include <sstream>
+
+namespace actmem {
+
+namespace fs = std::filesystem;
+
+uint64_t NumpyRandomState::random_interval(uint64_t max) {
+  // numpy/random/src/distributions/distributions.c: random_interval.
+  if (max == 0) return 0;
+  uint64_t mask = max;
+  mask |= mask >> 1;
+  mask |= mask >> 2;
+  mask |= mask >> 4;
+  mask |= mask >> 8;
+  mask |= mask >> 16;
+  mask |= mask >> 32;
+  uint64_t value = 0;
+  if (max <= 0xffffffffULL) {
+    while ((value = (next_uint32() & mask)) > max) {
+    }
+  } else {
+    while ((value = (next_uint64() & mask)) > max) {
+    }
+  }
+  return value;
+}
+
+std::vector<double> parse_split(const std::string& split) {
+  std::vector<double> w;
+  std::stringstream ss(split);
+  std::string part;
+  while (std::getline(ss, part, ',')) {
+    char* end = nullptr;
+    const double v = std::strtod(part.c_str(), &end);
+    TORCH_CHECK(!part.empty() && end == part.c_str() + part.size() && std::isfinite(v) && v >= 0,
+                "actmem: --split expects comma-separated non-negative weights such as 949,50,1, "
+                "got '", split, "'");
+    w.push_back(v);
+  }
+  TORCH_CHECK(w.size() >= 1 && w.size() <= 3, "actmem: --split takes 1 to 3 weights (train, "
+              "validation, test), got '", split, "'");
+  while (w.size() < 3) w.push_back(0.0);  // Megatron pads with zeros
+  const double sum = std::accumulate(w.begin(), w.end(), 0.0);
+  TORCH_CHECK(sum > 0, "actmem: --split weights sum to 0 ('", split, "')");
+  for (auto& v : w) v /= sum;
+  return w;
+}
+
+std::vector<std::pair<int64_t, int64_t>> split_document_ranges(const std::vector<double>& weights,
+                                                               int64_t num_documents) {
+  // megatron/core/datasets/utils.py: _get_split_indices (the rounding remainder comes off
+  // every boundary).
+  std::vector<int64_t> idx{0};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    idx.push_back(idx[i] + static_cast<int64_t>(std::nearbyint(weights[i] * static_cast<double>(num_documents))));
+  }
+  const int64_t diff = idx.back() - num_documents;
+  for (size_t i = 1; i < idx.size(); ++i) idx[i] -= diff;
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i + 1 < idx.size(); ++i) out.emplace_back(idx[i], idx[i + 1]);
+  return out;
+}
+
+// ---- .npy cache files -------------------------------------------------------------------------
+
+namespace {
+
+template <typename T>
+const char* npy_descr();
+template <>
+const char* npy_descr<int32_t>() { return "<i4"; }
+template <>
+const char* npy_descr<int64_t>() { return "<i8"; }
+
+std::string npy_header(const char* descr, const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "{'descr': '" << descr << "', 'fortran_order': False, 'shape': (";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? ", " : "") << shape[i];
+  os << (shape.size() == 1 ? ",), }" : "), }");  // Python's tuple repr
+  std::string h = os.str();
+  // Version 1.0: magic (6) + version (2) + u16 length, header padded to 64 bytes with '\n' last.
+  const size_t total = 10 + h.size() + 1;
+  h.append((64 - total % 64) % 64, ' ');
+  h.push_back('\n');
+  return h;
+}
+
+template <typename T>
+void write_npy(const std::string& path, const std::vector<T>& v, std::vector<int64_t> shape) {
+  const std::string header = npy_header(npy_descr<T>(), shape);
+  const std::string tmp = path + ".tmp";
+  {
+    std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(out, "actmem::GPTDataset: cannot write the index cache ", tmp);
+    out.write("\x93NUMPY\x01\x00", 8);
+    const uint16_t len = static_cast<uint16_t>(header.size());
+    out.write(reinterpret_cast<const char*>(&len), 2);
+    out << header;
+    out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+    TORCH_CHECK(out.good(), "actmem::GPTDataset: writing the index cache ", tmp, " failed");
+  }
+  fs::rename(tmp, path);  // whole files only: a crash leaves no half-written cache entry
+}
+
+// Reads a cache file written by write_npy with exactly this type and shape; false otherwise.
+template <typename T>
+bool read_npy(const std::string& path, std::vector<T>& v, const std::vector<int64_t>& shape) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) return false;
+  const std::string header = npy_header(npy_descr<T>(), shape);
+  std::string prefix(10 + header.size(), '\0');
+  if (!in.read(prefix.data(), static_cast<std::streamsize>(prefix.size()))) return false;
+  if (prefix.compare(0, 6, "\x93NUMPY") != 0 || prefix.substr(10) != header) return false;
+  int64_t n = 1;
+  for (const int64_t s : shape) n *= s;
+  v.resize(static_cast<size_t>(n));
+  if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T)))) return false;
+  return in.peek() == std::char_traits<char>::eof();
+}
+
+}  // namespace
+
+// ---- GPTDataset -------------------------------------------------------------------------------
+
+GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
+                       std::pair<int64_t, int64_t> documents, int64_t num_samples,
+                       int64_t seq_length, uint32_t seed, const std::string& split_name,
+                       const std::string& cache_dir)
+    : data_(std::move(data)), documents_(documents), seq_length_(seq_length) {
+  TORCH_CHECK(seq_length_ > 0 && num_samples >= 0, "actmem::GPTDataset: seq_length must be positive "
+              "and num_samples non-negative");
+  TORCH_CHECK(documents_.first >= 0 && documents_.first < documents_.second &&
+                  documents_.second <= data_->num_documents(),
+              "actmem::GPTDataset: the ", split_name, " split of ", data_->prefix(), " has no "
+              "documents (documents [", documents_.first, ", ", documents_.second, ") of ",
+              data_->num_documents(), "); change --split or add data");
+  // The cache key: what decides the indices (Megatron hashes a similar description).
+  nlohmann::json desc = {{"class", "GPTDataset"},
+                         {"dataset_path", fs::absolute(data_->prefix()).string()},
+                         {"bin_bytes", data_->bin_bytes()},
+                         {"num_sequences", data_->num_sequences()},
+                         {"documents", {documents_.first, documents_.second}},
+                         {"num_samples", num_samples},
+                         {"sequence_length", seq_length_},
+                         {"random_seed", seed},
+                         {"split", split_name},
+                         {"add_extra_token_to_sequence", true},
+                         {"drop_last_partial_sequence", true}};
+  const std::string text = desc.dump();
+  Digest d;
+  d.update(text.data(), text.size());
+  const std::string base =
+      cache_dir.empty() ? std::string() : (fs::path(cache_dir) / (d.hex() + "-GPTDataset-" + split_name)).string();
+  if (!base.empty()) {
+    std::ifstream meta(base + "-description.txt");
+    std::string cached((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
+    if (cached == text) {
+      // Shapes come from the description: epochs decide the document index's length.
+      std::vector<int64_t> counts;
+      if (read_npy<int64_t>(base + "-counts.npy", counts, {2})) {
+        num_epochs_ = counts[0];
+        const int64_t n_doc = num_epochs_ * (documents_.second - documents_.first);
+        from_cache_ = read_npy<int32_t>(base + "-document_index.npy", document_index_, {n_doc}) &&
+                      read_npy<int64_t>(base + "-sample_index.npy", sample_index_, {counts[1] + 1, 2}) &&
+                      read_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {counts[1]});
+      }
+    }
+  }
+  if (from_cache_) return;
+  build(num_samples, seed);
+  if (base.empty()) return;
+  std::error_code ec;
+  fs::create_directories(cache_dir, ec);
+  if (ec) return;  // a read-only data directory: indices are rebuilt each run
+  const int64_t samples = size();
+  write_npy<int32_t>(base + "-document_index.npy", document_index_, {static_cast<int64_t>(document_index_.size())});
+  write_npy<int64_t>(base + "-sample_index.npy", sample_index_, {samples + 1, 2});
+  write_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {samples});
+  write_npy<int64_t>(base + "-counts.npy", std::vector<int64_t>{num_epochs_, samples}, {2});
+  std::ofstream(base + "-description.txt") << text;  // last: it marks the entry complete
+}
+
+void GPTDataset::build(int64_t num_samples, uint32_t seed) {
+  // gpt_dataset.py: _build_document_sample_shuffle_indices, with add_extra_token_to_sequence
+  // and drop_last_partial_sequence (Megatron's defaults).
+  const int64_t n_docs = documents_.second - documents_.first;
+  int64_t tokens_per_epoch = 0;
+  for (int64_t doc = documents_.first; doc < documents_.second; ++doc) {
+    tokens_per_epoch += data_->sequence_length(doc);
+  }
+  TORCH_CHECK(tokens_per_epoch > seq_length_, "actmem::GPTDataset: ", data_->prefix(), " has ",
+              tokens_per_epoch, " tokens in its documents [", documents_.first, ", ",
+              documents_.second, "), fewer than one sample of ", seq_length_ + 1);
+  const int64_t requested = num_samples * seq_length_ + 1;
+  num_epochs_ = 1;
+  for (int64_t t = tokens_per_epoch; t < requested; t += tokens_per_epoch) ++num_epochs_;
+  bool separate_final_epoch = false;
+  int64_t samples_sans_final = 0;
+  if (num_epochs_ > 1) {
+    samples_sans_final = ((num_epochs_ - 1) * tokens_per_epoch - 1) / seq_length_;
+    const int64_t from_final = num_samples - samples_sans_final;
+    const int64_t per_epoch = (tokens_per_epoch - 1) / seq_length_;
+    TORCH_INTERNAL_ASSERT(from_final >= 0 && from_final <= per_epoch + 1);
+    separate_final_epoch = from_final < static_cast<int64_t>(0.80 * static_cast<double>(per_epoch));
+  }
+  NumpyRandomState rng(seed);
+  // _build_document_index: epochs of the documents, shuffled (the last epoch on its own when
+  // separate).
+  auto epochs = [&](int64_t count) {
+    std::vector<int32_t> idx;
+    idx.reserve(static_cast<size_t>(count * n_docs));
+    for (int64_t e = 0; e < count; ++e) {
+      for (int64_t doc = documents_.first; doc < documents_.second; ++doc) {
+        idx.push_back(static_cast<int32_t>(doc));
+      }
+    }
+    rng.shuffle(idx);
+    return idx;
+  };
+  if (!separate_final_epoch) {
+    document_index_ = epochs(num_epochs_);
+  } else {
+    document_index_ = epochs(num_epochs_ - 1);
+    const auto last = epochs(1);
+    document_index_.insert(document_index_.end(), last.begin(), last.end());
+  }
+  // helpers.cpp: build_sample_idx.
+  const int64_t total_samples = (num_epochs_ * tokens_per_epoch - 1) / seq_length_;
+  sample_index_.assign(static_cast<size_t>(2 * (total_samples + 1)), 0);
+  int64_t doc_pos = 0, doc_offset = 0;
+  for (int64_t s = 1; s <= total_samples; ++s) {
+    int64_t remaining = seq_length_ + 1;
+    while (remaining != 0) {
+      const int64_t doc_length =
+          data_->sequence_length(document_index_[static_cast<size_t>(doc_pos)]) - doc_offset;
+      remaining -= doc_length;
+      if (remaining <= 0) {
+        doc_offset += remaining + doc_length - 1;  // the next sample starts at this one's last token
+        remaining = 0;
+      } else {
+        ++doc_pos;
+        doc_offset = 0;
+      }
+    }
+    sample_index_[static_cast<size_t>(2 * s)] = doc_pos;
+    sample_index_[static_cast<size_t>(2 * s + 1)] = doc_offset;
+  }
+  // _build_shuffle_index.
+  const int64_t first = separate_final_epoch ? samples_sans_final : total_samples;
+  std::vector<int64_t> head(static_cast<size_t>(first));
+  std::iota(head.begin(), head.end(), 0);
+  rng.shuffle(head);
+  if (first < total_samples) {
+    std::vector<int64_t> tail(static_cast<size_t>(total_samples - first));
+    std::iota(tail.begin(), tail.end(), first);
+    rng.shuffle(tail);
+    head.insert(head.end(), tail.begin(), tail.end());
+  }
+  shuffle_index_ = std::move(head);
+}
+
+void GPTDataset::sample(int64_t i, std::vector<int64_t>& out) const {
+  TORCH_CHECK(i >= 0 && i < size(), "actmem::GPTDataset: sample ", i, " out of range [0, ",
+              size(), ")");
+  const int64_t s = shuffle_index_[static_cast<size_t>(i)];
+  const int64_t beg = sample_index_[static_cast<size_t>(2 * s)];
+  const int64_t beg_off = sample_index_[static_cast<size_t>(2 * s + 1)];
+  const int64_t end = sample_index_[static_cast<size_t>(2 * s + 2)];
+  const int64_t end_off = sample_index_[static_cast<size_t>(2 * s + 3)];
+  for (int64_t pos = beg; pos <= end; ++pos) {
+    const int64_t doc = document_index_[static_cast<size_t>(pos)];
+    const int64_t offset = pos == beg ? beg_off : 0;
+    const int64_t stop = pos == end ? end_off + 1 : data_->sequence_length(doc);
+    data_->read(doc, offset, stop - offset, out);
+  }
+}
+
+// ---- BlendedDataset ---------------------------------------------------------------------------
+
+BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleSource>> datasets,
+                               std::vector<double> weights, int64_t size)
+    : datasets_(std::move(datasets)) {
+  TORCH_CHECK(!datasets_.empty() && datasets_.size() == weights.size() &&
+                  datasets_.size() < 32768,
+              "actmem::BlendedDataset: expected one weight per dataset");
+  // helpers.cpp: build_blending_indices.
+  std::vector<int64_t> current(datasets_.size(), 0);
+  dataset_index_.resize(static_cast<size_t>(size));
+  dataset_sample_index_.resize(static_cast<size_t>(size));
+  for (int64_t i = 0; i < size; ++i) {
+    const double x = std::max(static_cast<double>(i), 1.0);
+    size_t best = 0;
+    double best_error = weights[0] * x - static_cast<double>(current[0]);
+    for (size_t d = 1; d < datasets_.size(); ++d) {
+      const double error = weights[d] * x - static_cast<double>(current[d]);
+      if (error > best_error) {
+        best_error = error;
+        best = d;
+      }
+    }
+    dataset_index_[static_cast<size_t>(i)] = static_cast<int16_t>(best);
+    dataset_sample_index_[static_cast<size_t>(i)] = current[best]++;
+  }
+  for (size_t d = 0; d < datasets_.size(); ++d) {
+    TORCH_CHECK(current[d] <= datasets_[d]->size(), "actmem::BlendedDataset: dataset ", d,
+                " provides ", datasets_[d]->size(), " samples, the blend needs ", current[d]);
+  }
+}
+
+void BlendedDataset::sample(int64_t i, std::vector<int64_t>& out) const {
+  TORCH_CHECK(i >= 0 && i < size(), "actmem::BlendedDataset: sample ", i, " out of range [0, ",
+              size(), ")");
+  const auto& d = datasets_[static_cast<size_t>(dataset_index_[static_cast<size_t>(i)])];
+  d->sample(dataset_sample_index_[static_cast<size_t>(i)], out);
+}
+
+// ---- DatasetBatches ---------------------------------------------------------------------------
+
+DatasetBatches::DatasetBatches(std::shared_ptr<const SampleSource> source, int64_t seq_length,
+                               int64_t micro_batch_size, int64_t vocab_size, std::string what)
+    : source_(std::move(source)), seq_(seq_length), batch_(micro_batch_size), vocab_(vocab_size),
+      what_(std::move(what)) {
+  TORCH_CHECK(source_ && source_->size() >= batch_, "actmem::DatasetBatches: the ", what_,
+              " data has ", source_ ? source_->size() : 0, " samples, fewer than one micro-batch of ",
+              batch_);
+}
+
+std::pair<at::Tensor, at::Tensor> DatasetBatches::next() { return batch(drawn_++); }
+
+std::pair<at::Tensor, at::Tensor> DatasetBatches::fixed(int64_t i, int64_t) const {
+  return batch(i);
+}
+
+std::pair<at::Tensor, at::Tensor> DatasetBatches::batch(int64_t k) const {
+  const int64_t first = k * batch_;
+  TORCH_CHECK(first + batch_ <= source_->size(), "actmem::DatasetBatches: micro-batch ", k,
+              " needs samples up to ", first + batch_, " but the ", what_, " data was built with ",
+              source_->size(), " (as Megatron's, it is sized for --train-iters x "
+              "--global-batch-size samples)");
+  at::Tensor tokens = at::empty({batch_, seq_}, at::kLong);
+  at::Tensor labels = at::empty({batch_, seq_}, at::kLong);
+  std::vector<int64_t> buf;
+  for (int64_t j = 0; j < batch_; ++j) {
+    buf.clear();
+    source_->sample(first + j, buf);
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(buf.size()) == seq_ + 1, "sample of ", buf.size(),
+                          " tokens, expected ", seq_ + 1);
+    for (const int64_t t : buf) {
+      TORCH_CHECK(t >= 0 && t < vocab_, "actmem: token ", t, " in ", what_, " sample ", first + j,
+                  " is outside the model's vocabulary [0, ", vocab_, "); train with the tokenizer "
+                  "the data was made with (--tokenizer-type, --tokenizer-model) or a larger "
+                  "--vocab-size");
+    }
+    std::memcpy(tokens.data_ptr<int64_t>() + j * seq_, buf.data(), sizeof(int64_t) * seq_);
+    std::memcpy(labels.data_ptr<int64_t>() + j * seq_, buf.data() + 1, sizeof(int64_t) * seq_);
+  }
+  return {tokens, labels};
+}
+
+// ---- the builder ------------------------------------------------------------------------------
+
+DataBlend parse_data_path(const std::vector<std::string>& args) {
+  DataBlend blend;
+  TORCH_CHECK(!args.empty(), "actmem: --data-path needs a dataset prefix, or weight-prefix pairs");
+  if (args.size() == 1) {
+    blend.prefixes = args;
+    return blend;
+  }
+  TORCH_CHECK(args.size() % 2 == 0, "actmem: --data-path with several datasets takes weight-prefix "
+              "pairs (--data-path 0.3 A 0.7 B), got ", args.size(), " values");
+  double sum = 0.0;
+  for (size_t i = 0; i < args.size(); i += 2) {
+    char* end = nullptr;
+    const double w = std::strtod(args[i].c_str(), &end);
+    TORCH_CHECK(end == args[i].c_str() + args[i].size() && !args[i].empty() && std::isfinite(w) &&
+                    w > 0,
+                "actmem: --data-path expects a positive weight before each prefix, got '", args[i],
+                "' before '", args[i + 1], "'");
+    blend.weights.push_back(w);
+    blend.prefixes.push_back(args[i + 1]);
+    sum += w;
+  }
+  for (auto& w : blend.weights) w /= sum;
+  return blend;
+}
+
+GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
+                           uint32_t seed, const std::vector<int64_t>& samples_per_split,
+                           const std::string& cache_dir) {
+  static const char* kNames[] = {"train", "valid", "test"};
+  TORCH_CHECK(samples_per_split.size() == 3, "actmem::build_gpt_splits: three sizes expected");
+  const std::vector<double> weights = parse_split(split);
+  GPTSplits out;
+  std::vector<std::shared_ptr<const IndexedDataset>> data;
+  for (const auto& prefix : blend.prefixes) {
+    data.push_back(std::make_shared<const IndexedDataset>(prefix));
+    out.documents += data.back()->num_documents();
+    out.tokens += data.back()->bin_bytes() / token_bytes(data.back()->code());
+  }
+  for (int s = 0; s < 3; ++s) {
+    const int64_t target = samples_per_split[static_cast<size_t>(s)];
+    if (target == 0) continue;
+    std::vector<std::shared_ptr<const SampleSource>> parts;
+    for (size_t d = 0; d < data.size(); ++d) {
+      const auto ranges = split_document_ranges(weights, data[d]->num_documents());
+      // blended_megatron_dataset_builder.py: _get_size_per_split_per_dataset (0.5% extra).
+      const int64_t size =
+          blend.weights.empty()
+              ? target
+              : static_cast<int64_t>(std::ceil(
+                    std::ceil(static_cast<double>(target) * blend.weights[d]) * 1.005));
+      const std::string dir = !cache_dir.empty()
+                                  ? cache_dir
+                                  : (fs::path(data[d]->prefix()) / "cache" / "GPTDataset_indices").string();
+      parts.push_back(std::make_shared<const GPTDataset>(data[d], ranges[static_cast<size_t>(s)],
+                                                         size, seq_length, seed, kNames[s], dir));
+    }
+    std::shared_ptr<const SampleSource> source =
+        blend.weights.empty() ? parts[0]
+                              : std::make_shared<const BlendedDataset>(parts, blend.weights, target);
+    (s == 0 ? out.train : s == 1 ? out.valid : out.test) = source;
+  }
+  return out;
+}
+
+}  // namespace actmem

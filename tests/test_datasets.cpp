@@ -1,0 +1,464 @@
+// test_datasets.cpp — Megatron's data path: the MMIDIDX format (round trip, files from an
+// independent writer, damaged files), GPTDataset's indices (numpy's shuffle, samples that run
+// across documents, the split, the cache), blends, bounded memory on a large file, and the
+// `preprocess` command with the byte-level and SentencePiece tokenizers.
+#include "actmem/gpt_dataset.h"
+#include "actmem/indexed_dataset.h"
+#include "actmem/tokenizer.h"
+#include "actmem/trainer.h"
+#include "fixtures.h"
+#include "test_util.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <numeric>
+#include <sstream>
+
+#include <fcntl.h>
+#include <unistd.h>
+
+namespace actmem {
+namespace {
+
+using testing::expect_error_containing;
+namespace fs = std::filesystem;
+
+bool python_has_numpy() {
+  return std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") == 0;
+}
+
+// Documents of pseudo-random lengths and tokens below `vocab`.
+std::vector<std::vector<int64_t>> random_documents(int64_t n, int64_t vocab, uint64_t seed,
+                                                   int64_t max_len = 200) {
+  std::vector<std::vector<int64_t>> docs;
+  uint64_t s = seed;
+  for (int64_t d = 0; d < n; ++d) {
+    s = splitmix64(s);
+    std::vector<int64_t> doc(1 + s % static_cast<uint64_t>(max_len));
+    for (auto& t : doc) {
+      s = splitmix64(s);
+      t = static_cast<int64_t>(s % static_cast<uint64_t>(vocab));
+    }
+    docs.push_back(std::move(doc));
+  }
+  return docs;
+}
+
+void write_dataset(const std::string& prefix, const std::vector<std::vector<int64_t>>& docs,
+                   int code) {
+  IndexedDatasetBuilder b(prefix, code);
+  for (const auto& d : docs) {
+    b.add_item(d);
+    b.end_document();
+  }
+  b.finalize();
+}
+
+TEST(IndexedDataset, RoundTripsEveryIntegerType) {
+  const std::string dir = testing::fresh_temp_dir("idx_roundtrip");
+  for (const int code : {kUInt8, kInt8, kInt16, kUInt16, kInt32, kInt64}) {
+    const int64_t vocab = code == kInt8 ? 128 : code == kUInt8 ? 256 : 30000;
+    const auto docs = random_documents(50, vocab, 7 + code);
+    const std::string prefix = dir + "/ds" + std::to_string(code);
+    write_dataset(prefix, docs, code);
+    const IndexedDataset ds(prefix);
+    EXPECT_EQ(ds.code(), code);
+    ASSERT_EQ(ds.num_sequences(), 50);
+    ASSERT_EQ(ds.num_documents(), 50);
+    for (int64_t i = 0; i < 50; ++i) {
+      std::vector<int64_t> got;
+      ds.read(i, 0, ds.sequence_length(i), got);
+      EXPECT_EQ(got, docs[static_cast<size_t>(i)]) << "code " << code << " sequence " << i;
+      EXPECT_EQ(ds.document_indices()[i], i);
+    }
+    EXPECT_EQ(fs::file_size(prefix + ".bin"),
+              static_cast<uintmax_t>(token_bytes(code)) *
+                  std::accumulate(docs.begin(), docs.end(), size_t{0},
+                                  [](size_t a, const auto& d) { return a + d.size(); }));
+  }
+  fs::remove_all(dir);
+}
+
+// The format written byte by byte, without IndexedDatasetBuilder: header, lengths, pointers,
+// document indices — two documents, the first of two sequences ("sentences"), uint16 tokens.
+TEST(IndexedDataset, ReadsAFileWrittenByAnIndependentWriter) {
+  const std::string dir = testing::fresh_temp_dir("idx_independent");
+  const std::string prefix = dir + "/hand";
+  const std::vector<std::vector<uint16_t>> seqs = {{1, 2, 3}, {40000, 5}, {6, 7, 8, 9}};
+  std::ofstream bin(prefix + ".bin", std::ios::binary);
+  for (const auto& s : seqs) bin.write(reinterpret_cast<const char*>(s.data()), 2 * s.size());
+  bin.close();
+  std::ofstream idx(prefix + ".idx", std::ios::binary);
+  idx.write("MMIDIDX\0\0", 9);
+  const uint64_t version = 1, count = 3, doc_count = 3;
+  const uint8_t code = 8;  // uint16
+  idx.write(reinterpret_cast<const char*>(&version), 8);
+  idx.write(reinterpret_cast<const char*>(&code), 1);
+  idx.write(reinterpret_cast<const char*>(&count), 8);
+  idx.write(reinterpret_cast<const char*>(&doc_count), 8);
+  const int32_t lengths[] = {3, 2, 4};
+  const int64_t pointers[] = {0, 6, 10}, documents[] = {0, 2, 3};
+  idx.write(reinterpret_cast<const char*>(lengths), sizeof(lengths));
+  idx.write(reinterpret_cast<const char*>(pointers), sizeof(pointers));
+  idx.write(reinterpret_cast<const char*>(documents), sizeof(documents));
+  idx.close();
+  const IndexedDataset ds(prefix);
+  EXPECT_EQ(ds.num_sequences(), 3);
+  EXPECT_EQ(ds.num_documents(), 2);
+  for (int64_t i = 0; i < 3; ++i) {
+    std::vector<int64_t> got;
+    ds.read(i, 0, ds.sequence_length(i), got);
+    EXPECT_EQ(got, std::vector<int64_t>(seqs[static_cast<size_t>(i)].begin(),
+                                        seqs[static_cast<size_t>(i)].end()));
+  }
+  std::vector<int64_t> part;
+  ds.read(2, 1, 2, part);
+  EXPECT_EQ(part, (std::vector<int64_t>{7, 8}));
+  fs::remove_all(dir);
+}
+
+// Megatron's own _IndexWriter logic in Python (struct + numpy), when numpy is installed.
+TEST(IndexedDataset, ReadsAFileWrittenByMegatronsWriterInPython) {
+  if (!python_has_numpy()) GTEST_SKIP() << "python3-numpy is not installed";
+  const std::string dir = testing::fresh_temp_dir("idx_python");
+  const std::string script = dir + "/write.py", prefix = dir + "/py";
+  std::ofstream(script) <<
+      "import struct, sys, numpy as np\n"
+      "prefix = sys.argv[1]\n"
+      "rng = np.random.RandomState(5)\n"
+      "docs = [rng.randint(0, 50000, size=rng.randint(1, 300)).astype(np.uint16) for _ in range(40)]\n"
+      "with open(prefix + '.bin', 'wb') as f:\n"
+      "    for d in docs: f.write(d.tobytes(order='C'))\n"
+      "lengths = [len(d) for d in docs]\n"
+      "pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * 2\n"
+      "document_indices = list(range(len(docs) + 1))\n"
+      "with open(prefix + '.idx', 'wb') as f:\n"
+      "    f.write(b'MMIDIDX\\x00\\x00')\n"
+      "    f.write(struct.pack('<Q', 1))\n"
+      "    f.write(struct.pack('<B', 8))\n"
+      "    f.write(struct.pack('<Q', len(lengths)))\n"
+      "    f.write(struct.pack('<Q', len(document_indices)))\n"
+      "    f.write(np.array(lengths, dtype=np.int32).tobytes(order='C'))\n"
+      "    f.write(pointers.tobytes(order='C'))\n"
+      "    f.write(np.array(document_indices, dtype=np.int64).tobytes(order='C'))\n"
+      "with open(prefix + '.txt', 'w') as f:\n"
+      "    for d in docs: f.write(' '.join(map(str, d.tolist())) + '\\n')\n";
+  ASSERT_EQ(std::system(("/usr/bin/python3 " + script + " " + prefix).c_str()), 0);
+  const IndexedDataset ds(prefix);
+  ASSERT_EQ(ds.num_documents(), 40);
+  std::ifstream txt(prefix + ".txt");
+  std::string line;
+  for (int64_t i = 0; std::getline(txt, line); ++i) {
+    std::istringstream ls(line);
+    std::vector<int64_t> want;
+    for (int64_t t; ls >> t;) want.push_back(t);
+    std::vector<int64_t> got;
+    ds.read(i, 0, ds.sequence_length(i), got);
+    EXPECT_EQ(got, want) << "document " << i;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(IndexedDataset, DamagedFilesAreClearErrors) {
+  const std::string dir = testing::fresh_temp_dir("idx_damaged");
+  const std::string prefix = dir + "/d";
+  write_dataset(prefix, random_documents(10, 256, 3), kUInt16);
+  const auto idx_size = fs::file_size(prefix + ".idx");
+  const auto bin_size = fs::file_size(prefix + ".bin");
+  expect_error_containing([&] { IndexedDataset ds(dir + "/missing"); }, "cannot open");
+  fs::resize_file(prefix + ".bin", bin_size - 2);
+  expect_error_containing([&] { IndexedDataset ds(prefix); }, "is the .bin truncated?");
+  fs::resize_file(prefix + ".bin", bin_size);
+  fs::resize_file(prefix + ".idx", idx_size - 8);
+  expect_error_containing([&] { IndexedDataset ds(prefix); }, "is truncated");
+  std::ofstream(prefix + ".idx", std::ios::trunc) << "not an index at all, really not";
+  expect_error_containing([&] { IndexedDataset ds(prefix); }, "no MMIDIDX header");
+  IndexedDatasetBuilder b(dir + "/small", kUInt8);
+  expect_error_containing([&] { b.add_item({1, 300}); }, "token 300 does not fit dtype code 1");
+  fs::remove_all(dir);
+}
+
+TEST(GPTDataset, ShufflesAsNumpysRandomState) {
+  if (!python_has_numpy()) GTEST_SKIP() << "python3-numpy is not installed";
+  const std::string dir = testing::fresh_temp_dir("numpy_shuffle");
+  const std::string out = dir + "/numpy.txt";
+  // Sizes that need the bounded draw's rejection (not powers of two), and two shuffles in a row
+  // from one state, as GPTDataset draws its document and shuffle indices.
+  const std::string cmd =
+      "/usr/bin/python3 -c \"import numpy as np; r = np.random.RandomState(1234); "
+      "a = np.arange(1000, dtype=np.int32); r.shuffle(a); b = np.arange(77, dtype=np.uint32); "
+      "r.shuffle(b); print(' '.join(map(str, a.tolist() + b.tolist())))\" > " + out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(out);
+  std::vector<int64_t> want;
+  for (int64_t v; in >> v;) want.push_back(v);
+  NumpyRandomState rng(1234);
+  std::vector<int32_t> a(1000);
+  std::iota(a.begin(), a.end(), 0);
+  rng.shuffle(a);
+  std::vector<int64_t> b(77);
+  std::iota(b.begin(), b.end(), 0);
+  rng.shuffle(b);
+  std::vector<int64_t> got(a.begin(), a.end());
+  got.insert(got.end(), b.begin(), b.end());
+  EXPECT_EQ(got, want);
+  fs::remove_all(dir);
+}
+
+TEST(GPTDataset, SplitsDocumentsAsMegatron) {
+  // _get_split_indices: the rounding remainder comes off every boundary.
+  auto r = split_document_ranges(parse_split("949,50,1"), 1000);
+  EXPECT_EQ(r, (std::vector<std::pair<int64_t, int64_t>>{{0, 949}, {949, 999}, {999, 1000}}));
+  r = split_document_ranges(parse_split("95,5"), 10);
+  EXPECT_EQ(r, (std::vector<std::pair<int64_t, int64_t>>{{0, 10}, {10, 10}, {10, 10}}));
+  expect_error_containing([] { parse_split("95,x"); }, "comma-separated non-negative weights");
+  expect_error_containing([] { parse_split("1,1,1,1"); }, "1 to 3 weights");
+}
+
+TEST(GPTDataset, SamplesRunAcrossDocumentsInTheDocumentIndexOrder) {
+  const std::string dir = testing::fresh_temp_dir("gpt_samples");
+  const auto docs = random_documents(30, 1000, 11, 40);
+  write_dataset(dir + "/d", docs, kUInt16);
+  auto data = std::make_shared<const IndexedDataset>(dir + "/d");
+  const int64_t seq = 16;
+  // More samples than one epoch holds: several epochs.
+  const int64_t tokens = std::accumulate(docs.begin(), docs.end(), int64_t{0},
+                                         [](int64_t a, const auto& d) { return a + static_cast<int64_t>(d.size()); });
+  const int64_t requested = 3 * tokens / seq;
+  const GPTDataset ds(data, {0, 30}, requested, seq, 99, "train", "");
+  EXPECT_GE(ds.size(), requested);
+  EXPECT_GE(ds.num_epochs(), 3);
+  // The document index holds every document once per epoch.
+  std::vector<int64_t> count(30, 0);
+  for (const int32_t d : ds.document_index()) ++count[static_cast<size_t>(d)];
+  for (const int64_t c : count) EXPECT_EQ(c, ds.num_epochs());
+  // The stream the samples cut: the documents in document-index order, concatenated.
+  std::vector<int64_t> stream;
+  for (const int32_t d : ds.document_index()) {
+    stream.insert(stream.end(), docs[static_cast<size_t>(d)].begin(), docs[static_cast<size_t>(d)].end());
+  }
+  // Unshuffled sample k is stream[k*seq, k*seq + seq + 1): consecutive samples share one token.
+  std::vector<bool> seen(static_cast<size_t>(ds.size()), false);
+  for (int64_t i = 0; i < ds.size(); ++i) {
+    const int64_t k = ds.shuffle_index()[static_cast<size_t>(i)];
+    ASSERT_FALSE(seen[static_cast<size_t>(k)]) << "sample " << k << " twice";
+    seen[static_cast<size_t>(k)] = true;
+    std::vector<int64_t> got;
+    ds.sample(i, got);
+    ASSERT_EQ(static_cast<int64_t>(got.size()), seq + 1);
+    EXPECT_TRUE(std::equal(got.begin(), got.end(), stream.begin() + k * seq)) << "sample " << k;
+  }
+  fs::remove_all(dir);
+}
+
+TEST(GPTDataset, CachesItsIndicesAndRebuildsADamagedCache) {
+  const std::string dir = testing::fresh_temp_dir("gpt_cache");
+  write_dataset(dir + "/d", random_documents(40, 1000, 13, 60), kUInt16);
+  auto data = std::make_shared<const IndexedDataset>(dir + "/d");
+  const std::string cache = dir + "/cache";
+  const GPTDataset first(data, {0, 40}, 100, 16, 7, "train", cache);
+  EXPECT_FALSE(first.loaded_from_cache());
+  const GPTDataset second(data, {0, 40}, 100, 16, 7, "train", cache);
+  EXPECT_TRUE(second.loaded_from_cache());
+  EXPECT_EQ(second.document_index(), first.document_index());
+  EXPECT_EQ(second.sample_index(), first.sample_index());
+  EXPECT_EQ(second.shuffle_index(), first.shuffle_index());
+  // Another seed is another entry; a damaged entry is rebuilt, not trusted.
+  const GPTDataset other(data, {0, 40}, 100, 16, 8, "train", cache);
+  EXPECT_FALSE(other.loaded_from_cache());
+  for (const auto& e : fs::directory_iterator(cache)) {
+    if (e.path().string().find("shuffle_index") != std::string::npos) {
+      fs::resize_file(e.path(), fs::file_size(e.path()) - 8);
+    }
+  }
+  const GPTDataset third(data, {0, 40}, 100, 16, 7, "train", cache);
+  EXPECT_FALSE(third.loaded_from_cache());
+  EXPECT_EQ(third.shuffle_index(), first.shuffle_index());
+  fs::remove_all(dir);
+}
+
+TEST(BlendedDataset, DrawsInProportionToTheWeights) {
+  const std::string dir = testing::fresh_temp_dir("blend");
+  write_dataset(dir + "/a", random_documents(200, 100, 1), kUInt16);
+  write_dataset(dir + "/b", random_documents(300, 100, 2), kUInt16);
+  const DataBlend blend = parse_data_path({"0.3", dir + "/a", "0.7", dir + "/b"});
+  EXPECT_NEAR(blend.weights[0], 0.3, 1e-12);
+  const int64_t n = 10000;
+  const GPTSplits splits = build_gpt_splits(blend, "100,0,0", 8, 1234, {n, 0, 0}, dir + "/cache");
+  ASSERT_TRUE(splits.train);
+  ASSERT_EQ(splits.train->size(), n);
+  const auto& blended = dynamic_cast<const BlendedDataset&>(*splits.train);
+  int64_t from_a = 0;
+  for (const int16_t d : blended.dataset_index()) from_a += d == 0;
+  EXPECT_NEAR(static_cast<double>(from_a) / n, 0.3, 0.01);
+  // Every prefix of the blend keeps the proportion too (the greedy rule), not only the total.
+  int64_t a_first_1000 = 0;
+  for (int64_t i = 0; i < 1000; ++i) a_first_1000 += blended.dataset_index()[static_cast<size_t>(i)] == 0;
+  EXPECT_NEAR(a_first_1000 / 1000.0, 0.3, 0.01);
+  std::vector<int64_t> s;
+  splits.train->sample(n - 1, s);
+  EXPECT_EQ(s.size(), 9u);
+  expect_error_containing([&] { parse_data_path({"0.3", "a", "b"}); }, "weight-prefix pairs");
+  expect_error_containing([&] { parse_data_path({"x", "a", "0.5", "b"}); }, "positive weight");
+  fs::remove_all(dir);
+}
+
+int64_t resident_bytes() {
+  std::ifstream statm("/proc/self/statm");
+  int64_t size = 0, resident = 0;
+  statm >> size >> resident;
+  return resident * sysconf(_SC_PAGESIZE);
+}
+
+TEST(IndexedDataset, ALargeFileIsReadInBoundedMemory) {
+  // A 4 GiB .bin (sparse: it costs no disk) of 1024 documents of 4 Mi uint8 tokens; sampling
+  // reads only the pages of the samples drawn.
+  const std::string dir = testing::fresh_temp_dir("idx_large");
+  const std::string prefix = dir + "/big";
+  const int64_t docs = 1024, len = int64_t{4} << 20;
+  {
+    const int fd = ::open((prefix + ".bin").c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::ftruncate(fd, docs * len), 0);
+    ::close(fd);
+    std::ofstream idx(prefix + ".idx", std::ios::binary);
+    idx.write("MMIDIDX\0\0", 9);
+    const uint64_t version = 1, count = docs, doc_count = docs + 1;
+    const uint8_t code = 1;
+    idx.write(reinterpret_cast<const char*>(&version), 8);
+    idx.write(reinterpret_cast<const char*>(&code), 1);
+    idx.write(reinterpret_cast<const char*>(&count), 8);
+    idx.write(reinterpret_cast<const char*>(&doc_count), 8);
+    for (int64_t i = 0; i < docs; ++i) {
+      const int32_t l = static_cast<int32_t>(len);
+      idx.write(reinterpret_cast<const char*>(&l), 4);
+    }
+    for (int64_t i = 0; i < docs; ++i) {
+      const int64_t p = i * len;
+      idx.write(reinterpret_cast<const char*>(&p), 8);
+    }
+    for (int64_t i = 0; i <= docs; ++i) idx.write(reinterpret_cast<const char*>(&i), 8);
+  }
+  const int64_t before = resident_bytes();
+  auto data = std::make_shared<const IndexedDataset>(prefix);
+  EXPECT_EQ(data->bin_bytes(), docs * len);
+  DatasetBatches batches(std::make_shared<GPTDataset>(data, std::pair<int64_t, int64_t>{0, docs},
+                                                      2000, 2048, 1, "train", ""),
+                         2048, 8, 256, "training");
+  for (int i = 0; i < 250; ++i) batches.next();  // 2000 samples, 16 MiB of tokens touched
+  const int64_t grown = resident_bytes() - before;
+  // The indices (2M samples of the epoch: 48 MiB of sample and shuffle index, as Megatron keeps
+  // them) and the pages touched; nowhere near the file's 4 GiB.
+  EXPECT_LT(grown, int64_t{96} << 20) << "resident memory grew by " << grown << " bytes";
+  std::cout << "resident memory grew by " << (grown >> 20) << " MiB\n";
+  fs::remove_all(dir);
+}
+
+// ---- the commands ------------------------------------------------------------------------------
+
+TEST(Preprocess, JsonLinesToAnIndexedDatasetWithTheByteTokenizer) {
+  const std::string dir = testing::fresh_temp_dir("preprocess");
+  std::ofstream(dir + "/in.jsonl") << "{\"text\": \"hello\", \"id\": 1}\n"
+                                   << "\n"
+                                   << "{\"text\": \"w\\u00f6rld\\nline\"}\n"
+                                   << "{\"text\": \"\"}\n";
+  auto r = testing::run_actmem("preprocess --input " + dir + "/in.jsonl --output-prefix " + dir +
+                               "/out --tokenizer-type ByteTokenizer --append-eod --workers 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("2 documents"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("skipped 1 empty document"), std::string::npos) << r.output;
+  const IndexedDataset ds(dir + "/out_text_document");
+  EXPECT_EQ(ds.code(), kUInt16);  // Megatron's choice for a vocabulary below 65500
+  ASSERT_EQ(ds.num_documents(), 2);
+  const auto tok = make_tokenizer("ByteTokenizer", "");
+  const std::vector<std::string> texts = {"hello", "w\xc3\xb6rld\nline"};
+  for (int64_t i = 0; i < 2; ++i) {
+    std::vector<int64_t> want = tok->tokenize(texts[static_cast<size_t>(i)]);
+    want.push_back(tok->eod());
+    std::vector<int64_t> got;
+    ds.read(i, 0, ds.sequence_length(i), got);
+    EXPECT_EQ(got, want);
+    EXPECT_EQ(tok->detokenize(got), texts[static_cast<size_t>(i)] + "\n");
+  }
+  std::ofstream(dir + "/bad.jsonl") << "{\"text\": \"ok\"}\n{\"text\": broken}\n";
+  r = testing::run_actmem("preprocess --input " + dir + "/bad.jsonl --output-prefix " + dir +
+                          "/bad --tokenizer-type ByteTokenizer");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("line 2 is not valid JSON"), std::string::npos) << r.stderr_text;
+  EXPECT_FALSE(fs::exists(dir + "/bad_text_document.bin"));  // nothing half-made is left
+  std::ofstream(dir + "/nokey.jsonl") << "{\"body\": \"ok\"}\n";
+  r = testing::run_actmem("preprocess --input " + dir + "/nokey.jsonl --output-prefix " + dir +
+                          "/nokey --tokenizer-type ByteTokenizer");
+  EXPECT_NE(r.stderr_text.find("line 1 has no string 'text' (--json-keys)"), std::string::npos)
+      << r.stderr_text;
+  fs::remove_all(dir);
+}
+
+TEST(Preprocess, SentencePieceTrainedOnTheBuiltinCorpusTrainsAModel) {
+  const std::string dir = testing::fresh_temp_dir("sentencepiece");
+  auto r = testing::run_actmem("preprocess --builtin-corpus --output-prefix " + dir +
+                               "/sp --tokenizer-type SentencePieceTokenizer --vocab-size 128 "
+                               "--append-eod --workers 2");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_TRUE(fs::exists(dir + "/sp.model"));
+  const auto tok = make_tokenizer("SentencePieceTokenizer", dir + "/sp.model");
+  EXPECT_EQ(tok->vocab_size(), 128);
+  const std::string text = "The engineer keeps the activations.";
+  const auto ids = tok->tokenize(text);
+  EXPECT_LT(ids.size(), text.size());  // pieces longer than bytes
+  EXPECT_EQ(tok->detokenize(ids), text);
+  // 200 steps on it: the validation loss falls well below its start.
+  const std::string log = dir + "/train.jsonl";
+  r = testing::run_actmem("train --data-path " + dir + "/sp_text_document --tokenizer-type "
+                          "SentencePieceTokenizer --tokenizer-model " + dir + "/sp.model "
+                          "--train-iters 200 --eval-interval 100 --split 949,50,1 --num-layers 1 "
+                          "--hidden-size 64 --num-attention-heads 2 --seq-length 64 "
+                          "--micro-batch-size 4 --log-json " + log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto json = testing::read_json_log(log);
+  EXPECT_EQ(json.config["model"]["vocab_size"], 128);  // 128 pieces: a multiple of 128 already
+  std::vector<double> val;
+  for (const auto& it : json.iterations) {
+    if (it.contains("val_loss")) val.push_back(it["val_loss"].get<double>());
+  }
+  ASSERT_EQ(val.size(), 2u);
+  EXPECT_LT(val.back(), 0.5 * std::log(128.0)) << "validation loss " << val.back();
+  fs::remove_all(dir);
+}
+
+TEST(DataPath, TrainsOnABlendResumesBitwiseAndRefusesTokensBeyondTheVocabulary) {
+  const std::string dir = testing::fresh_temp_dir("datapath");
+  write_dataset(dir + "/a", random_documents(100, 256, 21, 100), kUInt16);
+  write_dataset(dir + "/b", random_documents(100, 256, 22, 100), kUInt16);
+  TransformerConfig model = testing::tiny_model();
+  TrainingConfig training = testing::tiny_training();
+  training.train_iters = 6;
+  training.data_paths = {"0.4", dir + "/a", "0.6", dir + "/b"};
+  training.split = "90,10";
+  training.eval_interval = 3;
+  training.data_cache_path = dir + "/cache";
+  Trainer whole(model, training);
+  std::vector<std::string> ref;
+  for (int i = 0; i < 6; ++i) ref.push_back(whole.train_step().grad_digest);
+  EXPECT_TRUE(std::isfinite(whole.evaluate()));
+  {
+    Trainer first(model, training);
+    for (int i = 0; i < 3; ++i) first.train_step(false);
+    first.save_checkpoint(dir + "/ckpt");
+  }
+  Trainer second(model, training);
+  ASSERT_EQ(second.load_checkpoint(dir + "/ckpt"), 3);
+  for (int i = 3; i < 6; ++i) EXPECT_EQ(second.train_step().grad_digest, ref[static_cast<size_t>(i)]);
+  // Tokens of a larger vocabulary than the model's: a clear error naming the sample.
+  write_dataset(dir + "/big", random_documents(50, 1000, 23, 100), kUInt16);
+  training.data_paths = {dir + "/big"};
+  Trainer wide(model, training);
+  expect_error_containing([&] { wide.train_step(); }, "is outside the model's vocabulary [0, 256)");
+  fs::remove_all(dir);
+}
+
+}  // namespace
+}  // namespace actmem
