@@ -16,6 +16,8 @@
 #include <numeric>
 #include <sstream>
 
+#include <unistd.h>
+
 namespace actmem {
 
 namespace fs = std::filesystem;
@@ -104,7 +106,8 @@ std::string npy_header(const char* descr, const std::vector<int64_t>& shape) {
 template <typename T>
 void write_npy(const std::string& path, const std::vector<T>& v, std::vector<int64_t> shape) {
   const std::string header = npy_header(npy_descr<T>(), shape);
-  const std::string tmp = path + ".tmp";
+  // Unique per process: tensor-parallel ranks build the same indices and may write at once.
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
     TORCH_CHECK(out, "actmem::GPTDataset: cannot write the index cache ", tmp);
@@ -188,12 +191,20 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
   std::error_code ec;
   fs::create_directories(cache_dir, ec);
   if (ec) return;  // a read-only data directory: indices are rebuilt each run
-  const int64_t samples = size();
-  write_npy<int32_t>(base + "-document_index.npy", document_index_, {static_cast<int64_t>(document_index_.size())});
-  write_npy<int64_t>(base + "-sample_index.npy", sample_index_, {samples + 1, 2});
-  write_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {samples});
-  write_npy<int64_t>(base + "-counts.npy", std::vector<int64_t>{num_epochs_, samples}, {2});
-  std::ofstream(base + "-description.txt") << text;  // last: it marks the entry complete
+  try {
+    const int64_t samples = size();
+    write_npy<int32_t>(base + "-document_index.npy", document_index_,
+                       {static_cast<int64_t>(document_index_.size())});
+    write_npy<int64_t>(base + "-sample_index.npy", sample_index_, {samples + 1, 2});
+    write_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {samples});
+    write_npy<int64_t>(base + "-counts.npy", std::vector<int64_t>{num_epochs_, samples}, {2});
+    // Last: the description marks the entry complete (whole, through a rename).
+    const std::string tmp = base + "-description.txt.tmp." + std::to_string(::getpid());
+    std::ofstream(tmp) << text;
+    fs::rename(tmp, base + "-description.txt");
+  } catch (const std::exception&) {
+    // The cache is an optimisation: a full disk or a racing writer costs a rebuild next time.
+  }
 }
 
 void GPTDataset::build(int64_t num_samples, uint32_t seed) {

@@ -208,6 +208,20 @@ TEST(GPTDataset, ShufflesAsNumpysRandomState) {
   fs::remove_all(dir);
 }
 
+TEST(Tokenizer, VocabularyIsPaddedAsMegatron) {
+  EXPECT_EQ(padded_vocab_size(257, 128, 1), 384);
+  EXPECT_EQ(padded_vocab_size(128, 128, 1), 128);
+  EXPECT_EQ(padded_vocab_size(8000, 128, 2), 8192);
+  EXPECT_EQ(padded_vocab_size(50257, 128, 1), 50304);  // GPT-2's, as Megatron pads it
+  const auto bytes = make_tokenizer("ByteTokenizer", "");
+  EXPECT_EQ(bytes->vocab_size(), 257);
+  EXPECT_EQ(bytes->eod(), 256);
+  expect_error_containing([] { make_tokenizer("GPT2BPETokenizer", ""); },
+                          "unknown --tokenizer-type 'GPT2BPETokenizer'");
+  expect_error_containing([] { make_tokenizer("SentencePieceTokenizer", "/nonexistent.model"); },
+                          "cannot read the SentencePiece model /nonexistent.model");
+}
+
 TEST(GPTDataset, SplitsDocumentsAsMegatron) {
   // _get_split_indices: the rounding remainder comes off every boundary.
   auto r = split_document_ranges(parse_split("949,50,1"), 1000);
@@ -416,7 +430,7 @@ TEST(Preprocess, SentencePieceTrainedOnTheBuiltinCorpusTrainsAModel) {
                           "SentencePieceTokenizer --tokenizer-model " + dir + "/sp.model "
                           "--train-iters 200 --eval-interval 100 --split 949,50,1 --num-layers 1 "
                           "--hidden-size 64 --num-attention-heads 2 --seq-length 64 "
-                          "--micro-batch-size 4 --log-json " + log);
+                          "--micro-batch-size 4 --log-json " + log + " --save " + dir + "/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto json = testing::read_json_log(log);
   EXPECT_EQ(json.config["model"]["vocab_size"], 128);  // 128 pieces: a multiple of 128 already
@@ -426,6 +440,14 @@ TEST(Preprocess, SentencePieceTrainedOnTheBuiltinCorpusTrainsAModel) {
   }
   ASSERT_EQ(val.size(), 2u);
   EXPECT_LT(val.back(), 0.5 * std::log(128.0)) << "validation loss " << val.back();
+  // And it writes: generation with the tokenizer the checkpoint recorded.
+  r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt 'The engineer' "
+                          "--max-new-tokens 30 --top-k 5");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("The engineer", 0), 0u) << r.output;
+  const std::string line = r.output.substr(0, r.output.find('\n'));
+  EXPECT_GT(line.size(), std::string("The engineer").size() + 20) << line;
+  EXPECT_NE(r.stderr_text.find("SentencePieceTokenizer"), std::string::npos) << r.stderr_text;
   fs::remove_all(dir);
 }
 
@@ -457,6 +479,31 @@ TEST(DataPath, TrainsOnABlendResumesBitwiseAndRefusesTokensBeyondTheVocabulary) 
   training.data_paths = {dir + "/big"};
   Trainer wide(model, training);
   expect_error_containing([&] { wide.train_step(); }, "is outside the model's vocabulary [0, 256)");
+  fs::remove_all(dir);
+}
+
+TEST(DataPath, TensorParallelRanksBuildAndCacheTheSameIndices) {
+  // Both ranks build the indices and write the cache at the same moment.
+  const std::string dir = testing::fresh_temp_dir("datapath_tp");
+  auto r = testing::run_actmem("preprocess --builtin-corpus --output-prefix " + dir +
+                               "/bytes --tokenizer-type ByteTokenizer --append-eod");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string train =
+      "launch --nproc-per-node 2 -- train --data-path " + dir + "/bytes_text_document "
+      "--tokenizer-type ByteTokenizer --tensor-model-parallel-size 2 --num-layers 1 "
+      "--hidden-size 64 --num-attention-heads 2 --seq-length 32 --micro-batch-size 2 "
+      "--train-iters 3 --eval-interval 3 --split 90,10 --log-json " + dir + "/log.jsonl";
+  r = testing::run_actmem(train);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto first = testing::read_json_log(dir + "/log.jsonl");
+  EXPECT_EQ(first.config["model"]["vocab_size"], 512);  // 257 padded to a multiple of 128 x 2
+  r = testing::run_actmem(train);  // now from the cache
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto second = testing::read_json_log(dir + "/log.jsonl");
+  ASSERT_EQ(second.iterations.size(), 3u);
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(second.iterations[i]["grad_digest_per_rank"], first.iterations[i]["grad_digest_per_rank"]);
+  }
   fs::remove_all(dir);
 }
 

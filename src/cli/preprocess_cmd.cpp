@@ -161,7 +161,13 @@ int run_preprocess(PreprocessOptions& o) {
   }
   TORCH_CHECK(!o.tokenizer_type.empty(), "actmem preprocess: --tokenizer-type is required "
               "(ByteTokenizer or SentencePieceTokenizer)");
-  const std::unique_ptr<Tokenizer> tok = make_tokenizer(o.tokenizer_type, o.tokenizer_model);
+  // One tokenizer per worker: a SentencePiece tokenizer is a helper process, so workers that
+  // shared one would wait for each other.
+  std::vector<std::unique_ptr<Tokenizer>> tokenizers;
+  for (int k = 0; k < o.workers; ++k) {
+    tokenizers.push_back(make_tokenizer(o.tokenizer_type, o.tokenizer_model));
+  }
+  const Tokenizer* tok = tokenizers[0].get();
   const int code = optimal_dtype_code(tok->vocab_size());
   std::vector<std::unique_ptr<IndexedDatasetBuilder>> builders;
   std::vector<std::string> prefixes;
@@ -183,10 +189,10 @@ int run_preprocess(PreprocessOptions& o) {
     std::vector<std::string> texts;
     while (chunk.size() < kChunk && (more = reader.next(texts))) chunk.push_back(texts);
     ids.assign(chunk.size(), {});
-    auto work = [&](size_t begin, size_t end) {
+    auto work = [&](size_t worker, size_t begin, size_t end) {
       for (size_t i = begin; i < end; ++i) {
         for (const auto& t : chunk[i]) {
-          std::vector<int64_t> v = tok->tokenize(t);
+          std::vector<int64_t> v = tokenizers[worker]->tokenize(t);
           if (!v.empty() && o.append_eod) v.push_back(tok->eod());
           ids[i].push_back(std::move(v));
         }
@@ -194,8 +200,8 @@ int run_preprocess(PreprocessOptions& o) {
     };
     const size_t n = chunk.size(), w = static_cast<size_t>(o.workers);
     std::vector<std::thread> threads;
-    for (size_t k = 1; k < w && k < n; ++k) threads.emplace_back(work, n * k / w, n * (k + 1) / w);
-    work(0, w > 1 && n > 1 ? n / w : n);
+    for (size_t k = 1; k < w && k < n; ++k) threads.emplace_back(work, k, n * k / w, n * (k + 1) / w);
+    work(0, 0, w > 1 && n > 1 ? n / w : n);
     for (auto& t : threads) t.join();
     for (size_t i = 0; i < n; ++i) {
       for (size_t k = 0; k < builders.size(); ++k) {
