@@ -261,26 +261,25 @@ TEST(CheckpointFiles, LoadOptionsRestoreWhatTheySay) {
     EXPECT_EQ(st.iteration, 1);
     EXPECT_EQ(st.lr, ref.lr[0]);  // the schedule's first step
   }
-  {
-    // --no-load-rng: everything but the random streams, so dropout differs from the resumed run.
-    CheckpointLoadOptions o;
-    o.rng = false;
+  // One step after loading with `o`.
+  auto resumed_step = [&](const CheckpointLoadOptions& o) {
     Trainer t(model, training);
     EXPECT_EQ(t.load_checkpoint(dir, o), 2);
-    const Steps s = run_steps(t, 1);
-    EXPECT_EQ(s.lr[0], ref.lr[2]);
-    EXPECT_NE(s.loss[0], ref.loss[2]);
-  }
-  {
-    // --no-load-optim: fresh moments and the schedule from its first step (as Megatron).
-    CheckpointLoadOptions o;
-    o.optimizer = false;
-    Trainer t(model, training);
-    EXPECT_EQ(t.load_checkpoint(dir, o), 2);
-    const Steps s = run_steps(t, 1);
-    EXPECT_EQ(s.lr[0], ref.lr[0]);
-    EXPECT_EQ(s.loss[0], ref.loss[2]);  // same weights, data and dropout: same forward
-  }
+    return run_steps(t, 1);
+  };
+  CheckpointLoadOptions no_rng;
+  no_rng.rng = false;
+  // --no-load-rng: everything but the random streams, so dropout differs from the resumed run.
+  const Steps without_rng = resumed_step(no_rng);
+  EXPECT_EQ(without_rng.lr[0], ref.lr[2]);
+  EXPECT_NE(without_rng.loss[0], ref.loss[2]);
+  // --no-load-optim: fresh moments and the schedule from its first step (as Megatron); same
+  // weights, data and dropout, so the same forward.
+  CheckpointLoadOptions no_optim;
+  no_optim.optimizer = false;
+  const Steps without_optim = resumed_step(no_optim);
+  EXPECT_EQ(without_optim.lr[0], ref.lr[0]);
+  EXPECT_EQ(without_optim.loss[0], ref.loss[2]);
   fs::remove_all(dir);
 }
 
