@@ -270,12 +270,19 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   };
   std::chrono::steady_clock::time_point kill_deadline{};
   bool stopping = false;
+  // Note [Signals reach the workers]: a SIGTERM or SIGINT sent to the launcher is forwarded.
+  // Workers that handle it (train --exit-signal-handler) finish their step and save; the
+  // launcher waits for them up to kSignalGrace (a step and a save of a large model take time)
+  // and exits 0 when they all did. A second signal kills them at once.
+  constexpr auto kSignalGrace = std::chrono::minutes(5);
+  int signals_seen = 0, signal_result = 0;
   while (remaining > 0) {
     if (g_forward_signal != 0) {
-      stop_all(g_forward_signal);
-      if (result == 0) result = 128 + g_forward_signal;
+      const int sig = g_forward_signal;
       g_forward_signal = 0;
-      if (!stopping) kill_deadline = std::chrono::steady_clock::now() + grace;
+      stop_all(++signals_seen == 1 ? sig : SIGKILL);
+      if (signal_result == 0) signal_result = 128 + sig;
+      if (!stopping) kill_deadline = std::chrono::steady_clock::now() + kSignalGrace;
       stopping = true;
     }
     int status = 0;
@@ -330,6 +337,12 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
+  // After a forwarded signal: success when every worker exited 0 (they handled it), else the
+  // signal's status, as a shell reports a process it ended.
+  if (result == 0 && signal_result != 0 &&
+      std::any_of(codes.begin(), codes.end(), [](int c) { return c != 0; })) {
+    result = signal_result;
+  }
   return result;
 }
 

@@ -415,6 +415,26 @@ TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, SigtermToTheLauncherSavesEveryRankAndExitsZero) {
+  const std::string dir = testing::fresh_temp_dir("sigterm_tp");
+  const std::string log = dir + "/log.jsonl", out = dir + "/out.txt";
+  const std::string cmd =
+      std::string(ACTMEM_BINARY) + " launch --nproc-per-node 2 -- train" + kTinyFlags +
+      " --tensor-model-parallel-size 2 --train-iters 1000000 --save " + dir +
+      "/ckpt --exit-signal-handler --log-json " + log + " >" + out + " 2>&1 & pid=$!; "
+      "for i in $(seq 600); do [ -f " + log + " ] && [ $(wc -l < " + log + ") -ge 4 ] && break; "
+      "sleep 0.05; done; kill -TERM $pid; wait $pid";
+  const int status = std::system(cmd.c_str());
+  std::ifstream o(out);
+  const std::string text((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+  ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << text;
+  const int64_t last = logged_steps(log).rbegin()->first;
+  EXPECT_EQ(latest_of(dir + "/ckpt"), std::to_string(last));
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", last, 0)));
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", last, 1)));
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointCli, TensorParallelResumeIsBitwiseAndAnotherSizeIsRefused) {
   const std::string dir = testing::fresh_temp_dir("tp_resume");
   const std::string tp = std::string(kTinyFlags) + " --tensor-model-parallel-size 2 --train-iters 4";
