@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <charconv>
+#include <filesystem>
 #include <cmath>
 #include <limits>
 #include <thread>
@@ -341,6 +342,10 @@ void TrainOptions::finalize() {
   if (!training.tokenizer_type.empty()) {
     TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
                 "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
+    // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
+    if (!training.tokenizer_model.empty()) {
+      training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
+    }
     const auto tokenizer = make_tokenizer(training.tokenizer_type, training.tokenizer_model);
     model.vocab_size = padded_vocab_size(tokenizer->vocab_size(),
                                          training.make_vocab_size_divisible_by,
