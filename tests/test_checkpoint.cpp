@@ -392,20 +392,28 @@ TEST(CheckpointCli, FlagsThatNeedALoadOrASaveAreRefused) {
       << r.stderr_text;
 }
 
-TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
-  const std::string dir = testing::fresh_temp_dir("sigterm");
+// Runs `actmem <command> --save DIR/ckpt --exit-signal-handler --log-json DIR/log.jsonl`, long
+// enough that it is still training when SIGTERM comes (after three iteration records). Returns
+// the wait status and fills `text` with its output.
+int train_until_sigterm(const std::string& command, const std::string& dir, std::string& text) {
   const std::string log = dir + "/log.jsonl", out = dir + "/out.txt";
-  // Long enough that it is still training when the signal comes; wait for three records.
   const std::string cmd =
-      std::string(ACTMEM_BINARY) + " train" + kTinyFlags + " --train-iters 1000000 --save " + dir +
+      std::string(ACTMEM_BINARY) + " " + command + " --train-iters 1000000 --save " + dir +
       "/ckpt --exit-signal-handler --log-json " + log + " >" + out + " 2>&1 & pid=$!; "
       "for i in $(seq 600); do [ -f " + log + " ] && [ $(wc -l < " + log + ") -ge 4 ] && break; "
       "sleep 0.05; done; kill -TERM $pid; wait $pid";
   const int status = std::system(cmd.c_str());
   std::ifstream o(out);
-  const std::string text((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+  text.assign((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+  return status;
+}
+
+TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
+  const std::string dir = testing::fresh_temp_dir("sigterm");
+  std::string text;
+  const int status = train_until_sigterm(std::string("train") + kTinyFlags, dir, text);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << text;
-  const auto steps = logged_steps(log);
+  const auto steps = logged_steps(dir + "/log.jsonl");
   ASSERT_GE(steps.size(), 3u);
   const int64_t last = steps.rbegin()->first;
   EXPECT_LT(last, 1000000);
@@ -417,18 +425,13 @@ TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
 
 TEST(CheckpointCli, SigtermToTheLauncherSavesEveryRankAndExitsZero) {
   const std::string dir = testing::fresh_temp_dir("sigterm_tp");
-  const std::string log = dir + "/log.jsonl", out = dir + "/out.txt";
-  const std::string cmd =
-      std::string(ACTMEM_BINARY) + " launch --nproc-per-node 2 -- train" + kTinyFlags +
-      " --tensor-model-parallel-size 2 --train-iters 1000000 --save " + dir +
-      "/ckpt --exit-signal-handler --log-json " + log + " >" + out + " 2>&1 & pid=$!; "
-      "for i in $(seq 600); do [ -f " + log + " ] && [ $(wc -l < " + log + ") -ge 4 ] && break; "
-      "sleep 0.05; done; kill -TERM $pid; wait $pid";
-  const int status = std::system(cmd.c_str());
-  std::ifstream o(out);
-  const std::string text((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
+  std::string text;
+  const int status = train_until_sigterm(
+      std::string("launch --nproc-per-node 2 -- train") + kTinyFlags +
+          " --tensor-model-parallel-size 2",
+      dir, text);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << text;
-  const int64_t last = logged_steps(log).rbegin()->first;
+  const int64_t last = logged_steps(dir + "/log.jsonl").rbegin()->first;
   EXPECT_EQ(latest_of(dir + "/ckpt"), std::to_string(last));
   EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", last, 0)));
   EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", last, 1)));
