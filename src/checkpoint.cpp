@@ -4,6 +4,7 @@
 
 #include "actmem/mixed_precision.h"
 #include "actmem/model.h"
+#include "actmem/output_file.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trainer.h"
 
@@ -14,6 +15,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cctype>
 #include <cerrno>
 #include <csignal>
 #include <cstdio>
@@ -73,33 +75,23 @@ void fsync_path(const std::string& path, bool directory) {
   TORCH_CHECK(rc == 0, "actmem::save_checkpoint: fsync of ", path, " failed: ", err);
 }
 
-// Writes `bytes` to `path` (created or truncated) and fsyncs it. `fault_iteration` >= 0 arms
-// the mid-file fault point.
+// Writes `size` bytes to `path` (created or truncated) and fsyncs it. `fault_iteration` >= 0
+// arms the mid-file fault point, after the first half (Note [Checkpoint protocol]).
 void write_durably(const std::string& path, const char* data, size_t size,
                    int64_t fault_iteration = -1) {
   const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "actmem::save_checkpoint: cannot create ", path, ": ", errno_text());
-  size_t done = 0;
-  std::string err;
-  while (done < size && err.empty()) {
-    if (fault_iteration >= 0 && done >= size / 2 && done > 0) {
-      ::fsync(fd);
-      maybe_fault("mid-file", fault_iteration);
-      fault_iteration = -1;
-    }
-    // At most half the file per write before the fault point, so the point is reached.
-    const size_t chunk = fault_iteration >= 0 ? std::max<size_t>(1, size / 2 - done) : size - done;
-    const ssize_t n = ::write(fd, data + done, std::min(chunk, size - done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) {
-      err = "write failed: " + errno_text();
-      break;
-    }
-    done += static_cast<size_t>(n);
+  const size_t first = fault_iteration >= 0 ? size / 2 : size;
+  int err = write_fully(fd, data, first);
+  if (err == 0 && first < size) {
+    ::fsync(fd);
+    maybe_fault("mid-file", fault_iteration);
+    err = write_fully(fd, data + first, size - first);
   }
-  if (err.empty() && ::fsync(fd) != 0) err = "fsync failed: " + errno_text();
-  if (::close(fd) != 0 && err.empty()) err = "close failed: " + errno_text();
-  TORCH_CHECK(err.empty(), "actmem::save_checkpoint: ", path, ": ", err,
+  std::string what = err != 0 ? "write failed: " + std::string(std::strerror(err)) : "";
+  if (what.empty() && ::fsync(fd) != 0) what = "fsync failed: " + errno_text();
+  if (::close(fd) != 0 && what.empty()) what = "close failed: " + errno_text();
+  TORCH_CHECK(what.empty(), "actmem::save_checkpoint: ", path, ": ", what,
               " (is the disk full? the previous checkpoint is untouched)");
 }
 
@@ -505,8 +497,7 @@ c10::impl::GenericDict Trainer::checkpoint_state() const {
   }
 
   // Megatron's OptimizerParamScheduler.state_dict(): its steps count samples.
-  const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
-                      model_config_.micro_batch_size;
+  const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
   auto sched = string_dict();
   sched.insert("max_lr", config_.lr);
   sched.insert("min_lr", config_.min_lr);
@@ -633,8 +624,7 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
 
   if (optimizer) {
     const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
-    const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
-                        model_config_.micro_batch_size;
+    const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
     // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
     // checkpoint's unless --override-opt_param-scheduler.
     auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001

@@ -133,7 +133,7 @@ nlohmann::json to_json(const TransformerConfig& c) {
 void TrainingConfig::validate(const TransformerConfig& model) const {
   TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
               "got ", global_batch_size);
-  const int64_t gbs = global_batch_size > 0 ? global_batch_size : model.micro_batch_size;
+  const int64_t gbs = global_batch(model.micro_batch_size);
   TORCH_CHECK(gbs % model.micro_batch_size == 0, "actmem::TrainingConfig: global_batch_size (", gbs,
               ") must be a multiple of micro_batch_size (", model.micro_batch_size, ")");
   TORCH_CHECK(train_iters > 0, "actmem::TrainingConfig: train_iters must be positive, got ",

@@ -32,6 +32,14 @@ int64_t KVCache::bytes() const {
   return n;
 }
 
+int64_t KVCache::bytes_for(const GPTModel& model) {
+  const auto& c = model.config();
+  // Keys and values of every layer: [max_positions, heads, head_dim] each.
+  return 2 * static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() *
+         c.num_attention_heads * c.kv_channels() *
+         static_cast<int64_t>(model.word_embeddings.element_size());
+}
+
 at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   TORCH_CHECK(n > 0, "actmem::KVCache::feed: no tokens");
@@ -111,9 +119,9 @@ int64_t sample_token(const at::Tensor& logits_in, const SamplingOptions& o, at::
   }
   if (o.top_p > 0.0 && o.top_p < 1.0) {
     auto [sorted, order] = at::sort(logits, /*dim=*/0, /*descending=*/true);
-    const at::Tensor cum = at::softmax(sorted, 0).cumsum(0);
+    const at::Tensor probs = at::softmax(sorted, 0);
     // Remove a token when the tokens before it already reach p (the first always stays).
-    at::Tensor remove = (cum - at::softmax(sorted, 0)) >= o.top_p;
+    const at::Tensor remove = (probs.cumsum(0) - probs) >= o.top_p;
     logits = logits.scatter(0, order, sorted.masked_fill(remove, -INFINITY));
   }
   const at::Tensor probs = at::softmax(logits, 0);

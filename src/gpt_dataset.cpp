@@ -422,6 +422,7 @@ GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int
   for (const auto& prefix : blend.prefixes) {
     data.push_back(std::make_shared<const IndexedDataset>(prefix));
     out.documents += data.back()->num_documents();
+    out.bytes += data.back()->bin_bytes();
     out.tokens += data.back()->bin_bytes() / token_bytes(data.back()->code());
   }
   for (int s = 0; s < 3; ++s) {

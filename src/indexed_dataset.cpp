@@ -1,6 +1,8 @@
 // indexed_dataset.cpp — the MMIDIDX reader and writer (format in indexed_dataset.h).
 #include "actmem/indexed_dataset.h"
 
+#include "actmem/output_file.h"
+
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 
@@ -182,14 +184,9 @@ namespace {
 constexpr size_t kBuilderBuffer = size_t{1} << 20;
 
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
-  while (n > 0) {
-    const ssize_t w = ::write(fd, data, n);
-    if (w < 0 && errno == EINTR) continue;
-    TORCH_CHECK(w > 0, "actmem::IndexedDatasetBuilder: writing ", path, " failed: ",
-                std::strerror(errno));
-    data += w;
-    n -= static_cast<size_t>(w);
-  }
+  const int err = write_fully(fd, data, n);
+  TORCH_CHECK(err == 0, "actmem::IndexedDatasetBuilder: writing ", path, " failed: ",
+              std::strerror(err));
 }
 
 template <typename T>

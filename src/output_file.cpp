@@ -106,18 +106,28 @@ OutputFile& OutputFile::operator=(OutputFile&& other) noexcept {
   return *this;
 }
 
+int write_fully(int fd, const void* data, size_t size, size_t* written) {
+  const char* p = static_cast<const char*>(data);
+  size_t done = 0;
+  int err = 0;
+  while (done < size) {
+    const ssize_t n = ::write(fd, p + done, size - done);
+    if (n > 0) {
+      done += static_cast<size_t>(n);
+    } else if (!(n < 0 && errno == EINTR)) {
+      err = n < 0 ? errno : ENOSPC;
+      break;
+    }
+  }
+  if (written != nullptr) *written = done;
+  return err;
+}
+
 void OutputFile::write(std::string_view record, const std::string& what) {
   TORCH_CHECK(fd_ >= 0, "actmem::OutputFile::write: ", target_.flag, " '", target_.path,
               "' is not open");
   size_t done = 0;
-  while (done < record.size()) {
-    const ssize_t n = ::write(fd_, record.data() + done, record.size() - done);
-    if (n > 0) {
-      done += static_cast<size_t>(n);
-      continue;
-    }
-    if (n < 0 && errno == EINTR) continue;
-    const int err = n < 0 ? errno : ENOSPC;
+  if (const int err = write_fully(fd_, record.data(), record.size(), &done)) {
     // Note [Whole records or nothing]: drop the partial record.
     const bool cut = done > 0 && seekable_ && ::ftruncate(fd_, written_) == 0 &&
                      ::lseek(fd_, written_, SEEK_SET) == written_;

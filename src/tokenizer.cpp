@@ -1,6 +1,8 @@
 // tokenizer.cpp — the byte-level and SentencePiece tokenizers (tokenizer.h).
 #include "actmem/tokenizer.h"
 
+#include "actmem/output_file.h"
+
 #include <c10/util/Exception.h>
 
 #include <fcntl.h>
@@ -81,18 +83,7 @@ bool write_all(int fd, const void* p, size_t n) {
   sigemptyset(&block);
   sigaddset(&block, SIGPIPE);
   pthread_sigmask(SIG_BLOCK, &block, &old);
-  const char* c = static_cast<const char*>(p);
-  bool ok = true;
-  while (n > 0) {
-    const ssize_t w = ::write(fd, c, n);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      ok = false;
-      break;
-    }
-    c += w;
-    n -= static_cast<size_t>(w);
-  }
+  const bool ok = write_fully(fd, p, n) == 0;
   if (!ok) {
     const timespec zero{0, 0};
     sigtimedwait(&block, nullptr, &zero);  // the pending SIGPIPE, if any
@@ -135,7 +126,7 @@ class ByteLevelTokenizer final : public Tokenizer {
 
 class SentencePieceTokenizer final : public Tokenizer {
  public:
-  explicit SentencePieceTokenizer(const std::string& path) : path_(path) {
+  explicit SentencePieceTokenizer(const std::string& path) {
     TORCH_CHECK(!path.empty(), "actmem: --tokenizer-type SentencePieceTokenizer needs "
                 "--tokenizer-model M.model");
     TORCH_CHECK(::access(path.c_str(), R_OK) == 0, "actmem: cannot read the SentencePiece model ",
@@ -230,7 +221,6 @@ class SentencePieceTokenizer final : public Tokenizer {
     if (n > 0 && !read_all(child_.out, msg.data(), n)) return "(no message)";
     return msg;
   }
-  std::string path_;
   Child child_;
   int64_t vocab_ = 0, eod_ = 0;
   mutable std::mutex mutex_;

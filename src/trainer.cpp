@@ -144,8 +144,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   } else {
     // Megatron's GPTDataset and BlendedDataset over memory-mapped indexed datasets, sized as
     // Megatron sizes them (train_valid_test_num_samples).
-    const int64_t gbs = config_.num_microbatches(model_config_.micro_batch_size) *
-                        model_config_.micro_batch_size;
+    const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
     const int64_t valid = config_.eval_interval > 0
                               ? (config_.train_iters / config_.eval_interval + 1) *
                                     config_.eval_iters * gbs
@@ -166,7 +165,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     corpus_.source = source.str();
     corpus_.memory_mapped = true;
     corpus_.documents = splits.documents;
-    corpus_.bytes = splits.tokens;
+    corpus_.bytes = splits.bytes;
+    corpus_.tokens = splits.tokens;
     corpus_.train_samples = train_samples->size();
     corpus_.valid_samples = valid_samples ? valid_samples->size() : 0;
   }

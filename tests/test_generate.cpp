@@ -66,6 +66,7 @@ TEST_P(KVCacheTest, IncrementalLogitsEqualTheFullForward) {
   const at::Tensor incremental = at::cat(rows, 0);
   ASSERT_EQ(incremental.sizes(), full.sizes());
   EXPECT_EQ(cache.length(), 24);
+  EXPECT_EQ(cache.bytes(), KVCache::bytes_for(model));  // the size `generate` reports
   // Different summation order (a row at a time vs the whole square): close, not bitwise.
   const double tol = c.bf16 ? 5e-2 : 1e-4;
   EXPECT_TRUE(at::allclose(incremental, full, tol, tol))

@@ -200,8 +200,12 @@ struct TrainingConfig {
     return model.fp16 && !loss_scale.has_value();
   }
 
+  /// Samples per optimizer step: global_batch_size, or one micro-batch when it is unset.
+  int64_t global_batch(int64_t micro_batch_size) const {
+    return global_batch_size > 0 ? global_batch_size : micro_batch_size;
+  }
   int64_t num_microbatches(int64_t micro_batch_size) const {
-    return (global_batch_size > 0 ? global_batch_size : micro_batch_size) / micro_batch_size;
+    return global_batch(micro_batch_size) / micro_batch_size;
   }
   /// Throws a clear error for inconsistent values (given the model's micro-batch size).
   void validate(const TransformerConfig& model) const;

@@ -61,7 +61,7 @@ struct Corpus {
   /// With --data-path (Megatron's indexed datasets): train and validation sample counts; the
   /// two streams above are then undefined.
   int64_t train_samples = 0, valid_samples = 0;
-  int64_t documents = 0;
+  int64_t documents = 0, tokens = 0;
 };
 
 /// Parses Megatron's --split ("95,5" or "969,30,1": train, validation[, test] weights) and cuts

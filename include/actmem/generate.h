@@ -25,8 +25,10 @@ class KVCache {
   int64_t length() const { return length_; }
   /// The positions the model has (max_position_embeddings): the cache's capacity.
   int64_t capacity() const { return capacity_; }
-  /// Bytes of the key and value tensors (all layers, full capacity).
+  /// Bytes of the key and value tensors this cache holds (all layers, full capacity).
   int64_t bytes() const;
+  /// What a cache of `model` holds, without allocating one.
+  static int64_t bytes_for(const GPTModel& model);
   void clear() { length_ = 0; }
 
  private:

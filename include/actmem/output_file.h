@@ -17,6 +17,7 @@
 // non-seekable files cannot be cut back; the error still names the last complete record.)
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -35,6 +36,11 @@ struct NamedPath {
 /// inputs]). Empty paths and "-" (standard output) are skipped; two "-" outputs are refused.
 void check_distinct_files(const std::vector<NamedPath>& inputs,
                           const std::vector<NamedPath>& outputs);
+
+/// Writes all `size` bytes of `data` to `fd`, with as many write(2) calls as it takes (retrying
+/// on EINTR). Returns 0, or the errno of the call that failed (ENOSPC when one wrote nothing);
+/// `written`, when given, receives the bytes written before the failure.
+int write_fully(int fd, const void* data, size_t size, size_t* written = nullptr);
 
 /// A file opened for writing at construction (created or truncated; "-" is standard output).
 /// Every write is checked; errors throw c10::Error naming the flag, the path and errno's text.

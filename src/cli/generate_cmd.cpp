@@ -103,11 +103,11 @@ int run_generate(GenerateOptions& o) {
     std::cout << text.substr(printed.size());
   }
   std::cout << "\n";
-  KVCache probe(*loaded.model);
+  const int64_t cache_bytes = KVCache::bytes_for(*loaded.model);
   std::cerr << "generated " << made.size() << " tokens in " << std::fixed << std::setprecision(2)
             << seconds << " s (" << std::setprecision(1)
             << static_cast<double>(made.size()) / std::max(seconds, 1e-9) << " tokens/s, prompt "
-            << prompt.size() << " tokens, KV cache " << format_bytes(static_cast<double>(probe.bytes()))
+            << prompt.size() << " tokens, KV cache " << format_bytes(static_cast<double>(cache_bytes))
             << ")\n";
   if (log.is_open()) {
     const nlohmann::json j = {{"checkpoint", loaded.path},  {"iteration", loaded.iteration},
@@ -116,7 +116,7 @@ int run_generate(GenerateOptions& o) {
                               {"seconds", seconds},         {"greedy", o.sampling.greedy},
                               {"temperature", o.sampling.temperature},
                               {"top_k", o.sampling.top_k},  {"top_p", o.sampling.top_p},
-                              {"seed", o.sampling.seed},    {"kv_cache_bytes", probe.bytes()}};
+                              {"seed", o.sampling.seed},    {"kv_cache_bytes", cache_bytes}};
     log.write(j.dump() + "\n", "the generation record");
     log.close();
   }

@@ -72,7 +72,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << corpus.valid.numel() << " validation tokens"
         << (corpus.memory_mapped ? ", memory-mapped" : "") << ")";
   } else {
-    out << "data " << corpus.source << " (" << corpus.documents << " documents, " << corpus.bytes
+    out << "data " << corpus.source << " (" << corpus.documents << " documents, " << corpus.tokens
         << " tokens; " << corpus.train_samples << " train / " << corpus.valid_samples
         << " validation samples, memory-mapped)";
   }
@@ -106,7 +106,7 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
                    {"memory_mapped", c.memory_mapped}};
   } else {
     j["corpus"] = {{"source", c.source},           {"documents", c.documents},
-                   {"tokens", c.bytes},             {"train_samples", c.train_samples},
+                   {"tokens", c.tokens},             {"train_samples", c.train_samples},
                    {"validation_samples", c.valid_samples}, {"memory_mapped", true}};
   }
   return j;
