@@ -219,10 +219,15 @@ std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
   {
     std::lock_guard<std::mutex> lock(mutex_);
     Group& g = *groups_.at(static_cast<size_t>(current_));
-    if (t.numel() < min_elements_) {
-      if (g.info.offloads && t.numel() > largest_kept_.numel) {
-        largest_kept_ = {t.numel(), t.sizes().vec(), std::string(c10::toString(t.scalar_type())),
-                         g.info.name};
+    // The size rule is the storage's, not the view's: entries are whole storages, and a view
+    // kept beside an offloaded (and, when forced, freed) storage would read freed memory
+    // (an MoE expert's row segment of the permuted tokens, say).
+    const int64_t storage_elements =
+        static_cast<int64_t>(t.storage().nbytes()) / static_cast<int64_t>(t.element_size());
+    if (storage_elements < min_elements_) {
+      if (g.info.offloads && storage_elements > largest_kept_.numel) {
+        largest_kept_ = {storage_elements, t.sizes().vec(),
+                         std::string(c10::toString(t.scalar_type())), g.info.name};
       }
       return nullptr;
     }
@@ -258,6 +263,10 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
     g->info.committed = true;
   }
   if (!g->info.offloads) return;
+  // The MoE groups' sizes follow the routing (Megatron gives them fresh host buffers every
+  // step): they reuse buffers by size class instead (docs/moe.md).
+  const bool size_classes =
+      moe_size_classes_ && (g->info.name == "expert_fc1" || g->info.name == "moe_act");
   std::unordered_set<const void*> forced_storages;
   for (const auto& t : forced) {
     if (t.defined() && t.has_storage()) forced_storages.insert(t.storage().unsafeGetStorageImpl());
@@ -277,7 +286,7 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
       std::lock_guard<std::mutex> l(mutex_);
       pending_release_.push_back(entry);
     }
-    entry->host = pool_.acquire(entry->nbytes);
+    entry->host = pool_.acquire(entry->nbytes, size_classes);
     transition(entry->state, OffloadState::kOffloading, "offload");
     std::weak_ptr<Entry> back = entry;
     entry->offloaded = d2h_.copy_async(entry->host, entry->device, nullptr, [back] {

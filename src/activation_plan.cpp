@@ -121,22 +121,47 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
                 "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
                 join_names(kRecomputeModuleNames));
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct), "actmem::TransformerConfig: moe_act "
-                "in recompute_modules is only supported with moe_grouped_gemm.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct) || c.moe_grouped_gemm,
+                "actmem::TransformerConfig: moe_act in recompute_modules is only supported with "
+                "moe_grouped_gemm.");
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj), "actmem::TransformerConfig: "
                 "mla_up_proj in recompute_modules is only supported with multi_latent_attention.");
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut), "actmem::TransformerConfig: "
                 "gdn_norm_out in recompute_modules is only supported with the gated_delta_net "
                 "attention variant.");
-    // Megatron silently ignores these on a dense model; a user asking for them expects an effect.
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoe) &&
-                    !plan.recomputes(RecomputeModule::kSharedExperts),
-                "actmem::TransformerConfig: moe and shared_experts in recompute_modules need MoE "
-                "layers, and this model is dense");
   } else {
     TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
                 "only applies to recompute_granularity selective (got granularity \"", g, "\")");
   }
+  // Rule 18 of validate_args (after the others, so the appended "moe" is not re-validated): the
+  // deprecated --moe-layer-recompute forces selective granularity and adds "moe" to the modules,
+  // which default to core_attn as always (so it recomputes core_attn and moe, as in Megatron).
+  if (c.moe_layer_recompute) {
+    TORCH_CHECK(plan.granularity != RecomputeGranularity::kFull, "actmem::TransformerConfig: Do "
+                "not set --moe-layer-recompute with full recompute granularity.");
+    if (plan.granularity == RecomputeGranularity::kNone) {
+      plan.granularity = RecomputeGranularity::kSelective;
+      plan.recompute_modules = {RecomputeModule::kCoreAttn};
+    }
+    if (!plan.recomputes(RecomputeModule::kMoe)) plan.recompute_modules.push_back(RecomputeModule::kMoe);
+  }
+  // Megatron silently ignores a module the model does not have (mlp on an all-MoE model, moe on
+  // a dense one); a user asking for one expects an effect, so it is refused here (fixed).
+  const std::vector<bool> moe = c.moe_layers();
+  const bool any_moe = std::find(moe.begin(), moe.end(), true) != moe.end();
+  const bool any_dense = std::find(moe.begin(), moe.end(), false) != moe.end();
+  TORCH_CHECK(any_moe || (!plan.recomputes(RecomputeModule::kMoe) &&
+                          !plan.recomputes(RecomputeModule::kMoeAct) &&
+                          !plan.recomputes(RecomputeModule::kSharedExperts)),
+              "actmem::TransformerConfig: moe, moe_act and shared_experts in recompute_modules "
+              "need MoE layers, and this model is dense");
+  TORCH_CHECK(!plan.recomputes(RecomputeModule::kSharedExperts) ||
+                  c.moe_shared_expert_intermediate_size.has_value(),
+              "actmem::TransformerConfig: shared_experts in recompute_modules needs shared experts "
+              "(moe_shared_expert_intermediate_size)");
+  TORCH_CHECK(any_dense || !plan.recomputes(RecomputeModule::kMlp), "actmem::TransformerConfig: "
+              "mlp in recompute_modules applies to dense layers and every layer of this model is "
+              "MoE; recompute the MoE layer with moe (or its parts with moe_act, shared_experts)");
 }
 
 // Megatron's layer-level offload rules (the cpu_offloading checks of TransformerConfig's
@@ -174,9 +199,22 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
   const auto invalid = resolve_names(c.offload_modules, kOffloadModuleNames, plan.offload_modules);
   TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
               join_set(invalid), ". Allowed modules are: ", join_names(kOffloadModuleNames));
-  TORCH_CHECK(!plan.offloads(OffloadModule::kExpertFc1) && !plan.offloads(OffloadModule::kMoeAct),
-              "actmem::TransformerConfig: expert_fc1 and moe_act in offload_modules need MoE "
-              "layers, and this model is dense");
+  const bool expert_groups =
+      plan.offloads(OffloadModule::kExpertFc1) || plan.offloads(OffloadModule::kMoeAct);
+  if (expert_groups) {
+    const std::vector<bool> moe = c.moe_layers();
+    TORCH_CHECK(std::find(moe.begin(), moe.end(), true) != moe.end(), "actmem::TransformerConfig: "
+                "expert_fc1 and moe_act in offload_modules need MoE layers, and this model is "
+                "dense");
+    // Megatron places both groups in TEGroupedMLP's forward (megatron/core/transformer/moe/
+    // experts.py); one MLP per expert has no single fc1 input or activation to offload.
+    TORCH_CHECK(c.moe_grouped_gemm, "actmem::TransformerConfig: expert_fc1 and moe_act in "
+                "offload_modules need the grouped experts (--moe-grouped-gemm)");
+    // Inside a recomputed MoE layer nothing is kept until backward, so there is nothing to move.
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoe), "actmem::TransformerConfig: expert_fc1 "
+                "and moe_act cannot be offloaded when moe recomputes the whole MoE layer: remove "
+                "them from offload_modules or moe from recompute_modules");
+  }
   TORCH_CHECK(!plan.offloads(OffloadModule::kAttnProj) || plan.offloads(OffloadModule::kCoreAttn),
               "actmem::TransformerConfig: attn_proj cannot be set to offload_modules alone "
               "without core_attn because the input of attn_proj is the output of core_attn, which "
@@ -261,12 +299,22 @@ ActivationPlan make_activation_plan(const TransformerConfig& c) {
     }
     plan.layers[static_cast<size_t>(plan.chunks[k].start)].starts_chunk = true;
   }
+  const std::vector<bool> moe = c.moe_layers();
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     LayerPlan& layer = plan.layers[i];
+    layer.moe = moe[i];
     layer.recompute_core_attn = plan.recomputes(RecomputeModule::kCoreAttn);
-    layer.recompute_mlp = plan.recomputes(RecomputeModule::kMlp);
+    // Megatron's "mlp" applies to dense layers only; "moe", "moe_act" and "shared_experts" to MoE
+    // layers (megatron/core/transformer/transformer_layer.py, moe/moe_layer.py, moe/experts.py).
+    layer.recompute_mlp = !layer.moe && plan.recomputes(RecomputeModule::kMlp);
+    layer.recompute_moe = layer.moe && plan.recomputes(RecomputeModule::kMoe);
+    layer.recompute_moe_act = layer.moe && plan.recomputes(RecomputeModule::kMoeAct);
+    layer.recompute_shared_experts = layer.moe && plan.recomputes(RecomputeModule::kSharedExperts);
     layer.discard_norm_outputs = plan.recomputes(RecomputeModule::kLayernorm);
-    for (const auto m : plan.offload_modules) layer.offload_module[static_cast<size_t>(m)] = true;
+    for (const auto m : plan.offload_modules) {
+      const bool expert = m == OffloadModule::kExpertFc1 || m == OffloadModule::kMoeAct;
+      layer.offload_module[static_cast<size_t>(m)] = !expert || layer.moe;
+    }
     layer.layer_group = plan.layer_offload();
     layer.offload_layer = static_cast<int64_t>(i) < plan.cpu_offloading_num_layers;
   }
@@ -291,9 +339,28 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
     }
     next = chunk.end;
   }
+  const std::vector<bool> moe = c.moe_layers();
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& l = plan.layers[i];
-    const bool selective = l.recompute_core_attn || l.recompute_mlp || l.discard_norm_outputs;
+    const bool selective = l.recompute_core_attn || l.recompute_mlp || l.discard_norm_outputs ||
+                           l.recompute_moe || l.recompute_moe_act || l.recompute_shared_experts;
+    TORCH_CHECK(l.moe == moe[i], api, "layer ", i, " is ", moe[i] ? "an MoE" : "a dense",
+                " layer but its plan says otherwise");
+    TORCH_CHECK(l.moe || (!l.recompute_moe && !l.recompute_moe_act && !l.recompute_shared_experts &&
+                          !l.offloads(OffloadModule::kExpertFc1) && !l.offloads(OffloadModule::kMoeAct)),
+                api, "layer ", i, " is dense and cannot recompute or offload MoE modules");
+    TORCH_CHECK(!l.moe || !l.recompute_mlp, api, "layer ", i, " is an MoE layer: recompute it with "
+                "moe, not mlp");
+    TORCH_CHECK(!l.recompute_moe_act || c.moe_grouped_gemm, api, "layer ", i,
+                ": moe_act recompute needs moe_grouped_gemm");
+    TORCH_CHECK(!l.recompute_shared_experts || c.moe_shared_expert_intermediate_size, api, "layer ",
+                i, " has no shared experts to recompute");
+    TORCH_CHECK(!(l.recompute_moe && (l.offloads(OffloadModule::kExpertFc1) ||
+                                      l.offloads(OffloadModule::kMoeAct))),
+                api, "layer ", i, ": expert groups cannot be offloaded inside a recomputed MoE layer");
+    TORCH_CHECK(c.moe_grouped_gemm || (!l.offloads(OffloadModule::kExpertFc1) &&
+                                       !l.offloads(OffloadModule::kMoeAct)),
+                api, "layer ", i, ": the expert offload groups need moe_grouped_gemm");
     const bool module_offload =
         std::any_of(l.offload_module.begin(), l.offload_module.end(), [](bool b) { return b; });
     TORCH_CHECK(l.chunk < static_cast<int>(plan.chunks.size()), api, "layer ", i,
@@ -365,6 +432,10 @@ nlohmann::json ActivationPlan::to_json() const {
     nlohmann::json lj = {{"chunk", l.chunk},
                          {"recompute_core_attn", l.recompute_core_attn},
                          {"recompute_mlp", l.recompute_mlp},
+                         {"moe", l.moe},
+                         {"recompute_moe", l.recompute_moe},
+                         {"recompute_moe_act", l.recompute_moe_act},
+                         {"recompute_shared_experts", l.recompute_shared_experts},
                          {"discard_norm_outputs", l.discard_norm_outputs},
                          {"offload_layer", l.offload_layer},
                          {"offload_modules", nlohmann::json::array()}};
@@ -392,6 +463,9 @@ void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
     } else {
       if (l.recompute_core_attn) recompute += "core_attn ";
       if (l.recompute_mlp) recompute += "mlp ";
+      if (l.recompute_moe) recompute += "moe ";
+      if (l.recompute_moe_act) recompute += "moe_act ";
+      if (l.recompute_shared_experts) recompute += "shared_experts ";
       if (l.discard_norm_outputs) recompute += "layernorm ";
       if (recompute.empty()) recompute = "keep";
     }
@@ -403,7 +477,8 @@ void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
     if (offload.empty()) offload = "-";
     while (!recompute.empty() && recompute.back() == ' ') recompute.pop_back();
     while (!offload.empty() && offload.back() == ' ') offload.pop_back();
-    os << std::left << std::setw(8) << i << std::setw(44) << recompute << offload << "\n";
+    os << std::left << std::setw(8) << (std::to_string(i) + (l.moe ? " moe" : "")) << std::setw(44)
+       << recompute << offload << "\n";
   }
 }
 

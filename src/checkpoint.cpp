@@ -427,6 +427,28 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("fp16", c.fp16);
   get("attention_softmax_in_fp32", c.attention_softmax_in_fp32);
   get("tensor_model_parallel_size", c.tensor_model_parallel_size);
+  get("num_moe_experts", c.num_moe_experts);
+  if (c.is_moe()) {
+    get("moe_router_topk", c.moe_router_topk);
+    int64_t moe_ffn = 0;
+    get("moe_ffn_hidden_size", moe_ffn);
+    if (moe_ffn > 0) c.moe_ffn_hidden_size = moe_ffn;
+    get("moe_layer_freq", c.moe_layer_freq);
+    get("moe_router_score_function", c.moe_router_score_function);
+    get("moe_router_pre_softmax", c.moe_router_pre_softmax);
+    auto get_opt = [&a](const char* key, auto& field) {
+      if (a.contains(key) && !a[key].is_null()) field = a[key].get<typename std::decay_t<decltype(field)>::value_type>();
+    };
+    get_opt("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
+    get_opt("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size);
+    get("moe_shared_expert_gate", c.moe_shared_expert_gate);
+    get_opt("moe_expert_capacity_factor", c.moe_expert_capacity_factor);
+    get("moe_pad_expert_input_to_capacity", c.moe_pad_expert_input_to_capacity);
+    get("moe_token_drop_policy", c.moe_token_drop_policy);
+    get("moe_grouped_gemm", c.moe_grouped_gemm);
+    get("moe_token_dispatcher_type", c.moe_token_dispatcher_type);
+    get("expert_model_parallel_size", c.expert_model_parallel_size);
+  }
   c.micro_batch_size = 1;
   return c;
 }
@@ -572,6 +594,18 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
   const nlohmann::json mine = to_json(model_config_);
   std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
   if (!model_config_.use_rope()) fields.emplace_back("max_position_embeddings");
+  // MoE fields (checkpoints of dense models saved before MoE existed do not record them: null).
+  const bool ckpt_moe = args.contains("num_moe_experts") && !args["num_moe_experts"].is_null();
+  if (ckpt_moe || model_config_.is_moe()) {
+    TORCH_CHECK(ckpt_moe == model_config_.is_moe(), "actmem::Trainer::load_checkpoint: the "
+                "checkpoint has num_moe_experts = ", ckpt_moe ? args["num_moe_experts"].dump() : "null",
+                " but this run has num_moe_experts = ", mine["num_moe_experts"].dump(), " (", path, ")");
+    for (const char* f : {"num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
+                          "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+                          "moe_grouped_gemm", "expert_model_parallel_size"}) {
+      fields.emplace_back(f);
+    }
+  }
   for (const auto& f : fields) {
     TORCH_CHECK(args.contains(f), "actmem::Trainer::load_checkpoint: ", path, " does not record ",
                 f, " in its args; cannot tell whether it fits this model");

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <sstream>
 #include <utility>
@@ -20,6 +21,212 @@ void check_positive(int64_t value, const char* name) {
 void check_dropout(double p, const char* name) {
   TORCH_CHECK(p >= 0.0 && p < 1.0, "actmem::TransformerConfig: ", name,
               " must be in [0, 1), got ", p);
+}
+}  // namespace
+
+namespace {
+// Megatron's moe_freq_type (megatron/training/arguments.py) then get_gpt_decoder_layer_specs
+// (megatron/core/models/gpt/gpt_layer_specs.py): an integer N, or a Python list expression of
+// 0/1 entries built from [...], +, * and parentheses ("([1]*3+[0]*1)*3"). Megatron evals the
+// expression after checking its characters; this is a small evaluator for the same grammar:
+//   expr := term ('+' term)* ; term := factor ('*' factor)* ; factor := list | int | '(' expr ')'
+class PatternParser {
+ public:
+  explicit PatternParser(const std::string& text) : s_(text) {}
+  std::vector<int64_t> parse() {
+    Value v = expr();
+    skip();
+    check(pos_ == s_.size(), "unexpected '" + s_.substr(pos_, 1) + "'");
+    check(v.is_list, "the pattern is a number, not a list");
+    return v.list;
+  }
+
+ private:
+  struct Value {
+    bool is_list = false;
+    std::vector<int64_t> list;
+    int64_t number = 0;
+  };
+  void check(bool ok, const std::string& what) const {
+    TORCH_CHECK(ok, "actmem::TransformerConfig: Invalid pattern: ", s_, " (", what, ")");
+  }
+  void skip() {
+    while (pos_ < s_.size() && s_[pos_] == ' ') ++pos_;
+  }
+  bool eat(char c) {
+    skip();
+    if (pos_ < s_.size() && s_[pos_] == c) {
+      ++pos_;
+      return true;
+    }
+    return false;
+  }
+  int64_t number() {
+    skip();
+    const size_t start = pos_;
+    while (pos_ < s_.size() && std::isdigit(static_cast<unsigned char>(s_[pos_]))) ++pos_;
+    check(pos_ > start, "expected a number at position " + std::to_string(start));
+    check(pos_ - start <= 9, "number too large");
+    return std::stoll(s_.substr(start, pos_ - start));
+  }
+  Value factor() {
+    Value v;
+    if (eat('(')) {
+      v = expr();
+      check(eat(')'), "missing ')'");
+    } else if (eat('[')) {
+      v.is_list = true;
+      if (!eat(']')) {
+        do v.list.push_back(number()); while (eat(','));
+        check(eat(']'), "missing ']'");
+      }
+    } else {
+      v.number = number();
+    }
+    return v;
+  }
+  Value term() {
+    Value v = factor();
+    while (eat('*')) {
+      Value r = factor();
+      check(v.is_list != r.is_list, "'*' needs a list and a count");
+      Value& list = v.is_list ? v : r;
+      const int64_t n = v.is_list ? r.number : v.number;
+      check(n <= 1 << 20 && static_cast<int64_t>(list.list.size()) * n <= 1 << 20, "too long");
+      Value out;
+      out.is_list = true;
+      for (int64_t i = 0; i < n; ++i) out.list.insert(out.list.end(), list.list.begin(), list.list.end());
+      v = std::move(out);
+    }
+    return v;
+  }
+  Value expr() {
+    Value v = term();
+    while (eat('+')) {
+      Value r = term();
+      check(v.is_list && r.is_list, "'+' joins two lists");
+      v.list.insert(v.list.end(), r.list.begin(), r.list.end());
+    }
+    return v;
+  }
+  const std::string& s_;
+  size_t pos_ = 0;
+};
+}  // namespace
+
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t experts, double factor) {
+  return static_cast<int64_t>(
+      std::ceil(static_cast<double>(tokens * topk) / static_cast<double>(experts) * factor));
+}
+
+std::vector<bool> TransformerConfig::moe_layers() const {
+  std::vector<bool> out(static_cast<size_t>(std::max<int64_t>(num_layers, 0)), false);
+  if (!is_moe()) return out;
+  const std::string& f = moe_layer_freq;
+  const bool is_int = !f.empty() && std::all_of(f.begin(), f.end(), [](char ch) {
+    return std::isdigit(static_cast<unsigned char>(ch));
+  });
+  if (is_int) {
+    TORCH_CHECK(f.size() <= 9 && std::stoll(f) >= 1, "actmem::TransformerConfig: moe_layer_freq "
+                "must be a positive integer or a list pattern, got ", f);
+    const int64_t n = std::stoll(f);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int64_t>(i) % n == 0;
+    return out;
+  }
+  TORCH_CHECK(f.find('[') != std::string::npos &&
+                  f.find_first_not_of("0123456789,[]()+* ") == std::string::npos,
+              "actmem::TransformerConfig: Invalid pattern: ", f);
+  const std::vector<int64_t> pattern = PatternParser(f).parse();
+  TORCH_CHECK(static_cast<int64_t>(pattern.size()) == num_layers, "actmem::TransformerConfig: "
+              "Invalid length of moe_layer_pattern: ", pattern.size(), ", expected ", num_layers,
+              ", current moe layer pattern: ", f);
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    TORCH_CHECK(pattern[i] == 0 || pattern[i] == 1, "actmem::TransformerConfig: Invalid layer "
+                "pattern: ", f, " (entries must be 0 or 1)");
+    out[i] = pattern[i] == 1;
+  }
+  return out;
+}
+
+namespace {
+// Megatron's MoE rules (TransformerConfig.__post_init__ in
+// megatron/core/transformer/transformer_config.py, validate_args in
+// megatron/training/arguments.py and the runtime checks of megatron/core/transformer/moe/), with
+// Megatron's messages; deliberate differences are marked "fixed" or "refused" (docs/moe.md).
+void validate_moe(const TransformerConfig& c) {
+  const char* api = "actmem::TransformerConfig: ";
+  TORCH_CHECK(c.num_moe_experts >= 0, api, "num_moe_experts must be non-negative.");
+  TORCH_CHECK(c.expert_model_parallel_size >= 1, api, "Expected non-negative expert parallel size");
+  if (!c.is_moe()) {
+    TORCH_CHECK(c.expert_model_parallel_size == 1, api,
+                "num_moe_experts must be non None to use expert-parallel.");
+    // Megatron only warns (and ignores it) when moe_layer_freq leaves dense layers; a dense model
+    // has no MoE layer to size, so it is refused either way here (fixed).
+    TORCH_CHECK(!c.moe_ffn_hidden_size, api, "moe_ffn_hidden_size is set but num_moe_experts is "
+                "None. Please set num_moe_experts or remove moe_ffn_hidden_size.");
+    TORCH_CHECK(!c.moe_shared_expert_intermediate_size && !c.moe_grouped_gemm &&
+                    !c.moe_layer_recompute && c.moe_expert_dropout == 0.0 &&
+                    !c.moe_expert_capacity_factor && !c.moe_pad_expert_input_to_capacity &&
+                    !c.moe_z_loss_coeff && c.moe_aux_loss_coeff == 0.0,
+                api, "MoE options need --num-experts (this model is dense)");
+    return;
+  }
+  c.moe_layers();  // the pattern's own errors
+  const int64_t E = c.num_moe_experts;
+  TORCH_CHECK(c.moe_router_topk >= 1 && c.moe_router_topk <= E, api, "moe_router_topk must be "
+              "between 1 and num_moe_experts (", E, "), got ", c.moe_router_topk);  // fixed
+  TORCH_CHECK(!c.moe_ffn_hidden_size || *c.moe_ffn_hidden_size > 0, api,
+              "moe_ffn_hidden_size must be positive, got ", c.moe_ffn_hidden_size.value_or(0));
+  TORCH_CHECK(c.moe_router_score_function == "softmax" || c.moe_router_score_function == "sigmoid",
+              api, "Invalid score_function: ", c.moe_router_score_function);
+  TORCH_CHECK(c.moe_token_dispatcher_type == "allgather" ||
+                  c.moe_token_dispatcher_type == "alltoall",
+              api, "Unsupported token dispatcher type: ", c.moe_token_dispatcher_type);
+  TORCH_CHECK(c.moe_token_drop_policy == "probs" || c.moe_token_drop_policy == "position", api,
+              "Invalid drop_policy: ", c.moe_token_drop_policy);
+  const std::string& lb = c.moe_router_load_balancing_type;
+  TORCH_CHECK(lb == "aux_loss" || lb == "none", api, "moe_router_load_balancing_type ", lb,
+              " is not implemented (aux_loss or none)");
+  TORCH_CHECK(c.moe_aux_loss_coeff >= 0.0 && std::isfinite(c.moe_aux_loss_coeff), api,
+              "moe_aux_loss_coeff must be a finite number >= 0, got ", c.moe_aux_loss_coeff);
+  TORCH_CHECK(!c.moe_z_loss_coeff || (*c.moe_z_loss_coeff >= 0.0 && std::isfinite(*c.moe_z_loss_coeff)),
+              api, "moe_z_loss_coeff must be a finite number >= 0, got ", c.moe_z_loss_coeff.value_or(0));
+  TORCH_CHECK(!(c.moe_router_topk == 1 && c.moe_router_score_function == "softmax" &&
+                !c.moe_router_pre_softmax),
+              api, "Please use --moe-router-pre-softmax when topk is 1.");
+  TORCH_CHECK(!c.moe_router_topk_scaling_factor || (*c.moe_router_topk_scaling_factor > 0.0 &&
+                                                    std::isfinite(*c.moe_router_topk_scaling_factor)),
+              api, "moe_router_topk_scaling_factor must be a positive number");
+  if (c.moe_shared_expert_intermediate_size) {
+    const int64_t v = *c.moe_shared_expert_intermediate_size;
+    TORCH_CHECK(v > 0, api, "moe_shared_expert_intermediate_size must be num_shared_experts * "
+                "ffn_size_of_each_shared_expert, but got ", v);
+    // megatron/core/transformer/moe/shared_experts.py (the whole message as Megatron prints it).
+    TORCH_CHECK(!c.add_bias_linear, api, "bias is not supported in the shared experts, ");
+    TORCH_CHECK(v % c.tensor_model_parallel_size == 0, api, "moe_shared_expert_intermediate_size (",
+                v, ") must be divisible by tensor_model_parallel_size (", c.tensor_model_parallel_size, ")");
+  } else {
+    TORCH_CHECK(!c.moe_shared_expert_gate, api, "moe_shared_expert_gate needs shared experts "
+                "(moe_shared_expert_intermediate_size)");
+  }
+  if (c.moe_expert_capacity_factor) {
+    TORCH_CHECK(std::isfinite(*c.moe_expert_capacity_factor) && *c.moe_expert_capacity_factor > 0.0,
+                api, "moe_expert_capacity_factor must be a positive number (unset for dropless "
+                "routing), got ", *c.moe_expert_capacity_factor);
+    TORCH_CHECK(lb == "aux_loss" || lb == "none", api, "moe_expert_capacity_factor only works with "
+                "aux_loss, seq_aux_loss, global_aux_loss or none load balancing");
+  }
+  TORCH_CHECK(!c.moe_pad_expert_input_to_capacity || c.moe_expert_capacity_factor, api,
+              "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity");
+  TORCH_CHECK(c.moe_expert_dropout >= 0.0 && c.moe_expert_dropout < 1.0, api,
+              "moe_expert_dropout must be in [0, 1), got ", c.moe_expert_dropout);
+  // validate_args (megatron/training/arguments.py).
+  TORCH_CHECK(E % c.expert_model_parallel_size == 0, api,
+              "Number of experts should be a multiple of expert model parallel_size.");
+  TORCH_CHECK(c.expert_model_parallel_size == 1, api, "expert_model_parallel_size > 1 is not "
+              "implemented yet (got ", c.expert_model_parallel_size, ")");
+  TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "MoE layers with "
+              "tensor_model_parallel_size > 1 (expert tensor parallelism) are not implemented yet");
 }
 }  // namespace
 
@@ -78,6 +285,7 @@ void TransformerConfig::validate_shape() const {
   TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
               "sequence_parallel needs seq_length (", seq_length, ") divisible by "
               "tensor_model_parallel_size (", t, ")");
+  validate_moe(*this);
   // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
 }
 
@@ -126,7 +334,29 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"fine_grained_offloading_max_inflight_offloads",
        c.fine_grained_offloading_max_inflight_offloads},
       {"min_offloaded_tensor_size", c.min_offloaded_tensor_size},
+      {"num_moe_experts", c.is_moe() ? nlohmann::json(c.num_moe_experts) : nlohmann::json(nullptr)},
   };
+  if (c.is_moe()) {
+    auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+    j["moe_router_topk"] = c.moe_router_topk;
+    j["moe_ffn_hidden_size"] = c.moe_ffn();
+    j["moe_layer_freq"] = c.moe_layer_freq;
+    j["moe_router_load_balancing_type"] = c.moe_router_load_balancing_type;
+    j["moe_aux_loss_coeff"] = c.moe_aux_loss_coeff;
+    j["moe_z_loss_coeff"] = opt(c.moe_z_loss_coeff);
+    j["moe_router_score_function"] = c.moe_router_score_function;
+    j["moe_router_pre_softmax"] = c.moe_router_pre_softmax;
+    j["moe_router_topk_scaling_factor"] = opt(c.moe_router_topk_scaling_factor);
+    j["moe_shared_expert_intermediate_size"] = opt(c.moe_shared_expert_intermediate_size);
+    j["moe_shared_expert_gate"] = c.moe_shared_expert_gate;
+    j["moe_expert_capacity_factor"] = opt(c.moe_expert_capacity_factor);
+    j["moe_pad_expert_input_to_capacity"] = c.moe_pad_expert_input_to_capacity;
+    j["moe_token_drop_policy"] = c.moe_token_drop_policy;
+    j["moe_grouped_gemm"] = c.moe_grouped_gemm;
+    j["moe_token_dispatcher_type"] = c.moe_token_dispatcher_type;
+    j["expert_model_parallel_size"] = c.expert_model_parallel_size;
+    j["moe_expert_dropout"] = c.moe_expert_dropout;
+  }
   return j;
 }
 

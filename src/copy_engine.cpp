@@ -207,12 +207,22 @@ void CopyStream::copy(Job& job) {
 
 HostPool::~HostPool() = default;
 
-at::Tensor HostPool::acquire(int64_t bytes) {
+int64_t HostPool::size_class(int64_t bytes) {
+  // Four classes per doubling: (2^n, 2^(n+1)] rounds up to a multiple of 2^(n-2), so a buffer is
+  // at most 25% larger than asked; 4 KiB at least.
+  if (bytes <= 4096) return 4096;
+  int n = 63 - __builtin_clzll(static_cast<unsigned long long>(bytes - 1));  // 2^n < bytes
+  const int64_t step = int64_t{1} << (n - 2);
+  return (bytes + step - 1) / step * step;
+}
+
+at::Tensor HostPool::acquire(int64_t bytes, bool size_classes) {
   TORCH_CHECK(bytes > 0, "actmem::HostPool::acquire: expected a positive size, got ", bytes);
+  const int64_t capacity = size_classes ? size_class(bytes) : bytes;
   at::Tensor buffer;
   {
     std::lock_guard<std::mutex> lock(mutex_);
-    auto& list = free_[bytes];
+    auto& list = free_[capacity];
     if (!list.empty()) {
       buffer = std::move(list.back());
       list.pop_back();
@@ -220,36 +230,41 @@ at::Tensor HostPool::acquire(int64_t bytes) {
   }
   if (!buffer.defined() && pinned_) {
     // Page-locked host memory for DMA to and from a CUDA device (libtorch's pinned allocator).
-    buffer = at::empty({bytes}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
+    buffer = at::empty({capacity}, at::TensorOptions().dtype(at::kByte).pinned_memory(true));
     std::lock_guard<std::mutex> lock(mutex_);
     owned_.insert(buffer.data_ptr());
-    allocated_ += bytes;
+    allocated_ += capacity;
     ++allocations_;
   }
   if (!buffer.defined()) {
     // Host memory is not device memory: allocate it outside the tracked CPU allocator.
     void* p = nullptr;
-    TORCH_CHECK(posix_memalign(&p, 64, static_cast<size_t>(bytes)) == 0 && p != nullptr,
-                "actmem::HostPool: the system refused ", bytes, " bytes of host memory");
-    buffer = at::from_blob(p, {bytes}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
+    TORCH_CHECK(posix_memalign(&p, 64, static_cast<size_t>(capacity)) == 0 && p != nullptr,
+                "actmem::HostPool: the system refused ", capacity, " bytes of host memory");
+    buffer = at::from_blob(p, {capacity}, [](void* q) { std::free(q); },
+                           at::TensorOptions().dtype(at::kByte));
     std::lock_guard<std::mutex> lock(mutex_);
     owned_.insert(buffer.data_ptr());
-    allocated_ += bytes;
+    allocated_ += capacity;
     ++allocations_;
   }
-  const int64_t now = in_use_.fetch_add(bytes) + bytes;
+  const int64_t now = in_use_.fetch_add(capacity) + capacity;
   int64_t seen = peak_.load();
   while (now > seen && !peak_.compare_exchange_weak(seen, now)) {
   }
-  return buffer;
+  // The first `bytes` of the buffer (the whole of it without size classes).
+  return capacity == bytes ? buffer : buffer.narrow(0, 0, bytes);
 }
 
 void HostPool::release(const at::Tensor& buffer) {
   std::lock_guard<std::mutex> lock(mutex_);
   TORCH_CHECK(buffer.defined() && owned_.count(buffer.data_ptr()) != 0,
               "actmem::HostPool::release: the buffer does not belong to this pool");
-  in_use_ -= static_cast<int64_t>(buffer.nbytes());
-  free_[static_cast<int64_t>(buffer.nbytes())].push_back(buffer);
+  // The whole buffer goes back under its capacity (its storage's size), whatever view was used.
+  const auto capacity = static_cast<int64_t>(buffer.storage().nbytes());
+  in_use_ -= capacity;
+  at::Tensor whole = buffer.numel() == capacity ? buffer : buffer.as_strided({capacity}, {1}, 0);
+  free_[capacity].push_back(std::move(whole));
 }
 
 }  // namespace actmem

@@ -93,7 +93,7 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
     auto [attn, attn_bias] = layer.self_attention->linear_proj->forward(context);
     hidden = hidden + (attn_bias.defined() ? attn + attn_bias : attn);
     const at::Tensor ln2 = layer.pre_mlp_layernorm->forward(hidden);
-    auto [mlp, mlp_bias] = layer.mlp->forward(ln2);
+    auto [mlp, mlp_bias] = layer.moe ? layer.moe->forward(ln2, nullptr) : layer.mlp->forward(ln2);
     hidden = hidden + (mlp_bias.defined() ? mlp + mlp_bias : mlp);
   }
   hidden = model_.decoder->final_layernorm->forward(hidden);

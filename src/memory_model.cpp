@@ -9,6 +9,7 @@
 #include <limits>
 #include <cmath>
 #include <map>
+#include <numeric>
 
 namespace actmem {
 
@@ -88,6 +89,35 @@ LayerBytes paper_layer_bytes(const PaperShape& m) {
     r.full = 2.0 * sbh;
     r.s2_fraction = (sq / t) / (10.0 + 24.0 / t + sq / t);
   }
+  return r;
+}
+
+MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
+  const MoEPaperShape& e = m.moe;
+  TORCH_CHECK(e.experts >= 1 && e.topk >= 1 && e.topk <= e.experts && e.ffn > 0,
+              "actmem::paper_moe_layer_bytes: needs experts >= 1, 1 <= topk <= experts and an "
+              "expert ffn > 0");
+  TORCH_CHECK(m.t == 1 || m.sp, "actmem::paper_moe_layer_bytes: MoE with tensor parallelism "
+              "needs sequence parallelism (Megatron refuses it otherwise)");
+  const double sb = m.s * m.b, t = m.t, h = m.h, E = e.experts, k = e.topk;
+  double rows = sb * k;
+  if (e.capacity_factor > 0) {
+    const double cap = std::min(std::ceil(sb * k / E * e.capacity_factor), sb);
+    rows = e.pad_to_capacity ? E * cap : std::min(sb * k, E * cap);
+  }
+  MoELayerBytes r;
+  r.rows = rows;
+  r.router = (2 * sb * h + 8 * sb * k + 4 * sb * k + (e.aux_loss ? 4 * sb * E + 4 * E : 0) +
+              (e.z_loss ? 4 * sb * E + 4 * sb : 0) + (e.capacity_factor > 0 ? sb * E : 0)) / t;
+  r.dispatch = 16 * rows + 2 * rows + 2 * rows * h;
+  r.experts = (m.swiglu ? 10 : 6) * rows * e.ffn / t;
+  r.shared = (m.swiglu ? 8 : 4) * sb * e.shared_ffn / t;
+  const double attention = m.sbh() * (13.0 + 5.0 * m.a * m.s / m.h) / t;
+  const double norm_and_mask = 3 * m.sbh() / t;
+  r.layer.none = attention + norm_and_mask + r.mlp();
+  r.layer.selective = 13.0 * m.sbh() / t + norm_and_mask + r.mlp();
+  r.layer.full = 2.0 * m.sbh() / t;
+  r.layer.s2_fraction = (5.0 * m.a * m.s / m.h) * m.sbh() / t / r.layer.none;
   return r;
 }
 
@@ -239,13 +269,49 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 //   loss                 log-softmax output sbv·e, int64 targets 8sb (a copy when b, s > 1),
 //                        total weight e
 // plus the loss value itself (e), and one random-state snapshot per checkpoint.
+//
+// Note [What an MoE layer saves] (T = s*b tokens, N rows the experts compute, E experts,
+// k = topk, f = each expert's ffn, fs = the shared experts' ffn; fp32 parts are 4 bytes at every
+// precision, as the router computes its scores in fp32; ledger of `actmem inspect --records`):
+//   router            its input (the norm output; counted by the shared experts when they run
+//                     first) Th·e; z-loss: the fp32 logits TE·4 and their logsumexp T·4;
+//                     top-k indices Tk·8 and the fp32 softmax over the top-k Tk·4 (pre-softmax:
+//                     the fp32 softmax over all experts TE·4; sigmoid: its output TE·4, and with
+//                     k > 1 the top-k scores Tk·4 and their sum T·4); capacity: the kept-pairs
+//                     mask TE (bool); load-balancing loss: the fp32 scores over all experts TE·4
+//                     (sigmoid: plus their sum T·4) and the token counts E·4
+//   token_dispatcher  the token index and the flat (expert, token) index, N·8 each
+//   experts           linear_fc1: the permuted tokens Nh·e; activation_func: GeLU its input
+//                     Nf·e and output Nf·e (SwiGLU: fc1's 2Nf·e, silu's Nf·e, the gated product
+//                     Nf·e), the permuted probabilities N·e, expert dropout's mask Nf; moe_act
+//                     recompute instead keeps fc1's output and the probabilities (and a
+//                     snapshot); linear_fc2: its input Nf·e (0 with moe_act recompute)
+//   shared_experts    a dense MLP of ffn fs (its linear_fc1 counts the norm output), the gate's
+//                     sigmoid T·e and the gated MLP output Th·e
+// Biases are parameters; fc2's bias times the probability keeps only the probabilities.
+std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_index,
+                                       const MoERouting* routing) {
+  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
+  if (routing != nullptr && moe_index < routing->size() && !(*routing)[moe_index].empty()) {
+    const auto& counts = (*routing)[moe_index];
+    return std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  }
+  if (!c.moe_expert_capacity_factor) return T * c.moe_router_topk;
+  if (c.moe_pad_expert_input_to_capacity) {
+    const int64_t cap = moe_expert_capacity(T, c.moe_router_topk, E, *c.moe_expert_capacity_factor);
+    return E * std::min(cap, T);
+  }
+  return std::nullopt;
+}
+
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
-                                        bool snapshots_on_device) {
-  return predict_activation_bytes(c, make_activation_plan(c), e, snapshots_on_device);
+                                        bool snapshots_on_device, const MoERouting* routing) {
+  return predict_activation_bytes(c, make_activation_plan(c), e, snapshots_on_device, routing);
 }
 
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, const ActivationPlan& plan,
-                                        int64_t e, bool snapshots_on_device) {
+                                        int64_t e, bool snapshots_on_device,
+                                        const MoERouting* routing) {
   c.validate_shape();
   TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
               "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
@@ -286,10 +352,87 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     p.total += bytes;
   };
 
+  // Note [What an MoE layer saves]; norm_out is the pre-MLP norm's output as its first consumer
+  // counts it.
+  auto add_moe_layer = [&](const std::string& mlp, const LayerPlan& lp, int64_t norm_out,
+                           size_t index) {
+    if (lp.recompute_moe) {
+      add(mlp, norm_out + snapshot);
+      return;
+    }
+    const std::optional<int64_t> rows = moe_expert_rows(c, index, routing);
+    TORCH_CHECK(rows.has_value(), "actmem::predict_activation_bytes: with a capacity factor and "
+                "no padding the experts' rows depend on the routing; pass the router's counts "
+                "(MoEStats::routing()) for MoE layer ", index);
+    const int64_t N = *rows, T = s * b, E = c.num_moe_experts, k = c.moe_router_topk;
+    const int64_t fm = c.moe_ffn(), fc1w = c.gated_linear_unit ? 2 * fm : fm;
+    int64_t router_in = norm_out;
+    if (c.moe_shared_expert_intermediate_size) {
+      const int64_t fs = *c.moe_shared_expert_intermediate_size;
+      const std::string se = mlp + ".shared_experts";
+      if (lp.recompute_shared_experts) {
+        add(se, norm_out + snapshot);
+      } else {
+        add(se + ".linear_fc1", norm_out);
+        add(se + ".activation_func", (c.gated_linear_unit ? 3 : 1) * T * fs * e);
+        add(se + ".linear_fc2", T * fs * e);
+        if (c.moe_shared_expert_gate) add(se, T * e + T * h * e);
+      }
+      router_in = 0;  // counted by the shared experts
+    }
+    int64_t router = router_in;
+    if (c.moe_z_loss_coeff && *c.moe_z_loss_coeff > 0.0) router += T * E * 4 + T * 4;
+    router += T * k * 8;  // the top-k indices
+    if (c.moe_router_score_function == "softmax") {
+      router += c.moe_router_pre_softmax ? T * E * 4 : T * k * 4;
+    } else {
+      router += T * E * 4 + (k > 1 ? T * k * 4 + T * 4 : 0);
+    }
+    if (c.moe_expert_capacity_factor) router += T * E;
+    if (c.moe_router_load_balancing_type == "aux_loss" && c.moe_aux_loss_coeff > 0.0) {
+      router += T * E * 4 + E * 4 + (c.moe_router_score_function == "sigmoid" ? T * 4 : 0);
+    }
+    add(mlp + ".router", router);
+    add(mlp + ".token_dispatcher", 2 * N * 8);
+    // What the experts keep for n of their rows (the probabilities apart).
+    auto act_bytes = [&](int64_t n) {
+      const int64_t mask = c.moe_expert_dropout > 0.0 ? n * fm : 0;
+      return (c.gated_linear_unit ? 4 * n * fm * e : 2 * n * fm * e) + mask;
+    };
+    if (c.moe_grouped_gemm) {
+      add(mlp + ".experts.linear_fc1", N * h * e);
+      if (lp.recompute_moe_act) {
+        add(mlp + ".experts.activation_func", N * fc1w * e + N * e + snapshot);
+      } else {
+        add(mlp + ".experts.activation_func", act_bytes(N) + N * e);
+        add(mlp + ".experts.linear_fc2", N * fm * e);
+      }
+      return;
+    }
+    // SequentialMLP: the experts' inputs and probabilities are views of the permuted tensors,
+    // counted where expert 0 first saves them; the rest is per expert, which takes the routing.
+    const std::vector<int64_t>* counts =
+        routing != nullptr && index < routing->size() && !(*routing)[index].empty()
+            ? &(*routing)[index] : nullptr;
+    if (counts == nullptr) {
+      add(mlp + ".experts.local_experts", N * h * e + act_bytes(N) + N * e + N * fm * e);
+      return;
+    }
+    for (size_t j = 0; j < counts->size(); ++j) {
+      const std::string ex = mlp + ".experts.local_experts." + std::to_string(j);
+      const int64_t n = (*counts)[j];
+      add(ex + ".linear_fc1", j == 0 ? N * h * e : 0);
+      add(ex + ".activation_func", act_bytes(n) + (j == 0 ? N * e : 0));
+      add(ex + ".linear_fc2", n * fm * e);
+    }
+  };
   add("embedding", hidden_drop ? sbh : 0);
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(i)];
     const std::string layer = "decoder.layers." + std::to_string(i);
+    // This layer's index among the MoE layers (the routing's index), chunked or not.
+    const size_t moe_index = static_cast<size_t>(
+        std::count_if(plan.layers.begin(), plan.layers.begin() + i, [](const LayerPlan& l) { return l.moe; }));
     if (lp.in_chunk()) {
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
       // With distribute_saved_activations it is this rank's 1/t chunk.
@@ -315,7 +458,9 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     add(layer + ".self_attention.linear_proj", sbh_t * e);
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);
-    if (lp.recompute_mlp) {
+    if (lp.moe) {
+      add_moe_layer(layer + ".mlp", lp, norm_out, moe_index);
+    } else if (lp.recompute_mlp) {
       // The MLP checkpoint keeps its input (the norm output) and a snapshot.
       add(layer + ".mlp", (sel_norm ? 0 : sbh * e) + snapshot);
     } else {
@@ -367,8 +512,37 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
   const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
                         2.0 * v * h + static_cast<double>(c.max_positions()) * h + 2.0 * h;
-  const double largest_param = std::max(v * h, h * fc1 / t) * e;
-  const double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+  double largest_param = std::max(v * h, h * fc1 / t) * e;
+  double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+  // MoE layers: their router, experts and shared experts on top of the dense MLP counted above
+  // (an upper bound), and the experts' [N, fc1] rows at the most the routing can give them.
+  MoERouting worst;
+  double moe_params = 0.0;
+  if (c.is_moe()) {
+    const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
+    const int64_t k = c.moe_router_topk;
+    int64_t rows = T * k;
+    if (c.moe_expert_capacity_factor) {
+      const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
+      rows = c.moe_pad_expert_input_to_capacity ? E * cap : std::min(T * k, E * cap);
+    }
+    const double fm = static_cast<double>(c.moe_ffn()), fc1m = c.gated_linear_unit ? 2.0 * fm : fm;
+    const double Ed = static_cast<double>(E);
+    double per_layer = Ed * h + Ed + Ed * (h * fc1m + fc1m + fm * h + h);
+    if (c.moe_shared_expert_intermediate_size) {
+      const double fs = static_cast<double>(*c.moe_shared_expert_intermediate_size);
+      per_layer += h * (c.gated_linear_unit ? 2.0 * fs : fs) + fs * h + h;
+    }
+    const std::vector<bool> moe = c.moe_layers();
+    for (const bool m : moe) {
+      if (!m) continue;
+      moe_params += per_layer;
+      worst.push_back({rows});
+    }
+    largest_param = std::max(largest_param, h * fc1m * e);
+    largest_tensor = std::max({largest_tensor, static_cast<double>(rows) * std::max(fc1m, h) * e,
+                               static_cast<double>(T) * Ed * 4.0});
+  }
   // Sizes whose exact count would not fit the predictor's 64-bit integers cannot fit a device.
   if (largest_tensor * L * 64.0 > 0x1p62) return std::numeric_limits<double>::infinity();
   ActivationPlan keep_all = make_activation_plan(c);
@@ -377,11 +551,11 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   keep_all.chunks.clear();
   keep_all.layers.assign(keep_all.layers.size(), LayerPlan{});
   const double activations =
-      static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes).total);
+      static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes, true, &worst).total);
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
   // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
   const double upcast = e == 2.0 ? 2.0 : 1.0;
-  return per_param * params + 2.0 * largest_param * upcast + activations +
+  return per_param * (params + moe_params) + 2.0 * largest_param * upcast + activations +
          3.0 * largest_tensor * upcast;
 }
 

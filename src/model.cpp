@@ -55,6 +55,34 @@ std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
   return tracker.fork(kModelParallelRng);
 }
 
+// An MoE layer's weights, in the order router, experts (fc1 then fc2 of each), shared experts
+// (fc1, fc2, gate): fc2 layers take the residual projections' scaled std, as Megatron's MLP.
+void init_moe_layer(MoELayer& moe, const TransformerConfig& c, double std, double scaled_std,
+                    at::ScalarType dtype) {
+  const int64_t h = c.hidden_size, f = c.moe_ffn(), fc1_rows = c.gated_linear_unit ? 2 * f : f;
+  moe.router->weight.copy_(init_normal({c.num_moe_experts, h}, std, dtype));
+  Experts& e = *moe.experts;
+  const int64_t E = c.num_moe_experts / c.expert_model_parallel_size;
+  for (int64_t j = 0; j < E; ++j) {
+    const at::Tensor fc1 = init_normal({fc1_rows, h}, std, dtype);
+    const at::Tensor fc2 = init_normal({h, f}, scaled_std, dtype);
+    if (e.linear_fc1) {
+      e.linear_fc1->weights[static_cast<size_t>(j)].copy_(fc1);
+      e.linear_fc2->weights[static_cast<size_t>(j)].copy_(fc2);
+    } else {
+      e.local_experts[static_cast<size_t>(j)]->fc1_weight.copy_(fc1);
+      e.local_experts[static_cast<size_t>(j)]->fc2_weight.copy_(fc2);
+    }
+  }
+  if (moe.shared_experts) {
+    const int64_t fs = *c.moe_shared_expert_intermediate_size;
+    moe.shared_experts->linear_fc1->weight.copy_(
+        init_normal({c.gated_linear_unit ? 2 * fs : fs, h}, std, dtype));
+    moe.shared_experts->linear_fc2->weight.copy_(init_normal({h, fs}, scaled_std, dtype));
+    if (moe.shared_expert_gate.defined()) moe.shared_expert_gate.copy_(init_normal({1, h}, std, dtype));
+  }
+}
+
 }  // namespace
 
 ForwardCounters& forward_counters() {
@@ -359,7 +387,11 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerP
   self_attention =
       register_module("self_attention", std::make_shared<SelfAttention>(config, plan, dtype));
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
-  mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
+  if (plan.moe) {
+    moe = register_module("mlp", std::make_shared<MoELayer>(config, plan, layer_number, dtype));
+  } else {
+    mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
+  }
 }
 
 namespace {
@@ -393,7 +425,9 @@ class LayerNormStep {
 };
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x) {
+std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x,
+                                                            const LayerContext& ctx) {
+  if (moe) return moe->forward(x, ctx.offloader);
   if (plan_.recompute_mlp && is_training()) {
     // Selective "mlp": the whole MLP in one checkpoint; fc2's bias is a parameter, not an
     // activation, so it is returned beside the checkpoint as Megatron does.
@@ -441,7 +475,7 @@ at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const L
 at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
   return norm_module_bda(hidden, ctx, {pre_mlp_layernorm, OffloadModule::kMlpNorm,
                                        "pre_mlp_layernorm", "mlp", "mlp_bda"},
-                         [&](const at::Tensor& ln) { return run_mlp(ln); });
+                         [&](const at::Tensor& ln) { return run_mlp(ln, ctx); });
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
@@ -598,6 +632,10 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       layer->self_attention->linear_qkv->weight.copy_(rows(init_normal({3 * h, h}, std, dtype)));
       layer->self_attention->linear_proj->weight.copy_(
           cols(init_normal({h, h}, scaled_std, dtype)));
+      if (layer->moe) {
+        init_moe_layer(*layer->moe, config, std, scaled_std, dtype);
+        continue;
+      }
       const at::Tensor fc1 = init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype);
       if (config.gated_linear_unit) {
         // SwiGLU's fc1 is [gate; up]: each rank keeps its slice of both halves, in that order,
@@ -610,12 +648,28 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       layer->mlp->linear_fc2->weight.copy_(cols(init_normal({h, f}, scaled_std, dtype)));
     }
   }
+  for (auto& layer : decoder->layers) {
+    if (!layer->moe) continue;
+    MoEStats::Layer stats;
+    stats.layer_number = layer->layer_number();
+    moe_stats_.layers.push_back(std::move(stats));
+  }
+  size_t next_moe = 0;  // the vector is complete: its elements stay where they are
+  for (auto& layer : decoder->layers) {
+    if (layer->moe) layer->moe->set_stats(&moe_stats_.layers[next_moe++]);
+  }
   if (config.untie_embeddings_and_output_weights) {
     output_weight = register_module("output_layer",
                                     std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
                         ->weight;
   } else {
     output_weight = word_embeddings;
+  }
+}
+
+void GPTModel::set_moe_aux_loss_scale(double scale) {
+  for (auto& layer : decoder->layers) {
+    if (layer->moe) layer->moe->set_aux_loss_scale(scale);
   }
 }
 

@@ -127,6 +127,73 @@ void add_parallel_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
 }
 
+void add_moe_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
+  // Mixture of experts (docs/moe.md), Megatron's flags and defaults.
+  app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense)")
+      ->check(integer_in_range(0, 1 << 20));
+  app.add_option("--moe-router-topk", m.moe_router_topk, "Experts each token is routed to")
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--moe-ffn-hidden-size", [&m](const int64_t& v) { m.moe_ffn_hidden_size = v; },
+         "Each expert's hidden size (default --ffn-hidden-size)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--moe-layer-freq", m.moe_layer_freq,
+                 "MoE every N layers from layer 0, or a 0/1 pattern: \"[1,0,1,0]\", \"([1]*3+[0])*2\"")
+      ->capture_default_str();
+  app.add_option("--moe-router-load-balancing-type", m.moe_router_load_balancing_type,
+                 "aux_loss (Switch load balancing) or none")
+      ->capture_default_str();
+  app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
+      ->capture_default_str()->check(kNonNegative);
+  app.add_option_function<double>(
+         "--moe-z-loss-coeff", [&m](const double& v) { m.moe_z_loss_coeff = v; },
+         "Router z-loss coefficient (default off)")
+      ->check(kNonNegative);
+  app.add_option("--moe-router-score-function", m.moe_router_score_function, "softmax or sigmoid")
+      ->capture_default_str();
+  app.add_flag("--moe-router-pre-softmax", m.moe_router_pre_softmax,
+               "Softmax over all experts before the top-k (needed with --moe-router-topk 1)");
+  app.add_option_function<double>(
+         "--moe-router-topk-scaling-factor",
+         [&m](const double& v) { m.moe_router_topk_scaling_factor = v; },
+         "Multiply the routing probabilities by this")
+      ->check(kPositive);
+  app.add_option_function<int64_t>(
+         "--moe-shared-expert-intermediate-size",
+         [&m](const int64_t& v) { m.moe_shared_expert_intermediate_size = v; },
+         "Shared experts' total hidden size (num_shared_experts x each one's ffn)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--moe-shared-expert-gate", m.moe_shared_expert_gate,
+               "Scale the shared-expert output by a learned sigmoid gate");
+  app.add_option_function<double>(
+         "--moe-expert-capacity-factor",
+         [&m](const double& v) {
+           // Megatron: a negative factor means none (dropless).
+           if (v >= 0.0) m.moe_expert_capacity_factor = v; else m.moe_expert_capacity_factor.reset();
+         },
+         "Token dropping: each expert takes at most ceil(tokens x topk / experts x factor) tokens "
+         "(default dropless)");
+  app.add_flag("--moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity,
+               "With a capacity factor: every expert computes exactly `capacity` rows");
+  app.add_option("--moe-token-drop-policy", m.moe_token_drop_policy,
+                 "Over capacity, keep the tokens with the highest probs or the earliest position")
+      ->capture_default_str();
+  app.add_flag("--moe-grouped-gemm", m.moe_grouped_gemm,
+               "Experts as one grouped product over the permuted tokens (TEGroupedMLP)");
+  app.add_option("--moe-token-dispatcher-type", m.moe_token_dispatcher_type, "allgather or alltoall")
+      ->capture_default_str();
+  app.add_option("--expert-model-parallel-size", m.expert_model_parallel_size,
+                 "Expert-parallel ranks (only 1 is implemented so far)")
+      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  app.add_flag("--moe-layer-recompute", m.moe_layer_recompute,
+               "Deprecated: --recompute-granularity selective --recompute-modules core_attn moe");
+  app.add_option("--moe-expert-dropout", m.moe_expert_dropout,
+                 "actmem: dropout on the experts' activation, from the expert-parallel random "
+                 "stream (Megatron has none; default 0)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+}
+
 void add_recompute_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
   // Activation recompute (docs/recompute.md).
@@ -142,7 +209,8 @@ void add_recompute_flags(CLI::App& app, TrainOptions& o) {
       ->check(integer_in_range(0, kMaxInt));
   app.add_option_function<std::vector<std::string>>(
          "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
-         "Selective targets, space-separated: core_attn mlp layernorm (default core_attn)")
+         "Selective targets, space-separated: core_attn mlp layernorm moe moe_act shared_experts "
+         "(default core_attn)")
       ->expected(1, -1);
   app.add_flag("--recompute-activations", o.recompute_activations,
                "Legacy: same as --recompute-granularity selective");
@@ -161,7 +229,7 @@ void add_offload_flags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--fine-grained-activation-offloading", m.fine_grained_activation_offloading,
                "Offload what the modules of --offload-modules save");
   app.add_option("--offload-modules", m.offload_modules,
-                 "Space-separated: attn_norm qkv_linear core_attn attn_proj mlp_norm")
+                 "Space-separated: attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act")
       ->expected(1, -1);
   app.add_option("--fine-grained-offloading-max-inflight-offloads",
                  m.fine_grained_offloading_max_inflight_offloads,
@@ -297,6 +365,7 @@ void add_checkpoint_flags(CLI::App& app, TrainOptions& o) {
 void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kShapeFlags) add_shape_flags(app, o);
   if (groups & kParallelFlags) add_parallel_flags(app, o);
+  if (groups & kMoEFlags) add_moe_flags(app, o);
   if (groups & kRecomputeFlags) add_recompute_flags(app, o);
   if (groups & kOffloadFlags) add_offload_flags(app, o);
   if (groups & kOptimizerFlags) add_optimizer_flags(app, o);

@@ -128,6 +128,14 @@ nlohmann::json to_json(const IterationStats& s) {
   }
   if (!s.grad_digest_per_rank.empty()) j["grad_digest_per_rank"] = s.grad_digest_per_rank;
   if (s.val_loss) j["val_loss"] = *s.val_loss;
+  if (s.moe) {
+    auto opt = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+    j["load_balancing_loss"] = opt(s.load_balancing_loss);
+    j["z_loss"] = opt(s.z_loss);
+    j["expert_load_imbalance"] = s.expert_load_imbalance;
+    j["moe_routed_tokens"] = s.moe_routed_tokens;
+    j["moe_dropped_tokens"] = s.moe_dropped_tokens;
+  }
   return j;
 }
 
@@ -284,9 +292,13 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     offloader_->exclude(model_->attention_mask());
     model_->set_activation_offloader(offloader_.get());
   }
-  predicted_activation_bytes_ =
-      predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
-                               device_.is_cpu()).total;
+  // With a capacity factor and no padding an MoE model's bytes depend on the routing: predicted
+  // per step from the router's counts (train_step).
+  if (!model_config_.is_moe() || moe_expert_rows(model_config_, 0).has_value()) {
+    predicted_activation_bytes_ =
+        predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
+                                 device_.is_cpu()).total;
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -337,6 +349,13 @@ IterationStats Trainer::train_step(bool compute_digest) {
 
   StepClock clock{0.0, memory_.current_bytes()};
   forward_backward(st, clock);
+  if (model_config_.is_moe()) {
+    // The routing of the step's first micro-batch (memory_model.h: exact given the routing).
+    const MoERouting routing = model_->moe_stats().routing();
+    st.predicted_activation_bytes =
+        predict_activation_bytes(model_config_, model_->plan(), model_config_.element_bytes(),
+                                 device_.is_cpu(), &routing).total;
+  }
   reduce_sequence_parallel_gradients();
   const auto t1 = Clock::now();
   if (mixed_) {
@@ -377,6 +396,11 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size);
   synchronize_device(device_);
   double loss_sum = 0.0;
+  // Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches): the auxiliary
+  // losses are weighted in backward as the main loss is.
+  model_->moe_stats().reset();
+  model_->set_moe_aux_loss_scale((mixed_ && mixed_->scaler() ? mixed_->loss_scale() : 1.0) /
+                                 static_cast<double>(n_micro));
   for (int64_t m = 0; m < n_micro; ++m) {
     auto batch = train_sampler_->next();
     const at::Tensor tokens = batch.first.to(device_), labels = batch.second.to(device_);
@@ -421,6 +445,16 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     loss_sum += loss.item<double>();
   }
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
+  const MoEStats& moe = model_->moe_stats();
+  if (!moe.layers.empty()) {
+    st.moe = true;
+    const double lb = moe.mean_load_balancing_loss(), z = moe.mean_z_loss();
+    if (!std::isnan(lb)) st.load_balancing_loss = lb;
+    if (!std::isnan(z)) st.z_loss = z;
+    st.expert_load_imbalance = moe.max_load_imbalance();
+    st.moe_routed_tokens = moe.total_routed();
+    st.moe_dropped_tokens = moe.total_dropped();
+  }
 }
 
 void Trainer::reduce_sequence_parallel_gradients() {
@@ -623,6 +657,20 @@ int Trainer::run(const RunOutput& out,
       if (mixed_ && mixed_->scaler()) {
         *progress << " | loss scale " << std::defaultfloat << mixed_->loss_scale() << std::fixed
                   << " | skipped " << window_skipped;
+      }
+      if (st.moe) {
+        // Megatron's names: load_balancing_loss and z_loss, unscaled (1 = balanced routing).
+        if (st.load_balancing_loss) {
+          *progress << " | load_balancing_loss " << std::setprecision(3) << *st.load_balancing_loss;
+        }
+        if (st.z_loss) *progress << " | z_loss " << std::setprecision(3) << *st.z_loss;
+        *progress << " | expert load max/mean " << std::setprecision(2) << st.expert_load_imbalance;
+        if (model_config_.moe_expert_capacity_factor) {
+          *progress << " | dropped " << std::setprecision(1)
+                    << 100.0 * static_cast<double>(st.moe_dropped_tokens) /
+                           static_cast<double>(std::max<int64_t>(st.moe_routed_tokens, 1))
+                    << "%";
+        }
       }
       *progress << " | lr " << std::scientific << std::setprecision(2) << st.lr
                 << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | "

@@ -53,6 +53,37 @@ TEST(HostPool, ReusesBuffersAndStaysOutsideDeviceMemory) {
                           "does not belong to this pool");
 }
 
+TEST(HostPool, SizeClassesReuseABufferForNearbySizes) {
+  // Four classes per doubling: 5000..5120 bytes share the 5120 class, 5121 takes the next.
+  EXPECT_EQ(HostPool::size_class(100), 4096);
+  EXPECT_EQ(HostPool::size_class(4097), 5120);
+  EXPECT_EQ(HostPool::size_class(5120), 5120);
+  EXPECT_EQ(HostPool::size_class(5121), 6144);
+  EXPECT_EQ(HostPool::size_class(8192), 8192);
+  EXPECT_EQ(HostPool::size_class(1000001), 1048576);
+  for (int64_t bytes = 4097; bytes < 300000; bytes += 997) {
+    const int64_t c = HostPool::size_class(bytes);
+    EXPECT_GE(c, bytes);
+    EXPECT_LE(static_cast<double>(c), 1.25 * static_cast<double>(bytes)) << bytes;
+  }
+  HostPool pool;
+  at::Tensor a = pool.acquire(5000, /*size_classes=*/true);
+  EXPECT_EQ(a.numel(), 5000);
+  a.fill_(7);
+  pool.release(a);
+  at::Tensor b = pool.acquire(5100, true);  // another size, the same class: the same buffer
+  EXPECT_EQ(b.numel(), 5100);
+  EXPECT_EQ(b.data_ptr(), a.data_ptr());
+  EXPECT_EQ(pool.allocations(), 1);
+  EXPECT_EQ(pool.bytes_in_use(), 5120);
+  pool.release(b);
+  EXPECT_EQ(pool.bytes_in_use(), 0);
+  // Exact sizes do not mix with the classes.
+  at::Tensor c = pool.acquire(5100);
+  EXPECT_NE(c.data_ptr(), a.data_ptr());
+  EXPECT_EQ(pool.allocations(), 2);
+}
+
 TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) {
   // Offload, then reload at once while the D2H copy is still delayed: the reload must wait for
   // the offload (Megatron's race, Megatron-LM issue #7398), and the data must come back intact.

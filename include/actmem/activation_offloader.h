@@ -153,6 +153,9 @@ class ActivationOffloader final : public SavedTensorHook {
   /// Blocks until both copy streams have finished everything queued so far.
   void wait_idle();
   HostPool& pool() { return pool_; }
+  /// Whether the MoE groups (expert_fc1, moe_act), whose sizes follow the routing, take host
+  /// buffers by size class (HostPool::acquire; default) or by exact size.
+  void set_moe_size_classes(bool on) { moe_size_classes_ = on; }
   CopyStream& d2h() { return d2h_; }
   CopyStream& h2d() { return h2d_; }
 
@@ -165,6 +168,7 @@ class ActivationOffloader final : public SavedTensorHook {
  private:
   friend class OffloadRegion;
   friend struct OffloadBackward;
+  bool moe_size_classes_ = true;
   int open_group(const std::string& name, GroupKind kind, bool offload);
   void commit(int index, const std::vector<at::Tensor>& forced);
   void on_commit_backward(int index);

@@ -27,8 +27,8 @@
 
 namespace actmem {
 
-/// Megatron's --recompute-modules. Only the first three exist in this dense model; the others
-/// are accepted by name so that Megatron's messages for them can be given.
+/// Megatron's --recompute-modules. mla_up_proj and gdn_norm_out are accepted by name so that
+/// Megatron's messages for them can be given.
 enum class RecomputeModule : uint8_t {
   kCoreAttn,
   kMlp,
@@ -97,6 +97,11 @@ struct LayerPlan {
   bool recompute_core_attn = false;   // core attention in a checkpoint: q, k, v kept
   bool recompute_mlp = false;         // the whole MLP in a checkpoint: its input kept
   bool discard_norm_outputs = false;  // both norms' outputs freed and rebuilt in backward
+  /// An MoE layer (config.moe_layers()): its MLP is a router, experts and shared experts.
+  bool moe = false;
+  bool recompute_moe = false;             // the whole MoE layer in a checkpoint: its input kept
+  bool recompute_moe_act = false;         // the experts' activation output freed, rebuilt from fc2's hook
+  bool recompute_shared_experts = false;  // the shared experts in a checkpoint
   // Offload.
   bool offload_layer = false;  // layer-level: everything the layer saves goes to the host
   /// Layer-level offload is on for the model: the layer opens a layer group even when it does

@@ -63,6 +63,51 @@ struct TransformerConfig {
   int64_t pipeline_model_parallel_size = 1;
   bool sequence_parallel = false;
 
+  // ---- mixture of experts (docs/moe.md), Megatron's names ----
+  /// Experts per MoE layer (--num-experts); 0 = a dense model (Megatron maps 0 to None).
+  int64_t num_moe_experts = 0;
+  /// Experts each token is routed to.
+  int64_t moe_router_topk = 2;
+  /// Each expert's hidden size; unset means ffn_hidden_size (Megatron's warning default).
+  std::optional<int64_t> moe_ffn_hidden_size;
+  /// Which layers are MoE (--moe-layer-freq): "N" makes layer i MoE when i % N == 0; a pattern
+  /// of 0/1 per layer as Megatron spells it, "[1,0,1,0]" or "([1]*3+[0])*2". See moe_layers().
+  std::string moe_layer_freq = "1";
+  /// "aux_loss" (Switch load balancing) or "none".
+  std::string moe_router_load_balancing_type = "aux_loss";
+  double moe_aux_loss_coeff = 0.0;
+  /// z-loss on the router logits (off when unset).
+  std::optional<double> moe_z_loss_coeff;
+  /// "softmax" or "sigmoid".
+  std::string moe_router_score_function = "softmax";
+  /// softmax over all experts before the top-k (default: top-k logits, then softmax over them).
+  bool moe_router_pre_softmax = false;
+  std::optional<double> moe_router_topk_scaling_factor;
+  /// Shared experts' total hidden size (num_shared_experts x each one's ffn); unset = none.
+  std::optional<int64_t> moe_shared_expert_intermediate_size;
+  /// Shared-expert output scaled by sigmoid(x . gate_weight) (gate_weight [1, h]).
+  bool moe_shared_expert_gate = false;
+  /// Token dropping: each expert takes at most ceil(tokens * topk / experts * factor) tokens.
+  /// Unset = dropless (Megatron maps a negative factor to None).
+  std::optional<double> moe_expert_capacity_factor;
+  /// With a capacity factor: every expert gets exactly `capacity` rows (unrouted tokens with
+  /// probability 0 fill the gaps).
+  bool moe_pad_expert_input_to_capacity = false;
+  /// Which tokens an over-full expert keeps: "probs" (the highest probabilities) or "position"
+  /// (the earliest tokens).
+  std::string moe_token_drop_policy = "probs";
+  /// Experts as one grouped product over the permuted tokens (Megatron's TEGroupedMLP) instead of
+  /// one MLP per expert (SequentialMLP); moe_act recompute and the expert offload groups need it.
+  bool moe_grouped_gemm = false;
+  /// "allgather" or "alltoall" (identical without expert parallelism).
+  std::string moe_token_dispatcher_type = "allgather";
+  int64_t expert_model_parallel_size = 1;
+  /// Deprecated alias of --recompute-granularity selective --recompute-modules moe.
+  bool moe_layer_recompute = false;
+  /// actmem's extension (Megatron has no dropout inside experts): dropout on the experts'
+  /// activation, drawn from the expert-parallel random stream. 0 = Megatron's behaviour.
+  double moe_expert_dropout = 0.0;
+
   // ---- activation recompute (Megatron's fields; see docs/recompute.md) ----
   /// "" (none), "full" or "selective".
   std::string recompute_granularity;
@@ -82,7 +127,8 @@ struct TransformerConfig {
   /// first K layers go to host memory after their forward and come back ahead of their backward.
   /// 0 = off; needs K < num_layers and no recompute.
   int64_t cpu_offloading_num_layers = 0;
-  /// Saved tensors with fewer elements stay on the device (Megatron's default 1024 * 1024).
+  /// Saved tensors whose storage has fewer elements stay on the device (Megatron compares each
+  /// tensor; offload here moves whole storages, see docs/offload.md; default 1024 * 1024).
   int64_t min_offloaded_tensor_size = 1024 * 1024;
   /// Fine-grained (module-level) offload, as Megatron's fine_grained_activation_offload.py: the
   /// groups named in offload_modules (kOffloadModuleNames in activation_plan.h) offload what
@@ -99,6 +145,14 @@ struct TransformerConfig {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+  /// Whether the model has MoE layers at all.
+  bool is_moe() const { return num_moe_experts > 0; }
+  /// moe_ffn_hidden_size with its default (ffn()) resolved.
+  int64_t moe_ffn() const { return moe_ffn_hidden_size.value_or(ffn()); }
+  /// Per layer, whether it is an MoE layer (all false for a dense model); throws for a malformed
+  /// moe_layer_freq.
+  std::vector<bool> moe_layers() const;
+
   bool use_rope() const { return position_embedding_type == "rope"; }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
   /// "fp32", "bf16" or "fp16".
@@ -113,6 +167,10 @@ struct TransformerConfig {
   /// The shape, numerics and parallel-layout rules alone.
   void validate_shape() const;
 };
+
+/// Megatron's get_capacity (megatron/core/transformer/moe/moe_utils.py): the tokens one expert
+/// takes under a capacity factor, ceil(tokens * topk / experts * factor).
+int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t experts, double factor);
 
 /// Every field, with the defaults resolved (ffn_hidden_size, max_position_embeddings,
 /// recompute_modules), under Megatron's names.

@@ -106,8 +106,13 @@ class HostPool {
   explicit HostPool(bool pinned = false) : pinned_(pinned) {}
   ~HostPool();
   bool pinned() const { return pinned_; }
-  /// A [bytes] uint8 host tensor (from the free list when one of that size is free).
-  at::Tensor acquire(int64_t bytes);
+  /// A [bytes] uint8 host tensor (from the free list when one of that size is free). With
+  /// size_classes the buffer is taken from, and returns to, the size class of `bytes`
+  /// (size_class()), so tensors whose sizes change from step to step (MoE routing) still reuse
+  /// buffers, at most 25% larger than asked.
+  at::Tensor acquire(int64_t bytes, bool size_classes = false);
+  /// The buffer size `bytes` rounds up to with size classes: four classes per doubling.
+  static int64_t size_class(int64_t bytes);
   /// Returns a buffer acquired here; throws for a foreign tensor.
   void release(const at::Tensor& buffer);
   int64_t bytes_in_use() const { return in_use_.load(); }

@@ -16,6 +16,16 @@
 
 namespace actmem {
 
+/// The MoE part of a PaperShape (expert parallelism 1): `experts` experts of hidden size `ffn`
+/// each, top-k routing, on `layers` of the model's layers; shared experts of `shared_ffn`;
+/// capacity_factor 0 = dropless.
+struct MoEPaperShape {
+  double experts = 0, topk = 2, ffn = 0, shared_ffn = 0, capacity_factor = 0, layers = 0;
+  bool pad_to_capacity = false;
+  bool aux_loss = true;  // the Switch load-balancing loss is on (a coefficient > 0)
+  bool z_loss = false;
+};
+
 /// Sizes of a (possibly very large) model for the analytic formulas. Doubles: no overflow.
 struct PaperShape {
   double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0;
@@ -28,8 +38,10 @@ struct PaperShape {
   bool untied = false;   // separate output layer (untie_embeddings_and_output_weights)
   double d = 1;          // data-parallel size
   bool distributed_optimizer = false;  // optimizer state sharded over the d ranks
+  MoEPaperShape moe;    // experts == 0: dense
   double sbh() const { return s * b * h; }
   double layers_per_stage() const { return L / p; }
+  bool is_moe() const { return moe.experts > 0; }
 };
 
 /// A named model: "7b" (a 7B worked example: s 4096, b 2, h 4096, a 32, L 32, ffn 14336, TP 2
@@ -48,6 +60,29 @@ struct LayerBytes {
   double s2_fraction = 0;  // share of the s^2 term in `none`
 };
 LayerBytes paper_layer_bytes(const PaperShape& m);
+
+/// One MoE layer's activation bytes for one micro-batch at 16 bits (fp32 router scores, 8-byte
+/// indices), per tensor-parallel rank with sequence parallelism (Megatron requires it for MoE
+/// with t > 1; the all-gather dispatcher gives every rank all N rows, each expert's columns split
+/// t ways). Megatron's theoretical_memory_usage counts every layer as dense (Megatron-LM's known
+/// gap); these are the terms of Note [What an MoE layer saves] in memory_model.cpp, which the
+/// exact predictor checks against the tracker:
+///   router   (input 2sbh + top-k indices 8sbk + top-k softmax 4sbk + load-balancing scores
+///            4sbE + counts 4E + z-loss logits 4sbE + logsumexp 4sb + capacity mask sbE) / t
+///   dispatch index vectors 16N, permuted probabilities 2N, permuted tokens 2Nh
+///   experts  GeLU 6Nf (fc1 output, GeLU output, fc2 input), SwiGLU 10Nf, over t
+///   shared   GeLU 4sb*fs, SwiGLU 8sb*fs, over t
+/// with N = sbk dropless, E*min(capacity, sb) padded, at most min(sbk, E*capacity) otherwise
+/// (taken as that bound). `layer` is the whole layer: the attention half as the paper's
+/// sbh(13 + 5as/h) (13sbh with selective core_attn recompute), the pre-MLP norm 2sbh and the
+/// residual dropout mask sbh, all over t; full recompute keeps 2sbh/t.
+struct MoELayerBytes {
+  double rows = 0;  // N
+  double router = 0, dispatch = 0, experts = 0, shared = 0;
+  LayerBytes layer;
+  double mlp() const { return router + dispatch + experts + shared; }
+};
+MoELayerBytes paper_moe_layer_bytes(const PaperShape& m);
 
 /// Megatron's megatron/training/theoretical_memory_usage.py activation terms:
 /// compute_activation_memory (SP + selective) and compute_activation_memory_without_sp, for the
@@ -113,10 +148,26 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device = true);
 /// On CUDA the checkpoints' random-state snapshots live in host memory and are not counted;
 /// on CPU they are device bytes like everything else. Walks the activation plan the model
 /// executes (Note [One plan] in activation_plan.h): for config's own plan, or for `plan`.
+///
+/// MoE layers (Note [What an MoE layer saves] in memory_model.cpp): every byte depends on the
+/// number of rows N the experts compute, not on which expert computes which. Dropless routing
+/// computes N = s*b*topk rows and padded capacity E*capacity rows whatever the router decides, so
+/// both are exact up front; capacity without padding computes what fits under each expert's
+/// capacity, which the router decides: pass its per-layer counts as `routing`
+/// (MoEStats::routing(), one vector of per-expert rows per MoE layer; the trainer records them).
+/// Without them that case throws.
+using MoERouting = std::vector<std::vector<int64_t>>;
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 0,
-                                        bool snapshots_on_device = true);
+                                        bool snapshots_on_device = true,
+                                        const MoERouting* routing = nullptr);
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
-                                        int64_t dtype_bytes = 0, bool snapshots_on_device = true);
+                                        int64_t dtype_bytes = 0, bool snapshots_on_device = true,
+                                        const MoERouting* routing = nullptr);
+/// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) compute in one
+/// micro-batch: s*b*topk dropless, E*min(capacity, s*b) padded, the routing's sum otherwise
+/// (nullopt without it).
+std::optional<int64_t> moe_expert_rows(const TransformerConfig& config, size_t moe_index,
+                                       const MoERouting* routing = nullptr);
 
 /// An upper bound of the device bytes one training step of `config` holds at its peak:
 /// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient

@@ -16,6 +16,7 @@
 
 #include "actmem/activation_plan.h"
 #include "actmem/config.h"
+#include "actmem/moe.h"
 
 #include <torch/nn/module.h>
 
@@ -31,8 +32,8 @@ class ActivationOffloader;
 /// How many times each module's forward ran since reset() (recompute replays included), so
 /// tests can count re-executions per strategy.
 struct ForwardCounters {
-  std::atomic<int64_t> layer{0}, core_attention{0}, mlp{0}, norm{0};
-  void reset() { layer = core_attention = mlp = norm = 0; }
+  std::atomic<int64_t> layer{0}, core_attention{0}, mlp{0}, norm{0}, moe{0}, experts{0};
+  void reset() { layer = core_attention = mlp = norm = moe = experts = 0; }
 };
 ForwardCounters& forward_counters();
 
@@ -168,7 +169,8 @@ class TransformerLayer : public torch::nn::Module {
   std::shared_ptr<Norm> input_layernorm;
   std::shared_ptr<SelfAttention> self_attention;
   std::shared_ptr<Norm> pre_mlp_layernorm;
-  std::shared_ptr<MLP> mlp;
+  std::shared_ptr<MLP> mlp;      // dense layers
+  std::shared_ptr<MoELayer> moe;  // MoE layers (registered as "mlp", as in Megatron)
 
  private:
   // Megatron's _forward_attention and _forward_mlp: norm, module, bias-dropout-add.
@@ -184,8 +186,9 @@ class TransformerLayer : public torch::nn::Module {
   using ModuleFn = std::function<std::pair<at::Tensor, at::Tensor>(const at::Tensor&)>;
   at::Tensor norm_module_bda(const at::Tensor& hidden, const LayerContext& ctx,
                              const HalfLayer& half, const ModuleFn& module);
-  // The MLP itself, in a checkpoint under selective "mlp"; returns its output and fc2's bias.
-  std::pair<at::Tensor, at::Tensor> run_mlp(const at::Tensor& x);
+  // The MLP itself, in a checkpoint under selective "mlp" (or the MoE layer, which runs its own
+  // recompute); returns its output and fc2's bias.
+  std::pair<at::Tensor, at::Tensor> run_mlp(const at::Tensor& x, const LayerContext& ctx);
   int64_t layer_number_;
   double hidden_dropout_;
   LayerPlan plan_;
@@ -232,6 +235,12 @@ class GPTModel : public torch::nn::Module {
   void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
   const TransformerConfig& config() const { return config_; }
+  /// What the MoE layers measured since its last reset() (empty for a dense model).
+  MoEStats& moe_stats() { return moe_stats_; }
+  const MoEStats& moe_stats() const { return moe_stats_; }
+  /// The backward scale of the MoE auxiliary losses (Megatron's
+  /// MoEAuxLossAutoScaler.set_loss_scale): the main loss's scale over the micro-batches.
+  void set_moe_aux_loss_scale(double scale);
   /// What every layer keeps, recomputes or offloads (Note [One plan] in activation_plan.h).
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
@@ -265,6 +274,7 @@ class GPTModel : public torch::nn::Module {
   std::unique_ptr<RotaryEmbedding> rope_;
   at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
   ActivationOffloader* offloader_ = nullptr;
+  MoEStats moe_stats_;
 };
 
 }  // namespace actmem

@@ -51,7 +51,8 @@ enum FlagGroup : unsigned {
   kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
   kOutputFlags = 1u << 8,     // --log-json, --trace
   kCheckpointFlags = 1u << 9, // --save, --load, --save-interval, --exit-signal-handler, ...
-  kModelFlags = kShapeFlags | kParallelFlags | kRecomputeFlags | kOffloadFlags,
+  kMoEFlags = 1u << 10,       // --num-experts, --moe-*, --expert-model-parallel-size
+  kModelFlags = kShapeFlags | kParallelFlags | kMoEFlags | kRecomputeFlags | kOffloadFlags,
   kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags |
                    kCheckpointFlags,
 };

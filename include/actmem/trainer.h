@@ -66,6 +66,16 @@ struct IterationStats {
   std::vector<int64_t> activation_peak_bytes_per_rank;
   std::vector<int64_t> peak_device_bytes_per_rank;
   std::optional<double> val_loss;     // when validation ran after this step
+  /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
+  /// layers of the mean over micro-batches, as Megatron logs them; unset when not computed), the
+  /// busiest expert's routed token-expert pairs over the mean (1 = balanced, the worst layer),
+  /// and the pairs the capacity dropped out of those routed.
+  bool moe = false;
+  std::optional<double> load_balancing_loss;
+  std::optional<double> z_loss;
+  double expert_load_imbalance = 0.0;
+  int64_t moe_routed_tokens = 0;
+  int64_t moe_dropped_tokens = 0;
 };
 
 /// One JSON object with the fields above; doubles round-trip exactly.

@@ -247,7 +247,7 @@ Runner add_compare_command(CLI::App& app) {
   o->train.model.micro_batch_size = 4;
   CLI::App* cmd = app.add_subcommand("compare", "Compare recompute strategies on one model");
   // Only what compare uses: the strategies set recompute, so its flags are not accepted here.
-  add_flags(*cmd, o->train, kShapeFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
+  add_flags(*cmd, o->train, kShapeFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--strategies", o->strategies,
                   "plain, full-uniform-N, full-block-N, selective, selective-MOD[+MOD...]")
       ->capture_default_str()

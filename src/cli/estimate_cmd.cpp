@@ -7,6 +7,7 @@
 #include "commands.h"
 
 #include <CLI/CLI.hpp>
+#include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
 #include <iomanip>
@@ -25,6 +26,10 @@ struct EstimateOptions {
   double d = 0;
   bool sp = false, no_sp = false, json = false, swiglu = false, untie = false, dist_opt = false;
   double bandwidth_gbps = 50.0;
+  // MoE (docs/moe.md): experts 0 = dense.
+  double experts = 0, topk = 2, moe_ffn = 0, moe_freq = 1, shared_ffn = 0, capacity = 0;
+  double aux_coeff = 0, z_coeff = 0;
+  bool pad = false;
 };
 
 int run(const EstimateOptions& o) {
@@ -58,8 +63,50 @@ int run(const EstimateOptions& o) {
               ") must be divisible by tensor_model_parallel_size (", m.t, ")");
   TORCH_CHECK(!m.sp || std::fmod(m.s, m.t) == 0, "actmem estimate: with sequence parallelism "
               "seq_length (", m.s, ") must be divisible by tensor_model_parallel_size (", m.t, ")");
-  const LayerBytes layer = paper_layer_bytes(m);
+  if (o.experts > 0) {
+    m.moe.experts = o.experts;
+    m.moe.topk = o.topk;
+    m.moe.ffn = o.moe_ffn > 0 ? o.moe_ffn : m.ffn;
+    m.moe.shared_ffn = o.shared_ffn;
+    m.moe.capacity_factor = o.capacity;
+    m.moe.pad_to_capacity = o.pad;
+    m.moe.aux_loss = o.aux_coeff > 0;
+    m.moe.z_loss = o.z_coeff > 0;
+    TORCH_CHECK(o.topk <= o.experts, "actmem estimate: --moe-router-topk (", o.topk,
+                ") must be at most --num-experts (", o.experts, ")");
+    TORCH_CHECK(!o.pad || o.capacity > 0, "actmem estimate: --moe-pad-expert-input-to-capacity "
+                "needs --moe-expert-capacity-factor");
+    TORCH_CHECK(std::fmod(m.moe.ffn, m.t) == 0, "actmem estimate: the expert ffn (", m.moe.ffn,
+                ") must be divisible by tensor_model_parallel_size (", m.t, ")");
+    TORCH_CHECK(m.t == 1 || m.sp, "actmem estimate: MoE with tensor parallelism needs "
+                "--sequence-parallel (Megatron refuses MoE and TP without it)");
+  } else {
+    TORCH_CHECK(o.moe_ffn == 0 && o.shared_ffn == 0 && o.capacity == 0 && !o.pad,
+                "actmem estimate: MoE options need --num-experts");
+  }
+  const LayerBytes dense_layer = paper_layer_bytes(m);
   const double per_stage = m.layers_per_stage();
+  // MoE: the first stage's layers [0, L/p) that are MoE (layer i when i % freq == 0), each with
+  // the MoE layer's bytes; `layer` is then the stage's mean per layer, so every per-stage total
+  // below is the mix.
+  double moe_in_stage = 0;
+  MoELayerBytes moe_layer;
+  LayerBytes layer = dense_layer;
+  if (m.is_moe()) {
+    for (int64_t i = 0; i < static_cast<int64_t>(per_stage); ++i) {
+      if (i % static_cast<int64_t>(o.moe_freq) == 0) moe_in_stage += 1;
+    }
+    for (int64_t i = 0; i < static_cast<int64_t>(m.L); ++i) {
+      if (i % static_cast<int64_t>(o.moe_freq) == 0) m.moe.layers += 1;
+    }
+    moe_layer = paper_moe_layer_bytes(m);
+    auto mix = [&](double dense, double moe) {
+      return (dense * (per_stage - moe_in_stage) + moe * moe_in_stage) / per_stage;
+    };
+    layer.none = mix(dense_layer.none, moe_layer.layer.none);
+    layer.selective = mix(dense_layer.selective, moe_layer.layer.selective);
+    layer.full = mix(dense_layer.full, moe_layer.layer.full);
+  }
   const double selective_stage = layer.selective * per_stage;
   const double offload_s = offload_round_trip_seconds(selective_stage, o.bandwidth_gbps);
   const double meg = m.sp ? megatron_activation_memory(m) : megatron_activation_memory_without_sp(m);
@@ -94,6 +141,19 @@ int run(const EstimateOptions& o) {
         {"offload", {{"bytes_each_way", selective_stage},
                      {"bandwidth_gbps", o.bandwidth_gbps},
                      {"round_trip_s", offload_s}}}};
+    if (m.is_moe()) {
+      j["moe"] = {{"num_experts", m.moe.experts}, {"topk", m.moe.topk}, {"ffn", m.moe.ffn},
+                  {"shared_ffn", m.moe.shared_ffn}, {"capacity_factor", m.moe.capacity_factor},
+                  {"moe_layers", m.moe.layers}, {"moe_layers_in_first_stage", moe_in_stage},
+                  {"rows_per_layer", moe_layer.rows},
+                  {"per_moe_layer_bytes", {{"none", moe_layer.layer.none},
+                                           {"selective", moe_layer.layer.selective},
+                                           {"full", moe_layer.layer.full}}},
+                  {"terms", {{"router", moe_layer.router}, {"dispatch", moe_layer.dispatch},
+                             {"experts", moe_layer.experts}, {"shared_experts", moe_layer.shared}}},
+                  {"dense_layer_bytes", {{"none", dense_layer.none},
+                                         {"selective", dense_layer.selective}}}};
+    }
     std::cout << j.dump(2) << std::endl;
     return 0;
   }
@@ -125,6 +185,28 @@ int run(const EstimateOptions& o) {
             << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
             << std::fixed << " GB/s = "
             << offload_s << " s per micro-batch (not overlapped)\n";
+  if (m.is_moe()) {
+    auto n = [](double x) { return static_cast<int64_t>(x); };
+    std::cout << "\nMoE: " << n(m.moe.layers) << " of " << n(m.L) << " layers ("
+              << n(moe_in_stage) << " in the first stage), " << n(m.moe.experts) << " experts top-"
+              << n(m.moe.topk) << " of ffn " << n(m.moe.ffn)
+              << (m.moe.shared_ffn > 0 ? ", shared experts ffn " + c10::str(n(m.moe.shared_ffn)) : "")
+              << ", " << (m.moe.capacity_factor > 0 ? "capacity factor " + c10::str(m.moe.capacity_factor)
+                                                    : std::string("dropless"))
+              << "; the experts compute " << n(moe_layer.rows) << " rows per layer\n"
+              << "  per MoE layer: none " << format_bytes_3sig(moe_layer.layer.none) << ", selective "
+              << format_bytes_3sig(moe_layer.layer.selective) << ", full "
+              << format_bytes_3sig(moe_layer.layer.full) << " (a dense layer: none "
+              << format_bytes_3sig(dense_layer.none) << ")\n"
+              << "  of which router " << format_bytes_3sig(moe_layer.router) << ", dispatch "
+              << format_bytes_3sig(moe_layer.dispatch) << ", experts "
+              << format_bytes_3sig(moe_layer.experts) << ", shared experts "
+              << format_bytes_3sig(moe_layer.shared) << "\n"
+              << "  the per-layer and per-stage figures above are the first stage's mix of dense "
+                 "and MoE layers; Megatron's theoretical_memory_usage counts every layer as dense\n"
+              << "  (the weights below are Megatron's dense count: expert weights are not "
+                 "included yet)\n";
+  }
   std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
                "precision, d=" << std::defaultfloat << m.d
             << (m.distributed_optimizer ? " with the distributed optimizer" : "") << "\n"
@@ -184,13 +266,24 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_flag("--no-sequence-parallel", o->no_sp, "sequence parallelism off");
   cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")
       ->capture_default_str();
+  cmd->add_option("--num-experts", o->experts, "MoE: experts per MoE layer (docs/moe.md)");
+  cmd->add_option("--moe-router-topk", o->topk, "MoE: experts per token")->capture_default_str();
+  cmd->add_option("--moe-ffn-hidden-size", o->moe_ffn, "MoE: each expert's ffn (default ffn)");
+  cmd->add_option("--moe-layer-freq", o->moe_freq, "MoE: every N-th layer from layer 0")
+      ->capture_default_str();
+  cmd->add_option("--moe-shared-expert-intermediate-size", o->shared_ffn, "MoE: shared experts' ffn");
+  cmd->add_option("--moe-expert-capacity-factor", o->capacity, "MoE: capacity factor (default dropless)");
+  cmd->add_flag("--moe-pad-expert-input-to-capacity", o->pad, "MoE: pad every expert to capacity");
+  cmd->add_option("--moe-aux-loss-coeff", o->aux_coeff, "MoE: load-balancing loss (> 0: its scores are kept)");
+  cmd->add_option("--moe-z-loss-coeff", o->z_coeff, "MoE: z-loss (> 0: its fp32 logits are kept)");
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   // Sizes are positive integers written in full (no "inf", no "2.5" layers); the bandwidth is a
   // positive finite number.
   for (auto* opt : cmd->get_options()) {
     const std::string name = opt->get_name();
     if (opt->get_expected_max() == 0 || name == "--help" || name == "--preset") continue;
-    if (name == "--offload-bandwidth-gbps") {
+    if (name == "--offload-bandwidth-gbps" || name == "--moe-expert-capacity-factor" ||
+        name == "--moe-aux-loss-coeff" || name == "--moe-z-loss-coeff") {
       opt->check(positive_number_validator());
     } else {
       opt->check(integer_in_range(1, std::numeric_limits<int64_t>::max()));

@@ -57,7 +57,8 @@ int run(InspectOptions& o) {
   const IterationStats st = trainer.train_step(false);
   trainer.set_ledger(nullptr);
   const bool cpu = c10::Device(t.device).is_cpu();
-  const PredictedBytes predicted = predict_activation_bytes(c, 0, cpu);
+  const MoERouting routing = trainer.model().moe_stats().routing();
+  const PredictedBytes predicted = predict_activation_bytes(c, 0, cpu, &routing);
   const int64_t e = c.element_bytes();
   if (dist.rank != 0) return 0;
 

@@ -54,6 +54,37 @@ std::string precision_summary(const actmem::TransformerConfig& m, const actmem::
   return s + ")";
 }
 
+// "  MoE: 4 experts, top-2 softmax, ... in layers 0 2\n", or "" for a dense model.
+std::string moe_summary(const actmem::TransformerConfig& m) {
+  if (!m.is_moe()) return "";
+  std::ostringstream os;
+  const std::vector<bool> layers = m.moe_layers();
+  os << "  MoE: " << m.num_moe_experts << " experts of ffn " << m.moe_ffn() << ", top-"
+     << m.moe_router_topk << " " << m.moe_router_score_function
+     << (m.moe_router_pre_softmax ? " (pre-softmax)" : "") << ", "
+     << (m.moe_grouped_gemm ? "grouped experts" : "one MLP per expert") << ", ";
+  if (m.moe_expert_capacity_factor) {
+    os << "capacity factor " << *m.moe_expert_capacity_factor << " (drop by "
+       << m.moe_token_drop_policy << (m.moe_pad_expert_input_to_capacity ? ", padded" : "") << ")";
+  } else {
+    os << "dropless";
+  }
+  os << " | aux loss " << (m.moe_router_load_balancing_type == "aux_loss" && m.moe_aux_loss_coeff > 0
+                               ? "coeff " + c10::str(m.moe_aux_loss_coeff) : std::string("off"))
+     << ", z-loss " << (m.moe_z_loss_coeff ? "coeff " + c10::str(*m.moe_z_loss_coeff) : std::string("off"));
+  if (m.moe_shared_expert_intermediate_size) {
+    os << " | shared experts ffn " << *m.moe_shared_expert_intermediate_size
+       << (m.moe_shared_expert_gate ? " (gated)" : "");
+  }
+  if (m.moe_expert_dropout > 0) os << " | expert dropout " << m.moe_expert_dropout;
+  os << " | MoE layers";
+  for (size_t i = 0; i < layers.size(); ++i) {
+    if (layers[i]) os << " " << i;
+  }
+  os << "\n";
+  return os.str();
+}
+
 void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
                   actmem::GPTModel& model) {
   const auto& m = o.model;
@@ -78,6 +109,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   }
   out << " | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
+      << moe_summary(m)
       << memory_settings(model.plan(), t) << "\n"
       << "  " << blas_report().summary() << "\n";
   if (m.tensor_model_parallel_size > 1) {

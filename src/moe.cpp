@@ -1,0 +1,506 @@
+// moe.cpp — the MoE layer (moe.h). Shapes: T tokens (s * b), E experts, k = topk, N rows the
+// experts compute (T * k dropless), h hidden, f each expert's hidden size.
+#include "actmem/moe.h"
+
+#include "actmem/activation_offloader.h"
+#include "actmem/ledger.h"
+#include "actmem/model.h"
+#include "actmem/recompute.h"
+#include "actmem/rng.h"
+
+#include <ATen/ATen.h>
+#include <torch/autograd.h>
+
+#include <cmath>
+#include <limits>
+#include <numeric>
+#include <optional>
+
+namespace actmem {
+
+// ---- MoEStats ---------------------------------------------------------------------------------
+
+void MoEStats::reset() {
+  for (auto& l : layers) {
+    const int64_t number = l.layer_number;
+    l = Layer{};
+    l.layer_number = number;
+  }
+}
+
+double MoEStats::mean_load_balancing_loss() const {
+  double sum = 0.0;
+  int64_t n = 0;
+  for (const auto& l : layers) {
+    if (l.load_balancing_count == 0) continue;
+    sum += l.load_balancing_loss / static_cast<double>(l.load_balancing_count);
+    ++n;
+  }
+  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : sum / static_cast<double>(n);
+}
+
+double MoEStats::mean_z_loss() const {
+  double sum = 0.0;
+  int64_t n = 0;
+  for (const auto& l : layers) {
+    if (l.z_loss_count == 0) continue;
+    sum += l.z_loss / static_cast<double>(l.z_loss_count);
+    ++n;
+  }
+  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : sum / static_cast<double>(n);
+}
+
+double MoEStats::max_load_imbalance() const {
+  double worst = std::numeric_limits<double>::quiet_NaN();
+  for (const auto& l : layers) {
+    if (l.routed_per_expert.empty()) continue;
+    const int64_t total = std::accumulate(l.routed_per_expert.begin(), l.routed_per_expert.end(),
+                                          int64_t{0});
+    if (total == 0) continue;
+    const int64_t busiest = *std::max_element(l.routed_per_expert.begin(), l.routed_per_expert.end());
+    const double mean = static_cast<double>(total) / static_cast<double>(l.routed_per_expert.size());
+    const double ratio = static_cast<double>(busiest) / mean;
+    if (!(ratio <= worst)) worst = ratio;  // also replaces the initial NaN
+  }
+  return worst;
+}
+
+int64_t MoEStats::total_dropped() const {
+  int64_t n = 0;
+  for (const auto& l : layers) n += l.dropped;
+  return n;
+}
+
+int64_t MoEStats::total_routed() const {
+  int64_t n = 0;
+  for (const auto& l : layers) n += l.routed;
+  return n;
+}
+
+std::vector<std::vector<int64_t>> MoEStats::routing() const {
+  std::vector<std::vector<int64_t>> out;
+  for (const auto& l : layers) out.push_back(l.tokens_per_expert);
+  return out;
+}
+
+// ---- auxiliary losses -------------------------------------------------------------------------
+
+namespace {
+struct AuxLossScaler : torch::autograd::Function<AuxLossScaler> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& output,
+                            const at::Tensor& aux_loss, double scale) {
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["dtype"] = static_cast<int64_t>(aux_loss.scalar_type());
+    ctx->saved_data["device"] = aux_loss.device().str();
+    return output;  // returned as is: autograd makes it a view of the input
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto dtype = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const at::Device device(ctx->saved_data["device"].toStringRef());
+    const at::Tensor aux_grad = at::full({}, ctx->saved_data["scale"].toDouble(),
+                                         at::TensorOptions().dtype(dtype).device(device));
+    return {grads[0], aux_grad, at::Tensor()};
+  }
+};
+
+// The tokens each expert keeps under a capacity: per expert (column) the `capacity` rows with
+// the largest key, ties by token order (a stable sort, so the choice does not depend on the
+// kernel; Megatron's torch.topk leaves the order of ties unspecified).
+at::Tensor capacity_mask(const at::Tensor& key, int64_t capacity) {
+  const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/true));
+  return at::zeros(key.sizes(), key.options().dtype(at::kBool))
+      .scatter_(0, order.narrow(0, 0, capacity), true);
+}
+}  // namespace
+
+at::Tensor attach_aux_loss(const at::Tensor& output, const at::Tensor& aux_loss, double scale) {
+  return AuxLossScaler::apply(output, aux_loss, scale);
+}
+
+// ---- TopKRouter -------------------------------------------------------------------------------
+
+TopKRouter::TopKRouter(const TransformerConfig& config, at::ScalarType dtype) : config_(config) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  weight = register_parameter("weight", at::zeros({config.num_moe_experts, config.hidden_size}, opts));
+  if (config.add_bias_linear) bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
+}
+
+int64_t TopKRouter::capacity(int64_t tokens, int64_t topk, int64_t experts, double factor) {
+  return moe_expert_capacity(tokens, topk, experts, factor);
+}
+
+Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats) {
+  const TransformerConfig& c = config_;
+  const int64_t T = h.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
+  // Megatron attaches the auxiliary losses only while training with grad enabled (so not in a
+  // recompute's first, graph-less forward; its replay attaches them).
+  const bool attach = is_training() && at::GradMode::is_enabled();
+  at::Tensor logits = at::linear(h, weight, bias);  // [T, E] in the input's type
+  if (c.moe_z_loss_coeff && attach && *c.moe_z_loss_coeff > 0.0) {
+    // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k.
+    const at::Tensor z = at::logsumexp(logits.to(at::kFloat), {-1}).pow(2).mean();
+    logits = attach_aux_loss(logits, z * *c.moe_z_loss_coeff, aux_scale);
+    if (stats != nullptr) {
+      stats->z_loss += z.item<double>();
+      ++stats->z_loss_count;
+    }
+  }
+  // topk_routing_with_score_function: scores in fp32, probabilities back in the logits' type.
+  at::Tensor top_probs, top_index;
+  if (c.moe_router_score_function == "softmax") {
+    if (c.moe_router_pre_softmax) {
+      std::tie(top_probs, top_index) = at::topk(at::softmax(logits, -1, at::kFloat), k);
+    } else {
+      at::Tensor top_logits;
+      std::tie(top_logits, top_index) = at::topk(logits, k);
+      top_probs = at::softmax(top_logits, -1, at::kFloat);
+    }
+  } else {
+    at::Tensor top_scores;
+    std::tie(top_scores, top_index) = at::topk(at::sigmoid(logits.to(at::kFloat)), k);
+    top_probs = k > 1 ? top_scores / (top_scores.sum(-1, /*keepdim=*/true) + 1e-20) : top_scores;
+  }
+  if (c.moe_router_topk_scaling_factor) top_probs = top_probs * *c.moe_router_topk_scaling_factor;
+  top_probs = top_probs.to(logits.scalar_type());
+  Routing r;
+  r.probs = at::zeros_like(logits).scatter(1, top_index, top_probs);
+  at::Tensor routing_map;
+  {
+    at::NoGradGuard no_grad;
+    routing_map = at::zeros({T, E}, logits.options().dtype(at::kBool)).scatter_(1, top_index, true);
+  }
+  r.routed = T * k;
+  {
+    const at::Tensor per_expert = routing_map.sum(0).cpu();
+    r.routed_per_expert.assign(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + E);
+  }
+  if (c.moe_expert_capacity_factor) {
+    // moe_utils.apply_router_token_dropping on this rank's tokens.
+    const int64_t cap = capacity(T, k, E, *c.moe_expert_capacity_factor);
+    at::Tensor keep;
+    {
+      at::NoGradGuard no_grad;
+      if (cap > T) {
+        keep = at::ones({T, E}, routing_map.options());
+      } else if (c.moe_token_drop_policy == "probs") {
+        keep = capacity_mask(r.probs.detach().to(at::kFloat), cap);
+      } else {
+        keep = capacity_mask(routing_map.to(at::kFloat), cap);
+      }
+      r.dropped = r.routed - (routing_map & keep).sum().item<int64_t>();
+      routing_map = c.moe_pad_expert_input_to_capacity ? keep : (routing_map & keep);
+    }
+    r.probs = r.probs * routing_map;
+  }
+  const bool aux = c.moe_router_load_balancing_type == "aux_loss" && c.moe_aux_loss_coeff > 0.0;
+  if (aux && attach) {
+    // compute_routing_scores_for_aux_loss + switch_load_balancing_loss_func: the scores over all
+    // experts, the top-k counts of those scores, sum(P_i * f_i) * E * coeff / (k * T * T).
+    at::Tensor scores;
+    if (c.moe_router_score_function == "softmax") {
+      scores = at::softmax(logits, -1, at::kFloat);
+    } else {
+      const at::Tensor s = at::sigmoid(logits.to(at::kFloat));
+      scores = s / (s.sum(-1, /*keepdim=*/true) + 1e-20);
+    }
+    at::Tensor tokens_per_expert;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor idx = std::get<1>(at::topk(scores, k));
+      tokens_per_expert = at::zeros({T, E}, scores.options()).scatter_(1, idx, 1.0).sum(0);
+    }
+    const double norm = static_cast<double>(E) / static_cast<double>(k * T * T);
+    const at::Tensor balance = (scores.sum(0) * tokens_per_expert).sum() * norm;  // E sum f_i P_i
+    r.probs = attach_aux_loss(r.probs, balance * c.moe_aux_loss_coeff, aux_scale);
+    if (stats != nullptr) {
+      stats->load_balancing_loss += balance.item<double>();
+      ++stats->load_balancing_count;
+    }
+  }
+  r.routing_map = routing_map;
+  return r;
+}
+
+// ---- experts ----------------------------------------------------------------------------------
+
+ExpertMLP::ExpertMLP(int64_t hidden, int64_t ffn, bool gated, bool bias, at::ScalarType dtype) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const int64_t fc1_out = gated ? 2 * ffn : ffn;
+  auto fc1 = register_module("linear_fc1", std::make_shared<torch::nn::Module>());
+  auto fc2 = register_module("linear_fc2", std::make_shared<torch::nn::Module>());
+  fc1_weight = fc1->register_parameter("weight", at::zeros({fc1_out, hidden}, opts));
+  if (bias) fc1_bias = fc1->register_parameter("bias", at::zeros({fc1_out}, opts));
+  fc2_weight = fc2->register_parameter("weight", at::zeros({hidden, ffn}, opts));
+  if (bias) fc2_bias = fc2->register_parameter("bias", at::zeros({hidden}, opts));
+}
+
+GroupedLinear::GroupedLinear(int64_t experts, int64_t in, int64_t out, bool bias,
+                             at::ScalarType dtype) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  for (int64_t j = 0; j < experts; ++j) {
+    weights.push_back(register_parameter("weight" + std::to_string(j), at::zeros({out, in}, opts)));
+  }
+  if (bias) {
+    for (int64_t j = 0; j < experts; ++j) {
+      biases.push_back(register_parameter("bias" + std::to_string(j), at::zeros({out}, opts)));
+    }
+  }
+}
+
+at::Tensor GroupedLinear::forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+                                  bool with_bias) {
+  TORCH_CHECK(counts.size() == weights.size(), "actmem::GroupedLinear: ", counts.size(),
+              " row counts for ", weights.size(), " experts");
+  // The grouped product on CPU: one matrix product per expert's row segment, written into one
+  // output (TE's GroupedLinear does the same segments in one kernel on CUDA). Every expert's
+  // weight takes part even with no rows, so it always receives a (zero) gradient.
+  std::vector<at::Tensor> outs;
+  outs.reserve(weights.size());
+  int64_t offset = 0;
+  for (size_t j = 0; j < weights.size(); ++j) {
+    const at::Tensor seg = x.narrow(0, offset, counts[j]);
+    outs.push_back(at::linear(seg, weights[j], with_bias && !biases.empty() ? biases[j] : at::Tensor()));
+    offset += counts[j];
+  }
+  TORCH_CHECK(offset == x.size(0), "actmem::GroupedLinear: the counts cover ", offset, " rows of ",
+              x.size(0));
+  return at::cat(outs, 0);
+}
+
+Experts::Experts(const TransformerConfig& c, const LayerPlan& plan, at::ScalarType dtype)
+    : gated_(c.gated_linear_unit),
+      grouped_(c.moe_grouped_gemm),
+      bias_(c.add_bias_linear),
+      dropout_(c.moe_expert_dropout),
+      ep_size_(c.expert_model_parallel_size),
+      plan_(plan) {
+  const int64_t E = c.num_moe_experts / c.expert_model_parallel_size, h = c.hidden_size;
+  const int64_t f = c.moe_ffn();
+  if (grouped_) {
+    linear_fc1 = register_module("linear_fc1",
+                                 std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype));
+    linear_fc2 = register_module("linear_fc2", std::make_shared<GroupedLinear>(E, f, h, bias_, dtype));
+  } else {
+    auto list = register_module("local_experts", std::make_shared<torch::nn::Module>());
+    for (int64_t j = 0; j < E; ++j) {
+      local_experts.push_back(list->register_module(
+          std::to_string(j), std::make_shared<ExpertMLP>(h, f, gated_, bias_, dtype)));
+    }
+  }
+}
+
+at::Tensor Experts::activation(const at::Tensor& fc1, const at::Tensor& probs) const {
+  at::Tensor act;
+  if (gated_) {
+    const auto halves = fc1.chunk(2, -1);
+    act = at::silu(halves[0]) * halves[1];
+  } else {
+    act = at::gelu(fc1);
+  }
+  // Megatron applies the routing weight here, before fc2 (since core_v0.13).
+  act = act * probs.unsqueeze(-1);
+  if (dropout_ > 0.0 && is_training()) {
+    // actmem's expert dropout (Megatron has none): each expert-parallel rank draws from its own
+    // stream, seed + 1024 + 100 * ep_rank + etp_rank (model_parallel_manual_seed).
+    auto& tracker = get_rng_tracker();
+    std::optional<RngFork> fork;
+    if (tracker.current_state_name() != kExpertParallelRng) {
+      TORCH_CHECK(tracker.has(kExpertParallelRng) || ep_size_ == 1, "actmem::Experts: expert "
+                  "dropout with expert parallelism needs the expert-parallel random stream (call "
+                  "model_parallel_manual_seed first)");
+      if (tracker.has(kExpertParallelRng)) fork.emplace(tracker.fork(kExpertParallelRng));
+    }
+    act = apply_dropout(act, dropout_, true);
+  }
+  return act;
+}
+
+at::Tensor Experts::forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+                            const at::Tensor& probs, ActivationOffloader* offloader) {
+  forward_counters().experts.fetch_add(1, std::memory_order_relaxed);
+  if (grouped_) return forward_grouped(x, counts, probs, offloader);
+  // SequentialMLP: each expert is a whole MLP over its rows.
+  std::vector<at::Tensor> outs;
+  int64_t offset = 0;
+  for (size_t j = 0; j < local_experts.size(); ++j) {
+    ModuleScope scope("local_experts", static_cast<int64_t>(j));
+    const ExpertMLP& e = *local_experts[j];
+    const at::Tensor xs = x.narrow(0, offset, counts[j]), ps = probs.narrow(0, offset, counts[j]);
+    at::Tensor fc1;
+    {
+      ModuleScope s("linear_fc1");
+      fc1 = at::linear(xs, e.fc1_weight, e.fc1_bias);
+    }
+    at::Tensor act;
+    {
+      ModuleScope s("activation_func");
+      act = activation(fc1, ps);
+    }
+    ModuleScope s("linear_fc2");
+    at::Tensor y = at::linear(act, e.fc2_weight);
+    if (e.fc2_bias.defined()) y = y + e.fc2_bias * ps.unsqueeze(-1);
+    outs.push_back(y);
+    offset += counts[j];
+  }
+  return at::cat(outs, 0);
+}
+
+at::Tensor Experts::forward_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
+                                    const at::Tensor& probs, ActivationOffloader* offloader) {
+  // Megatron's TEGroupedMLP.forward with its fine-grained offload groups (docs/offload.md):
+  // expert_fc1 from the permuted tokens to fc1's output (the tokens are released once copied),
+  // moe_act from fc1's output through the activation, committed only after linear_fc2 so that
+  // backward waits for the reload before fc2's gradient hook recomputes the activation from it.
+  auto group = [&](OffloadModule m) {
+    return plan_.offloads(m) && is_training() ? offloader : nullptr;
+  };
+  at::Tensor fc1;
+  {
+    ModuleScope scope("linear_fc1");
+    OffloadRegion region(group(OffloadModule::kExpertFc1), to_string(OffloadModule::kExpertFc1));
+    fc1 = region.commit(linear_fc1->forward(region.enter(x), counts, true), {x});
+  }
+  OffloadRegion region(group(OffloadModule::kMoeAct), to_string(OffloadModule::kMoeAct));
+  const bool discard = plan_.recompute_moe_act && is_training();
+  CheckpointWithoutOutput ckpt;
+  at::Tensor act;
+  {
+    ModuleScope scope("activation_func");
+    const at::Tensor fc1_in = region.enter(fc1);
+    if (discard) {
+      act = ckpt.checkpoint(
+          [this](const TensorList& in) { return TensorList{activation(in[0], in[1])}; },
+          {fc1_in, probs})[0];
+    } else {
+      act = activation(fc1_in, probs);
+    }
+    region.end_capture();  // fc2's saved input is not part of the group
+  }
+  at::Tensor y;
+  {
+    ModuleScope scope("linear_fc2");
+    y = linear_fc2->forward(act, counts, false);
+  }
+  if (discard) ckpt.discard_output_and_register_recompute(y);
+  y = region.commit(y, {fc1});
+  if (bias_) {
+    // TEGroupedMLP._apply_bias: each row gets its expert's fc2 bias times its probability, per
+    // expert segment (which keeps nothing but the probabilities, already kept).
+    ModuleScope scope("linear_fc2");
+    std::vector<at::Tensor> rows;
+    int64_t offset = 0;
+    for (size_t j = 0; j < counts.size(); ++j) {
+      rows.push_back(linear_fc2->biases[j] * probs.narrow(0, offset, counts[j]).unsqueeze(-1));
+      offset += counts[j];
+    }
+    y = y + at::cat(rows, 0);
+  }
+  return y;
+}
+
+// ---- MoELayer ---------------------------------------------------------------------------------
+
+MoELayer::MoELayer(const TransformerConfig& config, const LayerPlan& plan, int64_t layer_number,
+                   at::ScalarType dtype)
+    : config_(config), plan_(plan), layer_number_(layer_number) {
+  router = register_module("router", std::make_shared<TopKRouter>(config, dtype));
+  experts = register_module("experts", std::make_shared<Experts>(config, plan, dtype));
+  if (config.moe_shared_expert_intermediate_size) {
+    // Megatron's SharedExpertMLP: an MLP of the shared size on the tensor-parallel group.
+    TransformerConfig shared = config;
+    shared.ffn_hidden_size = *config.moe_shared_expert_intermediate_size;
+    shared_experts = register_module("shared_experts", std::make_shared<MLP>(shared, dtype));
+    if (config.moe_shared_expert_gate) {
+      shared_expert_gate = shared_experts->register_parameter(
+          "gate_weight", at::zeros({1, config.hidden_size}, at::TensorOptions().dtype(dtype)));
+    }
+  }
+}
+
+at::Tensor MoELayer::run_shared_experts(const at::Tensor& x) {
+  ModuleScope scope("shared_experts");
+  auto fn = [this](const TensorList& in) {
+    // Note [One gradient per checkpoint input]: fc1 and the gate both read x. Through a view their
+    // two gradients are summed before they join the others reaching x, as they are when the
+    // shared experts run in a checkpoint (whose input receives one gradient), so the sum rounds
+    // the same with and without shared_experts recompute.
+    const at::Tensor x = in[0].view_as(in[0]);
+    at::Tensor out = shared_experts->forward(x).first;
+    if (shared_expert_gate.defined()) out = out * at::sigmoid(at::linear(x, shared_expert_gate));
+    return TensorList{out};
+  };
+  if (plan_.recompute_shared_experts && is_training()) return checkpoint(fn, false, {x})[0];
+  return fn({x})[0];
+}
+
+at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader) {
+  forward_counters().moe.fetch_add(1, std::memory_order_relaxed);
+  const int64_t T = x.size(0) * x.size(1), h = x.size(2);
+  // The shared experts see the un-routed tokens, before routing (Megatron's non-overlapped path).
+  at::Tensor shared;
+  if (shared_experts) shared = run_shared_experts(x);
+  const at::Tensor tokens = x.reshape({T, h});
+  // A recompute replays the forward: its routing was counted by the first pass. The losses are
+  // attached (and counted) once either way: in the forward with grad, or else in the replay.
+  MoEStats::Layer* stats = is_recomputing() ? nullptr : stats_;
+  Routing r;
+  {
+    ModuleScope scope("router");
+    r = router->forward(tokens, aux_scale_, stats_);
+  }
+  // Megatron's permute (moe/moe_utils.py): the kept token-expert pairs expert-major, each
+  // expert's tokens in token order; flat = expert * T + token.
+  at::Tensor token_index, permuted, permuted_probs;
+  std::vector<int64_t> counts;
+  {
+    ModuleScope scope("token_dispatcher");
+    at::Tensor flat;
+    {
+      at::NoGradGuard no_grad;
+      const at::Tensor map_t = r.routing_map.t().contiguous();  // [E, T]
+      flat = at::nonzero(map_t.reshape({-1})).squeeze(1);
+      token_index = flat.remainder(T);
+      const at::Tensor per_expert = map_t.sum(1).cpu();
+      counts.assign(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + per_expert.numel());
+    }
+    permuted = tokens.index_select(0, token_index);
+    permuted_probs = r.probs.t().reshape({-1}).index_select(0, flat);
+  }
+  if (stats != nullptr && is_training()) {
+    if (stats->tokens_per_expert.empty()) stats->tokens_per_expert = counts;
+    if (stats->routed_per_expert.empty()) stats->routed_per_expert.assign(r.routed_per_expert.size(), 0);
+    for (size_t j = 0; j < r.routed_per_expert.size(); ++j) stats->routed_per_expert[j] += r.routed_per_expert[j];
+    stats->routed += r.routed;
+    stats->dropped += r.dropped;
+  }
+  at::Tensor y;
+  {
+    ModuleScope scope("experts");
+    y = experts->forward(permuted, counts, permuted_probs, offloader);
+  }
+  at::Tensor out;
+  {
+    // unpermute: a token's expert outputs summed (scatter_add, as Megatron's unpermute).
+    ModuleScope scope("token_dispatcher");
+    out = at::zeros({T, h}, y.options())
+              .scatter_add(0, token_index.unsqueeze(1).expand({token_index.size(0), h}), y);
+  }
+  out = out.view(x.sizes());
+  return shared.defined() ? out + shared : out;
+}
+
+std::pair<at::Tensor, at::Tensor> MoELayer::forward(const at::Tensor& x,
+                                                    ActivationOffloader* offloader) {
+  if (plan_.recompute_moe && is_training()) {
+    // Selective "moe": router, dispatch, experts, combine and shared experts replayed in
+    // backward from the layer's input.
+    return {checkpoint([this, offloader](const TensorList& in) {
+              return TensorList{compute(in[0], offloader)};
+            }, false, {x})[0],
+            at::Tensor()};
+  }
+  return {compute(x, offloader), at::Tensor()};
+}
+
+}  // namespace actmem
