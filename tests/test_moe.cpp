@@ -2,6 +2,7 @@
 // against independent formulas, the layer against a per-token reference, and every MoE recompute
 // and offload strategy bitwise equal to the plain run.
 #include "actmem/activation_plan.h"
+#include "actmem/checkpoint.h"
 #include "actmem/compat.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
@@ -671,6 +672,23 @@ INSTANTIATE_TEST_SUITE_P(Variants, MoEPredictor,
                                   std::get<1>(info.param);
                          });
 
+TEST(MoEPredictor, StepPeakBoundCoversMoEModels) {
+  // The trainer's memory pre-check (predict_step_peak_bound) stays an upper bound of the measured
+  // peak with MoE layers: dropless, capacity (the worst routing), shared SwiGLU experts, bf16.
+  for (int i = 0; i < 4; ++i) {
+    TransformerConfig c = moe_model();
+    if (i == 1) c.moe_expert_capacity_factor = 2.0;
+    if (i == 2) shared(c), c.gated_linear_unit = true;
+    if (i == 3) actmem::testing::set_precision(c, "bf16");
+    TrainingConfig t;
+    t.eval_interval = 0;
+    Trainer trainer(c, t);
+    int64_t peak = 0;
+    for (int step = 0; step < 2; ++step) peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
+    EXPECT_GE(actmem::predict_step_peak_bound(c), static_cast<double>(peak)) << "config " << i;
+  }
+}
+
 TEST(MoEPredictorRouting, DroplessAndPaddedNeedNoRoutingCapacityDoes) {
   TransformerConfig c = moe_model();
   const int64_t T = c.seq_length * c.micro_batch_size;  // 48
@@ -749,6 +767,45 @@ TEST(MoEEstimate, TermsEqualThePredictorsMoEModulesAtBf16) {
   const auto bad = actmem::testing::run_actmem("estimate --num-experts 4 --moe-router-topk 8");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.stderr_text.find("must be at most --num-experts"), std::string::npos) << bad.stderr_text;
+}
+
+TEST(MoECheckpoint, ResumesBitwiseRefusesAnotherExpertCountAndGenerates) {
+  TransformerConfig c = moe_model();
+  c.moe_expert_capacity_factor = 1.0;
+  c.moe_layer_freq = "[1,0,1,1]";
+  TrainingConfig t;
+  t.eval_interval = 0;
+  t.global_batch_size = 4;
+  const std::string dir = actmem::testing::fresh_temp_dir("moe_ckpt");
+  Trainer through(c, t), first(c, t);
+  for (int i = 0; i < 2; ++i) {
+    through.train_step();
+    first.train_step();
+  }
+  first.save_checkpoint(dir);
+  Trainer resumed(c, t);
+  ASSERT_EQ(resumed.load_checkpoint(dir), 2);
+  for (int i = 0; i < 2; ++i) {
+    const auto a = through.train_step(), b = resumed.train_step();
+    EXPECT_EQ(a.loss, b.loss);
+    EXPECT_EQ(a.grad_digest, b.grad_digest);
+  }
+  TransformerConfig other = c;
+  other.num_moe_experts = 8;
+  Trainer wrong(other, t);
+  expect_error_containing([&] { wrong.load_checkpoint(dir); }, "num_moe_experts");
+  TransformerConfig dense = actmem::testing::small_model();
+  Trainer dense_run(dense, t);
+  expect_error_containing([&] { dense_run.load_checkpoint(dir); },
+                          "the checkpoint has num_moe_experts = 4 but this run has num_moe_experts = null");
+  // Inference rebuilds the MoE model from the checkpoint's args: the same logits as training's.
+  const actmem::LoadedModel loaded = actmem::load_model_for_inference(dir);
+  ASSERT_TRUE(loaded.model->decoder->layers[0]->moe);
+  ASSERT_FALSE(loaded.model->decoder->layers[1]->moe);
+  first.model().eval();
+  at::NoGradGuard g;
+  const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);
+  EXPECT_TRUE(actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
 }
 
 TEST(MoETraining, ExpertDropoutDrawsFromTheExpertStream) {

@@ -49,7 +49,7 @@ TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
   auto bad = [&name] {
     TORCH_CHECK(false, "actmem compare: unknown strategy '", name, "'; expected plain, "
                 "full-uniform-N, full-block-N, selective or selective-MOD[+MOD...] with MOD a "
-                "recompute module (core_attn, mlp, layernorm)");
+                "recompute module (core_attn, mlp, layernorm, moe, moe_act, shared_experts)");
   };
   auto after = [&name](const std::string& prefix) -> std::optional<std::string> {
     if (name.rfind(prefix, 0) != 0) return std::nullopt;
@@ -113,6 +113,16 @@ int run(CompareOptions& o) {
     // The default set's block recompute of two layers needs two: a one-layer model gets one.
     std::replace(names.begin(), names.end(), std::string("full-block-2"),
                  std::string("full-block-1"));
+  }
+  if (o.strategies == CompareOptions().strategies && o.train.model.is_moe()) {
+    // An MoE model's default set recomputes its MoE layers where a dense one recomputes its MLPs
+    // (mlp applies to dense layers only), and adds the experts' activation alone.
+    const std::vector<bool> moe = o.train.model.moe_layers();
+    const bool all_moe = std::find(moe.begin(), moe.end(), false) == moe.end();
+    std::replace(names.begin(), names.end(), std::string("selective-core_attn+mlp+layernorm"),
+                 std::string(all_moe ? "selective-core_attn+moe+layernorm"
+                                     : "selective-core_attn+mlp+moe+layernorm"));
+    if (o.train.model.moe_grouped_gemm) names.push_back("selective-moe_act");
   }
   if (std::find(names.begin(), names.end(), "plain") == names.end()) {
     names.insert(names.begin(), "plain");  // the reference every ratio and equality refers to
