@@ -4,10 +4,15 @@
 
 #include "actmem/blas_kernels.h"
 #include "actmem/config.h"
+#include "actmem/trainer.h"
 
 #include <c10/util/Exception.h>
 
+#include <functional>
 #include <iostream>
+#include <memory>
+#include <string>
+#include <vector>
 
 namespace actmem::bench {
 
@@ -25,6 +30,55 @@ inline void use_reference_model(TransformerConfig& c) {
 /// The kernels the BLAS runs (Note [BLAS kernel choice]): a line on stderr at start-up, so every
 /// benchmark's numbers say which kernels produced them.
 inline void print_blas() { std::cerr << blas_report().summary() << std::endl; }
+
+/// A strategy the round-robin benchmarks compare: a name and its change to the base config.
+struct Strategy {
+  std::string name;
+  std::function<void(TransformerConfig&)> apply;
+};
+
+/// What step_round_robin measured: per strategy its trainer, its timed step times and its last
+/// step's stats.
+struct RoundRobin {
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  std::vector<std::vector<double>> times;
+  std::vector<IterationStats> last;
+};
+
+/// Builds one trainer per strategy from `base` and steps them round-robin, in an order rotated
+/// every round (so drift of the machine hits all alike), for warmup + iters steps, timing the last `iters`; throws unless
+/// every strategy's loss and gradient digest equal the first one's (the plain run) at every step.
+inline RoundRobin step_round_robin(const char* program, const TransformerConfig& base,
+                                   const std::vector<Strategy>& strategies, int warmup, int iters) {
+  TrainingConfig t;
+  t.eval_interval = 0;
+  t.train_iters = warmup + iters;
+  RoundRobin r;
+  for (const auto& s : strategies) {
+    TransformerConfig c = base;
+    s.apply(c);
+    r.trainers.push_back(std::make_unique<Trainer>(c, t));
+  }
+  r.times.resize(strategies.size());
+  r.last.resize(strategies.size());
+  const size_t n = strategies.size();
+  for (int it = 0; it < warmup + iters; ++it) {
+    // The order rotates from round to round, so no strategy always runs first (after the
+    // previous round's last step) or last.
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (k + static_cast<size_t>(it)) % n;
+      r.last[i] = r.trainers[i]->train_step(/*compute_digest=*/true);
+      if (it >= warmup) r.times[i].push_back(r.last[i].step_time_s);
+    }
+    for (size_t i = 0; i < n; ++i) {
+      TORCH_CHECK(r.last[i].grad_digest == r.last[0].grad_digest && r.last[i].loss == r.last[0].loss,
+                  program, ": ", strategies[i].name, " is not bitwise equal to the plain run at "
+                  "step ", it + 1);
+    }
+    std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
+  }
+  return r;
+}
 
 /// One line on stderr and exit status 1, as `actmem` does.
 inline int report(const c10::Error& e) {

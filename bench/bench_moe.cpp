@@ -24,10 +24,7 @@
 
 namespace {
 
-struct Strategy {
-  std::string name;
-  std::function<void(actmem::TransformerConfig&)> apply;
-};
+using actmem::bench::Strategy;
 
 std::vector<Strategy> strategies() {
   auto sel = [](std::vector<std::string> m) {
@@ -93,28 +90,11 @@ int main(int argc, char** argv) {
     o.finalize();
     actmem::apply_thread_count(o.threads);
     const actmem::TransformerConfig base = o.model;
-    actmem::TrainingConfig t;
-    t.eval_interval = 0;
-    t.train_iters = warmup + iters;
     const auto list = strategies();
-    std::vector<std::unique_ptr<actmem::Trainer>> trainers;
-    for (const auto& s : list) {
-      actmem::TransformerConfig c = base;
-      s.apply(c);
-      trainers.push_back(std::make_unique<actmem::Trainer>(c, t));
-    }
-    std::vector<std::vector<double>> times(list.size());
-    std::vector<actmem::IterationStats> last(list.size());
-    for (int it = 0; it < warmup + iters; ++it) {
-      for (size_t i = 0; i < list.size(); ++i) {
-        last[i] = trainers[i]->train_step(true);
-        if (it >= warmup) times[i].push_back(last[i].step_time_s);
-        TORCH_CHECK(last[i].grad_digest == last[0].grad_digest && last[i].loss == last[0].loss,
-                    "bench_moe: ", list[i].name, " is not bitwise equal to the plain run at step ",
-                    it + 1);
-      }
-      std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
-    }
+    const actmem::bench::RoundRobin run =
+        actmem::bench::step_round_robin("bench_moe", base, list, warmup, iters);
+    const auto& times = run.times;
+    const auto& last = run.last;
     const double plain = actmem::median(times[0]);
     nlohmann::json out = {{"model", actmem::to_json(base)}, {"plain_step_s", plain},
                           {"strategies", nlohmann::json::array()}};

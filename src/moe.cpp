@@ -28,26 +28,28 @@ void MoEStats::reset() {
   }
 }
 
-double MoEStats::mean_load_balancing_loss() const {
-  double sum = 0.0;
+namespace {
+// Mean over the layers that attached a loss of each layer's mean (Megatron's aggregation); NaN
+// when none did.
+double mean_over_layers(const std::vector<MoEStats::Layer>& layers, double MoEStats::Layer::*sum,
+                        int64_t MoEStats::Layer::*count) {
+  double total = 0.0;
   int64_t n = 0;
   for (const auto& l : layers) {
-    if (l.load_balancing_count == 0) continue;
-    sum += l.load_balancing_loss / static_cast<double>(l.load_balancing_count);
+    if (l.*count == 0) continue;
+    total += l.*sum / static_cast<double>(l.*count);
     ++n;
   }
-  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : sum / static_cast<double>(n);
+  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : total / static_cast<double>(n);
+}
+}  // namespace
+
+double MoEStats::mean_load_balancing_loss() const {
+  return mean_over_layers(layers, &Layer::load_balancing_loss, &Layer::load_balancing_count);
 }
 
 double MoEStats::mean_z_loss() const {
-  double sum = 0.0;
-  int64_t n = 0;
-  for (const auto& l : layers) {
-    if (l.z_loss_count == 0) continue;
-    sum += l.z_loss / static_cast<double>(l.z_loss_count);
-    ++n;
-  }
-  return n == 0 ? std::numeric_limits<double>::quiet_NaN() : sum / static_cast<double>(n);
+  return mean_over_layers(layers, &Layer::z_loss, &Layer::z_loss_count);
 }
 
 double MoEStats::max_load_imbalance() const {
