@@ -9,7 +9,7 @@ build="$root/build-tsan"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DACTMEM_SANITIZE=thread \
   -DACTMEM_BUILD_BENCH=OFF >/dev/null
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target actmem_tests
-filter='CopyStream*:HostPool*:ActivationOffloader*:K/*:LayerOffload*:Modules/*:FineGrainedMemory*:FineGrained.ValidationMessages'
+filter='CopyStream*:HostPool*:ActivationOffloader*:K/*:LayerOffload*:Modules/*:FineGrainedMemory*:FineGrained.ValidationMessages:MoEOffload*'
 TSAN_OPTIONS="halt_on_error=1 exitcode=66 ${TSAN_OPTIONS:-}" OMP_NUM_THREADS=1 \
   "$build/tests/actmem_tests" --gtest_filter="$filter"
 echo "tsan: offload tests clean under ThreadSanitizer"
