@@ -289,17 +289,32 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 //   shared_experts    a dense MLP of ffn fs (its linear_fc1 counts the norm output), the gate's
 //                     sigmoid T·e and the gated MLP output Th·e
 // Biases are parameters; fc2's bias times the probability keeps only the probabilities.
+namespace {
+// MoE layer `moe_index`'s per-expert rows in `routing`, or null when it has none.
+const std::vector<int64_t>* layer_routing(const MoERouting* routing, size_t moe_index) {
+  if (routing == nullptr || moe_index >= routing->size() || (*routing)[moe_index].empty()) {
+    return nullptr;
+  }
+  return &(*routing)[moe_index];
+}
+}  // namespace
+
+int64_t moe_max_expert_rows(const TransformerConfig& c) {
+  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
+  const int64_t k = c.moe_router_topk;
+  if (!c.moe_expert_capacity_factor) return T * k;
+  const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
+  return c.moe_pad_expert_input_to_capacity ? E * cap : std::min(T * k, E * cap);
+}
+
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_index,
                                        const MoERouting* routing) {
-  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
-  if (routing != nullptr && moe_index < routing->size() && !(*routing)[moe_index].empty()) {
-    const auto& counts = (*routing)[moe_index];
-    return std::accumulate(counts.begin(), counts.end(), int64_t{0});
+  if (const auto* counts = layer_routing(routing, moe_index)) {
+    return std::accumulate(counts->begin(), counts->end(), int64_t{0});
   }
-  if (!c.moe_expert_capacity_factor) return T * c.moe_router_topk;
-  if (c.moe_pad_expert_input_to_capacity) {
-    const int64_t cap = moe_expert_capacity(T, c.moe_router_topk, E, *c.moe_expert_capacity_factor);
-    return E * std::min(cap, T);
+  // Without dropping, or padded to capacity, the count does not depend on the routing.
+  if (!c.moe_expert_capacity_factor || c.moe_pad_expert_input_to_capacity) {
+    return moe_max_expert_rows(c);
   }
   return std::nullopt;
 }
@@ -411,9 +426,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     // SequentialMLP: the experts' inputs and probabilities are views of the permuted tensors,
     // counted where expert 0 first saves them; the rest is per expert, which takes the routing.
-    const std::vector<int64_t>* counts =
-        routing != nullptr && index < routing->size() && !(*routing)[index].empty()
-            ? &(*routing)[index] : nullptr;
+    const std::vector<int64_t>* counts = layer_routing(routing, index);
     if (counts == nullptr) {
       add(mlp + ".experts.local_experts", N * h * e + act_bytes(N) + N * e + N * fm * e);
       return;
@@ -427,12 +440,12 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
   };
   add("embedding", hidden_drop ? sbh : 0);
+  size_t moe_layers_before = 0;  // MoE layers before layer i, chunked or not
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(i)];
     const std::string layer = "decoder.layers." + std::to_string(i);
-    // This layer's index among the MoE layers (the routing's index), chunked or not.
-    const size_t moe_index = static_cast<size_t>(
-        std::count_if(plan.layers.begin(), plan.layers.begin() + i, [](const LayerPlan& l) { return l.moe; }));
+    const size_t moe_index = moe_layers_before;  // this layer's index in the routing
+    if (lp.moe) ++moe_layers_before;
     if (lp.in_chunk()) {
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
       // With distribute_saved_activations it is this rank's 1/t chunk.
@@ -520,12 +533,7 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   double moe_params = 0.0;
   if (c.is_moe()) {
     const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
-    const int64_t k = c.moe_router_topk;
-    int64_t rows = T * k;
-    if (c.moe_expert_capacity_factor) {
-      const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
-      rows = c.moe_pad_expert_input_to_capacity ? E * cap : std::min(T * k, E * cap);
-    }
+    const int64_t rows = moe_max_expert_rows(c);
     const double fm = static_cast<double>(c.moe_ffn()), fc1m = c.gated_linear_unit ? 2.0 * fm : fm;
     const double Ed = static_cast<double>(E);
     double per_layer = Ed * h + Ed + Ed * (h * fc1m + fc1m + fm * h + h);

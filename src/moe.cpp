@@ -128,10 +128,6 @@ TopKRouter::TopKRouter(const TransformerConfig& config, at::ScalarType dtype) : 
   if (config.add_bias_linear) bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
 }
 
-int64_t TopKRouter::capacity(int64_t tokens, int64_t topk, int64_t experts, double factor) {
-  return moe_expert_capacity(tokens, topk, experts, factor);
-}
-
 Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats) {
   const TransformerConfig& c = config_;
   const int64_t T = h.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
@@ -179,7 +175,7 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
   }
   if (c.moe_expert_capacity_factor) {
     // moe_utils.apply_router_token_dropping on this rank's tokens.
-    const int64_t cap = capacity(T, k, E, *c.moe_expert_capacity_factor);
+    const int64_t cap = moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor);
     at::Tensor keep;
     {
       at::NoGradGuard no_grad;

@@ -293,8 +293,10 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     model_->set_activation_offloader(offloader_.get());
   }
   // With a capacity factor and no padding an MoE model's bytes depend on the routing: predicted
-  // per step from the router's counts (train_step).
-  if (!model_config_.is_moe() || moe_expert_rows(model_config_, 0).has_value()) {
+  // per step from the router's counts (train_step); otherwise once, here.
+  routing_dependent_prediction_ =
+      model_config_.is_moe() && !moe_expert_rows(model_config_, 0).has_value();
+  if (!routing_dependent_prediction_) {
     predicted_activation_bytes_ =
         predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
                                  device_.is_cpu()).total;
@@ -349,7 +351,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
 
   StepClock clock{0.0, memory_.current_bytes()};
   forward_backward(st, clock);
-  if (model_config_.is_moe()) {
+  if (routing_dependent_prediction_) {
     // The routing of the step's first micro-batch (memory_model.h: exact given the routing).
     const MoERouting routing = model_->moe_stats().routing();
     st.predicted_activation_bytes =

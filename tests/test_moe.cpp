@@ -294,9 +294,9 @@ TEST(MoERouter, CapacityKeepsTheHighestProbabilitiesOrTheEarliestTokens) {
   TransformerConfig c = moe_model();
   c.hidden_size = 8;
   c.moe_expert_capacity_factor = 0.5;
-  const int64_t T = 32, cap = actmem::TopKRouter::capacity(T, 2, 4, 0.5);
+  const int64_t T = 32, cap = actmem::moe_expert_capacity(T, 2, 4, 0.5);
   EXPECT_EQ(cap, 8);  // ceil(32 * 2 / 4 * 0.5)
-  EXPECT_EQ(actmem::TopKRouter::capacity(5, 2, 4, 1.1), 3);  // ceil(2.75)
+  EXPECT_EQ(actmem::moe_expert_capacity(5, 2, 4, 1.1), 3);  // ceil(2.75)
   const at::Tensor x = randn({T, 8}, 6);
   for (const char* policy : {"probs", "position"}) {
     c.moe_token_drop_policy = policy;

@@ -164,10 +164,13 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& config, const A
                                         int64_t dtype_bytes = 0, bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr);
 /// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) compute in one
-/// micro-batch: s*b*topk dropless, E*min(capacity, s*b) padded, the routing's sum otherwise
-/// (nullopt without it).
+/// micro-batch: the routing's sum when given, else moe_max_expert_rows() where that is exact
+/// (dropless, padded), else nullopt.
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& config, size_t moe_index,
                                        const MoERouting* routing = nullptr);
+/// The most rows one MoE layer's experts can compute in one micro-batch: s*b*topk dropless,
+/// E*min(capacity, s*b) padded, min(s*b*topk, E*min(capacity, s*b)) with dropping.
+int64_t moe_max_expert_rows(const TransformerConfig& config);
 
 /// An upper bound of the device bytes one training step of `config` holds at its peak:
 /// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient

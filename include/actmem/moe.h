@@ -92,9 +92,6 @@ class TopKRouter : public torch::nn::Module {
   at::Tensor weight;
   at::Tensor bias;  // undefined without add_bias_linear
 
-  /// Megatron's get_capacity: ceil(tokens * topk / experts * capacity_factor).
-  static int64_t capacity(int64_t tokens, int64_t topk, int64_t experts, double capacity_factor);
-
  private:
   TransformerConfig config_;
 };

@@ -184,6 +184,7 @@ class Trainer {
   std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;
   int64_t predicted_activation_bytes_ = 0;
+  bool routing_dependent_prediction_ = false;  // MoE capacity without padding: predicted per step
   ActivationLedger* ledger_ = nullptr;
   TraceRecorder* trace_ = nullptr;
   // Note [Trainer RNG stream]: see trainer.cpp.
