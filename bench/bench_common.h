@@ -4,11 +4,14 @@
 
 #include "actmem/blas_kernels.h"
 #include "actmem/config.h"
+#include "actmem/report.h"
 #include "actmem/trainer.h"
 
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <functional>
+#include <iomanip>
 #include <iostream>
 #include <memory>
 #include <string>
@@ -78,6 +81,40 @@ inline RoundRobin step_round_robin(const char* program, const TransformerConfig&
     std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
   }
   return r;
+}
+
+/// Prints a round-robin's table (median step time, its ratio to the plain run — the first
+/// strategy —, activation bytes and their share of the plain run's, offloaded and predicted
+/// bytes) and returns the same rows as JSON. Every row was checked bitwise equal to the plain
+/// run by step_round_robin.
+inline nlohmann::json print_strategy_table(std::ostream& os, const std::vector<Strategy>& list,
+                                           const RoundRobin& run) {
+  const double plain = median(run.times[0]);
+  os << std::left << std::setw(34) << "strategy" << std::right << std::setw(9) << "step s"
+     << std::setw(8) << "ratio" << std::setw(13) << "activations" << std::setw(10) << "vs plain"
+     << std::setw(13) << "offloaded" << std::setw(12) << "predicted" << std::setw(8) << "exact\n";
+  nlohmann::json rows = nlohmann::json::array();
+  for (size_t i = 0; i < list.size(); ++i) {
+    const double step = median(run.times[i]);
+    const IterationStats& st = run.last[i];
+    os << std::left << std::setw(34) << list[i].name << std::right << std::fixed << std::setw(9)
+       << std::setprecision(3) << step << std::setw(8) << step / plain << std::setw(13)
+       << format_bytes(static_cast<double>(st.activation_bytes)) << std::setw(9)
+       << std::setprecision(1)
+       << 100.0 * static_cast<double>(st.activation_bytes) /
+              static_cast<double>(run.last[0].activation_bytes)
+       << "%" << std::setw(13) << format_bytes(static_cast<double>(st.offloaded_bytes))
+       << std::setw(12) << format_bytes(static_cast<double>(st.predicted_activation_bytes))
+       << std::setw(7) << "yes" << "\n";
+    rows.push_back({{"name", list[i].name},
+                    {"step_time_s", step},
+                    {"ratio", step / plain},
+                    {"activation_bytes", st.activation_bytes},
+                    {"predicted_activation_bytes", st.predicted_activation_bytes},
+                    {"offloaded_bytes", st.offloaded_bytes},
+                    {"bitwise_equal_to_plain", true}});
+  }
+  return rows;
 }
 
 /// One line on stderr and exit status 1, as `actmem` does.

@@ -93,42 +93,15 @@ int main(int argc, char** argv) {
     const auto list = strategies();
     const actmem::bench::RoundRobin run =
         actmem::bench::step_round_robin("bench_moe", base, list, warmup, iters);
-    const auto& times = run.times;
-    const auto& last = run.last;
-    const double plain = actmem::median(times[0]);
-    nlohmann::json out = {{"model", actmem::to_json(base)}, {"plain_step_s", plain},
-                          {"strategies", nlohmann::json::array()}};
+    nlohmann::json out = {{"model", actmem::to_json(base)},
+                          {"plain_step_s", actmem::median(run.times[0])}};
     std::cout << "MoE model: " << base.num_layers << " layers, h " << base.hidden_size << ", s "
               << base.seq_length << ", b " << base.micro_batch_size << ", "
               << base.num_moe_experts << " experts top-" << base.moe_router_topk << " of ffn "
               << base.moe_ffn() << ", shared ffn "
               << base.moe_shared_expert_intermediate_size.value_or(0) << ", " << base.precision()
-              << "\n\n"
-              << std::left << std::setw(30) << "strategy" << std::right << std::setw(9) << "step s"
-              << std::setw(8) << "ratio" << std::setw(13) << "activations" << std::setw(10)
-              << "vs plain" << std::setw(13) << "offloaded" << std::setw(12) << "predicted"
-              << std::setw(8) << "exact\n";
-    for (size_t i = 0; i < list.size(); ++i) {
-      const double step = actmem::median(times[i]);
-      const auto& st = last[i];
-      std::cout << std::left << std::setw(30) << list[i].name << std::right << std::fixed
-                << std::setw(9) << std::setprecision(3) << step << std::setw(8) << step / plain
-                << std::setw(13) << actmem::format_bytes(static_cast<double>(st.activation_bytes))
-                << std::setw(9) << std::setprecision(1)
-                << 100.0 * static_cast<double>(st.activation_bytes) /
-                       static_cast<double>(last[0].activation_bytes)
-                << "%" << std::setw(13) << actmem::format_bytes(static_cast<double>(st.offloaded_bytes))
-                << std::setw(12)
-                << actmem::format_bytes(static_cast<double>(st.predicted_activation_bytes))
-                << std::setw(7) << "yes" << "\n";
-      out["strategies"].push_back({{"name", list[i].name},
-                                   {"step_time_s", step},
-                                   {"ratio", step / plain},
-                                   {"activation_bytes", st.activation_bytes},
-                                   {"predicted_activation_bytes", st.predicted_activation_bytes},
-                                   {"offloaded_bytes", st.offloaded_bytes},
-                                   {"bitwise_equal_to_plain", true}});
-    }
+              << "\n\n";
+    out["strategies"] = actmem::bench::print_strategy_table(std::cout, list, run);
     if (balance_steps > 0) {
       // Part 2: same seed and data, with and without the load-balancing loss.
       actmem::TrainingConfig tb;

@@ -124,8 +124,9 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct) || c.moe_grouped_gemm,
                 "actmem::TransformerConfig: moe_act in recompute_modules is only supported with "
                 "moe_grouped_gemm.");
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj), "actmem::TransformerConfig: "
-                "mla_up_proj in recompute_modules is only supported with multi_latent_attention.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention,
+                "actmem::TransformerConfig: mla_up_proj in recompute_modules is only supported "
+                "with multi_latent_attention.");
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut), "actmem::TransformerConfig: "
                 "gdn_norm_out in recompute_modules is only supported with the gated_delta_net "
                 "attention variant.");
@@ -310,6 +311,7 @@ ActivationPlan make_activation_plan(const TransformerConfig& c) {
     layer.recompute_moe = layer.moe && plan.recomputes(RecomputeModule::kMoe);
     layer.recompute_moe_act = layer.moe && plan.recomputes(RecomputeModule::kMoeAct);
     layer.recompute_shared_experts = layer.moe && plan.recomputes(RecomputeModule::kSharedExperts);
+    layer.recompute_mla_up_proj = plan.recomputes(RecomputeModule::kMlaUpProj);
     layer.discard_norm_outputs = plan.recomputes(RecomputeModule::kLayernorm);
     for (const auto m : plan.offload_modules) {
       const bool expert = m == OffloadModule::kExpertFc1 || m == OffloadModule::kMoeAct;
@@ -343,7 +345,10 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& l = plan.layers[i];
     const bool selective = l.recompute_core_attn || l.recompute_mlp || l.discard_norm_outputs ||
-                           l.recompute_moe || l.recompute_moe_act || l.recompute_shared_experts;
+                           l.recompute_moe || l.recompute_moe_act || l.recompute_shared_experts ||
+                           l.recompute_mla_up_proj;
+    TORCH_CHECK(!l.recompute_mla_up_proj || c.multi_latent_attention, api, "layer ", i,
+                ": mla_up_proj recompute needs multi_latent_attention");
     TORCH_CHECK(l.moe == moe[i], api, "layer ", i, " is ", moe[i] ? "an MoE" : "a dense",
                 " layer but its plan says otherwise");
     TORCH_CHECK(l.moe || (!l.recompute_moe && !l.recompute_moe_act && !l.recompute_shared_experts &&
@@ -436,6 +441,7 @@ nlohmann::json ActivationPlan::to_json() const {
                          {"recompute_moe", l.recompute_moe},
                          {"recompute_moe_act", l.recompute_moe_act},
                          {"recompute_shared_experts", l.recompute_shared_experts},
+                         {"recompute_mla_up_proj", l.recompute_mla_up_proj},
                          {"discard_norm_outputs", l.discard_norm_outputs},
                          {"offload_layer", l.offload_layer},
                          {"offload_modules", nlohmann::json::array()}};
@@ -466,6 +472,7 @@ void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
       if (l.recompute_moe) recompute += "moe ";
       if (l.recompute_moe_act) recompute += "moe_act ";
       if (l.recompute_shared_experts) recompute += "shared_experts ";
+      if (l.recompute_mla_up_proj) recompute += "mla_up_proj ";
       if (l.discard_norm_outputs) recompute += "layernorm ";
       if (recompute.empty()) recompute = "keep";
     }

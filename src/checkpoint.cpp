@@ -427,6 +427,21 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("fp16", c.fp16);
   get("attention_softmax_in_fp32", c.attention_softmax_in_fp32);
   get("tensor_model_parallel_size", c.tensor_model_parallel_size);
+  get("multi_latent_attention", c.multi_latent_attention);
+  if (c.multi_latent_attention) {
+    if (a.contains("q_lora_rank") && !a["q_lora_rank"].is_null()) {
+      c.q_lora_rank = a["q_lora_rank"].get<int64_t>();
+    }
+    get("kv_lora_rank", c.kv_lora_rank);
+    get("qk_head_dim", c.qk_head_dim);
+    get("qk_pos_emb_head_dim", c.qk_pos_emb_head_dim);
+    get("v_head_dim", c.v_head_dim);
+    get("qk_layernorm", c.qk_layernorm);
+    get("rope_type", c.rope_type);
+    get("rotary_scaling_factor", c.rotary_scaling_factor);
+    get("mscale", c.mscale);
+    get("mscale_all_dim", c.mscale_all_dim);
+  }
   get("num_moe_experts", c.num_moe_experts);
   if (c.is_moe()) {
     get("moe_router_topk", c.moe_router_topk);
@@ -594,6 +609,19 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
   const nlohmann::json mine = to_json(model_config_);
   std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
   if (!model_config_.use_rope()) fields.emplace_back("max_position_embeddings");
+  // MLA fields (checkpoints saved before MLA existed do not record them: standard attention).
+  const bool ckpt_mla = args.contains("multi_latent_attention") && args["multi_latent_attention"].get<bool>();
+  TORCH_CHECK(ckpt_mla == model_config_.multi_latent_attention, "actmem::Trainer::load_checkpoint: "
+              "the checkpoint has ", ckpt_mla ? "multi-latent" : "standard", " attention but this "
+              "run has ", model_config_.multi_latent_attention ? "multi-latent" : "standard",
+              " attention (", path, ")");
+  if (ckpt_mla) {
+    for (const char* f : {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
+                          "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor",
+                          "mscale", "mscale_all_dim"}) {
+      fields.emplace_back(f);
+    }
+  }
   // MoE fields (checkpoints of dense models saved before MoE existed do not record them: null).
   const bool ckpt_moe = args.contains("num_moe_experts") && !args["num_moe_experts"].is_null();
   if (ckpt_moe || model_config_.is_moe()) {

@@ -228,6 +228,38 @@ void validate_moe(const TransformerConfig& c) {
   TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "MoE layers with "
               "tensor_model_parallel_size > 1 (expert tensor parallelism) are not implemented yet");
 }
+// Megatron's MLA rules (MLATransformerConfig.__post_init__ in
+// megatron/core/transformer/transformer_config.py, core_transformer_config_from_args in
+// megatron/training/argument_utils.py), with its messages; the positivity checks are actmem's
+// (Megatron builds the layers and fails later).
+void validate_mla(const TransformerConfig& c) {
+  const char* api = "actmem::TransformerConfig: ";
+  const std::string rope = c.resolved_rope_type();
+  TORCH_CHECK(rope == "rope" || rope == "yarn", api, "Unsupported RoPE type: ", rope,
+              ", supported types are 'rope' and 'yarn'");
+  if (!c.multi_latent_attention) {
+    TORCH_CHECK(rope == "rope", api, "Common attention only support rope_type=\"rope\", but got ",
+                rope, ".");
+    TORCH_CHECK(!c.q_lora_rank, api, "q_lora_rank needs --multi-latent-attention");
+    TORCH_CHECK(!c.qk_layernorm, api, "qk_layernorm with standard attention is not implemented "
+                "yet (it applies to --multi-latent-attention)");
+    return;
+  }
+  TORCH_CHECK(!c.q_lora_rank || *c.q_lora_rank > 0, api, "q_lora_rank must be positive, got ",
+              c.q_lora_rank.value_or(0));
+  check_positive(c.kv_lora_rank, "kv_lora_rank");
+  check_positive(c.qk_head_dim, "qk_head_dim");
+  check_positive(c.qk_pos_emb_head_dim, "qk_pos_emb_head_dim");
+  check_positive(c.v_head_dim, "v_head_dim");
+  TORCH_CHECK(c.qk_pos_emb_head_dim % 2 == 0, api, "qk_pos_emb_head_dim must be even (RoPE "
+              "rotates pairs), got ", c.qk_pos_emb_head_dim);
+  TORCH_CHECK(std::isfinite(c.rotary_scaling_factor) && c.rotary_scaling_factor > 0.0, api,
+              "rotary_scaling_factor must be a positive number, got ", c.rotary_scaling_factor);
+  TORCH_CHECK(std::isfinite(c.mscale) && std::isfinite(c.mscale_all_dim), api,
+              "mscale and mscale_all_dim must be finite, got ", c.mscale, " and ", c.mscale_all_dim);
+  TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "multi_latent_attention with "
+              "tensor_model_parallel_size > 1 is not implemented yet");
+}
 }  // namespace
 
 void TransformerConfig::validate() const { make_activation_plan(*this); }
@@ -236,7 +268,8 @@ void TransformerConfig::validate_shape() const {
   check_positive(num_layers, "num_layers");
   check_positive(hidden_size, "hidden_size");
   check_positive(num_attention_heads, "num_attention_heads");
-  TORCH_CHECK(hidden_size % num_attention_heads == 0,
+  // MLA sizes its heads with qk_head_dim, qk_pos_emb_head_dim and v_head_dim instead.
+  TORCH_CHECK(multi_latent_attention || hidden_size % num_attention_heads == 0,
               "actmem::TransformerConfig: num_attention_heads (", num_attention_heads,
               ") must divide hidden_size (", hidden_size, ")");
   TORCH_CHECK(ffn_hidden_size >= 0, "actmem::TransformerConfig: ffn_hidden_size must be positive "
@@ -258,7 +291,7 @@ void TransformerConfig::validate_shape() const {
   TORCH_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope",
               "actmem::TransformerConfig: position_embedding_type must be \"learned_absolute\" or "
               "\"rope\", got \"", position_embedding_type, "\"");
-  TORCH_CHECK(!use_rope() || kv_channels() % 2 == 0, "actmem::TransformerConfig: rope needs an even "
+  TORCH_CHECK(!model_rope() || kv_channels() % 2 == 0, "actmem::TransformerConfig: rope needs an even "
               "head dimension (hidden_size / num_attention_heads), got ", kv_channels());
   TORCH_CHECK(rotary_base > 0.0, "actmem::TransformerConfig: rotary_base must be positive, got ",
               rotary_base);
@@ -286,6 +319,7 @@ void TransformerConfig::validate_shape() const {
               "sequence_parallel needs seq_length (", seq_length, ") divisible by "
               "tensor_model_parallel_size (", t, ")");
   validate_moe(*this);
+  validate_mla(*this);
   // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
 }
 
@@ -336,6 +370,19 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"min_offloaded_tensor_size", c.min_offloaded_tensor_size},
       {"num_moe_experts", c.is_moe() ? nlohmann::json(c.num_moe_experts) : nlohmann::json(nullptr)},
   };
+  j["multi_latent_attention"] = c.multi_latent_attention;
+  if (c.multi_latent_attention) {
+    j["q_lora_rank"] = c.q_lora_rank ? nlohmann::json(*c.q_lora_rank) : nlohmann::json(nullptr);
+    j["kv_lora_rank"] = c.kv_lora_rank;
+    j["qk_head_dim"] = c.qk_head_dim;
+    j["qk_pos_emb_head_dim"] = c.qk_pos_emb_head_dim;
+    j["v_head_dim"] = c.v_head_dim;
+    j["qk_layernorm"] = c.qk_layernorm;
+    j["rope_type"] = c.resolved_rope_type();
+    j["rotary_scaling_factor"] = c.rotary_scaling_factor;
+    j["mscale"] = c.mscale;
+    j["mscale_all_dim"] = c.mscale_all_dim;
+  }
   if (c.is_moe()) {
     auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
     j["moe_router_topk"] = c.moe_router_topk;

@@ -15,14 +15,18 @@ KVCache::KVCache(GPTModel& model)
     : model_(model),
       capacity_(model.config().max_positions()),
       heads_(model.config().num_attention_heads),
-      head_dim_(model.config().kv_channels()) {
+      // MLA caches the up-projected keys (qk_head_dim + qk_pos_emb_head_dim) and values.
+      key_dim_(model.config().multi_latent_attention ? model.config().mla_q_head_dim()
+                                                     : model.config().kv_channels()),
+      value_dim_(model.config().multi_latent_attention ? model.config().v_head_dim
+                                                       : model.config().kv_channels()) {
   TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
               "on one process; the model has tensor_model_parallel_size ",
               model.config().tensor_model_parallel_size);
   const auto opts = model.word_embeddings.options().requires_grad(false);
   for (size_t i = 0; i < model.decoder->layers.size(); ++i) {
-    keys_.push_back(at::empty({capacity_, heads_, head_dim_}, opts));
-    values_.push_back(at::empty({capacity_, heads_, head_dim_}, opts));
+    keys_.push_back(at::empty({capacity_, heads_, key_dim_}, opts));
+    values_.push_back(at::empty({capacity_, heads_, value_dim_}, opts));
   }
 }
 
@@ -34,9 +38,11 @@ int64_t KVCache::bytes() const {
 
 int64_t KVCache::bytes_for(const GPTModel& model) {
   const auto& c = model.config();
-  // Keys and values of every layer: [max_positions, heads, head_dim] each.
-  return 2 * static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() *
-         c.num_attention_heads * c.kv_channels() *
+  // Keys and values of every layer: [max_positions, heads, key / value head dim].
+  const int64_t per_head = c.multi_latent_attention ? c.mla_q_head_dim() + c.v_head_dim
+                                                    : 2 * c.kv_channels();
+  return static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() *
+         c.num_attention_heads * per_head *
          static_cast<int64_t>(model.word_embeddings.element_size());
 }
 
@@ -66,16 +72,23 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   const at::Tensor key_pos = at::arange(total, at::TensorOptions().dtype(at::kLong).device(device));
   const at::Tensor query_pos = at::arange(p0, total, at::TensorOptions().dtype(at::kLong).device(device));
   const at::Tensor masked = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);  // [n, total]
-  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  const double plain_scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
   const bool fp32_softmax = cfg.attention_softmax_in_fp32 && is_16bit(hidden.scalar_type());
   for (size_t l = 0; l < model_.decoder->layers.size(); ++l) {
     auto& layer = *model_.decoder->layers[l];
     const at::Tensor ln = layer.input_layernorm->forward(hidden);
-    at::Tensor qkv = layer.self_attention->linear_qkv->forward(ln).first;
-    qkv = qkv.view({n, 1, heads_, 3 * head_dim_});  // Megatron's per-head [q, k, v]
-    auto parts = qkv.split(head_dim_, -1);
-    at::Tensor q = parts[0], k = parts[1], v = parts[2];
-    if (const RotaryEmbedding* rope = model_.rope()) {
+    at::Tensor q, k, v;
+    double scale = plain_scale;
+    if (layer.mla_attention) {
+      std::tie(q, k, v) = layer.mla_attention->project(ln, *model_.rope(), p0);
+      scale = layer.mla_attention->softmax_scale();
+    } else {
+      at::Tensor qkv = layer.self_attention->linear_qkv->forward(ln).first;
+      qkv = qkv.view({n, 1, heads_, 3 * key_dim_});  // Megatron's per-head [q, k, v]
+      auto parts = qkv.split(key_dim_, -1);
+      q = parts[0], k = parts[1], v = parts[2];
+    }
+    if (const RotaryEmbedding* rope = layer.mla_attention ? nullptr : model_.rope()) {
       q = rope->apply(q, p0);
       k = rope->apply(k, p0);
     }
@@ -89,8 +102,10 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
     const at::Tensor probs = fp32_softmax ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
                                           : at::softmax(scores, -1);
     const at::Tensor context =
-        at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads_ * head_dim_});  // [n, 1, h]
-    auto [attn, attn_bias] = layer.self_attention->linear_proj->forward(context);
+        at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads_ * value_dim_});  // [n, 1, a*dv]
+    Linear& proj = layer.mla_attention ? *layer.mla_attention->linear_proj
+                                       : *layer.self_attention->linear_proj;
+    auto [attn, attn_bias] = proj.forward(context);
     hidden = hidden + (attn_bias.defined() ? attn + attn_bias : attn);
     const at::Tensor ln2 = layer.pre_mlp_layernorm->forward(hidden);
     auto [mlp, mlp_bias] = layer.moe ? layer.moe->forward(ln2, nullptr) : layer.mlp->forward(ln2);

@@ -121,6 +121,22 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
   return r;
 }
 
+MLAAttentionBytes paper_mla_attention_bytes(const PaperShape& m) {
+  const MLAPaperShape& x = m.mla;
+  TORCH_CHECK(x.kv_lora > 0 && x.qk > 0 && x.pos > 0 && x.v > 0 && x.q_lora >= 0,
+              "actmem::paper_mla_attention_bytes: needs kv_lora, qk, pos, v > 0 and q_lora >= 0");
+  const double sb = m.s * m.b, t = m.t, rep = m.sp ? t : 1.0, a = m.a;
+  MLAAttentionBytes r;
+  double latents = 2 * sb * m.h;
+  if (x.q_lora > 0) latents += 2 * sb * x.q_lora + (x.qk_layernorm ? 2 * sb * x.q_lora + 4 * sb : 0);
+  latents += 2 * sb * (x.kv_lora + x.pos) + (x.qk_layernorm ? 2 * sb * x.kv_lora + 4 * sb : 0);
+  r.latents = latents / rep;
+  r.qkv = 2 * sb * a * (2 * (x.qk + x.pos) + x.v) / t;
+  r.scores = 5 * a * m.s * m.s * m.b / t;
+  r.context = 2 * sb * a * x.v / t;
+  return r;
+}
+
 double megatron_activation_memory(const PaperShape& m) {
   const double sbh = m.sbh();
   double a = sbh * (18.0 + 4.0 * m.ffn / m.h) * m.L;
@@ -176,6 +192,8 @@ bool is_module(const std::string& path, const std::string& suffix) {
 double korthikanti_module_bytes(const std::string& path, const TransformerConfig& c,
                                 int64_t dtype_bytes) {
   auto ends_with = [&path](const char* suffix) { return is_module(path, suffix); };
+  // The paper has no term for multi-latent attention's modules (paper_mla_attention_bytes does).
+  if (c.multi_latent_attention && path.find("self_attention.") != std::string::npos) return -1.0;
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
   const double as2b = static_cast<double>(c.num_attention_heads) * c.seq_length * c.seq_length *
                       c.micro_batch_size;
@@ -222,8 +240,8 @@ ModuleExtra module_bytes_beyond_paper(const std::string& path, const Transformer
       add(2 * sb * stat, std::string("LayerNorm's mean and rstd [s, b, 1] in ") +
                              (stat == e ? c.precision() : "fp32"));
     }
-  } else if (ends_with("self_attention.core_attention")) {
-    if (c.use_rope()) add(2 * sbh_t * e, "RoPE's rotated q and k");
+  } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention) {
+    if (c.model_rope()) add(2 * sbh_t * e, "RoPE's rotated q and k");
     if (c.attention_dropout == 0.0) {
       add(-(as2b_t + as2b_t * e), "no attention dropout: no mask, no dropped probabilities");
     }
@@ -289,6 +307,25 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 //   shared_experts    a dense MLP of ffn fs (its linear_fc1 counts the norm output), the gate's
 //                     sigmoid T·e and the gated MLP output Th·e
 // Biases are parameters; fc2's bias times the probability keeps only the probabilities.
+//
+// Note [What MLA saves] (T = s*b tokens, a heads, dq = qk_head_dim + qk_pos_emb_head_dim,
+// dv = v_head_dim, rq = q_lora_rank, rkv = kv_lora_rank, dr = qk_pos_emb_head_dim; ledger of
+// `actmem inspect --records`, Megatron's MLASelfAttention):
+//   linear_q_down_proj   the input norm's output Th·e (linear_kv_down_proj without q_lora_rank)
+//   q_layernorm          its input, the query latent T·rq·e, and its statistics (qk_layernorm)
+//   kv_layernorm         its input, a view of the whole down-projection output T·(rkv+dr)·e,
+//                        and its statistics (qk_layernorm)
+//   linear_q_up_proj     its input T·rq·e (the normed latent, or the latent itself); none for
+//                        linear_q_proj, which reads the norm output
+//   linear_kv_up_proj    its input: the normed latent T·rkv·e, or without qk_layernorm a view
+//                        of the down-projection output, T·(rkv+dr)·e
+//   rotary_pos_emb       nothing (the tables are buffers)
+//   core_attention       q, k, v after RoPE, T·a·(2dq+dv)·e, and the scores' tensors as for
+//                        standard attention
+//   linear_proj          the context T·a·dv·e
+// mla_up_proj recompute: the checkpoint keeps the two up-projections' inputs (and the RoPE key
+// part, a view of a kept storage) plus a snapshot, under the query up-projection; q, k, v are
+// freed after core attention saved them.
 namespace {
 // MoE layer `moe_index`'s per-expert rows in `routing`, or null when it has none.
 const std::vector<int64_t>* layer_routing(const MoERouting* routing, size_t moe_index) {
@@ -439,6 +476,38 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       add(ex + ".linear_fc2", n * fm * e);
     }
   };
+  // Note [What MLA saves]; tensor parallelism is refused with MLA, so every size is the full one.
+  auto add_mla_attention = [&](const std::string& attn, const LayerPlan& lp, int64_t norm_out,
+                               int64_t scores) {
+    const int64_t T = s * b, dq = c.mla_q_head_dim(), dv = c.v_head_dim;
+    const int64_t rkv = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim;
+    // The down projections' input (the input norm's output), counted where it is first saved.
+    add(attn + (c.q_lora_rank ? ".linear_q_down_proj" : ".linear_kv_down_proj"), norm_out);
+    int64_t q_in = 0;  // the query up-projection's input, when it is not the norm output
+    if (c.q_lora_rank) {
+      const int64_t rq = *c.q_lora_rank;
+      if (c.qk_layernorm) add(attn + ".q_layernorm", T * rq * e + norm_stats);
+      q_in = T * rq * e;  // the latent (or its normed copy)
+    }
+    // Without kv_layernorm the up-projection reads a view of the whole down-projection output
+    // [T, kv_lora_rank + pos], which then stays.
+    int64_t kv_in = T * (rkv + dr) * e;
+    if (c.qk_layernorm) {
+      add(attn + ".kv_layernorm", kv_in + norm_stats);
+      kv_in = T * rkv * e;
+    }
+    const std::string q_up = attn + (c.q_lora_rank ? ".linear_q_up_proj" : ".linear_q_proj");
+    if (lp.recompute_mla_up_proj) {
+      add(q_up, q_in + kv_in + snapshot);  // the checkpoint's inputs
+    } else {
+      add(q_up, q_in);
+      add(attn + ".linear_kv_up_proj", kv_in);
+    }
+    // q, k, v after RoPE (freed by mla_up_proj recompute); the scores' tensors.
+    add(attn + ".core_attention",
+        (lp.recompute_mla_up_proj ? 0 : T * c.num_attention_heads * (2 * dq + dv) * e) + scores);
+    add(attn + ".linear_proj", T * c.num_attention_heads * dv * e);
+  };
   add("embedding", hidden_drop ? sbh : 0);
   size_t moe_layers_before = 0;  // MoE layers before layer i, chunked or not
   for (int64_t i = 0; i < c.num_layers; ++i) {
@@ -460,15 +529,16 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
-    add(layer + ".self_attention.linear_qkv", norm_out);
-    int64_t core = 3 * sbh_t * e + (c.use_rope() ? 2 * sbh_t * e : 0);
-    if (lp.recompute_core_attn) {
-      core += snapshot;
+    const int64_t scores = lp.recompute_core_attn ? snapshot
+                                                  : as2b * e + (attn_drop ? as2b + as2b * e : 0);
+    if (c.multi_latent_attention) {
+      add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
-      core += as2b * e + (attn_drop ? as2b + as2b * e : 0);
+      add(layer + ".self_attention.linear_qkv", norm_out);
+      add(layer + ".self_attention.core_attention",
+          3 * sbh_t * e + (c.model_rope() ? 2 * sbh_t * e : 0) + scores);
+      add(layer + ".self_attention.linear_proj", sbh_t * e);
     }
-    add(layer + ".self_attention.core_attention", core);
-    add(layer + ".self_attention.linear_proj", sbh_t * e);
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);
     if (lp.moe) {
@@ -523,10 +593,24 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
   // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
   // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
-  const double params = L * ((4.0 * h * h + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
+  // Attention weights per layer: linear_qkv and linear_proj (4h^2), or MLA's projections.
+  double attention = 4.0 * h * h;
+  if (c.multi_latent_attention) {
+    const double a_ = a, dq = static_cast<double>(c.mla_q_head_dim());
+    const double dv = static_cast<double>(c.v_head_dim), rkv = static_cast<double>(c.kv_lora_rank);
+    const double pos = static_cast<double>(c.qk_pos_emb_head_dim);
+    const double q = c.q_lora_rank ? static_cast<double>(*c.q_lora_rank) * (h + a_ * dq + 2.0)
+                                   : h * a_ * dq;
+    attention = q + h * (rkv + pos) + rkv * a_ * (c.qk_head_dim + dv) + 2.0 * rkv + a_ * dv * h;
+  }
+  const double params = L * ((attention + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
                         2.0 * v * h + static_cast<double>(c.max_positions()) * h + 2.0 * h;
   double largest_param = std::max(v * h, h * fc1 / t) * e;
   double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+  if (c.multi_latent_attention) {  // the kv up-projection's output [s, b, a (qk + v)] is widest
+    const double widest = static_cast<double>(std::max(c.mla_q_head_dim(), c.qk_head_dim + c.v_head_dim));
+    largest_tensor = std::max(largest_tensor, s * b * a * widest * e);
+  }
   // MoE layers: their router, experts and shared experts on top of the dense MLP counted above
   // (an upper bound), and the experts' [N, fc1] rows at the most the routing can give them.
   MoERouting worst;
@@ -557,7 +641,11 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
   keep_all.granularity = RecomputeGranularity::kNone;
   keep_all.distribute_saved_activations = false;
   keep_all.chunks.clear();
-  keep_all.layers.assign(keep_all.layers.size(), LayerPlan{});
+  for (LayerPlan& lp : keep_all.layers) {
+    const bool moe = lp.moe;
+    lp = LayerPlan{};
+    lp.moe = moe;  // the layer's kind stays: an MoE layer keeps what an MoE layer keeps
+  }
   const double activations =
       static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes, true, &worst).total);
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the

@@ -92,11 +92,12 @@ ForwardCounters& forward_counters() {
 
 // ---- Norm -------------------------------------------------------------------------------------
 
-Norm::Norm(const TransformerConfig& config, at::ScalarType dtype)
+Norm::Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size)
     : rms_(config.use_rmsnorm()), eps_(config.layernorm_epsilon) {
   const auto opts = at::TensorOptions().dtype(dtype);
-  weight = register_parameter("weight", at::ones({config.hidden_size}, opts));
-  if (!rms_) bias = register_parameter("bias", at::zeros({config.hidden_size}, opts));
+  const int64_t n = size > 0 ? size : config.hidden_size;
+  weight = register_parameter("weight", at::ones({n}, opts));
+  if (!rms_) bias = register_parameter("bias", at::zeros({n}, opts));
 }
 
 namespace {
@@ -209,8 +210,9 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
 
 // ---- CoreAttention ----------------------------------------------------------------------------
 
-CoreAttention::CoreAttention(const TransformerConfig& config)
-    : dropout_(config.attention_dropout),
+CoreAttention::CoreAttention(const TransformerConfig& config, double softmax_scale)
+    : softmax_scale_(softmax_scale),
+      dropout_(config.attention_dropout),
       sequence_parallel_(config.sequence_parallel),
       softmax_in_fp32_(config.attention_softmax_in_fp32) {}
 
@@ -223,13 +225,13 @@ at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
 at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                   const at::Tensor& mask) {
   forward_counters().core_attention.fetch_add(1, std::memory_order_relaxed);
-  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3);
+  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3), dv = v.size(3);
   // [s, b, a, d] -> [b*a, s, d]; a view when q, k, v are slices of the fused qkv output.
   const at::Tensor q3 = q.reshape({s, b * a, d}).transpose(0, 1);
   const at::Tensor k3t = k.reshape({s, b * a, d}).permute({1, 2, 0});  // [b*a, d, s]
-  const at::Tensor v3 = v.reshape({s, b * a, d}).transpose(0, 1);
+  const at::Tensor v3 = v.reshape({s, b * a, dv}).transpose(0, 1);
   at::Tensor scores = at::bmm(q3, k3t);  // [b*a, s, s]
-  scores.mul_(1.0 / std::sqrt(static_cast<double>(d)));
+  scores.mul_(softmax_scale_ > 0.0 ? softmax_scale_ : 1.0 / std::sqrt(static_cast<double>(d)));
   at::Tensor scores4 = scores.view({b, a, s, s});
   // Megatron's attention_mask_func; the mask may be larger than s (a prefix of the model's table).
   scores4.masked_fill_(mask.narrow(2, 0, s).narrow(3, 0, s), -10000.0);
@@ -248,8 +250,8 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, cons
             : std::nullopt;
     probs = apply_dropout(probs, dropout_, is_training());
   }
-  const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, d]
-  return context.view({b, a, s, d}).permute({2, 0, 1, 3}).reshape({s, b, a * d});
+  const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, dv]
+  return context.view({b, a, s, dv}).permute({2, 0, 1, 3}).reshape({s, b, a * dv});
 }
 
 // ---- RotaryEmbedding --------------------------------------------------------------------------
@@ -265,10 +267,66 @@ RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType
   sin = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
 }
 
-at::Tensor RotaryEmbedding::apply(const at::Tensor& x, int64_t offset) const {
-  const int64_t s = x.size(0);
+// Note [MLA's RoPE]
+// Multi-latent attention rotates only a qk_pos_emb_head_dim-wide part of each query head and one
+// such part per token shared by all key heads (decoupled RoPE: the latent's up-projection cannot
+// carry position). Megatron builds the tables with YarnRotaryEmbedding by default (rope_type
+// yarn; megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py): the frequencies
+// blend the plain ones with ones divided by rotary_scaling_factor over a ramp between the
+// correction dims of beta_fast = 32 and beta_slow = 1 rotations at
+// original_max_position_embeddings = 4096 (MLATransformerConfig's defaults), and cos and sin are
+// multiplied by the concentration factor get_mscale(factor, mscale) / get_mscale(factor,
+// mscale_all_dim). With a factor of 1 (the CLI default) YaRN equals plain RoPE. Before rotating,
+// apply_rotary_pos_emb(mla_rotary_interleaved=True) de-interleaves the part (even features, then
+// odd ones); the dot product is invariant to that permutation, Megatron keeps it for checkpoint
+// compatibility with DeepSeek's weights, and so does actmem.
+namespace {
+double yarn_get_mscale(double scale, double mscale) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
+}
+}  // namespace
+
+RotaryEmbedding RotaryEmbedding::for_mla(const TransformerConfig& config, at::ScalarType dtype) {
+  const int64_t d = config.qk_pos_emb_head_dim;
+  const double base = config.rotary_base;
+  const auto f64 = at::TensorOptions().dtype(at::kDouble);
+  const at::Tensor extra = 1.0 / at::pow(base, at::arange(0, d, 2, f64) / static_cast<double>(d));
+  at::Tensor inv_freq = extra;
+  double concentration = 1.0;
+  if (config.resolved_rope_type() == "yarn") {
+    const double factor = config.rotary_scaling_factor;
+    constexpr double kBetaFast = 32.0, kBetaSlow = 1.0, kOriginalMaxPositions = 4096.0;
+    auto correction_dim = [&](double rotations) {
+      return static_cast<double>(d) * std::log(kOriginalMaxPositions / (rotations * 2.0 * M_PI)) /
+             (2.0 * std::log(base));
+    };
+    const double low = std::max(std::floor(correction_dim(kBetaFast)), 0.0);
+    double high = std::min(std::ceil(correction_dim(kBetaSlow)), static_cast<double>(d - 1));
+    if (low == high) high += 0.001;  // Megatron's guard against a zero-width ramp
+    const at::Tensor ramp = ((at::arange(d / 2, f64) - low) / (high - low)).clamp(0.0, 1.0);
+    const at::Tensor mask = 1.0 - ramp;
+    inv_freq = (extra / factor) * (1.0 - mask) + extra * mask;
+    concentration = yarn_get_mscale(factor, config.mscale) /
+                    yarn_get_mscale(factor, config.mscale_all_dim);
+  }
+  const at::Tensor t = at::arange(config.max_positions(), f64);
+  const at::Tensor freqs = at::outer(t, inv_freq);    // [s, d/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);  // [s, d]
+  RotaryEmbedding r;
+  r.cos = (emb.cos() * concentration).to(dtype).view({emb.size(0), 1, 1, d});
+  r.sin = (emb.sin() * concentration).to(dtype).view({emb.size(0), 1, 1, d});
+  r.mla_interleaved_ = true;
+  return r;
+}
+
+at::Tensor RotaryEmbedding::apply(const at::Tensor& x_in, int64_t offset) const {
+  const int64_t s = x_in.size(0);
   TORCH_CHECK(offset >= 0 && offset + s <= cos.size(0), "actmem::RotaryEmbedding: positions [",
               offset, ", ", offset + s, ") beyond the table of ", cos.size(0));
+  // Note [MLA's RoPE]: even features first, then odd ones.
+  const at::Tensor x = mla_interleaved_ ? at::cat({x_in.slice(-1, 0, c10::nullopt, 2),
+                                                  x_in.slice(-1, 1, c10::nullopt, 2)}, -1)
+                                        : x_in;
   const auto halves = x.chunk(2, -1);
   const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
   return x * cos.narrow(0, offset, s) + rotated * sin.narrow(0, offset, s);
@@ -344,6 +402,169 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   return {region.commit(out, {context}), bias};
 }
 
+// ---- MLASelfAttention -------------------------------------------------------------------------
+
+MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerPlan& plan,
+                                   at::ScalarType dtype)
+    : heads_(c.num_attention_heads),
+      qk_head_dim_(c.qk_head_dim),
+      pos_dim_(c.qk_pos_emb_head_dim),
+      v_head_dim_(c.v_head_dim),
+      kv_lora_rank_(c.kv_lora_rank),
+      plan_(plan) {
+  const int64_t h = c.hidden_size, a = c.num_attention_heads, dq = c.mla_q_head_dim();
+  // MultiLatentAttention.__init__: mscale = get_mscale(rotary_scaling_factor, mscale_all_dim),
+  // whatever the rope type.
+  const double m = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
+  softmax_scale_ = m * m / std::sqrt(static_cast<double>(dq));
+  // Megatron's construction order (and so its parameter order): core attention and linear_proj
+  // in the base class, then the projections, then the norms. The projections have no bias.
+  core_attention =
+      register_module("core_attention", std::make_shared<CoreAttention>(c, softmax_scale_));
+  linear_proj = register_module(
+      "linear_proj", std::make_shared<Linear>(a * c.v_head_dim, h, c.add_bias_linear, true, dtype,
+                                              LinearParallel::kRow));
+  if (c.q_lora_rank) {
+    linear_q_down_proj = register_module(
+        "linear_q_down_proj", std::make_shared<Linear>(h, *c.q_lora_rank, false, false, dtype));
+    linear_q_up_proj = register_module(
+        "linear_q_up_proj", std::make_shared<Linear>(*c.q_lora_rank, a * dq, false, false, dtype,
+                                                     LinearParallel::kColumn));
+  } else {
+    linear_q_proj = register_module(
+        "linear_q_proj",
+        std::make_shared<Linear>(h, a * dq, false, false, dtype, LinearParallel::kColumn));
+  }
+  linear_kv_down_proj = register_module(
+      "linear_kv_down_proj",
+      std::make_shared<Linear>(h, c.kv_lora_rank + c.qk_pos_emb_head_dim, false, false, dtype));
+  linear_kv_up_proj = register_module(
+      "linear_kv_up_proj",
+      std::make_shared<Linear>(c.kv_lora_rank, a * (c.qk_head_dim + c.v_head_dim), false, false,
+                               dtype, LinearParallel::kColumn));
+  if (c.qk_layernorm) {
+    if (c.q_lora_rank) {
+      q_layernorm = register_module("q_layernorm", std::make_shared<Norm>(c, dtype, *c.q_lora_rank));
+    }
+    kv_layernorm = register_module("kv_layernorm", std::make_shared<Norm>(c, dtype, c.kv_lora_rank));
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::down(const at::Tensor& x) {
+  // Megatron's _qkv_down_projection, then the split and the norms.
+  at::Tensor q_c = x;  // without q_lora_rank, linear_q_proj reads the hidden states
+  if (linear_q_down_proj) {
+    ModuleScope scope("linear_q_down_proj");
+    q_c = linear_q_down_proj->forward(x).first;  // [s, b, q_lora_rank]
+  }
+  at::Tensor kv_combined;
+  {
+    ModuleScope scope("linear_kv_down_proj");
+    kv_combined = linear_kv_down_proj->forward(x).first;  // [s, b, kv_lora_rank + pos]
+  }
+  const auto parts = kv_combined.split_with_sizes({kv_lora_rank_, pos_dim_}, -1);
+  at::Tensor kv_c = parts[0];
+  if (q_layernorm) {
+    ModuleScope scope("q_layernorm");
+    q_c = q_layernorm->forward(q_c);
+  }
+  if (kv_layernorm) {
+    ModuleScope scope("kv_layernorm");
+    kv_c = kv_layernorm->forward(kv_c);
+  }
+  return {q_c, kv_c, parts[1]};
+}
+
+std::vector<at::Tensor> MLASelfAttention::up_and_rope(const std::vector<at::Tensor>& in,
+                                                      const RotaryEmbedding& rope, int64_t offset) {
+  const at::Tensor &q_c = in[0], &kv_c = in[1], &k_pos = in[2];
+  const int64_t s = q_c.size(0), b = q_c.size(1);
+  at::Tensor q, kv;
+  {
+    ModuleScope scope(linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj");
+    q = (linear_q_up_proj ? linear_q_up_proj : linear_q_proj)->forward(q_c).first;
+  }
+  {
+    ModuleScope scope("linear_kv_up_proj");
+    kv = linear_kv_up_proj->forward(kv_c).first;
+  }
+  ModuleScope scope("rotary_pos_emb");
+  const auto qs = q.view({s, b, heads_, qk_head_dim_ + pos_dim_}).split_with_sizes({qk_head_dim_, pos_dim_}, -1);
+  const auto kvs = kv.view({s, b, heads_, qk_head_dim_ + v_head_dim_})
+                       .split_with_sizes({qk_head_dim_, v_head_dim_}, -1);
+  const at::Tensor q_pe = rope.apply(qs[1], offset);                  // [s, b, a, pos]
+  const at::Tensor k_pe = rope.apply(k_pos.unsqueeze(-2), offset);    // [s, b, 1, pos]
+  // One RoPE key part per token, shared by every head.
+  return {at::cat({qs[0], q_pe}, -1), at::cat({kvs[0], k_pe.expand({s, b, heads_, pos_dim_})}, -1),
+          kvs[1].contiguous()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::project(
+    const at::Tensor& x, const RotaryEmbedding& rope, int64_t offset) {
+  auto [q_c, kv_c, k_pos] = down(x);
+  const std::vector<at::Tensor> qkv = up_and_rope({q_c, kv_c, k_pos}, rope, offset);
+  return {qkv[0], qkv[1], qkv[2]};
+}
+
+std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
+                                                            const LayerContext& ctx) {
+  TORCH_CHECK(ctx.rope != nullptr, "actmem::MLASelfAttention: needs MLA's rotary tables "
+              "(LayerContext::rope; GPTModel builds them)");
+  const bool train = is_training();
+  auto group = [&](OffloadModule m) { return plan_.offloads(m) && train ? ctx.offloader : nullptr; };
+  const RotaryEmbedding* rope = ctx.rope;
+  // Selective "mla_up_proj" (Megatron's recompute_up_proj): output-discarding recompute of the
+  // up-projections and RoPE; q, k and v are freed once core attention saved them and rebuilt
+  // from the gradient hook of the core-attention output.
+  const bool recompute_up = plan_.recompute_mla_up_proj && train;
+  CheckpointWithoutOutput up_ckpt;
+  at::Tensor q, k, v;
+  {
+    // Megatron's qkv_linear group spans get_query_key_value_tensors: it starts at the hidden
+    // states and commits on the query, releasing the hidden states.
+    OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
+    const at::Tensor xs = region.enter(x);
+    auto [q_c, kv_c, k_pos] = down(xs);
+    std::vector<at::Tensor> qkv;
+    if (recompute_up) {
+      ModuleScope scope(linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj");
+      qkv = up_ckpt.checkpoint(
+          [this, rope](const TensorList& in) { return up_and_rope(in, *rope, 0); },
+          {q_c, kv_c, k_pos});
+      // Outputs that output-discarding recompute frees are not worth a copy.
+      if (ctx.offloader != nullptr) {
+        for (const auto& t : qkv) ctx.offloader->exclude_this_forward(t);
+      }
+    } else {
+      qkv = up_and_rope({q_c, kv_c, k_pos}, *rope, 0);
+    }
+    q = region.commit(qkv[0], {xs});
+    k = qkv[1];
+    v = qkv[2];
+  }
+  at::Tensor context;  // [s, b, a * v_head_dim]
+  {
+    ModuleScope scope("core_attention");
+    if (plan_.recompute_core_attn && train) {
+      const at::Tensor mask = ctx.attention_mask;
+      context = checkpoint(
+          [this, mask](const TensorList& in) {
+            return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
+          },
+          /*distribute_saved_activations=*/false, {q, k, v})[0];
+    } else {
+      OffloadRegion region(group(OffloadModule::kCoreAttn), to_string(OffloadModule::kCoreAttn));
+      const at::Tensor qs = region.enter(q);
+      context = region.commit(core_attention->forward(qs, k, v, ctx.attention_mask), {q, k, v});
+    }
+  }
+  if (recompute_up) up_ckpt.discard_output_and_register_recompute(context);
+  ModuleScope scope("linear_proj");
+  OffloadRegion region(group(OffloadModule::kAttnProj), to_string(OffloadModule::kAttnProj));
+  auto [out, bias] = linear_proj->forward(region.enter(context));
+  return {region.commit(out, {context}), bias};
+}
+
 // ---- MLP --------------------------------------------------------------------------------------
 
 MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.gated_linear_unit) {
@@ -384,8 +605,13 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerP
                                    int64_t layer_number, at::ScalarType dtype)
     : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
-  self_attention =
-      register_module("self_attention", std::make_shared<SelfAttention>(config, plan, dtype));
+  if (config.multi_latent_attention) {
+    mla_attention = register_module("self_attention",
+                                    std::make_shared<MLASelfAttention>(config, plan, dtype));
+  } else {
+    self_attention =
+        register_module("self_attention", std::make_shared<SelfAttention>(config, plan, dtype));
+  }
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
   if (plan.moe) {
     moe = register_module("mlp", std::make_shared<MoELayer>(config, plan, layer_number, dtype));
@@ -469,7 +695,9 @@ at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const L
   return norm_module_bda(
       hidden, ctx, {input_layernorm, OffloadModule::kAttnNorm, "input_layernorm", "self_attention",
                     "self_attn_bda"},
-      [&](const at::Tensor& ln) { return self_attention->forward(ln, ctx); });
+      [&](const at::Tensor& ln) {
+        return mla_attention ? mla_attention->forward(ln, ctx) : self_attention->forward(ln, ctx);
+      });
 }
 
 at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
@@ -604,6 +832,15 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       embedding->register_module("word_embeddings",
                                  std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
           ->weight;
+  if (config.multi_latent_attention) {
+    // MLA's attention rotates its own decoupled part (Note [MLA's RoPE]); Megatron's GPTModel
+    // builds no model-level RoPE for it, and learned absolute positions still apply unless
+    // --position-embedding-type rope.
+    rope_ = std::make_unique<RotaryEmbedding>(RotaryEmbedding::for_mla(config, dtype));
+    auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
+    rope_->cos = holder->register_buffer("cos", rope_->cos);
+    rope_->sin = holder->register_buffer("sin", rope_->sin);
+  }
   if (!config.use_rope()) {
     position_embeddings =
         embedding
@@ -611,7 +848,7 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
                               std::make_shared<WeightHolder>(
                                   init_normal({config.max_positions(), h}, std, dtype)))
             ->weight;
-  } else {
+  } else if (!config.multi_latent_attention) {
     rope_ = std::make_unique<RotaryEmbedding>(config, dtype);
     auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
     rope_->cos = holder->register_buffer("cos", rope_->cos);
@@ -629,9 +866,25 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     auto rows = [&](const at::Tensor& full) { return full.chunk(t, 0)[r]; };
     auto cols = [&](const at::Tensor& full) { return full.chunk(t, 1)[r]; };
     for (auto& layer : decoder->layers) {
-      layer->self_attention->linear_qkv->weight.copy_(rows(init_normal({3 * h, h}, std, dtype)));
-      layer->self_attention->linear_proj->weight.copy_(
-          cols(init_normal({h, h}, scaled_std, dtype)));
+      if (MLASelfAttention* mla = layer->mla_attention.get()) {
+        // Megatron's construction order: linear_proj, the query projection(s), kv down and up.
+        auto draw = [&](Linear& l, double sd) {
+          l.weight.copy_(init_normal(l.weight.sizes(), sd, dtype));
+        };
+        draw(*mla->linear_proj, scaled_std);
+        if (mla->linear_q_proj) {
+          draw(*mla->linear_q_proj, std);
+        } else {
+          draw(*mla->linear_q_down_proj, std);
+          draw(*mla->linear_q_up_proj, std);
+        }
+        draw(*mla->linear_kv_down_proj, std);
+        draw(*mla->linear_kv_up_proj, std);
+      } else {
+        layer->self_attention->linear_qkv->weight.copy_(rows(init_normal({3 * h, h}, std, dtype)));
+        layer->self_attention->linear_proj->weight.copy_(
+            cols(init_normal({h, h}, scaled_std, dtype)));
+      }
       if (layer->moe) {
         init_moe_layer(*layer->moe, config, std, scaled_std, dtype);
         continue;

@@ -192,6 +192,31 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
                  "actmem: dropout on the experts' activation, from the expert-parallel random "
                  "stream (Megatron has none; default 0)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  // Multi-latent attention (docs/mla.md), Megatron's flags and CLI defaults.
+  app.add_flag("--multi-latent-attention", m.multi_latent_attention,
+               "Attention through low-rank query and key/value latents (Megatron's MLA)");
+  app.add_option_function<int64_t>(
+         "--q-lora-rank", [&m](const int64_t& v) { m.q_lora_rank = v; },
+         "Rank of the query's latent (default: no query compression)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--kv-lora-rank", m.kv_lora_rank, "Rank of the keys' and values' latent")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--qk-head-dim", m.qk_head_dim, "Per-head query/key width without position")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim,
+                 "Per-head width of the decoupled RoPE part of queries and keys")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--qk-layernorm", m.qk_layernorm,
+               "Norms on the query and key/value latents (MLA's q_layernorm, kv_layernorm)");
+  app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
+      ->check(CLI::IsMember({"rope", "yarn"}));
+  app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN's scaling factor")
+      ->capture_default_str()->check(kPositive);
+  app.add_option("--mscale", m.mscale, "YaRN's mscale (MLA)")->capture_default_str();
+  app.add_option("--mscale-all-dim", m.mscale_all_dim, "YaRN's mscale_all_dim (MLA)")
+      ->capture_default_str();
 }
 
 void add_recompute_flags(CLI::App& app, TrainOptions& o) {

@@ -43,6 +43,20 @@ const Variant kVariants[] = {
        c.add_bias_linear = false;
      }},
     {"gpt_bf16", [](TransformerConfig& c) { testing::set_precision(c, "bf16"); }},
+    {"mla_yarn_fp32", [](TransformerConfig& c) {
+       // DeepSeek-style attention: compressed queries, normed latents, YaRN with a factor > 1.
+       c.multi_latent_attention = true;
+       c.q_lora_rank = 12;
+       c.kv_lora_rank = 8;
+       c.qk_head_dim = 6;
+       c.qk_pos_emb_head_dim = 4;
+       c.v_head_dim = 5;
+       c.qk_layernorm = true;
+       c.normalization = "RMSNorm";
+       c.rotary_scaling_factor = 4.0;
+       c.mscale = 1.0;
+       c.mscale_all_dim = 0.5;
+     }},
 };
 
 class KVCacheTest : public ::testing::TestWithParam<size_t> {};

@@ -102,6 +102,8 @@ struct LayerPlan {
   bool recompute_moe = false;             // the whole MoE layer in a checkpoint: its input kept
   bool recompute_moe_act = false;         // the experts' activation output freed, rebuilt from fc2's hook
   bool recompute_shared_experts = false;  // the shared experts in a checkpoint
+  /// MLA: the up-projections and RoPE's q, k, v freed, rebuilt from core attention's output hook.
+  bool recompute_mla_up_proj = false;
   // Offload.
   bool offload_layer = false;  // layer-level: everything the layer saves goes to the host
   /// Layer-level offload is on for the model: the layer opens a layer group even when it does

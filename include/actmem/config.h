@@ -108,6 +108,29 @@ struct TransformerConfig {
   /// activation, drawn from the expert-parallel random stream. 0 = Megatron's behaviour.
   double moe_expert_dropout = 0.0;
 
+  // ---- multi-latent attention (docs/mla.md), Megatron's names and CLI defaults ----
+  /// Attention as Megatron's MLASelfAttention: queries and keys/values projected down to low-rank
+  /// latents, normed, projected up per head; a decoupled RoPE part of qk_pos_emb_head_dim.
+  bool multi_latent_attention = false;
+  /// The query's latent rank; unset = no query compression (one linear_q_proj from h).
+  std::optional<int64_t> q_lora_rank;
+  int64_t kv_lora_rank = 32;
+  /// Per head: the query/key part without position (qk_head_dim), the RoPE part shared by all
+  /// heads of a key (qk_pos_emb_head_dim), and the value (v_head_dim).
+  int64_t qk_head_dim = 128;
+  int64_t qk_pos_emb_head_dim = 64;
+  int64_t v_head_dim = 128;
+  /// Norms on the query and key/value latents (q_layernorm over q_lora_rank when set,
+  /// kv_layernorm over kv_lora_rank), of --normalization's type (Megatron's --qk-layernorm; for
+  /// standard attention actmem does not implement it).
+  bool qk_layernorm = false;
+  /// "rope" or "yarn"; empty = Megatron's default (yarn for MLA, rope otherwise).
+  std::string rope_type;
+  /// YaRN's context-extension factor and its attention-scale terms (mscale, mscale_all_dim).
+  double rotary_scaling_factor = 1.0;
+  double mscale = 1.0;
+  double mscale_all_dim = 0.0;
+
   // ---- activation recompute (Megatron's fields; see docs/recompute.md) ----
   /// "" (none), "full" or "selective".
   std::string recompute_granularity;
@@ -153,7 +176,17 @@ struct TransformerConfig {
   /// moe_layer_freq.
   std::vector<bool> moe_layers() const;
 
+  /// Learned absolute positions are not used (the model-level RoPE tables are built only
+  /// without MLA, whose attention applies its own decoupled RoPE, as Megatron's GPTModel).
   bool use_rope() const { return position_embedding_type == "rope"; }
+  /// RoPE tables at the model level rotating every head's q and k (standard attention only).
+  bool model_rope() const { return use_rope() && !multi_latent_attention; }
+  /// MLA's per-head query/key width, qk_head_dim + qk_pos_emb_head_dim.
+  int64_t mla_q_head_dim() const { return qk_head_dim + qk_pos_emb_head_dim; }
+  /// rope_type with Megatron's default resolved: "yarn" with MLA, "rope" otherwise.
+  std::string resolved_rope_type() const {
+    return !rope_type.empty() ? rope_type : multi_latent_attention ? "yarn" : "rope";
+  }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
   /// "fp32", "bf16" or "fp16".
   const char* precision() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }

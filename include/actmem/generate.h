@@ -33,7 +33,7 @@ class KVCache {
 
  private:
   GPTModel& model_;
-  int64_t capacity_, heads_, head_dim_;
+  int64_t capacity_, heads_, key_dim_, value_dim_;  // per-head widths of cached keys, values
   std::vector<at::Tensor> keys_, values_;  // per layer [capacity, a, d]
   int64_t length_ = 0;
 };

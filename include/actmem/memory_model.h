@@ -26,6 +26,13 @@ struct MoEPaperShape {
   bool z_loss = false;
 };
 
+/// Multi-latent attention's sizes (docs/mla.md); kv_lora 0 = standard attention.
+struct MLAPaperShape {
+  double q_lora = 0;  // 0: no query compression (linear_q_proj)
+  double kv_lora = 0, qk = 128, pos = 64, v = 128;
+  bool qk_layernorm = false;  // RMSNorm on the latents (fp32 rstd)
+};
+
 /// Sizes of a (possibly very large) model for the analytic formulas. Doubles: no overflow.
 struct PaperShape {
   double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0;
@@ -39,7 +46,9 @@ struct PaperShape {
   double d = 1;          // data-parallel size
   bool distributed_optimizer = false;  // optimizer state sharded over the d ranks
   MoEPaperShape moe;    // experts == 0: dense
+  MLAPaperShape mla;    // kv_lora == 0: standard attention
   double sbh() const { return s * b * h; }
+  bool is_mla() const { return mla.kv_lora > 0; }
   double layers_per_stage() const { return L / p; }
   bool is_moe() const { return moe.experts > 0; }
 };
@@ -83,6 +92,24 @@ struct MoELayerBytes {
   double mlp() const { return router + dispatch + experts + shared; }
 };
 MoELayerBytes paper_moe_layer_bytes(const PaperShape& m);
+
+/// One MLA attention module's activation bytes for one micro-batch at 16 bits (the attention
+/// half without its input norm and residual dropout mask: everything under self_attention),
+/// the terms of Note [What MLA saves] in memory_model.cpp, which the exact predictor checks
+/// against the tracker. Heads are split t ways; the latents are replicated on every
+/// tensor-parallel rank (Megatron's duplicated down projections), sequence-sharded with SP.
+///   latents  the down projections' input 2sbh, the query latent 2sb*q_lora (with qk_layernorm
+///            plus its normed copy 2sb*q_lora and fp32 rstd 4sb), the kv latent with the RoPE key
+///            part 2sb*(kv_lora + pos) (with qk_layernorm plus 2sb*kv_lora and 4sb)
+///   qkv      q, k, v after the up-projections and RoPE: 2sba*(2(qk + pos) + v)
+///   scores   softmax output 2as^2b, dropout mask as^2b, dropped probabilities 2as^2b
+///   context  linear_proj's input 2sba*v
+/// Selective core_attn drops `scores`; mla_up_proj drops `qkv` (output-discarding).
+struct MLAAttentionBytes {
+  double latents = 0, qkv = 0, scores = 0, context = 0;
+  double none() const { return latents + qkv + scores + context; }
+};
+MLAAttentionBytes paper_mla_attention_bytes(const PaperShape& m);
 
 /// Megatron's megatron/training/theoretical_memory_usage.py activation terms:
 /// compute_activation_memory (SP + selective) and compute_activation_memory_without_sp, for the

@@ -23,6 +23,7 @@
 #include <atomic>
 #include <functional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace actmem {
@@ -51,7 +52,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 /// LayerNorm or RMSNorm over the last dimension, per config.normalization.
 class Norm : public torch::nn::Module {
  public:
-  Norm(const TransformerConfig& config, at::ScalarType dtype);
+  /// Over `size` features (0: the hidden size).
+  Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size = 0);
   at::Tensor forward(const at::Tensor& x);  // [..., h] -> [..., h]
   at::Tensor weight;
   at::Tensor bias;  // undefined for RMSNorm
@@ -95,12 +97,14 @@ class CoreAttention : public torch::nn::Module {
  public:
   /// Attention dropout draws from the model-parallel stream (each tensor-parallel rank drops
   /// its own heads differently); under sequence parallelism the whole block already runs in it.
-  explicit CoreAttention(const TransformerConfig& config);
-  /// q, k, v: [s, b, a, d]; mask: [1, 1, >=s, >=s] bool  ->  context [s, b, a*d]
+  /// softmax_scale 0 means 1/sqrt(d) (d = the query's head dim).
+  explicit CoreAttention(const TransformerConfig& config, double softmax_scale = 0.0);
+  /// q, k: [s, b, a, d]; v: [s, b, a, dv]; mask: [1, 1, >=s, >=s] bool -> context [s, b, a*dv]
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& mask);
 
  private:
+  double softmax_scale_;
   double dropout_;
   bool sequence_parallel_;
   bool softmax_in_fp32_;
@@ -109,12 +113,21 @@ class CoreAttention : public torch::nn::Module {
 /// Rotary position embedding tables (cos and sin, [s, 1, 1, d]).
 class RotaryEmbedding {
  public:
+  /// Standard attention's RoPE over the head dimension (--position-embedding-type rope).
   RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype);
+  /// Multi-latent attention's decoupled RoPE over qk_pos_emb_head_dim: Megatron's RotaryEmbedding
+  /// or YarnRotaryEmbedding (rope_type), its concentration factor folded into the tables, and
+  /// MLA's de-interleaving of the rotated part (Note [MLA's RoPE] in model.cpp).
+  static RotaryEmbedding for_mla(const TransformerConfig& config, at::ScalarType dtype);
   /// Rotates x: [s, b, a, d], whose first position is `offset` (a KV-cached continuation).
   at::Tensor apply(const at::Tensor& x, int64_t offset = 0) const;
   /// The tables; GPTModel registers them as buffers (rotary_pos_emb.cos, .sin), so they move
   /// with the model and are not counted as activations.
   at::Tensor cos, sin;
+
+ private:
+  RotaryEmbedding() = default;
+  bool mla_interleaved_ = false;  // x[..., 0::2] then x[..., 1::2] before rotating
 };
 
 /// What every layer receives besides the hidden states (Megatron passes the same to each layer).
@@ -135,6 +148,46 @@ class SelfAttention : public torch::nn::Module {
 
  private:
   int64_t heads_, head_dim_;
+  LayerPlan plan_;
+};
+
+/// Megatron's MLASelfAttention (megatron/core/transformer/multi_latent_attention.py) with the
+/// unfused local spec: hidden -> linear_q_down_proj -> q_layernorm -> linear_q_up_proj (or one
+/// linear_q_proj without q_lora_rank) for the queries; hidden -> linear_kv_down_proj ->
+/// [kv latent | shared RoPE key part] -> kv_layernorm -> linear_kv_up_proj -> [k | v] per head;
+/// the RoPE parts rotated (decoupled RoPE); core attention over a q/k head dim of qk_head_dim +
+/// qk_pos_emb_head_dim and a v head dim of v_head_dim; linear_proj back to h. The q/kv norms
+/// exist with --qk-layernorm (IdentityOp otherwise, as in Megatron's specs).
+class MLASelfAttention : public torch::nn::Module {
+ public:
+  MLASelfAttention(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
+  /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined); ctx.rope holds MLA's
+  /// tables.
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
+  /// Query, key and value [s, b, a, d] of x, positions from `offset` (generation's KV cache).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x,
+                                                        const RotaryEmbedding& rope,
+                                                        int64_t offset = 0);
+  /// mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), Megatron's MLA softmax scale.
+  double softmax_scale() const { return softmax_scale_; }
+
+  std::shared_ptr<CoreAttention> core_attention;
+  std::shared_ptr<Linear> linear_proj;
+  std::shared_ptr<Linear> linear_q_proj;       // without q_lora_rank
+  std::shared_ptr<Linear> linear_q_down_proj;  // with q_lora_rank
+  std::shared_ptr<Linear> linear_q_up_proj;    // with q_lora_rank
+  std::shared_ptr<Linear> linear_kv_down_proj;
+  std::shared_ptr<Linear> linear_kv_up_proj;
+  std::shared_ptr<Norm> q_layernorm;   // with q_lora_rank and qk_layernorm
+  std::shared_ptr<Norm> kv_layernorm;  // with qk_layernorm
+
+ private:
+  // Down projections and norms: (q_compressed, kv_compressed, k_pos_emb).
+  std::tuple<at::Tensor, at::Tensor, at::Tensor> down(const at::Tensor& x);
+  // Megatron's qkv_up_proj_and_rope_apply: q, k, v [s, b, a, d] (contiguous).
+  std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in, const RotaryEmbedding& rope, int64_t offset);
+  int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;
+  double softmax_scale_;
   LayerPlan plan_;
 };
 
@@ -167,7 +220,8 @@ class TransformerLayer : public torch::nn::Module {
   int64_t layer_number() const { return layer_number_; }  // 1-based, as in Megatron
 
   std::shared_ptr<Norm> input_layernorm;
-  std::shared_ptr<SelfAttention> self_attention;
+  std::shared_ptr<SelfAttention> self_attention;   // standard attention
+  std::shared_ptr<MLASelfAttention> mla_attention;  // MLA (registered as "self_attention")
   std::shared_ptr<Norm> pre_mlp_layernorm;
   std::shared_ptr<MLP> mlp;      // dense layers
   std::shared_ptr<MoELayer> moe;  // MoE layers (registered as "mlp", as in Megatron)
@@ -245,7 +299,8 @@ class GPTModel : public torch::nn::Module {
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
   const at::Tensor& attention_mask() const { return causal_mask_; }
-  /// The rotary tables (null with learned positions).
+  /// The rotary tables: standard attention's with --position-embedding-type rope, MLA's
+  /// decoupled ones with --multi-latent-attention; null otherwise.
   const RotaryEmbedding* rope() const { return rope_.get(); }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;

@@ -51,7 +51,7 @@ enum FlagGroup : unsigned {
   kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
   kOutputFlags = 1u << 8,     // --log-json, --trace
   kCheckpointFlags = 1u << 9, // --save, --load, --save-interval, --exit-signal-handler, ...
-  kMoEFlags = 1u << 10,       // --num-experts, --moe-*, --expert-model-parallel-size
+  kMoEFlags = 1u << 10,       // --num-experts, --moe-*, --expert-model-parallel-size; MLA's
   kModelFlags = kShapeFlags | kParallelFlags | kMoEFlags | kRecomputeFlags | kOffloadFlags,
   kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags |
                    kCheckpointFlags,

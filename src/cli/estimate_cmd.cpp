@@ -30,6 +30,9 @@ struct EstimateOptions {
   double experts = 0, topk = 2, moe_ffn = 0, moe_freq = 1, shared_ffn = 0, capacity = 0;
   double aux_coeff = 0, z_coeff = 0;
   bool pad = false;
+  // Multi-latent attention (docs/mla.md), Megatron's CLI defaults.
+  bool mla = false, qk_layernorm = false;
+  double q_lora = 0, kv_lora = 32, qk_head = 128, pos_head = 64, v_head = 128;
 };
 
 int run(const EstimateOptions& o) {
@@ -53,7 +56,7 @@ int run(const EstimateOptions& o) {
               "--tensor-model-parallel-size > 1");
   TORCH_CHECK(std::fmod(m.L, m.p) == 0, "actmem estimate: num_layers (", m.L,
               ") must be divisible by the pipeline size (", m.p, ")");
-  TORCH_CHECK(std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
+  TORCH_CHECK(o.mla || std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
               ") must divide hidden_size (", m.h, ")");
   // Megatron's tensor-parallel rules: heads and the MLP's columns split evenly over t ranks, and
   // with sequence parallelism the sequence too.
@@ -84,7 +87,29 @@ int run(const EstimateOptions& o) {
     TORCH_CHECK(o.moe_ffn == 0 && o.shared_ffn == 0 && o.capacity == 0 && !o.pad,
                 "actmem estimate: MoE options need --num-experts");
   }
-  const LayerBytes dense_layer = paper_layer_bytes(m);
+  MLAAttentionBytes mla;
+  if (o.mla) {
+    m.mla.q_lora = o.q_lora, m.mla.kv_lora = o.kv_lora, m.mla.qk = o.qk_head;
+    m.mla.pos = o.pos_head, m.mla.v = o.v_head, m.mla.qk_layernorm = o.qk_layernorm;
+    TORCH_CHECK(m.t == 1 || m.sp, "actmem estimate: multi-latent attention with tensor "
+                "parallelism is estimated with --sequence-parallel only");
+    TORCH_CHECK(std::fmod(m.mla.pos, 2) == 0, "actmem estimate: --qk-pos-emb-head-dim must be even");
+    mla = paper_mla_attention_bytes(m);
+  } else {
+    TORCH_CHECK(o.q_lora == 0 && !o.qk_layernorm, "actmem estimate: --q-lora-rank and "
+                "--qk-layernorm need --multi-latent-attention");
+  }
+  // MLA replaces the paper's attention terms (q, k, v inputs and outputs, the scores, the
+  // context: (10 sbh + 5as^2b)/t without recompute, 10 sbh/t with selective core_attn) by its own.
+  auto with_mla = [&](LayerBytes l) {
+    if (!m.is_mla()) return l;
+    const double sq = 5.0 * m.a * m.s * m.s * m.b / m.t, lin = 10.0 * m.sbh() / m.t;
+    l.none += mla.none() - (lin + sq);
+    l.selective += mla.none() - mla.scores - lin;
+    l.s2_fraction = mla.scores / l.none;
+    return l;
+  };
+  const LayerBytes dense_layer = with_mla(paper_layer_bytes(m));
   const double per_stage = m.layers_per_stage();
   // MoE: the first stage's layers [0, L/p) that are MoE (layer i when i % freq == 0), each with
   // the MoE layer's bytes; `layer` is then the stage's mean per layer, so every per-stage total
@@ -100,6 +125,7 @@ int run(const EstimateOptions& o) {
       if (i % static_cast<int64_t>(o.moe_freq) == 0) m.moe.layers += 1;
     }
     moe_layer = paper_moe_layer_bytes(m);
+    moe_layer.layer = with_mla(moe_layer.layer);
     auto mix = [&](double dense, double moe) {
       return (dense * (per_stage - moe_in_stage) + moe * moe_in_stage) / per_stage;
     };
@@ -154,6 +180,18 @@ int run(const EstimateOptions& o) {
                   {"dense_layer_bytes", {{"none", dense_layer.none},
                                          {"selective", dense_layer.selective}}}};
     }
+    if (m.is_mla()) {
+      j["mla"] = {{"q_lora_rank", m.mla.q_lora > 0 ? nlohmann::json(m.mla.q_lora) : nlohmann::json(nullptr)},
+                  {"kv_lora_rank", m.mla.kv_lora}, {"qk_head_dim", m.mla.qk},
+                  {"qk_pos_emb_head_dim", m.mla.pos}, {"v_head_dim", m.mla.v},
+                  {"qk_layernorm", m.mla.qk_layernorm},
+                  {"terms", {{"latents", mla.latents}, {"qkv", mla.qkv}, {"scores", mla.scores},
+                             {"context", mla.context}}},
+                  {"attention_bytes", {{"none", mla.none()},
+                                       {"core_attn", mla.none() - mla.scores},
+                                       {"mla_up_proj", mla.none() - mla.qkv},
+                                       {"core_attn_mla_up_proj", mla.none() - mla.scores - mla.qkv}}}};
+    }
     std::cout << j.dump(2) << std::endl;
     return 0;
   }
@@ -206,6 +244,21 @@ int run(const EstimateOptions& o) {
                  "and MoE layers; Megatron's theoretical_memory_usage counts every layer as dense\n"
               << "  (the weights below are Megatron's dense count: expert weights are not "
                  "included yet)\n";
+  }
+  if (m.is_mla()) {
+    std::cout << "\nmulti-latent attention: q_lora_rank "
+              << (m.mla.q_lora > 0 ? c10::str(static_cast<int64_t>(m.mla.q_lora)) : std::string("none"))
+              << ", kv_lora_rank " << m.mla.kv_lora << ", head dims qk " << m.mla.qk << " + rope "
+              << m.mla.pos << ", v " << m.mla.v << (m.mla.qk_layernorm ? ", latent norms" : "")
+              << "\n  attention per layer: none " << format_bytes_3sig(mla.none()) << ", core_attn "
+              << format_bytes_3sig(mla.none() - mla.scores) << ", mla_up_proj "
+              << format_bytes_3sig(mla.none() - mla.qkv) << ", both "
+              << format_bytes_3sig(mla.none() - mla.scores - mla.qkv) << "\n  of which latents "
+              << format_bytes_3sig(mla.latents) << ", q/k/v after RoPE " << format_bytes_3sig(mla.qkv)
+              << ", scores " << format_bytes_3sig(mla.scores) << ", context "
+              << format_bytes_3sig(mla.context)
+              << "\n  the per-layer figures above use these attention terms (weights below: "
+                 "Megatron's dense count)\n";
   }
   std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
                "precision, d=" << std::defaultfloat << m.d
@@ -276,6 +329,13 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_flag("--moe-pad-expert-input-to-capacity", o->pad, "MoE: pad every expert to capacity");
   cmd->add_option("--moe-aux-loss-coeff", o->aux_coeff, "MoE: load-balancing loss (> 0: its scores are kept)");
   cmd->add_option("--moe-z-loss-coeff", o->z_coeff, "MoE: z-loss (> 0: its fp32 logits are kept)");
+  cmd->add_flag("--multi-latent-attention", o->mla, "MLA: attention terms of docs/mla.md");
+  cmd->add_option("--q-lora-rank", o->q_lora, "MLA: the query latent's rank (default none)");
+  cmd->add_option("--kv-lora-rank", o->kv_lora, "MLA: the key/value latent's rank")->capture_default_str();
+  cmd->add_option("--qk-head-dim", o->qk_head, "MLA: per-head q/k width without RoPE")->capture_default_str();
+  cmd->add_option("--qk-pos-emb-head-dim", o->pos_head, "MLA: per-head RoPE width")->capture_default_str();
+  cmd->add_option("--v-head-dim", o->v_head, "MLA: per-head value width")->capture_default_str();
+  cmd->add_flag("--qk-layernorm", o->qk_layernorm, "MLA: norms on the latents");
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   // Sizes are positive integers written in full (no "inf", no "2.5" layers); the bandwidth is a
   // positive finite number.

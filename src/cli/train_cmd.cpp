@@ -85,6 +85,18 @@ std::string moe_summary(const actmem::TransformerConfig& m) {
   return os.str();
 }
 
+// "  MLA: q_lora_rank 512, kv_lora_rank 512, ...\n", or "" for standard attention.
+std::string mla_summary(const actmem::TransformerConfig& m) {
+  if (!m.multi_latent_attention) return "";
+  std::ostringstream os;
+  os << "  MLA: q_lora_rank " << (m.q_lora_rank ? c10::str(*m.q_lora_rank) : std::string("none"))
+     << ", kv_lora_rank " << m.kv_lora_rank << ", head dims qk " << m.qk_head_dim << " + rope "
+     << m.qk_pos_emb_head_dim << ", v " << m.v_head_dim << ", " << m.resolved_rope_type()
+     << (m.resolved_rope_type() == "yarn" ? " (factor " + c10::str(m.rotary_scaling_factor) + ")" : "")
+     << (m.qk_layernorm ? ", latent norms" : "") << "\n";
+  return os.str();
+}
+
 void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
                   actmem::GPTModel& model) {
   const auto& m = o.model;
@@ -94,7 +106,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << m.num_attention_heads << " heads, ffn " << m.ffn() << ", seq " << m.seq_length
       << ", micro-batch " << m.micro_batch_size << " x " << t.num_microbatches(m.micro_batch_size)
       << " micro-batches, " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
-      << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions") << "\n"
+      << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions")
+      << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  precision " << precision_summary(m, t) << "\n"
       << "  parameters " << model.num_parameters() << " | dropout attention "
       << m.attention_dropout << " hidden " << m.hidden_dropout << " | ";
@@ -109,7 +122,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   }
   out << " | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
-      << moe_summary(m)
+      << mla_summary(m) << moe_summary(m)
       << memory_settings(model.plan(), t) << "\n"
       << "  " << blas_report().summary() << "\n";
   if (m.tensor_model_parallel_size > 1) {
