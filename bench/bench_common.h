@@ -90,14 +90,14 @@ inline RoundRobin step_round_robin(const char* program, const TransformerConfig&
 inline nlohmann::json print_strategy_table(std::ostream& os, const std::vector<Strategy>& list,
                                            const RoundRobin& run) {
   const double plain = median(run.times[0]);
-  os << std::left << std::setw(34) << "strategy" << std::right << std::setw(9) << "step s"
+  os << std::left << std::setw(38) << "strategy" << std::right << std::setw(9) << "step s"
      << std::setw(8) << "ratio" << std::setw(13) << "activations" << std::setw(10) << "vs plain"
      << std::setw(13) << "offloaded" << std::setw(12) << "predicted" << std::setw(8) << "exact\n";
   nlohmann::json rows = nlohmann::json::array();
   for (size_t i = 0; i < list.size(); ++i) {
     const double step = median(run.times[i]);
     const IterationStats& st = run.last[i];
-    os << std::left << std::setw(34) << list[i].name << std::right << std::fixed << std::setw(9)
+    os << std::left << std::setw(38) << list[i].name << std::right << std::fixed << std::setw(9)
        << std::setprecision(3) << step << std::setw(8) << step / plain << std::setw(13)
        << format_bytes(static_cast<double>(st.activation_bytes)) << std::setw(9)
        << std::setprecision(1)

@@ -12,6 +12,8 @@
 #include <torch/csrc/autograd/engine.h>
 #include <torch/custom_class_detail.h>
 
+#include <memory>
+
 namespace actmem {
 
 namespace {
@@ -96,6 +98,14 @@ TensorList with_state_slot(TensorList input_grads) {
   return result;
 }
 
+// Note [Checkpoint input gradients keep their layout]
+// A leaf's .grad obeys autograd's layout contract: AccumulateGrad copies an incoming gradient
+// whose strides differ from the leaf's into the leaf's strides (clone_obey_contract). Without a
+// checkpoint the same gradient flows on with the strides the op that produced it gave it, and a
+// later reduction over it (MLA's shared RoPE key part summed over heads, the expand's backward)
+// adds in another order when the layout differs: the checkpointed run would round differently.
+// So the leaves' gradients are taken by a hook as they arrive, before AccumulateGrad, exactly as
+// the plain graph would pass them on.
 // Backpropagates `grads` through those `outputs` that require grad; returns the inputs' grads.
 TensorList backward_through(const TensorList& outputs, const TensorList& grads,
                             const TensorList& leaves, const char* api) {
@@ -109,11 +119,18 @@ TensorList backward_through(const TensorList& outputs, const TensorList& grads,
   }
   TORCH_CHECK(!roots.empty() || outputs.empty(), api,
               ": none of the recomputed outputs requires grad; this checkpoint is not necessary");
+  // Shared with the hooks, which live as long as the leaves.
+  auto input_grads = std::make_shared<TensorList>(leaves.size());
+  for (size_t i = 0; i < leaves.size(); ++i) {
+    at::Tensor leaf = leaves[i];  // a handle: register_hook is not const
+    if (!leaf.defined() || !leaf.requires_grad()) continue;
+    leaf.register_hook([input_grads, i](const at::Tensor& g) {
+      (*input_grads)[i] = g;
+      return at::Tensor();  // unchanged
+    });
+  }
   if (!roots.empty()) torch::autograd::backward(roots, root_grads);
-  TensorList input_grads;
-  input_grads.reserve(leaves.size());
-  for (const auto& leaf : leaves) input_grads.push_back(leaf.defined() ? leaf.grad() : at::Tensor());
-  return input_grads;
+  return *input_grads;
 }
 
 // ---- CheckpointFunction -----------------------------------------------------------------------

@@ -546,6 +546,28 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
   EXPECT_NE(bad.stderr_text.find("need --multi-latent-attention"), std::string::npos) << bad.stderr_text;
 }
 
+// ---- commands -------------------------------------------------------------------------------------
+
+TEST(MLACli, CompareAddsTheUpProjectionAndTrainDescribesTheAttention) {
+  const std::string model =
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+      "--multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4";
+  const auto cmp = actmem::testing::run_actmem("compare " + model + " --iters 1 --warmup 0 --svg ''");
+  ASSERT_EQ(cmp.exit_code, 0) << cmp.output;
+  for (const char* name : {"selective-mla_up_proj ", "selective-core_attn+mla_up_proj "}) {
+    const size_t at = cmp.output.find(name);
+    ASSERT_NE(at, std::string::npos) << name << "\n" << cmp.output;
+    const std::string line = cmp.output.substr(at, cmp.output.find('\n', at) - at);
+    EXPECT_EQ(line.substr(line.size() - 3), "yes") << line;  // bitwise equal to plain
+  }
+  const auto train = actmem::testing::run_actmem("train " + model + " --train-iters 1");
+  ASSERT_EQ(train.exit_code, 0) << train.output;
+  EXPECT_NE(train.output.find("MLA: q_lora_rank none, kv_lora_rank 8, head dims qk 4 + rope 4, v 4, "
+                              "yarn (factor 1)"),
+            std::string::npos)
+      << train.output;
+}
+
 // ---- checkpoints ----------------------------------------------------------------------------------
 
 TEST(MLACheckpoint, ResumesBitwiseAndRefusesStandardAttention) {
@@ -569,6 +591,13 @@ TEST(MLACheckpoint, ResumesBitwiseAndRefusesStandardAttention) {
   other_rank.kv_lora_rank = 10;
   Trainer narrower(other_rank, t);
   expect_error_containing([&] { narrower.load_checkpoint(dir); }, "kv_lora_rank");
+  // Inference rebuilds the MLA model (YaRN factor and all) from the checkpoint's args.
+  const actmem::LoadedModel loaded = actmem::load_model_for_inference(dir);
+  ASSERT_TRUE(loaded.model->decoder->layers[0]->mla_attention);
+  first.model().eval();
+  at::NoGradGuard g;
+  const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);
+  EXPECT_TRUE(actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
 }
 
 }  // namespace

@@ -114,6 +114,37 @@ TEST(Checkpoint, FiniteDifferenceGradCheckInDouble) {
       {at::randn({3, 4}, at::kDouble), at::randn({3, 4}, at::kDouble)});
 }
 
+TEST(Checkpoint, InputGradientsKeepTheLayoutThePlainGraphGivesThem) {
+  // Note [Checkpoint input gradients keep their layout]: attention's key is built from a part
+  // shared by every head (MLA's RoPE key part, expanded), so its gradient is summed over the
+  // heads outside the checkpoint. bmm's backward hands the key a transposed gradient; had the
+  // checkpoint returned its leaf's .grad (copied into the key's contiguous strides), that sum
+  // would add in another order than the plain graph's.
+  const int64_t s = 128, b = 2, a = 8, d = 48, shared = 16;
+  const auto opts = at::TensorOptions().dtype(at::kFloat);
+  const at::Tensor q = at::randn({b * a, s, d}, opts), nope0 = at::randn({s, b, a, d - shared}, opts);
+  const at::Tensor part0 = at::randn({s, b, 1, shared}, opts);
+  auto scores = [&](const at::Tensor& k) {  // q k^T with k [s, b, a, d] read as [b*a, d, s]
+    return at::bmm(q, k.reshape({s, b * a, d}).permute({1, 2, 0}));
+  };
+  const at::Tensor grad_out = at::randn({b * a, s, s}, opts);
+  auto run = [&](int mode) {  // 0 plain, 1 checkpoint, 2 output-discarding checkpoint
+    const at::Tensor part = part0.clone().requires_grad_(true);
+    const at::Tensor nope = nope0.clone().requires_grad_(true);
+    const at::Tensor k = at::cat({nope, part.expand({s, b, a, shared})}, -1);
+    at::Tensor out;
+    CheckpointWithoutOutput discard;
+    if (mode == 0) out = scores(k);
+    if (mode == 1) out = checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; }, false, {k})[0];
+    if (mode == 2) out = discard.checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; }, {k})[0];
+    out.backward(grad_out);
+    return part.grad();
+  };
+  const at::Tensor plain = run(0);
+  EXPECT_TRUE(bitwise_equal(plain, run(1)));
+  EXPECT_TRUE(bitwise_equal(plain, run(2)));
+}
+
 // ---- CheckpointWithoutOutput ------------------------------------------------------------------
 
 TEST(CheckpointWithoutOutput, MatchesPlainLikeMegatronsTest) {  // test_checkpoint_without_output

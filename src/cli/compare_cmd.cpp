@@ -124,6 +124,11 @@ int run(CompareOptions& o) {
                                      : "selective-core_attn+mlp+moe+layernorm"));
     if (o.train.model.moe_grouped_gemm) names.push_back("selective-moe_act");
   }
+  if (o.strategies == CompareOptions().strategies && o.train.model.multi_latent_attention) {
+    // MLA's own module: the up-projections alone and with core attention (mla.md).
+    names.push_back("selective-mla_up_proj");
+    names.push_back("selective-core_attn+mla_up_proj");
+  }
   if (std::find(names.begin(), names.end(), "plain") == names.end()) {
     names.insert(names.begin(), "plain");  // the reference every ratio and equality refers to
   }

@@ -248,8 +248,9 @@ int run(const EstimateOptions& o) {
   if (m.is_mla()) {
     std::cout << "\nmulti-latent attention: q_lora_rank "
               << (m.mla.q_lora > 0 ? c10::str(static_cast<int64_t>(m.mla.q_lora)) : std::string("none"))
-              << ", kv_lora_rank " << m.mla.kv_lora << ", head dims qk " << m.mla.qk << " + rope "
-              << m.mla.pos << ", v " << m.mla.v << (m.mla.qk_layernorm ? ", latent norms" : "")
+              << ", kv_lora_rank " << static_cast<int64_t>(m.mla.kv_lora) << ", head dims qk "
+              << static_cast<int64_t>(m.mla.qk) << " + rope " << static_cast<int64_t>(m.mla.pos)
+              << ", v " << static_cast<int64_t>(m.mla.v) << (m.mla.qk_layernorm ? ", latent norms" : "")
               << "\n  attention per layer: none " << format_bytes_3sig(mla.none()) << ", core_attn "
               << format_bytes_3sig(mla.none() - mla.scores) << ", mla_up_proj "
               << format_bytes_3sig(mla.none() - mla.qkv) << ", both "
