@@ -2,6 +2,7 @@
 #include "actmem/distributed.h"
 
 #include <c10/util/Exception.h>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #ifdef ACTMEM_WITH_NCCL
@@ -58,9 +59,47 @@ DistEnv dist_env_from_environment() {
   return e;
 }
 
+namespace {
+// Gloo for CPU tensors, NCCL for a CUDA device, over `store` as `rank` of `size`.
+c10::intrusive_ptr<CollectiveGroup> make_group(const c10::intrusive_ptr<c10d::Store>& store,
+                                               int rank, int size,
+                                               std::chrono::milliseconds timeout,
+                                               const c10::Device& device) {
+#ifdef ACTMEM_WITH_NCCL
+  if (device.is_cuda()) {
+    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
+    nccl_opts->timeout = timeout;
+    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, nccl_opts);
+  }
+#else
+  (void)device;
+#endif
+  auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
+  pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
+  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, pg_opts);
+}
+}  // namespace
+
 c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
                                                        std::chrono::milliseconds timeout,
                                                        const c10::Device& device) {
+  return init_world_group(env, timeout, device).pg;
+}
+
+c10::intrusive_ptr<CollectiveGroup> new_subgroup(const WorldGroup& world,
+                                                 const std::vector<int>& ranks,
+                                                 const std::string& name) {
+  const auto it = std::find(ranks.begin(), ranks.end(), world.rank);
+  TORCH_CHECK(it != ranks.end(), "actmem::new_subgroup: rank ", world.rank, " is not in group ",
+              name);
+  TORCH_CHECK(world.store, "actmem::new_subgroup: the world group has no store (single process)");
+  auto store = c10::make_intrusive<c10d::PrefixStore>("group/" + name, world.store);
+  return make_group(store, static_cast<int>(it - ranks.begin()), static_cast<int>(ranks.size()),
+                    world.timeout, world.device);
+}
+
+WorldGroup init_world_group(const DistEnv& env, std::chrono::milliseconds timeout,
+                            const c10::Device& device) {
   TORCH_CHECK(device.is_cpu() || device.is_cuda(), "actmem: process groups for cpu or cuda "
               "devices, got ", device.str());
 #ifndef ACTMEM_WITH_NCCL
@@ -73,18 +112,14 @@ c10::intrusive_ptr<CollectiveGroup> init_process_group(const DistEnv& env,
   opts.numWorkers = static_cast<std::size_t>(env.world_size);
   opts.waitWorkers = true;
   opts.timeout = timeout;
-  auto store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
+  WorldGroup w;
+  w.store = c10::make_intrusive<c10d::TCPStore>(env.master_addr, opts);
 #ifdef ACTMEM_WITH_NCCL
-  if (device.is_cuda()) {
-    if (device.has_index()) c10::cuda::set_device(device.index());
-    auto nccl_opts = c10d::ProcessGroupNCCL::Options::create();
-    nccl_opts->timeout = timeout;
-    return c10::make_intrusive<c10d::ProcessGroupNCCL>(store, env.rank, env.world_size, nccl_opts);
-  }
+  if (device.is_cuda() && device.has_index()) c10::cuda::set_device(device.index());
 #endif
-  auto pg_opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  pg_opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1"));
-  return c10::make_intrusive<c10d::ProcessGroupGloo>(store, env.rank, env.world_size, pg_opts);
+  w.rank = env.rank, w.size = env.world_size, w.device = device, w.timeout = timeout;
+  w.pg = make_group(w.store, env.rank, env.world_size, timeout, device);
+  return w;
 }
 
 namespace {

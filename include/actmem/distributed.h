@@ -21,6 +21,7 @@
 namespace c10d {
 class ProcessGroup;
 class Backend;
+class Store;
 }  // namespace c10d
 
 namespace actmem {
@@ -50,6 +51,25 @@ DistEnv dist_env_from_environment();
 c10::intrusive_ptr<CollectiveGroup> init_process_group(
     const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60),
     const c10::Device& device = c10::kCPU);
+
+/// The world's group and the store its ranks met on; subgroups rendezvous on the same store.
+struct WorldGroup {
+  c10::intrusive_ptr<c10d::Store> store;
+  c10::intrusive_ptr<CollectiveGroup> pg;
+  int rank = 0, size = 1;
+  c10::Device device = c10::kCPU;
+  std::chrono::milliseconds timeout{60000};
+};
+/// init_process_group, keeping the store for subgroups.
+WorldGroup init_world_group(const DistEnv& env,
+                            std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                            const c10::Device& device = c10::kCPU);
+/// A process group over the global `ranks` (which must contain world.rank), met on the world's
+/// store under `name` (unique per group: Megatron's "tp", "dp", ... with the group's index).
+/// Every member must create it, in the same order relative to its other groups.
+c10::intrusive_ptr<CollectiveGroup> new_subgroup(const WorldGroup& world,
+                                                 const std::vector<int>& ranks,
+                                                 const std::string& name);
 
 /// Starts `nproc` copies of this program (argv = `args`) with RANK, WORLD_SIZE, LOCAL_RANK,
 /// MASTER_ADDR and MASTER_PORT set; forwards SIGINT and SIGTERM to them; when one exits

@@ -1,6 +1,7 @@
 // launch_cmd.cpp — `actmem launch` (start N workers of a subcommand) and `actmem dist-check`
 // (each worker joins the process group and all-reduces its rank: a quick health check).
 #include "actmem/distributed.h"
+#include "actmem/parallel_layout.h"
 #include "actmem/train_options.h"
 #include "commands.h"
 
@@ -11,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -28,7 +30,31 @@ struct LaunchOptions {
 struct CheckOptions {
   int fail_rank = -1;
   int hang_rank = -1;
+  int tp = 1, pp = 1, ep = 1, etp = 0;  // the layout whose groups are checked
 };
+
+// Every group of the layout (Megatron's rank order, parallel_layout.h) that this rank belongs
+// to is built on c10d and all-reduces the members' rank + 1: each member must get the sum over
+// its group, so a wrong membership or a crossed rendezvous shows.
+void check_groups(const WorldGroup& world, const ParallelLayout& l) {
+  const std::vector<std::pair<const char*, const std::vector<std::vector<int>>*>> kinds = {
+      {"tp", &l.tp_groups},          {"dp", &l.dp_groups},        {"pp", &l.pp_groups},
+      {"tp-pp", &l.mp_groups},       {"embedding", &l.embedding_groups},
+      {"ep", &l.ep_groups},          {"expert-tp", &l.etp_groups}, {"expert-dp", &l.edp_groups}};
+  for (const auto& [name, groups] : kinds) {
+    const std::vector<int>& g = ParallelLayout::group_of(*groups, world.rank);
+    const int index = static_cast<int>(
+        std::find(groups->begin(), groups->end(), g) - groups->begin());
+    auto pg = new_subgroup(world, g, std::string(name) + "/" + std::to_string(index));
+    std::vector<at::Tensor> t = {at::full({4}, static_cast<double>(world.rank + 1), at::kDouble)};
+    pg->allreduce(t)->wait();
+    double expected = 0;
+    for (int r : g) expected += r + 1;
+    TORCH_CHECK(at::all(t[0] == expected).item<bool>(), "actmem dist-check: the ", name,
+                " group of rank ", world.rank, " all-reduced to ", t[0][0].item<double>(),
+                ", expected ", expected);
+  }
+}
 
 int run_check(const CheckOptions& o) {
   const DistEnv env = dist_env_from_environment();
@@ -37,15 +63,21 @@ int run_check(const CheckOptions& o) {
   if (env.rank == o.hang_rank) {
     for (;;) std::this_thread::sleep_for(std::chrono::seconds(1));  // until the launcher stops us
   }
-  auto pg = init_process_group(env);
+  // The layout first: a size that does not divide the world is an error on every rank, before
+  // anyone waits for a rendezvous.
+  const ParallelLayout layout = ParallelLayout::make(env.world_size, o.tp, o.pp, o.ep, o.etp);
+  const WorldGroup world = init_world_group(env);
   std::vector<at::Tensor> t = {at::full({4}, static_cast<double>(env.rank + 1), at::kDouble)};
-  pg->allreduce(t)->wait();
+  world.pg->allreduce(t)->wait();
   const double expected = env.world_size * (env.world_size + 1) / 2.0;
   TORCH_CHECK(at::all(t[0] == expected).item<bool>(), "actmem dist-check: all-reduce gave ",
               t[0][0].item<double>(), ", expected ", expected);
+  if (env.world_size > 1) check_groups(world, layout);
   if (env.rank == 0) {
     std::cout << "dist-check: all-reduce ok on " << env.world_size << " ranks (Gloo over "
-              << env.master_addr << ":" << env.master_port << ")" << std::endl;
+              << env.master_addr << ":" << env.master_port << ")\n"
+              << "Megatron's groups for this layout, each all-reduced ok:\n"
+              << layout.describe() << std::flush;
   }
   return 0;
 }
@@ -67,6 +99,14 @@ Runner add_dist_check_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("dist-check", "Join the process group and all-reduce (use under launch)");
   cmd->add_option("--fail-rank", o->fail_rank, "Testing: this rank exits with an error");
   cmd->add_option("--hang-rank", o->hang_rank, "Testing: this rank never joins");
+  cmd->add_option("--tensor-model-parallel-size", o->tp, "Check Megatron's groups for this t")
+      ->check(integer_in_range(1, 1 << 20));
+  cmd->add_option("--pipeline-model-parallel-size", o->pp, "... this p")
+      ->check(integer_in_range(1, 1 << 20));
+  cmd->add_option("--expert-model-parallel-size", o->ep, "... this e")
+      ->check(integer_in_range(1, 1 << 20));
+  cmd->add_option("--expert-tensor-parallel-size", o->etp, "... this expert t (default t)")
+      ->check(integer_in_range(1, 1 << 20));
   return [o, cmd]() { return cmd->parsed() ? run_check(*o) : -1; };
 }
 
