@@ -158,20 +158,44 @@ double megatron_activation_memory_without_sp(const PaperShape& m) {
 WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   TORCH_CHECK(m.h > 0 && m.L > 0 && m.v > 0 && m.ffn > 0 && m.t >= 1 && m.p >= 1 && m.d >= 1,
               "actmem::megatron_weight_and_optimizer_memory: sizes must be positive, t, p, d >= 1");
-  const double gated = m.swiglu ? 1.5 : 1.0;
-  // 2Lh^2 (attention 2 + MLP 2 ffn/h x gated + norms 2/h + final norm 1/(Lh)); query groups = a.
-  const double layers = 2.0 * m.L * m.h * m.h *
-                        (2.0 + (m.ffn / m.h) * gated + 2.0 / m.h + 1.0 / (m.L * m.h));
-  const double embedding = m.h * m.v;
+  const double h = m.h, gated = m.swiglu ? 1.5 : 1.0, norm = m.rmsnorm ? 1.0 : 2.0;
+  double attention = 4.0 * h * h;  // query groups = heads, projection = h
+  if (m.is_mla()) {
+    const MLAPaperShape& x = m.mla;
+    const double q = x.q_lora > 0 ? x.q_lora * (h + m.a * (x.qk + x.pos) + norm)
+                                  : h * m.a * (x.qk + x.pos);
+    attention = q + x.kv_lora * (h + m.a * (x.qk + x.v) + norm) + h * x.pos + m.a * x.v * h;
+  }
+  const double dense_mlp = 2.0 * h * m.ffn * gated, layernorm = 2.0 * h * norm;
+  const double moe_layers = m.is_moe() ? m.moe.layers : 0.0, dense_layers = m.L - moe_layers;
+  const MoEPaperShape& e = m.moe;
+  const double shared = m.is_moe() ? 2.0 * h * e.shared_ffn * gated : 0.0;
+  const double routed = m.is_moe() ? 2.0 * h * e.ffn * e.experts * gated : 0.0;
+  const double active_routed = m.is_moe() ? 2.0 * h * e.ffn * e.topk * gated : 0.0;
+  const double router = m.is_moe() ? h * e.experts : 0.0;
+  const double gate = m.is_moe() && e.shared_ffn > 0 && e.shared_gate ? h : 0.0;
+  const double embedding = h * m.v;
+  const double tp_sharded = (attention + dense_mlp) * dense_layers + (attention + shared) * moe_layers;
+  const double replicated =
+      layernorm * dense_layers + (layernorm + router + gate) * moe_layers + norm * h;
+  const double expert_sharded = routed * moe_layers;
   WeightMemory w;
-  w.parameters = layers + (m.untied ? 2.0 : 1.0) * embedding;
-  w.parameters_on_rank = (layers / m.p + embedding) / m.t;
-  if (m.untied && m.p == 1) w.parameters_on_rank += embedding / m.t;
-  const double n = w.parameters_on_rank;
-  w.weight_bytes = 2.0 * n;
-  w.gradient_bytes = 4.0 * n;  // fp32 main grads, on every data-parallel rank
-  w.optimizer_bytes = (m.distributed_optimizer ? 12.0 / m.d : 12.0) * n;
-  w.bytes_per_parameter = m.distributed_optimizer ? 6.0 + 12.0 / m.d : 18.0;
+  w.parameters = tp_sharded + replicated + expert_sharded + (m.untied ? 2.0 : 1.0) * embedding;
+  w.active_parameters = w.parameters - (routed - active_routed) * moe_layers;
+  const double etp = e.etp > 0 ? e.etp : m.t;
+  double tp_on_rank = (tp_sharded / m.p + embedding) / m.t;
+  if (m.untied && m.p == 1) tp_on_rank += embedding / m.t;
+  const double replicated_on_rank = replicated / m.p;
+  w.expert_parameters_on_rank = expert_sharded / m.p / (etp * e.ep);
+  w.parameters_on_rank = tp_on_rank + replicated_on_rank + w.expert_parameters_on_rank;
+  // The routed experts' data-parallel size: world / (etp e p), world = t d p.
+  const double expert_dp = std::max(1.0, m.t * m.d / (etp * e.ep));
+  auto optimizer = [&](double dp) { return m.distributed_optimizer ? 12.0 / dp : 12.0; };
+  const double dense_on_rank = tp_on_rank + replicated_on_rank;
+  w.weight_bytes = 2.0 * w.parameters_on_rank;
+  w.gradient_bytes = 4.0 * w.parameters_on_rank;  // fp32 main grads, on every data-parallel rank
+  w.optimizer_bytes = optimizer(m.d) * dense_on_rank + optimizer(expert_dp) * w.expert_parameters_on_rank;
+  w.bytes_per_parameter = w.total() / w.parameters_on_rank;
   return w;
 }
 

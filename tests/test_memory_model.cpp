@@ -275,12 +275,13 @@ TEST(Estimate, MegatronTheoreticalTerms) {
 TEST(Estimate, WeightAndOptimizerMemoryAsMegatronCountsIt) {
   PaperShape m = paper_preset("7b");  // t 2, p 2, SwiGLU, untied
   const double h = 4096, L = 32, f = 14336, v = 32000;
-  const double layers = L * (4 * h * h + 3 * h * f + 4 * h) + 2 * h;
+  const double split = L * (4 * h * h + 3 * h * f), norms = L * 4 * h + 2 * h;
+  const double layers = split + norms;
   WeightMemory w = megatron_weight_and_optimizer_memory(m);
   EXPECT_DOUBLE_EQ(w.parameters, layers + 2 * v * h);
   // The first of two stages holds half the layers and the embedding (the output layer is on the
-  // last stage), split over t = 2.
-  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (layers / 2 + v * h) / 2);
+  // last stage): the projections and the embedding split over t = 2, the norms replicated.
+  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (split / 2 + v * h) / 2 + norms / 2);
   EXPECT_DOUBLE_EQ(w.total(), 18 * w.parameters_on_rank);  // 2 + 4 + 4 + 8
   EXPECT_DOUBLE_EQ(w.weight_bytes, 2 * w.parameters_on_rank);
   m.distributed_optimizer = true;
@@ -289,7 +290,7 @@ TEST(Estimate, WeightAndOptimizerMemoryAsMegatronCountsIt) {
   EXPECT_DOUBLE_EQ(w.total(), (6 + 12.0 / 4) * w.parameters_on_rank);
   m.p = 1;  // one stage holds everything, the untied output layer included
   w = megatron_weight_and_optimizer_memory(m);
-  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (layers + 2 * v * h) / 2);
+  EXPECT_DOUBLE_EQ(w.parameters_on_rank, (split + 2 * v * h) / 2 + norms);
   PaperShape g = paper_preset("22b");  // GeLU (ffn 4h), tied: 12h^2 + 4h per layer
   const double gh = 6144;
   EXPECT_DOUBLE_EQ(megatron_weight_and_optimizer_memory(g).parameters,

@@ -546,6 +546,87 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
   EXPECT_NE(bad.stderr_text.find("need --multi-latent-attention"), std::string::npos) << bad.stderr_text;
 }
 
+TEST(MLAEstimate, WeightCountEqualsTheModelsParameters) {
+  // Megatron's compute_weight_and_optimizer_memory counts attention (MLA's projections and latent
+  // norms), dense MLPs, MoE layers (router, routed and shared experts, the shared gate), norms and
+  // embeddings; without biases that is every parameter the model has.
+  for (int variant = 0; variant < 3; ++variant) {
+    TransformerConfig c = mla_model();
+    c.add_bias_linear = false;
+    c.position_embedding_type = "rope";
+    c.untie_embeddings_and_output_weights = true;
+    c.gated_linear_unit = true;
+    if (variant == 0) {  // MLA with MoE layers
+      c.num_moe_experts = 4;
+      c.moe_ffn_hidden_size = 24;
+      c.moe_layer_freq = "[0,1,1,1]";
+      c.moe_shared_expert_intermediate_size = 16;
+      c.moe_shared_expert_gate = true;
+    }
+    if (variant == 1) {  // no query compression, LayerNorm latents
+      c.q_lora_rank.reset();
+      c.normalization = "LayerNorm";
+      c.gated_linear_unit = false;
+    }
+    if (variant == 2) {  // standard attention
+      c.multi_latent_attention = false;
+      c.q_lora_rank.reset();
+      c.qk_layernorm = false;
+      c.normalization = "LayerNorm";
+    }
+    GPTModel model(c);
+    actmem::PaperShape m;
+    m.h = static_cast<double>(c.hidden_size), m.a = static_cast<double>(c.num_attention_heads);
+    m.L = static_cast<double>(c.num_layers), m.ffn = static_cast<double>(c.ffn());
+    m.v = static_cast<double>(c.vocab_size), m.swiglu = c.gated_linear_unit;
+    m.untied = c.untie_embeddings_and_output_weights, m.rmsnorm = c.use_rmsnorm();
+    if (c.multi_latent_attention) {
+      m.mla.q_lora = static_cast<double>(c.q_lora_rank.value_or(0));
+      m.mla.kv_lora = static_cast<double>(c.kv_lora_rank);
+      m.mla.qk = static_cast<double>(c.qk_head_dim), m.mla.pos = static_cast<double>(c.qk_pos_emb_head_dim);
+      m.mla.v = static_cast<double>(c.v_head_dim), m.mla.qk_layernorm = true;
+    }
+    if (c.is_moe()) {
+      m.moe.experts = 4, m.moe.topk = 2, m.moe.ffn = 24, m.moe.shared_ffn = 16;
+      m.moe.shared_gate = true, m.moe.layers = 3;
+    }
+    const actmem::WeightMemory w = actmem::megatron_weight_and_optimizer_memory(m);
+    EXPECT_EQ(w.parameters, static_cast<double>(model.num_parameters())) << "variant " << variant;
+    EXPECT_EQ(w.parameters_on_rank, w.parameters) << "variant " << variant;  // t = p = 1
+    if (c.is_moe()) {
+      // Active: two of the four experts per MoE layer; the routed experts are 3 x 4 x 3h f.
+      EXPECT_EQ(w.parameters - w.active_parameters, 3.0 * 2 * 3 * 32 * 24);
+      EXPECT_EQ(w.expert_parameters_on_rank, 3.0 * 4 * 3 * 32 * 24);
+      m.moe.ep = 2;  // each expert-parallel rank holds half the routed experts
+      m.d = 2;
+      EXPECT_EQ(actmem::megatron_weight_and_optimizer_memory(m).expert_parameters_on_rank,
+                w.expert_parameters_on_rank / 2);
+    }
+  }
+}
+
+TEST(MLAEstimate, DeepSeekV3CountsItsPublishedParameters) {
+  // DeepSeek-V3 (arXiv 2412.19437): 61 layers, the first 3 dense, 256 routed experts top-8 plus
+  // one shared, MLA; "671B total parameters, of which 37B are activated for each token" (the
+  // multi-token-prediction module apart).
+  const auto r = actmem::testing::run_actmem(
+      "estimate --json --seq-length 4096 --micro-batch-size 1 --hidden-size 7168 "
+      "--num-attention-heads 128 --num-layers 61 --ffn-hidden-size 18432 --vocab-size 129280 "
+      "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --no-sequence-parallel "
+      "--swiglu --untie-embeddings-and-output-weights --normalization RMSNorm --num-experts 256 "
+      "--moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 "
+      "--moe-layer-freq '([0]*3+[1]*58)' --multi-latent-attention --q-lora-rank 1536 "
+      "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
+      "--qk-layernorm --expert-model-parallel-size 64 --data-parallel-size 64");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto w = nlohmann::json::parse(r.output)["weights_and_optimizer"];
+  EXPECT_NEAR(w["parameters"].get<double>() / 1e9, 671.0, 0.5);
+  EXPECT_NEAR(w["active_parameters"].get<double>() / 1e9, 37.0, 1.0);
+  EXPECT_EQ(nlohmann::json::parse(r.output)["moe"]["moe_layers"].get<double>(), 58);
+  // Expert parallelism 64 leaves 4 of the 256 experts per layer on a rank.
+  EXPECT_DOUBLE_EQ(w["expert_parameters_on_rank"].get<double>(), 58.0 * 4 * 3 * 7168 * 2048);
+}
+
 // ---- commands -------------------------------------------------------------------------------------
 
 TEST(MLACli, CompareAddsTheUpProjectionAndTrainDescribesTheAttention) {

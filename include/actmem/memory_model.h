@@ -24,6 +24,8 @@ struct MoEPaperShape {
   bool pad_to_capacity = false;
   bool aux_loss = true;  // the Switch load-balancing loss is on (a coefficient > 0)
   bool z_loss = false;
+  bool shared_gate = false;  // the shared experts' sigmoid gate (h weights)
+  double ep = 1, etp = 0;    // expert-parallel size and expert tensor size (0 = t)
 };
 
 /// Multi-latent attention's sizes (docs/mla.md); kv_lora 0 = standard attention.
@@ -47,6 +49,7 @@ struct PaperShape {
   bool distributed_optimizer = false;  // optimizer state sharded over the d ranks
   MoEPaperShape moe;    // experts == 0: dense
   MLAPaperShape mla;    // kv_lora == 0: standard attention
+  bool rmsnorm = false;  // norms without bias (Megatron's norm_size 1)
   double sbh() const { return s * b * h; }
   bool is_mla() const { return mla.kv_lora > 0; }
   double layers_per_stage() const { return L / p; }
@@ -119,14 +122,20 @@ double megatron_activation_memory(const PaperShape& m);
 double megatron_activation_memory_without_sp(const PaperShape& m);
 
 /// Megatron's compute_weight_and_optimizer_memory (megatron/training/theoretical_memory_usage.py)
-/// for mixed-precision training: parameters counted as Megatron counts them (attention, MLP with
-/// the gated multiplier, the layer norms, the embedding; biases ignored), the most loaded rank
-/// holding 1/p of the layers plus the embedding (and an untied output layer when p = 1), split t
-/// ways, at 18 bytes per parameter (2 bf16 weight + 4 fp32 grad + 4 fp32 main parameter + 8 Adam
-/// moments) or 6 + 12/d with the distributed optimizer.
+/// for mixed-precision training: parameters counted as Megatron counts them — attention (4h^2,
+/// or MLA's projections and latent norms), the dense MLP with the gated multiplier, MoE layers'
+/// router, routed experts and shared experts (and its gate), the layer norms (weight and bias, or
+/// RMSNorm's weight), the embedding; other biases ignored. The most loaded rank holds 1/p of the
+/// layers plus the embedding (and an untied output layer when p = 1): attention, dense MLPs,
+/// shared experts and the embedding split t ways, norms and routers replicated, routed experts
+/// split etp x e ways. 18 bytes per parameter (2 bf16 weight + 4 fp32 grad + 4 fp32 main
+/// parameter + 8 Adam moments), or 6 + 12/d with the distributed optimizer, d being the expert
+/// data-parallel size world / (etp e p) for the routed experts.
 struct WeightMemory {
   double parameters = 0;             // the whole model
+  double active_parameters = 0;      // with top-k of the routed experts per MoE layer
   double parameters_on_rank = 0;     // the most loaded rank (first pipeline stage)
+  double expert_parameters_on_rank = 0;  // of which routed experts
   double weight_bytes = 0;           // 2 per parameter on the rank
   double gradient_bytes = 0;         // 4
   double optimizer_bytes = 0;        // 12, or 12/d with the distributed optimizer

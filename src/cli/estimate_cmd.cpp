@@ -27,9 +27,11 @@ struct EstimateOptions {
   bool sp = false, no_sp = false, json = false, swiglu = false, untie = false, dist_opt = false;
   double bandwidth_gbps = 50.0;
   // MoE (docs/moe.md): experts 0 = dense.
-  double experts = 0, topk = 2, moe_ffn = 0, moe_freq = 1, shared_ffn = 0, capacity = 0;
-  double aux_coeff = 0, z_coeff = 0;
-  bool pad = false;
+  double experts = 0, topk = 2, moe_ffn = 0, shared_ffn = 0, capacity = 0;
+  std::string moe_freq = "1";  // Megatron's int or 0/1 pattern (TransformerConfig::moe_layers)
+  double aux_coeff = 0, z_coeff = 0, ep = 1, etp = 0;
+  bool pad = false, shared_gate = false;
+  std::string normalization = "LayerNorm";
   // Multi-latent attention (docs/mla.md), Megatron's CLI defaults.
   bool mla = false, qk_layernorm = false;
   double q_lora = 0, kv_lora = 32, qk_head = 128, pos_head = 64, v_head = 128;
@@ -50,6 +52,7 @@ int run(const EstimateOptions& o) {
   if (o.swiglu) m.swiglu = true;
   if (o.untie) m.untied = true;
   if (o.dist_opt) m.distributed_optimizer = true;
+  m.rmsnorm = o.normalization == "RMSNorm";
   if (o.sp) m.sp = true;
   if (o.no_sp) m.sp = false;
   TORCH_CHECK(!(m.sp && m.t == 1), "actmem estimate: --sequence-parallel needs "
@@ -75,6 +78,15 @@ int run(const EstimateOptions& o) {
     m.moe.pad_to_capacity = o.pad;
     m.moe.aux_loss = o.aux_coeff > 0;
     m.moe.z_loss = o.z_coeff > 0;
+    m.moe.shared_gate = o.shared_gate;
+    m.moe.ep = o.ep;
+    m.moe.etp = o.etp;
+    TORCH_CHECK(std::fmod(m.moe.experts, o.ep) == 0, "actmem estimate: Number of experts should be "
+                "a multiple of expert model parallel_size.");
+    const double etp = o.etp > 0 ? o.etp : m.t;
+    TORCH_CHECK(std::fmod(m.t * m.d, etp * o.ep) == 0, "actmem estimate: world_size (t x d x p = ",
+                m.t * m.d * m.p, ") is not divisible by expert_tensor_model_pipeline_parallel size (",
+                etp * o.ep * m.p, ")");
     TORCH_CHECK(o.topk <= o.experts, "actmem estimate: --moe-router-topk (", o.topk,
                 ") must be at most --num-experts (", o.experts, ")");
     TORCH_CHECK(!o.pad || o.capacity > 0, "actmem estimate: --moe-pad-expert-input-to-capacity "
@@ -84,7 +96,8 @@ int run(const EstimateOptions& o) {
     TORCH_CHECK(m.t == 1 || m.sp, "actmem estimate: MoE with tensor parallelism needs "
                 "--sequence-parallel (Megatron refuses MoE and TP without it)");
   } else {
-    TORCH_CHECK(o.moe_ffn == 0 && o.shared_ffn == 0 && o.capacity == 0 && !o.pad,
+    TORCH_CHECK(o.moe_ffn == 0 && o.shared_ffn == 0 && o.capacity == 0 && !o.pad && o.ep == 1 &&
+                    o.etp == 0 && !o.shared_gate,
                 "actmem estimate: MoE options need --num-experts");
   }
   MLAAttentionBytes mla;
@@ -118,11 +131,16 @@ int run(const EstimateOptions& o) {
   MoELayerBytes moe_layer;
   LayerBytes layer = dense_layer;
   if (m.is_moe()) {
-    for (int64_t i = 0; i < static_cast<int64_t>(per_stage); ++i) {
-      if (i % static_cast<int64_t>(o.moe_freq) == 0) moe_in_stage += 1;
-    }
-    for (int64_t i = 0; i < static_cast<int64_t>(m.L); ++i) {
-      if (i % static_cast<int64_t>(o.moe_freq) == 0) m.moe.layers += 1;
+    // Which layers are MoE, by the model's own parser of --moe-layer-freq (its errors too).
+    TransformerConfig pattern;
+    pattern.num_layers = static_cast<int64_t>(m.L);
+    pattern.num_moe_experts = static_cast<int64_t>(m.moe.experts);
+    pattern.moe_layer_freq = o.moe_freq;
+    const std::vector<bool> is_moe = pattern.moe_layers();
+    for (size_t i = 0; i < is_moe.size(); ++i) {
+      if (!is_moe[i]) continue;
+      m.moe.layers += 1;
+      if (static_cast<double>(i) < per_stage) moe_in_stage += 1;
     }
     moe_layer = paper_moe_layer_bytes(m);
     moe_layer.layer = with_mla(moe_layer.layer);
@@ -155,6 +173,8 @@ int run(const EstimateOptions& o) {
         {"megatron_theoretical_activation_bytes", meg},
         {"weights_and_optimizer",
          {{"parameters", w.parameters}, {"parameters_on_rank", w.parameters_on_rank},
+          {"active_parameters", w.active_parameters},
+          {"expert_parameters_on_rank", w.expert_parameters_on_rank},
           {"bytes_per_parameter", w.bytes_per_parameter}, {"weight_bytes", w.weight_bytes},
           {"gradient_bytes", w.gradient_bytes}, {"optimizer_bytes", w.optimizer_bytes},
           {"total_bytes", w.total()}, {"data_parallel_size", m.d},
@@ -241,9 +261,7 @@ int run(const EstimateOptions& o) {
               << format_bytes_3sig(moe_layer.experts) << ", shared experts "
               << format_bytes_3sig(moe_layer.shared) << "\n"
               << "  the per-layer and per-stage figures above are the first stage's mix of dense "
-                 "and MoE layers; Megatron's theoretical_memory_usage counts every layer as dense\n"
-              << "  (the weights below are Megatron's dense count: expert weights are not "
-                 "included yet)\n";
+                 "and MoE layers; Megatron's theoretical_memory_usage counts every layer as dense\n";
   }
   if (m.is_mla()) {
     std::cout << "\nmulti-latent attention: q_lora_rank "
@@ -258,8 +276,7 @@ int run(const EstimateOptions& o) {
               << format_bytes_3sig(mla.latents) << ", q/k/v after RoPE " << format_bytes_3sig(mla.qkv)
               << ", scores " << format_bytes_3sig(mla.scores) << ", context "
               << format_bytes_3sig(mla.context)
-              << "\n  the per-layer figures above use these attention terms (weights below: "
-                 "Megatron's dense count)\n";
+              << "\n  the per-layer figures above use these attention terms\n";
   }
   std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
                "precision, d=" << std::defaultfloat << m.d
@@ -267,7 +284,15 @@ int run(const EstimateOptions& o) {
             << "  parameters " << std::fixed
             << std::setprecision(2) << w.parameters / 1e9 << " B in the model ("
             << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
-            << " embeddings), " << w.parameters_on_rank / 1e9 << " B on this rank\n"
+            << " embeddings), " << w.parameters_on_rank / 1e9 << " B on this rank\n";
+  if (m.is_moe()) {
+    std::cout << "  active per token " << w.active_parameters / 1e9 << " B (top-"
+              << static_cast<int64_t>(m.moe.topk) << " of the routed experts); routed experts on "
+              << "this rank " << w.expert_parameters_on_rank / 1e9 << " B (split etp x ep = "
+              << static_cast<int64_t>(m.moe.etp > 0 ? m.moe.etp : m.t) << " x "
+              << static_cast<int64_t>(m.moe.ep) << ")\n";
+  }
+  std::cout
             << std::left << std::setw(44) << "  weights (bf16, 2 B/param)" << std::right
             << std::setw(12) << format_bytes_3sig(w.weight_bytes) << "\n"
             << std::left << std::setw(44) << "  gradients (fp32 main grads, 4 B/param)" << std::right
@@ -314,6 +339,8 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_flag("--use-distributed-optimizer", o->dist_opt,
                 "optimizer state sharded over the data-parallel ranks (6 + 12/d bytes/param)");
   cmd->add_flag("--swiglu", o->swiglu, "gated MLP (the 7b preset has it)");
+  cmd->add_option("--normalization", o->normalization, "LayerNorm (weight and bias) or RMSNorm "
+                  "(weight): the norms' parameters")->capture_default_str();
   cmd->add_flag("--untie-embeddings-and-output-weights", o->untie,
                 "separate output layer (the 7b preset has it)");
   cmd->add_flag("--sequence-parallel", o->sp, "sequence parallelism on");
@@ -323,13 +350,18 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--num-experts", o->experts, "MoE: experts per MoE layer (docs/moe.md)");
   cmd->add_option("--moe-router-topk", o->topk, "MoE: experts per token")->capture_default_str();
   cmd->add_option("--moe-ffn-hidden-size", o->moe_ffn, "MoE: each expert's ffn (default ffn)");
-  cmd->add_option("--moe-layer-freq", o->moe_freq, "MoE: every N-th layer from layer 0")
+  cmd->add_option("--moe-layer-freq", o->moe_freq, "MoE: every N-th layer from layer 0, or a "
+                  "0/1 pattern: \"([0]*3+[1]*58)\"")
       ->capture_default_str();
   cmd->add_option("--moe-shared-expert-intermediate-size", o->shared_ffn, "MoE: shared experts' ffn");
   cmd->add_option("--moe-expert-capacity-factor", o->capacity, "MoE: capacity factor (default dropless)");
   cmd->add_flag("--moe-pad-expert-input-to-capacity", o->pad, "MoE: pad every expert to capacity");
   cmd->add_option("--moe-aux-loss-coeff", o->aux_coeff, "MoE: load-balancing loss (> 0: its scores are kept)");
   cmd->add_option("--moe-z-loss-coeff", o->z_coeff, "MoE: z-loss (> 0: its fp32 logits are kept)");
+  cmd->add_flag("--moe-shared-expert-gate", o->shared_gate, "MoE: the shared experts' gate (h weights)");
+  cmd->add_option("--expert-model-parallel-size", o->ep, "MoE: e, the routed experts split e ways")
+      ->capture_default_str();
+  cmd->add_option("--expert-tensor-parallel-size", o->etp, "MoE: each expert split this many ways (default t)");
   cmd->add_flag("--multi-latent-attention", o->mla, "MLA: attention terms of docs/mla.md");
   cmd->add_option("--q-lora-rank", o->q_lora, "MLA: the query latent's rank (default none)");
   cmd->add_option("--kv-lora-rank", o->kv_lora, "MLA: the key/value latent's rank")->capture_default_str();
@@ -342,7 +374,14 @@ Runner add_estimate_command(CLI::App& app) {
   // positive finite number.
   for (auto* opt : cmd->get_options()) {
     const std::string name = opt->get_name();
-    if (opt->get_expected_max() == 0 || name == "--help" || name == "--preset") continue;
+    if (opt->get_expected_max() == 0 || name == "--help" || name == "--preset" ||
+        name == "--moe-layer-freq") {
+      continue;
+    }
+    if (name == "--normalization") {
+      opt->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
+      continue;
+    }
     if (name == "--offload-bandwidth-gbps" || name == "--moe-expert-capacity-factor" ||
         name == "--moe-aux-loss-coeff" || name == "--moe-z-loss-coeff") {
       opt->check(positive_number_validator());
