@@ -6,15 +6,22 @@
 //     V = base (LayerNorm, GeLU, learned positions, tied output, biases) or
 //         swiglu (RMSNorm, SwiGLU, RoPE, untied output layer, no linear biases)
 //   actmem_tp_worker masks OUT_DIR [--sp]
+//   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
+#include "actmem/moe_dispatch.h"
 #include "actmem/saved_tensor_hooks.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trainer.h"
 
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
 #include <nlohmann/json.hpp>
 
 #include <fstream>
@@ -171,6 +178,111 @@ nlohmann::json run_masks(int t, bool sp) {
 
 }  // namespace
 
+// Note [All-to-all dispatch] checked against its definition: every rank routes its own tokens
+// (a different number per rank) to two of E = 2 x ranks experts; each rank rebuilds every rank's
+// tokens and routing from their seeds, so it knows which rows its experts must receive, in which
+// order, and what the combined output and the gradients must be. Expert j of rank r multiplies
+// its rows by a parameter w (initially its global index + 1).
+nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
+  const int ep = group.size, rank = group.rank;
+  const int64_t E = 2 * ep, local = 2, h = 6;
+  struct Data {
+    at::Tensor x, c;                             // tokens [T, h], the loss's weights [T, h]
+    std::vector<std::vector<int64_t>> experts;   // per token, its two experts
+    std::vector<std::vector<double>> probs;
+  };
+  auto make = [&](int r) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1000 + r);
+    Data d;
+    const int64_t T = 5 + 3 * r;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    d.x = at::randn({T, h}, gen, f64);
+    d.c = at::randn({T, h}, gen, f64);
+    for (int64_t t = 0; t < T; ++t) {
+      const at::Tensor pick = at::randperm(E, gen, at::TensorOptions().dtype(at::kLong));
+      d.experts.push_back({pick[0].item<int64_t>(), pick[1].item<int64_t>()});
+      d.probs.push_back({at::rand({1}, gen, f64).item<double>(), at::rand({1}, gen, f64).item<double>()});
+    }
+    return d;
+  };
+  std::vector<Data> data;
+  for (int r = 0; r < ep; ++r) data.push_back(make(r));
+  const Data& me = data[static_cast<size_t>(rank)];
+  // This rank's rows expert-major, each expert's tokens in token order (Megatron's permute).
+  std::vector<int64_t> token_of_row, rows_per_expert(static_cast<size_t>(E), 0);
+  std::vector<double> prob_of_row;
+  for (int64_t g = 0; g < E; ++g) {
+    for (size_t t = 0; t < me.experts.size(); ++t) {
+      for (int k = 0; k < 2; ++k) {
+        if (me.experts[t][static_cast<size_t>(k)] != g) continue;
+        token_of_row.push_back(static_cast<int64_t>(t));
+        prob_of_row.push_back(me.probs[t][static_cast<size_t>(k)]);
+        ++rows_per_expert[static_cast<size_t>(g)];
+      }
+    }
+  }
+  const at::Tensor x = me.x.clone().requires_grad_(true);
+  const at::Tensor index = at::tensor(token_of_row, at::kLong);
+  const at::Tensor permuted = x.index_select(0, index);
+  const at::Tensor probs = at::tensor(prob_of_row, at::kDouble);
+  actmem::AlltoAllTokenDispatcher dispatcher(group.pg, rank, ep, E);
+  const auto d = dispatcher.dispatch(permuted, probs, rows_per_expert);
+  // What local expert j must have received: from each source rank in order, its tokens routed
+  // to global expert rank * 2 + j, in token order.
+  std::vector<at::Tensor> expect_rows;
+  std::vector<double> expect_probs;
+  for (int64_t j = 0; j < local; ++j) {
+    const int64_t g = rank * local + j;
+    for (int src = 0; src < ep; ++src) {
+      const Data& s = data[static_cast<size_t>(src)];
+      for (size_t t = 0; t < s.experts.size(); ++t) {
+        for (int k = 0; k < 2; ++k) {
+          if (s.experts[t][static_cast<size_t>(k)] != g) continue;
+          expect_rows.push_back(s.x[static_cast<int64_t>(t)]);
+          expect_probs.push_back(s.probs[t][static_cast<size_t>(k)]);
+        }
+      }
+    }
+    TORCH_CHECK(d.tokens_per_local_expert[static_cast<size_t>(j)] ==
+                    static_cast<int64_t>(expect_rows.size()) -
+                        (j == 0 ? 0 : d.tokens_per_local_expert[0]),
+                "dispatch: expert ", g, " got ", d.tokens_per_local_expert[static_cast<size_t>(j)], " rows");
+  }
+  TORCH_CHECK(at::equal(d.tokens, at::stack(expect_rows)), "dispatch: rank ", rank,
+              "'s experts received other rows than those routed to them");
+  TORCH_CHECK(at::equal(d.probs, at::tensor(expect_probs, at::kDouble)), "dispatch: probabilities differ");
+  // The experts, combine, unpermute; then backward.
+  const at::Tensor w = at::arange(rank * local + 1, rank * local + local + 1, at::kDouble).requires_grad_(true);
+  const at::Tensor scale = w.repeat_interleave(at::tensor(d.tokens_per_local_expert, at::kLong));
+  const at::Tensor y = d.tokens * (scale * d.probs).unsqueeze(1);
+  const at::Tensor back = dispatcher.combine(y);
+  const at::Tensor out = at::zeros_like(me.x).index_add(0, index, back);
+  (out * me.c).sum().backward();
+  for (size_t t = 0; t < me.experts.size(); ++t) {
+    double f = 0;
+    for (int k = 0; k < 2; ++k) f += static_cast<double>(me.experts[t][static_cast<size_t>(k)] + 1) * me.probs[t][static_cast<size_t>(k)];
+    const int64_t ti = static_cast<int64_t>(t);
+    TORCH_CHECK(at::allclose(out[ti], me.x[ti] * f, 1e-12, 1e-12), "combine: token ", t, " of rank ", rank);
+    TORCH_CHECK(at::allclose(x.grad()[ti], me.c[ti] * f, 1e-12, 1e-12), "backward: token ", t, " of rank ", rank);
+  }
+  for (int64_t j = 0; j < local; ++j) {  // each expert learns from every rank's tokens
+    const int64_t g = rank * local + j;
+    double expect = 0;
+    for (const Data& s : data) {
+      for (size_t t = 0; t < s.experts.size(); ++t) {
+        for (int k = 0; k < 2; ++k) {
+          if (s.experts[t][static_cast<size_t>(k)] != g) continue;
+          expect += s.probs[t][static_cast<size_t>(k)] *
+                    at::dot(s.x[static_cast<int64_t>(t)], s.c[static_cast<int64_t>(t)]).item<double>();
+        }
+      }
+    }
+    TORCH_CHECK(std::abs(w.grad()[j].item<double>() - expect) < 1e-10 * (1 + std::abs(expect)),
+                "backward: expert ", g, "'s gradient ", w.grad()[j].item<double>(), ", expected ", expect);
+  }
+  return {{"rows_received", d.tokens.size(0)}, {"rows_sent", permuted.size(0)}};
+}
+
 int main(int argc, char** argv) {
   try {
     TORCH_CHECK(argc >= 3, "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
@@ -200,6 +312,8 @@ int main(int argc, char** argv) {
       result["strategies"] = run_strategies(group.size, sp, dropout, only, variant);
     } else if (scenario == "masks") {
       result["masks"] = run_masks(group.size, sp);
+    } else if (scenario == "dispatch") {
+      result["dispatch"] = run_dispatch(group);
     } else {
       TORCH_CHECK(false, "actmem_tp_worker: unknown scenario ", scenario);
     }
