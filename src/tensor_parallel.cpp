@@ -10,6 +10,7 @@
 #include "actmem/tensor_parallel.h"
 
 #include "actmem/distributed.h"
+#include "actmem/parallel_layout.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -19,6 +20,7 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -28,6 +30,10 @@ namespace actmem {
 
 namespace {
 TensorParallelGroup& group_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
+TensorParallelGroup& dp_storage() {
   static TensorParallelGroup group;
   return group;
 }
@@ -69,10 +75,24 @@ void set_tensor_parallel_group(TensorParallelGroup group) {
   group_storage() = std::move(group);
 }
 
-void reset_tensor_parallel_group() { group_storage() = TensorParallelGroup{}; }
+void reset_tensor_parallel_group() {
+  group_storage() = TensorParallelGroup{};
+  dp_storage() = TensorParallelGroup{};
+}
 
-TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device) {
-  init_tensor_parallel_from_environment(env, device);
+const TensorParallelGroup& data_parallel_group() { return dp_storage(); }
+
+void set_data_parallel_group(TensorParallelGroup group) {
+  TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size,
+              "actmem::set_data_parallel_group: rank ", group.rank, " of size ", group.size);
+  TORCH_CHECK(group.size == 1 || group.pg, "actmem::set_data_parallel_group: a group of ",
+              group.size, " ranks needs a process group");
+  dp_storage() = std::move(group);
+}
+
+TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device,
+                                             int tensor_parallel_size) {
+  init_tensor_parallel_from_environment(env, device, tensor_parallel_size);
 }
 
 TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
@@ -83,15 +103,40 @@ std::string device_for_rank(const std::string& device, const DistEnv& env) {
 }
 
 const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env,
-                                                                 const c10::Device& device) {
-  if (env.world_size > 1) {
+                                                                 const c10::Device& device,
+                                                                 int tensor_parallel_size) {
+  if (env.world_size == 1) return tensor_parallel_group();
+  const int t = tensor_parallel_size > 0 ? tensor_parallel_size : env.world_size;
+  const ParallelLayout layout = ParallelLayout::make(env.world_size, t, 1);
+  const WorldGroup world = init_world_group(env, std::chrono::seconds(60), device);
+  // Every member builds its groups in the same order: tensor-parallel, then data-parallel.
+  auto subgroup = [&](const std::vector<std::vector<int>>& groups, const char* name) {
     TensorParallelGroup g;
-    g.pg = init_process_group(env, std::chrono::seconds(60), device);
-    g.rank = env.rank;
-    g.size = env.world_size;
-    set_tensor_parallel_group(std::move(g));
-  }
+    const std::vector<int>& members = ParallelLayout::group_of(groups, env.rank);
+    g.size = static_cast<int>(members.size());
+    g.rank = ParallelLayout::index_in(groups, env.rank);
+    if (g.size == env.world_size) {
+      g.pg = world.pg;
+    } else if (g.size > 1) {
+      const auto index = std::find(groups.begin(), groups.end(), members) - groups.begin();
+      g.pg = new_subgroup(world, members, std::string(name) + "/" + std::to_string(index));
+    }
+    return g;
+  };
+  set_tensor_parallel_group(subgroup(layout.tp_groups, "tp"));
+  set_data_parallel_group(subgroup(layout.dp_groups, "dp"));
   return tensor_parallel_group();
+}
+
+at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x) {
+  const TensorParallelGroup& g = data_parallel_group();
+  if (g.size == 1) return x;
+  RECORD_FUNCTION("actmem::data_parallel_all_reduce", std::vector<c10::IValue>());
+  // Gradients reduce in fp32 (main grads); bf16 is summed in fp32 as all_reduce_sum does.
+  const bool bf16 = x.is_cpu() && x.scalar_type() == at::kBFloat16;
+  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
+  wait_and_release(g.pg->allreduce(buf));
+  return bf16 ? buf[0].to(at::kBFloat16) : buf[0];
 }
 
 // ---- collectives ------------------------------------------------------------------------------

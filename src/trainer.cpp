@@ -144,6 +144,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       config_(training),
       device_(validated_device(model, training)),
       memory_(device_memory(device_)) {
+  {
+    // Megatron's validate_args: each data-parallel rank runs whole micro-batches.
+    const int64_t mbs = model_config_.micro_batch_size, d = data_parallel_group().size;
+    const int64_t gbs = config_.global_batch(mbs, d);
+    TORCH_CHECK(gbs % (mbs * d) == 0, "actmem::Trainer: global batch size (", gbs,
+                ") is not divisible by micro batch size (", mbs, ") times data parallel size (",
+                d, ")");
+  }
   // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
   // memory] in data.h); loading it first lets the pre-check count it.
   std::shared_ptr<const SampleSource> train_samples, valid_samples;
@@ -152,7 +160,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   } else {
     // Megatron's GPTDataset and BlendedDataset over memory-mapped indexed datasets, sized as
     // Megatron sizes them (train_valid_test_num_samples).
-    const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
+    const int64_t gbs =
+        config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size);
     const int64_t valid = config_.eval_interval > 0
                               ? (config_.train_iters / config_.eval_interval + 1) *
                                     config_.eval_iters * gbs
@@ -185,7 +194,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     const int64_t limit =
         explicit_limit ? config_.device_memory_limit
                        : (physical_memory_bytes() - corpus_.resident_bytes()) /
-                             tensor_parallel_group().size;
+                             (tensor_parallel_group().size * data_parallel_group().size);
     const double need = predict_step_peak_bound(model_config_);
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
@@ -358,6 +367,8 @@ IterationStats Trainer::train_step(bool compute_digest) {
         predict_activation_bytes(model_config_, model_->plan(), model_config_.element_bytes(),
                                  device_.is_cpu(), &routing).total;
   }
+  // Megatron's finalize_model_grads: the data-parallel sync, then the sequence-parallel norms.
+  reduce_data_parallel_gradients();
   reduce_sequence_parallel_gradients();
   const auto t1 = Clock::now();
   if (mixed_) {
@@ -395,7 +406,8 @@ IterationStats Trainer::train_step(bool compute_digest) {
 
 void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   const bool record = record_timeline_ || trace_ != nullptr;
-  const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size);
+  const TensorParallelGroup& dp = data_parallel_group();
+  const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size, dp.size);
   synchronize_device(device_);
   double loss_sum = 0.0;
   // Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches): the auxiliary
@@ -404,7 +416,14 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   model_->set_moe_aux_loss_scale((mixed_ && mixed_->scaler() ? mixed_->loss_scale() : 1.0) /
                                  static_cast<double>(n_micro));
   for (int64_t m = 0; m < n_micro; ++m) {
-    auto batch = train_sampler_->next();
+    // Megatron's sampler: micro-batch m of data-parallel rank r is the global batch's
+    // micro-batch m * d + r (each rank draws them all and keeps its own, so every rank's
+    // sampler stays where a single process's would be).
+    std::pair<at::Tensor, at::Tensor> batch;
+    for (int r = 0; r < dp.size; ++r) {
+      auto drawn = train_sampler_->next();
+      if (r == dp.rank) batch = std::move(drawn);
+    }
     const at::Tensor tokens = batch.first.to(device_), labels = batch.second.to(device_);
     synchronize_device(device_);
     std::unique_ptr<TimelineScope> scope;
@@ -447,6 +466,10 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     loss_sum += loss.item<double>();
   }
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
+  if (dp.size > 1) {  // the mean over the data-parallel ranks, for the log (as Megatron reports)
+    const at::Tensor all = data_parallel_all_reduce_sum(at::full({1}, loss_sum, at::kDouble));
+    st.loss = all.item<double>() / static_cast<double>(dp.size);
+  }
   const MoEStats& moe = model_->moe_stats();
   if (!moe.layers.empty()) {
     st.moe = true;
@@ -456,6 +479,25 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     st.expert_load_imbalance = moe.max_load_imbalance();
     st.moe_routed_tokens = moe.total_routed();
     st.moe_dropped_tokens = moe.total_dropped();
+  }
+}
+
+void Trainer::reduce_data_parallel_gradients() {
+  const TensorParallelGroup& dp = data_parallel_group();
+  if (dp.size == 1) return;
+  at::NoGradGuard no_grad;
+  // Megatron's DistributedDataParallel scales by 1/d before the sum (gradient_scaling_factor);
+  // at 16 bits these are the fp32 main grads (accumulate_allreduce_grads_in_fp32).
+  std::vector<at::Tensor> flat;
+  flat.reserve(grads_.size());
+  for (const auto& g : grads_) flat.push_back(g.reshape({-1}));
+  const at::Tensor summed =
+      data_parallel_all_reduce_sum(at::cat(flat).mul_(1.0 / static_cast<double>(dp.size)));
+  int64_t offset = 0;
+  for (auto& g : grads_) {
+    const int64_t n = g.numel();
+    g.copy_(summed.narrow(0, offset, n).view_as(g));
+    offset += n;
   }
 }
 
@@ -528,10 +570,10 @@ double Trainer::clip_gradients(const IterationStats& st) {
 }
 
 void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
-  const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size);
+  // The whole global batch's tokens (every data-parallel rank's) per second of this rank's step.
+  const int64_t gbs = config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size);
   st.step_time_s = clock.busy_s;
-  st.tokens_per_s = static_cast<double>(n_micro * model_config_.micro_batch_size *
-                                        model_config_.seq_length) / clock.busy_s;
+  st.tokens_per_s = static_cast<double>(gbs * model_config_.seq_length) / clock.busy_s;
   st.peak_device_bytes = clock.peak;
   if (tensor_parallel_group().size > 1) {
     st.peak_device_bytes_per_rank = gather_per_rank(clock.peak, device_);

@@ -7,6 +7,8 @@
 //         swiglu (RMSNorm, SwiGLU, RoPE, untied output layer, no linear biases)
 //   actmem_tp_worker masks OUT_DIR [--sp]
 //   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
+//   actmem_tp_worker data OUT_DIR --tp T --global-batch G [--no-dropout]
+//     (t x d ranks, d = WORLD_SIZE / T: three steps of the base model on global batch G)
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
@@ -283,6 +285,26 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
   return {{"rows_received", d.tokens.size(0)}, {"rows_sent", permuted.size(0)}};
 }
 
+// Data parallelism: the ranks train the base model on one global batch per step; each reports its
+// steps (loss, gradient norm, its gradient digest) and its place in the layout.
+nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
+  TransformerConfig c = base_config(t, false, dropout);
+  actmem::TrainingConfig tc;
+  tc.global_batch_size = global_batch;
+  tc.eval_interval = 0;
+  actmem::Trainer trainer(c, tc);
+  nlohmann::json steps = nlohmann::json::array();
+  for (int i = 0; i < 3; ++i) {
+    const auto st = trainer.train_step(true);
+    steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
+                     {"consumed", st.consumed_samples}});
+  }
+  return {{"steps", steps},
+          {"tp_rank", actmem::tensor_parallel_group().rank},
+          {"dp_rank", actmem::data_parallel_group().rank},
+          {"dp_size", actmem::data_parallel_group().size}};
+}
+
 int main(int argc, char** argv) {
   try {
     TORCH_CHECK(argc >= 3, "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
@@ -290,6 +312,8 @@ int main(int argc, char** argv) {
     const std::string scenario = argv[1], out_dir = argv[2];
     bool sp = false, dropout = true;
     std::string only, variant = "base";
+    int tp = 0;
+    int64_t global_batch = 0;
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--sp") {
@@ -300,13 +324,17 @@ int main(int argc, char** argv) {
         only = argv[++i];
       } else if (a == "--variant" && i + 1 < argc) {
         variant = argv[++i];
+      } else if (a == "--tp" && i + 1 < argc) {
+        tp = std::stoi(argv[++i]);
+      } else if (a == "--global-batch" && i + 1 < argc) {
+        global_batch = std::stoll(argv[++i]);
       } else {
         TORCH_CHECK(false, "actmem_tp_worker: unknown argument ", a);
       }
     }
     at::set_num_threads(1);  // N ranks share this machine's cores
     const actmem::DistEnv env = actmem::dist_env_from_environment();
-    const auto& group = actmem::init_tensor_parallel_from_environment(env);
+    const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};
     if (scenario == "strategies") {
       result["strategies"] = run_strategies(group.size, sp, dropout, only, variant);
@@ -314,10 +342,12 @@ int main(int argc, char** argv) {
       result["masks"] = run_masks(group.size, sp);
     } else if (scenario == "dispatch") {
       result["dispatch"] = run_dispatch(group);
+    } else if (scenario == "data") {
+      result["data"] = run_data(group.size, dropout, global_batch);
     } else {
       TORCH_CHECK(false, "actmem_tp_worker: unknown scenario ", scenario);
     }
-    std::ofstream f(out_dir + "/rank" + std::to_string(group.rank) + ".json");
+    std::ofstream f(out_dir + "/rank" + std::to_string(env.rank) + ".json");
     f << result.dump(1) << "\n";
     TORCH_CHECK(f.good(), "actmem_tp_worker: cannot write to ", out_dir);
     return 0;

@@ -292,11 +292,14 @@ struct TrainingConfig {
   }
 
   /// Samples per optimizer step: global_batch_size, or one micro-batch when it is unset.
-  int64_t global_batch(int64_t micro_batch_size) const {
-    return global_batch_size > 0 ? global_batch_size : micro_batch_size;
+  /// global_batch_size, or (unset) one micro-batch per data-parallel rank (Megatron's default).
+  int64_t global_batch(int64_t micro_batch_size, int64_t data_parallel_size = 1) const {
+    return global_batch_size > 0 ? global_batch_size : micro_batch_size * data_parallel_size;
   }
-  int64_t num_microbatches(int64_t micro_batch_size) const {
-    return global_batch(micro_batch_size) / micro_batch_size;
+  /// Micro-batches each data-parallel rank runs per step: global / (micro x d).
+  int64_t num_microbatches(int64_t micro_batch_size, int64_t data_parallel_size = 1) const {
+    return global_batch(micro_batch_size, data_parallel_size) /
+           (micro_batch_size * data_parallel_size);
   }
   /// Throws a clear error for inconsistent values (given the model's micro-batch size).
   void validate(const TransformerConfig& model) const;

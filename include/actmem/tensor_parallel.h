@@ -39,12 +39,22 @@ void set_tensor_parallel_group(TensorParallelGroup group);
 /// several processes (one GPU per rank, as torchrun users expect); anything else is kept.
 std::string device_for_rank(const std::string& device, const DistEnv& env);
 
-/// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
-/// NCCL for a CUDA device) and makes it the tensor-parallel group. A no-op in a single process.
-const TensorParallelGroup& init_tensor_parallel_from_environment(
-    const DistEnv& env, const c10::Device& device = c10::kCPU);
+/// The ranks that hold the same model slice and split every global batch (Megatron's
+/// data-parallel group); size 1 until set.
+const TensorParallelGroup& data_parallel_group();
+void set_data_parallel_group(TensorParallelGroup group);
+/// Sum of x over the data-parallel group (x itself for size 1).
+at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x);
 
-/// Drops the process group (size 1 again).
+/// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
+/// NCCL for a CUDA device). With `tensor_parallel_size` t (0: the whole launch) the world is
+/// t x d in Megatron's rank order (parallel_layout.h): this rank's tensor-parallel group of t
+/// adjacent ranks and its data-parallel group of d are built on the launch's store. A no-op in
+/// a single process.
+const TensorParallelGroup& init_tensor_parallel_from_environment(
+    const DistEnv& env, const c10::Device& device = c10::kCPU, int tensor_parallel_size = 0);
+
+/// Drops the process groups (tensor and data parallel: size 1 again).
 void reset_tensor_parallel_group();
 
 /// init_tensor_parallel_from_environment for the object's lifetime, then
@@ -52,7 +62,7 @@ void reset_tensor_parallel_group();
 /// runtime is still alive rather than in static destruction.
 class TensorParallelSession {
  public:
-  TensorParallelSession(const DistEnv& env, const c10::Device& device);
+  TensorParallelSession(const DistEnv& env, const c10::Device& device, int tensor_parallel_size = 0);
   ~TensorParallelSession();
   TensorParallelSession(const TensorParallelSession&) = delete;
   TensorParallelSession& operator=(const TensorParallelSession&) = delete;

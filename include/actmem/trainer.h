@@ -163,6 +163,9 @@ class Trainer {
   };
   void forward_backward(IterationStats& st, StepClock& clock);
   void reduce_sequence_parallel_gradients();
+  // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
+  // over the data-parallel group (one flat all-reduce after backward; no overlap yet).
+  void reduce_data_parallel_gradients();
   void gather_rank_stats(IterationStats& st, bool compute_digest);
   /// The global gradient norm (NaN-checked), after which the gradients are clipped.
   double clip_gradients(const IterationStats& st);

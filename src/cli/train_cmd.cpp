@@ -104,8 +104,14 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   const auto& corpus = trainer.corpus();
   out << "actmem train: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
       << m.num_attention_heads << " heads, ffn " << m.ffn() << ", seq " << m.seq_length
-      << ", micro-batch " << m.micro_batch_size << " x " << t.num_microbatches(m.micro_batch_size)
-      << " micro-batches, " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
+      << ", micro-batch " << m.micro_batch_size << " x "
+      << t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)
+      << " micro-batches"
+      << (actmem::data_parallel_group().size > 1
+              ? " on each of " + std::to_string(actmem::data_parallel_group().size) +
+                    " data-parallel ranks"
+              : std::string())
+      << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
       << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions")
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  precision " << precision_summary(m, t) << "\n"
@@ -169,11 +175,16 @@ int run_train(actmem::TrainOptions& o) {
   check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
-  TORCH_CHECK(dist.world_size == o.model.tensor_model_parallel_size, "actmem train: ",
-              dist.world_size, " process(es) but --tensor-model-parallel-size ",
-              o.model.tensor_model_parallel_size, "; every launched process is one tensor-parallel "
-              "rank (data parallelism is not implemented), so use `actmem launch --nproc-per-node ",
-              o.model.tensor_model_parallel_size, " -- train ...`");
+  // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
+  // data-parallel size, is implied, as in Megatron.
+  const int t = static_cast<int>(o.model.tensor_model_parallel_size);
+  TORCH_CHECK(dist.world_size % t == 0, "actmem train: ", dist.world_size, " process(es) but "
+              "--tensor-model-parallel-size ", t, "; the launch must be a multiple of it (t x the "
+              "data-parallel size): use `actmem launch --nproc-per-node ", t, " -- train ...` or a "
+              "multiple");
+  TORCH_CHECK(dist.world_size == t || (o.training.save.empty() && o.training.load.empty()),
+              "actmem train: --save and --load with data parallelism (", dist.world_size / t,
+              " data-parallel ranks) are not implemented yet");
   o.training.device = actmem::device_for_rank(o.training.device, dist);
   // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
   // under launch, before rank 0 joins its peers).
@@ -181,7 +192,7 @@ int run_train(actmem::TrainOptions& o) {
   OutputFile log, trace;
   if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
   if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
-  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device));
+  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t);
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   actmem::Trainer trainer(o.model, o.training);
