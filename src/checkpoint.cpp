@@ -559,11 +559,12 @@ c10::impl::GenericDict Trainer::checkpoint_state() const {
 
 std::string Trainer::save_checkpoint(const std::string& dir) {
   TORCH_CHECK(!dir.empty(), "actmem::Trainer::save_checkpoint: empty directory");
-  TORCH_CHECK(data_parallel_group().size == 1, "actmem::Trainer::save_checkpoint: checkpoints of "
-              "data-parallel runs are not implemented yet (data-parallel size ",
-              data_parallel_group().size, ")");
   const auto& tp = tensor_parallel_group();
   const std::string final_dir = checkpoint_iteration_dir(dir, iteration_);
+  // Data-parallel replicas hold the same weights, optimizer state and random states: the first
+  // replica's tensor-parallel ranks write (as Megatron's data-parallel rank 0 does without the
+  // distributed optimizer); the others go on, meeting them again at the next gradient reduction.
+  if (data_parallel_group().rank != 0) return final_dir;
   const std::string tmp_dir = final_dir + ".tmp";
   on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
     if (tp.rank != 0) return;
@@ -649,9 +650,6 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
 
 std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
                                                 const CheckpointLoadOptions& options) {
-  TORCH_CHECK(data_parallel_group().size == 1, "actmem::Trainer::load_checkpoint: checkpoints of "
-              "data-parallel runs are not implemented yet (data-parallel size ",
-              data_parallel_group().size, ")");
   const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
   if (!latest) return std::nullopt;
   const auto& tp = tensor_parallel_group();

@@ -470,6 +470,36 @@ TEST(CheckpointCli, TensorParallelResumeIsBitwiseAndAnotherSizeIsRefused) {
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, DataParallelResumeIsBitwiseAndLoadsIntoOneProcess) {
+  // Two data-parallel replicas (dropout on): the first writes, both resume from it, and the
+  // resumed iterations equal the uninterrupted run's bitwise on both ranks. The checkpoint holds
+  // no data-parallel size: one process continues from it too (Megatron allows changing d).
+  const std::string dir = testing::fresh_temp_dir("dp_resume");
+  const std::string flags = std::string(kTinyFlags) + " --global-batch-size 4";
+  const std::string launch = "launch --nproc-per-node 2 -- train";
+  auto r = testing::run_actmem(launch + flags + " --train-iters 4 --log-json " + dir + "/ref.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Save at 2, and die inside the save of 4 (latest stays at 2).
+  const std::string cmd = "ACTMEM_CHECKPOINT_FAULT=before-latest@4 " + std::string(ACTMEM_BINARY) +
+                          " " + launch + flags + " --train-iters 4 --save " + dir +
+                          "/ckpt --save-interval 2 >/dev/null 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  ASSERT_EQ(latest_of(dir + "/ckpt"), "2");
+  r = testing::run_actmem(launch + flags + " --train-iters 4 --load " + dir + "/ckpt --log-json " +
+                          dir + "/resumed.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = logged_steps(dir + "/ref.jsonl"), resumed = logged_steps(dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 2u);
+  for (const auto& [it, step] : resumed) {
+    EXPECT_EQ(step.loss, ref.at(it).loss) << "iteration " << it;
+    EXPECT_EQ(step.digest, ref.at(it).digest) << "iteration " << it;
+  }
+  r = testing::run_actmem(std::string("train") + flags + " --train-iters 4 --load " + dir + "/ckpt");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("continuing at iteration 3, 8 samples consumed"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {

@@ -182,9 +182,6 @@ int run_train(actmem::TrainOptions& o) {
               "--tensor-model-parallel-size ", t, "; the launch must be a multiple of it (t x the "
               "data-parallel size): use `actmem launch --nproc-per-node ", t, " -- train ...` or a "
               "multiple");
-  TORCH_CHECK(dist.world_size == t || (o.training.save.empty() && o.training.load.empty()),
-              "actmem train: --save and --load with data parallelism (", dist.world_size / t,
-              " data-parallel ranks) are not implemented yet");
   o.training.device = actmem::device_for_rank(o.training.device, dist);
   // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
   // under launch, before rank 0 joins its peers).
