@@ -40,6 +40,28 @@ struct Strategy {
   std::function<void(TransformerConfig&)> apply;
 };
 
+/// Strategy changes the round-robin benchmarks combine: selective recompute of `modules`,
+/// fine-grained offload of `modules`, and one change after another.
+inline std::function<void(TransformerConfig&)> selective(std::vector<std::string> modules) {
+  return [modules](TransformerConfig& c) {
+    c.recompute_granularity = "selective";
+    c.recompute_modules = modules;
+  };
+}
+inline std::function<void(TransformerConfig&)> offload(std::vector<std::string> modules) {
+  return [modules](TransformerConfig& c) {
+    c.fine_grained_activation_offloading = true;
+    c.offload_modules = modules;
+  };
+}
+inline std::function<void(TransformerConfig&)> both(std::function<void(TransformerConfig&)> a,
+                                                    std::function<void(TransformerConfig&)> b) {
+  return [a, b](TransformerConfig& c) {
+    a(c);
+    b(c);
+  };
+}
+
 /// What step_round_robin measured: per strategy its trainer, its timed step times and its last
 /// step's stats.
 struct RoundRobin {

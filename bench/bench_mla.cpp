@@ -20,34 +20,19 @@ namespace {
 using actmem::bench::Strategy;
 
 std::vector<Strategy> strategies() {
-  auto sel = [](std::vector<std::string> m) {
-    return [=](actmem::TransformerConfig& c) {
-      c.recompute_granularity = "selective";
-      c.recompute_modules = m;
-    };
-  };
-  auto off = [](std::vector<std::string> m) {
-    return [=](actmem::TransformerConfig& c) {
-      c.fine_grained_activation_offloading = true;
-      c.offload_modules = m;
-    };
-  };
-  auto both = [](auto a, auto b) {
-    return [=](actmem::TransformerConfig& c) {
-      a(c);
-      b(c);
-    };
-  };
+  using actmem::bench::both;
+  using actmem::bench::offload;
+  using actmem::bench::selective;
   return {{"plain", [](actmem::TransformerConfig&) {}},
-          {"recompute core_attn", sel({"core_attn"})},
-          {"recompute mla_up_proj", sel({"mla_up_proj"})},
-          {"recompute mla_up_proj core_attn", sel({"mla_up_proj", "core_attn"})},
-          {"recompute layernorm mla_up_proj", sel({"layernorm", "mla_up_proj"})},
-          {"offload qkv_linear", off({"qkv_linear"})},
-          {"offload core_attn attn_proj", off({"core_attn", "attn_proj"})},
-          {"offload qkv_linear+rec. mla_up_proj", both(off({"qkv_linear"}), sel({"mla_up_proj"}))},
+          {"recompute core_attn", selective({"core_attn"})},
+          {"recompute mla_up_proj", selective({"mla_up_proj"})},
+          {"recompute mla_up_proj core_attn", selective({"mla_up_proj", "core_attn"})},
+          {"recompute layernorm mla_up_proj", selective({"layernorm", "mla_up_proj"})},
+          {"offload qkv_linear", offload({"qkv_linear"})},
+          {"offload core_attn attn_proj", offload({"core_attn", "attn_proj"})},
+          {"offload qkv_linear+rec. mla_up_proj", both(offload({"qkv_linear"}), selective({"mla_up_proj"}))},
           {"offload core_attn+rec. mla_up_proj",
-           both(off({"core_attn", "attn_proj"}), sel({"mla_up_proj"}))}};
+           both(offload({"core_attn", "attn_proj"}), selective({"mla_up_proj"}))}};
 }
 
 }  // namespace

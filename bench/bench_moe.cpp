@@ -27,30 +27,18 @@ namespace {
 using actmem::bench::Strategy;
 
 std::vector<Strategy> strategies() {
-  auto sel = [](std::vector<std::string> m) {
-    return [=](actmem::TransformerConfig& c) {
-      c.recompute_granularity = "selective";
-      c.recompute_modules = m;
-    };
-  };
-  auto off = [](std::vector<std::string> m) {
-    return [=](actmem::TransformerConfig& c) {
-      c.fine_grained_activation_offloading = true;
-      c.offload_modules = m;
-    };
-  };
+  using actmem::bench::both;
+  using actmem::bench::offload;
+  using actmem::bench::selective;
   return {{"plain", [](actmem::TransformerConfig&) {}},
-          {"recompute moe", sel({"moe"})},
-          {"recompute moe_act", sel({"moe_act"})},
-          {"recompute shared_experts", sel({"shared_experts"})},
-          {"recompute layernorm moe_act", sel({"layernorm", "moe_act"})},
-          {"offload expert_fc1", off({"expert_fc1"})},
-          {"offload moe_act", off({"moe_act"})},
-          {"offload+recompute moe_act", [=](actmem::TransformerConfig& c) {
-             off({"moe_act"})(c);
-             sel({"moe_act"})(c);
-           }},
-          {"offload expert_fc1 moe_act", off({"expert_fc1", "moe_act"})}};
+          {"recompute moe", selective({"moe"})},
+          {"recompute moe_act", selective({"moe_act"})},
+          {"recompute shared_experts", selective({"shared_experts"})},
+          {"recompute layernorm moe_act", selective({"layernorm", "moe_act"})},
+          {"offload expert_fc1", offload({"expert_fc1"})},
+          {"offload moe_act", offload({"moe_act"})},
+          {"offload+recompute moe_act", both(offload({"moe_act"}), selective({"moe_act"}))},
+          {"offload expert_fc1 moe_act", offload({"expert_fc1", "moe_act"})}};
 }
 
 }  // namespace

@@ -334,6 +334,38 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x_in, int64_t offset) const 
 
 // ---- SelfAttention ----------------------------------------------------------------------------
 
+namespace {
+// What both attentions do after their q, k, v (Megatron's Attention.forward and
+// MultiLatentAttention.forward share it): core attention, in a checkpoint under selective
+// core_attn — only q, k, v (and the random state) kept, the [b, a, s, s] scores, probabilities
+// and dropout mask rebuilt in backward — or inside the core_attn offload group, whose commit
+// releases q, k and v (not read again in forward: their storage goes once copied).
+at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool recompute,
+                              ActivationOffloader* offload_group, const at::Tensor& q,
+                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+  ModuleScope scope("core_attention");
+  if (recompute) {
+    return checkpoint(
+        [core, mask](const TensorList& in) {
+          return TensorList{core->forward(in[0], in[1], in[2], mask)};
+        },
+        /*distribute_saved_activations=*/false, {q, k, v})[0];
+  }
+  OffloadRegion region(offload_group, to_string(OffloadModule::kCoreAttn));
+  const at::Tensor qs = region.enter(q);
+  return region.commit(core->forward(qs, k, v, mask), {q, k, v});
+}
+
+// linear_proj in the attn_proj offload group, which releases the context at its commit.
+std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloader* offload_group,
+                                                  const at::Tensor& context) {
+  ModuleScope scope("linear_proj");
+  OffloadRegion region(offload_group, to_string(OffloadModule::kAttnProj));
+  auto [out, bias] = proj.forward(region.enter(context));
+  return {region.commit(out, {context}), bias};
+}
+}  // namespace
+
 SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& plan,
                              at::ScalarType dtype)
     : heads_(config.num_attention_heads / config.tensor_model_parallel_size),
@@ -377,29 +409,10 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
     q = ctx.rope->apply(q);
     k = ctx.rope->apply(k);
   }
-  at::Tensor context;  // [s, b, h]
-  {
-    ModuleScope scope("core_attention");
-    if (plan_.recompute_core_attn && is_training()) {
-      // Selective recompute: only q, k, v (and the random state) are kept; the [b, a, s, s]
-      // scores, probabilities and dropout mask are rebuilt in backward.
-      const at::Tensor mask = ctx.attention_mask;
-      context = checkpoint(
-          [this, mask](const TensorList& in) {
-            return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
-          },
-          /*distribute_saved_activations=*/false, {q, k, v})[0];
-    } else {
-      OffloadRegion region(group(OffloadModule::kCoreAttn), to_string(OffloadModule::kCoreAttn));
-      const at::Tensor qs = region.enter(q);
-      // q, k and v are not read again in forward: their storage goes once copied.
-      context = region.commit(core_attention->forward(qs, k, v, ctx.attention_mask), {q, k, v});
-    }
-  }
-  ModuleScope scope("linear_proj");
-  OffloadRegion region(group(OffloadModule::kAttnProj), to_string(OffloadModule::kAttnProj));
-  auto [out, bias] = linear_proj->forward(region.enter(context));
-  return {region.commit(out, {context}), bias};
+  const at::Tensor context =  // [s, b, h]
+      run_core_attention(core_attention, plan_.recompute_core_attn && is_training(),
+                         group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
+  return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
 
 // ---- MLASelfAttention -------------------------------------------------------------------------
@@ -542,27 +555,11 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
     k = qkv[1];
     v = qkv[2];
   }
-  at::Tensor context;  // [s, b, a * v_head_dim]
-  {
-    ModuleScope scope("core_attention");
-    if (plan_.recompute_core_attn && train) {
-      const at::Tensor mask = ctx.attention_mask;
-      context = checkpoint(
-          [this, mask](const TensorList& in) {
-            return TensorList{core_attention->forward(in[0], in[1], in[2], mask)};
-          },
-          /*distribute_saved_activations=*/false, {q, k, v})[0];
-    } else {
-      OffloadRegion region(group(OffloadModule::kCoreAttn), to_string(OffloadModule::kCoreAttn));
-      const at::Tensor qs = region.enter(q);
-      context = region.commit(core_attention->forward(qs, k, v, ctx.attention_mask), {q, k, v});
-    }
-  }
+  const at::Tensor context =  // [s, b, a * v_head_dim]
+      run_core_attention(core_attention, plan_.recompute_core_attn && train,
+                         group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
   if (recompute_up) up_ckpt.discard_output_and_register_recompute(context);
-  ModuleScope scope("linear_proj");
-  OffloadRegion region(group(OffloadModule::kAttnProj), to_string(OffloadModule::kAttnProj));
-  auto [out, bias] = linear_proj->forward(region.enter(context));
-  return {region.commit(out, {context}), bias};
+  return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
 
 // ---- MLP --------------------------------------------------------------------------------------

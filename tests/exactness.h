@@ -1,11 +1,16 @@
 // exactness.h — the project's exactness check: a strategy trains bitwise like the plain run.
 #pragma once
 
+#include "actmem/compat.h"
+#include "actmem/ledger.h"
+#include "actmem/memory_model.h"
 #include "actmem/mixed_precision.h"
 #include "actmem/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 
+#include <algorithm>
+#include <cmath>
 #include <functional>
 
 namespace actmem::testing {
@@ -55,5 +60,35 @@ inline void expect_bitwise_equal_training(
   }
 }
 
+
+/// One training step of `c`: the exact predictor (given the step's MoE routing) equals the
+/// tracker's activation bytes (libtorch 1.13; within 3% on 2.x, whose kernels save a few
+/// tensors differently) and the trainer's own prediction, and the activation ledger agrees with
+/// it module by module (within one random-state snapshot: the ledger does not count them).
+inline void expect_predictor_matches_tracker(const TransformerConfig& c, const std::string& what) {
+  TrainingConfig t;
+  t.eval_interval = 0;
+  Trainer trainer(c, t);
+  ActivationLedger ledger;
+  trainer.set_ledger(&ledger);
+  const auto st = trainer.train_step(false);
+  const MoERouting routing = trainer.model().moe_stats().routing();
+  const auto predicted = predict_activation_bytes(c, 0, true, &routing);
+  EXPECT_EQ(st.predicted_activation_bytes, predicted.total) << what;
+#if !ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+  EXPECT_EQ(predicted.total, st.activation_bytes) << what;
+#endif
+  const double err = std::abs(static_cast<double>(predicted.total - st.activation_bytes)) /
+                     static_cast<double>(st.activation_bytes);
+  EXPECT_LT(err, 0.03) << what;
+  for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+    if (bytes == 0) continue;
+    const auto it = std::find_if(predicted.by_module.begin(), predicted.by_module.end(),
+                                 [&](const auto& p) { return p.first == module; });
+    ASSERT_NE(it, predicted.by_module.end()) << what << ": ledger module " << module;
+    EXPECT_LE(bytes, it->second) << what << " " << module;
+    EXPECT_GE(bytes, it->second - checkpoint_snapshot_bytes()) << what << " " << module;
+  }
+}
 
 }  // namespace actmem::testing

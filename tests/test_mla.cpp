@@ -446,29 +446,7 @@ TEST_P(MLAPredictor, ExactAgainstTheTrackerAndTheLedgerPerModule) {
     actmem::testing::set_precision(c, std::get<1>(GetParam()));
     std::get<0>(GetParam()).apply(c);
     apply(c);
-    TrainingConfig t;
-    t.eval_interval = 0;
-    Trainer trainer(c, t);
-    actmem::ActivationLedger ledger;
-    trainer.set_ledger(&ledger);
-    const auto st = trainer.train_step(false);
-    const actmem::MoERouting routing = trainer.model().moe_stats().routing();
-    const auto predicted = actmem::predict_activation_bytes(c, 0, true, &routing);
-    EXPECT_EQ(st.predicted_activation_bytes, predicted.total) << policy;
-#if !ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
-    EXPECT_EQ(predicted.total, st.activation_bytes) << policy;
-#endif
-    const double err = std::abs(static_cast<double>(predicted.total - st.activation_bytes)) /
-                       static_cast<double>(st.activation_bytes);
-    EXPECT_LT(err, 0.03) << policy;
-    for (const auto& [module, bytes] : ledger.bytes_by_module()) {
-      if (bytes == 0) continue;
-      const auto it = std::find_if(predicted.by_module.begin(), predicted.by_module.end(),
-                                   [&](const auto& p) { return p.first == module; });
-      ASSERT_NE(it, predicted.by_module.end()) << policy << ": ledger module " << module;
-      EXPECT_LE(bytes, it->second) << policy << " " << module;
-      EXPECT_GE(bytes, it->second - actmem::checkpoint_snapshot_bytes()) << policy << " " << module;
-    }
+    actmem::testing::expect_predictor_matches_tracker(c, policy);
   }
 }
 
