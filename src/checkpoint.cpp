@@ -405,6 +405,9 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   auto get = [&a](const char* key, auto& field) {
     if (a.contains(key) && !a[key].is_null()) field = a[key].get<std::decay_t<decltype(field)>>();
   };
+  auto get_opt = [&a](const char* key, auto& field) {  // an optional field; null = unset
+    if (a.contains(key) && !a[key].is_null()) field = a[key].get<typename std::decay_t<decltype(field)>::value_type>();
+  };
   get("num_layers", c.num_layers);
   get("hidden_size", c.hidden_size);
   get("num_attention_heads", c.num_attention_heads);
@@ -429,9 +432,7 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("tensor_model_parallel_size", c.tensor_model_parallel_size);
   get("multi_latent_attention", c.multi_latent_attention);
   if (c.multi_latent_attention) {
-    if (a.contains("q_lora_rank") && !a["q_lora_rank"].is_null()) {
-      c.q_lora_rank = a["q_lora_rank"].get<int64_t>();
-    }
+    get_opt("q_lora_rank", c.q_lora_rank);
     get("kv_lora_rank", c.kv_lora_rank);
     get("qk_head_dim", c.qk_head_dim);
     get("qk_pos_emb_head_dim", c.qk_pos_emb_head_dim);
@@ -451,9 +452,6 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
     get("moe_layer_freq", c.moe_layer_freq);
     get("moe_router_score_function", c.moe_router_score_function);
     get("moe_router_pre_softmax", c.moe_router_pre_softmax);
-    auto get_opt = [&a](const char* key, auto& field) {
-      if (a.contains(key) && !a[key].is_null()) field = a[key].get<typename std::decay_t<decltype(field)>::value_type>();
-    };
     get_opt("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
     get_opt("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size);
     get("moe_shared_expert_gate", c.moe_shared_expert_gate);

@@ -370,9 +370,10 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"min_offloaded_tensor_size", c.min_offloaded_tensor_size},
       {"num_moe_experts", c.is_moe() ? nlohmann::json(c.num_moe_experts) : nlohmann::json(nullptr)},
   };
+  auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
   j["multi_latent_attention"] = c.multi_latent_attention;
   if (c.multi_latent_attention) {
-    j["q_lora_rank"] = c.q_lora_rank ? nlohmann::json(*c.q_lora_rank) : nlohmann::json(nullptr);
+    j["q_lora_rank"] = opt(c.q_lora_rank);
     j["kv_lora_rank"] = c.kv_lora_rank;
     j["qk_head_dim"] = c.qk_head_dim;
     j["qk_pos_emb_head_dim"] = c.qk_pos_emb_head_dim;
@@ -384,7 +385,6 @@ nlohmann::json to_json(const TransformerConfig& c) {
     j["mscale_all_dim"] = c.mscale_all_dim;
   }
   if (c.is_moe()) {
-    auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
     j["moe_router_topk"] = c.moe_router_topk;
     j["moe_ffn_hidden_size"] = c.moe_ffn();
     j["moe_layer_freq"] = c.moe_layer_freq;

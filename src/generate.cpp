@@ -11,15 +11,21 @@
 
 namespace actmem {
 
+namespace {
+// The per-head widths of the cached keys and values: the head dimension, or for MLA the
+// up-projected keys (qk_head_dim + qk_pos_emb_head_dim) and values (v_head_dim).
+std::pair<int64_t, int64_t> cached_head_dims(const TransformerConfig& c) {
+  if (c.multi_latent_attention) return {c.mla_q_head_dim(), c.v_head_dim};
+  return {c.kv_channels(), c.kv_channels()};
+}
+}  // namespace
+
 KVCache::KVCache(GPTModel& model)
     : model_(model),
       capacity_(model.config().max_positions()),
       heads_(model.config().num_attention_heads),
-      // MLA caches the up-projected keys (qk_head_dim + qk_pos_emb_head_dim) and values.
-      key_dim_(model.config().multi_latent_attention ? model.config().mla_q_head_dim()
-                                                     : model.config().kv_channels()),
-      value_dim_(model.config().multi_latent_attention ? model.config().v_head_dim
-                                                       : model.config().kv_channels()) {
+      key_dim_(cached_head_dims(model.config()).first),
+      value_dim_(cached_head_dims(model.config()).second) {
   TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
               "on one process; the model has tensor_model_parallel_size ",
               model.config().tensor_model_parallel_size);
@@ -39,10 +45,9 @@ int64_t KVCache::bytes() const {
 int64_t KVCache::bytes_for(const GPTModel& model) {
   const auto& c = model.config();
   // Keys and values of every layer: [max_positions, heads, key / value head dim].
-  const int64_t per_head = c.multi_latent_attention ? c.mla_q_head_dim() + c.v_head_dim
-                                                    : 2 * c.kv_channels();
+  const auto [key, value] = cached_head_dims(c);
   return static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() *
-         c.num_attention_heads * per_head *
+         c.num_attention_heads * (key + value) *
          static_cast<int64_t>(model.word_embeddings.element_size());
 }
 
@@ -80,6 +85,7 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
     at::Tensor q, k, v;
     double scale = plain_scale;
     if (layer.mla_attention) {
+      // MLA rotates its decoupled part inside the projection.
       std::tie(q, k, v) = layer.mla_attention->project(ln, *model_.rope(), p0);
       scale = layer.mla_attention->softmax_scale();
     } else {
@@ -87,10 +93,10 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
       qkv = qkv.view({n, 1, heads_, 3 * key_dim_});  // Megatron's per-head [q, k, v]
       auto parts = qkv.split(key_dim_, -1);
       q = parts[0], k = parts[1], v = parts[2];
-    }
-    if (const RotaryEmbedding* rope = layer.mla_attention ? nullptr : model_.rope()) {
-      q = rope->apply(q, p0);
-      k = rope->apply(k, p0);
+      if (const RotaryEmbedding* rope = model_.rope()) {
+        q = rope->apply(q, p0);
+        k = rope->apply(k, p0);
+      }
     }
     keys_[l].narrow(0, p0, n).copy_(k.squeeze(1));
     values_[l].narrow(0, p0, n).copy_(v.squeeze(1));

@@ -494,7 +494,7 @@ std::vector<at::Tensor> MLASelfAttention::up_and_rope(const std::vector<at::Tens
   const int64_t s = q_c.size(0), b = q_c.size(1);
   at::Tensor q, kv;
   {
-    ModuleScope scope(linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj");
+    ModuleScope scope(q_up_name());
     q = (linear_q_up_proj ? linear_q_up_proj : linear_q_proj)->forward(q_c).first;
   }
   {
@@ -540,7 +540,7 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
     auto [q_c, kv_c, k_pos] = down(xs);
     std::vector<at::Tensor> qkv;
     if (recompute_up) {
-      ModuleScope scope(linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj");
+      ModuleScope scope(q_up_name());
       qkv = up_ckpt.checkpoint(
           [this, rope](const TensorList& in) { return up_and_rope(in, *rope, 0); },
           {q_c, kv_c, k_pos});
@@ -829,15 +829,6 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       embedding->register_module("word_embeddings",
                                  std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
           ->weight;
-  if (config.multi_latent_attention) {
-    // MLA's attention rotates its own decoupled part (Note [MLA's RoPE]); Megatron's GPTModel
-    // builds no model-level RoPE for it, and learned absolute positions still apply unless
-    // --position-embedding-type rope.
-    rope_ = std::make_unique<RotaryEmbedding>(RotaryEmbedding::for_mla(config, dtype));
-    auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
-    rope_->cos = holder->register_buffer("cos", rope_->cos);
-    rope_->sin = holder->register_buffer("sin", rope_->sin);
-  }
   if (!config.use_rope()) {
     position_embeddings =
         embedding
@@ -845,8 +836,16 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
                               std::make_shared<WeightHolder>(
                                   init_normal({config.max_positions(), h}, std, dtype)))
             ->weight;
-  } else if (!config.multi_latent_attention) {
+  }
+  // The RoPE tables: MLA's attention rotates its own decoupled part (Note [MLA's RoPE]) and
+  // Megatron's GPTModel builds no model-level RoPE for it (learned absolute positions still
+  // apply unless --position-embedding-type rope); standard attention's with rope.
+  if (config.multi_latent_attention) {
+    rope_ = std::make_unique<RotaryEmbedding>(RotaryEmbedding::for_mla(config, dtype));
+  } else if (config.use_rope()) {
     rope_ = std::make_unique<RotaryEmbedding>(config, dtype);
+  }
+  if (rope_) {
     auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
     rope_->cos = holder->register_buffer("cos", rope_->cos);
     rope_->sin = holder->register_buffer("sin", rope_->sin);

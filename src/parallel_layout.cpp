@@ -157,6 +157,11 @@ int ParallelLayout::index_in(const std::vector<std::vector<int>>& groups, int ra
   return static_cast<int>(std::find(g.begin(), g.end(), rank) - g.begin());
 }
 
+int ParallelLayout::group_index(const std::vector<std::vector<int>>& groups, int rank) {
+  const auto& g = group_of(groups, rank);
+  return static_cast<int>(&g - groups.data());
+}
+
 std::string ParallelLayout::describe() const {
   std::ostringstream os;
   auto groups = [&os](const char* name, const std::vector<std::vector<int>>& gs) {

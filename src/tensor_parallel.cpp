@@ -20,7 +20,6 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 
-#include <algorithm>
 #include <chrono>
 #include <thread>
 #include <utility>
@@ -118,8 +117,8 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
     if (g.size == env.world_size) {
       g.pg = world.pg;
     } else if (g.size > 1) {
-      const auto index = std::find(groups.begin(), groups.end(), members) - groups.begin();
-      g.pg = new_subgroup(world, members, std::string(name) + "/" + std::to_string(index));
+      g.pg = new_subgroup(world, members, std::string(name) + "/" +
+                                              std::to_string(ParallelLayout::group_index(groups, env.rank)));
     }
     return g;
   };

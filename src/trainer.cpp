@@ -482,41 +482,43 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   }
 }
 
+namespace {
+// One collective for many gradients: `tensors` flattened into one buffer, `reduce` applied to
+// it, the result copied back into each.
+void reduce_as_one(std::vector<at::Tensor>& tensors,
+                   const std::function<at::Tensor(at::Tensor)>& reduce) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> flat;
+  flat.reserve(tensors.size());
+  for (const auto& g : tensors) flat.push_back(g.reshape({-1}));
+  const at::Tensor reduced = reduce(at::cat(flat));
+  int64_t offset = 0;
+  for (auto& g : tensors) {
+    const int64_t n = g.numel();
+    g.copy_(reduced.narrow(0, offset, n).view_as(g));
+    offset += n;
+  }
+}
+}  // namespace
+
 void Trainer::reduce_data_parallel_gradients() {
   const TensorParallelGroup& dp = data_parallel_group();
   if (dp.size == 1) return;
-  at::NoGradGuard no_grad;
   // Megatron's DistributedDataParallel scales by 1/d before the sum (gradient_scaling_factor);
   // at 16 bits these are the fp32 main grads (accumulate_allreduce_grads_in_fp32).
-  std::vector<at::Tensor> flat;
-  flat.reserve(grads_.size());
-  for (const auto& g : grads_) flat.push_back(g.reshape({-1}));
-  const at::Tensor summed =
-      data_parallel_all_reduce_sum(at::cat(flat).mul_(1.0 / static_cast<double>(dp.size)));
-  int64_t offset = 0;
-  for (auto& g : grads_) {
-    const int64_t n = g.numel();
-    g.copy_(summed.narrow(0, offset, n).view_as(g));
-    offset += n;
-  }
+  const double scale = 1.0 / static_cast<double>(dp.size);
+  reduce_as_one(grads_, [scale](at::Tensor flat) {
+    return data_parallel_all_reduce_sum(flat.mul_(scale));
+  });
 }
 
 void Trainer::reduce_sequence_parallel_gradients() {
   if (sequence_parallel_grads_.empty()) return;
   // Sequence parallelism: norms and row-parallel biases saw this rank's tokens only; their
   // gradients are summed over the ranks (one flat all-reduce), then equal everywhere.
-  at::NoGradGuard no_grad;
   // At 16 bits the reduction runs on the main-grad buffers (fp32 with bf16), as Megatron's
   // _allreduce_layernorm_grads reduces param.main_grad.
-  std::vector<at::Tensor> flat;
-  for (const auto& g : sequence_parallel_grads_) flat.push_back(g.reshape({-1}));
-  const at::Tensor summed = all_reduce_sum(at::cat(flat));
-  int64_t offset = 0;
-  for (auto& g : sequence_parallel_grads_) {
-    const int64_t n = g.numel();
-    g.copy_(summed.narrow(0, offset, n).view_as(g));
-    offset += n;
-  }
+  reduce_as_one(sequence_parallel_grads_, [](at::Tensor flat) { return all_reduce_sum(flat); });
 }
 
 void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {

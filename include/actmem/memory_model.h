@@ -111,6 +111,10 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m);
 struct MLAAttentionBytes {
   double latents = 0, qkv = 0, scores = 0, context = 0;
   double none() const { return latents + qkv + scores + context; }
+  /// What the module keeps with selective core_attn and/or mla_up_proj recompute.
+  double kept(bool core_attn, bool mla_up_proj) const {
+    return none() - (core_attn ? scores : 0.0) - (mla_up_proj ? qkv : 0.0);
+  }
 };
 MLAAttentionBytes paper_mla_attention_bytes(const PaperShape& m);
 

@@ -184,6 +184,8 @@ class MLASelfAttention : public torch::nn::Module {
  private:
   // Down projections and norms: (q_compressed, kv_compressed, k_pos_emb).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> down(const at::Tensor& x);
+  // The query's up-projection module: linear_q_up_proj, or linear_q_proj without q_lora_rank.
+  const char* q_up_name() const { return linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj"; }
   // Megatron's qkv_up_proj_and_rope_apply: q, k, v [s, b, a, d] (contiguous).
   std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in, const RotaryEmbedding& rope, int64_t offset);
   int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;

@@ -59,6 +59,8 @@ struct ParallelLayout {
   /// The group of `groups` that holds `rank`, and `rank`'s index in it.
   static const std::vector<int>& group_of(const std::vector<std::vector<int>>& groups, int rank);
   static int index_in(const std::vector<std::vector<int>>& groups, int rank);
+  /// Which of `groups` holds `rank` (its number, for naming the group's rendezvous).
+  static int group_index(const std::vector<std::vector<int>>& groups, int rank);
   /// One line per group kind ("tp  [[0, 1], [2, 3]]"), as a reader checks a launch's layout.
   std::string describe() const;
 };

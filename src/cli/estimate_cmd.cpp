@@ -118,13 +118,13 @@ int run(const EstimateOptions& o) {
     if (!m.is_mla()) return l;
     const double sq = 5.0 * m.a * m.s * m.s * m.b / m.t, lin = 10.0 * m.sbh() / m.t;
     l.none += mla.none() - (lin + sq);
-    l.selective += mla.none() - mla.scores - lin;
+    l.selective += mla.kept(true, false) - lin;
     l.s2_fraction = mla.scores / l.none;
     return l;
   };
   const LayerBytes dense_layer = with_mla(paper_layer_bytes(m));
   const double per_stage = m.layers_per_stage();
-  // MoE: the first stage's layers [0, L/p) that are MoE (layer i when i % freq == 0), each with
+  // MoE: the first stage's layers [0, L/p) that are MoE (by --moe-layer-freq), each with
   // the MoE layer's bytes; `layer` is then the stage's mean per layer, so every per-stage total
   // below is the mix.
   double moe_in_stage = 0;
@@ -208,9 +208,9 @@ int run(const EstimateOptions& o) {
                   {"terms", {{"latents", mla.latents}, {"qkv", mla.qkv}, {"scores", mla.scores},
                              {"context", mla.context}}},
                   {"attention_bytes", {{"none", mla.none()},
-                                       {"core_attn", mla.none() - mla.scores},
-                                       {"mla_up_proj", mla.none() - mla.qkv},
-                                       {"core_attn_mla_up_proj", mla.none() - mla.scores - mla.qkv}}}};
+                                       {"core_attn", mla.kept(true, false)},
+                                       {"mla_up_proj", mla.kept(false, true)},
+                                       {"core_attn_mla_up_proj", mla.kept(true, true)}}}};
     }
     std::cout << j.dump(2) << std::endl;
     return 0;
@@ -270,9 +270,9 @@ int run(const EstimateOptions& o) {
               << static_cast<int64_t>(m.mla.qk) << " + rope " << static_cast<int64_t>(m.mla.pos)
               << ", v " << static_cast<int64_t>(m.mla.v) << (m.mla.qk_layernorm ? ", latent norms" : "")
               << "\n  attention per layer: none " << format_bytes_3sig(mla.none()) << ", core_attn "
-              << format_bytes_3sig(mla.none() - mla.scores) << ", mla_up_proj "
-              << format_bytes_3sig(mla.none() - mla.qkv) << ", both "
-              << format_bytes_3sig(mla.none() - mla.scores - mla.qkv) << "\n  of which latents "
+              << format_bytes_3sig(mla.kept(true, false)) << ", mla_up_proj "
+              << format_bytes_3sig(mla.kept(false, true)) << ", both "
+              << format_bytes_3sig(mla.kept(true, true)) << "\n  of which latents "
               << format_bytes_3sig(mla.latents) << ", q/k/v after RoPE " << format_bytes_3sig(mla.qkv)
               << ", scores " << format_bytes_3sig(mla.scores) << ", context "
               << format_bytes_3sig(mla.context)

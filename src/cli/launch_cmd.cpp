@@ -12,7 +12,6 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #endif
 
-#include <algorithm>
 #include <chrono>
 #include <iostream>
 #include <memory>
@@ -43,9 +42,8 @@ void check_groups(const WorldGroup& world, const ParallelLayout& l) {
       {"ep", &l.ep_groups},          {"expert-tp", &l.etp_groups}, {"expert-dp", &l.edp_groups}};
   for (const auto& [name, groups] : kinds) {
     const std::vector<int>& g = ParallelLayout::group_of(*groups, world.rank);
-    const int index = static_cast<int>(
-        std::find(groups->begin(), groups->end(), g) - groups->begin());
-    auto pg = new_subgroup(world, g, std::string(name) + "/" + std::to_string(index));
+    auto pg = new_subgroup(world, g, std::string(name) + "/" +
+                                         std::to_string(ParallelLayout::group_index(*groups, world.rank)));
     std::vector<at::Tensor> t = {at::full({4}, static_cast<double>(world.rank + 1), at::kDouble)};
     pg->allreduce(t)->wait();
     double expected = 0;
