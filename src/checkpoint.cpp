@@ -97,11 +97,12 @@ void write_durably(const std::string& path, const char* data, size_t size,
 
 // Whether every tensor-parallel rank succeeded; the ranks call it together, so one rank's
 // failure reaches the others instead of leaving them waiting in the next collective.
+// The writers are one replica's tensor- and expert-parallel ranks (Trainer::save_checkpoint).
 bool all_ranks_ok(bool ok, const at::Device& device) {
-  if (tensor_parallel_group().size == 1) return ok;
+  if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1) return ok;
   const at::Tensor failures = at::full({1}, ok ? 0.0f : 1.0f,
                                        at::TensorOptions().dtype(at::kFloat).device(device));
-  return all_reduce_sum(failures).item<float>() == 0.0f;
+  return group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(failures)).item<float>() == 0.0f;
 }
 
 // Runs `fn` on every rank, then agrees on success: rethrows a local error, or reports another
@@ -116,7 +117,7 @@ void on_all_ranks(const at::Device& device, const char* what, Fn&& fn) {
   }
   const bool all_ok = all_ranks_ok(!error, device);
   if (error) std::rethrow_exception(error);
-  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor-parallel rank failed ",
+  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor- or expert-parallel rank failed ",
               what, " (its error is in its output); nothing was published");
 }
 
@@ -237,10 +238,16 @@ constexpr const char* kShapeFields[] = {
     "untie_embeddings_and_output_weights", "tensor_model_parallel_size", "precision"};
 
 // "mp_rank_03" (Megatron's name without a pipeline stage).
-std::string rank_dir_name(int64_t tp_rank) {
+std::string rank_dir_name(int64_t tp_rank, int64_t ep_rank = -1) {
   std::ostringstream os;
   os << "mp_rank_" << std::setw(2) << std::setfill('0') << tp_rank;
+  if (ep_rank >= 0) os << "_" << std::setw(3) << std::setfill('0') << ep_rank;
   return os.str();
+}
+
+// This rank's expert-parallel rank for its file name: -1 without expert parallelism.
+int64_t file_ep_rank() {
+  return expert_parallel_group().size > 1 ? expert_parallel_group().rank : -1;
 }
 
 }  // namespace
@@ -251,8 +258,9 @@ std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration) 
   return (fs::path(dir) / os.str()).string();
 }
 
-std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank) {
-  return (fs::path(checkpoint_iteration_dir(dir, iteration)) / rank_dir_name(tp_rank) /
+std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank,
+                            int64_t ep_rank) {
+  return (fs::path(checkpoint_iteration_dir(dir, iteration)) / rank_dir_name(tp_rank, ep_rank) /
           "model_optim_rng.pt")
       .string();
 }
@@ -472,6 +480,12 @@ LoadedModel load_model_for_inference(const std::string& dir) {
               kLatestCheckpointFile, " (train with --save ", dir, " first)");
   LoadedModel out;
   out.path = checkpoint_file(dir, *latest, 0);
+  std::error_code ec;
+  TORCH_CHECK(fs::exists(out.path, ec) || !fs::exists(checkpoint_file(dir, *latest, 0, 0), ec),
+              "actmem::load_model_for_inference: ", dir, " was saved with expert parallelism (one "
+              "file per expert-parallel rank, ", checkpoint_file(dir, *latest, 0, 0), ", ...); "
+              "inference loads a single-process checkpoint: train with "
+              "--expert-model-parallel-size 1 or load it under the same launch with --load");
   const c10::impl::GenericDict ckpt = read_checkpoint_file(out.path);
   const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", out.path));
   out.args_json = args.dump();
@@ -562,10 +576,14 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // Data-parallel replicas hold the same weights, optimizer state and random states: the first
   // replica's tensor-parallel ranks write (as Megatron's data-parallel rank 0 does without the
   // distributed optimizer); the others go on, meeting them again at the next gradient reduction.
-  if (data_parallel_group().rank != 0) return final_dir;
+  // With expert parallelism the replicas are those of the experts (Megatron's
+  // expert_data_parallel_rank 0 writes): each expert-parallel rank writes its experts, with the
+  // dense weights every such file has.
+  if (expert_data_parallel_group().rank != 0) return final_dir;
+  const bool leader = tp.rank == 0 && expert_parallel_group().rank == 0;
   const std::string tmp_dir = final_dir + ".tmp";
   on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
-    if (tp.rank != 0) return;
+    if (!leader) return;
     std::error_code ec;
     fs::create_directories(dir, ec);
     TORCH_CHECK(!ec && fs::is_directory(dir), "actmem::Trainer::save_checkpoint: cannot create "
@@ -579,7 +597,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   });
   // Move 1: every rank's file, durable.
   on_all_ranks(device_, "to write its file", [&] {
-    const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank);
+    const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank());
     std::error_code ec;
     fs::create_directories(rank_dir, ec);
     TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
@@ -591,7 +609,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   });
   // Moves 2 and 3, on rank 0.
   on_all_ranks(device_, "to publish the checkpoint", [&] {
-    if (tp.rank != 0) return;
+    if (!leader) return;
     fsync_path(tmp_dir, true);
     maybe_fault("before-publish", iteration_);
     publish_directory(tmp_dir, final_dir);
@@ -651,13 +669,15 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
   const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
   if (!latest) return std::nullopt;
   const auto& tp = tensor_parallel_group();
-  std::string path = checkpoint_file(dir, *latest, tp.rank);
+  std::string path = checkpoint_file(dir, *latest, tp.rank, file_ep_rank());
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    // Another tensor-parallel size names the mismatch; otherwise the file is missing.
-    const std::string first = checkpoint_file(dir, *latest, 0);
-    if (fs::exists(first, ec)) {
-      check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)), first);
+    // Another tensor- or expert-parallel size names the mismatch; otherwise the file is missing.
+    for (const int64_t ep_rank : {int64_t{-1}, int64_t{0}}) {
+      const std::string first = checkpoint_file(dir, *latest, 0, ep_rank);
+      if (fs::exists(first, ec)) {
+        check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)), first);
+      }
     }
     TORCH_CHECK(false, "actmem::Trainer::load_checkpoint: ", dir, "/", kLatestCheckpointFile,
                 " names iteration ", *latest, " but ", path, " does not exist");

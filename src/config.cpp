@@ -223,8 +223,6 @@ void validate_moe(const TransformerConfig& c) {
   // validate_args (megatron/training/arguments.py).
   TORCH_CHECK(E % c.expert_model_parallel_size == 0, api,
               "Number of experts should be a multiple of expert model parallel_size.");
-  TORCH_CHECK(c.expert_model_parallel_size == 1, api, "expert_model_parallel_size > 1 is not "
-              "implemented yet (got ", c.expert_model_parallel_size, ")");
   TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "MoE layers with "
               "tensor_model_parallel_size > 1 (expert tensor parallelism) are not implemented yet");
 }

@@ -351,16 +351,17 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device) {
 // part, a view of a kept storage) plus a snapshot, under the query up-projection; q, k, v are
 // freed after core attention saved them.
 namespace {
-// MoE layer `moe_index`'s per-expert rows in `routing`, or null when it has none.
-const std::vector<int64_t>* layer_routing(const MoERouting* routing, size_t moe_index) {
-  if (routing == nullptr || moe_index >= routing->size() || (*routing)[moe_index].empty()) {
+// MoE layer `moe_index`'s entry in `routing`, or null when it has none.
+const MoELayerRouting* layer_routing(const MoERouting* routing, size_t moe_index) {
+  if (routing == nullptr || moe_index >= routing->size() ||
+      (*routing)[moe_index].expert_rows.empty()) {
     return nullptr;
   }
   return &(*routing)[moe_index];
 }
 }  // namespace
 
-int64_t moe_max_expert_rows(const TransformerConfig& c) {
+int64_t moe_max_routed_rows(const TransformerConfig& c) {
   const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
   const int64_t k = c.moe_router_topk;
   if (!c.moe_expert_capacity_factor) return T * k;
@@ -368,13 +369,26 @@ int64_t moe_max_expert_rows(const TransformerConfig& c) {
   return c.moe_pad_expert_input_to_capacity ? E * cap : std::min(T * k, E * cap);
 }
 
+int64_t moe_max_expert_rows(const TransformerConfig& c) {
+  const int64_t e = c.expert_model_parallel_size;
+  if (e == 1) return moe_max_routed_rows(c);
+  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts, L = E / e;
+  const int64_t k = c.moe_router_topk;
+  const int64_t dropless = e * T * std::min(k, L);
+  if (!c.moe_expert_capacity_factor) return dropless;
+  const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
+  return c.moe_pad_expert_input_to_capacity ? L * e * cap : std::min(dropless, L * e * cap);
+}
+
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_index,
                                        const MoERouting* routing) {
-  if (const auto* counts = layer_routing(routing, moe_index)) {
-    return std::accumulate(counts->begin(), counts->end(), int64_t{0});
+  if (const auto* r = layer_routing(routing, moe_index)) {
+    return std::accumulate(r->expert_rows.begin(), r->expert_rows.end(), int64_t{0});
   }
-  // Without dropping, or padded to capacity, the count does not depend on the routing.
-  if (!c.moe_expert_capacity_factor || c.moe_pad_expert_input_to_capacity) {
+  // Padded to capacity the count does not depend on the routing; dropless neither, unless
+  // expert parallelism brings other ranks' tokens.
+  if (c.moe_pad_expert_input_to_capacity ||
+      (!c.moe_expert_capacity_factor && c.expert_model_parallel_size == 1)) {
     return moe_max_expert_rows(c);
   }
   return std::nullopt;
@@ -469,7 +483,15 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       router += T * E * 4 + E * 4 + (c.moe_router_score_function == "sigmoid" ? T * 4 : 0);
     }
     add(mlp + ".router", router);
-    add(mlp + ".token_dispatcher", 2 * N * 8);
+    // The permutation's indices: of the rows this rank routed with the all-to-all dispatcher
+    // (the rows travel; their indices stay), of the rows its experts compute otherwise (the
+    // all-gather dispatcher permutes the gathered tokens of its own experts).
+    int64_t routed = N;
+    if (c.expert_model_parallel_size > 1 && c.moe_token_dispatcher_type == "alltoall") {
+      const MoELayerRouting* lr = layer_routing(routing, index);
+      routed = lr != nullptr && lr->dispatched_rows >= 0 ? lr->dispatched_rows : moe_max_routed_rows(c);
+    }
+    add(mlp + ".token_dispatcher", 2 * routed * 8);
     // What the experts keep for n of their rows (the probabilities apart).
     auto act_bytes = [&](int64_t n) {
       const int64_t mask = c.moe_expert_dropout > 0.0 ? n * fm : 0;
@@ -487,7 +509,8 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     // SequentialMLP: the experts' inputs and probabilities are views of the permuted tensors,
     // counted where expert 0 first saves them; the rest is per expert, which takes the routing.
-    const std::vector<int64_t>* counts = layer_routing(routing, index);
+    const MoELayerRouting* lr = layer_routing(routing, index);
+    const std::vector<int64_t>* counts = lr != nullptr ? &lr->expert_rows : nullptr;
     if (counts == nullptr) {
       add(mlp + ".experts.local_experts", N * h * e + act_bytes(N) + N * e + N * fm * e);
       return;
@@ -653,7 +676,7 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
     for (const bool m : moe) {
       if (!m) continue;
       moe_params += per_layer;
-      worst.push_back({rows});
+      worst.emplace_back(std::vector<int64_t>{rows}, moe_max_routed_rows(c));
     }
     largest_param = std::max(largest_param, h * fc1m * e);
     largest_tensor = std::max({largest_tensor, static_cast<double>(rows) * std::max(fc1m, h) * e,

@@ -62,16 +62,21 @@ void init_moe_layer(MoELayer& moe, const TransformerConfig& c, double std, doubl
   const int64_t h = c.hidden_size, f = c.moe_ffn(), fc1_rows = c.gated_linear_unit ? 2 * f : f;
   moe.router->weight.copy_(init_normal({c.num_moe_experts, h}, std, dtype));
   Experts& e = *moe.experts;
-  const int64_t E = c.num_moe_experts / c.expert_model_parallel_size;
-  for (int64_t j = 0; j < E; ++j) {
+  // Every expert-parallel rank draws all E experts in order and keeps its own E/e (as tensor
+  // parallelism keeps its slice), so the model is the same function of the config for any e.
+  const int64_t local = c.num_moe_experts / c.expert_model_parallel_size;
+  const int64_t first = expert_parallel_group().rank * local;
+  for (int64_t g = 0; g < c.num_moe_experts; ++g) {
     const at::Tensor fc1 = init_normal({fc1_rows, h}, std, dtype);
     const at::Tensor fc2 = init_normal({h, f}, scaled_std, dtype);
+    if (g < first || g >= first + local) continue;
+    const auto j = static_cast<size_t>(g - first);
     if (e.linear_fc1) {
-      e.linear_fc1->weights[static_cast<size_t>(j)].copy_(fc1);
-      e.linear_fc2->weights[static_cast<size_t>(j)].copy_(fc2);
+      e.linear_fc1->weights[j].copy_(fc1);
+      e.linear_fc2->weights[j].copy_(fc2);
     } else {
-      e.local_experts[static_cast<size_t>(j)]->fc1_weight.copy_(fc1);
-      e.local_experts[static_cast<size_t>(j)]->fc2_weight.copy_(fc2);
+      e.local_experts[j]->fc1_weight.copy_(fc1);
+      e.local_experts[j]->fc2_weight.copy_(fc2);
     }
   }
   if (moe.shared_experts) {
@@ -814,6 +819,11 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
               "tensor_model_parallel_size is ", config.tensor_model_parallel_size, " but this process ",
               "is in a tensor-parallel group of ", tp.size, tp.size == 1 ? " (run it under `actmem "
               "launch --nproc-per-node " + std::to_string(config.tensor_model_parallel_size) + "`)" : "");
+  TORCH_CHECK(expert_parallel_group().size == config.expert_model_parallel_size,
+              "actmem::GPTModel: expert_model_parallel_size is ", config.expert_model_parallel_size,
+              " but this process is in an expert-parallel group of ", expert_parallel_group().size,
+              expert_parallel_group().size == 1 ? " (run it under `actmem launch` with a multiple of "
+              "tensor x expert parallel sizes as the number of processes)" : "");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
   t_init_gen = &gen;
   struct Reset {
@@ -996,6 +1006,14 @@ std::vector<bool> GPTModel::tensor_parallel_flags() const {
                     (n.find("linear_qkv.") != std::string::npos ||
                      n.find("linear_fc1.") != std::string::npos ||
                      ends_with(n, "linear_proj.weight") || ends_with(n, "linear_fc2.weight")));
+  }
+  return flags;
+}
+
+std::vector<bool> GPTModel::expert_parallel_flags() const {
+  std::vector<bool> flags;
+  for (const auto& item : named_parameters()) {
+    flags.push_back(item.key().find(".mlp.experts.") != std::string::npos);
   }
   return flags;
 }

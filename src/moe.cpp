@@ -5,11 +5,17 @@
 #include "actmem/activation_offloader.h"
 #include "actmem/ledger.h"
 #include "actmem/model.h"
+#include "actmem/moe_dispatch.h"
 #include "actmem/recompute.h"
 #include "actmem/rng.h"
+#include "actmem/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
 
 #include <cmath>
 #include <limits>
@@ -79,9 +85,9 @@ int64_t MoEStats::total_routed() const {
   return n;
 }
 
-std::vector<std::vector<int64_t>> MoEStats::routing() const {
-  std::vector<std::vector<int64_t>> out;
-  for (const auto& l : layers) out.push_back(l.tokens_per_expert);
+MoERouting MoEStats::routing() const {
+  MoERouting out;
+  for (const auto& l : layers) out.emplace_back(l.tokens_per_expert, l.dispatched_rows);
   return out;
 }
 
@@ -447,6 +453,22 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     ModuleScope scope("router");
     r = router->forward(tokens, aux_scale_, stats_);
   }
+  const TensorParallelGroup& ep = expert_parallel_group();
+  const bool allgather = ep.size > 1 && config_.moe_token_dispatcher_type == "allgather";
+  // Megatron's allgather dispatcher: every rank's tokens, probabilities and routing map
+  // gathered; this rank's experts' columns kept (Note on all_gather_tokens in moe_dispatch.h).
+  at::Tensor rows = tokens, map = r.routing_map, probs = r.probs;
+  if (allgather) {
+    ModuleScope scope("token_dispatcher");
+    const int64_t local = config_.num_moe_experts / ep.size;
+    rows = all_gather_tokens(tokens, ep.pg);
+    probs = all_gather_tokens(r.probs, ep.pg).narrow(1, ep.rank * local, local);
+    at::NoGradGuard no_grad;
+    map = all_gather_tokens(r.routing_map.to(at::kByte), ep.pg)
+              .narrow(1, ep.rank * local, local)
+              .to(at::kBool);
+  }
+  const int64_t rows_in = rows.size(0);
   // Megatron's permute (moe/moe_utils.py): the kept token-expert pairs expert-major, each
   // expert's tokens in token order; flat = expert * T + token.
   at::Tensor token_index, permuted, permuted_probs;
@@ -456,17 +478,34 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     at::Tensor flat;
     {
       at::NoGradGuard no_grad;
-      const at::Tensor map_t = r.routing_map.t().contiguous();  // [E, T]
+      const at::Tensor map_t = map.t().contiguous();  // [E, T]
       flat = at::nonzero(map_t.reshape({-1})).squeeze(1);
-      token_index = flat.remainder(T);
+      token_index = flat.remainder(rows_in);
       const at::Tensor per_expert = map_t.sum(1).cpu();
       counts.assign(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + per_expert.numel());
     }
-    permuted = tokens.index_select(0, token_index);
-    permuted_probs = r.probs.t().reshape({-1}).index_select(0, flat);
+    permuted = rows.index_select(0, token_index);
+    permuted_probs = probs.t().reshape({-1}).index_select(0, flat);
+  }
+  // Megatron's alltoall dispatcher: the rows travel to the ranks owning their experts
+  // (Note [All-to-all dispatch]).
+  std::optional<AlltoAllTokenDispatcher> alltoall;
+  at::Tensor expert_in = permuted, expert_probs = permuted_probs;
+  std::vector<int64_t> expert_counts = counts;
+  if (ep.size > 1 && !allgather) {
+    ModuleScope scope("token_dispatcher");
+    alltoall.emplace(ep.pg, ep.rank, ep.size, config_.num_moe_experts);
+    auto d = alltoall->dispatch(permuted, permuted_probs, counts);
+    expert_in = d.tokens;
+    expert_probs = d.probs;
+    expert_counts = std::move(d.tokens_per_local_expert);
   }
   if (stats != nullptr && is_training()) {
-    if (stats->tokens_per_expert.empty()) stats->tokens_per_expert = counts;
+    // The rows this rank's experts computed (the predictor's routing, memory_model.h).
+    if (stats->tokens_per_expert.empty()) {
+      stats->tokens_per_expert = expert_counts;
+      stats->dispatched_rows = permuted.size(0);
+    }
     if (stats->routed_per_expert.empty()) stats->routed_per_expert.assign(r.routed_per_expert.size(), 0);
     for (size_t j = 0; j < r.routed_per_expert.size(); ++j) stats->routed_per_expert[j] += r.routed_per_expert[j];
     stats->routed += r.routed;
@@ -475,14 +514,16 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
   at::Tensor y;
   {
     ModuleScope scope("experts");
-    y = experts->forward(permuted, counts, permuted_probs, offloader);
+    y = experts->forward(expert_in, expert_counts, expert_probs, offloader);
   }
   at::Tensor out;
   {
     // unpermute: a token's expert outputs summed (scatter_add, as Megatron's unpermute).
     ModuleScope scope("token_dispatcher");
-    out = at::zeros({T, h}, y.options())
+    if (alltoall) y = alltoall->combine(y);
+    out = at::zeros({rows_in, h}, y.options())
               .scatter_add(0, token_index.unsqueeze(1).expand({token_index.size(0), h}), y);
+    if (allgather) out = reduce_scatter_tokens(out, ep.pg);  // the group's sum, this rank's rows
   }
   out = out.view(x.sizes());
   return shared.defined() ? out + shared : out;

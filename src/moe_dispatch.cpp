@@ -40,6 +40,66 @@ at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
   return out;
 }
 
+// The group's x concatenated along dim 0 (every rank's x has the same shape).
+at::Tensor gather_rows(const at::Tensor& x_in, CollectiveGroup& pg) {
+  RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
+  const at::Tensor x = x_in.contiguous();
+  const int n = pg.getSize();
+  std::vector<int64_t> shape = x.sizes().vec();
+  const int64_t rows = shape[0];
+  shape[0] *= n;
+  at::Tensor out = at::empty(shape, x.options());
+  const bool as_half = x.is_cpu() && x.scalar_type() == at::kBFloat16;
+  const at::Tensor wire = as_half ? out.view(at::kHalf) : out;
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int r = 0; r < n; ++r) outputs[0].push_back(wire.narrow(0, r * rows, rows));
+  std::vector<at::Tensor> inputs = {as_half ? x.view(at::kHalf) : x};
+  pg.allgather(outputs, inputs)->wait();
+  return out;
+}
+
+// This rank's dim-0 slice of the group's sum of x.
+at::Tensor reduce_scatter_rows(const at::Tensor& x, CollectiveGroup& pg) {
+  RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
+  const int n = pg.getSize();
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % n == 0, "actmem::reduce_scatter_tokens: expected dim 0 "
+              "divisible by the group size ", n, ", got shape ", x.sizes());
+  const bool bf16 = x.is_cpu() && x.scalar_type() == at::kBFloat16;
+  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
+  pg.allreduce(buf)->wait();
+  const int64_t part = x.size(0) / n;
+  at::Tensor mine = buf[0].narrow(0, pg.getRank() * part, part).clone();
+  return bf16 ? mine.to(at::kBFloat16) : mine;
+}
+
+c10::intrusive_ptr<CollectiveGroup> saved_group(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+}
+
+struct GatherTokens : torch::autograd::Function<GatherTokens> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const c10::intrusive_ptr<CollectiveGroup>& group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    return gather_rows(x, *group);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {reduce_scatter_rows(grads[0], *saved_group(ctx)), at::Tensor()};
+  }
+};
+
+struct ReduceScatterTokens : torch::autograd::Function<ReduceScatterTokens> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const c10::intrusive_ptr<CollectiveGroup>& group) {
+    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
+    return reduce_scatter_rows(x, *group);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    return {gather_rows(grads[0], *saved_group(ctx)), at::Tensor()};
+  }
+};
+
 struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             std::vector<int64_t> output_splits, std::vector<int64_t> input_splits,
@@ -51,8 +111,7 @@ struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto group = c10::static_intrusive_pointer_cast<CollectiveGroup>(
-        ctx->saved_data.at("group").toCapsule());
+    auto group = saved_group(ctx);
     // The gradient rows go back where their tokens came from: the splits swap.
     const at::Tensor g = exchange(grads[0], ctx->saved_data.at("input_splits").toIntVector(),
                                   ctx->saved_data.at("output_splits").toIntVector(), *group);
@@ -66,6 +125,19 @@ at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& output_sp
                       const c10::intrusive_ptr<CollectiveGroup>& group) {
   TORCH_CHECK(group, "actmem::all_to_all: no process group");
   return AllToAllFunction::apply(x, output_splits, input_splits, group);
+}
+
+at::Tensor all_gather_tokens(const at::Tensor& x, const c10::intrusive_ptr<CollectiveGroup>& group) {
+  TORCH_CHECK(group, "actmem::all_gather_tokens: no process group");
+  if (!x.requires_grad()) return gather_rows(x, *group);
+  return GatherTokens::apply(x, group);
+}
+
+at::Tensor reduce_scatter_tokens(const at::Tensor& x,
+                                 const c10::intrusive_ptr<CollectiveGroup>& group) {
+  TORCH_CHECK(group, "actmem::reduce_scatter_tokens: no process group");
+  if (!x.requires_grad()) return reduce_scatter_rows(x, *group);
+  return ReduceScatterTokens::apply(x, group);
 }
 
 at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& split_sizes,

@@ -36,6 +36,20 @@ TensorParallelGroup& dp_storage() {
   static TensorParallelGroup group;
   return group;
 }
+TensorParallelGroup& ep_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
+TensorParallelGroup& edp_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
+void check_group(const TensorParallelGroup& group, const char* api) {
+  TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size, api, ": rank ",
+              group.rank, " of size ", group.size);
+  TORCH_CHECK(group.size == 1 || group.pg, api, ": a group of ", group.size,
+              " ranks needs a process group");
+}
 
 bool single() { return tensor_parallel_group().size == 1; }
 
@@ -67,31 +81,37 @@ void check_dim0(const at::Tensor& x, const char* api) {
 const TensorParallelGroup& tensor_parallel_group() { return group_storage(); }
 
 void set_tensor_parallel_group(TensorParallelGroup group) {
-  TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size,
-              "actmem::set_tensor_parallel_group: rank ", group.rank, " of size ", group.size);
-  TORCH_CHECK(group.size == 1 || group.pg, "actmem::set_tensor_parallel_group: a group of ",
-              group.size, " ranks needs a process group");
+  check_group(group, "actmem::set_tensor_parallel_group");
   group_storage() = std::move(group);
 }
 
 void reset_tensor_parallel_group() {
   group_storage() = TensorParallelGroup{};
   dp_storage() = TensorParallelGroup{};
+  ep_storage() = TensorParallelGroup{};
+  edp_storage() = TensorParallelGroup{};
 }
 
 const TensorParallelGroup& data_parallel_group() { return dp_storage(); }
 
 void set_data_parallel_group(TensorParallelGroup group) {
-  TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size,
-              "actmem::set_data_parallel_group: rank ", group.rank, " of size ", group.size);
-  TORCH_CHECK(group.size == 1 || group.pg, "actmem::set_data_parallel_group: a group of ",
-              group.size, " ranks needs a process group");
+  check_group(group, "actmem::set_data_parallel_group");
   dp_storage() = std::move(group);
 }
 
+const TensorParallelGroup& expert_parallel_group() { return ep_storage(); }
+const TensorParallelGroup& expert_data_parallel_group() { return edp_storage(); }
+
+void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp) {
+  check_group(ep, "actmem::set_expert_parallel_groups");
+  check_group(edp, "actmem::set_expert_parallel_groups");
+  ep_storage() = std::move(ep);
+  edp_storage() = std::move(edp);
+}
+
 TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device,
-                                             int tensor_parallel_size) {
-  init_tensor_parallel_from_environment(env, device, tensor_parallel_size);
+                                             int tensor_parallel_size, int expert_parallel_size) {
+  init_tensor_parallel_from_environment(env, device, tensor_parallel_size, expert_parallel_size);
 }
 
 TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
@@ -103,12 +123,14 @@ std::string device_for_rank(const std::string& device, const DistEnv& env) {
 
 const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env,
                                                                  const c10::Device& device,
-                                                                 int tensor_parallel_size) {
+                                                                 int tensor_parallel_size,
+                                                                 int expert_parallel_size) {
   if (env.world_size == 1) return tensor_parallel_group();
   const int t = tensor_parallel_size > 0 ? tensor_parallel_size : env.world_size;
-  const ParallelLayout layout = ParallelLayout::make(env.world_size, t, 1);
+  const ParallelLayout layout = ParallelLayout::make(env.world_size, t, 1, expert_parallel_size);
   const WorldGroup world = init_world_group(env, std::chrono::seconds(60), device);
-  // Every member builds its groups in the same order: tensor-parallel, then data-parallel.
+  // Every member builds its groups in the same order: tensor-parallel, data-parallel,
+  // expert-parallel, expert-data-parallel.
   auto subgroup = [&](const std::vector<std::vector<int>>& groups, const char* name) {
     TensorParallelGroup g;
     const std::vector<int>& members = ParallelLayout::group_of(groups, env.rank);
@@ -124,13 +146,18 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
   };
   set_tensor_parallel_group(subgroup(layout.tp_groups, "tp"));
   set_data_parallel_group(subgroup(layout.dp_groups, "dp"));
+  TensorParallelGroup ep = subgroup(layout.ep_groups, "ep");
+  set_expert_parallel_groups(std::move(ep), subgroup(layout.edp_groups, "edp"));
   return tensor_parallel_group();
 }
 
 at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x) {
-  const TensorParallelGroup& g = data_parallel_group();
+  return group_all_reduce_sum(data_parallel_group(), x);
+}
+
+at::Tensor group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
   if (g.size == 1) return x;
-  RECORD_FUNCTION("actmem::data_parallel_all_reduce", std::vector<c10::IValue>());
+  RECORD_FUNCTION("actmem::group_all_reduce", std::vector<c10::IValue>());
   // Gradients reduce in fp32 (main grads); bf16 is summed in fp32 as all_reduce_sum does.
   const bool bf16 = x.is_cpu() && x.scalar_type() == at::kBFloat16;
   std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};

@@ -229,13 +229,16 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   // The named streams of Megatron's model_parallel_cuda_manual_seed
   // (megatron/core/tensor_parallel/random.py: model-parallel-rng = seed + 2718 + tp_rank, ...),
   // kept by this trainer and swapped in per step; no global random state is touched.
-  tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank, 0, 0,
+  // expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank (etp = t, Megatron's default).
+  tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank,
+                                         expert_parallel_group().rank, tensor_parallel_group().rank,
                                          device_);
   model_ = std::make_shared<GPTModel>(model_config_);
   model_->to_device(device_);
   model_->train();
   params_ = model_->ordered_parameters();
   tensor_parallel_flags_ = model_->tensor_parallel_flags();
+  expert_parallel_flags_ = model_->expert_parallel_flags();
   if (is_16bit(model_->dtype())) {
     // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
     std::optional<GradScaler> scaler;
@@ -374,11 +377,13 @@ IterationStats Trainer::train_step(bool compute_digest) {
   if (mixed_) {
     // Unscale and check for inf/NaN on every tensor-parallel rank (Megatron all-reduces
     // found_inf with MAX over the model-parallel group); the scaler updates either way.
+    // With expert parallelism the experts' gradients differ between expert-parallel ranks:
+    // they agree over that group too, so all skip or none.
     st.skipped = mixed_->unscale_and_check([this](bool local) {
-      if (tensor_parallel_group().size == 1) return local;
+      if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1) return local;
       const at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
                                        at::TensorOptions().dtype(at::kFloat).device(device_));
-      return all_reduce_sum(flag).item<float>() > 0.0f;
+      return group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(flag)).item<float>() > 0.0f;
     });
   }
   clock.busy_s += seconds_since(t1);
@@ -466,10 +471,6 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     loss_sum += loss.item<double>();
   }
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
-  if (dp.size > 1) {  // the mean over the data-parallel ranks, for the log (as Megatron reports)
-    const at::Tensor all = data_parallel_all_reduce_sum(at::full({1}, loss_sum, at::kDouble));
-    st.loss = all.item<double>() / static_cast<double>(dp.size);
-  }
   const MoEStats& moe = model_->moe_stats();
   if (!moe.layers.empty()) {
     st.moe = true;
@@ -479,6 +480,16 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     st.expert_load_imbalance = moe.max_load_imbalance();
     st.moe_routed_tokens = moe.total_routed();
     st.moe_dropped_tokens = moe.total_dropped();
+  }
+  if (dp.size > 1) {
+    // For the log: the mean loss over the data-parallel ranks (as Megatron reports) and the
+    // global batch's routed and dropped token counts, in one all-reduce.
+    const at::Tensor all = data_parallel_all_reduce_sum(at::tensor(
+        {loss_sum, static_cast<double>(st.moe_routed_tokens), static_cast<double>(st.moe_dropped_tokens)},
+        at::kDouble));
+    st.loss = all[0].item<double>() / static_cast<double>(dp.size);
+    st.moe_routed_tokens = static_cast<int64_t>(all[1].item<double>());
+    st.moe_dropped_tokens = static_cast<int64_t>(all[2].item<double>());
   }
 }
 
@@ -507,8 +518,26 @@ void Trainer::reduce_data_parallel_gradients() {
   // Megatron's DistributedDataParallel scales by 1/d before the sum (gradient_scaling_factor);
   // at 16 bits these are the fp32 main grads (accumulate_allreduce_grads_in_fp32).
   const double scale = 1.0 / static_cast<double>(dp.size);
-  reduce_as_one(grads_, [scale](at::Tensor flat) {
+  if (expert_parallel_group().size == 1) {
+    reduce_as_one(grads_, [scale](at::Tensor flat) {
+      return data_parallel_all_reduce_sum(flat.mul_(scale));
+    });
+    return;
+  }
+  // With expert parallelism the routed experts' gradients already hold the tokens of their
+  // expert-parallel peers (the all-to-all brought them); they are summed over the ranks holding
+  // the same experts (the expert-data-parallel group, world / (t e)), scaled by the same 1/d
+  // (Megatron's expert_gradient_scaling_factor), so every weight ends with the mean over the
+  // global batch. The other parameters reduce over the data-parallel group as without experts.
+  std::vector<at::Tensor> dense, experts;
+  for (size_t i = 0; i < grads_.size(); ++i) {
+    (expert_parallel_flags_[i] ? experts : dense).push_back(grads_[i]);
+  }
+  reduce_as_one(dense, [scale](at::Tensor flat) {
     return data_parallel_all_reduce_sum(flat.mul_(scale));
+  });
+  reduce_as_one(experts, [scale](at::Tensor flat) {
+    return group_all_reduce_sum(expert_data_parallel_group(), flat.mul_(scale));
   });
 }
 
@@ -540,7 +569,19 @@ void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {
 double Trainer::clip_gradients(const IterationStats& st) {
   at::NoGradGuard no_grad;
   double grad_norm = 0.0;
-  if (tensor_parallel_group().size == 1) {
+  if (expert_parallel_group().size > 1) {
+    // Megatron's get_grad_norm_fp32 over both parameter kinds: the dense ones once (equal on
+    // the expert-parallel ranks), the experts' summed over the expert-parallel group, which
+    // holds every expert once.
+    TORCH_INTERNAL_ASSERT(tensor_parallel_group().size == 1,
+                          "expert parallelism with tensor parallelism");
+    at::Tensor dense = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
+    at::Tensor experts = dense.clone();
+    for (size_t i = 0; i < params_.size(); ++i) {
+      (expert_parallel_flags_[i] ? experts : dense) += grads_[i].to(at::kDouble).pow(2).sum();
+    }
+    grad_norm = std::sqrt((dense + group_all_reduce_sum(expert_parallel_group(), experts)).item<double>());
+  } else if (tensor_parallel_group().size == 1) {
     std::vector<at::Tensor> norms;
     norms.reserve(params_.size());
     for (const auto& g : grads_) norms.push_back(g.norm());

@@ -500,6 +500,49 @@ TEST(CheckpointCli, DataParallelResumeIsBitwiseAndLoadsIntoOneProcess) {
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, ExpertParallelResumeIsBitwiseWithOneFilePerExpertRank) {
+  // Two expert-parallel ranks (dropout and expert dropout on): each writes its experts to its own
+  // file (Megatron's mp_rank_TT_EEE), both resume bitwise; loading into another expert-parallel
+  // size names the mismatch, and generate (single-process inference) refuses clearly.
+  const std::string dir = testing::fresh_temp_dir("ep_resume");
+  const std::string flags = std::string(kTinyFlags) +
+                            " --global-batch-size 4 --num-experts 4 --moe-router-topk 2 "
+                            "--moe-grouped-gemm --moe-aux-loss-coeff 0.01 --moe-expert-dropout 0.1 "
+                            "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall";
+  const std::string launch = "launch --nproc-per-node 2 -- train";
+  auto r = testing::run_actmem(launch + flags + " --train-iters 4 --log-json " + dir + "/ref.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  // Save at 2, and die inside the save of 4 (latest stays at 2).
+  const std::string cmd = "ACTMEM_CHECKPOINT_FAULT=before-latest@4 " + std::string(ACTMEM_BINARY) +
+                          " " + launch + flags + " --train-iters 4 --save " + dir +
+                          "/ckpt --save-interval 2 >/dev/null 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  ASSERT_EQ(latest_of(dir + "/ckpt"), "2");
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, 0)));
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, 1)));
+  EXPECT_FALSE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0)));
+  r = testing::run_actmem(launch + flags + " --train-iters 4 --load " + dir + "/ckpt --log-json " +
+                          dir + "/resumed.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto ref = logged_steps(dir + "/ref.jsonl"), resumed = logged_steps(dir + "/resumed.jsonl");
+  ASSERT_EQ(resumed.size(), 2u);
+  for (const auto& [it, step] : resumed) {
+    EXPECT_EQ(step.loss, ref.at(it).loss) << "iteration " << it;
+    EXPECT_EQ(step.digest, ref.at(it).digest) << "iteration " << it;
+  }
+  std::string one = flags;
+  one.replace(one.find("--expert-model-parallel-size 2"), 30, "--expert-model-parallel-size 1");
+  r = testing::run_actmem(launch + one + " --train-iters 4 --load " + dir + "/ckpt");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("expert_model_parallel_size = 2 but this run has "
+                          "expert_model_parallel_size = 1"),
+            std::string::npos) << r.output;
+  r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("was saved with expert parallelism"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+}
+
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {

@@ -9,10 +9,17 @@
 //   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
 //   actmem_tp_worker data OUT_DIR --tp T --global-batch G [--no-dropout]
 //     (t x d ranks, d = WORLD_SIZE / T: three steps of the base model on global batch G)
+//   actmem_tp_worker experts OUT_DIR --tp 1 --ep E --global-batch G [--dispatcher D]
+//     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
+//     strategy; WORLD_SIZE = E x the expert-data-parallel size)
+//   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
+#include "actmem/activation_plan.h"
+#include "actmem/moe.h"
 #include "actmem/moe_dispatch.h"
+#include "actmem/rng.h"
 #include "actmem/saved_tensor_hooks.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trainer.h"
@@ -305,6 +312,138 @@ nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
           {"dp_size", actmem::data_parallel_group().size}};
 }
 
+// Expert parallelism: an MoE model (4 experts, top-2, shared experts, aux loss) trained for three
+// steps on one global batch, under the recompute or offload strategy `strategy`; each rank
+// reports its steps and its place in the layout.
+// variant: "base" (dropless), "capacity" (capacity factor 1, tokens dropped), "padded" (and
+// padded to the capacity).
+TransformerConfig moe_config(int ep, bool dropout, const std::string& dispatcher,
+                             const std::string& variant = "base") {
+  TransformerConfig c = base_config(1, false, dropout);
+  TORCH_CHECK(variant == "base" || variant == "capacity" || variant == "padded",
+              "actmem_tp_worker: unknown MoE variant ", variant);
+  if (variant != "base") c.moe_expert_capacity_factor = 1.0;
+  c.moe_pad_expert_input_to_capacity = variant == "padded";
+  c.num_moe_experts = 4;
+  c.moe_router_topk = 2;
+  c.moe_ffn_hidden_size = 64;
+  c.moe_grouped_gemm = true;
+  c.moe_shared_expert_intermediate_size = 64;
+  c.moe_aux_loss_coeff = 0.01;
+  c.add_bias_linear = false;  // shared experts have no bias (Megatron's rule)
+  c.moe_expert_dropout = dropout ? 0.1 : 0.0;
+  c.expert_model_parallel_size = ep;
+  c.moe_token_dispatcher_type = dispatcher;
+  return c;
+}
+
+std::vector<std::pair<std::string, Mutator>> moe_strategies() {
+  auto selective = [](std::vector<std::string> modules) {
+    return [=](TransformerConfig& c) {
+      c.recompute_granularity = "selective";
+      c.recompute_modules = modules;
+    };
+  };
+  return {
+      {"plain", [](TransformerConfig&) {}},
+      {"moe", selective({"moe"})},
+      {"moe_act", selective({"moe_act"})},
+      {"shared_experts", selective({"shared_experts"})},
+      {"layernorm_moe_act", selective({"layernorm", "moe_act"})},
+      {"full_uniform_1",
+       [](TransformerConfig& c) {
+         c.recompute_granularity = "full";
+         c.recompute_method = "uniform";
+         c.recompute_num_layers = 1;
+       }},
+      {"offload_expert_fc1_moe_act",
+       [](TransformerConfig& c) {
+         c.fine_grained_activation_offloading = true;
+         c.offload_modules = {"expert_fc1", "moe_act"};
+         c.min_offloaded_tensor_size = 0;
+       }},
+      {"offload_moe_act_recompute_moe_act",
+       [](TransformerConfig& c) {
+         c.fine_grained_activation_offloading = true;
+         c.offload_modules = {"moe_act"};
+         c.min_offloaded_tensor_size = 0;
+         c.recompute_granularity = "selective";
+         c.recompute_modules = {"moe_act"};
+       }},
+  };
+}
+
+nlohmann::json run_experts(int ep, bool dropout, int64_t global_batch, const std::string& dispatcher,
+                           const std::string& only, const std::string& variant) {
+  nlohmann::json out;
+  for (const auto& [name, mutate] : moe_strategies()) {
+    if (!only.empty() && name != only) continue;
+    TransformerConfig c = moe_config(ep, dropout, dispatcher, variant);
+    mutate(c);
+    actmem::TrainingConfig tc;
+    tc.global_batch_size = global_batch;
+    tc.eval_interval = 0;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json steps = nlohmann::json::array();
+    for (int i = 0; i < 3; ++i) {
+      const auto st = trainer.train_step(true);
+      steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
+                       {"load_balancing_loss", st.load_balancing_loss ? nlohmann::json(*st.load_balancing_loss)
+                                                                      : nlohmann::json(nullptr)},
+                       {"activation_bytes", st.activation_bytes},
+                       {"predicted_activation_bytes", st.predicted_activation_bytes},
+                       {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens}});
+    }
+    out[name] = {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
+  }
+  return {{"strategies", out},
+          {"ep_rank", actmem::expert_parallel_group().rank},
+          {"ep_size", actmem::expert_parallel_group().size},
+          {"edp_size", actmem::expert_data_parallel_group().size},
+          {"dp_rank", actmem::data_parallel_group().rank},
+          {"dp_size", actmem::data_parallel_group().size}};
+}
+
+// Expert dropout: the same rows through this rank's experts under the trainer's streams for
+// expert-parallel rank r (seed + 1024 + 100 r); the saved dropout masks of all ranks gathered.
+// Each rank also redraws every other rank's mask from that rank's seed: equal to what the rank
+// drew, so the difference comes from the stream, not from the rows.
+nlohmann::json run_expert_masks() {
+  const auto& ep = actmem::expert_parallel_group();
+  TransformerConfig c = moe_config(ep.size, true, "alltoall");
+  c.moe_expert_dropout = 0.5;
+  const actmem::ActivationPlan plan = actmem::make_activation_plan(c);
+  actmem::Experts experts(c, plan.layers[0], at::kFloat);
+  experts.train();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const int64_t rows = 64, local = c.num_moe_experts / ep.size;
+  const at::Tensor x = at::randn({rows, c.hidden_size}, gen);
+  const at::Tensor probs = at::ones({rows});
+  std::vector<int64_t> counts(static_cast<size_t>(local), rows / local);
+  auto draw = [&](int ep_rank) {
+    actmem::RngStatesTracker streams = actmem::make_model_parallel_tracker(c.seed, 0, ep_rank, 0);
+    std::swap(actmem::get_rng_tracker(), streams);
+    MaskCollector collector;
+    {
+      actmem::SavedTensorHooksGuard guard(collector);
+      experts.forward(x, counts, probs, nullptr);
+    }
+    std::swap(actmem::get_rng_tracker(), streams);
+    TORCH_CHECK(collector.masks.size() == 1, "expert masks: ", collector.masks.size(), " masks saved");
+    return collector.masks[0].second.to(at::kByte);
+  };
+  const at::Tensor mine = draw(ep.rank);
+  const at::Tensor all = actmem::all_gather_tokens(mine.unsqueeze(0), ep.pg);
+  nlohmann::json out;
+  out["dropped_fraction"] = 1.0 - mine.to(at::kDouble).mean().item<double>();
+  out["ep_rank"] = ep.rank;
+  for (int r = 0; r < ep.size; ++r) {
+    out["equal_to_rank"].push_back(at::equal(all[r], mine));
+    out["redrawn_equal"].push_back(at::equal(draw(r), all[r]));
+  }
+  return out;
+}
+
 int main(int argc, char** argv) {
   try {
     TORCH_CHECK(argc >= 3, "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
@@ -312,8 +451,9 @@ int main(int argc, char** argv) {
     const std::string scenario = argv[1], out_dir = argv[2];
     bool sp = false, dropout = true;
     std::string only, variant = "base";
-    int tp = 0;
+    int tp = 0, ep = 1;
     int64_t global_batch = 0;
+    std::string dispatcher = "alltoall";
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--sp") {
@@ -326,6 +466,10 @@ int main(int argc, char** argv) {
         variant = argv[++i];
       } else if (a == "--tp" && i + 1 < argc) {
         tp = std::stoi(argv[++i]);
+      } else if (a == "--ep" && i + 1 < argc) {
+        ep = std::stoi(argv[++i]);
+      } else if (a == "--dispatcher" && i + 1 < argc) {
+        dispatcher = argv[++i];
       } else if (a == "--global-batch" && i + 1 < argc) {
         global_batch = std::stoll(argv[++i]);
       } else {
@@ -334,7 +478,7 @@ int main(int argc, char** argv) {
     }
     at::set_num_threads(1);  // N ranks share this machine's cores
     const actmem::DistEnv env = actmem::dist_env_from_environment();
-    const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp);
+    const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp, ep);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};
     if (scenario == "strategies") {
       result["strategies"] = run_strategies(group.size, sp, dropout, only, variant);
@@ -344,6 +488,10 @@ int main(int argc, char** argv) {
       result["dispatch"] = run_dispatch(group);
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch);
+    } else if (scenario == "experts") {
+      result["experts"] = run_experts(ep, dropout, global_batch, dispatcher, only, variant);
+    } else if (scenario == "expert_masks") {
+      result["expert_masks"] = run_expert_masks();
     } else {
       TORCH_CHECK(false, "actmem_tp_worker: unknown scenario ", scenario);
     }

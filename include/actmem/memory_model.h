@@ -194,23 +194,40 @@ int64_t checkpoint_snapshot_bytes(bool snapshots_on_device = true);
 /// computes N = s*b*topk rows and padded capacity E*capacity rows whatever the router decides, so
 /// both are exact up front; capacity without padding computes what fits under each expert's
 /// capacity, which the router decides: pass its per-layer counts as `routing`
-/// (MoEStats::routing(), one vector of per-expert rows per MoE layer; the trainer records them).
-/// Without them that case throws.
-using MoERouting = std::vector<std::vector<int64_t>>;
+/// (MoEStats::routing(), one entry per MoE layer; the trainer records them). With expert
+/// parallelism a rank's experts compute the rows every rank routed to them, which the routing
+/// decides even when dropless (padded capacity stays exact up front: each rank sends each expert
+/// its capacity), and the rank's own routed rows (what its dispatcher keeps indices of) differ
+/// from them: the entry records both. Without the routing where it is needed, throws.
+struct MoELayerRouting {
+  MoELayerRouting(std::vector<int64_t> rows = {}, int64_t dispatched = -1)  // NOLINT: implicit
+      : expert_rows(std::move(rows)), dispatched_rows(dispatched) {}
+  /// Rows each of this rank's experts computed (all experts without expert parallelism).
+  std::vector<int64_t> expert_rows;
+  /// Rows this rank's router sent to the experts (its permuted tokens); -1: the sum of
+  /// expert_rows (the same rows without expert parallelism).
+  int64_t dispatched_rows = -1;
+};
+using MoERouting = std::vector<MoELayerRouting>;
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 0,
                                         bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr);
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
                                         int64_t dtype_bytes = 0, bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr);
-/// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) compute in one
-/// micro-batch: the routing's sum when given, else moe_max_expert_rows() where that is exact
-/// (dropless, padded), else nullopt.
+/// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) on this rank compute
+/// in one micro-batch: the routing's sum when given, else moe_max_expert_rows() where that is
+/// exact (dropless without expert parallelism, padded), else nullopt.
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& config, size_t moe_index,
                                        const MoERouting* routing = nullptr);
-/// The most rows one MoE layer's experts can compute in one micro-batch: s*b*topk dropless,
-/// E*min(capacity, s*b) padded, min(s*b*topk, E*min(capacity, s*b)) with dropping.
+/// The most rows one MoE layer's experts on one rank can compute in one micro-batch: s*b*topk
+/// dropless, E*min(capacity, s*b) padded, min(s*b*topk, E*min(capacity, s*b)) with dropping;
+/// with expert parallelism e its L = E/e experts see e ranks' tokens: e*s*b*min(topk, L)
+/// dropless, L*e*min(capacity, s*b) padded, the smaller of the two with dropping.
 int64_t moe_max_expert_rows(const TransformerConfig& config);
+/// The most rows one rank's router sends to the experts in one micro-batch (its own tokens):
+/// moe_max_expert_rows() without expert parallelism; exact when dropless or padded.
+int64_t moe_max_routed_rows(const TransformerConfig& config);
 
 /// An upper bound of the device bytes one training step of `config` holds at its peak:
 /// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient

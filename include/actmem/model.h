@@ -310,6 +310,10 @@ class GPTModel : public torch::nn::Module {
   /// (linear_qkv, linear_fc1 weights and biases, linear_proj and linear_fc2 weights); the
   /// others are replicated.
   std::vector<bool> tensor_parallel_flags() const;
+  /// Per ordered parameter: true for the routed experts' weights (mlp.experts.*), which each
+  /// expert-parallel rank holds for its own experts; their gradients are reduced over the
+  /// expert-data-parallel group, the others' over the data-parallel group.
+  std::vector<bool> expert_parallel_flags() const;
   /// Replicated parameters that, with sequence parallelism, see only this rank's tokens (norms
   /// and the row-parallel biases): their gradients must be summed over the tensor-parallel
   /// ranks after backward (Megatron's allreduce of sequence-parallel gradients). Empty without

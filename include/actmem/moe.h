@@ -19,6 +19,7 @@
 
 #include "actmem/activation_plan.h"
 #include "actmem/config.h"
+#include "actmem/memory_model.h"
 
 #include <torch/nn/module.h>
 
@@ -37,9 +38,12 @@ class MLP;
 struct MoEStats {
   struct Layer {
     int64_t layer_number = 0;  // 1-based, as Megatron's logs
-    /// Rows each expert computed in the step's first training forward: the routing the exact
-    /// predictor takes for this layer (memory_model.h).
+    /// Rows each of this rank's experts computed in the step's first training forward: the
+    /// routing the exact predictor takes for this layer (memory_model.h).
     std::vector<int64_t> tokens_per_expert;
+    /// Rows this rank's router sent to the experts in that forward (differs from the sum of
+    /// tokens_per_expert only with expert parallelism, whose experts compute every rank's rows).
+    int64_t dispatched_rows = -1;
     /// Token-expert pairs the router chose per expert, summed over the step (before capacity).
     std::vector<int64_t> routed_per_expert;
     int64_t routed = 0;   // token-expert pairs chosen, summed over the step's forwards
@@ -62,8 +66,8 @@ struct MoEStats {
   double max_load_imbalance() const;
   int64_t total_dropped() const;
   int64_t total_routed() const;
-  /// tokens_per_expert of every MoE layer, in layer order.
-  std::vector<std::vector<int64_t>> routing() const;
+  /// tokens_per_expert and dispatched_rows of every MoE layer, in layer order.
+  MoERouting routing() const;
 };
 
 /// Megatron's MoEAuxLossAutoScaler: returns `output` unchanged and, in backward, gives `aux_loss`

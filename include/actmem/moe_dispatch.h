@@ -38,6 +38,16 @@ at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& output_sp
 at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& split_sizes,
                                const std::vector<int64_t>& order);
 
+/// Megatron's MoEAllGatherTokenDispatcher (token_dispatcher.py) moves every rank's tokens to
+/// every rank: all_gather_tokens concatenates the group's x along dim 0 (backward: the sum of the
+/// ranks' gradients, this rank's slice: a reduce-scatter), each rank computes its local experts
+/// on the rows routed to them, and reduce_scatter_tokens sums the group's partial outputs and
+/// keeps this rank's slice (backward: all-gather). On Gloo the reduce-scatter is an all-reduce
+/// and a slice (Note [Reduce-scatter on Gloo] in tensor_parallel.cpp); bf16 sums in fp32.
+at::Tensor all_gather_tokens(const at::Tensor& x, const c10::intrusive_ptr<CollectiveGroup>& group);
+at::Tensor reduce_scatter_tokens(const at::Tensor& x,
+                                 const c10::intrusive_ptr<CollectiveGroup>& group);
+
 /// Note [All-to-all dispatch], for `ep_size` ranks (this one `ep_rank`) and `num_experts`
 /// experts in all. One dispatch, then one combine, per forward.
 class AlltoAllTokenDispatcher {

@@ -46,15 +46,28 @@ void set_data_parallel_group(TensorParallelGroup group);
 /// Sum of x over the data-parallel group (x itself for size 1).
 at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x);
 
+/// The ranks that split each MoE layer's experts between them (Megatron's expert-model-parallel
+/// group, parallel_layout.h): rank r holds experts [r E/e, (r+1) E/e); size 1 until set.
+const TensorParallelGroup& expert_parallel_group();
+/// The ranks that hold the same experts (Megatron's expert-data-parallel group: world / (etp e p)
+/// ranks); expert gradients are summed over it. Size 1 until set.
+const TensorParallelGroup& expert_data_parallel_group();
+void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp);
+/// Sum of x over `group` (x itself for size 1); bf16 summed in fp32 as all_reduce_sum does.
+at::Tensor group_all_reduce_sum(const TensorParallelGroup& group, const at::Tensor& x);
+
 /// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
 /// NCCL for a CUDA device). With `tensor_parallel_size` t (0: the whole launch) the world is
 /// t x d in Megatron's rank order (parallel_layout.h): this rank's tensor-parallel group of t
-/// adjacent ranks and its data-parallel group of d are built on the launch's store. A no-op in
-/// a single process.
+/// adjacent ranks and its data-parallel group of d are built on the launch's store, and with
+/// `expert_parallel_size` e its expert-parallel group of e and expert-data-parallel group of
+/// world / (t e) (the expert tensor-parallel size is t, Megatron's default). A no-op in a single
+/// process.
 const TensorParallelGroup& init_tensor_parallel_from_environment(
-    const DistEnv& env, const c10::Device& device = c10::kCPU, int tensor_parallel_size = 0);
+    const DistEnv& env, const c10::Device& device = c10::kCPU, int tensor_parallel_size = 0,
+    int expert_parallel_size = 1);
 
-/// Drops the process groups (tensor and data parallel: size 1 again).
+/// Drops the process groups (tensor, data and expert parallel: size 1 again).
 void reset_tensor_parallel_group();
 
 /// init_tensor_parallel_from_environment for the object's lifetime, then
@@ -62,7 +75,8 @@ void reset_tensor_parallel_group();
 /// runtime is still alive rather than in static destruction.
 class TensorParallelSession {
  public:
-  TensorParallelSession(const DistEnv& env, const c10::Device& device, int tensor_parallel_size = 0);
+  TensorParallelSession(const DistEnv& env, const c10::Device& device, int tensor_parallel_size = 0,
+                        int expert_parallel_size = 1);
   ~TensorParallelSession();
   TensorParallelSession(const TensorParallelSession&) = delete;
   TensorParallelSession& operator=(const TensorParallelSession&) = delete;

@@ -68,8 +68,9 @@ struct IterationStats {
   std::optional<double> val_loss;     // when validation ran after this step
   /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
   /// layers of the mean over micro-batches, as Megatron logs them; unset when not computed), the
-  /// busiest expert's routed token-expert pairs over the mean (1 = balanced, the worst layer),
-  /// and the pairs the capacity dropped out of those routed.
+  /// busiest expert's routed token-expert pairs over the mean (1 = balanced, the worst layer;
+  /// this rank's tokens), and the pairs the capacity dropped out of those routed (the whole
+  /// global batch's: summed over the data-parallel ranks).
   bool moe = false;
   std::optional<double> load_balancing_loss;
   std::optional<double> z_loss;
@@ -195,6 +196,7 @@ class Trainer {
   std::vector<at::Tensor> rng_state_;
   RngStatesTracker tracker_;  // this trainer's named streams (swapped in per step)
   std::vector<bool> tensor_parallel_flags_;           // per params_ entry
+  std::vector<bool> expert_parallel_flags_;           // per params_ entry: routed experts' weights
   std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
   int64_t iteration_ = 0;
 };

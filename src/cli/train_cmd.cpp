@@ -77,6 +77,11 @@ std::string moe_summary(const actmem::TransformerConfig& m) {
        << (m.moe_shared_expert_gate ? " (gated)" : "");
   }
   if (m.moe_expert_dropout > 0) os << " | expert dropout " << m.moe_expert_dropout;
+  if (m.expert_model_parallel_size > 1) {
+    os << " | expert parallel " << m.expert_model_parallel_size << " ranks ("
+       << m.num_moe_experts / m.expert_model_parallel_size << " experts each, "
+       << m.moe_token_dispatcher_type << " dispatcher)";
+  }
   os << " | MoE layers";
   for (size_t i = 0; i < layers.size(); ++i) {
     if (layers[i]) os << " " << i;
@@ -178,10 +183,16 @@ int run_train(actmem::TrainOptions& o) {
   // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
   // data-parallel size, is implied, as in Megatron.
   const int t = static_cast<int>(o.model.tensor_model_parallel_size);
+  const int e = static_cast<int>(o.model.expert_model_parallel_size);
   TORCH_CHECK(dist.world_size % t == 0, "actmem train: ", dist.world_size, " process(es) but "
               "--tensor-model-parallel-size ", t, "; the launch must be a multiple of it (t x the "
               "data-parallel size): use `actmem launch --nproc-per-node ", t, " -- train ...` or a "
               "multiple");
+  // Expert parallelism is carved out of the data-parallel ranks (parallel_layout.h).
+  TORCH_CHECK(dist.world_size % (t * e) == 0, "actmem train: ", dist.world_size, " process(es) "
+              "but --tensor-model-parallel-size ", t, " x --expert-model-parallel-size ", e,
+              " = ", t * e, "; the launch must be a multiple of it: use `actmem launch "
+              "--nproc-per-node ", t * e, " -- train ...` or a multiple");
   o.training.device = actmem::device_for_rank(o.training.device, dist);
   // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
   // under launch, before rank 0 joins its peers).
@@ -189,7 +200,7 @@ int run_train(actmem::TrainOptions& o) {
   OutputFile log, trace;
   if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
   if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
-  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t);
+  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t, e);
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   actmem::Trainer trainer(o.model, o.training);
