@@ -292,10 +292,9 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
   return {{"rows_received", d.tokens.size(0)}, {"rows_sent", permuted.size(0)}};
 }
 
-// Data parallelism: the ranks train the base model on one global batch per step; each reports its
-// steps (loss, gradient norm, its gradient digest) and its place in the layout.
-nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
-  TransformerConfig c = base_config(t, false, dropout);
+// Three training steps of `c` on global batch `global_batch`: per step what the tests compare,
+// and the parameters' digest after them.
+nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
   actmem::TrainingConfig tc;
   tc.global_batch_size = global_batch;
   tc.eval_interval = 0;
@@ -304,9 +303,18 @@ nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
   for (int i = 0; i < 3; ++i) {
     const auto st = trainer.train_step(true);
     steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
-                     {"consumed", st.consumed_samples}});
+                     {"consumed", st.consumed_samples}, {"activation_bytes", st.activation_bytes},
+                     {"predicted_activation_bytes", st.predicted_activation_bytes},
+                     {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens}});
   }
-  return {{"steps", steps},
+  return {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
+}
+
+// Data parallelism: the ranks train the base model on one global batch per step; each reports its
+// steps (loss, gradient norm, its gradient digest) and its place in the layout.
+nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
+  TransformerConfig c = base_config(t, false, dropout);
+  return {{"steps", three_steps(c, global_batch)["steps"]},
           {"tp_rank", actmem::tensor_parallel_group().rank},
           {"dp_rank", actmem::data_parallel_group().rank},
           {"dp_size", actmem::data_parallel_group().size}};
@@ -380,21 +388,7 @@ nlohmann::json run_experts(int ep, bool dropout, int64_t global_batch, const std
     if (!only.empty() && name != only) continue;
     TransformerConfig c = moe_config(ep, dropout, dispatcher, variant);
     mutate(c);
-    actmem::TrainingConfig tc;
-    tc.global_batch_size = global_batch;
-    tc.eval_interval = 0;
-    actmem::Trainer trainer(c, tc);
-    nlohmann::json steps = nlohmann::json::array();
-    for (int i = 0; i < 3; ++i) {
-      const auto st = trainer.train_step(true);
-      steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
-                       {"load_balancing_loss", st.load_balancing_loss ? nlohmann::json(*st.load_balancing_loss)
-                                                                      : nlohmann::json(nullptr)},
-                       {"activation_bytes", st.activation_bytes},
-                       {"predicted_activation_bytes", st.predicted_activation_bytes},
-                       {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens}});
-    }
-    out[name] = {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
+    out[name] = three_steps(c, global_batch);
   }
   return {{"strategies", out},
           {"ep_rank", actmem::expert_parallel_group().rank},
