@@ -50,7 +50,10 @@ int run(InspectOptions& o) {
   // Under `actmem launch` each rank measures its own activations; rank 0 prints.
   const DistEnv dist = dist_env_from_environment();
   t.device = device_for_rank(t.device, dist);
-  const TensorParallelSession tp_session(dist, c10::Device(t.device));
+  // The launch is t x d ranks with expert parallelism carved out of d, as for train.
+  const TensorParallelSession tp_session(dist, c10::Device(t.device),
+                                         static_cast<int>(c.tensor_model_parallel_size),
+                                         static_cast<int>(c.expert_model_parallel_size));
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);
