@@ -223,8 +223,16 @@ void validate_moe(const TransformerConfig& c) {
   // validate_args (megatron/training/arguments.py).
   TORCH_CHECK(E % c.expert_model_parallel_size == 0, api,
               "Number of experts should be a multiple of expert model parallel_size.");
-  TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "MoE layers with "
-              "tensor_model_parallel_size > 1 (expert tensor parallelism) are not implemented yet");
+  const int64_t t = c.tensor_model_parallel_size;
+  if (t > 1) {
+    // MoELayer.forward (megatron/core/transformer/moe/moe_layer.py) raises this when training;
+    // refused up front here (Megatron's message, with the space its concatenation drops).
+    TORCH_CHECK(c.sequence_parallel, api, "During training, performance may degrade if MoE and "
+                "tensor parallelism are enabled without also enabling sequence parallelism.");
+    // The experts are split over the expert tensor-parallel ranks (etp = t, Megatron's default).
+    TORCH_CHECK(c.moe_ffn() % t == 0, api, "moe_ffn_hidden_size (", c.moe_ffn(), ") must be "
+                "divisible by expert_tensor_parallel_size (", t, ")");
+  }
 }
 // Megatron's MLA rules (MLATransformerConfig.__post_init__ in
 // megatron/core/transformer/transformer_config.py, core_transformer_config_from_args in

@@ -361,8 +361,17 @@ const MoELayerRouting* layer_routing(const MoERouting* routing, size_t moe_index
 }
 }  // namespace
 
+namespace {
+// The tokens one rank's router sees: s*b, or s*b/t with sequence parallelism (which MoE under
+// tensor parallelism requires).
+int64_t router_tokens(const TransformerConfig& c) {
+  const int64_t T = c.seq_length * c.micro_batch_size;
+  return c.sequence_parallel ? T / c.tensor_model_parallel_size : T;
+}
+}  // namespace
+
 int64_t moe_max_routed_rows(const TransformerConfig& c) {
-  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts;
+  const int64_t T = router_tokens(c), E = c.num_moe_experts;
   const int64_t k = c.moe_router_topk;
   if (!c.moe_expert_capacity_factor) return T * k;
   const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
@@ -370,14 +379,17 @@ int64_t moe_max_routed_rows(const TransformerConfig& c) {
 }
 
 int64_t moe_max_expert_rows(const TransformerConfig& c) {
-  const int64_t e = c.expert_model_parallel_size;
-  if (e == 1) return moe_max_routed_rows(c);
-  const int64_t T = c.seq_length * c.micro_batch_size, E = c.num_moe_experts, L = E / e;
+  // This rank's L = E/e experts (its slice of them) compute the rows of the t x e ranks whose
+  // routers send to them: every tensor rank's (the dispatchers gather over the expert tensor-
+  // parallel group) of every expert rank.
+  const int64_t e = c.expert_model_parallel_size, sources = e * c.tensor_model_parallel_size;
+  if (sources == 1) return moe_max_routed_rows(c);
+  const int64_t T = router_tokens(c), E = c.num_moe_experts, L = E / e;
   const int64_t k = c.moe_router_topk;
-  const int64_t dropless = e * T * std::min(k, L);
+  const int64_t dropless = sources * T * std::min(k, L);
   if (!c.moe_expert_capacity_factor) return dropless;
   const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
-  return c.moe_pad_expert_input_to_capacity ? L * e * cap : std::min(dropless, L * e * cap);
+  return c.moe_pad_expert_input_to_capacity ? L * sources * cap : std::min(dropless, L * sources * cap);
 }
 
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_index,
@@ -386,7 +398,8 @@ std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_in
     return std::accumulate(r->expert_rows.begin(), r->expert_rows.end(), int64_t{0});
   }
   // Padded to capacity the count does not depend on the routing; dropless neither, unless
-  // expert parallelism brings other ranks' tokens.
+  // expert parallelism brings other ranks' tokens (tensor ranks bring all of theirs: each
+  // routes every token to k of the E experts, all of them local).
   if (c.moe_pad_expert_input_to_capacity ||
       (!c.moe_expert_capacity_factor && c.expert_model_parallel_size == 1)) {
     return moe_max_expert_rows(c);
@@ -450,22 +463,27 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       add(mlp, norm_out + snapshot);
       return;
     }
+    const MoELayerRouting* lr = layer_routing(routing, index);
     const std::optional<int64_t> rows = moe_expert_rows(c, index, routing);
     TORCH_CHECK(rows.has_value(), "actmem::predict_activation_bytes: with a capacity factor and "
                 "no padding the experts' rows depend on the routing; pass the router's counts "
                 "(MoEStats::routing()) for MoE layer ", index);
-    const int64_t N = *rows, T = s * b, E = c.num_moe_experts, k = c.moe_router_topk;
-    const int64_t fm = c.moe_ffn(), fc1w = c.gated_linear_unit ? 2 * fm : fm;
+    // T: the tokens this rank routes (s/t of the sequence with sequence parallelism); the
+    // experts and the shared experts hold their 1/t column slices (expert tensor parallelism).
+    const int64_t N = *rows, T = sb, E = c.num_moe_experts, k = c.moe_router_topk;
+    const int64_t fm = c.moe_ffn() / t, fc1w = c.gated_linear_unit ? 2 * fm : fm;
     int64_t router_in = norm_out;
     if (c.moe_shared_expert_intermediate_size) {
-      const int64_t fs = *c.moe_shared_expert_intermediate_size;
+      // A dense MLP on the tensor-parallel group: its activations cover all s*b tokens, fs/t
+      // columns (with sequence parallelism fc1 keeps the s/t shard, the norm output).
+      const int64_t fs = *c.moe_shared_expert_intermediate_size / t, Tf = s * b;
       const std::string se = mlp + ".shared_experts";
       if (lp.recompute_shared_experts) {
         add(se, norm_out + snapshot);
       } else {
         add(se + ".linear_fc1", norm_out);
-        add(se + ".activation_func", (c.gated_linear_unit ? 3 : 1) * T * fs * e);
-        add(se + ".linear_fc2", T * fs * e);
+        add(se + ".activation_func", (c.gated_linear_unit ? 3 : 1) * Tf * fs * e);
+        add(se + ".linear_fc2", Tf * fs * e);
         if (c.moe_shared_expert_gate) add(se, T * e + T * h * e);
       }
       router_in = 0;  // counted by the shared experts
@@ -487,8 +505,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     // (the rows travel; their indices stay), of the rows its experts compute otherwise (the
     // all-gather dispatcher permutes the gathered tokens of its own experts).
     int64_t routed = N;
-    if (c.expert_model_parallel_size > 1 && c.moe_token_dispatcher_type == "alltoall") {
-      const MoELayerRouting* lr = layer_routing(routing, index);
+    if ((c.expert_model_parallel_size > 1 || t > 1) && c.moe_token_dispatcher_type == "alltoall") {
       routed = lr != nullptr && lr->dispatched_rows >= 0 ? lr->dispatched_rows : moe_max_routed_rows(c);
     }
     add(mlp + ".token_dispatcher", 2 * routed * 8);
@@ -509,7 +526,6 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     // SequentialMLP: the experts' inputs and probabilities are views of the permuted tensors,
     // counted where expert 0 first saves them; the rest is per expert, which takes the routing.
-    const MoELayerRouting* lr = layer_routing(routing, index);
     const std::vector<int64_t>* counts = lr != nullptr ? &lr->expert_rows : nullptr;
     if (counts == nullptr) {
       add(mlp + ".experts.local_experts", N * h * e + act_bytes(N) + N * e + N * fm * e);

@@ -57,13 +57,31 @@ std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
 
 // An MoE layer's weights, in the order router, experts (fc1 then fc2 of each), shared experts
 // (fc1, fc2, gate): fc2 layers take the residual projections' scaled std, as Megatron's MLP.
+// This tensor rank's slice of a full fc1 weight [fc1_rows, h] (column-parallel: its rows) and
+// of a full fc2 weight [h, f] (row-parallel: its columns). SwiGLU's fc1 is [gate; up]: each rank
+// keeps its slice of both halves, in that order, so chunk(2) of its local output still splits
+// gate from up.
+at::Tensor fc1_slice(const at::Tensor& full, bool gated) {
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  if (tp.size == 1) return full;
+  if (!gated) return full.chunk(tp.size, 0)[tp.rank];
+  const auto halves = full.chunk(2, 0);
+  return at::cat({halves[0].chunk(tp.size, 0)[tp.rank], halves[1].chunk(tp.size, 0)[tp.rank]}, 0);
+}
+at::Tensor fc2_slice(const at::Tensor& full) {
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  return tp.size == 1 ? full : full.chunk(tp.size, 1)[tp.rank];
+}
+
 void init_moe_layer(MoELayer& moe, const TransformerConfig& c, double std, double scaled_std,
                     at::ScalarType dtype) {
   const int64_t h = c.hidden_size, f = c.moe_ffn(), fc1_rows = c.gated_linear_unit ? 2 * f : f;
+  const bool gated = c.gated_linear_unit;
   moe.router->weight.copy_(init_normal({c.num_moe_experts, h}, std, dtype));
   Experts& e = *moe.experts;
-  // Every expert-parallel rank draws all E experts in order and keeps its own E/e (as tensor
-  // parallelism keeps its slice), so the model is the same function of the config for any e.
+  // Every expert-parallel rank draws all E experts in order and keeps its own E/e, and of them
+  // its tensor rank's slice (expert tensor parallelism), so the model is the same function of
+  // the config for any t and e.
   const int64_t local = c.num_moe_experts / c.expert_model_parallel_size;
   const int64_t first = expert_parallel_group().rank * local;
   for (int64_t g = 0; g < c.num_moe_experts; ++g) {
@@ -72,18 +90,18 @@ void init_moe_layer(MoELayer& moe, const TransformerConfig& c, double std, doubl
     if (g < first || g >= first + local) continue;
     const auto j = static_cast<size_t>(g - first);
     if (e.linear_fc1) {
-      e.linear_fc1->weights[j].copy_(fc1);
-      e.linear_fc2->weights[j].copy_(fc2);
+      e.linear_fc1->weights[j].copy_(fc1_slice(fc1, gated));
+      e.linear_fc2->weights[j].copy_(fc2_slice(fc2));
     } else {
-      e.local_experts[j]->fc1_weight.copy_(fc1);
-      e.local_experts[j]->fc2_weight.copy_(fc2);
+      e.local_experts[j]->fc1_weight.copy_(fc1_slice(fc1, gated));
+      e.local_experts[j]->fc2_weight.copy_(fc2_slice(fc2));
     }
   }
   if (moe.shared_experts) {
     const int64_t fs = *c.moe_shared_expert_intermediate_size;
     moe.shared_experts->linear_fc1->weight.copy_(
-        init_normal({c.gated_linear_unit ? 2 * fs : fs, h}, std, dtype));
-    moe.shared_experts->linear_fc2->weight.copy_(init_normal({h, fs}, scaled_std, dtype));
+        fc1_slice(init_normal({gated ? 2 * fs : fs, h}, std, dtype), gated));
+    moe.shared_experts->linear_fc2->weight.copy_(fc2_slice(init_normal({h, fs}, scaled_std, dtype)));
     if (moe.shared_expert_gate.defined()) moe.shared_expert_gate.copy_(init_normal({1, h}, std, dtype));
   }
 }
@@ -895,16 +913,9 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
         init_moe_layer(*layer->moe, config, std, scaled_std, dtype);
         continue;
       }
-      const at::Tensor fc1 = init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype);
-      if (config.gated_linear_unit) {
-        // SwiGLU's fc1 is [gate; up]: each rank keeps its slice of both halves, in that order,
-        // so chunk(2) of its local output still splits gate from up.
-        const auto halves = fc1.chunk(2, 0);
-        layer->mlp->linear_fc1->weight.copy_(at::cat({rows(halves[0]), rows(halves[1])}, 0));
-      } else {
-        layer->mlp->linear_fc1->weight.copy_(rows(fc1));
-      }
-      layer->mlp->linear_fc2->weight.copy_(cols(init_normal({h, f}, scaled_std, dtype)));
+      layer->mlp->linear_fc1->weight.copy_(fc1_slice(
+          init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype), config.gated_linear_unit));
+      layer->mlp->linear_fc2->weight.copy_(fc2_slice(init_normal({h, f}, scaled_std, dtype)));
     }
   }
   for (auto& layer : decoder->layers) {
@@ -1002,10 +1013,12 @@ std::vector<bool> GPTModel::tensor_parallel_flags() const {
   std::vector<bool> flags;
   for (const auto& item : named_parameters()) {
     const std::string& n = item.key();
+    // The grouped experts' fc2 weights are named linear_fc2.weight0, .weight1, ...
     flags.push_back(config_.tensor_model_parallel_size > 1 &&
                     (n.find("linear_qkv.") != std::string::npos ||
                      n.find("linear_fc1.") != std::string::npos ||
-                     ends_with(n, "linear_proj.weight") || ends_with(n, "linear_fc2.weight")));
+                     ends_with(n, "linear_proj.weight") || ends_with(n, "linear_fc2.weight") ||
+                     n.find("linear_fc2.weight") != std::string::npos));
   }
   return flags;
 }
@@ -1023,8 +1036,11 @@ std::vector<at::Tensor> GPTModel::sequence_parallel_parameters() const {
   if (!config_.sequence_parallel) return out;
   for (const auto& item : named_parameters()) {
     const std::string& n = item.key();
+    // The MoE router's weight and bias and the shared experts' gate read this rank's tokens
+    // only; the routed experts' fc2 biases are added by tensor rank 0 only (moe.h).
     if (n.find("layernorm.") != std::string::npos || ends_with(n, "linear_proj.bias") ||
-        ends_with(n, "linear_fc2.bias")) {
+        ends_with(n, "linear_fc2.bias") || n.find(".experts.linear_fc2.bias") != std::string::npos ||
+        n.find(".mlp.router.") != std::string::npos || ends_with(n, "shared_experts.gate_weight")) {
       out.push_back(item.value());
     }
   }

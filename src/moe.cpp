@@ -91,6 +91,12 @@ MoERouting MoEStats::routing() const {
   return out;
 }
 
+MoERouting MoEStats::last_routing() const {
+  MoERouting out;
+  for (const auto& l : layers) out.emplace_back(l.last_tokens_per_expert, l.last_dispatched_rows);
+  return out;
+}
+
 // ---- auxiliary losses -------------------------------------------------------------------------
 
 namespace {
@@ -141,10 +147,17 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
   // recompute's first, graph-less forward; its replay attaches them).
   const bool attach = is_training() && at::GradMode::is_enabled();
   at::Tensor logits = at::linear(h, weight, bias);  // [T, E] in the input's type
+  // With sequence parallelism (required for MoE under tensor parallelism) this rank routes its
+  // s/t tokens; the router's weight gradient is summed over the tensor ranks (it is a sequence-
+  // parallel parameter, GPTModel::sequence_parallel_parameters), so each rank's share of the
+  // auxiliary losses is scaled to make that sum the loss over all s tokens (router.py).
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  const int64_t sp = c.sequence_parallel ? tp.size : 1;
   if (c.moe_z_loss_coeff && attach && *c.moe_z_loss_coeff > 0.0) {
-    // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k.
+    // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k;
+    // apply_z_loss divides the coefficient by the tensor-parallel size.
     const at::Tensor z = at::logsumexp(logits.to(at::kFloat), {-1}).pow(2).mean();
-    logits = attach_aux_loss(logits, z * *c.moe_z_loss_coeff, aux_scale);
+    logits = attach_aux_loss(logits, z * (*c.moe_z_loss_coeff / static_cast<double>(sp)), aux_scale);
     if (stats != nullptr) {
       stats->z_loss += z.item<double>();
       ++stats->z_loss_count;
@@ -213,8 +226,11 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
       at::NoGradGuard no_grad;
       const at::Tensor idx = std::get<1>(at::topk(scores, k));
       tokens_per_expert = at::zeros({T, E}, scores.options()).scatter_(1, idx, 1.0).sum(0);
+      // get_tokens_per_expert_and_token_count: the counts over the tensor ranks' tokens.
+      if (sp > 1) tokens_per_expert = group_all_reduce_sum(tp, tokens_per_expert);
     }
-    const double norm = static_cast<double>(E) / static_cast<double>(k * T * T);
+    const int64_t total = T * sp;  // the tokens of all tensor ranks
+    const double norm = static_cast<double>(E) / static_cast<double>(k * total * total);
     const at::Tensor balance = (scores.sum(0) * tokens_per_expert).sum() * norm;  // E sum f_i P_i
     r.probs = attach_aux_loss(r.probs, balance * c.moe_aux_loss_coeff, aux_scale);
     if (stats != nullptr) {
@@ -280,7 +296,10 @@ Experts::Experts(const TransformerConfig& c, const LayerPlan& plan, at::ScalarTy
       ep_size_(c.expert_model_parallel_size),
       plan_(plan) {
   const int64_t E = c.num_moe_experts / c.expert_model_parallel_size, h = c.hidden_size;
-  const int64_t f = c.moe_ffn();
+  // Expert tensor parallelism (etp = t, Megatron's default): each tensor rank holds its slice of
+  // every local expert's fc1 columns and fc2 rows (docs/moe.md).
+  const int64_t f = c.moe_ffn() / c.tensor_model_parallel_size;
+  fc2_bias_here_ = tensor_parallel_group().rank == 0;
   if (grouped_) {
     linear_fc1 = register_module("linear_fc1",
                                  std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype));
@@ -343,7 +362,7 @@ at::Tensor Experts::forward(const at::Tensor& x, const std::vector<int64_t>& cou
     }
     ModuleScope s("linear_fc2");
     at::Tensor y = at::linear(act, e.fc2_weight);
-    if (e.fc2_bias.defined()) y = y + e.fc2_bias * ps.unsqueeze(-1);
+    if (e.fc2_bias.defined() && fc2_bias_here_) y = y + e.fc2_bias * ps.unsqueeze(-1);
     outs.push_back(y);
     offset += counts[j];
   }
@@ -388,7 +407,7 @@ at::Tensor Experts::forward_grouped(const at::Tensor& x, const std::vector<int64
   }
   if (discard) ckpt.discard_output_and_register_recompute(y);
   y = region.commit(y, {fc1});
-  if (bias_) {
+  if (bias_ && fc2_bias_here_) {
     // TEGroupedMLP._apply_bias: each row gets its expert's fc2 bias times its probability, per
     // expert segment (which keeps nothing but the probabilities, already kept).
     ModuleScope scope("linear_fc2");
@@ -454,17 +473,25 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     r = router->forward(tokens, aux_scale_, stats_);
   }
   const TensorParallelGroup& ep = expert_parallel_group();
-  const bool allgather = ep.size > 1 && config_.moe_token_dispatcher_type == "allgather";
-  // Megatron's allgather dispatcher: every rank's tokens, probabilities and routing map
-  // gathered; this rank's experts' columns kept (Note on all_gather_tokens in moe_dispatch.h).
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  // Tokens leave the rank when the experts are split over expert or tensor ranks.
+  const bool exchange = ep.size > 1 || tp.size > 1;
+  const bool allgather = exchange && config_.moe_token_dispatcher_type == "allgather";
+  // Megatron's allgather dispatcher: the tokens, probabilities and routing map of the t x e
+  // ranks gathered; this rank's experts' columns kept (Note on all_gather_tokens in
+  // moe_dispatch.h).
   at::Tensor rows = tokens, map = r.routing_map, probs = r.probs;
+  const TensorParallelGroup& tp_ep = tensor_and_expert_parallel_group();
+  TORCH_CHECK(!exchange || tp_ep.size == tp.size * ep.size, "actmem::MoELayer: the tensor-and-"
+              "expert-parallel group has ", tp_ep.size, " ranks, expected t x e = ", tp.size,
+              " x ", ep.size, " (init_tensor_parallel_from_environment builds it)");
   if (allgather) {
     ModuleScope scope("token_dispatcher");
     const int64_t local = config_.num_moe_experts / ep.size;
-    rows = all_gather_tokens(tokens, ep.pg);
-    probs = all_gather_tokens(r.probs, ep.pg).narrow(1, ep.rank * local, local);
+    rows = all_gather_tokens(tokens, tp_ep);
+    probs = all_gather_tokens(r.probs, tp_ep).narrow(1, ep.rank * local, local);
     at::NoGradGuard no_grad;
-    map = all_gather_tokens(r.routing_map.to(at::kByte), ep.pg)
+    map = all_gather_tokens(r.routing_map.to(at::kByte), tp_ep)
               .narrow(1, ep.rank * local, local)
               .to(at::kBool);
   }
@@ -492,9 +519,9 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
   std::optional<AlltoAllTokenDispatcher> alltoall;
   at::Tensor expert_in = permuted, expert_probs = permuted_probs;
   std::vector<int64_t> expert_counts = counts;
-  if (ep.size > 1 && !allgather) {
+  if (exchange && !allgather) {
     ModuleScope scope("token_dispatcher");
-    alltoall.emplace(ep.pg, ep.rank, ep.size, config_.num_moe_experts);
+    alltoall.emplace(ep, tp, tp_ep, config_.num_moe_experts);
     auto d = alltoall->dispatch(permuted, permuted_probs, counts);
     expert_in = d.tokens;
     expert_probs = d.probs;
@@ -506,6 +533,8 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
       stats->tokens_per_expert = expert_counts;
       stats->dispatched_rows = permuted.size(0);
     }
+    stats->last_tokens_per_expert = expert_counts;
+    stats->last_dispatched_rows = permuted.size(0);
     if (stats->routed_per_expert.empty()) stats->routed_per_expert.assign(r.routed_per_expert.size(), 0);
     for (size_t j = 0; j < r.routed_per_expert.size(); ++j) stats->routed_per_expert[j] += r.routed_per_expert[j];
     stats->routed += r.routed;
@@ -523,7 +552,7 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     if (alltoall) y = alltoall->combine(y);
     out = at::zeros({rows_in, h}, y.options())
               .scatter_add(0, token_index.unsqueeze(1).expand({token_index.size(0), h}), y);
-    if (allgather) out = reduce_scatter_tokens(out, ep.pg);  // the group's sum, this rank's rows
+    if (allgather) out = reduce_scatter_tokens(out, tp_ep);  // the group's sum, this rank's rows
   }
   out = out.view(x.sizes());
   return shared.defined() ? out + shared : out;

@@ -1,6 +1,8 @@
 // moe_dispatch.cpp — the all-to-all token dispatcher (Note [All-to-all dispatch]).
 #include "actmem/moe_dispatch.h"
 
+#include "actmem/tensor_parallel.h"
+
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
@@ -40,65 +42,96 @@ at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
   return out;
 }
 
-// The group's x concatenated along dim 0 (every rank's x has the same shape).
-at::Tensor gather_rows(const at::Tensor& x_in, CollectiveGroup& pg) {
+// A TensorParallelGroup through an autograd context (its process group as a capsule).
+void save_group(torch::autograd::AutogradContext* ctx, const TensorParallelGroup& g) {
+  ctx->saved_data["group"] = c10::IValue::make_capsule(g.pg);
+  ctx->saved_data["rank"] = static_cast<int64_t>(g.rank);
+  ctx->saved_data["size"] = static_cast<int64_t>(g.size);
+}
+TensorParallelGroup saved_group(torch::autograd::AutogradContext* ctx) {
+  TensorParallelGroup g;
+  g.pg = c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+  g.rank = static_cast<int>(ctx->saved_data.at("rank").toInt());
+  g.size = static_cast<int>(ctx->saved_data.at("size").toInt());
+  return g;
+}
+
+at::Tensor gather_rows(const at::Tensor& x, const TensorParallelGroup& g) {
   RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
-  const at::Tensor x = x_in.contiguous();
-  const int n = pg.getSize();
-  std::vector<int64_t> shape = x.sizes().vec();
-  const int64_t rows = shape[0];
-  shape[0] *= n;
-  at::Tensor out = at::empty(shape, x.options());
-  const bool as_half = x.is_cpu() && x.scalar_type() == at::kBFloat16;
-  const at::Tensor wire = as_half ? out.view(at::kHalf) : out;
-  std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < n; ++r) outputs[0].push_back(wire.narrow(0, r * rows, rows));
-  std::vector<at::Tensor> inputs = {as_half ? x.view(at::kHalf) : x};
-  pg.allgather(outputs, inputs)->wait();
-  return out;
+  return group_all_gather_dim0(g, x);
 }
-
-// This rank's dim-0 slice of the group's sum of x.
-at::Tensor reduce_scatter_rows(const at::Tensor& x, CollectiveGroup& pg) {
+at::Tensor reduce_scatter_rows(const at::Tensor& x, const TensorParallelGroup& g) {
   RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
-  const int n = pg.getSize();
-  TORCH_CHECK(x.dim() >= 1 && x.size(0) % n == 0, "actmem::reduce_scatter_tokens: expected dim 0 "
-              "divisible by the group size ", n, ", got shape ", x.sizes());
-  const bool bf16 = x.is_cpu() && x.scalar_type() == at::kBFloat16;
-  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
-  pg.allreduce(buf)->wait();
-  const int64_t part = x.size(0) / n;
-  at::Tensor mine = buf[0].narrow(0, pg.getRank() * part, part).clone();
-  return bf16 ? mine.to(at::kBFloat16) : mine;
-}
-
-c10::intrusive_ptr<CollectiveGroup> saved_group(torch::autograd::AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+  return group_reduce_scatter_dim0(g, x);
 }
 
 struct GatherTokens : torch::autograd::Function<GatherTokens> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& group) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
-    return gather_rows(x, *group);
+                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size) {
+    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
+    save_group(ctx, g);
+    return gather_rows(x, g);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {reduce_scatter_rows(grads[0], *saved_group(ctx)), at::Tensor()};
+    return {reduce_scatter_rows(grads[0], saved_group(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
 struct ReduceScatterTokens : torch::autograd::Function<ReduceScatterTokens> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& group) {
-    ctx->saved_data["group"] = c10::IValue::make_capsule(group);
-    return reduce_scatter_rows(x, *group);
+                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size) {
+    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
+    save_group(ctx, g);
+    return reduce_scatter_rows(x, g);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    return {gather_rows(grads[0], *saved_group(ctx)), at::Tensor()};
+    return {gather_rows(grads[0], saved_group(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
+
+// Megatron's gather_from_sequence_parallel_region / reduce_scatter_to_sequence_parallel_region
+// with split sizes, on the expert tensor-parallel group (Note [Uneven all-gather on Gloo]).
+struct GatherTokensV : torch::autograd::Function<GatherTokensV> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size,
+                            std::vector<int64_t> sizes) {
+    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
+    save_group(ctx, g);
+    ctx->saved_data["sizes"] = sizes;
+    RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
+    return group_all_gather_v(g, x, sizes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
+    return {group_reduce_scatter_v(saved_group(ctx), grads[0], ctx->saved_data.at("sizes").toIntVector()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+struct ReduceScatterTokensV : torch::autograd::Function<ReduceScatterTokensV> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size,
+                            std::vector<int64_t> sizes) {
+    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
+    save_group(ctx, g);
+    ctx->saved_data["sizes"] = sizes;
+    RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
+    return group_reduce_scatter_v(g, x, sizes);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
+    return {group_all_gather_v(saved_group(ctx), grads[0], ctx->saved_data.at("sizes").toIntVector()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+c10::intrusive_ptr<CollectiveGroup> saved_pg(torch::autograd::AutogradContext* ctx) {
+  return c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+}
 
 struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
@@ -111,7 +144,7 @@ struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    auto group = saved_group(ctx);
+    auto group = saved_pg(ctx);
     // The gradient rows go back where their tokens came from: the splits swap.
     const at::Tensor g = exchange(grads[0], ctx->saved_data.at("input_splits").toIntVector(),
                                   ctx->saved_data.at("output_splits").toIntVector(), *group);
@@ -127,17 +160,30 @@ at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& output_sp
   return AllToAllFunction::apply(x, output_splits, input_splits, group);
 }
 
-at::Tensor all_gather_tokens(const at::Tensor& x, const c10::intrusive_ptr<CollectiveGroup>& group) {
-  TORCH_CHECK(group, "actmem::all_gather_tokens: no process group");
-  if (!x.requires_grad()) return gather_rows(x, *group);
-  return GatherTokens::apply(x, group);
+at::Tensor all_gather_tokens(const at::Tensor& x, const TensorParallelGroup& group) {
+  if (group.size == 1) return x;
+  if (!x.requires_grad()) return gather_rows(x, group);
+  return GatherTokens::apply(x, group.pg, group.rank, group.size);
 }
 
-at::Tensor reduce_scatter_tokens(const at::Tensor& x,
-                                 const c10::intrusive_ptr<CollectiveGroup>& group) {
-  TORCH_CHECK(group, "actmem::reduce_scatter_tokens: no process group");
-  if (!x.requires_grad()) return reduce_scatter_rows(x, *group);
-  return ReduceScatterTokens::apply(x, group);
+at::Tensor reduce_scatter_tokens(const at::Tensor& x, const TensorParallelGroup& group) {
+  if (group.size == 1) return x;
+  if (!x.requires_grad()) return reduce_scatter_rows(x, group);
+  return ReduceScatterTokens::apply(x, group.pg, group.rank, group.size);
+}
+
+at::Tensor all_gather_tokens_v(const at::Tensor& x, const TensorParallelGroup& group,
+                               const std::vector<int64_t>& sizes) {
+  if (group.size == 1) return x;
+  if (!x.requires_grad()) return group_all_gather_v(group, x, sizes);
+  return GatherTokensV::apply(x, group.pg, group.rank, group.size, sizes);
+}
+
+at::Tensor reduce_scatter_tokens_v(const at::Tensor& x, const TensorParallelGroup& group,
+                                   const std::vector<int64_t>& sizes) {
+  if (group.size == 1) return x;
+  if (!x.requires_grad()) return group_reduce_scatter_v(group, x, sizes);
+  return ReduceScatterTokensV::apply(x, group.pg, group.rank, group.size, sizes);
 }
 
 at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& split_sizes,
@@ -157,15 +203,20 @@ at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& 
   return at::cat(sorted, 0);
 }
 
-AlltoAllTokenDispatcher::AlltoAllTokenDispatcher(c10::intrusive_ptr<CollectiveGroup> group,
-                                                 int ep_rank, int ep_size, int64_t num_experts)
-    : group_(std::move(group)), ep_rank_(ep_rank), ep_size_(ep_size), experts_(num_experts) {
-  TORCH_CHECK(group_ && group_->getSize() == ep_size && ep_rank >= 0 && ep_rank < ep_size,
-              "actmem::AlltoAllTokenDispatcher: a group of ", ep_size, " ranks with this one in it "
-              "expected");
-  TORCH_CHECK(num_experts % ep_size == 0, "actmem::AlltoAllTokenDispatcher: Number of experts "
+AlltoAllTokenDispatcher::AlltoAllTokenDispatcher(const TensorParallelGroup& ep,
+                                                 const TensorParallelGroup& tp,
+                                                 const TensorParallelGroup& tp_ep,
+                                                 int64_t num_experts)
+    : ep_(ep), tp_(tp), tp_ep_(tp_ep), experts_(num_experts) {
+  TORCH_CHECK(ep.size >= 1 && ep.rank >= 0 && ep.rank < ep.size && tp.size >= 1 && tp.rank >= 0 &&
+                  tp.rank < tp.size && tp_ep.size == tp.size * ep.size &&
+                  tp_ep.rank == ep.rank * tp.size + tp.rank,
+              "actmem::AlltoAllTokenDispatcher: expected the tensor-and-expert-parallel group to "
+              "hold the t x e ranks (tensor rank fastest); got t ", tp.size, ", e ", ep.size,
+              ", t x e group of ", tp_ep.size, " with this rank ", tp_ep.rank);
+  TORCH_CHECK(num_experts % ep.size == 0, "actmem::AlltoAllTokenDispatcher: Number of experts "
               "should be a multiple of expert model parallel_size.");
-  local_ = num_experts / ep_size;
+  local_ = num_experts / ep.size;
 }
 
 AlltoAllTokenDispatcher::Dispatched AlltoAllTokenDispatcher::dispatch(
@@ -173,56 +224,77 @@ AlltoAllTokenDispatcher::Dispatched AlltoAllTokenDispatcher::dispatch(
   TORCH_CHECK(static_cast<int64_t>(rows_per_expert.size()) == experts_,
               "actmem::AlltoAllTokenDispatcher::dispatch: ", rows_per_expert.size(),
               " expert counts for ", experts_, " experts");
-  // 1. Every rank's rows per expert (Megatron's num_global_tokens_per_expert, [ep, E]).
-  std::vector<at::Tensor> mine = {at::tensor(rows_per_expert, at::kLong)};
-  std::vector<std::vector<at::Tensor>> all(1);
-  for (int r = 0; r < ep_size_; ++r) all[0].push_back(at::empty({experts_}, at::kLong));
-  group_->allgather(all, mine)->wait();
-  input_splits_.assign(static_cast<size_t>(ep_size_), 0);
-  output_splits_.assign(static_cast<size_t>(ep_size_), 0);
+  const int t = tp_.size, e = ep_.size;
+  // 1. Every rank's rows per expert (Megatron's num_global_tokens_per_expert [tp, ep, E]; the
+  //    t x e group's rank is ep_rank * t + tp_rank).
+  const at::Tensor all = group_all_gather_dim0(tp_ep_, at::tensor(rows_per_expert, at::kLong)).cpu();
+  const int64_t* c = all.data_ptr<int64_t>();
+  auto count = [&](int tp_rank, int ep_rank, int64_t expert) {
+    return c[(static_cast<int64_t>(ep_rank) * t + tp_rank) * experts_ + expert];
+  };
+  input_splits_.assign(static_cast<size_t>(e), 0);
+  output_splits_.assign(static_cast<size_t>(e), 0);
+  tp_splits_.assign(static_cast<size_t>(t), 0);
   received_chunks_.clear();
-  for (int q = 0; q < ep_size_; ++q) {
+  for (int q = 0; q < e; ++q) {
     for (int64_t j = 0; j < local_; ++j) {
       input_splits_[static_cast<size_t>(q)] += rows_per_expert[static_cast<size_t>(q * local_ + j)];
     }
   }
   Dispatched d;
   d.tokens_per_local_expert.assign(static_cast<size_t>(local_), 0);
-  for (int src = 0; src < ep_size_; ++src) {
-    const int64_t* counts = all[0][static_cast<size_t>(src)].data_ptr<int64_t>();
-    for (int64_t j = 0; j < local_; ++j) {
-      const int64_t n = counts[ep_rank_ * local_ + j];
-      output_splits_[static_cast<size_t>(src)] += n;
-      received_chunks_.push_back(n);  // source-rank-major
-      d.tokens_per_local_expert[static_cast<size_t>(j)] += n;
+  // What arrives, in the order it lands: per tensor rank (after the uneven all-gather over the
+  // expert tensor-parallel group), per source expert rank (the all-to-all), per local expert.
+  for (int tq = 0; tq < t; ++tq) {
+    for (int src = 0; src < e; ++src) {
+      for (int64_t j = 0; j < local_; ++j) {
+        const int64_t n = count(tq, src, ep_.rank * local_ + j);
+        if (tq == tp_.rank) output_splits_[static_cast<size_t>(src)] += n;
+        tp_splits_[static_cast<size_t>(tq)] += n;
+        received_chunks_.push_back(n);
+        d.tokens_per_local_expert[static_cast<size_t>(j)] += n;
+      }
     }
   }
-  // 2. The rows and their probabilities to the ranks owning their experts.
-  const at::Tensor tokens = all_to_all(permuted, output_splits_, input_splits_, group_);
-  const at::Tensor p = all_to_all(probs.unsqueeze(1), output_splits_, input_splits_, group_).squeeze(1);
-  // 3. Source-rank-major chunks to expert-major: chunk (src, j) is at src * local + j.
+  // 2. The rows and their probabilities to the expert ranks owning their experts ...
+  at::Tensor tokens = permuted, p = probs.unsqueeze(1);
+  if (e > 1) {
+    tokens = all_to_all(tokens, output_splits_, input_splits_, ep_.pg);
+    p = all_to_all(p, output_splits_, input_splits_, ep_.pg);
+  }
+  // ... and to every expert tensor-parallel peer, which holds another slice of the same experts.
+  if (t > 1) {
+    tokens = all_gather_tokens_v(tokens, tp_, tp_splits_);
+    p = all_gather_tokens_v(p, tp_, tp_splits_);
+  }
+  // 3. (tensor rank, source rank, expert) chunks to expert-major.
   std::vector<int64_t> order;
+  const int sources = t * e;
   for (int64_t j = 0; j < local_; ++j) {
-    for (int src = 0; src < ep_size_; ++src) order.push_back(src * local_ + j);
+    for (int src = 0; src < sources; ++src) order.push_back(src * local_ + j);
   }
   d.tokens = sort_chunks_by_idxs(tokens, received_chunks_, order);
-  d.probs = sort_chunks_by_idxs(p, received_chunks_, order);
+  d.probs = sort_chunks_by_idxs(p.squeeze(1), received_chunks_, order);
   return d;
 }
 
 at::Tensor AlltoAllTokenDispatcher::combine(const at::Tensor& expert_output) {
   TORCH_CHECK(!received_chunks_.empty(), "actmem::AlltoAllTokenDispatcher::combine: no dispatch "
               "to combine");
-  // The expert-major chunk sizes, and the order that restores source-rank-major.
+  const int sources = tp_.size * ep_.size;
+  // The expert-major chunk sizes, and the order that restores source-major.
   std::vector<int64_t> sizes, order;
   for (int64_t j = 0; j < local_; ++j) {
-    for (int src = 0; src < ep_size_; ++src) sizes.push_back(received_chunks_[static_cast<size_t>(src * local_ + j)]);
+    for (int src = 0; src < sources; ++src) sizes.push_back(received_chunks_[static_cast<size_t>(src * local_ + j)]);
   }
-  for (int src = 0; src < ep_size_; ++src) {
-    for (int64_t j = 0; j < local_; ++j) order.push_back(j * ep_size_ + src);
+  for (int src = 0; src < sources; ++src) {
+    for (int64_t j = 0; j < local_; ++j) order.push_back(j * sources + src);
   }
-  const at::Tensor by_source = sort_chunks_by_idxs(expert_output, sizes, order);
-  return all_to_all(by_source, input_splits_, output_splits_, group_);
+  at::Tensor y = sort_chunks_by_idxs(expert_output, sizes, order);
+  // The expert tensor-parallel partial sums, each tensor rank's rows to it; then back home.
+  if (tp_.size > 1) y = reduce_scatter_tokens_v(y, tp_, tp_splits_);
+  if (ep_.size > 1) y = all_to_all(y, input_splits_, output_splits_, ep_.pg);
+  return y;
 }
 
 }  // namespace actmem

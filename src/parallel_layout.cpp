@@ -138,6 +138,7 @@ ParallelLayout ParallelLayout::make(int world, int tp, int pp, int ep, int etp, 
   l.ep_groups = expert.ranks("ep");
   l.etp_groups = expert.ranks("tp");
   l.edp_groups = expert.ranks("dp");
+  l.tp_ep_groups = expert.ranks("tp-ep");
   for (const auto& g : l.pp_groups) {
     l.embedding_groups.push_back(g.size() == 1 ? g : std::vector<int>{g.front(), g.back()});
   }

@@ -44,6 +44,10 @@ TensorParallelGroup& edp_storage() {
   static TensorParallelGroup group;
   return group;
 }
+TensorParallelGroup& tp_ep_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
 void check_group(const TensorParallelGroup& group, const char* api) {
   TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size, api, ": rank ",
               group.rank, " of size ", group.size);
@@ -52,12 +56,6 @@ void check_group(const TensorParallelGroup& group, const char* api) {
 }
 
 bool single() { return tensor_parallel_group().size == 1; }
-
-CollectiveGroup& pg() {
-  const auto& g = tensor_parallel_group();
-  TORCH_INTERNAL_ASSERT(g.pg, "actmem: tensor-parallel collective without a process group");
-  return *g.pg;
-}
 
 // Note [Collective buffers]: Gloo's worker thread holds a reference to a finished work object,
 // and through it to the tensors the collective used, until just after wait() returns. Waiting
@@ -90,6 +88,7 @@ void reset_tensor_parallel_group() {
   dp_storage() = TensorParallelGroup{};
   ep_storage() = TensorParallelGroup{};
   edp_storage() = TensorParallelGroup{};
+  tp_ep_storage() = TensorParallelGroup{};
 }
 
 const TensorParallelGroup& data_parallel_group() { return dp_storage(); }
@@ -101,12 +100,16 @@ void set_data_parallel_group(TensorParallelGroup group) {
 
 const TensorParallelGroup& expert_parallel_group() { return ep_storage(); }
 const TensorParallelGroup& expert_data_parallel_group() { return edp_storage(); }
+const TensorParallelGroup& tensor_and_expert_parallel_group() { return tp_ep_storage(); }
 
-void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp) {
+void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
+                                TensorParallelGroup tp_ep) {
   check_group(ep, "actmem::set_expert_parallel_groups");
   check_group(edp, "actmem::set_expert_parallel_groups");
+  check_group(tp_ep, "actmem::set_expert_parallel_groups");
   ep_storage() = std::move(ep);
   edp_storage() = std::move(edp);
+  tp_ep_storage() = std::move(tp_ep);
 }
 
 TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device,
@@ -130,7 +133,7 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
   const ParallelLayout layout = ParallelLayout::make(env.world_size, t, 1, expert_parallel_size);
   const WorldGroup world = init_world_group(env, std::chrono::seconds(60), device);
   // Every member builds its groups in the same order: tensor-parallel, data-parallel,
-  // expert-parallel, expert-data-parallel.
+  // expert-parallel, expert-data-parallel, tensor-and-expert-parallel.
   auto subgroup = [&](const std::vector<std::vector<int>>& groups, const char* name) {
     TensorParallelGroup g;
     const std::vector<int>& members = ParallelLayout::group_of(groups, env.rank);
@@ -147,22 +150,13 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
   set_tensor_parallel_group(subgroup(layout.tp_groups, "tp"));
   set_data_parallel_group(subgroup(layout.dp_groups, "dp"));
   TensorParallelGroup ep = subgroup(layout.ep_groups, "ep");
-  set_expert_parallel_groups(std::move(ep), subgroup(layout.edp_groups, "edp"));
+  TensorParallelGroup edp = subgroup(layout.edp_groups, "edp");
+  set_expert_parallel_groups(std::move(ep), std::move(edp), subgroup(layout.tp_ep_groups, "tpep"));
   return tensor_parallel_group();
 }
 
 at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x) {
   return group_all_reduce_sum(data_parallel_group(), x);
-}
-
-at::Tensor group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
-  if (g.size == 1) return x;
-  RECORD_FUNCTION("actmem::group_all_reduce", std::vector<c10::IValue>());
-  // Gradients reduce in fp32 (main grads); bf16 is summed in fp32 as all_reduce_sum does.
-  const bool bf16 = x.is_cpu() && x.scalar_type() == at::kBFloat16;
-  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
-  wait_and_release(g.pg->allreduce(buf));
-  return bf16 ? buf[0].to(at::kBFloat16) : buf[0];
 }
 
 // ---- collectives ------------------------------------------------------------------------------
@@ -174,43 +168,131 @@ at::Tensor group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& 
 // the same bits; twice the bytes on the wire). NCCL (CUDA) reduces bf16 natively.
 namespace {
 bool gloo_bf16(const at::Tensor& x) { return x.is_cpu() && x.scalar_type() == at::kBFloat16; }
+
+int64_t total(const std::vector<int64_t>& v) {
+  int64_t n = 0;
+  for (const int64_t x : v) n += x;
+  return n;
+}
 }  // namespace
 
-at::Tensor all_reduce_sum(const at::Tensor& x) {
-  if (single()) return x;
-  RECORD_FUNCTION("actmem::all_reduce", std::vector<c10::IValue>());
-  if (gloo_bf16(x)) {
-    std::vector<at::Tensor> buf = {x.contiguous().to(at::kFloat)};
-    wait_and_release(pg().allreduce(buf));
-    return buf[0].to(at::kBFloat16);
-  }
-  std::vector<at::Tensor> buf = {x.contiguous().clone()};
-  wait_and_release(pg().allreduce(buf));
-  return buf[0];
+namespace {
+at::Tensor all_reduce_on(const TensorParallelGroup& g, const at::Tensor& x) {
+  // Gradients reduce in fp32 (main grads); bf16 is summed in fp32 (Note [bfloat16 on Gloo]).
+  const bool bf16 = gloo_bf16(x);
+  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
+  wait_and_release(g.pg->allreduce(buf));
+  return bf16 ? buf[0].to(at::kBFloat16) : buf[0];
+}
+}  // namespace
+
+at::Tensor group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
+  if (g.size == 1) return x;
+  RECORD_FUNCTION("actmem::group_all_reduce", std::vector<c10::IValue>());
+  return all_reduce_on(g, x);
 }
 
-at::Tensor all_gather_dim0(const at::Tensor& x) {
-  if (single()) return x;
-  RECORD_FUNCTION("actmem::all_gather", std::vector<c10::IValue>());
-  const int t = tensor_parallel_group().size;
+at::Tensor group_all_gather_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
+  if (g.size == 1) return x;
   std::vector<int64_t> shape = x.sizes().vec();
   const int64_t n0 = shape[0];
-  shape[0] *= t;
+  shape[0] *= g.size;
   at::Tensor out = at::empty(shape, x.options());
   // Each rank's part is written straight into its dim-0 slice (contiguous views).
   const bool as_half = gloo_bf16(x);  // Note [bfloat16 on Gloo]
   const at::Tensor wire = as_half ? out.view(at::kHalf) : out;
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < t; ++r) outputs[0].push_back(wire.narrow(0, r * n0, n0));
+  for (int r = 0; r < g.size; ++r) outputs[0].push_back(wire.narrow(0, r * n0, n0));
   std::vector<at::Tensor> inputs = {as_half ? x.contiguous().view(at::kHalf) : x.contiguous()};
-  wait_and_release(pg().allgather(outputs, inputs));
+  wait_and_release(g.pg->allgather(outputs, inputs));
   return out;
+}
+
+at::Tensor group_split_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
+  if (g.size == 1) return x;
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0, "actmem::split_dim0: expected dim 0 "
+              "divisible by the group size ", g.size, ", got shape ", x.sizes());
+  const int64_t part = x.size(0) / g.size;
+  return x.narrow(0, g.rank * part, part).clone();
+}
+
+at::Tensor group_reduce_scatter_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
+  if (g.size == 1) return x;
+  // Note [Reduce-scatter on Gloo]: this rank's slice of the all-reduced tensor.
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0, "actmem::reduce_scatter_dim0: expected "
+              "dim 0 divisible by the group size ", g.size, ", got shape ", x.sizes());
+  return group_split_dim0(g, all_reduce_on(g, x));
+}
+
+// Note [Uneven all-gather on Gloo]
+// Megatron's gather_from_sequence_parallel_region with output_split_sizes (the all-to-all token
+// dispatcher under expert tensor parallelism) gathers rows whose count differs per rank. Gloo's
+// all-gather wants equal parts, so the uneven one is an all-to-all (alltoall_base takes uneven
+// splits) in which each rank sends its whole x to every rank: t copies of x on the wire and one
+// t-fold staging buffer, as an all-gather moves anyway. Its reverse, the uneven reduce-scatter,
+// is an all-to-all of each rank's partial rows to their owner followed by the sum of the t
+// parts in rank order (the same order on every rank).
+at::Tensor group_all_gather_v(const TensorParallelGroup& g, const at::Tensor& x,
+                              const std::vector<int64_t>& sizes) {
+  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size, "actmem::all_gather_v: one size per rank "
+              "of the group (", g.size, ") expected, got ", sizes.size());
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) == sizes[static_cast<size_t>(g.rank)], "actmem::all_gather_v: "
+              "x has ", x.dim() >= 1 ? x.size(0) : 0, " rows, this rank's size is ",
+              sizes[static_cast<size_t>(g.rank)]);
+  if (g.size == 1) return x;
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = total(sizes);
+  at::Tensor out = at::empty(shape, x.options());
+  // The send buffer: x once per destination rank.
+  at::Tensor send = at::cat(std::vector<at::Tensor>(static_cast<size_t>(g.size), x.contiguous()), 0);
+  at::Tensor recv = out;
+  if (gloo_bf16(x)) {  // Note [bfloat16 on Gloo]
+    send = send.view(at::kHalf);
+    recv = out.view(at::kHalf);
+  }
+  std::vector<int64_t> out_splits = sizes;
+  std::vector<int64_t> in_splits(static_cast<size_t>(g.size), x.size(0));
+  wait_and_release(g.pg->alltoall_base(recv, send, out_splits, in_splits));
+  return out;
+}
+
+at::Tensor group_reduce_scatter_v(const TensorParallelGroup& g, const at::Tensor& x,
+                                  const std::vector<int64_t>& sizes) {
+  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size, "actmem::reduce_scatter_v: one size per "
+              "rank of the group (", g.size, ") expected, got ", sizes.size());
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) == total(sizes), "actmem::reduce_scatter_v: x has ",
+              x.dim() >= 1 ? x.size(0) : 0, " rows, the sizes add up to ", total(sizes));
+  if (g.size == 1) return x;
+  const int64_t mine = sizes[static_cast<size_t>(g.rank)];
+  // bf16 partials travel and add in fp32 (Note [bfloat16 on Gloo]).
+  const bool bf16 = gloo_bf16(x);
+  at::Tensor send = bf16 ? x.to(at::kFloat) : x.contiguous();
+  std::vector<int64_t> shape = x.sizes().vec();
+  shape[0] = mine * g.size;
+  at::Tensor parts = at::empty(shape, send.options());
+  std::vector<int64_t> out_splits(static_cast<size_t>(g.size), mine);
+  std::vector<int64_t> in_splits = sizes;
+  wait_and_release(g.pg->alltoall_base(parts, send, out_splits, in_splits));
+  at::Tensor sum = parts.narrow(0, 0, mine).clone();
+  for (int r = 1; r < g.size; ++r) sum.add_(parts.narrow(0, r * mine, mine));
+  return bf16 ? sum.to(at::kBFloat16) : sum;
+}
+
+at::Tensor all_reduce_sum(const at::Tensor& x) {
+  if (single()) return x;
+  RECORD_FUNCTION("actmem::all_reduce", std::vector<c10::IValue>());
+  return all_reduce_on(tensor_parallel_group(), x);
+}
+
+at::Tensor all_gather_dim0(const at::Tensor& x) {
+  if (single()) return x;
+  RECORD_FUNCTION("actmem::all_gather", std::vector<c10::IValue>());
+  return group_all_gather_dim0(tensor_parallel_group(), x);
 }
 
 at::Tensor reduce_scatter_dim0(const at::Tensor& x) {
   if (single()) return x;
   check_dim0(x, "actmem::reduce_scatter_dim0");
-  // Note [Reduce-scatter on Gloo]: this rank's slice of the all-reduced tensor.
   RECORD_FUNCTION("actmem::reduce_scatter", std::vector<c10::IValue>());
   return split_dim0(all_reduce_sum(x));
 }
@@ -218,9 +300,7 @@ at::Tensor reduce_scatter_dim0(const at::Tensor& x) {
 at::Tensor split_dim0(const at::Tensor& x) {
   if (single()) return x;
   check_dim0(x, "actmem::split_dim0");
-  const auto& g = tensor_parallel_group();
-  const int64_t part = x.size(0) / g.size;
-  return x.narrow(0, g.rank * part, part).clone();
+  return group_split_dim0(tensor_parallel_group(), x);
 }
 
 // ---- autograd mappings ------------------------------------------------------------------------

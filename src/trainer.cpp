@@ -363,13 +363,6 @@ IterationStats Trainer::train_step(bool compute_digest) {
 
   StepClock clock{0.0, memory_.current_bytes()};
   forward_backward(st, clock);
-  if (routing_dependent_prediction_) {
-    // The routing of the step's first micro-batch (memory_model.h: exact given the routing).
-    const MoERouting routing = model_->moe_stats().routing();
-    st.predicted_activation_bytes =
-        predict_activation_bytes(model_config_, model_->plan(), model_config_.element_bytes(),
-                                 device_.is_cpu(), &routing).total;
-  }
   // Megatron's finalize_model_grads: the data-parallel sync, then the sequence-parallel norms.
   reduce_data_parallel_gradients();
   reduce_sequence_parallel_gradients();
@@ -466,12 +459,43 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     timeline_mark("bwd end");
     const int64_t peak = memory_.peak_bytes();
     st.activation_bytes = std::max(st.activation_bytes, after_forward - before);
+    if (routing_dependent_prediction_) {
+      // Exact given each micro-batch's routing (memory_model.h): the largest over the step's
+      // micro-batches, as activation_bytes is.
+      const MoERouting routing = model_->moe_stats().last_routing();
+      st.predicted_activation_bytes = std::max(
+          m == 0 ? int64_t{0} : st.predicted_activation_bytes,
+          predict_activation_bytes(model_config_, model_->plan(), model_config_.element_bytes(),
+                                   device_.is_cpu(), &routing).total);
+    }
     st.activation_peak_bytes = std::max(st.activation_peak_bytes, peak - before);
     clock.peak = std::max(clock.peak, peak);
     loss_sum += loss.item<double>();
   }
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
-  const MoEStats& moe = model_->moe_stats();
+  MoEStats moe = model_->moe_stats();
+  if (!moe.layers.empty() && tensor_parallel_group().size > 1) {
+    // With sequence parallelism each tensor rank routed its own s/t tokens: the step's counts
+    // and load-balancing shares are summed over the tensor ranks, the z-losses (means over a
+    // rank's tokens) averaged, for the log.
+    std::vector<double> v;
+    for (const auto& l : moe.layers) {
+      v.push_back(static_cast<double>(l.routed));
+      v.push_back(static_cast<double>(l.dropped));
+      v.push_back(l.load_balancing_loss);
+      v.push_back(l.z_loss / static_cast<double>(tensor_parallel_group().size));
+      for (const int64_t n : l.routed_per_expert) v.push_back(static_cast<double>(n));
+    }
+    const at::Tensor sum = all_reduce_sum(at::tensor(v, at::kDouble).to(device_)).cpu();
+    const double* p = sum.data_ptr<double>();
+    for (auto& l : moe.layers) {
+      l.routed = static_cast<int64_t>(*p++);
+      l.dropped = static_cast<int64_t>(*p++);
+      l.load_balancing_loss = *p++;
+      l.z_loss = *p++;
+      for (auto& n : l.routed_per_expert) n = static_cast<int64_t>(*p++);
+    }
+  }
   if (!moe.layers.empty()) {
     st.moe = true;
     const double lb = moe.mean_load_balancing_loss(), z = moe.mean_z_loss();
@@ -482,14 +506,19 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     st.moe_dropped_tokens = moe.total_dropped();
   }
   if (dp.size > 1) {
-    // For the log: the mean loss over the data-parallel ranks (as Megatron reports) and the
-    // global batch's routed and dropped token counts, in one all-reduce.
+    // For the log: the mean loss over the data-parallel ranks (as Megatron reports), the global
+    // batch's routed and dropped token counts, and the auxiliary losses averaged over the ranks
+    // (Megatron's MoE metrics tracker, needs_dp_avg), in one all-reduce.
+    const double d = static_cast<double>(dp.size);
     const at::Tensor all = data_parallel_all_reduce_sum(at::tensor(
-        {loss_sum, static_cast<double>(st.moe_routed_tokens), static_cast<double>(st.moe_dropped_tokens)},
+        {loss_sum, static_cast<double>(st.moe_routed_tokens), static_cast<double>(st.moe_dropped_tokens),
+         st.load_balancing_loss.value_or(0.0), st.z_loss.value_or(0.0)},
         at::kDouble));
-    st.loss = all[0].item<double>() / static_cast<double>(dp.size);
+    st.loss = all[0].item<double>() / d;
     st.moe_routed_tokens = static_cast<int64_t>(all[1].item<double>());
     st.moe_dropped_tokens = static_cast<int64_t>(all[2].item<double>());
+    if (st.load_balancing_loss) st.load_balancing_loss = all[3].item<double>() / d;
+    if (st.z_loss) st.z_loss = all[4].item<double>() / d;
   }
 }
 
@@ -518,24 +547,20 @@ void Trainer::reduce_data_parallel_gradients() {
   // Megatron's DistributedDataParallel scales by 1/d before the sum (gradient_scaling_factor);
   // at 16 bits these are the fp32 main grads (accumulate_allreduce_grads_in_fp32).
   const double scale = 1.0 / static_cast<double>(dp.size);
-  if (expert_parallel_group().size == 1) {
-    reduce_as_one(grads_, [scale](at::Tensor flat) {
-      return data_parallel_all_reduce_sum(flat.mul_(scale));
-    });
-    return;
-  }
   // With expert parallelism the routed experts' gradients already hold the tokens of their
-  // expert-parallel peers (the all-to-all brought them); they are summed over the ranks holding
+  // expert-parallel peers (the dispatcher brought them); they are summed over the ranks holding
   // the same experts (the expert-data-parallel group, world / (t e)), scaled by the same 1/d
   // (Megatron's expert_gradient_scaling_factor), so every weight ends with the mean over the
-  // global batch. The other parameters reduce over the data-parallel group as without experts.
+  // global batch. Without it the experts are data-parallel like the rest: one collective.
+  const bool apart = expert_parallel_group().size > 1;
   std::vector<at::Tensor> dense, experts;
   for (size_t i = 0; i < grads_.size(); ++i) {
-    (expert_parallel_flags_[i] ? experts : dense).push_back(grads_[i]);
+    (apart && expert_parallel_flags_[i] ? experts : dense).push_back(grads_[i]);
   }
   reduce_as_one(dense, [scale](at::Tensor flat) {
     return data_parallel_all_reduce_sum(flat.mul_(scale));
   });
+  if (experts.empty()) return;
   reduce_as_one(experts, [scale](at::Tensor flat) {
     return group_all_reduce_sum(expert_data_parallel_group(), flat.mul_(scale));
   });
@@ -570,17 +595,20 @@ double Trainer::clip_gradients(const IterationStats& st) {
   at::NoGradGuard no_grad;
   double grad_norm = 0.0;
   if (expert_parallel_group().size > 1) {
-    // Megatron's get_grad_norm_fp32 over both parameter kinds: the dense ones once (equal on
-    // the expert-parallel ranks), the experts' summed over the expert-parallel group, which
-    // holds every expert once.
-    TORCH_INTERNAL_ASSERT(tensor_parallel_group().size == 1,
-                          "expert parallelism with tensor parallelism");
+    // Megatron's get_grad_norm_fp32 over both parameter kinds: the dense ones summed over the
+    // tensor ranks (equal on the expert-parallel ranks), the experts' over the tensor-and-expert
+    // group, which holds every expert's every slice once; a parameter replicated over the
+    // tensor ranks counts on tensor rank 0 only.
+    const bool first = tensor_parallel_group().rank == 0;
     at::Tensor dense = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     at::Tensor experts = dense.clone();
     for (size_t i = 0; i < params_.size(); ++i) {
+      if (!tensor_parallel_flags_[i] && !first) continue;
       (expert_parallel_flags_[i] ? experts : dense) += grads_[i].to(at::kDouble).pow(2).sum();
     }
-    grad_norm = std::sqrt((dense + group_all_reduce_sum(expert_parallel_group(), experts)).item<double>());
+    grad_norm = std::sqrt((all_reduce_sum(dense) +
+                           group_all_reduce_sum(tensor_and_expert_parallel_group(), experts))
+                              .item<double>());
   } else if (tensor_parallel_group().size == 1) {
     std::vector<at::Tensor> norms;
     norms.reserve(params_.size());

@@ -535,6 +535,26 @@ TEST(CheckpointCli, ExpertParallelResumeIsBitwiseWithOneFilePerExpertRank) {
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, TensorAndExpertParallelResumeIsBitwiseWithOneFilePerRankPair) {
+  // Tensor parallelism 2 x expert parallelism 2 (four processes, sequence parallelism, dropout and
+  // expert dropout): each (tensor rank, expert rank) pair writes its slices to its own file,
+  // mp_rank_TT_EEE, and all four resume bitwise.
+  const std::string dir = testing::fresh_temp_dir("tp_ep_resume");
+  const std::string flags = std::string(kTinyFlags) +
+                            " --global-batch-size 4 --num-experts 4 --moe-router-topk 2 "
+                            "--moe-grouped-gemm --moe-aux-loss-coeff 0.01 --moe-expert-dropout 0.1 "
+                            "--tensor-model-parallel-size 2 --sequence-parallel "
+                            "--expert-model-parallel-size 2";
+  expect_bitwise_resume("launch --nproc-per-node 4 -- train", flags, dir);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int tp = 0; tp < 2; ++tp) {
+    for (int ep = 0; ep < 2; ++ep) {
+      EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, tp, ep))) << tp << " " << ep;
+    }
+  }
+  fs::remove_all(dir);
+}
+
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {

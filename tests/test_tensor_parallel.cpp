@@ -368,6 +368,12 @@ TEST(ExpertParallel, TrainsLikeOneProcessWithinTolerance) {
         EXPECT_LT(rel(steps[i]["loss"].get<double>(), ref[i]["loss"].get<double>()), 1e-5) << what << " step " << i;
         EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-5)
             << what << " step " << i;
+        // The logged auxiliary losses are averaged over the data-parallel ranks (Megatron's
+        // needs_dp_avg), so they are the global batch's.
+        for (const char* aux : {"load_balancing_loss", "z_loss"}) {
+          EXPECT_LT(rel(steps[i][aux].get<double>(), ref[i][aux].get<double>()), 1e-5)
+              << what << " step " << i << " " << aux;
+        }
       }
     }
     // Megatron's order: expert-parallel peers adjacent, expert-data-parallel ranks e apart.
@@ -423,6 +429,101 @@ TEST(ExpertParallel, EveryStrategyIsBitwiseEqualToThePlainRunAndThePredictorIsEx
     }
     // Dropless and unpadded, the ranks' experts computed different numbers of rows.
     if (variant != "padded") EXPECT_EQ(rank_bytes.size(), 2u) << dispatcher << "/" << variant;
+  }
+}
+
+TEST(ExpertTensorParallel, TrainsLikeOneProcessWithinTolerance) {
+  // MoE under tensor parallelism 2 (with sequence parallelism, as Megatron requires): each
+  // tensor rank routes its s/t tokens, holds its half of every expert's columns, and the
+  // dispatchers gather the tensor ranks' rows (all-gather over t x e; all-to-all then an uneven
+  // all-gather over t). Without dropout against one process on the same global batch: losses
+  // and gradient norms within 1e-5 relative over three steps, for t = 2 alone and t = 2 x e = 2
+  // (four processes), both dispatchers. Not bitwise: the experts' products are split over the
+  // tensor ranks and summed, and the router's gradient is summed over the sequence shards.
+  // SwiGLU experts with biases (one MLP per expert) too: each tensor rank keeps its slice of
+  // both gated halves, and fc2's bias is added once (by tensor rank 0).
+  std::map<std::string, json> reference;
+  struct Case {
+    int nproc, ep;
+    std::string dispatcher, variant;
+  };
+  for (const Case& k : {Case{2, 1, "alltoall", "base"}, Case{2, 1, "allgather", "base"},
+                        Case{4, 2, "alltoall", "base"}, Case{4, 2, "allgather", "base"},
+                        Case{2, 1, "alltoall", "gated_bias"}}) {
+    if (!reference.count(k.variant)) {
+      const auto one = run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only",
+                                       "plain", "--global-batch", "8", "--variant", k.variant});
+      ASSERT_EQ(one.size(), 1u);
+      reference[k.variant] = one[0];
+    }
+    const json& ref = expert_steps(reference[k.variant], "plain");
+    const auto ranks = run_workers(k.nproc, {"experts", "--no-dropout", "--tp", "2", "--ep",
+                                             std::to_string(k.ep), "--only", "plain", "--dispatcher",
+                                             k.dispatcher, "--global-batch", "8", "--variant", k.variant});
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc));
+    for (const auto& r : ranks) {
+      const std::string what = k.dispatcher + "/" + k.variant + " tp 2 ep " + std::to_string(k.ep) +
+                               ", rank " + r["rank"].dump();
+      EXPECT_EQ(r["experts"]["ep_size"], k.ep) << what;
+      const json& steps = expert_steps(r, "plain");
+      ASSERT_EQ(steps.size(), 3u);
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_LT(rel(steps[i]["loss"].get<double>(), ref[i]["loss"].get<double>()), 1e-5) << what << " step " << i;
+        EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-5)
+            << what << " step " << i;
+        // The global batch's routed pairs: every token of every rank, k = 2 each; the logged
+        // auxiliary losses are those of all s tokens (the tensor ranks' shares summed, the
+        // z-losses averaged).
+        EXPECT_EQ(steps[i]["routed"], ref[i]["routed"]) << what << " step " << i;
+        for (const char* aux : {"load_balancing_loss", "z_loss"}) {
+          ASSERT_GT(ref[i][aux].get<double>(), 0.0) << aux;
+          EXPECT_LT(rel(steps[i][aux].get<double>(), ref[i][aux].get<double>()), 1e-5)
+              << what << " step " << i << " " << aux;
+        }
+      }
+    }
+    // Megatron's order: tensor peers adjacent, expert peers t apart.
+    EXPECT_EQ(ranks[1]["experts"]["tp_rank"], 1);
+    if (k.nproc == 4) {
+      EXPECT_EQ(ranks[1]["experts"]["ep_rank"], 0);
+      EXPECT_EQ(ranks[2]["experts"]["ep_rank"], 1);
+    }
+  }
+}
+
+TEST(ExpertTensorParallel, EveryStrategyIsBitwiseEqualToThePlainRunAndThePredictorIsExactPerRank) {
+  // Tensor parallelism 2 x expert parallelism 2 (four processes) with dropout and expert dropout:
+  // every recompute and offload strategy of the MoE layer trains bitwise like the plain run on
+  // each rank, and without offload the predictor equals each rank's measured activation bytes
+  // given the rows its experts' slices computed; t = 2 alone with the all-gather dispatcher and
+  // capacity routing too.
+  struct Case {
+    int nproc, ep;
+    std::string dispatcher, variant;
+  };
+  for (const Case& k : {Case{4, 2, "alltoall", "base"}, Case{2, 1, "allgather", "capacity"}}) {
+    const auto ranks = run_workers(k.nproc, {"experts", "--tp", "2", "--ep", std::to_string(k.ep),
+                                             "--global-batch", "8", "--dispatcher", k.dispatcher,
+                                             "--variant", k.variant});
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc));
+    for (const auto& r : ranks) {
+      const json& all = r["experts"]["strategies"];
+      const json& plain = all["plain"];
+      ASSERT_EQ(all.size(), 8u);
+      for (const auto& [name, run] : all.items()) {
+        const std::string what = k.dispatcher + "/" + k.variant + " " + name + " rank " + r["rank"].dump();
+        EXPECT_EQ(run["param_digest"], plain["param_digest"]) << what;
+        for (size_t i = 0; i < 3; ++i) {
+          EXPECT_EQ(run["steps"][i]["loss"], plain["steps"][i]["loss"]) << what << " step " << i;
+          EXPECT_EQ(run["steps"][i]["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " step " << i;
+          if (name.rfind("offload", 0) != 0) {
+            EXPECT_EQ(run["steps"][i]["activation_bytes"], run["steps"][i]["predicted_activation_bytes"])
+                << what << " step " << i;
+          }
+        }
+      }
+      if (k.variant != "base") EXPECT_GT(plain["steps"][0]["dropped"].get<int64_t>(), 0) << k.variant;
+    }
   }
 }
 

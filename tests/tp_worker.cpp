@@ -9,7 +9,7 @@
 //   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
 //   actmem_tp_worker data OUT_DIR --tp T --global-batch G [--no-dropout]
 //     (t x d ranks, d = WORLD_SIZE / T: three steps of the base model on global batch G)
-//   actmem_tp_worker experts OUT_DIR --tp 1 --ep E --global-batch G [--dispatcher D]
+//   actmem_tp_worker experts OUT_DIR --tp T --ep E --global-batch G [--dispatcher D]
 //     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
 //     strategy; WORLD_SIZE = E x the expert-data-parallel size)
 //   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
@@ -234,7 +234,7 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
   const at::Tensor index = at::tensor(token_of_row, at::kLong);
   const at::Tensor permuted = x.index_select(0, index);
   const at::Tensor probs = at::tensor(prob_of_row, at::kDouble);
-  actmem::AlltoAllTokenDispatcher dispatcher(group.pg, rank, ep, E);
+  actmem::AlltoAllTokenDispatcher dispatcher(group, actmem::TensorParallelGroup{}, group, E);
   const auto d = dispatcher.dispatch(permuted, probs, rows_per_expert);
   // What local expert j must have received: from each source rank in order, its tokens routed
   // to global expert rank * 2 + j, in token order.
@@ -305,7 +305,9 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
     steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
                      {"consumed", st.consumed_samples}, {"activation_bytes", st.activation_bytes},
                      {"predicted_activation_bytes", st.predicted_activation_bytes},
-                     {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens}});
+                     {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens},
+                     {"load_balancing_loss", st.load_balancing_loss.value_or(-1.0)},
+                     {"z_loss", st.z_loss.value_or(-1.0)}});
   }
   return {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
 }
@@ -324,13 +326,15 @@ nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
 // steps on one global batch, under the recompute or offload strategy `strategy`; each rank
 // reports its steps and its place in the layout.
 // variant: "base" (dropless), "capacity" (capacity factor 1, tokens dropped), "padded" (and
-// padded to the capacity).
-TransformerConfig moe_config(int ep, bool dropout, const std::string& dispatcher,
+// padded to the capacity), "gated_bias" (dropless SwiGLU experts with biases, no grouping).
+TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& dispatcher,
                              const std::string& variant = "base") {
-  TransformerConfig c = base_config(1, false, dropout);
-  TORCH_CHECK(variant == "base" || variant == "capacity" || variant == "padded",
+  // MoE under tensor parallelism needs sequence parallelism (Megatron's rule).
+  TransformerConfig c = base_config(tp, tp > 1, dropout);
+  TORCH_CHECK(variant == "base" || variant == "capacity" || variant == "padded" ||
+                  variant == "gated_bias",
               "actmem_tp_worker: unknown MoE variant ", variant);
-  if (variant != "base") c.moe_expert_capacity_factor = 1.0;
+  if (variant == "capacity" || variant == "padded") c.moe_expert_capacity_factor = 1.0;
   c.moe_pad_expert_input_to_capacity = variant == "padded";
   c.num_moe_experts = 4;
   c.moe_router_topk = 2;
@@ -338,10 +342,19 @@ TransformerConfig moe_config(int ep, bool dropout, const std::string& dispatcher
   c.moe_grouped_gemm = true;
   c.moe_shared_expert_intermediate_size = 64;
   c.moe_aux_loss_coeff = 0.01;
+  c.moe_z_loss_coeff = 0.001;
   c.add_bias_linear = false;  // shared experts have no bias (Megatron's rule)
   c.moe_expert_dropout = dropout ? 0.1 : 0.0;
   c.expert_model_parallel_size = ep;
   c.moe_token_dispatcher_type = dispatcher;
+  if (variant == "gated_bias") {
+    // SwiGLU experts with biases, one MLP per expert (SequentialMLP), no shared experts (they
+    // take no bias): the gated halves' slices and fc2's bias under expert tensor parallelism.
+    c.gated_linear_unit = true;
+    c.add_bias_linear = true;
+    c.moe_grouped_gemm = false;
+    c.moe_shared_expert_intermediate_size.reset();
+  }
   return c;
 }
 
@@ -381,16 +394,18 @@ std::vector<std::pair<std::string, Mutator>> moe_strategies() {
   };
 }
 
-nlohmann::json run_experts(int ep, bool dropout, int64_t global_batch, const std::string& dispatcher,
-                           const std::string& only, const std::string& variant) {
+nlohmann::json run_experts(int tp, int ep, bool dropout, int64_t global_batch,
+                           const std::string& dispatcher, const std::string& only,
+                           const std::string& variant) {
   nlohmann::json out;
   for (const auto& [name, mutate] : moe_strategies()) {
     if (!only.empty() && name != only) continue;
-    TransformerConfig c = moe_config(ep, dropout, dispatcher, variant);
+    TransformerConfig c = moe_config(tp, ep, dropout, dispatcher, variant);
     mutate(c);
     out[name] = three_steps(c, global_batch);
   }
   return {{"strategies", out},
+          {"tp_rank", actmem::tensor_parallel_group().rank},
           {"ep_rank", actmem::expert_parallel_group().rank},
           {"ep_size", actmem::expert_parallel_group().size},
           {"edp_size", actmem::expert_data_parallel_group().size},
@@ -404,7 +419,7 @@ nlohmann::json run_experts(int ep, bool dropout, int64_t global_batch, const std
 // drew, so the difference comes from the stream, not from the rows.
 nlohmann::json run_expert_masks() {
   const auto& ep = actmem::expert_parallel_group();
-  TransformerConfig c = moe_config(ep.size, true, "alltoall");
+  TransformerConfig c = moe_config(1, ep.size, true, "alltoall");
   c.moe_expert_dropout = 0.5;
   const actmem::ActivationPlan plan = actmem::make_activation_plan(c);
   actmem::Experts experts(c, plan.layers[0], at::kFloat);
@@ -427,7 +442,7 @@ nlohmann::json run_expert_masks() {
     return collector.masks[0].second.to(at::kByte);
   };
   const at::Tensor mine = draw(ep.rank);
-  const at::Tensor all = actmem::all_gather_tokens(mine.unsqueeze(0), ep.pg);
+  const at::Tensor all = actmem::all_gather_tokens(mine.unsqueeze(0), ep);
   nlohmann::json out;
   out["dropped_fraction"] = 1.0 - mine.to(at::kDouble).mean().item<double>();
   out["ep_rank"] = ep.rank;
@@ -483,7 +498,7 @@ int main(int argc, char** argv) {
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch);
     } else if (scenario == "experts") {
-      result["experts"] = run_experts(ep, dropout, global_batch, dispatcher, only, variant);
+      result["experts"] = run_experts(std::max(tp, 1), ep, dropout, global_batch, dispatcher, only, variant);
     } else if (scenario == "expert_masks") {
       result["expert_masks"] = run_expert_masks();
     } else {

@@ -38,12 +38,15 @@ class MLP;
 struct MoEStats {
   struct Layer {
     int64_t layer_number = 0;  // 1-based, as Megatron's logs
-    /// Rows each of this rank's experts computed in the step's first training forward: the
-    /// routing the exact predictor takes for this layer (memory_model.h).
+    /// Rows each of this rank's experts computed in the first training forward since reset():
+    /// the routing the exact predictor takes for this layer (memory_model.h).
     std::vector<int64_t> tokens_per_expert;
     /// Rows this rank's router sent to the experts in that forward (differs from the sum of
     /// tokens_per_expert only with expert parallelism, whose experts compute every rank's rows).
     int64_t dispatched_rows = -1;
+    /// tokens_per_expert and dispatched_rows of the latest training forward.
+    std::vector<int64_t> last_tokens_per_expert;
+    int64_t last_dispatched_rows = -1;
     /// Token-expert pairs the router chose per expert, summed over the step (before capacity).
     std::vector<int64_t> routed_per_expert;
     int64_t routed = 0;   // token-expert pairs chosen, summed over the step's forwards
@@ -68,6 +71,8 @@ struct MoEStats {
   int64_t total_routed() const;
   /// tokens_per_expert and dispatched_rows of every MoE layer, in layer order.
   MoERouting routing() const;
+  /// The same for the latest training forward (the trainer predicts each micro-batch from it).
+  MoERouting last_routing() const;
 };
 
 /// Megatron's MoEAuxLossAutoScaler: returns `output` unchanged and, in backward, gives `aux_loss`
@@ -137,6 +142,10 @@ class Experts : public torch::nn::Module {
   at::Tensor forward_grouped(const at::Tensor& x, const std::vector<int64_t>& counts,
                              const at::Tensor& probs, ActivationOffloader* offloader);
   bool gated_, grouped_, bias_;
+  // fc2's bias is added once per token: by tensor rank 0 when the experts' fc2 products are
+  // partial sums over the tensor ranks (its gradient is summed over them, as a sequence-parallel
+  // parameter's).
+  bool fc2_bias_here_ = true;
   double dropout_;
   int64_t ep_size_;
   LayerPlan plan_;

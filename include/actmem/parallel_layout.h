@@ -48,6 +48,9 @@ struct ParallelLayout {
   std::string order = "tp-cp-ep-dp-pp";
   std::vector<std::vector<int>> tp_groups, pp_groups, dp_groups, cp_groups, mp_groups;
   std::vector<std::vector<int>> ep_groups, etp_groups, edp_groups;
+  /// The expert tensor- and expert-parallel ranks together (Megatron's
+  /// _TENSOR_AND_EXPERT_PARALLEL_GROUP): the all-gather dispatcher's group.
+  std::vector<std::vector<int>> tp_ep_groups;
   /// Per pipeline group, its first and last stage (Megatron's default_embedding_ranks: the
   /// word embedding and the output layer are kept in sync through it); one rank when p = 1.
   std::vector<std::vector<int>> embedding_groups;

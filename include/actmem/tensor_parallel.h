@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace actmem {
 
@@ -52,9 +53,30 @@ const TensorParallelGroup& expert_parallel_group();
 /// The ranks that hold the same experts (Megatron's expert-data-parallel group: world / (etp e p)
 /// ranks); expert gradients are summed over it. Size 1 until set.
 const TensorParallelGroup& expert_data_parallel_group();
-void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp);
-/// Sum of x over `group` (x itself for size 1); bf16 summed in fp32 as all_reduce_sum does.
+/// The expert tensor- and expert-parallel ranks together (t e adjacent ranks; Megatron's
+/// tensor-and-expert-parallel group): what the all-gather token dispatcher gathers over.
+const TensorParallelGroup& tensor_and_expert_parallel_group();
+void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
+                                TensorParallelGroup tp_ep);
+
+// ---- collectives on any group (x itself for size 1); inputs are not modified -----------------
+
+/// Sum of x over `group`; bf16 summed in fp32 as all_reduce_sum does.
 at::Tensor group_all_reduce_sum(const TensorParallelGroup& group, const at::Tensor& x);
+/// Every rank's x (same shape everywhere) concatenated along dim 0 in group-rank order.
+at::Tensor group_all_gather_dim0(const TensorParallelGroup& group, const at::Tensor& x);
+/// This rank's 1/size slice along dim 0, as a new tensor.
+at::Tensor group_split_dim0(const TensorParallelGroup& group, const at::Tensor& x);
+/// This rank's 1/size dim-0 slice of the group's sum (Note [Reduce-scatter on Gloo]).
+at::Tensor group_reduce_scatter_dim0(const TensorParallelGroup& group, const at::Tensor& x);
+/// Uneven all-gather: rank r contributes sizes[r] rows (x is this rank's); the result holds
+/// every rank's rows in rank order (Note [Uneven all-gather on Gloo] in tensor_parallel.cpp).
+at::Tensor group_all_gather_v(const TensorParallelGroup& group, const at::Tensor& x,
+                              const std::vector<int64_t>& sizes);
+/// Uneven reduce-scatter, group_all_gather_v's reverse: x holds sum(sizes) rows; the result is
+/// this rank's sizes[rank] rows of the group's sum.
+at::Tensor group_reduce_scatter_v(const TensorParallelGroup& group, const at::Tensor& x,
+                                  const std::vector<int64_t>& sizes);
 
 /// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
 /// NCCL for a CUDA device). With `tensor_parallel_size` t (0: the whole launch) the world is
@@ -82,7 +104,7 @@ class TensorParallelSession {
   TensorParallelSession& operator=(const TensorParallelSession&) = delete;
 };
 
-// ---- collectives on the group (identity for size 1); inputs are not modified ---------------
+// ---- collectives on the tensor-parallel group (identity for size 1) ---------------------------
 
 at::Tensor all_reduce_sum(const at::Tensor& x);
 /// Concatenation of every rank's x along dim 0 (x must have the same shape on every rank).
