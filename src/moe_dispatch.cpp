@@ -56,78 +56,46 @@ TensorParallelGroup saved_group(torch::autograd::AutogradContext* ctx) {
   return g;
 }
 
-at::Tensor gather_rows(const at::Tensor& x, const TensorParallelGroup& g) {
-  RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
-  return group_all_gather_dim0(g, x);
-}
-at::Tensor reduce_scatter_rows(const at::Tensor& x, const TensorParallelGroup& g) {
+// All-gathers (gather) or reduce-scatters the rows of x over a group: evenly when `sizes` is
+// empty, else with rank r holding sizes[r] rows (Note [Uneven all-gather on Gloo]).
+at::Tensor exchange_rows(const at::Tensor& x, const TensorParallelGroup& g, bool gather,
+                         const std::vector<int64_t>& sizes) {
+  if (gather) {
+    RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
+    return sizes.empty() ? group_all_gather_dim0(g, x) : group_all_gather_v(g, x, sizes);
+  }
   RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
-  return group_reduce_scatter_dim0(g, x);
+  return sizes.empty() ? group_reduce_scatter_dim0(g, x) : group_reduce_scatter_v(g, x, sizes);
 }
 
-struct GatherTokens : torch::autograd::Function<GatherTokens> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size) {
-    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
-    save_group(ctx, g);
-    return gather_rows(x, g);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {reduce_scatter_rows(grads[0], saved_group(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
-struct ReduceScatterTokens : torch::autograd::Function<ReduceScatterTokens> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size) {
-    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
-    save_group(ctx, g);
-    return reduce_scatter_rows(x, g);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    return {gather_rows(grads[0], saved_group(ctx)), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
-
+// exchange_rows as an autograd function: the backward of an all-gather is the reduce-scatter of
+// the gradients (every rank's consumers contributed to every row) and the other way round —
 // Megatron's gather_from_sequence_parallel_region / reduce_scatter_to_sequence_parallel_region
-// with split sizes, on the expert tensor-parallel group (Note [Uneven all-gather on Gloo]).
-struct GatherTokensV : torch::autograd::Function<GatherTokensV> {
+// on a given group, with or without split sizes.
+struct RowExchange : torch::autograd::Function<RowExchange> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
                             const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size,
-                            std::vector<int64_t> sizes) {
+                            bool gather, std::vector<int64_t> sizes) {
     const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
     save_group(ctx, g);
+    ctx->saved_data["gather"] = gather;
     ctx->saved_data["sizes"] = sizes;
-    RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
-    return group_all_gather_v(g, x, sizes);
+    return exchange_rows(x, g, gather, sizes);
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
-    RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
-    return {group_reduce_scatter_v(saved_group(ctx), grads[0], ctx->saved_data.at("sizes").toIntVector()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {exchange_rows(grads[0], saved_group(ctx), !ctx->saved_data.at("gather").toBool(),
+                          ctx->saved_data.at("sizes").toIntVector()),
+            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
 };
 
-struct ReduceScatterTokensV : torch::autograd::Function<ReduceScatterTokensV> {
-  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size,
-                            std::vector<int64_t> sizes) {
-    const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
-    save_group(ctx, g);
-    ctx->saved_data["sizes"] = sizes;
-    RECORD_FUNCTION("actmem::reduce_scatter_tokens", std::vector<c10::IValue>());
-    return group_reduce_scatter_v(g, x, sizes);
-  }
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    RECORD_FUNCTION("actmem::all_gather_tokens", std::vector<c10::IValue>());
-    return {group_all_gather_v(saved_group(ctx), grads[0], ctx->saved_data.at("sizes").toIntVector()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
-  }
-};
+at::Tensor exchange_tokens(const at::Tensor& x, const TensorParallelGroup& g, bool gather,
+                           const std::vector<int64_t>& sizes) {
+  if (g.size == 1) return x;
+  if (!x.requires_grad()) return exchange_rows(x, g, gather, sizes);
+  return RowExchange::apply(x, g.pg, g.rank, g.size, gather, sizes);
+}
 
 c10::intrusive_ptr<CollectiveGroup> saved_pg(torch::autograd::AutogradContext* ctx) {
   return c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
@@ -161,29 +129,21 @@ at::Tensor all_to_all(const at::Tensor& x, const std::vector<int64_t>& output_sp
 }
 
 at::Tensor all_gather_tokens(const at::Tensor& x, const TensorParallelGroup& group) {
-  if (group.size == 1) return x;
-  if (!x.requires_grad()) return gather_rows(x, group);
-  return GatherTokens::apply(x, group.pg, group.rank, group.size);
+  return exchange_tokens(x, group, true, {});
 }
 
 at::Tensor reduce_scatter_tokens(const at::Tensor& x, const TensorParallelGroup& group) {
-  if (group.size == 1) return x;
-  if (!x.requires_grad()) return reduce_scatter_rows(x, group);
-  return ReduceScatterTokens::apply(x, group.pg, group.rank, group.size);
+  return exchange_tokens(x, group, false, {});
 }
 
 at::Tensor all_gather_tokens_v(const at::Tensor& x, const TensorParallelGroup& group,
                                const std::vector<int64_t>& sizes) {
-  if (group.size == 1) return x;
-  if (!x.requires_grad()) return group_all_gather_v(group, x, sizes);
-  return GatherTokensV::apply(x, group.pg, group.rank, group.size, sizes);
+  return exchange_tokens(x, group, true, sizes);
 }
 
 at::Tensor reduce_scatter_tokens_v(const at::Tensor& x, const TensorParallelGroup& group,
                                    const std::vector<int64_t>& sizes) {
-  if (group.size == 1) return x;
-  if (!x.requires_grad()) return group_reduce_scatter_v(group, x, sizes);
-  return ReduceScatterTokensV::apply(x, group.pg, group.rank, group.size, sizes);
+  return exchange_tokens(x, group, false, sizes);
 }
 
 at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& split_sizes,

@@ -87,6 +87,16 @@ TEST(MoEConfig, MegatronsRulesWithItsMessages) {
                 "bias is not supported in the shared experts, ");
   check_refused([](auto& c) { c.num_moe_experts = 6; c.expert_model_parallel_size = 4; },
                 "Number of experts should be a multiple of expert model parallel_size.");
+  // MoELayer.forward's rule for tensor parallelism (refused up front), and the experts' columns
+  // must split over the expert tensor-parallel ranks.
+  check_refused([](auto& c) { c.tensor_model_parallel_size = 2; },
+                "During training, performance may degrade if MoE and tensor parallelism are "
+                "enabled without also enabling sequence parallelism.");
+  check_refused([](auto& c) {
+    c.tensor_model_parallel_size = 2;
+    c.sequence_parallel = true;
+    c.moe_ffn_hidden_size = 33;
+  }, "moe_ffn_hidden_size (33) must be divisible by expert_tensor_parallel_size (2)");
   check_refused([](auto& c) { c.moe_router_load_balancing_type = "sinkhorn"; },
                 "moe_router_load_balancing_type sinkhorn is not implemented");
   // Recompute rules 12 and 18 of validate_args, and the modules this model does not have.
