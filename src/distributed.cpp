@@ -1,6 +1,8 @@
 // distributed.cpp — environment parsing, process-group creation and the worker launcher.
 #include "actmem/distributed.h"
 
+#include "actmem/environment.h"
+
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
@@ -168,8 +170,15 @@ void on_signal(int sig) { g_forward_signal = sig; }
 }  // namespace
 
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
-                   std::chrono::milliseconds grace) {
-  return launch_program(nproc, "/proc/self/exe", args, master_port, grace);
+                   std::chrono::milliseconds grace, const LaunchNodes& nodes) {
+  return launch_program(nproc, "/proc/self/exe", args, master_port, grace, nodes);
+}
+
+int launch_port(int master_port, const LaunchNodes& nodes) {
+  TORCH_CHECK(master_port >= 0 && master_port < 65536, "actmem launch: --master-port must be a "
+              "TCP port in 1..65535 (or 0 for a free one), got ", master_port);
+  if (master_port > 0) return master_port;
+  return nodes.nnodes > 1 ? 29500 : free_loopback_port();
 }
 
 namespace {
@@ -244,13 +253,20 @@ void pump_worker_output(std::vector<WorkerOutput>& out, int64_t& order, int time
 }  // namespace
 
 int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
-                   int master_port, std::chrono::milliseconds grace) {
+                   int master_port, std::chrono::milliseconds grace, const LaunchNodes& nodes) {
   TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
   TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
               "actmem launch --nproc-per-node 2 -- train");
-  TORCH_CHECK(master_port >= 0 && master_port < 65536, "actmem launch: --master-port must be a "
-              "TCP port in 1..65535 (or 0 for a free one), got ", master_port);
-  const int port = master_port > 0 ? master_port : free_loopback_port();
+  TORCH_CHECK(nodes.nnodes >= 1, "actmem launch: --nnodes must be at least 1, got ", nodes.nnodes);
+  TORCH_CHECK(nodes.node_rank >= 0 && nodes.node_rank < nodes.nnodes, "actmem launch: --node-rank "
+              "must be in 0..", nodes.nnodes - 1, " for --nnodes ", nodes.nnodes, ", got ",
+              nodes.node_rank);
+  TORCH_CHECK(!nodes.master_addr.empty(), "actmem launch: --master-addr is empty");
+  const int port = launch_port(master_port, nodes);
+  // torchrun's default: one intra-op thread per core this launcher may use, split between its
+  // workers, unless the user chose (each of N workers taking every core only slows the step).
+  const std::string omp_threads = std::to_string(std::max(1, available_cores() / nproc));
+  const int first_rank = nodes.node_rank * nproc, world = nodes.nnodes * nproc;
   const pid_t launcher = getpid();
   std::vector<pid_t> pids;
   std::vector<WorkerOutput> output(static_cast<size_t>(nproc));
@@ -265,11 +281,14 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       prctl(PR_SET_PDEATHSIG, SIGTERM);      // die with the launcher: no orphans
       if (getppid() != launcher) _exit(1);   // the launcher died before prctl took effect
       ::dup2(pipe_fds[1], STDERR_FILENO);    // Note [Worker stderr]
-      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("RANK", std::to_string(first_rank + r).c_str(), 1);
       setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
+      setenv("GROUP_RANK", std::to_string(nodes.node_rank).c_str(), 1);
+      setenv("MASTER_ADDR", nodes.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      setenv("OMP_NUM_THREADS", omp_threads.c_str(), /*overwrite=*/0);
       std::vector<char*> argv;
       std::string self = program == "/proc/self/exe" ? "actmem" : program;
       argv.push_back(self.data());
@@ -355,7 +374,8 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
         const size_t text = line.empty() ? std::string::npos : line.find_first_not_of(' ', 6);
         const std::string message = text == std::string::npos ? "" : line.substr(text);
         std::fprintf(stderr, "actmem launch: worker %d failed (%s)%s%s; stopping the other %d\n",
-                     first, why.c_str(), message.empty() ? "" : ": ", message.c_str(), remaining);
+                     first_rank + first, why.c_str(), message.empty() ? "" : ": ", message.c_str(),
+                     remaining);
         std::fflush(stderr);
         stop_all(SIGTERM);
         stopping = true;

@@ -38,7 +38,7 @@ at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
   const bool as_half = x.is_cpu() && x.scalar_type() == at::kBFloat16;
   at::Tensor out_wire = as_half ? out.view(at::kHalf) : out;
   at::Tensor in_wire = as_half ? x.view(at::kHalf) : x;
-  pg.alltoall_base(out_wire, in_wire, output_splits, input_splits)->wait();
+  wait_and_release(pg.alltoall_base(out_wire, in_wire, output_splits, input_splits));
   return out;
 }
 

@@ -57,6 +57,13 @@ void check_group(const TensorParallelGroup& group, const char* api) {
 
 bool single() { return tensor_parallel_group().size == 1; }
 
+void check_dim0(const at::Tensor& x, const char* api) {
+  const int t = tensor_parallel_group().size;
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % t == 0, api, ": expected dim 0 divisible by the ",
+              "tensor-parallel size ", t, ", got shape ", x.sizes());
+}
+}  // namespace
+
 // Note [Collective buffers]: Gloo's worker thread holds a reference to a finished work object,
 // and through it to the tensors the collective used, until just after wait() returns. Waiting
 // for that reference to go makes a collective's temporary buffers free when the call returns,
@@ -68,13 +75,6 @@ void wait_and_release(c10::intrusive_ptr<c10d::Work> work) {
     std::this_thread::yield();
   }
 }
-
-void check_dim0(const at::Tensor& x, const char* api) {
-  const int t = tensor_parallel_group().size;
-  TORCH_CHECK(x.dim() >= 1 && x.size(0) % t == 0, api, ": expected dim 0 divisible by the ",
-              "tensor-parallel size ", t, ", got shape ", x.sizes());
-}
-}  // namespace
 
 const TensorParallelGroup& tensor_parallel_group() { return group_storage(); }
 

@@ -11,8 +11,9 @@
 
 #include <algorithm>
 #include <charconv>
-#include <filesystem>
 #include <cmath>
+#include <cstdlib>
+#include <filesystem>
 #include <limits>
 #include <thread>
 
@@ -356,7 +357,8 @@ void add_runtime_flags(CLI::App& app, TrainOptions& o) {
                  "Device memory limit in GiB (CPU; default: physical memory)")
       ->check(kPositive);
   app.add_option("--threads", o.threads,
-                 "Intra-op CPU threads, at most the cores available (default: one per core)")
+                 "Intra-op CPU threads, at most the cores available (default: OMP_NUM_THREADS when set, "
+                 "else one per core; `actmem launch` sets it to the cores / its workers)")
       ->check(integer_in_range(1, 1 << 20));
 }
 
@@ -409,7 +411,18 @@ int apply_thread_count(int threads) {
   TORCH_CHECK(threads <= cores, "actmem: --threads ", threads, " exceeds the ", cores,
               " core(s) this process may run on; more threads than cores only slow the step "
               "(give at most ", cores, ")");
-  const int n = threads > 0 ? threads : cores;
+  int n = threads > 0 ? threads : cores;
+  if (threads <= 0) {
+    // Without --threads: OMP_NUM_THREADS when set (as PyTorch reads it; `actmem launch` sets it
+    // to the cores / its workers), at most the cores.
+    if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && *env != '\0') {
+      char* end = nullptr;
+      const long v = std::strtol(env, &end, 10);
+      TORCH_CHECK(end != env && *end == '\0' && v >= 1, "actmem: OMP_NUM_THREADS must be a "
+                  "positive integer (or unset), got '", env, "'");
+      n = static_cast<int>(std::min<long>(v, cores));
+    }
+  }
   at::set_num_threads(n);
   return n;
 }

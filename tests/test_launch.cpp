@@ -1,11 +1,15 @@
-// test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, a failing worker
-// fails the launch with its message, and no worker outlives the launcher (SIGTERM or SIGKILL).
+// test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, two launchers as
+// two nodes, the workers' thread count, a failing worker fails the launch with its message, and
+// no worker outlives the launcher (SIGTERM or SIGKILL).
 #include "actmem/distributed.h"
+#include "actmem/environment.h"
 #include "test_util.h"
 
 #include <dirent.h>
 
+#include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <random>
 #include <thread>
@@ -111,6 +115,55 @@ TEST(Launch, SignalsReachTheWorkersAndKillingTheLauncherKillsThem) {
   }
 }
 
+TEST(Launch, TwoNodesOnLoopbackFormOneWorld) {
+  // torchrun's multi-node flags: two launchers (two "nodes" on the loopback address), one worker
+  // each, meet at node 0's port; the tensor-parallel group of the check spans both nodes, and
+  // only global rank 0 (on node 0) reports.
+  const std::string dir = actmem::testing::fresh_temp_dir("two_nodes");
+  const std::string port = std::to_string(free_loopback_port());
+  auto node = [&](int r) {
+    return std::string(ACTMEM_BINARY) + " launch --nnodes 2 --node-rank " + std::to_string(r) +
+           " --master-addr 127.0.0.1 --master-port " + port +
+           " --nproc-per-node 1 -- dist-check --tensor-model-parallel-size 2 > " + dir + "/node" +
+           std::to_string(r) + ".txt 2>&1; echo $? > " + dir + "/rc" + std::to_string(r);
+  };
+  ASSERT_EQ(std::system(("(" + node(1) + ") & " + node(0) + "; wait").c_str()), 0);
+  auto read = [&](const std::string& name) {
+    std::ifstream f(dir + "/" + name);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  };
+  EXPECT_EQ(read("rc0"), "0\n") << read("node0.txt");
+  EXPECT_EQ(read("rc1"), "0\n") << read("node1.txt");
+  EXPECT_NE(read("node0.txt").find("all-reduce ok on 2 ranks"), std::string::npos) << read("node0.txt");
+  EXPECT_NE(read("node0.txt").find("tp        [[0, 1]]"), std::string::npos) << read("node0.txt");
+  EXPECT_EQ(read("node1.txt").find("all-reduce ok"), std::string::npos) << read("node1.txt");
+}
+
+TEST(Launch, WorkersShareTheCoresUnlessOmpNumThreadsIsSet) {
+  // Each of N workers gets OMP_NUM_THREADS = cores / N (at least 1), as torchrun sets it, and
+  // train without --threads uses it; a value the user set is kept.
+  const std::string train = "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
+                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+                            "--seq-length 16 --micro-batch-size 2 --train-iters 1 --eval-interval 0";
+  const int expected = std::max(1, available_cores() / 2);
+  unsetenv("OMP_NUM_THREADS");
+  auto r = run_actmem(train);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| " + std::to_string(expected) + " threads\n"), std::string::npos) << r.output;
+  setenv("OMP_NUM_THREADS", "1", 1);
+  r = run_actmem(train);
+  unsetenv("OMP_NUM_THREADS");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("| 1 threads\n"), std::string::npos) << r.output;
+  setenv("OMP_NUM_THREADS", "two", 1);
+  r = run_actmem("train --train-iters 1 --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+                 "--seq-length 16 --micro-batch-size 2 --eval-interval 0");
+  unsetenv("OMP_NUM_THREADS");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("OMP_NUM_THREADS must be a positive integer (or unset), got 'two'"),
+            std::string::npos) << r.output;
+}
+
 TEST(Launch, BadInputIsAClearError) {
   auto r = run_actmem("launch --nproc-per-node 0 -- dist-check");
   EXPECT_NE(r.exit_code, 0);
@@ -118,6 +171,10 @@ TEST(Launch, BadInputIsAClearError) {
   r = run_actmem("launch --nproc-per-node 2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("command"), std::string::npos) << r.stderr_text;
+  r = run_actmem("launch --nnodes 2 --node-rank 2 --nproc-per-node 1 -- dist-check");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("--node-rank must be in 0..1 for --nnodes 2, got 2"), std::string::npos)
+      << r.stderr_text;
 }
 
 TEST(DistEnv, ParsesAndValidatesTheVariables) {

@@ -71,18 +71,35 @@ c10::intrusive_ptr<CollectiveGroup> new_subgroup(const WorldGroup& world,
                                                  const std::vector<int>& ranks,
                                                  const std::string& name);
 
-/// Starts `nproc` copies of this program (argv = `args`) with RANK, WORLD_SIZE, LOCAL_RANK,
-/// MASTER_ADDR and MASTER_PORT set; forwards SIGINT and SIGTERM to them; when one exits
-/// non-zero (or dies), stops the others (SIGTERM, then SIGKILL after `grace`) and returns that
-/// worker's exit code, after printing "actmem launch: worker R failed ..." on stderr; returns 0
-/// when all succeed. Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
+/// Where this launcher's workers sit in a launch over several nodes (torchrun's --nnodes,
+/// --node-rank, --master-addr): node R's local worker L is global rank R * nproc + L of a world
+/// of nnodes * nproc, and all of them meet at master_addr (which node 0's rank 0 hosts).
+struct LaunchNodes {
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+};
+
+/// The port a launch rendezvouses on: `master_port` when given (> 0); otherwise a free loopback
+/// port for one node, torchrun's 29500 for several (every node must name the same one).
+int launch_port(int master_port, const LaunchNodes& nodes);
+
+/// Starts `nproc` copies of this program (argv = `args`) with torchrun's variables: RANK,
+/// WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT, and
+/// OMP_NUM_THREADS = this machine's cores / nproc (at least 1) unless it is set already;
+/// forwards SIGINT and SIGTERM to them; when one exits non-zero (or dies), stops the others
+/// (SIGTERM, then SIGKILL after `grace`) and returns that worker's exit code, after printing
+/// "actmem launch: worker R failed ..." (R its global rank) on stderr; returns 0 when all
+/// succeed. Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
-                   std::chrono::milliseconds grace = std::chrono::seconds(5));
+                   std::chrono::milliseconds grace = std::chrono::seconds(5),
+                   const LaunchNodes& nodes = {});
 
 /// launch_workers for another program: starts `nproc` copies of `program` (a path) with
 /// arguments `args` (argv[1...]) and the same environment, signal and failure handling.
 int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
-                   int master_port, std::chrono::milliseconds grace = std::chrono::seconds(5));
+                   int master_port, std::chrono::milliseconds grace = std::chrono::seconds(5),
+                   const LaunchNodes& nodes = {});
 
 /// A free TCP port on the loopback interface (for MASTER_PORT when none is given).
 int free_loopback_port();

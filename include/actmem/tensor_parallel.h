@@ -23,6 +23,10 @@
 #include <string>
 #include <vector>
 
+namespace c10d {
+class Work;
+}  // namespace c10d
+
 namespace actmem {
 
 /// The ranks that split each layer's weights (here: every process of the launch).
@@ -60,6 +64,11 @@ void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
                                 TensorParallelGroup tp_ep);
 
 // ---- collectives on any group (x itself for size 1); inputs are not modified -----------------
+
+/// Waits for a collective and then, briefly (at most 200 ms), for Gloo to drop its reference to
+/// the work, so the buffers it used are freed when this returns (Note [Collective buffers] in
+/// tensor_parallel.cpp). Every collective of actmem waits this way.
+void wait_and_release(c10::intrusive_ptr<c10d::Work> work);
 
 /// Sum of x over `group`; bf16 summed in fp32 as all_reduce_sum does.
 at::Tensor group_all_reduce_sum(const TensorParallelGroup& group, const at::Tensor& x);

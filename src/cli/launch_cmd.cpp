@@ -23,6 +23,7 @@ namespace {
 struct LaunchOptions {
   int nproc = 2;
   int master_port = 0;
+  LaunchNodes nodes;
   std::vector<std::string> command;
 };
 
@@ -84,12 +85,29 @@ int run_check(const CheckOptions& o) {
 Runner add_launch_command(CLI::App& app) {
   auto o = std::make_shared<LaunchOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "launch", "Start N worker processes of a subcommand: actmem launch --nproc-per-node N -- CMD");
+      "launch", "Start N worker processes of a subcommand: actmem launch --nproc-per-node N "
+                "[--nnodes M --node-rank R --master-addr A --master-port P] -- CMD");
   cmd->add_option("--nproc-per-node", o->nproc, "Worker processes")->capture_default_str();
-  cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free one)")
+  cmd->add_option("--nnodes", o->nodes.nnodes, "Nodes (machines) of the launch, each running this "
+                  "command with its --node-rank")
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1 << 16));
+  cmd->add_option("--node-rank", o->nodes.node_rank, "This node's index, 0..nnodes-1 (node 0 hosts "
+                  "the rendezvous)")
+      ->capture_default_str()
+      ->check(integer_in_range(0, (1 << 16) - 1));
+  cmd->add_option("--master-addr", o->nodes.master_addr, "Address of node 0, where every worker "
+                  "meets")
+      ->capture_default_str();
+  cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free "
+                  "one on one node, 29500 across nodes)")
       ->check(integer_in_range(1, 65535));
   cmd->add_option("command", o->command, "The subcommand and its flags, after --")->required();
-  return [o, cmd]() { return cmd->parsed() ? launch_workers(o->nproc, o->command, o->master_port) : -1; };
+  return [o, cmd]() {
+    return cmd->parsed() ? launch_workers(o->nproc, o->command, o->master_port,
+                                          std::chrono::seconds(5), o->nodes)
+                         : -1;
+  };
 }
 
 Runner add_dist_check_command(CLI::App& app) {
