@@ -578,4 +578,16 @@ nlohmann::json BlasReport::to_json() const {
           {"cpu_features", cpu.to_string()}};
 }
 
+bool set_blas_threads(int n) {
+  if (void* f = dlsym(RTLD_DEFAULT, "openblas_set_num_threads")) {
+    reinterpret_cast<void (*)(int)>(f)(n);
+    return true;
+  }
+  if (void* f = dlsym(RTLD_DEFAULT, "bli_thread_set_num_threads")) {
+    reinterpret_cast<void (*)(long)>(f)(n);
+    return true;
+  }
+  return false;
+}
+
 }  // namespace actmem

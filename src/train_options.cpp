@@ -1,6 +1,7 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
 #include "actmem/train_options.h"
 
+#include "actmem/blas_kernels.h"
 #include "actmem/environment.h"
 #include "actmem/tokenizer.h"
 
@@ -424,6 +425,7 @@ int apply_thread_count(int threads) {
     }
   }
   at::set_num_threads(n);
+  set_blas_threads(n);  // the BLAS pool too (blas_kernels.h)
   return n;
 }
 

@@ -13,6 +13,7 @@
 //     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
 //     strategy; WORLD_SIZE = E x the expert-data-parallel size)
 //   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
+#include "actmem/blas_kernels.h"
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
@@ -486,6 +487,7 @@ int main(int argc, char** argv) {
       }
     }
     at::set_num_threads(1);  // N ranks share this machine's cores
+    actmem::set_blas_threads(1);  // and BLAS's pool: one thread whatever the launch's OMP_NUM_THREADS
     const actmem::DistEnv env = actmem::dist_env_from_environment();
     const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp, ep);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};

@@ -100,6 +100,13 @@ ProbeCheck check_gemm_result(const std::string& routine, const std::vector<doubl
 /// and exits. Otherwise returns at once. prepare_process() calls it first; a program that runs
 /// probes without prepare_process() (the test binary) calls it at the top of main.
 void maybe_run_blas_probe();
+
+/// Sets the BLAS library's own thread count (OpenBLAS's openblas_set_num_threads, BLIS's
+/// bli_thread_set_num_threads; nothing for others). at::set_num_threads does not reach it: OpenBLAS
+/// sizes its pool from OMP_NUM_THREADS / OPENBLAS_NUM_THREADS or the cores at load time, and how
+/// many threads split a product can change its bits on some kernels (Haswell's), so two runs that
+/// must agree bitwise need the same count. Returns whether a library took it.
+bool set_blas_threads(int n);
 /// Runs the probe in a child process (this program, re-executed with OPENBLAS_CORETYPE=core and
 /// ACTMEM_BLAS_PROBE=1) and returns its verdict; a crash, a hang beyond `timeout_s` or garbage
 /// output is a failed verdict, never an error of the caller.
