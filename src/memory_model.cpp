@@ -359,9 +359,7 @@ const MoELayerRouting* layer_routing(const MoERouting* routing, size_t moe_index
   }
   return &(*routing)[moe_index];
 }
-}  // namespace
 
-namespace {
 // The tokens one rank's router sees: s*b, or s*b/t with sequence parallelism (which MoE under
 // tensor parallelism requires).
 int64_t router_tokens(const TransformerConfig& c) {
