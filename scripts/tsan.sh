@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# tsan.sh — build the tests with ThreadSanitizer (build-tsan/) and run the offload tests under it.
+# tsan.sh — build the offload tests (actmem_offload_tests: test_offload.cpp, test_moe.cpp) with
+# ThreadSanitizer (build-tsan/) and run them under it.
 # The offload tests run in-process with one intra-op thread; libtorch and libgomp are not
 # instrumented, so multi-threaded kernels outside our code would only add false reports.
 # Fails on any ThreadSanitizer report. Run after scripts/setup.sh (CI: .ci/run).
@@ -8,8 +9,8 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="$root/build-tsan"
 cmake -S "$root" -B "$build" -DCMAKE_BUILD_TYPE=RelWithDebInfo -DACTMEM_SANITIZE=thread \
   -DACTMEM_BUILD_BENCH=OFF >/dev/null
-cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target actmem_tests
+cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" --target actmem_offload_tests
 filter='CopyStream*:HostPool*:ActivationOffloader*:K/*:LayerOffload*:Modules/*:FineGrainedMemory*:FineGrained.ValidationMessages:MoEOffload*'
 TSAN_OPTIONS="halt_on_error=1 exitcode=66 ${TSAN_OPTIONS:-}" OMP_NUM_THREADS=1 \
-  "$build/tests/actmem_tests" --gtest_filter="$filter"
+  "$build/tests/actmem_offload_tests" --gtest_filter="$filter"
 echo "tsan: offload tests clean under ThreadSanitizer"

@@ -195,6 +195,9 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
   }
   TORCH_CHECK(c.cpu_offloading_num_layers == 0, "actmem::TransformerConfig: "
               "fine_grained_activation_offloading cannot be enabled with cpu_offloading.");
+  TORCH_CHECK(c.pipeline_model_parallel_size == 1, "actmem::TransformerConfig: "
+              "fine_grained_activation_offloading with pipeline parallelism is not implemented "
+              "yet (pipeline_model_parallel_size ", c.pipeline_model_parallel_size, ")");
   TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name "
               "at least one module when fine_grained_activation_offloading is on");
   const auto invalid = resolve_names(c.offload_modules, kOffloadModuleNames, plan.offload_modules);
@@ -236,14 +239,21 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
 }
 
 // Megatron's _checkpointed_forward (megatron/core/transformer/transformer_block.py): uniform =
-// chunks of n layers, the last clamped; block = the first n layers, one checkpoint each.
-std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan, int64_t num_layers) {
+// chunks of n layers, the last clamped; block = the first n layers, one checkpoint each. It runs
+// on each pipeline stage's own layers, so with pipeline parallelism n counts the stage's layers
+// (uniform chunks restart at every stage, block takes the first n of every stage).
+std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan,
+                                               const TransformerConfig& c) {
   std::vector<CheckpointChunk> chunks;
   const int64_t n = plan.recompute_num_layers;
-  if (plan.method == RecomputeMethod::kUniform) {
-    for (int64_t i = 0; i < num_layers; i += n) chunks.push_back({i, std::min(i + n, num_layers)});
-  } else if (plan.method == RecomputeMethod::kBlock) {
-    for (int64_t i = 0; i < std::min(n, num_layers); ++i) chunks.push_back({i, i + 1});
+  for (int64_t stage = 0; stage < c.pipeline_model_parallel_size; ++stage) {
+    const auto [first, count] = c.pipeline_stage_layers(stage);
+    const int64_t end = first + count;
+    if (plan.method == RecomputeMethod::kUniform) {
+      for (int64_t i = first; i < end; i += n) chunks.push_back({i, std::min(i + n, end)});
+    } else if (plan.method == RecomputeMethod::kBlock) {
+      for (int64_t i = first; i < std::min(first + n, end); ++i) chunks.push_back({i, i + 1});
+    }
   }
   return chunks;
 }
@@ -292,7 +302,7 @@ ActivationPlan make_activation_plan(const TransformerConfig& c) {
   resolve_layer_offload(c, plan);
   resolve_recompute(c, plan);
   resolve_fine_grained_offload(c, plan);
-  plan.chunks = checkpoint_chunks(plan, c.num_layers);
+  plan.chunks = checkpoint_chunks(plan, c);
   plan.layers.resize(static_cast<size_t>(c.num_layers));
   for (size_t k = 0; k < plan.chunks.size(); ++k) {
     for (int64_t i = plan.chunks[k].start; i < plan.chunks[k].end; ++i) {
@@ -338,6 +348,12 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
       const LayerPlan& l = plan.layers[static_cast<size_t>(i)];
       TORCH_CHECK(l.chunk == static_cast<int>(k) && l.starts_chunk == (i == chunk.start), api,
                   "layer ", i, " does not say it runs in chunk ", k);
+    }
+    for (int64_t stage = 0; stage < c.pipeline_model_parallel_size; ++stage) {
+      const auto layers = c.pipeline_stage_layers(stage);
+      TORCH_CHECK(layers.contains(chunk.start) == layers.contains(chunk.end - 1), api, "chunk ", k,
+                  " [", chunk.start, ", ", chunk.end, ") crosses the boundary of pipeline stage ",
+                  stage, " (layers ", layers.offset, "..", layers.offset + layers.count - 1, ")");
     }
     next = chunk.end;
   }

@@ -119,6 +119,63 @@ int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t experts, doubl
       std::ceil(static_cast<double>(tokens * topk) / static_cast<double>(experts) * factor));
 }
 
+namespace {
+// Megatron's pipeline split rules: the even split of validate_args (megatron/training/
+// arguments.py), the uneven one of TransformerConfig.__post_init__ ("Uneven PP",
+// megatron/core/transformer/transformer_config.py), with their messages.
+void validate_pipeline(const TransformerConfig& c) {
+  const char* api = "actmem::TransformerConfig: ";
+  const int64_t p = c.pipeline_model_parallel_size;
+  check_positive(p, "pipeline_model_parallel_size");
+  TORCH_CHECK(p == 1 || !c.is_moe(), api, "MoE layers with pipeline parallelism are not "
+              "implemented yet (pipeline_model_parallel_size ", p, ")");
+  const auto& first = c.decoder_first_pipeline_num_layers;
+  const auto& last = c.decoder_last_pipeline_num_layers;
+  if (!first && !last) {
+    TORCH_CHECK(c.num_layers % p == 0, api, "Number of layers should be divisible by the "
+                "pipeline-model-parallel size (num_layers ", c.num_layers, ", pipeline size ", p, ")");
+    return;
+  }
+  int64_t layers = c.num_layers, stages = p;
+  if (first) {
+    TORCH_CHECK(*first > 0, api, "num_layers_in_first_pipeline_stage must be larger than 0 (got ",
+                *first, ")");
+    layers -= *first;
+    --stages;
+  }
+  if (last) {
+    TORCH_CHECK(*last > 0, api, "num_layers_in_last_pipeline_stage must be larger than 0 (got ",
+                *last, ")");
+    layers -= *last;
+    --stages;
+  }
+  // Megatron's "Mismatch" check; a negative remainder (more layers asked for than the model has)
+  // is refused here too (Megatron would go on with a negative count).
+  TORCH_CHECK(layers >= 0 && stages >= 0 && (layers != 0) == (stages != 0), api, "Mismatch: ",
+              layers, " middle layers remaining but ", stages, " middle PP stages available "
+              "(num_layers ", c.num_layers, ", pipeline size ", p, ")");
+  TORCH_CHECK(stages == 0 || layers % stages == 0, api, "number of layers at middle stage: ",
+              layers, " must be divisible by the middle pipeline model parallel size ", stages);
+}
+}  // namespace
+
+TransformerConfig::StageLayers TransformerConfig::pipeline_stage_layers(int64_t stage) const {
+  const int64_t p = pipeline_model_parallel_size;
+  TORCH_CHECK(stage >= 0 && stage < p, "actmem::TransformerConfig::pipeline_stage_layers: stage ",
+              stage, " outside 0..", p - 1);
+  const auto& first = decoder_first_pipeline_num_layers;
+  const auto& last = decoder_last_pipeline_num_layers;
+  if (!first && !last) return {stage * (num_layers / p), num_layers / p};
+  // Megatron's get_transformer_layer_offset / get_num_layers_to_build for uneven splits.
+  const int64_t middle_stages = p - (first ? 1 : 0) - (last ? 1 : 0);
+  const int64_t middle_layers = num_layers - first.value_or(0) - last.value_or(0);
+  const int64_t per_middle = middle_stages > 0 ? middle_layers / middle_stages : 0;
+  if (first && stage == 0) return {0, *first};
+  if (last && stage == p - 1) return {num_layers - *last, *last};
+  const int64_t middle_index = stage - (first ? 1 : 0);
+  return {first.value_or(0) + middle_index * per_middle, per_middle};
+}
+
 std::vector<bool> TransformerConfig::moe_layers() const {
   std::vector<bool> out(static_cast<size_t>(std::max<int64_t>(num_layers, 0)), false);
   if (!is_moe()) return out;
@@ -316,9 +373,7 @@ void TransformerConfig::validate_shape() const {
               num_attention_heads, ") must be divisible by tensor_model_parallel_size (", t, ")");
   TORCH_CHECK(ffn() % t == 0, "actmem::TransformerConfig: ffn_hidden_size (", ffn(),
               ") must be divisible by tensor_model_parallel_size (", t, ")");
-  TORCH_CHECK(pipeline_model_parallel_size == 1, "actmem::TransformerConfig: "
-              "pipeline_model_parallel_size must be 1 (pipeline parallelism is not implemented), "
-              "got ", pipeline_model_parallel_size);
+  validate_pipeline(*this);
   TORCH_CHECK(!sequence_parallel || t > 1, "actmem::TransformerConfig: "
               "sequence_parallel requires tensor_model_parallel_size > 1");
   TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
@@ -377,6 +432,8 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"num_moe_experts", c.is_moe() ? nlohmann::json(c.num_moe_experts) : nlohmann::json(nullptr)},
   };
   auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+  j["decoder_first_pipeline_num_layers"] = opt(c.decoder_first_pipeline_num_layers);
+  j["decoder_last_pipeline_num_layers"] = opt(c.decoder_last_pipeline_num_layers);
   j["multi_latent_attention"] = c.multi_latent_attention;
   if (c.multi_latent_attention) {
     j["q_lora_rank"] = opt(c.q_lora_rank);
@@ -414,6 +471,10 @@ nlohmann::json to_json(const TransformerConfig& c) {
 }
 
 void TrainingConfig::validate(const TransformerConfig& model) const {
+  TORCH_CHECK(model.pipeline_model_parallel_size == 1 || (save.empty() && load.empty()),
+              "actmem::TrainingConfig: --save and --load with pipeline parallelism are not "
+              "implemented yet (pipeline_model_parallel_size ", model.pipeline_model_parallel_size,
+              ")");
   TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
               "got ", global_batch_size);
   const int64_t gbs = global_batch(model.micro_batch_size);

@@ -412,8 +412,13 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
 
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, const ActivationPlan& plan,
                                         int64_t e, bool snapshots_on_device,
-                                        const MoERouting* routing) {
+                                        const MoERouting* routing, int64_t pipeline_stage) {
   c.validate_shape();
+  // A pipeline stage counts its own layers; the embedding is the first stage's, the final norm,
+  // output layer and loss the last's.
+  const TransformerConfig::StageLayers stage = c.pipeline_stage_layers(pipeline_stage);
+  const bool first_stage = pipeline_stage == 0;
+  const bool last_stage = pipeline_stage == c.pipeline_model_parallel_size - 1;
   TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
               "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
               " layers, the config ", c.num_layers);
@@ -569,9 +574,9 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
         (lp.recompute_mla_up_proj ? 0 : T * c.num_attention_heads * (2 * dq + dv) * e) + scores);
     add(attn + ".linear_proj", T * c.num_attention_heads * dv * e);
   };
-  add("embedding", hidden_drop ? sbh : 0);
+  if (first_stage) add("embedding", hidden_drop ? sbh : 0);
   size_t moe_layers_before = 0;  // MoE layers before layer i, chunked or not
-  for (int64_t i = 0; i < c.num_layers; ++i) {
+  for (int64_t i = stage.offset; i < stage.offset + stage.count; ++i) {
     const LayerPlan& lp = plan.layers[static_cast<size_t>(i)];
     const std::string layer = "decoder.layers." + std::to_string(i);
     const size_t moe_index = moe_layers_before;  // this layer's index in the routing
@@ -614,6 +619,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     add(layer + ".mlp_bda", hidden_drop ? sbh : 0);
   }
+  if (!last_stage) return p;
   add("decoder.final_layernorm", sbh * e + norm_stats);
   add("output_layer", sbh_full * e);  // the gathered [s, b, h] input of the replicated layer
   // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.

@@ -745,21 +745,29 @@ void mark_on_backward(const at::Tensor& t, std::string label) {
 }  // namespace
 
 TransformerBlock::TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
-                                   at::ScalarType dtype)
-    : config_(config), plan_(plan) {
+                                   at::ScalarType dtype, TransformerConfig::StageLayers stage,
+                                   bool post_process)
+    : config_(config), plan_(plan), offset_(stage.offset) {
+  if (stage.count < 0) stage.count = config.num_layers;  // the whole model
+  // Registered as layers.0 .. layers.(count - 1) on every stage (Megatron's local numbering);
+  // their layer_number is global (offset + i + 1).
   auto list = register_module("layers", std::make_shared<LayerList>());
-  for (int64_t i = 0; i < config.num_layers; ++i) {
+  for (int64_t i = 0; i < stage.count; ++i) {
+    const int64_t global = stage.offset + i;
     layers.push_back(list->register_module(
         std::to_string(i), std::make_shared<TransformerLayer>(
-                               config, plan.layers[static_cast<size_t>(i)], i + 1, dtype)));
+                               config, plan.layers[static_cast<size_t>(global)], global + 1, dtype)));
   }
-  final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
+  if (post_process) {
+    final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
+  }
 }
 
 at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_t end,
                                         const LayerContext& ctx) {
   const std::string prefix = is_recomputing() ? "recompute layer " : "fwd layer ";
   ActivationOffloader* off = is_training() ? ctx.offloader : nullptr;
+  // start and end are global layer indices (the plan's); layers[] holds this stage's.
   for (int64_t i = start; i < end; ++i) {
     const LayerPlan& lp = plan_.layers[static_cast<size_t>(i)];
     mark_on_backward(hidden, "bwd layer " + std::to_string(i));
@@ -771,7 +779,8 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
     // of layer K - 1 (OffloadSchedule's prefetch order).
     OffloadRegion region(lp.layer_group ? off : nullptr, "layer", GroupKind::kLayer,
                          lp.offload_layer);
-    hidden = region.commit(layers[static_cast<size_t>(i)]->forward(region.enter(hidden), ctx));
+    hidden = region.commit(
+        layers[static_cast<size_t>(i - offset_)]->forward(region.enter(hidden), ctx));
     timeline_mark(prefix + std::to_string(i));
   }
   return hidden;
@@ -786,11 +795,13 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
       config_.sequence_parallel && is_training() && any_dropout
           ? fork_model_parallel_rng(true, "actmem::TransformerBlock: sequence parallelism")
           : std::nullopt;
-  const auto L = static_cast<int64_t>(layers.size());
+  const int64_t L = offset_ + static_cast<int64_t>(layers.size());  // one past this stage's last
   if (plan_.full_recompute() && is_training()) {
-    // Megatron's checkpointed_forward: only each chunk's input is kept.
-    int64_t next = 0;
+    // Megatron's checkpointed_forward: only each chunk's input is kept. The plan's chunks never
+    // cross a stage boundary (check_activation_plan); this stage runs its own.
+    int64_t next = offset_;
     for (const auto& chunk : plan_.chunks) {
+      if (chunk.start < offset_ || chunk.start >= L) continue;
       hidden = run_layers(hidden, next, chunk.start, ctx);  // layers before a block chunk: plain
       ModuleScope scope("layers", chunk.start);  // the chunk's saved input belongs to its first layer
       hidden = checkpoint(
@@ -802,8 +813,9 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
     }
     hidden = run_layers(hidden, next, L, ctx);
   } else {
-    hidden = run_layers(hidden, 0, L, ctx);
+    hidden = run_layers(hidden, offset_, L, ctx);
   }
+  if (!final_layernorm) return hidden;  // not the last pipeline stage
   mark_on_backward(hidden, "bwd head");
   ModuleScope scope("final_layernorm");
   return final_layernorm->forward(hidden);
@@ -842,6 +854,14 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
               " but this process is in an expert-parallel group of ", expert_parallel_group().size,
               expert_parallel_group().size == 1 ? " (run it under `actmem launch` with a multiple of "
               "tensor x expert parallel sizes as the number of processes)" : "");
+  const TensorParallelGroup& pp = pipeline_parallel_group();
+  TORCH_CHECK(pp.size == config.pipeline_model_parallel_size, "actmem::GPTModel: "
+              "pipeline_model_parallel_size is ", config.pipeline_model_parallel_size, " but this "
+              "process is in a pipeline of ", pp.size, pp.size == 1 ? " (run it under `actmem launch` "
+              "with a multiple of tensor x pipeline parallel sizes as the number of processes)" : "");
+  stage_ = config.pipeline_stage_layers(pp.rank);
+  pre_process_ = pp.rank == 0;
+  post_process_ = pp.rank == pp.size - 1;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
   t_init_gen = &gen;
   struct Reset {
@@ -852,18 +872,23 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
   // Megatron's output_layer_init_method: std / sqrt(2 * num_layers) for the residual projections.
   const double scaled_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
 
-  auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
-  word_embeddings =
-      embedding->register_module("word_embeddings",
-                                 std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
-          ->weight;
-  if (!config.use_rope()) {
-    position_embeddings =
-        embedding
-            ->register_module("position_embeddings",
-                              std::make_shared<WeightHolder>(
-                                  init_normal({config.max_positions(), h}, std, dtype)))
-            ->weight;
+  // Note [Pipeline stages draw the whole model]
+  // Every stage draws every weight in the single-process order and keeps its own (the layers of
+  // other stages are built, drawn and dropped one at a time), so a model split into p stages is
+  // the same function for every p: runs compare across layouts and a stage's weights do not
+  // depend on the split. (Megatron initialises each stage from seed + 100 * pipeline rank.)
+  const at::Tensor word = init_normal({v, h}, std, dtype);
+  const at::Tensor positions =
+      config.use_rope() ? at::Tensor() : init_normal({config.max_positions(), h}, std, dtype);
+  if (pre_process_) {
+    auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
+    word_embeddings =
+        embedding->register_module("word_embeddings", std::make_shared<WeightHolder>(word))->weight;
+    if (positions.defined()) {
+      position_embeddings =
+          embedding->register_module("position_embeddings", std::make_shared<WeightHolder>(positions))
+              ->weight;
+    }
   }
   // The RoPE tables: MLA's attention rotates its own decoupled part (Note [MLA's RoPE]) and
   // Megatron's GPTModel builds no model-level RoPE for it (learned absolute positions still
@@ -879,7 +904,8 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     rope_->sin = holder->register_buffer("sin", rope_->sin);
   }
   causal_mask_ = make_causal_mask(config.max_positions());
-  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, plan_, dtype));
+  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, plan_, dtype,
+                                                                         stage_, post_process_));
   {
     // Every rank draws the full (t = 1) weights in the same order and keeps its slice, so a
     // tensor-parallel model computes the same function as the single-process one (Megatron's
@@ -889,7 +915,7 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     const int64_t f = config.ffn();
     auto rows = [&](const at::Tensor& full) { return full.chunk(t, 0)[r]; };
     auto cols = [&](const at::Tensor& full) { return full.chunk(t, 1)[r]; };
-    for (auto& layer : decoder->layers) {
+    auto init_layer = [&](TransformerLayer* layer) {
       if (MLASelfAttention* mla = layer->mla_attention.get()) {
         // Megatron's construction order: linear_proj, the query projection(s), kv down and up.
         auto draw = [&](Linear& l, double sd) {
@@ -911,11 +937,19 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       }
       if (layer->moe) {
         init_moe_layer(*layer->moe, config, std, scaled_std, dtype);
-        continue;
+        return;
       }
       layer->mlp->linear_fc1->weight.copy_(fc1_slice(
           init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype), config.gated_linear_unit));
       layer->mlp->linear_fc2->weight.copy_(fc2_slice(init_normal({h, f}, scaled_std, dtype)));
+    };
+    for (int64_t i = 0; i < config.num_layers; ++i) {
+      if (stage_.contains(i)) {
+        init_layer(decoder->layers[static_cast<size_t>(i - stage_.offset)].get());
+      } else {  // another stage's layer: drawn to keep the order, then dropped
+        TransformerLayer other(config, plan_.layers[static_cast<size_t>(i)], i + 1, dtype);
+        init_layer(&other);
+      }
     }
   }
   for (auto& layer : decoder->layers) {
@@ -928,13 +962,24 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
   for (auto& layer : decoder->layers) {
     if (layer->moe) layer->moe->set_stats(&moe_stats_.layers[next_moe++]);
   }
+  if (!post_process_) return;
   if (config.untie_embeddings_and_output_weights) {
     output_weight = register_module("output_layer",
                                     std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
                         ->weight;
-  } else {
+  } else if (pre_process_) {
     output_weight = word_embeddings;
+  } else {
+    // Megatron's LanguageModule on the last stage: its own copy of the tied weight, registered as
+    // output_layer.weight, its gradient summed with the first stage's over the embedding group
+    // so the two copies stay equal (Trainer, finalize_model_grads).
+    output_weight = register_module("output_layer", std::make_shared<WeightHolder>(word))->weight;
   }
+}
+
+at::Tensor GPTModel::shared_embedding_or_output_weight() const {
+  if (config_.untie_embeddings_and_output_weights) return {};
+  return pre_process_ ? word_embeddings : output_weight;
 }
 
 void GPTModel::set_moe_aux_loss_scale(double scale) {
@@ -955,26 +1000,28 @@ at::Tensor GPTModel::embed(const at::Tensor& tokens) {
   return words.transpose(0, 1).contiguous();  // [s, b, h]
 }
 
-at::Tensor GPTModel::logits(const at::Tensor& tokens) {
+at::Tensor GPTModel::embedding_forward(const at::Tensor& tokens) {
   timeline_mark("fwd start");
-  at::Tensor hidden;
-  {
-    ModuleScope scope("embedding");
-    hidden = embed(tokens);
-    // Each rank keeps its s/t tokens (a copy, so the full embedding output is freed) and drops
-    // them with its own stream, as Megatron's LanguageModelEmbedding does.
-    if (config_.sequence_parallel) hidden = scatter_to_sequence_parallel_region(hidden);
-    const std::optional<RngFork> fork =
-        config_.sequence_parallel && is_training() && config_.hidden_dropout > 0.0
-            ? fork_model_parallel_rng(true, "actmem::GPTModel: sequence parallelism")
-            : std::nullopt;
-    hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
-  }
+  ModuleScope scope("embedding");
+  at::Tensor hidden = embed(tokens);
+  // Each rank keeps its s/t tokens (a copy, so the full embedding output is freed) and drops
+  // them with its own stream, as Megatron's LanguageModelEmbedding does.
+  if (config_.sequence_parallel) hidden = scatter_to_sequence_parallel_region(hidden);
+  const std::optional<RngFork> fork =
+      config_.sequence_parallel && is_training() && config_.hidden_dropout > 0.0
+          ? fork_model_parallel_rng(true, "actmem::GPTModel: sequence parallelism")
+          : std::nullopt;
+  hidden = apply_dropout(hidden, config_.hidden_dropout, is_training());
   timeline_mark("fwd embedding");
-  {
-    ModuleScope scope("decoder");
-    hidden = decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
-  }
+  return hidden;
+}
+
+at::Tensor GPTModel::decoder_forward(const at::Tensor& hidden) {
+  ModuleScope scope("decoder");
+  return decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
+}
+
+at::Tensor GPTModel::output_logits(at::Tensor hidden) {
   ModuleScope scope("output_layer");
   // The output layer is replicated (docs/parallelism.md): with sequence parallelism the shards
   // are gathered, and backward keeps this rank's slice of the (identical) full gradient.
@@ -982,10 +1029,36 @@ at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   return at::matmul(hidden, output_weight.t());  // [s, b, v]
 }
 
+at::Tensor GPTModel::logits(const at::Tensor& tokens) {
+  TORCH_CHECK(pre_process_ && post_process_, "actmem::GPTModel::logits: needs the whole model; "
+              "this is pipeline stage ", pipeline_parallel_group().rank, " of ",
+              config_.pipeline_model_parallel_size, " (use forward_stage)");
+  return output_logits(decoder_forward(embedding_forward(tokens)));
+}
+
 at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels) {
-  TORCH_CHECK(labels.sizes() == tokens.sizes(), "actmem::GPTModel::forward: labels ",
-              labels.sizes(), " must match tokens ", tokens.sizes());
-  const at::Tensor out = logits(tokens);
+  TORCH_CHECK(pre_process_ && post_process_, "actmem::GPTModel::forward: needs the whole model; "
+              "this is pipeline stage ", pipeline_parallel_group().rank, " of ",
+              config_.pipeline_model_parallel_size, " (use forward_stage)");
+  return forward_stage(tokens, labels, at::Tensor());
+}
+
+at::Tensor GPTModel::forward_stage(const at::Tensor& tokens, const at::Tensor& labels,
+                                   const at::Tensor& input) {
+  TORCH_CHECK(!(pre_process_ && post_process_) || labels.sizes() == tokens.sizes(),
+              "actmem::GPTModel::forward: labels ", labels.sizes(), " must match tokens ",
+              tokens.sizes());
+  at::Tensor hidden;
+  if (pre_process_) {
+    hidden = embedding_forward(tokens);
+  } else {
+    TORCH_CHECK(input.defined(), "actmem::GPTModel::forward_stage: pipeline stage ",
+                pipeline_parallel_group().rank, " needs the previous stage's output as input");
+    hidden = input;
+  }
+  hidden = decoder_forward(hidden);
+  if (!post_process_) return hidden;
+  const at::Tensor out = output_logits(hidden);
   const int64_t v = out.size(-1);
   ModuleScope scope("loss");
   // At 16 bits the loss is computed in fp32 (Megatron's vocab_parallel_cross_entropy of

@@ -48,6 +48,14 @@ TensorParallelGroup& tp_ep_storage() {
   static TensorParallelGroup group;
   return group;
 }
+TensorParallelGroup& pp_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
+TensorParallelGroup& embedding_storage() {
+  static TensorParallelGroup group;
+  return group;
+}
 void check_group(const TensorParallelGroup& group, const char* api) {
   TORCH_CHECK(group.size >= 1 && group.rank >= 0 && group.rank < group.size, api, ": rank ",
               group.rank, " of size ", group.size);
@@ -89,6 +97,8 @@ void reset_tensor_parallel_group() {
   ep_storage() = TensorParallelGroup{};
   edp_storage() = TensorParallelGroup{};
   tp_ep_storage() = TensorParallelGroup{};
+  pp_storage() = TensorParallelGroup{};
+  embedding_storage() = TensorParallelGroup{};
 }
 
 const TensorParallelGroup& data_parallel_group() { return dp_storage(); }
@@ -112,9 +122,21 @@ void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
   tp_ep_storage() = std::move(tp_ep);
 }
 
+const TensorParallelGroup& pipeline_parallel_group() { return pp_storage(); }
+const TensorParallelGroup& embedding_group() { return embedding_storage(); }
+
+void set_pipeline_parallel_groups(TensorParallelGroup pp, TensorParallelGroup embedding) {
+  check_group(pp, "actmem::set_pipeline_parallel_groups");
+  check_group(embedding, "actmem::set_pipeline_parallel_groups");
+  pp_storage() = std::move(pp);
+  embedding_storage() = std::move(embedding);
+}
+
 TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device,
-                                             int tensor_parallel_size, int expert_parallel_size) {
-  init_tensor_parallel_from_environment(env, device, tensor_parallel_size, expert_parallel_size);
+                                             int tensor_parallel_size, int expert_parallel_size,
+                                             int pipeline_parallel_size) {
+  init_tensor_parallel_from_environment(env, device, tensor_parallel_size, expert_parallel_size,
+                                        pipeline_parallel_size);
 }
 
 TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
@@ -127,10 +149,12 @@ std::string device_for_rank(const std::string& device, const DistEnv& env) {
 const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env,
                                                                  const c10::Device& device,
                                                                  int tensor_parallel_size,
-                                                                 int expert_parallel_size) {
+                                                                 int expert_parallel_size,
+                                                                 int pipeline_parallel_size) {
   if (env.world_size == 1) return tensor_parallel_group();
   const int t = tensor_parallel_size > 0 ? tensor_parallel_size : env.world_size;
-  const ParallelLayout layout = ParallelLayout::make(env.world_size, t, 1, expert_parallel_size);
+  const ParallelLayout layout =
+      ParallelLayout::make(env.world_size, t, pipeline_parallel_size, expert_parallel_size);
   const WorldGroup world = init_world_group(env, std::chrono::seconds(60), device);
   // Every member builds its groups in the same order: tensor-parallel, data-parallel,
   // expert-parallel, expert-data-parallel, tensor-and-expert-parallel.
@@ -152,6 +176,13 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& 
   TensorParallelGroup ep = subgroup(layout.ep_groups, "ep");
   TensorParallelGroup edp = subgroup(layout.edp_groups, "edp");
   set_expert_parallel_groups(std::move(ep), std::move(edp), subgroup(layout.tp_ep_groups, "tpep"));
+  // Pipeline, then embedding group: the middle stages are in no embedding group (size 1).
+  TensorParallelGroup pp = subgroup(layout.pp_groups, "pp");
+  const std::vector<int>& pipeline = ParallelLayout::group_of(layout.pp_groups, env.rank);
+  const bool in_embedding = pipeline.size() > 1 &&
+                            (env.rank == pipeline.front() || env.rank == pipeline.back());
+  set_pipeline_parallel_groups(std::move(pp), in_embedding ? subgroup(layout.embedding_groups, "emb")
+                                                           : TensorParallelGroup{});
   return tensor_parallel_group();
 }
 

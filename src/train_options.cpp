@@ -125,8 +125,18 @@ void add_parallel_flags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--sequence-parallel", m.sequence_parallel,
                "Shard norms and dropouts along the sequence across the t ranks");
   app.add_option("--pipeline-model-parallel-size", m.pipeline_model_parallel_size,
-                 "Pipeline stages (only 1 is implemented)")
+                 "Pipeline stages p (1F1B schedule; the launch has t x p x d processes)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--decoder-first-pipeline-num-layers",
+         [&m](const int64_t& n) { m.decoder_first_pipeline_num_layers = n; },
+         "Layers of the first pipeline stage (uneven split; the others share the rest)")
+      ->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--decoder-last-pipeline-num-layers",
+         [&m](const int64_t& n) { m.decoder_last_pipeline_num_layers = n; },
+         "Layers of the last pipeline stage (uneven split)")
+      ->check(integer_in_range(1, 1 << 20));
 }
 
 void add_moe_flags(CLI::App& app, TrainOptions& o) {

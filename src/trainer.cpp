@@ -8,12 +8,15 @@
 #include "actmem/memory_model.h"
 #include "actmem/mixed_precision.h"
 #include "actmem/output_file.h"
+#include "actmem/pipeline.h"
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function.h>
 #include <torch/optim/adamw.h>
 
 #include <nlohmann/json.hpp>
@@ -22,6 +25,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <iomanip>
 #include <limits>
 #include <mutex>
@@ -116,6 +120,8 @@ nlohmann::json to_json(const IterationStats& s) {
       {"activation_bytes", s.activation_bytes},
       {"activation_peak_bytes", s.activation_peak_bytes},
       {"predicted_activation_bytes", s.predicted_activation_bytes},
+      {"inflight_activation_bytes", s.inflight_activation_bytes},
+      {"predicted_inflight_activation_bytes", s.predicted_inflight_activation_bytes},
       {"offloaded_bytes", s.offloaded_bytes},
       {"host_peak_bytes", s.host_peak_bytes},
       {"offload_wait_s", s.offload_wait_s},
@@ -127,6 +133,12 @@ nlohmann::json to_json(const IterationStats& s) {
     j["peak_device_bytes_per_rank"] = s.peak_device_bytes_per_rank;
   }
   if (!s.grad_digest_per_rank.empty()) j["grad_digest_per_rank"] = s.grad_digest_per_rank;
+  if (!s.inflight_activation_bytes_per_stage.empty()) {
+    j["inflight_activation_bytes_per_stage"] = s.inflight_activation_bytes_per_stage;
+    j["predicted_inflight_activation_bytes_per_stage"] =
+        s.predicted_inflight_activation_bytes_per_stage;
+    j["peak_device_bytes_per_stage"] = s.peak_device_bytes_per_stage;
+  }
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   if (s.moe) {
     auto opt = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
@@ -194,7 +206,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     const int64_t limit =
         explicit_limit ? config_.device_memory_limit
                        : (physical_memory_bytes() - corpus_.resident_bytes()) /
-                             (tensor_parallel_group().size * data_parallel_group().size);
+                             (tensor_parallel_group().size * data_parallel_group().size *
+                              pipeline_parallel_group().size);
     const double need = predict_step_peak_bound(model_config_);
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
@@ -219,10 +232,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
 
   generators_.push_back(at::detail::getDefaultCPUGenerator());
   if (!device_.is_cpu()) generators_.push_back(at::globalContext().defaultGenerator(device_));
+  // Megatron's _set_random_seed: each pipeline stage draws its dropout from seed + 100 * its
+  // pipeline rank (megatron/training/initialize.py), the named streams below included.
+  const uint64_t seed = static_cast<uint64_t>(model_config_.seed) +
+                        100 * static_cast<uint64_t>(pipeline_parallel_group().rank);
   for (auto& gen : generators_) {
     std::lock_guard<std::mutex> lock(gen.mutex());
     const at::Tensor ambient = gen.get_state();
-    gen.set_current_seed(model_config_.seed);  // as Megatron's _set_random_seed
+    gen.set_current_seed(seed);  // as Megatron's _set_random_seed
     rng_state_.push_back(gen.get_state());
     gen.set_state(ambient);
   }
@@ -230,7 +247,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   // (megatron/core/tensor_parallel/random.py: model-parallel-rng = seed + 2718 + tp_rank, ...),
   // kept by this trainer and swapped in per step; no global random state is touched.
   // expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank (etp = t, Megatron's default).
-  tracker_ = make_model_parallel_tracker(model_config_.seed, tensor_parallel_group().rank,
+  tracker_ = make_model_parallel_tracker(seed, tensor_parallel_group().rank,
                                          expert_parallel_group().rank, tensor_parallel_group().rank,
                                          device_);
   model_ = std::make_shared<GPTModel>(model_config_);
@@ -275,6 +292,16 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     TORCH_INTERNAL_ASSERT(it != params_.end());
     sequence_parallel_grads_.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
   }
+  if (const at::Tensor shared = model_->shared_embedding_or_output_weight();
+      shared.defined() && embedding_group().size > 1) {
+    const auto it = std::find_if(params_.begin(), params_.end(),
+                                 [&shared](const at::Tensor& q) { return q.is_same(shared); });
+    TORCH_INTERNAL_ASSERT(it != params_.end());
+    embedding_grad_ = grads_[static_cast<size_t>(it - params_.begin())];
+    // The last stage's copy is left out of the gradient norm: it equals the first stage's after
+    // the embedding all-reduce (Megatron's param_is_not_shared).
+    if (!model_->pre_process()) shared_copy_index_ = static_cast<int64_t>(it - params_.begin());
+  }
   if (train_samples) {
     train_sampler_ = std::make_unique<DatasetBatches>(
         train_samples, model_config_.seq_length, model_config_.micro_batch_size,
@@ -311,7 +338,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   if (!routing_dependent_prediction_) {
     predicted_activation_bytes_ =
         predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
-                                 device_.is_cpu()).total;
+                                 device_.is_cpu(), nullptr, pipeline_parallel_group().rank)
+            .total;
   }
 }
 
@@ -366,6 +394,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   // Megatron's finalize_model_grads: the data-parallel sync, then the sequence-parallel norms.
   reduce_data_parallel_gradients();
   reduce_sequence_parallel_gradients();
+  reduce_embedding_gradients();
   const auto t1 = Clock::now();
   if (mixed_) {
     // Unscale and check for inf/NaN on every tensor-parallel rank (Megatron all-reduces
@@ -373,10 +402,16 @@ IterationStats Trainer::train_step(bool compute_digest) {
     // With expert parallelism the experts' gradients differ between expert-parallel ranks:
     // they agree over that group too, so all skip or none.
     st.skipped = mixed_->unscale_and_check([this](bool local) {
-      if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1) return local;
+      if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1 &&
+          pipeline_parallel_group().size == 1) {
+        return local;
+      }
       const at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
                                        at::TensorOptions().dtype(at::kFloat).device(device_));
-      return group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(flag)).item<float>() > 0.0f;
+      return group_all_reduce_sum(
+                 pipeline_parallel_group(),
+                 group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(flag)))
+                 .item<float>() > 0.0f;
     });
   }
   clock.busy_s += seconds_since(t1);
@@ -402,43 +437,71 @@ IterationStats Trainer::train_step(bool compute_digest) {
   return st;
 }
 
+std::pair<at::Tensor, at::Tensor> Trainer::next_microbatch() {
+  // Megatron's sampler: micro-batch m of data-parallel rank r is the global batch's micro-batch
+  // m * d + r (each rank draws them all and keeps its own, so every rank's sampler stays where a
+  // single process's would be). Every pipeline stage draws alike: the first reads the tokens,
+  // the last the labels.
+  const TensorParallelGroup& dp = data_parallel_group();
+  std::pair<at::Tensor, at::Tensor> batch;
+  for (int r = 0; r < dp.size; ++r) {
+    auto drawn = train_sampler_->next();
+    if (r == dp.rank) batch = std::move(drawn);
+  }
+  return {batch.first.to(device_), batch.second.to(device_)};
+}
+
+PipelineP2P Trainer::pipeline_p2p() const {
+  // What crosses a stage boundary: [s, b, h] in the parameters' type, or with sequence
+  // parallelism this rank's [s/t, b, h] shard (Megatron's get_tensor_shapes).
+  const int64_t t = tensor_parallel_group().size;
+  const int64_t s = model_config_.sequence_parallel ? model_config_.seq_length / t
+                                                    : model_config_.seq_length;
+  return PipelineP2P(pipeline_parallel_group(),
+                     {s, model_config_.micro_batch_size, model_config_.hidden_size},
+                     at::TensorOptions().dtype(model_->dtype()).device(device_));
+}
+
+std::unique_ptr<LedgerScope> Trainer::open_ledger(const at::Tensor& tokens,
+                                                  const at::Tensor& labels) {
+  if (ledger_ == nullptr) return nullptr;
+  ledger_->clear();
+  ledger_->exclude(params_);
+  for (const auto& buffer : model_->buffers()) ledger_->exclude(buffer);
+  ledger_->exclude(model_->attention_mask());
+  ledger_->exclude(tokens);
+  ledger_->exclude(labels);
+  return std::make_unique<LedgerScope>(*ledger_);
+}
+
 void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
-  const bool record = record_timeline_ || trace_ != nullptr;
   const TensorParallelGroup& dp = data_parallel_group();
   const int64_t n_micro = config_.num_microbatches(model_config_.micro_batch_size, dp.size);
   synchronize_device(device_);
-  double loss_sum = 0.0;
   // Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches): the auxiliary
   // losses are weighted in backward as the main loss is.
   model_->moe_stats().reset();
   model_->set_moe_aux_loss_scale((mixed_ && mixed_->scaler() ? mixed_->loss_scale() : 1.0) /
                                  static_cast<double>(n_micro));
+  const double loss_sum = pipeline_parallel_group().size > 1
+                              ? forward_backward_pipelined(st, clock, n_micro)
+                              : forward_backward_microbatches(st, clock, n_micro);
+  finish_forward_backward(st, loss_sum);
+}
+
+double Trainer::forward_backward_microbatches(IterationStats& st, StepClock& clock,
+                                              int64_t n_micro) {
+  const bool record = record_timeline_ || trace_ != nullptr;
+  double loss_sum = 0.0;
   for (int64_t m = 0; m < n_micro; ++m) {
-    // Megatron's sampler: micro-batch m of data-parallel rank r is the global batch's
-    // micro-batch m * d + r (each rank draws them all and keeps its own, so every rank's
-    // sampler stays where a single process's would be).
-    std::pair<at::Tensor, at::Tensor> batch;
-    for (int r = 0; r < dp.size; ++r) {
-      auto drawn = train_sampler_->next();
-      if (r == dp.rank) batch = std::move(drawn);
-    }
-    const at::Tensor tokens = batch.first.to(device_), labels = batch.second.to(device_);
+    const auto [tokens, labels] = next_microbatch();
     synchronize_device(device_);
     std::unique_ptr<TimelineScope> scope;
     if (record && m == 0) {
       timeline_->clear();
       scope = std::make_unique<TimelineScope>(*timeline_);
     }
-    std::unique_ptr<LedgerScope> ledger_scope;
-    if (ledger_ != nullptr && m == 0) {
-      ledger_->clear();
-      ledger_->exclude(params_);
-      for (const auto& buffer : model_->buffers()) ledger_->exclude(buffer);
-      ledger_->exclude(model_->attention_mask());
-      ledger_->exclude(tokens);
-      ledger_->exclude(labels);
-      ledger_scope = std::make_unique<LedgerScope>(*ledger_);
-    }
+    std::unique_ptr<LedgerScope> ledger_scope = m == 0 ? open_ledger(tokens, labels) : nullptr;
     if (offloader_) offloader_->begin_forward();  // group numbering restarts per forward
     memory_.reset_peak();
     const int64_t before = memory_.current_bytes();
@@ -472,6 +535,122 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     clock.peak = std::max(clock.peak, peak);
     loss_sum += loss.item<double>();
   }
+  // One micro-batch in flight at a time.
+  st.inflight_activation_bytes = st.activation_bytes;
+  st.predicted_inflight_activation_bytes = st.predicted_activation_bytes;
+  return loss_sum;
+}
+
+// Note [Pipeline step]
+// One stage's share of a step under the 1F1B schedule (Note [1F1B] in pipeline.cpp). Forward of
+// micro-batch m: the input received from the previous stage becomes a leaf that requires grad;
+// the stage's output is sent on and dropped, keeping only its gradient edge (Megatron's
+// deallocate_output_tensor: the output's memory is freed once sent, and backward runs the
+// autograd engine from the edge with the gradient the next stage returns). The last stage's
+// output is its loss (divided by the micro-batch count), backward from it as without a pipeline.
+// What a micro-batch holds from its forward to its backward is this stage's activations, the
+// received input among them (the first layer's norm saves it); at the end of its forward, its
+// output as well.
+double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock, int64_t n_micro) {
+  const TensorParallelGroup& pp = pipeline_parallel_group();
+  const bool record = record_timeline_ || trace_ != nullptr;
+  const PipelineP2P p2p = pipeline_p2p();
+  struct InFlight {
+    at::Tensor input;                  // the received input (a leaf), undefined on the first stage
+    torch::autograd::Edge output_edge;  // where the output's gradient enters (not the last stage)
+    at::Tensor loss;                   // the last stage's
+  };
+  std::deque<InFlight> in_flight;
+  double loss_sum = 0.0;
+  // The step's batches first, so what the stage holds at once is measured without them.
+  std::vector<std::pair<at::Tensor, at::Tensor>> batches;
+  for (int64_t m = 0; m < n_micro; ++m) batches.push_back(next_microbatch());
+  synchronize_device(device_);
+  const int64_t step_base = memory_.current_bytes();
+  memory_.reset_peak();
+  std::unique_ptr<TimelineScope> scope;
+  if (record) {
+    // The whole schedule: the memory of every in-flight micro-batch, forwards and backwards.
+    timeline_->clear();
+    scope = std::make_unique<TimelineScope>(*timeline_);
+  }
+  const auto t0 = Clock::now();
+  auto forward = [&](int64_t m, const at::Tensor& received) {
+    const auto& [tokens, labels] = batches[static_cast<size_t>(m)];
+    InFlight f;
+    int64_t before = memory_.current_bytes();
+    if (received.defined()) {
+      f.input = received;
+      f.input.requires_grad_(true);
+      before -= f.input.numel() * f.input.element_size();  // this micro-batch's from its receipt
+    }
+    std::unique_ptr<LedgerScope> ledger_scope = m == 0 ? open_ledger(tokens, labels) : nullptr;
+    at::Tensor out = model_->forward_stage(tokens, labels, f.input);
+    ledger_scope.reset();
+    if (model_->post_process()) {
+      if (n_micro > 1) out = out / static_cast<double>(n_micro);
+      loss_sum += out.item<double>();
+      f.loss = out;
+      out = at::Tensor();
+    } else {
+      f.output_edge = torch::autograd::impl::gradient_edge(out);
+    }
+    synchronize_device(device_);
+    const int64_t after = memory_.current_bytes();
+    st.activation_bytes = std::max(st.activation_bytes, after - before);
+    st.inflight_activation_bytes = std::max(st.inflight_activation_bytes, after - step_base);
+    in_flight.push_back(std::move(f));
+    return out;
+  };
+  auto backward = [&](int64_t, const at::Tensor& output_grad) {
+    InFlight f = std::move(in_flight.front());
+    in_flight.pop_front();
+    if (f.loss.defined()) {
+      if (mixed_ && mixed_->scaler()) {
+        (f.loss * mixed_->loss_scale()).backward();  // Megatron's grad_scale_func
+      } else {
+        f.loss.backward();
+      }
+    } else {
+      torch::autograd::Engine::get_default_engine().execute(
+          {f.output_edge}, {output_grad}, /*keep_graph=*/false, /*create_graph=*/false,
+          /*accumulate_grad=*/true);
+    }
+    synchronize_device(device_);
+    return f.input.defined() ? f.input.grad() : at::Tensor();
+  };
+  run_one_f_one_b(p2p, n_micro, forward, backward);
+  synchronize_device(device_);
+  clock.busy_s += seconds_since(t0);
+  timeline_mark("bwd end");
+  const int64_t peak = memory_.peak_bytes();
+  st.activation_peak_bytes = peak - step_base;
+  clock.peak = std::max(clock.peak, peak);
+  // Per micro-batch: this stage's activations (its received input among them: the first layer's
+  // norm keeps it, as it keeps the embedding's output on the first stage) and, at the end of its
+  // forward, its output (not on the last stage); min(p - stage, M) micro-batches at once.
+  // With distribute_saved_activations a checkpoint that starts the stage keeps its 1/t shard of
+  // the received input, and the input itself stays too (the schedule needs its gradient; Megatron's
+  // CheckpointFunction swaps the tensor's storage for the shard instead, which this project does
+  // not do).
+  const ActivationPlan& plan = model_->plan();
+  const int64_t kept_input =
+      !model_->pre_process() && plan.distribute_saved_activations &&
+              plan.layers[static_cast<size_t>(model_->stage_layers().offset)].starts_chunk
+          ? p2p.bytes()
+          : 0;
+  const int64_t per_microbatch = predicted_activation_bytes_ + kept_input;
+  const int64_t output = model_->post_process() ? 0 : p2p.bytes();
+  st.predicted_activation_bytes = per_microbatch + output;
+  st.predicted_inflight_activation_bytes =
+      per_microbatch * one_f_one_b_in_flight(pp.rank, pp.size, n_micro) + output;
+  // The loss is the last stage's: every stage reports it (adding zeros is exact).
+  return group_all_reduce_sum(pp, at::tensor({model_->post_process() ? loss_sum : 0.0}, at::kDouble)
+                                      .to(device_)).item<double>();
+}
+
+void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
+  const TensorParallelGroup& dp = data_parallel_group();
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
   MoEStats moe = model_->moe_stats();
   if (!moe.layers.empty() && tensor_parallel_group().size > 1) {
@@ -575,6 +754,14 @@ void Trainer::reduce_sequence_parallel_gradients() {
   reduce_as_one(sequence_parallel_grads_, [](at::Tensor flat) { return all_reduce_sum(flat); });
 }
 
+void Trainer::reduce_embedding_gradients() {
+  if (!embedding_grad_.defined()) return;
+  // Megatron's _allreduce_word_embedding_grads: the first stage's word embedding and the last
+  // stage's output layer are one tied weight; each saw half of the uses, so both take the sum.
+  at::NoGradGuard no_grad;
+  embedding_grad_.copy_(group_all_reduce_sum(embedding_group(), embedding_grad_));
+}
+
 void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {
   if (tensor_parallel_group().size == 1) return;
   if (compute_digest) {
@@ -609,21 +796,24 @@ double Trainer::clip_gradients(const IterationStats& st) {
     grad_norm = std::sqrt((all_reduce_sum(dense) +
                            group_all_reduce_sum(tensor_and_expert_parallel_group(), experts))
                               .item<double>());
-  } else if (tensor_parallel_group().size == 1) {
+  } else if (tensor_parallel_group().size == 1 && pipeline_parallel_group().size == 1) {
     std::vector<at::Tensor> norms;
     norms.reserve(params_.size());
     for (const auto& g : grads_) norms.push_back(g.norm());
     grad_norm = at::stack(norms).norm().item<double>();
   } else {
-    // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once.
+    // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once;
+    // summed over the pipeline stages (the last stage's copy of the tied embedding left out).
     const bool first = tensor_parallel_group().rank == 0;
     at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
     for (size_t i = 0; i < params_.size(); ++i) {
+      if (static_cast<int64_t>(i) == shared_copy_index_) continue;
       if (tensor_parallel_flags_[i] || first) {
         sq += grads_[i].to(at::kDouble).pow(2).sum();
       }
     }
-    grad_norm = std::sqrt(all_reduce_sum(sq).item<double>());
+    grad_norm = std::sqrt(
+        group_all_reduce_sum(pipeline_parallel_group(), all_reduce_sum(sq)).item<double>());
   }
   // Megatron fails on a NaN gradient norm (check_for_nan_in_loss_and_grad); stopping before
   // the optimizer step leaves the parameters as they were.
@@ -648,6 +838,19 @@ void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
   st.peak_device_bytes = clock.peak;
   if (tensor_parallel_group().size > 1) {
     st.peak_device_bytes_per_rank = gather_per_rank(clock.peak, device_);
+  }
+  if (const TensorParallelGroup& pp = pipeline_parallel_group(); pp.size > 1) {
+    // Every stage's memory, for the log rank 0 (the first stage) writes.
+    const at::Tensor mine = at::tensor({st.inflight_activation_bytes,
+                                        st.predicted_inflight_activation_bytes, clock.peak},
+                                       at::kLong)
+                                .to(device_);
+    const at::Tensor all = group_all_gather_dim0(pp, mine).cpu().view({pp.size, 3});
+    for (int64_t r = 0; r < pp.size; ++r) {
+      st.inflight_activation_bytes_per_stage.push_back(all[r][0].item<int64_t>());
+      st.predicted_inflight_activation_bytes_per_stage.push_back(all[r][1].item<int64_t>());
+      st.peak_device_bytes_per_stage.push_back(all[r][2].item<int64_t>());
+    }
   }
   if (trace_ != nullptr) {
     // Compute spans between consecutive timeline marks of the first micro-batch.
@@ -678,9 +881,29 @@ double Trainer::evaluate() {
   at::NoGradGuard no_grad;
   model_->eval();
   double total = 0.0;
-  for (int64_t i = 0; i < config_.eval_iters; ++i) {
-    auto batch = valid_sampler_->fixed(i, config_.eval_iters);
-    total += model_->forward(batch.first.to(device_), batch.second.to(device_)).item<double>();
+  if (pipeline_parallel_group().size > 1) {
+    // The schedule's forward-only form: each batch through the stages; the last stage's losses
+    // reported by all (adding zeros is exact).
+    run_one_f_one_b(
+        pipeline_p2p(), config_.eval_iters,
+        [&](int64_t i, const at::Tensor& input) {
+          auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+          at::Tensor out =
+              model_->forward_stage(batch.first.to(device_), batch.second.to(device_), input);
+          if (!model_->post_process()) return out;
+          total += out.item<double>();
+          return at::Tensor();
+        },
+        {}, /*forward_only=*/true);
+    total = group_all_reduce_sum(pipeline_parallel_group(),
+                                 at::tensor({model_->post_process() ? total : 0.0}, at::kDouble)
+                                     .to(device_))
+                .item<double>();
+  } else {
+    for (int64_t i = 0; i < config_.eval_iters; ++i) {
+      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+      total += model_->forward(batch.first.to(device_), batch.second.to(device_)).item<double>();
+    }
   }
   model_->train();
   return total / static_cast<double>(config_.eval_iters);

@@ -56,7 +56,7 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"sp_seq", [](auto& c) { c.tensor_model_parallel_size = 2; c.sequence_parallel = true; c.seq_length = 127; c.max_position_embeddings = 128; }, "sequence_parallel needs seq_length (127) divisible by tensor_model_parallel_size (2)"},
         ConfigCase{"distribute_sp", [](auto& c) { c.tensor_model_parallel_size = 2; c.sequence_parallel = true; c.recompute_granularity = "full"; c.recompute_method = "uniform"; c.recompute_num_layers = 1; c.distribute_saved_activations = true; }, "distribute_saved_activations: 1 must be false when sequence parallel is enabled: 1"},
         ConfigCase{"distribute_selective", [](auto& c) { c.tensor_model_parallel_size = 2; c.recompute_granularity = "selective"; c.distribute_saved_activations = true; }, "distribute_saved_activations requires recompute_granularity full with a recompute_method"},
-        ConfigCase{"pp", [](auto& c) { c.pipeline_model_parallel_size = 2; }, "pipeline_model_parallel_size must be 1"},
+        ConfigCase{"pp", [](auto& c) { c.num_layers = 4; c.pipeline_model_parallel_size = 3; }, "Number of layers should be divisible by the pipeline-model-parallel size (num_layers 4, pipeline size 3)"},
         ConfigCase{"sp", [](auto& c) { c.sequence_parallel = true; }, "sequence_parallel requires tensor_model_parallel_size > 1"},
         // Megatron's recompute rules (TransformerConfig.__post_init__), one message each.
         ConfigCase{"granularity", [](auto& c) { c.recompute_granularity = "partial"; }, "recompute_granularity: partial must be \"full\" or \"selective\"."},

@@ -115,6 +115,33 @@ TEST(Launch, SignalsReachTheWorkersAndKillingTheLauncherKillsThem) {
   }
 }
 
+TEST(Launch, AStageKilledMidScheduleStopsEveryWorker) {
+  // Stage 1 of a three-stage pipeline dies (SIGKILL, no message) in the forward of micro-batch 2
+  // while its neighbours wait in a send or receive to it: the launcher names it and stops the
+  // others at once (well before Gloo's 60 s timeout), and no worker is left behind.
+  const std::string tag = fresh_tag();
+  const std::string dir = ::testing::TempDir() + "pp_fault_" + tag;
+  ASSERT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
+  ::setenv("ACTMEM_TEST_TAG", tag.c_str(), 1);
+  ::testing::internal::CaptureStderr();
+  const auto t0 = std::chrono::steady_clock::now();
+  const int rc = launch_program(3, ACTMEM_TP_WORKER,
+                                {"pipeline_fault", dir, "--tp", "1", "--pp", "3", "--die", "1"},
+                                free_loopback_port(), std::chrono::seconds(5));
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const std::string err = ::testing::internal::GetCapturedStderr();
+  ::unsetenv("ACTMEM_TEST_TAG");
+  EXPECT_NE(rc, 0);
+  EXPECT_NE(err.find("actmem launch: worker 1 failed (signal 9); stopping the other 2"),
+            std::string::npos)
+      << err;
+  EXPECT_LT(seconds, 30.0) << err;
+  EXPECT_EQ(wait_until_no_process(tag, 10), 0) << "a worker outlived the launch";
+  std::ifstream none(dir + "/rank0.json");
+  EXPECT_FALSE(none.good()) << "rank 0 finished a schedule its neighbour never ran";
+}
+
 TEST(Launch, TwoNodesOnLoopbackFormOneWorld) {
   // torchrun's multi-node flags: two launchers (two "nodes" on the loopback address), one worker
   // each, meet at node 0's port; the tensor-parallel group of the check spans both nodes, and

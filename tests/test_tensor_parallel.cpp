@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <set>
 #include <string>
 #include <utility>
@@ -641,5 +642,240 @@ TEST(DataParallel, LaunchSizeAndBatchRules) {
             std::string::npos)
       << ok.output;
 }
+
+// ---- pipeline parallelism -------------------------------------------------------------------
+
+const json& pipeline_run(const json& rank, const std::string& strategy) {
+  return rank["pipeline"]["strategies"][strategy];
+}
+
+// Every stage's parameter digests under their single-process names (stages of one tensor rank).
+std::map<std::string, std::string> merged_parameters(const std::vector<json>& ranks,
+                                                     const std::string& strategy, int tp_rank) {
+  std::map<std::string, std::string> all;
+  for (const auto& r : ranks) {
+    if (r["pipeline"]["tp_rank"].get<int>() != tp_rank) continue;
+    for (const auto& [name, digest] : pipeline_run(r, strategy)["params"].items()) {
+      all[name] = digest.get<std::string>();
+    }
+  }
+  return all;
+}
+
+struct PipelineCase {
+  int nproc, tp, pp;
+  std::vector<std::string> extra;  // uneven split flags
+  std::string what;
+};
+
+TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenTied) {
+  // Without dropout (each stage draws from seed + 100 x its pipeline rank, as in Megatron, so its
+  // masks differ from one process's) and without clipping, a pipeline computes what one process
+  // does in the same order: each stage runs its layers on the bits the previous one sent, the
+  // gradients accumulate over the micro-batches in micro-batch order (1F1B runs backwards in
+  // order), and the losses are summed in micro-batch order on the last stage. With untied
+  // embeddings the losses and every parameter after three steps are bitwise equal. A tied
+  // embedding is not: one process accumulates its two uses micro-batch by micro-batch (output
+  // layer, then embedding, then the next micro-batch), the pipeline sums each stage's share of
+  // all micro-batches and adds the two (Megatron's embedding all-reduce), so the last bits differ
+  // (losses within 1e-5). The gradient norm is summed per stage in double before the root: 1e-6.
+  const std::vector<PipelineCase> cases = {
+      {2, 1, 2, {}, "pp 2"},
+      {3, 1, 3, {"--first", "2"}, "pp 3, first stage 2 layers"},
+      {2, 1, 2, {"--last", "3"}, "pp 2, last stage 3 layers"},
+      {4, 2, 2, {}, "tp 2 x pp 2"},
+  };
+  for (const std::string variant : {"swiglu", "base"}) {
+    const bool untied = variant == "swiglu";
+    std::map<int, std::vector<json>> reference;  // per tensor-parallel size
+    for (const auto& k : cases) {
+      if (!reference.count(k.tp)) {
+        reference[k.tp] = run_workers(k.tp, {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp), "--pp", "1",
+                                             "--global-batch", "16", "--only", "plain", "--variant", variant});
+      }
+      const auto& one = reference[k.tp];
+      std::vector<std::string> args = {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp),
+                                       "--pp", std::to_string(k.pp), "--global-batch", "16",
+                                       "--only", "plain", "--variant", variant};
+      args.insert(args.end(), k.extra.begin(), k.extra.end());
+      const auto ranks = run_workers(k.nproc, args);
+      ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
+      const std::string what = variant + ", " + k.what;
+      for (const auto& r : ranks) {
+        const int tp_rank = r["pipeline"]["tp_rank"].get<int>();
+        const json& ref = pipeline_run(one[static_cast<size_t>(tp_rank)], "plain")["steps"];
+        const json& steps = pipeline_run(r, "plain")["steps"];
+        ASSERT_EQ(steps.size(), 3u);
+        for (size_t i = 0; i < 3; ++i) {
+          const double a = steps[i]["loss"].get<double>(), b = ref[i]["loss"].get<double>();
+          if (untied) {
+            EXPECT_EQ(a, b) << what << " rank " << r["rank"] << " step " << i;
+          } else {
+            EXPECT_LT(rel(a, b), 1e-5) << what << " step " << i;
+          }
+          EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-6)
+              << what << " step " << i;
+        }
+      }
+      // Layers land where Megatron's split puts them.
+      int64_t layers = 0;
+      for (const auto& r : ranks) {
+        if (r["pipeline"]["tp_rank"].get<int>() == 0) layers += pipeline_run(r, "plain")["stage_layers"].get<int64_t>();
+      }
+      EXPECT_EQ(layers, 4) << what;
+      for (int tp_rank = 0; tp_rank < k.tp; ++tp_rank) {
+        const auto stages = merged_parameters(ranks, "plain", tp_rank);
+        const auto single = merged_parameters(one, "plain", tp_rank);
+        if (untied) {
+          EXPECT_EQ(stages, single) << what << ": parameters after three steps";
+        } else {
+          // The tied copies (first stage's word embedding, last stage's output layer) agree.
+          EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight")) << what;
+          EXPECT_EQ(stages.size(), single.size() + 1) << what;
+        }
+      }
+    }
+  }
+}
+
+TEST(Pipeline, EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
+  // Dropout on, six layers and four micro-batches on two stages (and on tensor 2 x pipeline 2):
+  // every recompute
+  // strategy gives each stage the plain run's losses, gradient digests and final parameters
+  // bitwise, and each stage holds what the predictor says: per micro-batch its layers' bytes (the
+  // received input is the first layer's norm input; the embedding on the first stage, the head
+  // and loss on the last) plus the output about to be sent; at once min(p - stage, 4)
+  // micro-batches (1F1B).
+  for (const int tp : {1, 2}) {
+    const auto ranks = run_workers(2 * tp, {"pipeline", "--tp", std::to_string(tp), "--pp", "2",
+                                            "--layers", "6", "--global-batch", "16"});
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(2 * tp));
+    for (const auto& r : ranks) {
+      const int stage = r["pipeline"]["pp_rank"].get<int>();
+      const std::string what = "tp " + std::to_string(tp) + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
+      const json& plain = pipeline_run(r, "plain");
+      int strategies = 0;
+      for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
+        ++strategies;
+        for (size_t i = 0; i < 3; ++i) {
+          const json& st = run["steps"][i];
+          EXPECT_EQ(st["loss"], plain["steps"][i]["loss"]) << what << " " << name << " step " << i;
+          EXPECT_EQ(st["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " " << name << " step " << i;
+          EXPECT_EQ(st["activation_bytes"], st["predicted_activation_bytes"]) << what << " " << name << " step " << i;
+          EXPECT_EQ(st["inflight_activation_bytes"], st["predicted_inflight_activation_bytes"])
+              << what << " " << name << " step " << i;
+        }
+        EXPECT_EQ(run["params"], plain["params"]) << what << " " << name;
+      }
+      EXPECT_EQ(strategies, tp == 1 ? 9 : 11) << what;  // distribute_* need t > 1
+      // The first stage holds two micro-batches at its peak, the last one.
+      const json& st = plain["steps"][0];
+      const int64_t per = st["activation_bytes"].get<int64_t>();
+      const int64_t inflight = st["inflight_activation_bytes"].get<int64_t>();
+      if (stage == 0) {
+        EXPECT_GT(inflight, per + per / 2) << what;
+      } else {
+        EXPECT_EQ(inflight, per) << what;
+      }
+    }
+  }
+}
+
+TEST(Pipeline, RulesFollowMegatron) {
+  TransformerConfig c;
+  c.num_layers = 6;
+  c.pipeline_model_parallel_size = 4;
+  expect_error_containing([&] { c.validate(); },
+                          "Number of layers should be divisible by the pipeline-model-parallel size");
+  // Uneven splits (Megatron's get_num_layers_to_build): 3 + 1 + 1 + 1.
+  c.decoder_first_pipeline_num_layers = 3;
+  c.decoder_last_pipeline_num_layers = 1;
+  c.validate();
+  std::vector<std::pair<int64_t, int64_t>> split;
+  for (int64_t stage = 0; stage < 4; ++stage) {
+    const auto l = c.pipeline_stage_layers(stage);
+    split.emplace_back(l.offset, l.count);
+  }
+  EXPECT_EQ(split, (std::vector<std::pair<int64_t, int64_t>>{{0, 3}, {3, 1}, {4, 1}, {5, 1}}));
+  c.decoder_first_pipeline_num_layers = 2;
+  expect_error_containing([&] { c.validate(); },
+                          "number of layers at middle stage: 3 must be divisible by the middle "
+                          "pipeline model parallel size 2");
+  c.pipeline_model_parallel_size = 2;
+  c.decoder_first_pipeline_num_layers = 3;
+  c.decoder_last_pipeline_num_layers = 2;
+  expect_error_containing([&] { c.validate(); },
+                          "Mismatch: 1 middle layers remaining but 0 middle PP stages available");
+  c.decoder_first_pipeline_num_layers = 0;
+  expect_error_containing([&] { c.validate(); },
+                          "num_layers_in_first_pipeline_stage must be larger than 0");
+  c.decoder_first_pipeline_num_layers.reset();
+  c.decoder_last_pipeline_num_layers.reset();
+  // Full recompute counts each stage's layers: 3 per stage; uniform chunks restart per stage,
+  // block takes the first N of every stage, and N may not exceed a stage's layers.
+  c.recompute_granularity = "full";
+  c.recompute_method = "uniform";
+  c.recompute_num_layers = 2;
+  auto chunks = [&] {
+    std::vector<std::pair<int64_t, int64_t>> out;
+    for (const auto& k : make_activation_plan(c).chunks) out.emplace_back(k.start, k.end);
+    return out;
+  };
+  EXPECT_EQ(chunks(), (std::vector<std::pair<int64_t, int64_t>>{{0, 2}, {2, 3}, {3, 5}, {5, 6}}));
+  c.recompute_method = "block";
+  EXPECT_EQ(chunks(), (std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 2}, {3, 4}, {4, 5}}));
+  c.recompute_num_layers = 4;
+  expect_error_containing([&] { c.validate(); },
+                          "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: 3");
+  c.recompute_granularity.clear();
+  c.recompute_method.clear();
+  c.recompute_num_layers.reset();
+  // Megatron's refusal, and what is not built yet, refused with a clear message.
+  c.cpu_offloading_num_layers = 1;
+  expect_error_containing([&] { c.validate(); },
+                          "Currently there is no support for Pipeline parallelism with CPU offloading");
+  c.cpu_offloading_num_layers = 0;
+  c.fine_grained_activation_offloading = true;
+  c.offload_modules = {"core_attn"};
+  expect_error_containing([&] { c.validate(); },
+                          "fine_grained_activation_offloading with pipeline parallelism is not implemented yet");
+  c.fine_grained_activation_offloading = false;
+  c.offload_modules.clear();
+  TrainingConfig t;
+  t.save = "/tmp/never";
+  expect_error_containing([&] { t.validate(c); },
+                          "--save and --load with pipeline parallelism are not implemented yet");
+  // One process is not a pipeline.
+  expect_error_containing([&] { GPTModel model(c); },
+                          "pipeline_model_parallel_size is 2 but this process is in a pipeline of 1");
+  const auto launch = actmem::testing::run_actmem(
+      "launch --nproc-per-node 3 -- train --pipeline-model-parallel-size 2 --num-layers 2 --train-iters 1");
+  EXPECT_NE(launch.exit_code, 0);
+  EXPECT_NE(launch.output.find("--pipeline-model-parallel-size 2 = 2; the launch must be a multiple of it"),
+            std::string::npos)
+      << launch.output;
+}
+
+TEST(Pipeline, TrainUnderLaunchLogsTheLastStagesLossAndValidates) {
+  // `actmem train` with two stages: rank 0 (the first stage) logs the loss the last stage
+  // computed, and validation runs the forward-only schedule.
+  const auto ok = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --pipeline-model-parallel-size 2 --num-layers 2 "
+      "--hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+      "--global-batch-size 8 --train-iters 2 --eval-interval 2 --eval-iters 2");
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("iter 2/2 | loss "), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("validation loss"), std::string::npos) << ok.output;
+  EXPECT_EQ(ok.output.find("loss 0.0000"), std::string::npos) << ok.output;
+  // Each stage's measured bytes in flight equal the prediction.
+  const std::regex stage(R"(stage (\d) ([0-9.]+ [KMG]?i?B) / ([0-9.]+ [KMG]?i?B))");
+  int stages = 0;
+  for (std::sregex_iterator it(ok.output.begin(), ok.output.end(), stage), end; it != end; ++it) {
+    EXPECT_EQ((*it)[2], (*it)[3]) << "stage " << (*it)[1] << ": " << ok.output;
+    ++stages;
+  }
+  EXPECT_EQ(stages, 2) << ok.output;
+}
+
 }  // namespace
 }  // namespace actmem

@@ -13,6 +13,12 @@
 //     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
 //     strategy; WORLD_SIZE = E x the expert-data-parallel size)
 //   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
+//   actmem_tp_worker pipeline OUT_DIR --tp T --pp P --global-batch G [--no-dropout]
+//     [--only STRATEGY] [--variant base|swiglu] [--first N] [--last N] [--layers L (4)]
+//     (t x p x d ranks: three steps per recompute strategy of the base model, clip-grad off;
+//     each stage reports its steps and its parameters' digests under their global names)
+//   actmem_tp_worker pipeline_fault OUT_DIR --tp 1 --pp P --die STAGE   (1F1B on small
+//     tensors; stage STAGE kills itself with SIGKILL in the forward of micro-batch 2)
 #include "actmem/blas_kernels.h"
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
@@ -20,6 +26,7 @@
 #include "actmem/activation_plan.h"
 #include "actmem/moe.h"
 #include "actmem/moe_dispatch.h"
+#include "actmem/pipeline.h"
 #include "actmem/rng.h"
 #include "actmem/saved_tensor_hooks.h"
 #include "actmem/tensor_parallel.h"
@@ -34,9 +41,11 @@
 #endif
 #include <nlohmann/json.hpp>
 
+#include <csignal>
 #include <fstream>
 #include <functional>
 #include <iostream>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -313,6 +322,87 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
   return {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
 }
 
+// Pipeline parallelism: three steps per recompute strategy (offload under pipeline parallelism is
+// refused) without gradient clipping, so the parameters after them depend on the gradients alone
+// (the reported norm is computed per stage and summed). Each rank reports its steps, its stage,
+// and every parameter's digest under its single-process name (decoder.layers.<global index>...;
+// the last stage's copy of a tied embedding as output_layer.weight).
+nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
+                            const std::string& only, const std::string& variant,
+                            std::optional<int64_t> first, std::optional<int64_t> last,
+                            int64_t layers) {
+  nlohmann::json out;
+  auto all = strategies(false);
+  // With 3 layers per stage: uniform chunks [0, 2) [2, 3) on every stage (a clamped tail).
+  all.emplace_back("full_uniform_2", [](TransformerConfig& c) {
+    c.recompute_granularity = "full";
+    c.recompute_method = "uniform";
+    c.recompute_num_layers = 2;
+  });
+  for (const auto& [name, mutate] : all) {
+    if (!only.empty() && name != only) continue;
+    if (name.rfind("offload_", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0)) continue;
+    TransformerConfig c = base_config(t, false, dropout, variant);
+    c.num_layers = layers;
+    c.pipeline_model_parallel_size = pp;
+    c.decoder_first_pipeline_num_layers = first;
+    c.decoder_last_pipeline_num_layers = last;
+    mutate(c);
+    actmem::TrainingConfig tc;
+    tc.global_batch_size = global_batch;
+    tc.eval_interval = 0;
+    tc.clip_grad = 0.0;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) {
+      const actmem::IterationStats st = trainer.train_step(true);
+      r["steps"].push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm},
+                            {"grad_digest", st.grad_digest},
+                            {"activation_bytes", st.activation_bytes},
+                            {"predicted_activation_bytes", st.predicted_activation_bytes},
+                            {"inflight_activation_bytes", st.inflight_activation_bytes},
+                            {"predicted_inflight_activation_bytes",
+                             st.predicted_inflight_activation_bytes}});
+    }
+    const int64_t offset = trainer.model().stage_layers().offset;
+    for (const auto& item : trainer.model().named_parameters()) {
+      std::string key = item.key();
+      const std::string prefix = "decoder.layers.";
+      if (key.rfind(prefix, 0) == 0) {
+        const size_t dot = key.find('.', prefix.size());
+        key = prefix + std::to_string(std::stoll(key.substr(prefix.size(), dot - prefix.size())) + offset) +
+              key.substr(dot);
+      }
+      actmem::Digest d;
+      d.update(item.value());
+      r["params"][key] = d.hex();
+    }
+    r["stage_offset"] = offset;
+    r["stage_layers"] = trainer.model().stage_layers().count;
+    out[name] = r;
+  }
+  return {{"strategies", out},
+          {"pp_rank", actmem::pipeline_parallel_group().rank},
+          {"tp_rank", actmem::tensor_parallel_group().rank}};
+}
+
+// A stage dying in the middle of the 1F1B schedule: the others are blocked in a send or receive
+// to it, and only the launcher can stop them (Launch.AStageKilledMidScheduleStopsEveryWorker).
+nlohmann::json run_pipeline_fault(int die_stage) {
+  const actmem::TensorParallelGroup& pp = actmem::pipeline_parallel_group();
+  const actmem::PipelineP2P p2p(pp, {4}, at::TensorOptions().dtype(at::kFloat));
+  int64_t forwards = 0;
+  actmem::run_one_f_one_b(
+      p2p, 4,
+      [&](int64_t m, const at::Tensor& input) {
+        if (pp.rank == die_stage && m == 2) std::raise(SIGKILL);
+        ++forwards;
+        return input.defined() ? input + 1 : at::ones({4});
+      },
+      [&](int64_t, const at::Tensor& grad) { return grad.defined() ? grad * 2 : at::ones({4}); });
+  return {{"forwards", forwards}};
+}
+
 // Data parallelism: the ranks train the base model on one global batch per step; each reports its
 // steps (loss, gradient norm, its gradient digest) and its place in the layout.
 nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
@@ -461,7 +551,10 @@ int main(int argc, char** argv) {
     const std::string scenario = argv[1], out_dir = argv[2];
     bool sp = false, dropout = true;
     std::string only, variant = "base";
-    int tp = 0, ep = 1;
+    int tp = 0, ep = 1, pp = 1;
+    int64_t layers = 4;
+    int die_stage = -1;
+    std::optional<int64_t> first_layers, last_layers;
     int64_t global_batch = 0;
     std::string dispatcher = "alltoall";
     for (int i = 3; i < argc; ++i) {
@@ -478,6 +571,16 @@ int main(int argc, char** argv) {
         tp = std::stoi(argv[++i]);
       } else if (a == "--ep" && i + 1 < argc) {
         ep = std::stoi(argv[++i]);
+      } else if (a == "--pp" && i + 1 < argc) {
+        pp = std::stoi(argv[++i]);
+      } else if (a == "--die" && i + 1 < argc) {
+        die_stage = std::stoi(argv[++i]);
+      } else if (a == "--layers" && i + 1 < argc) {
+        layers = std::stoll(argv[++i]);
+      } else if (a == "--first" && i + 1 < argc) {
+        first_layers = std::stoll(argv[++i]);
+      } else if (a == "--last" && i + 1 < argc) {
+        last_layers = std::stoll(argv[++i]);
       } else if (a == "--dispatcher" && i + 1 < argc) {
         dispatcher = argv[++i];
       } else if (a == "--global-batch" && i + 1 < argc) {
@@ -489,7 +592,7 @@ int main(int argc, char** argv) {
     at::set_num_threads(1);  // N ranks share this machine's cores
     actmem::set_blas_threads(1);  // and BLAS's pool: one thread whatever the launch's OMP_NUM_THREADS
     const actmem::DistEnv env = actmem::dist_env_from_environment();
-    const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp, ep);
+    const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp, ep, pp);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};
     if (scenario == "strategies") {
       result["strategies"] = run_strategies(group.size, sp, dropout, only, variant);
@@ -497,6 +600,11 @@ int main(int argc, char** argv) {
       result["masks"] = run_masks(group.size, sp);
     } else if (scenario == "dispatch") {
       result["dispatch"] = run_dispatch(group);
+    } else if (scenario == "pipeline") {
+      result["pipeline"] = run_pipeline(std::max(tp, 1), pp, dropout, global_batch, only, variant,
+                                        first_layers, last_layers, layers);
+    } else if (scenario == "pipeline_fault") {
+      result["pipeline_fault"] = run_pipeline_fault(die_stage);
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch);
     } else if (scenario == "experts") {

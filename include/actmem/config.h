@@ -58,9 +58,14 @@ struct TransformerConfig {
   /// as Megatron's fused scale-mask-softmax kernel does).
   bool attention_softmax_in_fp32 = false;
 
-  // ---- parallelism (docs/parallelism.md; pipeline parallelism is not implemented) ----
+  // ---- parallelism (docs/parallelism.md) ----
   int64_t tensor_model_parallel_size = 1;
+  /// Pipeline stages p: the layers split across p ranks, run by the 1F1B schedule (pipeline.h).
   int64_t pipeline_model_parallel_size = 1;
+  /// Uneven pipeline splits (Megatron's --decoder-first/last-pipeline-num-layers): the first or
+  /// last stage's layer count; the other stages share the rest evenly.
+  std::optional<int64_t> decoder_first_pipeline_num_layers;
+  std::optional<int64_t> decoder_last_pipeline_num_layers;
   bool sequence_parallel = false;
 
   // ---- mixture of experts (docs/moe.md), Megatron's names ----
@@ -175,6 +180,14 @@ struct TransformerConfig {
   /// Per layer, whether it is an MoE layer (all false for a dense model); throws for a malformed
   /// moe_layer_freq.
   std::vector<bool> moe_layers() const;
+  /// The transformer layers of pipeline stage `stage` (0-based): the first layer's index and the
+  /// count (Megatron's get_transformer_layer_offset and get_num_layers_to_build).
+  struct StageLayers {
+    int64_t offset = 0;
+    int64_t count = 0;
+    bool contains(int64_t layer) const { return layer >= offset && layer < offset + count; }
+  };
+  StageLayers pipeline_stage_layers(int64_t stage) const;
 
   /// Learned absolute positions are not used (the model-level RoPE tables are built only
   /// without MLA, whose attention applies its own decoupled RoPE, as Megatron's GPTModel).

@@ -212,9 +212,13 @@ using MoERouting = std::vector<MoELayerRouting>;
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 0,
                                         bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr);
+/// With pipeline parallelism, `pipeline_stage`'s bytes per micro-batch: its layers, the
+/// embedding on the first stage, the head and loss on the last (what crosses the stage
+/// boundaries is the schedule's: Note [Pipeline step] in trainer.cpp).
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
                                         int64_t dtype_bytes = 0, bool snapshots_on_device = true,
-                                        const MoERouting* routing = nullptr);
+                                        const MoERouting* routing = nullptr,
+                                        int64_t pipeline_stage = 0);
 /// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) on this rank compute
 /// in one micro-batch: the routing's sum when given, else moe_max_expert_rows() where that is
 /// exact (dropless without expert parallelism, padded), else nullopt.

@@ -252,18 +252,24 @@ class TransformerLayer : public torch::nn::Module {
 
 class TransformerBlock : public torch::nn::Module {
  public:
+  /// The layers of `stage` (a pipeline stage's; count -1: all of them) and, with post_process
+  /// (the last stage), the final norm. `plan` covers the whole model.
   TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
-                   at::ScalarType dtype);
-  /// hidden: [s, b, h] -> final-normed [s, b, h]. With full recompute (training only) the
-  /// plan's chunks of layers run inside checkpoints (ActivationPlan::chunks).
+                   at::ScalarType dtype, TransformerConfig::StageLayers stage = {0, -1},
+                   bool post_process = true);
+  /// hidden: [s, b, h] -> [s, b, h], final-normed on the last stage. With full recompute
+  /// (training only) the plan's chunks of this stage's layers run inside checkpoints
+  /// (ActivationPlan::chunks).
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
-  std::vector<std::shared_ptr<TransformerLayer>> layers;
-  std::shared_ptr<Norm> final_layernorm;
+  std::vector<std::shared_ptr<TransformerLayer>> layers;  // this stage's
+  std::shared_ptr<Norm> final_layernorm;  // null except on the last stage
 
  private:
+  // Runs the global layers [start, end) of this stage.
   at::Tensor run_layers(at::Tensor hidden, int64_t start, int64_t end, const LayerContext& ctx);
   TransformerConfig config_;
   ActivationPlan plan_;
+  int64_t offset_ = 0;  // the global index of layers[0]
 };
 
 class GPTModel : public torch::nn::Module {
@@ -280,10 +286,25 @@ class GPTModel : public torch::nn::Module {
   /// The parameters' type.
   at::ScalarType dtype() const { return dtype_; }
 
-  /// tokens: [b, s] int64 -> logits [s, b, v]
+  /// tokens: [b, s] int64 -> logits [s, b, v] (the whole model: no pipeline parallelism)
   at::Tensor logits(const at::Tensor& tokens);
-  /// Mean cross-entropy over all b*s positions. tokens, labels: [b, s] int64.
+  /// Mean cross-entropy over all b*s positions. tokens, labels: [b, s] int64. The whole model.
   at::Tensor forward(const at::Tensor& tokens, const at::Tensor& labels);
+  /// This pipeline stage's forward: the first stage embeds `tokens`, the others take `input`
+  /// (the previous stage's output, [s, b, h] or its [s/t, b, h] shard under sequence
+  /// parallelism); the last stage returns the loss against `labels`, the others their output.
+  at::Tensor forward_stage(const at::Tensor& tokens, const at::Tensor& labels,
+                           const at::Tensor& input);
+  /// Pipeline stage of this model: the first holds the embedding (pre_process), the last the
+  /// final norm, output layer and loss (post_process); both without pipeline parallelism.
+  bool pre_process() const { return pre_process_; }
+  bool post_process() const { return post_process_; }
+  /// The transformer layers this stage holds (global offset and count).
+  const TransformerConfig::StageLayers& stage_layers() const { return stage_; }
+  /// With tied embeddings: the word embedding on the first stage, the last stage's copy of it
+  /// (output_layer.weight) on the last; undefined when untied or on a middle stage (Megatron's
+  /// shared_embedding_or_output_weight).
+  at::Tensor shared_embedding_or_output_weight() const;
   /// Moves parameters and buffers.
   void to_device(const at::Device& device);
   /// Offload for training forwards, as the plan says: layer-level or fine-grained groups.
@@ -321,14 +342,23 @@ class GPTModel : public torch::nn::Module {
   std::vector<at::Tensor> sequence_parallel_parameters() const;
   int64_t num_parameters() const;
 
+  // The first pipeline stage's (undefined on the others):
   at::Tensor word_embeddings;      // [v, h]
   at::Tensor position_embeddings;  // [max_pos, h] or undefined with RoPE
-  at::Tensor output_weight;        // [v, h]; aliases word_embeddings unless untied
+  // The last stage's: [v, h]; aliases word_embeddings unless untied or pipeline-parallel.
+  at::Tensor output_weight;
   std::shared_ptr<TransformerBlock> decoder;
 
  private:
   /// tokens [b, s] -> embeddings [s, b, h], before dropout
   at::Tensor embed(const at::Tensor& tokens);
+  // The three parts of a forward: embedding (with its dropout), the decoder's layers, the output
+  // layer (logits).
+  at::Tensor embedding_forward(const at::Tensor& tokens);
+  at::Tensor decoder_forward(const at::Tensor& hidden);
+  at::Tensor output_logits(at::Tensor hidden);
+  TransformerConfig::StageLayers stage_;
+  bool pre_process_ = true, post_process_ = true;
   TransformerConfig config_;
   ActivationPlan plan_;
   at::ScalarType dtype_ = at::kFloat;

@@ -63,6 +63,15 @@ const TensorParallelGroup& tensor_and_expert_parallel_group();
 void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
                                 TensorParallelGroup tp_ep);
 
+/// The ranks of this rank's pipeline (Megatron's pipeline-model-parallel group): rank i of it
+/// runs pipeline stage i. Size 1 until set.
+const TensorParallelGroup& pipeline_parallel_group();
+/// The first and last stage of this rank's pipeline (Megatron's embedding group), which keep the
+/// tied word embedding and output layer in sync; size 1 (no process group) on the other stages
+/// and without pipeline parallelism.
+const TensorParallelGroup& embedding_group();
+void set_pipeline_parallel_groups(TensorParallelGroup pp, TensorParallelGroup embedding);
+
 // ---- collectives on any group (x itself for size 1); inputs are not modified -----------------
 
 /// Waits for a collective and then, briefly (at most 200 ms), for Gloo to drop its reference to
@@ -88,17 +97,18 @@ at::Tensor group_reduce_scatter_v(const TensorParallelGroup& group, const at::Te
                                   const std::vector<int64_t>& sizes);
 
 /// Under `actmem launch` (WORLD_SIZE > 1): joins the c10d process group of all workers (Gloo, or
-/// NCCL for a CUDA device). With `tensor_parallel_size` t (0: the whole launch) the world is
-/// t x d in Megatron's rank order (parallel_layout.h): this rank's tensor-parallel group of t
-/// adjacent ranks and its data-parallel group of d are built on the launch's store, and with
-/// `expert_parallel_size` e its expert-parallel group of e and expert-data-parallel group of
-/// world / (t e) (the expert tensor-parallel size is t, Megatron's default). A no-op in a single
-/// process.
+/// NCCL for a CUDA device). With `tensor_parallel_size` t (0: the whole launch) and
+/// `pipeline_parallel_size` p the world is t x d x p in Megatron's rank order
+/// (parallel_layout.h): this rank's tensor-parallel group of t adjacent ranks, its data-parallel
+/// group of d, its pipeline of p and (first and last stages) its embedding group are built on the
+/// launch's store, and with `expert_parallel_size` e its expert-parallel group of e and
+/// expert-data-parallel group of world / (t e p) (the expert tensor-parallel size is t,
+/// Megatron's default). A no-op in a single process.
 const TensorParallelGroup& init_tensor_parallel_from_environment(
     const DistEnv& env, const c10::Device& device = c10::kCPU, int tensor_parallel_size = 0,
-    int expert_parallel_size = 1);
+    int expert_parallel_size = 1, int pipeline_parallel_size = 1);
 
-/// Drops the process groups (tensor, data and expert parallel: size 1 again).
+/// Drops the process groups (tensor, data, expert and pipeline parallel: size 1 again).
 void reset_tensor_parallel_group();
 
 /// init_tensor_parallel_from_environment for the object's lifetime, then
@@ -107,7 +117,7 @@ void reset_tensor_parallel_group();
 class TensorParallelSession {
  public:
   TensorParallelSession(const DistEnv& env, const c10::Device& device, int tensor_parallel_size = 0,
-                        int expert_parallel_size = 1);
+                        int expert_parallel_size = 1, int pipeline_parallel_size = 1);
   ~TensorParallelSession();
   TensorParallelSession(const TensorParallelSession&) = delete;
   TensorParallelSession& operator=(const TensorParallelSession&) = delete;

@@ -28,6 +28,8 @@ class AdamW;
 namespace actmem {
 
 class ActivationLedger;
+class LedgerScope;
+class PipelineP2P;
 class MixedPrecisionOptimizer;
 class ActivationOffloader;
 class OutputFile;
@@ -54,8 +56,14 @@ struct IterationStats {
   double tokens_per_s = 0.0;
   int64_t peak_device_bytes = 0;      // tracker peak during the step
   int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
-  int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max)
+  int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max;
+                                      // with pipeline parallelism over the whole schedule)
   int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (memory_model.h)
+  /// The most activation bytes held at once (at the end of a forward, every micro-batch in
+  /// flight counted): activation_bytes without pipeline parallelism; under 1F1B up to
+  /// min(p - stage, micro-batches) micro-batches (Note [Pipeline step] in trainer.cpp).
+  int64_t inflight_activation_bytes = 0;
+  int64_t predicted_inflight_activation_bytes = 0;
   int64_t offloaded_bytes = 0;   // device bytes copied to host this step (offload)
   int64_t host_peak_bytes = 0;   // peak host-buffer bytes in use this step
   double offload_wait_s = 0.0;   // time the compute waited for reloads this step
@@ -65,6 +73,11 @@ struct IterationStats {
   std::vector<int64_t> activation_bytes_per_rank;
   std::vector<int64_t> activation_peak_bytes_per_rank;
   std::vector<int64_t> peak_device_bytes_per_rank;
+  // With pipeline parallelism (p > 1), every stage's values (of this tensor-parallel rank),
+  // gathered to all stages (stage order):
+  std::vector<int64_t> inflight_activation_bytes_per_stage;
+  std::vector<int64_t> predicted_inflight_activation_bytes_per_stage;
+  std::vector<int64_t> peak_device_bytes_per_stage;
   std::optional<double> val_loss;     // when validation ran after this step
   /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
   /// layers of the mean over micro-batches, as Megatron logs them; unset when not computed), the
@@ -163,6 +176,20 @@ class Trainer {
     int64_t peak = 0;     // device peak of the step
   };
   void forward_backward(IterationStats& st, StepClock& clock);
+  // This rank's next micro-batch (tokens, labels) on the device.
+  std::pair<at::Tensor, at::Tensor> next_microbatch();
+  // One micro-batch after the other (no pipeline), or this stage's share of the 1F1B schedule
+  // (Note [Pipeline step]); each returns the sum of its micro-batches' losses / n_micro.
+  double forward_backward_microbatches(IterationStats& st, StepClock& clock, int64_t n_micro);
+  double forward_backward_pipelined(IterationStats& st, StepClock& clock, int64_t n_micro);
+  // The loss and the MoE statistics over the ranks, for the log.
+  void finish_forward_backward(IterationStats& st, double loss_sum);
+  // Sends and receives between this rank's pipeline neighbours.
+  PipelineP2P pipeline_p2p() const;
+  // The ledger's record of one forward (null without a ledger).
+  std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
+  // The tied embedding's gradient summed over the embedding group (first and last stage).
+  void reduce_embedding_gradients();
   void reduce_sequence_parallel_gradients();
   // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
   // over the data-parallel group (one flat all-reduce after backward; no overlap yet).
@@ -198,6 +225,8 @@ class Trainer {
   std::vector<bool> tensor_parallel_flags_;           // per params_ entry
   std::vector<bool> expert_parallel_flags_;           // per params_ entry: routed experts' weights
   std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
+  at::Tensor embedding_grad_;       // the tied embedding's (first and last pipeline stage)
+  int64_t shared_copy_index_ = -1;  // the last stage's copy of it, left out of the norm
   int64_t iteration_ = 0;
 };
 

@@ -53,7 +53,8 @@ int run(InspectOptions& o) {
   // The launch is t x d ranks with expert parallelism carved out of d, as for train.
   const TensorParallelSession tp_session(dist, c10::Device(t.device),
                                          static_cast<int>(c.tensor_model_parallel_size),
-                                         static_cast<int>(c.expert_model_parallel_size));
+                                         static_cast<int>(c.expert_model_parallel_size),
+                                         static_cast<int>(c.pipeline_model_parallel_size));
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);

@@ -184,10 +184,15 @@ int run_train(actmem::TrainOptions& o) {
   // data-parallel size, is implied, as in Megatron.
   const int t = static_cast<int>(o.model.tensor_model_parallel_size);
   const int e = static_cast<int>(o.model.expert_model_parallel_size);
+  const int p = static_cast<int>(o.model.pipeline_model_parallel_size);
   TORCH_CHECK(dist.world_size % t == 0, "actmem train: ", dist.world_size, " process(es) but "
               "--tensor-model-parallel-size ", t, "; the launch must be a multiple of it (t x the "
               "data-parallel size): use `actmem launch --nproc-per-node ", t, " -- train ...` or a "
               "multiple");
+  TORCH_CHECK(dist.world_size % (t * p) == 0, "actmem train: ", dist.world_size, " process(es) "
+              "but --tensor-model-parallel-size ", t, " x --pipeline-model-parallel-size ", p,
+              " = ", t * p, "; the launch must be a multiple of it (t x p x the data-parallel "
+              "size): use `actmem launch --nproc-per-node ", t * p, " -- train ...` or a multiple");
   // Expert parallelism is carved out of the data-parallel ranks (parallel_layout.h).
   TORCH_CHECK(dist.world_size % (t * e) == 0, "actmem train: ", dist.world_size, " process(es) "
               "but --tensor-model-parallel-size ", t, " x --expert-model-parallel-size ", e,
@@ -200,7 +205,7 @@ int run_train(actmem::TrainOptions& o) {
   OutputFile log, trace;
   if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
   if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
-  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t, e);
+  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t, e, p);
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   actmem::Trainer trainer(o.model, o.training);
@@ -233,6 +238,7 @@ int run_train(actmem::TrainOptions& o) {
   double first_loss = NAN, last_loss = NAN, total_time = 0.0;
   std::optional<double> last_val;
   int64_t steps = 0;
+  actmem::IterationStats last_stats;  // the per-stage memory of the last step
   Trainer::RunOutput out;
   std::optional<actmem::ExitSignalHandler> signals;
   if (o.training.exit_signal_handler) {
@@ -250,6 +256,9 @@ int run_train(actmem::TrainOptions& o) {
     total_time += st.step_time_s;
     ++steps;
     if (st.val_loss) last_val = st.val_loss;
+    last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
+    last_stats.predicted_inflight_activation_bytes_per_stage =
+        st.predicted_inflight_activation_bytes_per_stage;
     if (log.is_open()) {
       // Whole lines only (Note [Whole records or nothing]).
       log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
@@ -268,6 +277,18 @@ int run_train(actmem::TrainOptions& o) {
   if (last_val) human << " | validation loss " << *last_val;
   human << std::setprecision(1) << " | " << total_time << " s in steps ("
         << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
+  const auto& held = last_stats.inflight_activation_bytes_per_stage;
+  if (!held.empty()) {
+    // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight (docs/parallelism.md).
+    human << "activations in flight per pipeline stage (measured / predicted):";
+    for (size_t i = 0; i < held.size(); ++i) {
+      human << (i ? "," : "") << " stage " << i << " "
+            << actmem::format_bytes(static_cast<double>(held[i])) << " / "
+            << actmem::format_bytes(
+                   static_cast<double>(last_stats.predicted_inflight_activation_bytes_per_stage[i]));
+    }
+    human << "\n";
+  }
   if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
 }
