@@ -132,6 +132,14 @@ int run(InspectOptions& o) {
             << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
             << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
             << predicted.total << " B\n";
+  if (c.pipeline_model_parallel_size > 1) {
+    // Rank 0 is the first stage: the table covers its layers and embedding.
+    std::cout << "pipeline stage 0 of " << c.pipeline_model_parallel_size
+              << ": the tracker also holds the output sent on to stage 1 ("
+              << st.predicted_activation_bytes - predicted.total << " B); under 1F1B the stage "
+              << "held " << st.inflight_activation_bytes << " B at once (predicted "
+              << st.predicted_inflight_activation_bytes << " B; docs/parallelism.md)\n";
+  }
   if (o.records) {
     std::cout << "\nrecords:\n";
     for (const auto& r : ledger.records()) {
