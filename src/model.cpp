@@ -748,7 +748,6 @@ TransformerBlock::TransformerBlock(const TransformerConfig& config, const Activa
                                    at::ScalarType dtype, TransformerConfig::StageLayers stage,
                                    bool post_process)
     : config_(config), plan_(plan), offset_(stage.offset) {
-  if (stage.count < 0) stage.count = config.num_layers;  // the whole model
   // Registered as layers.0 .. layers.(count - 1) on every stage (Megatron's local numbering);
   // their layer_number is global (offset + i + 1).
   auto list = register_module("layers", std::make_shared<LayerList>());
@@ -1029,17 +1028,19 @@ at::Tensor GPTModel::output_logits(at::Tensor hidden) {
   return at::matmul(hidden, output_weight.t());  // [s, b, v]
 }
 
+void GPTModel::check_whole_model(const char* api) const {
+  TORCH_CHECK(pre_process_ && post_process_, api, ": needs the whole model; this is pipeline "
+              "stage ", pipeline_parallel_group().rank, " of ", config_.pipeline_model_parallel_size,
+              " (use forward_stage)");
+}
+
 at::Tensor GPTModel::logits(const at::Tensor& tokens) {
-  TORCH_CHECK(pre_process_ && post_process_, "actmem::GPTModel::logits: needs the whole model; "
-              "this is pipeline stage ", pipeline_parallel_group().rank, " of ",
-              config_.pipeline_model_parallel_size, " (use forward_stage)");
+  check_whole_model("actmem::GPTModel::logits");
   return output_logits(decoder_forward(embedding_forward(tokens)));
 }
 
 at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels) {
-  TORCH_CHECK(pre_process_ && post_process_, "actmem::GPTModel::forward: needs the whole model; "
-              "this is pipeline stage ", pipeline_parallel_group().rank, " of ",
-              config_.pipeline_model_parallel_size, " (use forward_stage)");
+  check_whole_model("actmem::GPTModel::forward");
   return forward_stage(tokens, labels, at::Tensor());
 }
 

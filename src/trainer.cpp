@@ -284,23 +284,25 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                      .eps(config_.adam_eps)
                      .weight_decay(config_.weight_decay));
   }
-  // The gradients the sequence-parallel all-reduce sums (at 16 bits: their main grads), found
-  // once here rather than per step.
-  for (const auto& p : model_->sequence_parallel_parameters()) {
+  // Where a parameter sits in params_ (and so its gradient in grads_).
+  auto index_of = [this](const at::Tensor& p) {
     const auto it = std::find_if(params_.begin(), params_.end(),
                                  [&p](const at::Tensor& q) { return q.is_same(p); });
     TORCH_INTERNAL_ASSERT(it != params_.end());
-    sequence_parallel_grads_.push_back(grads_[static_cast<size_t>(it - params_.begin())]);
+    return static_cast<size_t>(it - params_.begin());
+  };
+  // The gradients the sequence-parallel all-reduce sums (at 16 bits: their main grads), found
+  // once here rather than per step.
+  for (const auto& p : model_->sequence_parallel_parameters()) {
+    sequence_parallel_grads_.push_back(grads_[index_of(p)]);
   }
   if (const at::Tensor shared = model_->shared_embedding_or_output_weight();
       shared.defined() && embedding_group().size > 1) {
-    const auto it = std::find_if(params_.begin(), params_.end(),
-                                 [&shared](const at::Tensor& q) { return q.is_same(shared); });
-    TORCH_INTERNAL_ASSERT(it != params_.end());
-    embedding_grad_ = grads_[static_cast<size_t>(it - params_.begin())];
+    const size_t i = index_of(shared);
+    embedding_grad_ = grads_[i];
     // The last stage's copy is left out of the gradient norm: it equals the first stage's after
     // the embedding all-reduce (Megatron's param_is_not_shared).
-    if (!model_->pre_process()) shared_copy_index_ = static_cast<int64_t>(it - params_.begin());
+    if (!model_->pre_process()) shared_copy_index_ = static_cast<int64_t>(i);
   }
   if (train_samples) {
     train_sampler_ = std::make_unique<DatasetBatches>(
@@ -582,7 +584,7 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     if (received.defined()) {
       f.input = received;
       f.input.requires_grad_(true);
-      before -= f.input.numel() * f.input.element_size();  // this micro-batch's from its receipt
+      before -= p2p.bytes();  // this micro-batch's from its receipt
     }
     std::unique_ptr<LedgerScope> ledger_scope = m == 0 ? open_ledger(tokens, labels) : nullptr;
     at::Tensor out = model_->forward_stage(tokens, labels, f.input);
@@ -644,9 +646,16 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   st.predicted_activation_bytes = per_microbatch + output;
   st.predicted_inflight_activation_bytes =
       per_microbatch * one_f_one_b_in_flight(pp.rank, pp.size, n_micro) + output;
-  // The loss is the last stage's: every stage reports it (adding zeros is exact).
-  return group_all_reduce_sum(pp, at::tensor({model_->post_process() ? loss_sum : 0.0}, at::kDouble)
-                                      .to(device_)).item<double>();
+  return from_last_stage(loss_sum);  // the loss is the last stage's: every stage reports it
+}
+
+double Trainer::from_last_stage(double value) const {
+  const TensorParallelGroup& pp = pipeline_parallel_group();
+  if (pp.size == 1) return value;
+  // The other stages add zeros, which is exact.
+  return group_all_reduce_sum(
+             pp, at::tensor({model_->post_process() ? value : 0.0}, at::kDouble).to(device_))
+      .item<double>();
 }
 
 void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
@@ -883,7 +892,7 @@ double Trainer::evaluate() {
   double total = 0.0;
   if (pipeline_parallel_group().size > 1) {
     // The schedule's forward-only form: each batch through the stages; the last stage's losses
-    // reported by all (adding zeros is exact).
+    // reported by all.
     run_one_f_one_b(
         pipeline_p2p(), config_.eval_iters,
         [&](int64_t i, const at::Tensor& input) {
@@ -895,10 +904,7 @@ double Trainer::evaluate() {
           return at::Tensor();
         },
         {}, /*forward_only=*/true);
-    total = group_all_reduce_sum(pipeline_parallel_group(),
-                                 at::tensor({model_->post_process() ? total : 0.0}, at::kDouble)
-                                     .to(device_))
-                .item<double>();
+    total = from_last_stage(total);
   } else {
     for (int64_t i = 0; i < config_.eval_iters; ++i) {
       auto batch = valid_sampler_->fixed(i, config_.eval_iters);

@@ -252,11 +252,10 @@ class TransformerLayer : public torch::nn::Module {
 
 class TransformerBlock : public torch::nn::Module {
  public:
-  /// The layers of `stage` (a pipeline stage's; count -1: all of them) and, with post_process
-  /// (the last stage), the final norm. `plan` covers the whole model.
+  /// The layers of `stage` (this pipeline stage's; all of them without pipeline parallelism)
+  /// and, with post_process (the last stage), the final norm. `plan` covers the whole model.
   TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
-                   at::ScalarType dtype, TransformerConfig::StageLayers stage = {0, -1},
-                   bool post_process = true);
+                   at::ScalarType dtype, TransformerConfig::StageLayers stage, bool post_process);
   /// hidden: [s, b, h] -> [s, b, h], final-normed on the last stage. With full recompute
   /// (training only) the plan's chunks of this stage's layers run inside checkpoints
   /// (ActivationPlan::chunks).
@@ -357,6 +356,8 @@ class GPTModel : public torch::nn::Module {
   at::Tensor embedding_forward(const at::Tensor& tokens);
   at::Tensor decoder_forward(const at::Tensor& hidden);
   at::Tensor output_logits(at::Tensor hidden);
+  // Throws unless this model is the whole model (no pipeline parallelism), naming `api`.
+  void check_whole_model(const char* api) const;
   TransformerConfig::StageLayers stage_;
   bool pre_process_ = true, post_process_ = true;
   TransformerConfig config_;

@@ -190,6 +190,8 @@ class Trainer {
   std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
   // The tied embedding's gradient summed over the embedding group (first and last stage).
   void reduce_embedding_gradients();
+  // The last pipeline stage's `value` on every stage (the value itself without a pipeline).
+  double from_last_stage(double value) const;
   void reduce_sequence_parallel_gradients();
   // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
   // over the data-parallel group (one flat all-reduce after backward; no overlap yet).
