@@ -643,9 +643,22 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
 // Checked against the tracker's measured peak over a sweep of models and strategies
 // (MemoryPreCheck.CountsEverythingTheRunAllocates in tests/test_robustness.cpp). The Trainer
 // refuses a configuration above its device-memory limit before it allocates anything.
-double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) {
+// Under pipeline parallelism a stage counts its own layers, the embedding only on the first stage
+// and the output layer (or the tied embedding's copy) only on the last, and keeps
+// `microbatches_in_flight` micro-batches of its activations plus the tensors crossing its
+// boundaries (the received input's leaf and the output before it is sent, one of each at most
+// beyond the micro-batches' own: Note [Pipeline step] in trainer.cpp). Checked against each
+// stage's measured peak in Pipeline.EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHolds-
+// PerStage (tests/test_tensor_parallel.cpp).
+double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
+                               int64_t pipeline_stage, int64_t microbatches_in_flight) {
+  TORCH_CHECK(microbatches_in_flight >= 1, "actmem::predict_step_peak_bound: at least one "
+              "micro-batch in flight, got ", microbatches_in_flight);
+  const TransformerConfig::StageLayers stage = c.pipeline_stage_layers(pipeline_stage);
+  const bool first_stage = pipeline_stage == 0;
+  const bool last_stage = pipeline_stage == c.pipeline_model_parallel_size - 1;
   const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.ffn());
-  const double L = static_cast<double>(c.num_layers), v = static_cast<double>(c.vocab_size);
+  const double L = static_cast<double>(stage.count), v = static_cast<double>(c.vocab_size);
   const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
   const double a = static_cast<double>(c.num_attention_heads);
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
@@ -671,9 +684,11 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
     attention = q + h * (rkv + pos) + rkv * a_ * (c.qk_head_dim + dv) + 2.0 * rkv + a_ * dv * h;
   }
   const double params = L * ((attention + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
-                        2.0 * v * h + static_cast<double>(c.max_positions()) * h + 2.0 * h;
-  double largest_param = std::max(v * h, h * fc1 / t) * e;
-  double largest_tensor = std::max({s * b * v, a * s * s * b / t, s * b * fc1 / t}) * e;
+                        (first_stage ? v * h + static_cast<double>(c.max_positions()) * h : 0.0) +
+                        (last_stage ? v * h + 2.0 * h : 0.0);
+  double largest_param = std::max(first_stage || last_stage ? v * h : 0.0, h * fc1 / t) * e;
+  double largest_tensor =
+      std::max({last_stage ? s * b * v : 0.0, a * s * s * b / t, s * b * fc1 / t, s * b * h}) * e;
   if (c.multi_latent_attention) {  // the kv up-projection's output [s, b, a (qk + v)] is widest
     const double widest = static_cast<double>(std::max(c.mla_q_head_dim(), c.qk_head_dim + c.v_head_dim));
     largest_tensor = std::max(largest_tensor, s * b * a * widest * e);
@@ -693,8 +708,8 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
       per_layer += h * (c.gated_linear_unit ? 2.0 * fs : fs) + fs * h + h;
     }
     const std::vector<bool> moe = c.moe_layers();
-    for (const bool m : moe) {
-      if (!m) continue;
+    for (int64_t i = stage.offset; i < stage.offset + stage.count; ++i) {
+      if (!moe[static_cast<size_t>(i)]) continue;
       moe_params += per_layer;
       worst.emplace_back(std::vector<int64_t>{rows}, moe_max_routed_rows(c));
     }
@@ -703,7 +718,9 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
                                static_cast<double>(T) * Ed * 4.0});
   }
   // Sizes whose exact count would not fit the predictor's 64-bit integers cannot fit a device.
-  if (largest_tensor * L * 64.0 > 0x1p62) return std::numeric_limits<double>::infinity();
+  if (largest_tensor * static_cast<double>(c.num_layers) * 64.0 > 0x1p62) {
+    return std::numeric_limits<double>::infinity();
+  }
   ActivationPlan keep_all = make_activation_plan(c);
   keep_all.granularity = RecomputeGranularity::kNone;
   keep_all.distribute_saved_activations = false;
@@ -713,8 +730,14 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes) 
     lp = LayerPlan{};
     lp.moe = moe;  // the layer's kind stays: an MoE layer keeps what an MoE layer keeps
   }
+  // What crosses a stage boundary: [s, b, h] ([s/t, b, h] with sequence parallelism).
+  const double boundary =
+      c.pipeline_model_parallel_size > 1 ? s * b * h * e / (c.sequence_parallel ? t : 1.0) : 0.0;
   const double activations =
-      static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes, true, &worst).total);
+      static_cast<double>(
+          predict_activation_bytes(c, keep_all, dtype_bytes, true, &worst, pipeline_stage).total) *
+          static_cast<double>(microbatches_in_flight) +
+      2.0 * boundary;
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
   // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
   const double upcast = e == 2.0 ? 2.0 : 1.0;

@@ -1,4 +1,4 @@
-// plot.cpp — memory_timeline_svg.
+// plot.cpp — memory_timeline_svg and pipeline_schedule_svg.
 #include "actmem/plot.h"
 
 #include "actmem/report.h"
@@ -116,6 +116,65 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const
     }
   }
   o << "</svg>\n";
+  return o.str();
+}
+
+std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>& stages,
+                                  const std::string& title) {
+  const double left = 70, right = 250, top = 50, row = 34, gap = 10, W = 1020;
+  const double pw = W - left - right;
+  const double H = top + static_cast<double>(stages.size()) * (row + gap) + 50;
+  double t_max = 1e-9;
+  for (const auto& events : stages) {
+    for (const auto& e : events) t_max = std::max(t_max, e.end_s);
+  }
+  auto X = [&](double t) { return left + pw * t / t_max; };
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+    << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
+  for (size_t s = 0; s < stages.size(); ++s) {
+    const double y = top + static_cast<double>(s) * (row + gap);
+    double busy = 0.0;
+    int64_t held = 0, most = 0;
+    o << "<g data-stage=\"" << s << "\">\n<text x=\"" << left - 8 << "\" y=\"" << y + row / 2 + 4
+      << "\" text-anchor=\"end\">stage " << s << "</text>\n";
+    for (const auto& e : stages[s]) {
+      busy += e.end_s - e.start_s;
+      held += e.forward ? 1 : -1;
+      most = std::max(most, held);
+      const double x0 = X(e.start_s), w = std::max(0.5, X(e.end_s) - x0);
+      o << "<rect data-stage=\"" << s << "\" data-op=\"" << (e.forward ? 'F' : 'B')
+        << "\" data-microbatch=\"" << e.microbatch << "\" x=\"" << x0 << "\" y=\"" << y
+        << "\" width=\"" << w << "\" height=\"" << row << "\" fill=\""
+        << (e.forward ? "#4c78a8" : "#f58518") << "\" stroke=\"white\"/>\n";
+      if (w >= 14) {
+        o << "<text x=\"" << x0 + w / 2 << "\" y=\"" << y + row / 2 + 4
+          << "\" text-anchor=\"middle\" fill=\"white\">" << (e.forward ? 'F' : 'B')
+          << e.microbatch << "</text>\n";
+      }
+    }
+    o << "<text x=\"" << left + pw + 10 << "\" y=\"" << y + row / 2 + 4 << "\">busy "
+      << std::setprecision(0) << 100.0 * busy / t_max << "%, at most " << most
+      << " in flight</text>\n</g>\n"
+      << std::setprecision(1);
+  }
+  // Time axis, milliseconds.
+  const double axis_y = top + static_cast<double>(stages.size()) * (row + gap);
+  o << "<line x1=\"" << left << "\" y1=\"" << axis_y << "\" x2=\"" << left + pw << "\" y2=\""
+    << axis_y << "\" stroke=\"#444\"/>\n";
+  for (int i = 0; i <= 5; ++i) {
+    const double t = t_max * i / 5.0;
+    o << "<text x=\"" << X(t) << "\" y=\"" << axis_y + 16 << "\" text-anchor=\"middle\">"
+      << std::setprecision(t_max < 0.05 ? 1 : 0) << 1e3 * t << std::setprecision(1)
+      << "</text>\n";
+  }
+  o << "<text x=\"" << left + pw / 2 << "\" y=\"" << axis_y + 34
+    << "\" text-anchor=\"middle\">ms from the step's start (F forward, B backward of micro-batch n)"
+       "</text>\n</svg>\n";
   return o.str();
 }
 

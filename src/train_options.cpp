@@ -379,6 +379,9 @@ void add_output_flags(CLI::App& app, TrainOptions& o) {
                  "('-': standard output)");
   app.add_option("--trace", o.trace,
                  "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
+  app.add_option("--pipeline-plot", o.pipeline_plot,
+                 "With pipeline parallelism: write the last step's schedule (every stage's "
+                 "forwards and backwards on one time axis) as SVG to FILE");
 }
 void add_checkpoint_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
@@ -475,6 +478,9 @@ void TrainOptions::finalize() {
   }
   model.validate();
   training.validate(model);
+  TORCH_CHECK(pipeline_plot.empty() || model.pipeline_model_parallel_size > 1,
+              "--pipeline-plot draws a pipeline's schedule: it needs "
+              "--pipeline-model-parallel-size > 1");
 }
 
 }  // namespace actmem

@@ -139,6 +139,18 @@ nlohmann::json to_json(const IterationStats& s) {
         s.predicted_inflight_activation_bytes_per_stage;
     j["peak_device_bytes_per_stage"] = s.peak_device_bytes_per_stage;
   }
+  if (!s.pipeline_schedule_per_stage.empty()) {
+    nlohmann::json stages = nlohmann::json::array();
+    for (const auto& events : s.pipeline_schedule_per_stage) {
+      nlohmann::json row = nlohmann::json::array();
+      for (const auto& e : events) {
+        row.push_back({{"op", e.forward ? "F" : "B"}, {"microbatch", e.microbatch},
+                       {"start_s", e.start_s}, {"end_s", e.end_s}});
+      }
+      stages.push_back(std::move(row));
+    }
+    j["pipeline_schedule_per_stage"] = std::move(stages);
+  }
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   if (s.moe) {
     auto opt = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
@@ -208,10 +220,17 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                        : (physical_memory_bytes() - corpus_.resident_bytes()) /
                              (tensor_parallel_group().size * data_parallel_group().size *
                               pipeline_parallel_group().size);
-    const double need = predict_step_peak_bound(model_config_);
+    // A pipeline stage: its own weights and the micro-batches 1F1B keeps in flight on it.
+    const TensorParallelGroup& pp = pipeline_parallel_group();
+    const int64_t in_flight = one_f_one_b_in_flight(
+        pp.rank, pp.size,
+        config_.num_microbatches(model_config_.micro_batch_size, data_parallel_group().size));
+    const double need = predict_step_peak_bound(model_config_, 0, pp.rank, in_flight);
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
-                "state and one micro-batch of activations at their peak) but the limit is ",
+                "state and ", in_flight == 1 ? std::string("one micro-batch") :
+                std::to_string(in_flight) + " micro-batches (pipeline stage " +
+                std::to_string(pp.rank) + ")", " of activations at their peak) but the limit is ",
                 format_bytes(static_cast<double>(limit)),
                 explicit_limit ? std::string() : " (physical memory less the corpus's " +
                     format_bytes(static_cast<double>(corpus_.resident_bytes())) + ")",
@@ -577,7 +596,12 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     scope = std::make_unique<TimelineScope>(*timeline_);
   }
   const auto t0 = Clock::now();
+  schedule_.clear();
+  auto shared_clock_s = [] {
+    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+  };
   auto forward = [&](int64_t m, const at::Tensor& received) {
+    const double start = shared_clock_s();
     const auto& [tokens, labels] = batches[static_cast<size_t>(m)];
     InFlight f;
     int64_t before = memory_.current_bytes();
@@ -602,9 +626,11 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     st.activation_bytes = std::max(st.activation_bytes, after - before);
     st.inflight_activation_bytes = std::max(st.inflight_activation_bytes, after - step_base);
     in_flight.push_back(std::move(f));
+    schedule_.push_back({true, m, start, shared_clock_s()});
     return out;
   };
-  auto backward = [&](int64_t, const at::Tensor& output_grad) {
+  auto backward = [&](int64_t m, const at::Tensor& output_grad) {
+    const double start = shared_clock_s();
     InFlight f = std::move(in_flight.front());
     in_flight.pop_front();
     if (f.loss.defined()) {
@@ -619,6 +645,7 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
           /*accumulate_grad=*/true);
     }
     synchronize_device(device_);
+    schedule_.push_back({false, m, start, shared_clock_s()});
     return f.input.defined() ? f.input.grad() : at::Tensor();
   };
   run_one_f_one_b(p2p, n_micro, forward, backward);
@@ -839,6 +866,30 @@ double Trainer::clip_gradients(const IterationStats& st) {
   return grad_norm;
 }
 
+void Trainer::gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const {
+  // Every stage ran 2M events (M forwards, M backwards), so the rows gather evenly; times become
+  // seconds from the earliest stage's first event.
+  std::vector<double> mine;
+  for (const auto& e : schedule_) {
+    mine.insert(mine.end(), {e.forward ? 1.0 : 0.0, static_cast<double>(e.microbatch), e.start_s,
+                             e.end_s});
+  }
+  const at::Tensor all =
+      group_all_gather_dim0(pp, at::tensor(mine, at::kDouble).to(device_)).cpu().contiguous();
+  const double* v = all.data_ptr<double>();
+  const size_t per_stage = mine.size() / 4;
+  double origin = std::numeric_limits<double>::infinity();
+  for (size_t i = 0; i < per_stage * static_cast<size_t>(pp.size); ++i) {
+    origin = std::min(origin, v[4 * i + 2]);
+  }
+  st.pipeline_schedule_per_stage.assign(static_cast<size_t>(pp.size), {});
+  for (size_t i = 0; i < per_stage * static_cast<size_t>(pp.size); ++i) {
+    const double* e = v + 4 * i;
+    st.pipeline_schedule_per_stage[i / per_stage].push_back(
+        {e[0] != 0.0, static_cast<int64_t>(e[1]), e[2] - origin, e[3] - origin});
+  }
+}
+
 void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
   // The whole global batch's tokens (every data-parallel rank's) per second of this rank's step.
   const int64_t gbs = config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size);
@@ -860,6 +911,7 @@ void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
       st.predicted_inflight_activation_bytes_per_stage.push_back(all[r][1].item<int64_t>());
       st.peak_device_bytes_per_stage.push_back(all[r][2].item<int64_t>());
     }
+    gather_schedule(st, pp);
   }
   if (trace_ != nullptr) {
     // Compute spans between consecutive timeline marks of the first micro-batch.

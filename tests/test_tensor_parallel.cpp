@@ -715,6 +715,11 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
           }
           EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-6)
               << what << " step " << i;
+          // The trainer's up-front bound covers the stage's measured peak (an uneven first
+          // stage holds more than the whole model's one micro-batch: 3 x 2 layers of 4 here).
+          EXPECT_GE(pipeline_run(r, "plain")["peak_bound"].get<double>(),
+                    steps[i]["peak_device_bytes"].get<double>())
+              << what << " rank " << r["rank"] << " step " << i;
         }
       }
       // Layers land where Megatron's split puts them.
@@ -764,6 +769,8 @@ TEST(Pipeline, EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerSt
           EXPECT_EQ(st["activation_bytes"], st["predicted_activation_bytes"]) << what << " " << name << " step " << i;
           EXPECT_EQ(st["inflight_activation_bytes"], st["predicted_inflight_activation_bytes"])
               << what << " " << name << " step " << i;
+          EXPECT_GE(run["peak_bound"].get<double>(), st["peak_device_bytes"].get<double>())
+              << what << " " << name << " step " << i << ": the up-front bound";
         }
         EXPECT_EQ(run["params"], plain["params"]) << what << " " << name;
       }
@@ -875,6 +882,85 @@ TEST(Pipeline, TrainUnderLaunchLogsTheLastStagesLossAndValidates) {
     ++stages;
   }
   EXPECT_EQ(stages, 2) << ok.output;
+}
+
+
+TEST(Pipeline, TrainRecordsTheOneFOneBScheduleEveryStageRanAndPlotsIt) {
+  // Three stages, five micro-batches: stage r runs min(p - r - 1, M) warmup forwards, then one
+  // forward and one backward alternating, then the remaining backwards (Megatron's
+  // forward_backward_pipelining_without_interleaving); the sequence is written here from that
+  // rule, not from the trainer. On one node the stages share a clock: stage r's forward of a
+  // micro-batch starts after stage r - 1's ended (it needs the activation), its backward after
+  // stage r + 1's backward ended (it needs the gradient).
+  const std::string dir = ::testing::TempDir();
+  const std::string log = dir + "pipeline_schedule.jsonl", svg = dir + "pipeline_schedule.svg";
+  const int p = 3, M = 5;
+  const auto r = actmem::testing::run_actmem(
+      "launch --nproc-per-node 3 -- train --pipeline-model-parallel-size 3 --num-layers 3 "
+      "--hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
+      "--global-batch-size 10 --train-iters 2 --eval-interval 0 --log-json " + log +
+      " --pipeline-plot " + svg);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const auto iterations = actmem::testing::read_json_log(log).iterations;
+  ASSERT_EQ(iterations.size(), 2u);
+  for (const auto& it : iterations) {
+    const json& stages = it["pipeline_schedule_per_stage"];
+    ASSERT_EQ(stages.size(), static_cast<size_t>(p));
+    for (int s = 0; s < p; ++s) {
+      const int warmup = std::min(p - s - 1, M);
+      std::vector<std::string> expected;
+      for (int m = 0; m < warmup; ++m) expected.push_back("F" + std::to_string(m));
+      for (int i = 0; i < M - warmup; ++i) {
+        expected.push_back("F" + std::to_string(warmup + i));
+        expected.push_back("B" + std::to_string(i));
+      }
+      for (int m = M - warmup; m < M; ++m) expected.push_back("B" + std::to_string(m));
+      std::vector<std::string> ran;
+      double previous_end = 0.0;
+      for (const auto& e : stages[static_cast<size_t>(s)]) {
+        ran.push_back(e["op"].get<std::string>() + std::to_string(e["microbatch"].get<int>()));
+        EXPECT_GE(e["start_s"].get<double>(), previous_end) << "stage " << s << " overlaps itself";
+        EXPECT_GE(e["end_s"].get<double>(), e["start_s"].get<double>());
+        previous_end = e["end_s"].get<double>();
+      }
+      EXPECT_EQ(ran, expected) << "stage " << s;
+    }
+    auto find = [&](int s, const std::string& op, int m) {
+      for (const auto& e : stages[static_cast<size_t>(s)]) {
+        if (e["op"] == op && e["microbatch"] == m) return e;
+      }
+      ADD_FAILURE() << "stage " << s << " has no " << op << m;
+      return json();
+    };
+    for (int m = 0; m < M; ++m) {
+      for (int s = 1; s < p; ++s) {
+        EXPECT_GT(find(s, "F", m)["start_s"].get<double>(), find(s - 1, "F", m)["end_s"].get<double>())
+            << "F" << m << " on stage " << s << " began before stage " << s - 1 << " sent it";
+        EXPECT_GT(find(s - 1, "B", m)["start_s"].get<double>(), find(s, "B", m)["end_s"].get<double>())
+            << "B" << m << " on stage " << s - 1 << " began before stage " << s << " sent its gradient";
+      }
+    }
+  }
+  // The plot holds every box of the last step, and each row's most micro-batches in flight.
+  std::ifstream in(svg);
+  const std::string plot((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  auto count = [&](const std::string& needle) {
+    size_t n = 0;
+    for (size_t at = plot.find(needle); at != std::string::npos; at = plot.find(needle, at + 1)) ++n;
+    return n;
+  };
+  EXPECT_EQ(count("data-op=\"F\""), static_cast<size_t>(p * M));
+  EXPECT_EQ(count("data-op=\"B\""), static_cast<size_t>(p * M));
+  for (int s = 0; s < p; ++s) {  // 3, 2 and 1: one row each
+    EXPECT_EQ(count("at most " + std::to_string(std::min(p - s, M)) + " in flight"), 1u) << s;
+  }
+  // Without a pipeline there is no schedule to draw.
+  const auto bad = actmem::testing::run_actmem("train --num-layers 1 --hidden-size 32 "
+                                               "--num-attention-heads 2 --seq-length 16 "
+                                               "--train-iters 1 --pipeline-plot " + svg + ".x");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("--pipeline-plot draws a pipeline's schedule"), std::string::npos)
+      << bad.output;
 }
 
 }  // namespace

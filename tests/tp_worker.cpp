@@ -23,6 +23,7 @@
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
+#include "actmem/memory_model.h"
 #include "actmem/activation_plan.h"
 #include "actmem/moe.h"
 #include "actmem/moe_dispatch.h"
@@ -362,8 +363,15 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
                             {"predicted_activation_bytes", st.predicted_activation_bytes},
                             {"inflight_activation_bytes", st.inflight_activation_bytes},
                             {"predicted_inflight_activation_bytes",
-                             st.predicted_inflight_activation_bytes}});
+                             st.predicted_inflight_activation_bytes},
+                            {"peak_device_bytes", st.peak_device_bytes}});
     }
+    // The trainer's up-front bound for this stage (Note [Memory pre-check] in memory_model.cpp).
+    const auto& pp_group = actmem::pipeline_parallel_group();
+    r["peak_bound"] = actmem::predict_step_peak_bound(
+        c, 0, pp_group.rank,
+        actmem::one_f_one_b_in_flight(pp_group.rank, pp_group.size,
+                                      tc.num_microbatches(c.micro_batch_size, 1)));
     const int64_t offset = trainer.model().stage_layers().offset;
     for (const auto& item : trainer.model().named_parameters()) {
       std::string key = item.key();

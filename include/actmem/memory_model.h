@@ -237,7 +237,12 @@ int64_t moe_max_routed_rows(const TransformerConfig& config);
 /// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient
 /// gradients, fp32 main parameters, main grads and moments), the activations of one micro-batch
 /// and the transient buffers of its backward (Note [Memory pre-check] in memory_model.cpp). +inf
-/// for sizes whose exact count would overflow. dtype_bytes 0 = the config's precision.
-double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 0);
+/// for sizes whose exact count would overflow. dtype_bytes 0 = the config's precision. With
+/// pipeline parallelism, `pipeline_stage`'s: its layers' weights (the embedding on the first
+/// stage, the output layer on the last) and `microbatches_in_flight` micro-batches of its
+/// activations (1F1B: one_f_one_b_in_flight in pipeline.h) with the tensors crossing its
+/// boundaries.
+double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 0,
+                               int64_t pipeline_stage = 0, int64_t microbatches_in_flight = 1);
 
 }  // namespace actmem

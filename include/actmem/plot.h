@@ -1,8 +1,10 @@
-// plot.h — an SVG memory-timeline plot: device bytes through forward and backward, one line per
-// strategy, layer boundaries marked. Plain SVG 1.1, no scripts; opens in any browser.
+// plot.h — SVG plots, plain SVG 1.1 without scripts (any browser opens them): the memory timeline
+// (device bytes through forward and backward, one line per strategy, layer boundaries marked)
+// and the pipeline schedule (each stage's forwards and backwards on one time axis).
 #pragma once
 
 #include "actmem/memory_tracker.h"
+#include "actmem/pipeline_event.h"
 
 #include <string>
 #include <vector>
@@ -18,5 +20,12 @@ struct TimelineSeries {
 /// Bytes are drawn relative to each series' first entry (what the step added). Every <g> of a
 /// series carries data-name and data-peak-bytes attributes so tools and tests can read the plot.
 std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title);
+
+/// One row per stage (stage order), one box per forward (F) or backward (B), the micro-batch's
+/// number inside; each row's caption gives the stage's busy share of the step and the most
+/// micro-batches it held at once. Every box is a <rect> with data-stage, data-op and
+/// data-microbatch attributes, so tools and tests can read the plot.
+std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>& stages,
+                                  const std::string& title);
 
 }  // namespace actmem

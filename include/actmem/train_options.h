@@ -20,6 +20,7 @@ struct TrainOptions {
   TrainingConfig training;
   std::string log_json;          // --log-json FILE ("" = none)
   std::string trace;             // --trace FILE ("" = none): Chrome trace of one iteration
+  std::string pipeline_plot;     // --pipeline-plot FILE ("" = none): SVG of the last step's schedule
   std::string normalization_flag = "LayerNorm";
   bool swiglu = false;
   bool disable_bias_linear = false;
@@ -49,7 +50,7 @@ enum FlagGroup : unsigned {
   kScheduleFlags = 1u << 5,   // --train-iters, --eval-*, --log-interval
   kDataFlags = 1u << 6,       // --data, --split
   kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
-  kOutputFlags = 1u << 8,     // --log-json, --trace
+  kOutputFlags = 1u << 8,     // --log-json, --trace, --pipeline-plot
   kCheckpointFlags = 1u << 9, // --save, --load, --save-interval, --exit-signal-handler, ...
   kMoEFlags = 1u << 10,       // --num-experts, --moe-*, --expert-model-parallel-size; MLA's
   kModelFlags = kShapeFlags | kParallelFlags | kMoEFlags | kRecomputeFlags | kOffloadFlags,

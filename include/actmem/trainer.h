@@ -10,6 +10,7 @@
 #include "actmem/data.h"
 #include "actmem/memory_tracker.h"
 #include "actmem/model.h"
+#include "actmem/pipeline_event.h"
 #include "actmem/report.h"
 #include "actmem/rng.h"
 
@@ -30,6 +31,7 @@ namespace actmem {
 class ActivationLedger;
 class LedgerScope;
 class PipelineP2P;
+struct TensorParallelGroup;
 class MixedPrecisionOptimizer;
 class ActivationOffloader;
 class OutputFile;
@@ -78,6 +80,9 @@ struct IterationStats {
   std::vector<int64_t> inflight_activation_bytes_per_stage;
   std::vector<int64_t> predicted_inflight_activation_bytes_per_stage;
   std::vector<int64_t> peak_device_bytes_per_stage;
+  /// Every stage's forwards and backwards in the order it ran them (stage order; times from the
+  /// earliest stage's start of the schedule; Note [Pipeline step] in trainer.cpp).
+  std::vector<std::vector<PipelineEvent>> pipeline_schedule_per_stage;
   std::optional<double> val_loss;     // when validation ran after this step
   /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
   /// layers of the mean over micro-batches, as Megatron logs them; unset when not computed), the
@@ -192,6 +197,8 @@ class Trainer {
   void reduce_embedding_gradients();
   // The last pipeline stage's `value` on every stage (the value itself without a pipeline).
   double from_last_stage(double value) const;
+  // Every stage's schedule_ into st.pipeline_schedule_per_stage (on every stage).
+  void gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const;
   void reduce_sequence_parallel_gradients();
   // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
   // over the data-parallel group (one flat all-reduce after backward; no overlap yet).
@@ -229,6 +236,9 @@ class Trainer {
   std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
   at::Tensor embedding_grad_;       // the tied embedding's (first and last pipeline stage)
   int64_t shared_copy_index_ = -1;  // the last stage's copy of it, left out of the norm
+  // This stage's share of the last pipelined step, times in seconds of the shared clock
+  // (steady_clock since its epoch); finish_stats gathers every stage's.
+  std::vector<PipelineEvent> schedule_;
   int64_t iteration_ = 0;
 };
 

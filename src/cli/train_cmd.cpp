@@ -3,6 +3,7 @@
 #include "actmem/distributed.h"
 #include "actmem/environment.h"
 #include "actmem/output_file.h"
+#include "actmem/plot.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -177,7 +178,8 @@ int run_train(actmem::TrainOptions& o) {
     inputs.push_back({"--data-path", p + ".bin"});
     inputs.push_back({"--data-path", p + ".idx"});
   }
-  check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace}});
+  check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace},
+                                {"--pipeline-plot", o.pipeline_plot}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
   // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
@@ -202,9 +204,12 @@ int run_train(actmem::TrainOptions& o) {
   // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
   // under launch, before rank 0 joins its peers).
   const bool writer = dist.rank == 0;
-  OutputFile log, trace;
+  OutputFile log, trace, schedule_plot;
   if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
   if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
+  if (writer && !o.pipeline_plot.empty()) {
+    schedule_plot = OutputFile({"--pipeline-plot", o.pipeline_plot});
+  }
   const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t, e, p);
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
@@ -259,6 +264,8 @@ int run_train(actmem::TrainOptions& o) {
     last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
     last_stats.predicted_inflight_activation_bytes_per_stage =
         st.predicted_inflight_activation_bytes_per_stage;
+    last_stats.iteration = st.iteration;
+    last_stats.pipeline_schedule_per_stage = st.pipeline_schedule_per_stage;
     if (log.is_open()) {
       // Whole lines only (Note [Whole records or nothing]).
       log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
@@ -288,6 +295,16 @@ int run_train(actmem::TrainOptions& o) {
                    static_cast<double>(last_stats.predicted_inflight_activation_bytes_per_stage[i]));
     }
     human << "\n";
+  }
+  if (schedule_plot.is_open()) {
+    schedule_plot.write(
+        actmem::pipeline_schedule_svg(
+            last_stats.pipeline_schedule_per_stage,
+            "1F1B schedule of iteration " + std::to_string(last_stats.iteration) + ", " +
+                std::to_string(o.model.pipeline_model_parallel_size) + " stages"),
+        "the schedule plot");
+    schedule_plot.close();
+    human << "pipeline schedule: " << o.pipeline_plot << "\n";
   }
   if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
