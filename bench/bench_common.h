@@ -14,6 +14,7 @@
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -137,6 +138,18 @@ inline nlohmann::json print_strategy_table(std::ostream& os, const std::vector<S
                     {"bitwise_equal_to_plain", true}});
   }
   return rows;
+}
+
+/// Bytes in MiB with `digits` decimals, for the tables; several values joined by " / ".
+inline std::string mib(int64_t bytes, int digits = 1) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(digits) << static_cast<double>(bytes) / 1048576.0;
+  return os.str();
+}
+inline std::string mib_joined(const std::vector<int64_t>& values, int digits = 1) {
+  std::string s;
+  for (size_t i = 0; i < values.size(); ++i) s += (i ? " / " : "") + mib(values[i], digits);
+  return s;
 }
 
 /// One line on stderr and exit status 1, as `actmem` does.

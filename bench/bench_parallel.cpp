@@ -79,20 +79,11 @@ Result run_case(const Case& c, const std::string& model_flags, int steps) {
   return r;
 }
 
-std::string mib(int64_t bytes) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(1) << static_cast<double>(bytes) / 1048576.0;
-  return os.str();
-}
-
 // "a / b" for two ranks, or "a" when they are equal or there is one.
 std::string per_rank(const std::vector<int64_t>& v) {
   bool same = true;
   for (auto x : v) same = same && x == v[0];
-  if (same) return mib(v[0]);
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? " / " : "") + mib(v[i]);
-  return s;
+  return same ? actmem::bench::mib(v[0]) : actmem::bench::mib_joined(v);
 }
 
 }  // namespace
@@ -151,7 +142,7 @@ int main(int argc, char** argv) {
     for (const auto& r : results) {
       std::cout << std::left << std::setw(28) << r.name << std::right << std::setw(16)
                 << per_rank(r.act) << std::setw(16) << per_rank(r.act_peak) << std::setw(16)
-                << per_rank(r.device_peak) << std::setw(12) << mib(r.predicted) << std::setw(10)
+                << per_rank(r.device_peak) << std::setw(12) << actmem::bench::mib(r.predicted) << std::setw(10)
                 << std::fixed << std::setprecision(3) << r.act[0] / base_act << std::setw(10)
                 << r.step_s << std::setw(10) << r.step_s / base_time << "\n";
       out.push_back({{"configuration", r.name}, {"tensor_model_parallel_size", r.t},

@@ -87,18 +87,6 @@ void run_case(const Case& c, const std::string& model_flags, int steps, const st
               " (use --steps >= 2)");
 }
 
-std::string mib(int64_t bytes) {
-  std::ostringstream os;
-  os << std::fixed << std::setprecision(2) << static_cast<double>(bytes) / 1048576.0;
-  return os.str();
-}
-
-std::string joined(const std::vector<int64_t>& v) {
-  std::string s;
-  for (size_t i = 0; i < v.size(); ++i) s += (i ? " / " : "") + mib(v[i]);
-  return s;
-}
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -175,7 +163,7 @@ int main(int argc, char** argv) {
       const double bubble = static_cast<double>(c.p - 1) / static_cast<double>(micro + c.p - 1);
       const double first_last =
           static_cast<double>(r.held.front()) / static_cast<double>(r.held.back());
-      std::cout << std::left << std::setw(20) << c.name << std::setw(30) << joined(r.held)
+      std::cout << std::left << std::setw(20) << c.name << std::setw(30) << actmem::bench::mib_joined(r.held, 2)
                 << std::right << std::setw(4) << (r.held == r.predicted ? "=" : "!=")
                 << std::fixed << std::setprecision(2) << std::setw(12) << first_last
                 << std::setw(9) << static_cast<double>(r.held.front()) / base_act << std::setw(8)

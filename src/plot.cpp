@@ -24,6 +24,14 @@ std::string escape(const std::string& s) {
   }
   return out;
 }
+// The document's start: size, white background, the title at (left, 28).
+void open_svg(std::ostringstream& o, double W, double H, double left, const std::string& title) {
+  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
+    << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
+    << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
+    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
+    << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
+}
 const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
                          "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
 }  // namespace
@@ -46,11 +54,7 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const
   auto Y = [&](double bytes) { return top + ph * (1.0 - std::max(0.0, bytes) / y_max); };
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
-  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-    << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
-    << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
+  open_svg(o, W, H, left, title);
   // Axes and grid.
   o << "<g class=\"axes\" stroke=\"#444\">\n"
     << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
@@ -131,11 +135,7 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
   auto X = [&](double t) { return left + pw * t / t_max; };
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
-  o << "<?xml version=\"1.0\" encoding=\"UTF-8\"?>\n"
-    << "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"" << W << "\" height=\"" << H
-    << "\" viewBox=\"0 0 " << W << " " << H << "\" font-family=\"sans-serif\" font-size=\"12\">\n"
-    << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
-    << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
+  open_svg(o, W, H, left, title);
   for (size_t s = 0; s < stages.size(); ++s) {
     const double y = top + static_cast<double>(s) * (row + gap);
     double busy = 0.0;

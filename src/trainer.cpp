@@ -597,8 +597,11 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   }
   const auto t0 = Clock::now();
   schedule_.clear();
+  // The wall clock: one clock for every process of a node, and across nodes as aligned as their
+  // clocks are (the steady clock's epoch differs between machines).
   auto shared_clock_s = [] {
-    return std::chrono::duration<double>(Clock::now().time_since_epoch()).count();
+    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
+        .count();
   };
   auto forward = [&](int64_t m, const at::Tensor& received) {
     const double start = shared_clock_s();

@@ -8,7 +8,8 @@
 namespace actmem {
 
 /// Times are seconds from the step's start: the moment the earliest stage began its schedule,
-/// on the processes' shared monotonic clock (one node; across nodes the clocks are not aligned).
+/// on the wall clock (one clock for the processes of a node; across nodes as aligned as the
+/// nodes' clocks are).
 struct PipelineEvent {
   bool forward = true;     // a forward (F) or a backward (B)
   int64_t microbatch = 0;  // which micro-batch of the step

@@ -236,8 +236,8 @@ class Trainer {
   std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
   at::Tensor embedding_grad_;       // the tied embedding's (first and last pipeline stage)
   int64_t shared_copy_index_ = -1;  // the last stage's copy of it, left out of the norm
-  // This stage's share of the last pipelined step, times in seconds of the shared clock
-  // (steady_clock since its epoch); finish_stats gathers every stage's.
+  // This stage's share of the last pipelined step, times in seconds of the wall clock
+  // (system_clock since its epoch); finish_stats gathers every stage's.
   std::vector<PipelineEvent> schedule_;
   int64_t iteration_ = 0;
 };
