@@ -10,6 +10,9 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <iomanip>
 #include <iostream>
@@ -17,6 +20,8 @@
 #include <sstream>
 #include <string>
 #include <vector>
+
+#include <unistd.h>
 
 namespace actmem::bench {
 
@@ -150,6 +155,26 @@ inline std::string mib_joined(const std::vector<int64_t>& values, int digits = 1
   std::string s;
   for (size_t i = 0; i < values.size(); ++i) s += (i ? " / " : "") + mib(values[i], digits);
   return s;
+}
+
+/// Runs `command` (an `actmem train` command line, under `actmem launch` or not) with its JSON log
+/// in a temporary file and its output discarded; returns the log's iteration records (the
+/// configuration record left out). `program` names the caller in the error a failed run raises.
+inline std::vector<nlohmann::json> run_train_logged(const std::string& program,
+                                                    const std::string& command) {
+  const std::string log = "/tmp/" + program + "_" + std::to_string(::getpid()) + ".jsonl";
+  const std::string full = command + " --log-json " + log + " > /dev/null";
+  const int rc = std::system(full.c_str());
+  TORCH_CHECK(rc == 0, program, ": `", full, "` failed with status ", rc);
+  std::vector<nlohmann::json> records;
+  std::ifstream f(log);
+  std::string line;
+  while (std::getline(f, line)) {
+    nlohmann::json j = nlohmann::json::parse(line);
+    if (j.contains("iteration")) records.push_back(std::move(j));
+  }
+  std::remove(log.c_str());
+  return records;
 }
 
 /// One line on stderr and exit status 1, as `actmem` does.

@@ -14,14 +14,11 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -42,24 +39,17 @@ struct Result {
 };
 
 Result run_case(const Case& c, const std::string& model_flags, int steps) {
-  const std::string log = "/tmp/bench_parallel_" + std::to_string(::getpid()) + ".jsonl";
   std::ostringstream cmd;
   cmd << ACTMEM_BINARY << " ";
   if (c.t > 1) cmd << "launch --nproc-per-node " << c.t << " -- ";
   cmd << "train " << model_flags << " --tensor-model-parallel-size " << c.t << " " << c.flags
       << " --threads " << (c.t > 1 ? 1 : 2) << " --train-iters " << steps
-      << " --eval-interval 0 --log-interval 1000 --log-json " << log << " > /dev/null";
-  const int rc = std::system(cmd.str().c_str());
-  TORCH_CHECK(rc == 0, "bench_parallel: `", cmd.str(), "` failed with status ", rc);
-  std::ifstream f(log);
-  std::string line;
+      << " --eval-interval 0 --log-interval 1000";
   Result r;
   r.name = c.name;
   r.t = c.t;
   std::vector<double> times;
-  while (std::getline(f, line)) {
-    const auto j = nlohmann::json::parse(line);
-    if (!j.contains("iteration")) continue;  // the configuration record
+  for (const auto& j : actmem::bench::run_train_logged("bench_parallel", cmd.str())) {
     if (j["iteration"].get<int64_t>() > 1) times.push_back(j["step_time_s"].get<double>());
     r.loss = j["loss"].get<double>();
     r.predicted = j["predicted_activation_bytes"].get<int64_t>();
@@ -73,8 +63,7 @@ Result run_case(const Case& c, const std::string& model_flags, int steps) {
       r.device_peak = {j["peak_device_bytes"].get<int64_t>()};
     }
   }
-  std::remove(log.c_str());
-  TORCH_CHECK(!times.empty(), "bench_parallel: no timed steps in ", log, " (use --steps >= 2)");
+  TORCH_CHECK(!times.empty(), "bench_parallel: no timed steps (use --steps >= 2)");
   r.step_s = actmem::median(times);
   return r;
 }
@@ -152,10 +141,7 @@ int main(int argc, char** argv) {
                      {"predicted_activation_bytes", r.predicted}, {"step_time_s", r.step_s},
                      {"step_time_ratio_vs_t1", r.step_s / base_time}, {"final_loss", r.loss}});
     }
-    if (!json_path.empty()) {
-      std::ofstream f(json_path);
-      f << out.dump(2) << "\n";
-    }
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
     return 0;
   } catch (const c10::Error& e) {
     return actmem::bench::report(e);

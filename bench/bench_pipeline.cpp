@@ -16,14 +16,11 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
 #include <fstream>
 #include <iomanip>
 #include <iostream>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -44,22 +41,14 @@ struct Result {
 
 void run_case(const Case& c, const std::string& model_flags, int steps, const std::string& plot,
               Result& r) {
-  const std::string log = "/tmp/bench_pipeline_" + std::to_string(::getpid()) + ".jsonl";
   std::ostringstream cmd;
   cmd << ACTMEM_BINARY << " ";
   if (c.p > 1) cmd << "launch --nproc-per-node " << c.p << " -- ";
   cmd << "train " << model_flags << " --pipeline-model-parallel-size " << c.p << " " << c.flags
       << " --threads " << (c.p > 1 ? 1 : 2) << " --train-iters " << steps
-      << " --eval-interval 0 --log-interval 1000 --log-json " << log;
+      << " --eval-interval 0 --log-interval 1000";
   if (c.p > 1 && !plot.empty()) cmd << " --pipeline-plot " << plot;
-  cmd << " > /dev/null";
-  const int rc = std::system(cmd.str().c_str());
-  TORCH_CHECK(rc == 0, "bench_pipeline: `", cmd.str(), "` failed with status ", rc);
-  std::ifstream f(log);
-  std::string line;
-  while (std::getline(f, line)) {
-    const auto j = nlohmann::json::parse(line);
-    if (!j.contains("iteration")) continue;  // the configuration record
+  for (const auto& j : actmem::bench::run_train_logged("bench_pipeline", cmd.str())) {
     if (j["iteration"].get<int64_t>() > 1) r.step_times.push_back(j["step_time_s"].get<double>());
     r.loss = j["loss"].get<double>();
     r.one_microbatch = j["activation_bytes"].get<int64_t>();
@@ -82,9 +71,7 @@ void run_case(const Case& c, const std::string& model_flags, int steps, const st
       r.idle = {0.0};
     }
   }
-  std::remove(log.c_str());
-  TORCH_CHECK(!r.step_times.empty(), "bench_pipeline: no timed steps in ", log,
-              " (use --steps >= 2)");
+  TORCH_CHECK(!r.step_times.empty(), "bench_pipeline: no timed steps (use --steps >= 2)");
 }
 
 }  // namespace
@@ -178,10 +165,7 @@ int main(int argc, char** argv) {
                      {"one_f_one_b_bubble", bubble}, {"step_time_s", t},
                      {"step_time_ratio_vs_p1", t / base_time}, {"final_loss", r.loss}});
     }
-    if (!json_path.empty()) {
-      std::ofstream f(json_path);
-      f << out.dump(2) << "\n";
-    }
+    if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
     return 0;
   } catch (const c10::Error& e) {
     return actmem::bench::report(e);
