@@ -1,5 +1,5 @@
 // bench_pipeline.cpp — step time, per-stage activation memory and the schedule's idle share of
-// pipeline parallelism (1F1B) against one process, on a small model. Each configuration is a real
+// pipeline parallelism (1F1B and interleaved 1F1B) against one process, on a small model. Each configuration is a real
 // run of `actmem launch --nproc-per-node p -- train --pipeline-model-parallel-size p ...
 // --log-json FILE` (p = 1 runs train directly); this program reads the JSON logs (rank 0 logs
 // every stage's memory and schedule) and prints one table.
@@ -29,6 +29,7 @@ struct Case {
   std::string name;
   int p;
   std::string flags;
+  int v = 1;  // model chunks per stage (the interleaved schedule)
 };
 
 struct Result {
@@ -104,6 +105,7 @@ int main(int argc, char** argv) {
         {"p=2", 2, ""},
         {"p=2 selective", 2, "--recompute-activations"},
         {"p=2 full uniform 1", 2, full},
+        {"p=2 interleaved v=2", 2, "--num-virtual-stages-per-pipeline-rank 2", 2},
         {"p=4", 4, ""},
     };
     std::vector<Result> results(cases.size());
@@ -131,11 +133,13 @@ int main(int argc, char** argv) {
                  "in flight: the most activation bytes a stage held at once (measured; = means "
                  "equal to the predictor); first/last: stage 0 over stage p-1 (Korthikanti et "
                  "al. 2022: p when stages hold equal layers); vs p=1: stage 0 over one process's "
-                 "one micro-batch (about 1); idle: the stages' mean share of the step without "
-                 "work, against the 1F1B bubble (p-1)/(M+p-1)\n\n"
+                 "one micro-batch, against Korthikanti's first-stage factor (1 for 1F1B, "
+                 "1 + (p-1)/(p v) interleaved); idle: the stages' mean share of the step without "
+                 "work, against the bubble (p-1)/(M+p-1), interleaved (p-1)/v / (M+(p-1)/v)\n\n"
               << std::left << std::setw(20) << "configuration" << std::setw(30)
               << "in flight per stage MiB" << std::right << std::setw(4) << "" << std::setw(12)
-              << "first/last" << std::setw(9) << "vs p=1" << std::setw(8) << "idle"
+              << "first/last" << std::setw(9) << "vs p=1" << std::setw(8) << "expect"
+              << std::setw(8) << "idle"
               << std::setw(10) << "bubble" << std::setw(10) << "step ms" << std::setw(9)
               << "time x" << "\n";
     const double base_time = actmem::median(results[0].step_times);
@@ -147,22 +151,29 @@ int main(int argc, char** argv) {
       const double t = actmem::median(r.step_times);
       double idle = 0.0;
       for (const double x : r.idle) idle += x / static_cast<double>(r.idle.size());
-      const double bubble = static_cast<double>(c.p - 1) / static_cast<double>(micro + c.p - 1);
+      // The bubble in units of a stage's micro-batch time: (p - 1) / v (Narayanan et al. 2021).
+      const double idle_work = static_cast<double>(c.p - 1) / static_cast<double>(c.v);
+      const double bubble = idle_work / (static_cast<double>(micro) + idle_work);
+      const double korthikanti =
+          c.v > 1 ? 1.0 + static_cast<double>(c.p - 1) / static_cast<double>(c.p * c.v) : 1.0;
       const double first_last =
           static_cast<double>(r.held.front()) / static_cast<double>(r.held.back());
       std::cout << std::left << std::setw(20) << c.name << std::setw(30) << actmem::bench::mib_joined(r.held, 2)
                 << std::right << std::setw(4) << (r.held == r.predicted ? "=" : "!=")
                 << std::fixed << std::setprecision(2) << std::setw(12) << first_last
                 << std::setw(9) << static_cast<double>(r.held.front()) / base_act << std::setw(8)
-                << idle << std::setw(10) << bubble << std::setprecision(1) << std::setw(10)
+                << korthikanti << std::setw(8) << idle << std::setw(10) << bubble << std::setprecision(1) << std::setw(10)
                 << 1e3 * t << std::setprecision(2) << std::setw(9) << t / base_time << "\n";
       out.push_back({{"configuration", c.name}, {"pipeline_model_parallel_size", c.p},
+                     {"virtual_pipeline_model_parallel_size", c.v},
+                     {"first_stage_over_one_microbatch", static_cast<double>(r.held.front()) / base_act},
+                     {"korthikanti_first_stage_factor", korthikanti},
                      {"micro_batches", micro},
                      {"inflight_activation_bytes_per_stage", r.held},
                      {"predicted_inflight_activation_bytes_per_stage", r.predicted},
                      {"activation_bytes_one_microbatch", r.one_microbatch},
                      {"first_over_last_stage", first_last}, {"idle_share_per_stage", r.idle},
-                     {"one_f_one_b_bubble", bubble}, {"step_time_s", t},
+                     {"bubble", bubble}, {"step_time_s", t},
                      {"step_time_ratio_vs_p1", t / base_time}, {"final_loss", r.loss}});
     }
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";

@@ -69,6 +69,19 @@ auto parse_in(const Table& table, std::string_view name)
 // __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
 // megatron/training/arguments.py), in its order and with its conditions; deliberate differences
 // are marked "fixed" or "refused". Fills the recompute half of `plan`.
+// The model's pieces in layer order: every pipeline stage's layers, or with the interleaved
+// schedule every model chunk's (p v of them).
+std::vector<TransformerConfig::StageLayers> model_pieces(const TransformerConfig& c) {
+  std::vector<TransformerConfig::StageLayers> pieces;
+  const int64_t v = c.virtual_pipeline_size();
+  for (int64_t chunk = 0; chunk < v; ++chunk) {
+    for (int64_t stage = 0; stage < c.pipeline_model_parallel_size; ++stage) {
+      pieces.push_back(c.model_chunk_layers(stage, chunk));
+    }
+  }
+  return pieces;
+}
+
 void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
   const std::string& g = c.recompute_granularity;
   if (!g.empty()) {
@@ -79,7 +92,10 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
                 "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
                 " must be \"block\" or \"uniform\".");
     plan.granularity = g == "full" ? RecomputeGranularity::kFull : RecomputeGranularity::kSelective;
-    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size;
+    // A model chunk's layers (a stage's without interleaving): Megatron's TransformerBlock counts
+    // len(self.layers), one chunk's, as num_layers_per_pipeline_rank.
+    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size /
+                              std::max<int64_t>(c.virtual_pipeline_size(), 1);
     if (plan.granularity == RecomputeGranularity::kFull) {
       TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
                   "recompute_granularity: full so recompute_method must be \"block\" or "
@@ -241,13 +257,13 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
 // Megatron's _checkpointed_forward (megatron/core/transformer/transformer_block.py): uniform =
 // chunks of n layers, the last clamped; block = the first n layers, one checkpoint each. It runs
 // on each pipeline stage's own layers, so with pipeline parallelism n counts the stage's layers
-// (uniform chunks restart at every stage, block takes the first n of every stage).
+// (uniform chunks restart at every stage, block takes the first n of every stage); with the
+// interleaved schedule each model chunk is a TransformerBlock of its own and n counts its layers.
 std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan,
                                                const TransformerConfig& c) {
   std::vector<CheckpointChunk> chunks;
   const int64_t n = plan.recompute_num_layers;
-  for (int64_t stage = 0; stage < c.pipeline_model_parallel_size; ++stage) {
-    const auto [first, count] = c.pipeline_stage_layers(stage);
+  for (const auto& [first, count] : model_pieces(c)) {
     const int64_t end = first + count;
     if (plan.method == RecomputeMethod::kUniform) {
       for (int64_t i = first; i < end; i += n) chunks.push_back({i, std::min(i + n, end)});
@@ -349,11 +365,11 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
       TORCH_CHECK(l.chunk == static_cast<int>(k) && l.starts_chunk == (i == chunk.start), api,
                   "layer ", i, " does not say it runs in chunk ", k);
     }
-    for (int64_t stage = 0; stage < c.pipeline_model_parallel_size; ++stage) {
-      const auto layers = c.pipeline_stage_layers(stage);
+    for (const auto& layers : model_pieces(c)) {
       TORCH_CHECK(layers.contains(chunk.start) == layers.contains(chunk.end - 1), api, "chunk ", k,
-                  " [", chunk.start, ", ", chunk.end, ") crosses the boundary of pipeline stage ",
-                  stage, " (layers ", layers.offset, "..", layers.offset + layers.count - 1, ")");
+                  " [", chunk.start, ", ", chunk.end, ") crosses the boundary of the pipeline "
+                  "stage (or model chunk) of layers ", layers.offset, "..",
+                  layers.offset + layers.count - 1);
     }
     next = chunk.end;
   }

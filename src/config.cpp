@@ -131,6 +131,45 @@ void validate_pipeline(const TransformerConfig& c) {
               "implemented yet (pipeline_model_parallel_size ", p, ")");
   const auto& first = c.decoder_first_pipeline_num_layers;
   const auto& last = c.decoder_last_pipeline_num_layers;
+  const auto& per_vp = c.num_layers_per_virtual_pipeline_stage;
+  const auto& vp = c.num_virtual_stages_per_pipeline_rank;
+  TORCH_CHECK(!(per_vp && vp), api, "No more than one of the following arguments can be set at the "
+              "same time: --num-layers-per-virtual-pipeline-stage, "
+              "--num-virtual-stages-per-pipeline-rank (got ", *per_vp, " and ", vp.value_or(0), ")");
+  if (per_vp || vp) {
+    TORCH_CHECK(!per_vp || (!first && !last), api, "please use --num-virtual-stages-per-pipeline-"
+                "rank to specify virtual pipeline parallel degree when enable uneven pipeline "
+                "parallelism");
+    TORCH_CHECK(!first && !last, api, "uneven pipeline splits with the interleaved schedule are "
+                "not implemented yet (--decoder-first/last-pipeline-num-layers with "
+                "--num-virtual-stages-per-pipeline-rank)");
+    TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
+                "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p, ")");
+    const int64_t per_stage = c.num_layers / p;
+    if (per_vp) {
+      TORCH_CHECK(*per_vp >= 1, api, "num_layers_per_virtual_pipeline_stage must be positive, got ",
+                  *per_vp);
+      TORCH_CHECK(per_stage % *per_vp == 0, api, "number of layers per pipeline stage must be "
+                  "divisible number of layers per virtual pipeline stage (", per_stage, " layers "
+                  "per stage, ", *per_vp, " per virtual stage)");
+    } else {
+      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
+      TORCH_CHECK(per_stage % *vp == 0, api, "the ", per_stage, " layers of a pipeline stage cannot "
+                  "be split into ", *vp, " virtual stages of equal size");
+    }
+    // Megatron asserts p > 2 unless --overlap-p2p-comm: NCCL's batched send/recv between the same
+    // two ranks (p = 2 makes the previous and the next stage one rank). Here every message is
+    // posted on its own with a tag per direction, so p = 2 is safe (fixed); p = 1 has no pipeline.
+    TORCH_CHECK(c.virtual_pipeline_size() == 1 || p > 1, api, "When interleaved schedule is used, "
+                "pipeline-model-parallel size should be greater than 1");
+  }
+  if (const auto& g = c.microbatch_group_size_per_vp_stage) {
+    TORCH_CHECK(c.virtual_pipeline_size() > 1, api, "microbatch_group_size_per_vp_stage applies "
+                "to the interleaved schedule only (set --num-layers-per-virtual-pipeline-stage or "
+                "--num-virtual-stages-per-pipeline-rank)");
+    TORCH_CHECK(*g >= p, api, "The number of contiguous micro-batches in a virtual pipeline stage "
+                "should range in [PP=", p, " , M]: got ", *g);
+  }
   if (!first && !last) {
     TORCH_CHECK(c.num_layers % p == 0, api, "Number of layers should be divisible by the "
                 "pipeline-model-parallel size (num_layers ", c.num_layers, ", pipeline size ", p, ")");
@@ -159,8 +198,37 @@ void validate_pipeline(const TransformerConfig& c) {
 }
 }  // namespace
 
+int64_t TransformerConfig::virtual_pipeline_size() const {
+  if (num_virtual_stages_per_pipeline_rank) return *num_virtual_stages_per_pipeline_rank;
+  if (num_layers_per_virtual_pipeline_stage && *num_layers_per_virtual_pipeline_stage > 0 &&
+      pipeline_model_parallel_size > 0) {
+    return num_layers / pipeline_model_parallel_size / *num_layers_per_virtual_pipeline_stage;
+  }
+  return 1;
+}
+
+int64_t TransformerConfig::microbatch_group_size() const {
+  return microbatch_group_size_per_vp_stage.value_or(pipeline_model_parallel_size);
+}
+
+TransformerConfig::StageLayers TransformerConfig::model_chunk_layers(int64_t stage,
+                                                                     int64_t chunk) const {
+  const int64_t v = virtual_pipeline_size();
+  TORCH_CHECK(chunk >= 0 && chunk < v, "actmem::TransformerConfig::model_chunk_layers: chunk ",
+              chunk, " outside 0..", v - 1);
+  if (v == 1) return pipeline_stage_layers(stage);
+  const int64_t p = pipeline_model_parallel_size;
+  TORCH_CHECK(stage >= 0 && stage < p, "actmem::TransformerConfig::model_chunk_layers: stage ",
+              stage, " outside 0..", p - 1);
+  const int64_t n = num_layers / (p * v);
+  return {chunk * (num_layers / v) + stage * n, n};
+}
+
 TransformerConfig::StageLayers TransformerConfig::pipeline_stage_layers(int64_t stage) const {
   const int64_t p = pipeline_model_parallel_size;
+  TORCH_CHECK(virtual_pipeline_size() == 1, "actmem::TransformerConfig::pipeline_stage_layers: "
+              "with virtual pipeline stages a rank's layers are not contiguous; use "
+              "model_chunk_layers(stage, chunk)");
   TORCH_CHECK(stage >= 0 && stage < p, "actmem::TransformerConfig::pipeline_stage_layers: stage ",
               stage, " outside 0..", p - 1);
   const auto& first = decoder_first_pipeline_num_layers;
@@ -434,6 +502,11 @@ nlohmann::json to_json(const TransformerConfig& c) {
   auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
   j["decoder_first_pipeline_num_layers"] = opt(c.decoder_first_pipeline_num_layers);
   j["decoder_last_pipeline_num_layers"] = opt(c.decoder_last_pipeline_num_layers);
+  j["virtual_pipeline_model_parallel_size"] =
+      c.virtual_pipeline_size() > 1 ? nlohmann::json(c.virtual_pipeline_size()) : nlohmann::json(nullptr);
+  if (c.virtual_pipeline_size() > 1) {
+    j["microbatch_group_size_per_vp_stage"] = c.microbatch_group_size();
+  }
   j["multi_latent_attention"] = c.multi_latent_attention;
   if (c.multi_latent_attention) {
     j["q_lora_rank"] = opt(c.q_lora_rank);

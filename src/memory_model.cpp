@@ -412,13 +412,16 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
 
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, const ActivationPlan& plan,
                                         int64_t e, bool snapshots_on_device,
-                                        const MoERouting* routing, int64_t pipeline_stage) {
+                                        const MoERouting* routing, int64_t pipeline_stage,
+                                        int64_t model_chunk) {
   c.validate_shape();
-  // A pipeline stage counts its own layers; the embedding is the first stage's, the final norm,
-  // output layer and loss the last's.
-  const TransformerConfig::StageLayers stage = c.pipeline_stage_layers(pipeline_stage);
-  const bool first_stage = pipeline_stage == 0;
-  const bool last_stage = pipeline_stage == c.pipeline_model_parallel_size - 1;
+  // A pipeline stage (or one model chunk of it) counts its own layers; the embedding is the first
+  // stage's (its first chunk's), the final norm, output layer and loss the last's (its last
+  // chunk's).
+  const TransformerConfig::StageLayers stage = c.model_chunk_layers(pipeline_stage, model_chunk);
+  const bool first_stage = pipeline_stage == 0 && model_chunk == 0;
+  const bool last_stage = pipeline_stage == c.pipeline_model_parallel_size - 1 &&
+                          model_chunk == c.virtual_pipeline_size() - 1;
   TORCH_CHECK(plan.layers.size() == static_cast<size_t>(c.num_layers),
               "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
               " layers, the config ", c.num_layers);
@@ -654,11 +657,26 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                                int64_t pipeline_stage, int64_t microbatches_in_flight) {
   TORCH_CHECK(microbatches_in_flight >= 1, "actmem::predict_step_peak_bound: at least one "
               "micro-batch in flight, got ", microbatches_in_flight);
-  const TransformerConfig::StageLayers stage = c.pipeline_stage_layers(pipeline_stage);
+  return predict_step_peak_bound(c, dtype_bytes, pipeline_stage, {microbatches_in_flight}, 2);
+}
+
+double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
+                               int64_t pipeline_stage,
+                               const std::vector<int64_t>& in_flight_per_chunk,
+                               int64_t boundary_tensors) {
+  TORCH_CHECK(static_cast<int64_t>(in_flight_per_chunk.size()) == c.virtual_pipeline_size(),
+              "actmem::predict_step_peak_bound: one in-flight count per model chunk (",
+              c.virtual_pipeline_size(), "), got ", in_flight_per_chunk.size());
+  std::vector<TransformerConfig::StageLayers> chunks;
+  int64_t layers = 0;
+  for (int64_t k = 0; k < c.virtual_pipeline_size(); ++k) {
+    chunks.push_back(c.model_chunk_layers(pipeline_stage, k));
+    layers += chunks.back().count;
+  }
   const bool first_stage = pipeline_stage == 0;
   const bool last_stage = pipeline_stage == c.pipeline_model_parallel_size - 1;
   const double h = static_cast<double>(c.hidden_size), f = static_cast<double>(c.ffn());
-  const double L = static_cast<double>(stage.count), v = static_cast<double>(c.vocab_size);
+  const double L = static_cast<double>(layers), v = static_cast<double>(c.vocab_size);
   const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
   const double a = static_cast<double>(c.num_attention_heads);
   const double fc1 = c.gated_linear_unit ? 2.0 * f : f;
@@ -708,10 +726,12 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
       per_layer += h * (c.gated_linear_unit ? 2.0 * fs : fs) + fs * h + h;
     }
     const std::vector<bool> moe = c.moe_layers();
-    for (int64_t i = stage.offset; i < stage.offset + stage.count; ++i) {
-      if (!moe[static_cast<size_t>(i)]) continue;
-      moe_params += per_layer;
-      worst.emplace_back(std::vector<int64_t>{rows}, moe_max_routed_rows(c));
+    for (const auto& stage : chunks) {
+      for (int64_t i = stage.offset; i < stage.offset + stage.count; ++i) {
+        if (!moe[static_cast<size_t>(i)]) continue;
+        moe_params += per_layer;
+        worst.emplace_back(std::vector<int64_t>{rows}, moe_max_routed_rows(c));
+      }
     }
     largest_param = std::max(largest_param, h * fc1m * e);
     largest_tensor = std::max({largest_tensor, static_cast<double>(rows) * std::max(fc1m, h) * e,
@@ -733,11 +753,13 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   // What crosses a stage boundary: [s, b, h] ([s/t, b, h] with sequence parallelism).
   const double boundary =
       c.pipeline_model_parallel_size > 1 ? s * b * h * e / (c.sequence_parallel ? t : 1.0) : 0.0;
-  const double activations =
-      static_cast<double>(
-          predict_activation_bytes(c, keep_all, dtype_bytes, true, &worst, pipeline_stage).total) *
-          static_cast<double>(microbatches_in_flight) +
-      2.0 * boundary;
+  double activations = static_cast<double>(boundary_tensors) * boundary;
+  for (int64_t k = 0; k < c.virtual_pipeline_size(); ++k) {
+    activations += static_cast<double>(predict_activation_bytes(c, keep_all, dtype_bytes, true,
+                                                                &worst, pipeline_stage, k)
+                                           .total) *
+                   static_cast<double>(in_flight_per_chunk[static_cast<size_t>(k)]);
+  }
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
   // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
   const double upcast = e == 2.0 ? 2.0 : 1.0;

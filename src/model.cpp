@@ -14,6 +14,7 @@
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 #include <optional>
 
@@ -858,7 +859,9 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
               "pipeline_model_parallel_size is ", config.pipeline_model_parallel_size, " but this "
               "process is in a pipeline of ", pp.size, pp.size == 1 ? " (run it under `actmem launch` "
               "with a multiple of tensor x pipeline parallel sizes as the number of processes)" : "");
-  stage_ = config.pipeline_stage_layers(pp.rank);
+  for (int64_t chunk = 0; chunk < config.virtual_pipeline_size(); ++chunk) {
+    chunks_.push_back(config.model_chunk_layers(pp.rank, chunk));
+  }
   pre_process_ = pp.rank == 0;
   post_process_ = pp.rank == pp.size - 1;
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
@@ -903,8 +906,16 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     rope_->sin = holder->register_buffer("sin", rope_->sin);
   }
   causal_mask_ = make_causal_mask(config.max_positions());
-  decoder = register_module("decoder", std::make_shared<TransformerBlock>(config, plan_, dtype,
-                                                                         stage_, post_process_));
+  // One TransformerBlock per model chunk (Megatron builds one model per virtual stage); the
+  // final norm belongs to the last chunk of the last stage.
+  for (size_t chunk = 0; chunk < chunks_.size(); ++chunk) {
+    const bool last_chunk = chunk + 1 == chunks_.size();
+    decoders_.push_back(register_module(
+        chunk == 0 ? std::string("decoder") : "decoder_vp" + std::to_string(chunk),
+        std::make_shared<TransformerBlock>(config, plan_, dtype, chunks_[chunk],
+                                           post_process_ && last_chunk)));
+  }
+  decoder = decoders_.front();
   {
     // Every rank draws the full (t = 1) weights in the same order and keeps its slice, so a
     // tensor-parallel model computes the same function as the single-process one (Megatron's
@@ -943,22 +954,25 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
       layer->mlp->linear_fc2->weight.copy_(fc2_slice(init_normal({h, f}, scaled_std, dtype)));
     };
     for (int64_t i = 0; i < config.num_layers; ++i) {
-      if (stage_.contains(i)) {
-        init_layer(decoder->layers[static_cast<size_t>(i - stage_.offset)].get());
+      const auto mine = std::find_if(chunks_.begin(), chunks_.end(),
+                                     [i](const TransformerConfig::StageLayers& l) { return l.contains(i); });
+      if (mine != chunks_.end()) {
+        const auto& block = decoders_[static_cast<size_t>(mine - chunks_.begin())];
+        init_layer(block->layers[static_cast<size_t>(i - mine->offset)].get());
       } else {  // another stage's layer: drawn to keep the order, then dropped
         TransformerLayer other(config, plan_.layers[static_cast<size_t>(i)], i + 1, dtype);
         init_layer(&other);
       }
     }
   }
-  for (auto& layer : decoder->layers) {
+  for (const auto& layer : all_layers()) {
     if (!layer->moe) continue;
     MoEStats::Layer stats;
     stats.layer_number = layer->layer_number();
     moe_stats_.layers.push_back(std::move(stats));
   }
   size_t next_moe = 0;  // the vector is complete: its elements stay where they are
-  for (auto& layer : decoder->layers) {
+  for (const auto& layer : all_layers()) {
     if (layer->moe) layer->moe->set_stats(&moe_stats_.layers[next_moe++]);
   }
   if (!post_process_) return;
@@ -982,7 +996,7 @@ at::Tensor GPTModel::shared_embedding_or_output_weight() const {
 }
 
 void GPTModel::set_moe_aux_loss_scale(double scale) {
-  for (auto& layer : decoder->layers) {
+  for (const auto& layer : all_layers()) {
     if (layer->moe) layer->moe->set_aux_loss_scale(scale);
   }
 }
@@ -1015,9 +1029,17 @@ at::Tensor GPTModel::embedding_forward(const at::Tensor& tokens) {
   return hidden;
 }
 
-at::Tensor GPTModel::decoder_forward(const at::Tensor& hidden) {
+at::Tensor GPTModel::decoder_forward(const at::Tensor& hidden, int64_t chunk) {
+  // Every chunk's layers under "decoder" in the ledger: their paths carry the global layer index.
   ModuleScope scope("decoder");
-  return decoder->forward(hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
+  return decoders_[static_cast<size_t>(chunk)]->forward(
+      hidden, LayerContext{rope_.get(), causal_mask_, offloader_});
+}
+
+std::vector<std::shared_ptr<TransformerLayer>> GPTModel::all_layers() const {
+  std::vector<std::shared_ptr<TransformerLayer>> out;
+  for (const auto& block : decoders_) out.insert(out.end(), block->layers.begin(), block->layers.end());
+  return out;
 }
 
 at::Tensor GPTModel::output_logits(at::Tensor hidden) {
@@ -1036,7 +1058,7 @@ void GPTModel::check_whole_model(const char* api) const {
 
 at::Tensor GPTModel::logits(const at::Tensor& tokens) {
   check_whole_model("actmem::GPTModel::logits");
-  return output_logits(decoder_forward(embedding_forward(tokens)));
+  return output_logits(decoder_forward(embedding_forward(tokens), 0));
 }
 
 at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels) {
@@ -1045,20 +1067,23 @@ at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels)
 }
 
 at::Tensor GPTModel::forward_stage(const at::Tensor& tokens, const at::Tensor& labels,
-                                   const at::Tensor& input) {
+                                   const at::Tensor& input, int64_t chunk) {
+  TORCH_CHECK(chunk >= 0 && chunk < num_model_chunks(), "actmem::GPTModel::forward_stage: model "
+              "chunk ", chunk, " outside 0..", num_model_chunks() - 1);
   TORCH_CHECK(!(pre_process_ && post_process_) || labels.sizes() == tokens.sizes(),
               "actmem::GPTModel::forward: labels ", labels.sizes(), " must match tokens ",
               tokens.sizes());
   at::Tensor hidden;
-  if (pre_process_) {
+  if (chunk_pre_process(chunk)) {
     hidden = embedding_forward(tokens);
   } else {
     TORCH_CHECK(input.defined(), "actmem::GPTModel::forward_stage: pipeline stage ",
-                pipeline_parallel_group().rank, " needs the previous stage's output as input");
+                pipeline_parallel_group().rank, " (model chunk ", chunk, ") needs the previous "
+                "stage's output as input");
     hidden = input;
   }
-  hidden = decoder_forward(hidden);
-  if (!post_process_) return hidden;
+  hidden = decoder_forward(hidden, chunk);
+  if (!chunk_post_process(chunk)) return hidden;
   const at::Tensor out = output_logits(hidden);
   const int64_t v = out.size(-1);
   ModuleScope scope("loss");

@@ -133,6 +133,17 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
     for (const auto& e : events) t_max = std::max(t_max, e.end_s);
   }
   auto X = [&](double t) { return left + pw * t / t_max; };
+  // Under the interleaved schedule each model chunk gets its own shade (darker = earlier chunk).
+  bool interleaved = false;
+  for (const auto& events : stages) {
+    for (const auto& e : events) interleaved = interleaved || e.chunk > 0;
+  }
+  auto fill = [](const PipelineEvent& e) {
+    static const char* const kForward[] = {"#4c78a8", "#7fa6cf", "#a9c6e4", "#cddff0"};
+    static const char* const kBackward[] = {"#f58518", "#f7a457", "#fac28e", "#fcdcbc"};
+    const size_t shade = static_cast<size_t>(std::min<int64_t>(std::max<int64_t>(e.chunk, 0), 3));
+    return e.forward ? kForward[shade] : kBackward[shade];
+  };
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
   open_svg(o, W, H, left, title);
@@ -148,9 +159,9 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
       most = std::max(most, held);
       const double x0 = X(e.start_s), w = std::max(0.5, X(e.end_s) - x0);
       o << "<rect data-stage=\"" << s << "\" data-op=\"" << (e.forward ? 'F' : 'B')
-        << "\" data-microbatch=\"" << e.microbatch << "\" x=\"" << x0 << "\" y=\"" << y
-        << "\" width=\"" << w << "\" height=\"" << row << "\" fill=\""
-        << (e.forward ? "#4c78a8" : "#f58518") << "\" stroke=\"white\"/>\n";
+        << "\" data-microbatch=\"" << e.microbatch << "\" data-chunk=\"" << e.chunk << "\" x=\""
+        << x0 << "\" y=\"" << y << "\" width=\"" << w << "\" height=\"" << row << "\" fill=\""
+        << fill(e) << "\" stroke=\"white\"/>\n";
       if (w >= 14) {
         o << "<text x=\"" << x0 + w / 2 << "\" y=\"" << y + row / 2 + 4
           << "\" text-anchor=\"middle\" fill=\"white\">" << (e.forward ? 'F' : 'B')
@@ -159,7 +170,7 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
     }
     o << "<text x=\"" << left + pw + 10 << "\" y=\"" << y + row / 2 + 4 << "\">busy "
       << std::setprecision(0) << 100.0 * busy / t_max << "%, at most " << most
-      << " in flight</text>\n</g>\n"
+      << (interleaved ? " chunk-micro-batches" : "") << " in flight</text>\n</g>\n"
       << std::setprecision(1);
   }
   // Time axis, milliseconds.
@@ -173,8 +184,8 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
       << "</text>\n";
   }
   o << "<text x=\"" << left + pw / 2 << "\" y=\"" << axis_y + 34
-    << "\" text-anchor=\"middle\">ms from the step's start (F forward, B backward of micro-batch n)"
-       "</text>\n</svg>\n";
+    << "\" text-anchor=\"middle\">ms from the step's start (F forward, B backward of micro-batch n"
+    << (interleaved ? "; lighter = later model chunk" : "") << ")</text>\n</svg>\n";
   return o.str();
 }
 

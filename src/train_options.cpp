@@ -137,6 +137,21 @@ void add_parallel_flags(CLI::App& app, TrainOptions& o) {
          [&m](const int64_t& n) { m.decoder_last_pipeline_num_layers = n; },
          "Layers of the last pipeline stage (uneven split)")
       ->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--num-layers-per-virtual-pipeline-stage",
+         [&m](const int64_t& n) { m.num_layers_per_virtual_pipeline_stage = n; },
+         "Interleaved 1F1B: layers per model chunk (each rank holds num_layers / p / N chunks)")
+      ->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--num-virtual-stages-per-pipeline-rank",
+         [&m](const int64_t& n) { m.num_virtual_stages_per_pipeline_rank = n; },
+         "Interleaved 1F1B: model chunks per pipeline rank")
+      ->check(integer_in_range(1, 1 << 20));
+  app.add_option_function<int64_t>(
+         "--microbatch-group-size-per-virtual-pipeline-stage",
+         [&m](const int64_t& n) { m.microbatch_group_size_per_vp_stage = n; },
+         "Interleaved 1F1B: micro-batches a chunk runs before the next takes over (default p)")
+      ->check(integer_in_range(1, 1 << 20));
 }
 
 void add_moe_flags(CLI::App& app, TrainOptions& o) {

@@ -145,7 +145,7 @@ nlohmann::json to_json(const IterationStats& s) {
       nlohmann::json row = nlohmann::json::array();
       for (const auto& e : events) {
         row.push_back({{"op", e.forward ? "F" : "B"}, {"microbatch", e.microbatch},
-                       {"start_s", e.start_s}, {"end_s", e.end_s}});
+                       {"chunk", e.chunk}, {"start_s", e.start_s}, {"end_s", e.end_s}});
       }
       stages.push_back(std::move(row));
     }
@@ -175,6 +175,12 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     TORCH_CHECK(gbs % (mbs * d) == 0, "actmem::Trainer: global batch size (", gbs,
                 ") is not divisible by micro batch size (", mbs, ") times data parallel size (",
                 d, ")");
+    if (model_config_.virtual_pipeline_size() > 1) {
+      // The interleaved schedule's rules on the micro-batches (Megatron checks them when the
+      // schedule starts; here before anything is built).
+      check_interleaved_microbatches(model_config_.pipeline_model_parallel_size, gbs / (mbs * d),
+                                     model_config_.microbatch_group_size());
+    }
   }
   // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
   // memory] in data.h); loading it first lets the pre-check count it.
@@ -220,12 +226,24 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                        : (physical_memory_bytes() - corpus_.resident_bytes()) /
                              (tensor_parallel_group().size * data_parallel_group().size *
                               pipeline_parallel_group().size);
-    // A pipeline stage: its own weights and the micro-batches 1F1B keeps in flight on it.
+    // A pipeline stage: its own weights and the micro-batches 1F1B keeps in flight on it (under
+    // the interleaved schedule, per model chunk, with the boundary tensors its queues hold).
     const TensorParallelGroup& pp = pipeline_parallel_group();
-    const int64_t in_flight = one_f_one_b_in_flight(
-        pp.rank, pp.size,
-        config_.num_microbatches(model_config_.micro_batch_size, data_parallel_group().size));
-    const double need = predict_step_peak_bound(model_config_, 0, pp.rank, in_flight);
+    const int64_t n_micro =
+        config_.num_microbatches(model_config_.micro_batch_size, data_parallel_group().size);
+    int64_t in_flight = one_f_one_b_in_flight(pp.rank, pp.size, n_micro);
+    double need = 0.0;
+    if (const int64_t v = model_config_.virtual_pipeline_size(); v > 1) {
+      const PipelineMemory counts = pipeline_memory(
+          interleaved_schedule(pp.rank, pp.size, v, n_micro, model_config_.microbatch_group_size()),
+          pp.rank, pp.size, std::vector<int64_t>(static_cast<size_t>(v), 0), 0);
+      in_flight = 0;
+      for (const int64_t n : counts.max_in_flight) in_flight += n;
+      need = predict_step_peak_bound(model_config_, 0, pp.rank, counts.max_in_flight,
+                                     counts.max_boundary_tensors + 2);
+    } else {
+      need = predict_step_peak_bound(model_config_, 0, pp.rank, in_flight);
+    }
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
                 "state and ", in_flight == 1 ? std::string("one micro-batch") :
@@ -357,10 +375,13 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   routing_dependent_prediction_ =
       model_config_.is_moe() && !moe_expert_rows(model_config_, 0).has_value();
   if (!routing_dependent_prediction_) {
-    predicted_activation_bytes_ =
-        predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
-                                 device_.is_cpu(), nullptr, pipeline_parallel_group().rank)
-            .total;
+    for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
+      chunk_activation_bytes_.push_back(
+          predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
+                                   device_.is_cpu(), nullptr, pipeline_parallel_group().rank, c)
+              .total);
+    }
+    predicted_activation_bytes_ = chunk_activation_bytes_.front();
   }
 }
 
@@ -480,7 +501,8 @@ PipelineP2P Trainer::pipeline_p2p() const {
                                                     : model_config_.seq_length;
   return PipelineP2P(pipeline_parallel_group(),
                      {s, model_config_.micro_batch_size, model_config_.hidden_size},
-                     at::TensorOptions().dtype(model_->dtype()).device(device_));
+                     at::TensorOptions().dtype(model_->dtype()).device(device_),
+                     /*ring=*/model_config_.virtual_pipeline_size() > 1);
 }
 
 std::unique_ptr<LedgerScope> Trainer::open_ledger(const at::Tensor& tokens,
@@ -581,7 +603,8 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     torch::autograd::Edge output_edge;  // where the output's gradient enters (not the last stage)
     at::Tensor loss;                   // the last stage's
   };
-  std::deque<InFlight> in_flight;
+  const int64_t chunks = model_->num_model_chunks();
+  std::vector<std::deque<InFlight>> in_flight(static_cast<size_t>(chunks));  // per model chunk
   double loss_sum = 0.0;
   // The step's batches first, so what the stage holds at once is measured without them.
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
@@ -603,7 +626,7 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
         .count();
   };
-  auto forward = [&](int64_t m, const at::Tensor& received) {
+  auto forward = [&](int64_t m, int64_t chunk, const at::Tensor& received) {
     const double start = shared_clock_s();
     const auto& [tokens, labels] = batches[static_cast<size_t>(m)];
     InFlight f;
@@ -613,10 +636,11 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
       f.input.requires_grad_(true);
       before -= p2p.bytes();  // this micro-batch's from its receipt
     }
-    std::unique_ptr<LedgerScope> ledger_scope = m == 0 ? open_ledger(tokens, labels) : nullptr;
-    at::Tensor out = model_->forward_stage(tokens, labels, f.input);
+    std::unique_ptr<LedgerScope> ledger_scope =
+        m == 0 && chunk == 0 ? open_ledger(tokens, labels) : nullptr;
+    at::Tensor out = model_->forward_stage(tokens, labels, f.input, chunk);
     ledger_scope.reset();
-    if (model_->post_process()) {
+    if (model_->chunk_post_process(chunk)) {
       if (n_micro > 1) out = out / static_cast<double>(n_micro);
       loss_sum += out.item<double>();
       f.loss = out;
@@ -628,14 +652,15 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     const int64_t after = memory_.current_bytes();
     st.activation_bytes = std::max(st.activation_bytes, after - before);
     st.inflight_activation_bytes = std::max(st.inflight_activation_bytes, after - step_base);
-    in_flight.push_back(std::move(f));
-    schedule_.push_back({true, m, start, shared_clock_s()});
+    in_flight[static_cast<size_t>(chunk)].push_back(std::move(f));
+    schedule_.push_back({true, m, start, shared_clock_s(), chunk});
     return out;
   };
-  auto backward = [&](int64_t m, const at::Tensor& output_grad) {
+  auto backward = [&](int64_t m, int64_t chunk, const at::Tensor& output_grad) {
     const double start = shared_clock_s();
-    InFlight f = std::move(in_flight.front());
-    in_flight.pop_front();
+    std::deque<InFlight>& queue = in_flight[static_cast<size_t>(chunk)];
+    InFlight f = std::move(queue.front());
+    queue.pop_front();
     if (f.loss.defined()) {
       if (mixed_ && mixed_->scaler()) {
         (f.loss * mixed_->loss_scale()).backward();  // Megatron's grad_scale_func
@@ -648,35 +673,68 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
           /*accumulate_grad=*/true);
     }
     synchronize_device(device_);
-    schedule_.push_back({false, m, start, shared_clock_s()});
+    schedule_.push_back({false, m, start, shared_clock_s(), chunk});
     return f.input.defined() ? f.input.grad() : at::Tensor();
   };
-  run_one_f_one_b(p2p, n_micro, forward, backward);
+  if (chunks > 1) {
+    run_interleaved_one_f_one_b(p2p, chunks, n_micro, model_config_.microbatch_group_size(),
+                                forward, backward);
+  } else {
+    run_one_f_one_b(
+        p2p, n_micro, [&](int64_t m, const at::Tensor& in) { return forward(m, 0, in); },
+        [&](int64_t m, const at::Tensor& g) { return backward(m, 0, g); });
+  }
   synchronize_device(device_);
   clock.busy_s += seconds_since(t0);
   timeline_mark("bwd end");
   const int64_t peak = memory_.peak_bytes();
   st.activation_peak_bytes = peak - step_base;
   clock.peak = std::max(clock.peak, peak);
-  // Per micro-batch: this stage's activations (its received input among them: the first layer's
-  // norm keeps it, as it keeps the embedding's output on the first stage) and, at the end of its
-  // forward, its output (not on the last stage); min(p - stage, M) micro-batches at once.
-  // With distribute_saved_activations a checkpoint that starts the stage keeps its 1/t shard of
-  // the received input, and the input itself stays too (the schedule needs its gradient; Megatron's
+  // Per micro-batch: this stage's activations (predicted_chunk_bytes) and, at the end of its
+  // forward, its output (not on the last stage); under 1F1B min(p - stage, M) micro-batches at
+  // once.
+  // Under the interleaved schedule the same per chunk, counted over the schedule's steps
+  // (pipeline_memory in pipeline.h): the micro-batches of every chunk in flight, the received
+  // inputs and gradients queued for later steps, the output about to be sent.
+  const std::vector<int64_t> per_chunk = predicted_chunk_bytes(p2p.bytes());
+  st.predicted_activation_bytes = 0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    st.predicted_activation_bytes =
+        std::max(st.predicted_activation_bytes,
+                 per_chunk[static_cast<size_t>(c)] +
+                     (model_->chunk_post_process(c) ? 0 : p2p.bytes()));
+  }
+  if (chunks > 1) {
+    st.predicted_inflight_activation_bytes =
+        pipeline_memory(interleaved_schedule(pp.rank, pp.size, chunks, n_micro,
+                                             model_config_.microbatch_group_size()),
+                        pp.rank, pp.size, per_chunk, p2p.bytes())
+            .peak_at_forward_end;
+  } else {
+    const int64_t output = model_->post_process() ? 0 : p2p.bytes();
+    st.predicted_inflight_activation_bytes =
+        per_chunk[0] * one_f_one_b_in_flight(pp.rank, pp.size, n_micro) + output;
+  }
+  return from_last_stage(loss_sum);  // the loss is the last stage's: every stage reports it
+}
+
+std::vector<int64_t> Trainer::predicted_chunk_bytes(int64_t boundary_bytes) const {
+  // Per model chunk's micro-batch: its layers' bytes (the received input among them: the first
+  // layer's norm keeps it, as it keeps the embedding's output on the first stage). With
+  // distribute_saved_activations a checkpoint that starts the chunk keeps its 1/t shard of the
+  // received input, and the input itself stays too (the schedule needs its gradient; Megatron's
   // CheckpointFunction swaps the tensor's storage for the shard instead, which this project does
   // not do).
   const ActivationPlan& plan = model_->plan();
-  const int64_t kept_input =
-      !model_->pre_process() && plan.distribute_saved_activations &&
-              plan.layers[static_cast<size_t>(model_->stage_layers().offset)].starts_chunk
-          ? p2p.bytes()
-          : 0;
-  const int64_t per_microbatch = predicted_activation_bytes_ + kept_input;
-  const int64_t output = model_->post_process() ? 0 : p2p.bytes();
-  st.predicted_activation_bytes = per_microbatch + output;
-  st.predicted_inflight_activation_bytes =
-      per_microbatch * one_f_one_b_in_flight(pp.rank, pp.size, n_micro) + output;
-  return from_last_stage(loss_sum);  // the loss is the last stage's: every stage reports it
+  std::vector<int64_t> out;
+  for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
+    const bool kept_input =
+        !model_->chunk_pre_process(c) && plan.distribute_saved_activations &&
+        plan.layers[static_cast<size_t>(model_->stage_layers(c).offset)].starts_chunk;
+    out.push_back(chunk_activation_bytes_.at(static_cast<size_t>(c)) +
+                  (kept_input ? boundary_bytes : 0));
+  }
+  return out;
 }
 
 double Trainer::from_last_stage(double value) const {
@@ -870,26 +928,29 @@ double Trainer::clip_gradients(const IterationStats& st) {
 }
 
 void Trainer::gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const {
-  // Every stage ran 2M events (M forwards, M backwards), so the rows gather evenly; times become
+  // Every stage ran 2Mv events (M forwards and M backwards per model chunk), so the rows gather
+  // evenly; times become
   // seconds from the earliest stage's first event.
   std::vector<double> mine;
   for (const auto& e : schedule_) {
     mine.insert(mine.end(), {e.forward ? 1.0 : 0.0, static_cast<double>(e.microbatch), e.start_s,
-                             e.end_s});
+                             e.end_s, static_cast<double>(e.chunk)});
   }
+  constexpr size_t kFields = 5;
   const at::Tensor all =
       group_all_gather_dim0(pp, at::tensor(mine, at::kDouble).to(device_)).cpu().contiguous();
   const double* v = all.data_ptr<double>();
-  const size_t per_stage = mine.size() / 4;
+  const size_t per_stage = mine.size() / kFields;
   double origin = std::numeric_limits<double>::infinity();
   for (size_t i = 0; i < per_stage * static_cast<size_t>(pp.size); ++i) {
-    origin = std::min(origin, v[4 * i + 2]);
+    origin = std::min(origin, v[kFields * i + 2]);
   }
   st.pipeline_schedule_per_stage.assign(static_cast<size_t>(pp.size), {});
   for (size_t i = 0; i < per_stage * static_cast<size_t>(pp.size); ++i) {
-    const double* e = v + 4 * i;
+    const double* e = v + kFields * i;
     st.pipeline_schedule_per_stage[i / per_stage].push_back(
-        {e[0] != 0.0, static_cast<int64_t>(e[1]), e[2] - origin, e[3] - origin});
+        {e[0] != 0.0, static_cast<int64_t>(e[1]), e[2] - origin, e[3] - origin,
+         static_cast<int64_t>(e[4])});
   }
 }
 
@@ -948,17 +1009,31 @@ double Trainer::evaluate() {
   if (pipeline_parallel_group().size > 1) {
     // The schedule's forward-only form: each batch through the stages; the last stage's losses
     // reported by all.
-    run_one_f_one_b(
-        pipeline_p2p(), config_.eval_iters,
-        [&](int64_t i, const at::Tensor& input) {
-          auto batch = valid_sampler_->fixed(i, config_.eval_iters);
-          at::Tensor out =
-              model_->forward_stage(batch.first.to(device_), batch.second.to(device_), input);
-          if (!model_->post_process()) return out;
-          total += out.item<double>();
-          return at::Tensor();
-        },
-        {}, /*forward_only=*/true);
+    const PipelineP2P p2p = pipeline_p2p();
+    auto forward = [&](int64_t i, int64_t chunk, const at::Tensor& input) {
+      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+      at::Tensor out =
+          model_->forward_stage(batch.first.to(device_), batch.second.to(device_), input, chunk);
+      if (!model_->chunk_post_process(chunk)) return out;
+      total += out.item<double>();
+      return at::Tensor();
+    };
+    if (model_->num_model_chunks() == 1) {
+      run_one_f_one_b(
+          p2p, config_.eval_iters,
+          [&](int64_t i, const at::Tensor& input) { return forward(i, 0, input); }, {},
+          /*forward_only=*/true);
+    } else {
+      // Each batch round the ring once per model chunk (no micro-batch grouping rules: nothing
+      // waits for a backward).
+      for (int64_t i = 0; i < config_.eval_iters; ++i) {
+        for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
+          const at::Tensor input = model_->chunk_pre_process(c) ? at::Tensor() : p2p.recv_forward();
+          const at::Tensor out = forward(i, c, input);
+          if (!model_->chunk_post_process(c)) p2p.send_forward(out);
+        }
+      }
+    }
     total = from_last_stage(total);
   } else {
     for (int64_t i = 0; i < config_.eval_iters; ++i) {

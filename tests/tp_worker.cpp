@@ -15,6 +15,7 @@
 //   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
 //   actmem_tp_worker pipeline OUT_DIR --tp T --pp P --global-batch G [--no-dropout]
 //     [--only STRATEGY] [--variant base|swiglu] [--first N] [--last N] [--layers L (4)]
+//     [--vp V]   (V model chunks per stage: the interleaved schedule)
 //     (t x p x d ranks: three steps per recompute strategy of the base model, clip-grad off;
 //     each stage reports its steps and its parameters' digests under their global names)
 //   actmem_tp_worker pipeline_fault OUT_DIR --tp 1 --pp P --die STAGE   (1F1B on small
@@ -331,7 +332,7 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
 nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
                             const std::string& only, const std::string& variant,
                             std::optional<int64_t> first, std::optional<int64_t> last,
-                            int64_t layers) {
+                            int64_t layers, int64_t vp) {
   nlohmann::json out;
   auto all = strategies(false);
   // With 3 layers per stage: uniform chunks [0, 2) [2, 3) on every stage (a clamped tail).
@@ -348,7 +349,10 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
     c.pipeline_model_parallel_size = pp;
     c.decoder_first_pipeline_num_layers = first;
     c.decoder_last_pipeline_num_layers = last;
+    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
     mutate(c);
+    // Under the interleaved schedule n counts a model chunk's layers: skip what does not fit.
+    if (vp > 1 && c.recompute_num_layers && *c.recompute_num_layers > layers / pp / vp) continue;
     actmem::TrainingConfig tc;
     tc.global_batch_size = global_batch;
     tc.eval_interval = 0;
@@ -368,25 +372,49 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
     }
     // The trainer's up-front bound for this stage (Note [Memory pre-check] in memory_model.cpp).
     const auto& pp_group = actmem::pipeline_parallel_group();
-    r["peak_bound"] = actmem::predict_step_peak_bound(
-        c, 0, pp_group.rank,
-        actmem::one_f_one_b_in_flight(pp_group.rank, pp_group.size,
-                                      tc.num_microbatches(c.micro_batch_size, 1)));
-    const int64_t offset = trainer.model().stage_layers().offset;
-    for (const auto& item : trainer.model().named_parameters()) {
+    const int64_t n_micro = tc.num_microbatches(c.micro_batch_size, 1);
+    if (vp > 1) {
+      const actmem::PipelineMemory counts = actmem::pipeline_memory(
+          actmem::interleaved_schedule(pp_group.rank, pp_group.size, vp, n_micro,
+                                       c.microbatch_group_size()),
+          pp_group.rank, pp_group.size, std::vector<int64_t>(static_cast<size_t>(vp), 0), 0);
+      r["peak_bound"] = actmem::predict_step_peak_bound(c, 0, pp_group.rank, counts.max_in_flight,
+                                                        counts.max_boundary_tensors + 2);
+    } else {
+      r["peak_bound"] = actmem::predict_step_peak_bound(
+          c, 0, pp_group.rank,
+          actmem::one_f_one_b_in_flight(pp_group.rank, pp_group.size, n_micro));
+    }
+    const actmem::GPTModel& model = trainer.model();
+    for (const auto& item : model.named_parameters()) {
+      // Model chunk c's block is registered as decoder (c = 0) or decoder_vp<c>; its layers are
+      // numbered from 0 within the chunk.
       std::string key = item.key();
+      int64_t chunk = 0;
+      if (key.rfind("decoder_vp", 0) == 0) {
+        const size_t dot = key.find('.');
+        chunk = std::stoll(key.substr(10, dot - 10));
+        key = "decoder" + key.substr(dot);
+      }
       const std::string prefix = "decoder.layers.";
       if (key.rfind(prefix, 0) == 0) {
         const size_t dot = key.find('.', prefix.size());
-        key = prefix + std::to_string(std::stoll(key.substr(prefix.size(), dot - prefix.size())) + offset) +
+        key = prefix +
+              std::to_string(std::stoll(key.substr(prefix.size(), dot - prefix.size())) +
+                             model.stage_layers(chunk).offset) +
               key.substr(dot);
       }
       actmem::Digest d;
       d.update(item.value());
       r["params"][key] = d.hex();
     }
-    r["stage_offset"] = offset;
-    r["stage_layers"] = trainer.model().stage_layers().count;
+    int64_t stage_layers = 0;
+    for (int64_t k = 0; k < model.num_model_chunks(); ++k) {
+      r["chunk_offsets"].push_back(model.stage_layers(k).offset);
+      stage_layers += model.stage_layers(k).count;
+    }
+    r["stage_offset"] = model.stage_layers(0).offset;
+    r["stage_layers"] = stage_layers;
     out[name] = r;
   }
   return {{"strategies", out},
@@ -560,7 +588,7 @@ int main(int argc, char** argv) {
     bool sp = false, dropout = true;
     std::string only, variant = "base";
     int tp = 0, ep = 1, pp = 1;
-    int64_t layers = 4;
+    int64_t layers = 4, vp = 1;
     int die_stage = -1;
     std::optional<int64_t> first_layers, last_layers;
     int64_t global_batch = 0;
@@ -583,6 +611,8 @@ int main(int argc, char** argv) {
         pp = std::stoi(argv[++i]);
       } else if (a == "--die" && i + 1 < argc) {
         die_stage = std::stoi(argv[++i]);
+      } else if (a == "--vp" && i + 1 < argc) {
+        vp = std::stoll(argv[++i]);
       } else if (a == "--layers" && i + 1 < argc) {
         layers = std::stoll(argv[++i]);
       } else if (a == "--first" && i + 1 < argc) {
@@ -610,7 +640,7 @@ int main(int argc, char** argv) {
       result["dispatch"] = run_dispatch(group);
     } else if (scenario == "pipeline") {
       result["pipeline"] = run_pipeline(std::max(tp, 1), pp, dropout, global_batch, only, variant,
-                                        first_layers, last_layers, layers);
+                                        first_layers, last_layers, layers, vp);
     } else if (scenario == "pipeline_fault") {
       result["pipeline_fault"] = run_pipeline_fault(die_stage);
     } else if (scenario == "data") {

@@ -66,6 +66,14 @@ struct TransformerConfig {
   /// last stage's layer count; the other stages share the rest evenly.
   std::optional<int64_t> decoder_first_pipeline_num_layers;
   std::optional<int64_t> decoder_last_pipeline_num_layers;
+  /// The interleaved 1F1B schedule (Megatron's virtual pipeline stages): each rank holds
+  /// v = num_layers / p / num_layers_per_virtual_pipeline_stage model chunks (or v given
+  /// directly); at most one of the two. Unset or v = 1: plain 1F1B.
+  std::optional<int64_t> num_layers_per_virtual_pipeline_stage;
+  std::optional<int64_t> num_virtual_stages_per_pipeline_rank;
+  /// Micro-batches a virtual stage runs before the next chunk takes over (Megatron's
+  /// microbatch_group_size_per_vp_stage; unset = p).
+  std::optional<int64_t> microbatch_group_size_per_vp_stage;
   bool sequence_parallel = false;
 
   // ---- mixture of experts (docs/moe.md), Megatron's names ----
@@ -188,6 +196,15 @@ struct TransformerConfig {
     bool contains(int64_t layer) const { return layer >= offset && layer < offset + count; }
   };
   StageLayers pipeline_stage_layers(int64_t stage) const;
+  /// Model chunks per pipeline rank: v under the interleaved schedule, else 1.
+  int64_t virtual_pipeline_size() const;
+  /// The layers of model chunk `chunk` on pipeline rank `stage`: without interleaving the stage's
+  /// (chunk 0); with v chunks of n = num_layers / (p v) layers each, chunk c of rank r holds
+  /// layers c (num_layers / v) + r n onwards (Megatron's get_transformer_layer_offset with a
+  /// vp_stage): the model is cut into p v pieces dealt round-robin to the ranks.
+  StageLayers model_chunk_layers(int64_t stage, int64_t chunk) const;
+  /// The micro-batch group of the interleaved schedule: microbatch_group_size_per_vp_stage or p.
+  int64_t microbatch_group_size() const;
 
   /// Learned absolute positions are not used (the model-level RoPE tables are built only
   /// without MLA, whose attention applies its own decoupled RoPE, as Megatron's GPTModel).

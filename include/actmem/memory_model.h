@@ -214,11 +214,12 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t
                                         const MoERouting* routing = nullptr);
 /// With pipeline parallelism, `pipeline_stage`'s bytes per micro-batch: its layers, the
 /// embedding on the first stage, the head and loss on the last (what crosses the stage
-/// boundaries is the schedule's: Note [Pipeline step] in trainer.cpp).
+/// boundaries is the schedule's: Note [Pipeline step] in trainer.cpp). Under the interleaved
+/// schedule, model chunk `model_chunk`'s of that stage.
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
                                         int64_t dtype_bytes = 0, bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr,
-                                        int64_t pipeline_stage = 0);
+                                        int64_t pipeline_stage = 0, int64_t model_chunk = 0);
 /// Rows the experts of MoE layer `moe_index` (0-based among the MoE layers) on this rank compute
 /// in one micro-batch: the routing's sum when given, else moe_max_expert_rows() where that is
 /// exact (dropless without expert parallelism, padded), else nullopt.
@@ -244,5 +245,13 @@ int64_t moe_max_routed_rows(const TransformerConfig& config);
 /// boundaries.
 double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 0,
                                int64_t pipeline_stage = 0, int64_t microbatches_in_flight = 1);
+/// The same for a stage of v model chunks (the interleaved schedule): per chunk the most
+/// micro-batches in flight at once, and the most tensors crossing a stage boundary the stage
+/// holds at once beyond them (pipeline_memory in pipeline.h, plus the one being received and
+/// the one being produced).
+double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes,
+                               int64_t pipeline_stage,
+                               const std::vector<int64_t>& in_flight_per_chunk,
+                               int64_t boundary_tensors);
 
 }  // namespace actmem

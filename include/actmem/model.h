@@ -292,14 +292,29 @@ class GPTModel : public torch::nn::Module {
   /// This pipeline stage's forward: the first stage embeds `tokens`, the others take `input`
   /// (the previous stage's output, [s, b, h] or its [s/t, b, h] shard under sequence
   /// parallelism); the last stage returns the loss against `labels`, the others their output.
+  /// Under the interleaved schedule `chunk` names the model chunk (virtual stage) to run: the
+  /// embedding is chunk 0's on the first stage, the head the last chunk's on the last stage.
   at::Tensor forward_stage(const at::Tensor& tokens, const at::Tensor& labels,
-                           const at::Tensor& input);
+                           const at::Tensor& input, int64_t chunk = 0);
   /// Pipeline stage of this model: the first holds the embedding (pre_process), the last the
   /// final norm, output layer and loss (post_process); both without pipeline parallelism.
   bool pre_process() const { return pre_process_; }
   bool post_process() const { return post_process_; }
-  /// The transformer layers this stage holds (global offset and count).
-  const TransformerConfig::StageLayers& stage_layers() const { return stage_; }
+  /// Whether model chunk `chunk` embeds the tokens / ends in the loss (Megatron's
+  /// is_pipeline_first_stage / is_pipeline_last_stage with a vp_stage).
+  bool chunk_pre_process(int64_t chunk) const { return pre_process_ && chunk == 0; }
+  bool chunk_post_process(int64_t chunk) const {
+    return post_process_ && chunk == num_model_chunks() - 1;
+  }
+  /// Model chunks on this rank: v under the interleaved schedule, else 1.
+  int64_t num_model_chunks() const { return static_cast<int64_t>(chunks_.size()); }
+  /// The transformer layers model chunk `chunk` holds (global offset and count); without
+  /// interleaving chunk 0 is the whole stage.
+  const TransformerConfig::StageLayers& stage_layers(int64_t chunk = 0) const {
+    return chunks_.at(static_cast<size_t>(chunk));
+  }
+  /// Every transformer layer this rank holds, chunk by chunk.
+  std::vector<std::shared_ptr<TransformerLayer>> all_layers() const;
   /// With tied embeddings: the word embedding on the first stage, the last stage's copy of it
   /// (output_layer.weight) on the last; undefined when untied or on a middle stage (Megatron's
   /// shared_embedding_or_output_weight).
@@ -346,7 +361,7 @@ class GPTModel : public torch::nn::Module {
   at::Tensor position_embeddings;  // [max_pos, h] or undefined with RoPE
   // The last stage's: [v, h]; aliases word_embeddings unless untied or pipeline-parallel.
   at::Tensor output_weight;
-  std::shared_ptr<TransformerBlock> decoder;
+  std::shared_ptr<TransformerBlock> decoder;  // model chunk 0's (the whole stage without interleaving)
 
  private:
   /// tokens [b, s] -> embeddings [s, b, h], before dropout
@@ -354,11 +369,12 @@ class GPTModel : public torch::nn::Module {
   // The three parts of a forward: embedding (with its dropout), the decoder's layers, the output
   // layer (logits).
   at::Tensor embedding_forward(const at::Tensor& tokens);
-  at::Tensor decoder_forward(const at::Tensor& hidden);
+  at::Tensor decoder_forward(const at::Tensor& hidden, int64_t chunk);
   at::Tensor output_logits(at::Tensor hidden);
   // Throws unless this model is the whole model (no pipeline parallelism), naming `api`.
   void check_whole_model(const char* api) const;
-  TransformerConfig::StageLayers stage_;
+  std::vector<TransformerConfig::StageLayers> chunks_;  // per model chunk
+  std::vector<std::shared_ptr<TransformerBlock>> decoders_;  // per model chunk
   bool pre_process_ = true, post_process_ = true;
   TransformerConfig config_;
   ActivationPlan plan_;

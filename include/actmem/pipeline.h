@@ -22,8 +22,11 @@ namespace actmem {
 class PipelineP2P {
  public:
   /// `pipeline` must outlive this object (the process-wide groups do).
+  /// With `ring` (the interleaved schedule) the last stage's next stage is the first and the
+  /// first stage's previous the last (Megatron's P2PCommunicator: next = (rank + 1) % p): model
+  /// chunk c's output on the last rank is chunk c + 1's input on the first.
   PipelineP2P(const TensorParallelGroup& pipeline, std::vector<int64_t> shape,
-              at::TensorOptions options);
+              at::TensorOptions options, bool ring = false);
   int stage() const { return group_->rank; }
   int stages() const { return group_->size; }
   bool is_first() const { return group_->rank == 0; }
@@ -52,6 +55,7 @@ class PipelineP2P {
   const TensorParallelGroup* group_;  // the process-wide group (pipeline_parallel_group())
   std::vector<int64_t> shape_;
   at::TensorOptions options_;
+  bool ring_ = false;
 };
 
 /// One micro-batch's forward on this stage: its input from the previous stage (undefined on the
@@ -72,5 +76,66 @@ int64_t one_f_one_b_in_flight(int64_t stage, int64_t stages, int64_t num_microba
 void run_one_f_one_b(const PipelineP2P& p2p, int64_t num_microbatches,
                      const PipelineForward& forward, const PipelineBackward& backward,
                      bool forward_only = false);
+
+/// One step of a stage's interleaved 1F1B schedule: a model chunk's forward or backward of a
+/// micro-batch, or one exchange with the neighbouring stages.
+struct PipelineStep {
+  enum class Kind { kForward, kBackward, kCommunicate };
+  Kind kind = Kind::kCommunicate;
+  int64_t microbatch = -1, chunk = -1;  // kForward, kBackward
+  // kCommunicate: send the latest forward's output to the next stage / the latest backward's
+  // input gradient to the previous one, and receive from the previous (next) stage the input
+  // (output gradient) model chunk recv_prev_chunk (recv_next_chunk) will consume; -1 = none.
+  bool send_next = false, send_prev = false;
+  int64_t recv_prev_chunk = -1, recv_next_chunk = -1;
+};
+
+/// The (micro-batch, model chunk) of each virtual micro-batch k of the interleaved schedule
+/// (Megatron's get_schedule_table): groups of `group` micro-batches, chunk by chunk within a
+/// group, the last group taking what remains. Forward k runs table[k]; backward k the same
+/// micro-batch on chunk chunks - 1 - table[k].second.
+std::vector<std::pair<int64_t, int64_t>> interleaved_schedule_table(int64_t num_microbatches,
+                                                                    int64_t chunks, int64_t group);
+
+/// Throws with Megatron's messages unless `group` micro-batches per virtual stage suit `stages`
+/// and `num_microbatches` (p <= group <= M, and the last group either full or at least p).
+void check_interleaved_microbatches(int64_t stages, int64_t num_microbatches, int64_t group);
+
+/// Stage `stage`'s steps under Megatron's interleaved 1F1B (forward_backward_pipelining_with_
+/// interleaving without p2p overlap): (p - stage - 1) * 2 + (chunks - 1) * group warmup
+/// forwards (capped at M * chunks), then one forward and one backward per step, then the
+/// remaining backwards; one exchange after each step. forward_only: every forward (validation).
+std::vector<PipelineStep> interleaved_schedule(int64_t stage, int64_t stages, int64_t chunks,
+                                               int64_t num_microbatches, int64_t group,
+                                               bool forward_only = false);
+
+/// What a stage holds under a schedule of steps, counted from the bytes each model chunk's
+/// micro-batch keeps (`chunk_bytes`, its received input among them) and the bytes of one tensor
+/// crossing a stage boundary.
+struct PipelineMemory {
+  /// The most, at the end of a forward: every micro-batch in flight, the received inputs and
+  /// gradients waiting in their queues, and the output about to be sent.
+  int64_t peak_at_forward_end = 0;
+  /// Per chunk, the most micro-batches in flight at once; the most boundary tensors held at once
+  /// (queued, or produced and not yet sent).
+  std::vector<int64_t> max_in_flight;
+  int64_t max_boundary_tensors = 0;
+};
+PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
+                               int64_t stages, const std::vector<int64_t>& chunk_bytes,
+                               int64_t boundary_bytes);
+
+/// One micro-batch's forward / backward on model chunk `chunk` of this stage.
+using ChunkForward =
+    std::function<at::Tensor(int64_t microbatch, int64_t chunk, const at::Tensor& input)>;
+using ChunkBackward =
+    std::function<at::Tensor(int64_t microbatch, int64_t chunk, const at::Tensor& output_grad)>;
+
+/// Runs interleaved_schedule() for this stage over `p2p` (a ring): received inputs and gradients
+/// wait in one queue per chunk, each exchange posts all its sends and receives at once and waits
+/// for them (PipelineP2P::communicate).
+void run_interleaved_one_f_one_b(const PipelineP2P& p2p, int64_t chunks, int64_t num_microbatches,
+                                 int64_t group, const ChunkForward& forward,
+                                 const ChunkBackward& backward, bool forward_only = false);
 
 }  // namespace actmem

@@ -191,6 +191,8 @@ class Trainer {
   void finish_forward_backward(IterationStats& st, double loss_sum);
   // Sends and receives between this rank's pipeline neighbours.
   PipelineP2P pipeline_p2p() const;
+  // Per model chunk, the bytes one micro-batch keeps on this stage (Note [Pipeline step]).
+  std::vector<int64_t> predicted_chunk_bytes(int64_t boundary_bytes) const;
   // The ledger's record of one forward (null without a ledger).
   std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
   // The tied embedding's gradient summed over the embedding group (first and last stage).
@@ -223,7 +225,8 @@ class Trainer {
   std::unique_ptr<MemoryTimeline> timeline_;
   std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;
-  int64_t predicted_activation_bytes_ = 0;
+  int64_t predicted_activation_bytes_ = 0;  // per micro-batch (model chunk 0's)
+  std::vector<int64_t> chunk_activation_bytes_;  // per model chunk (interleaved schedule)
   bool routing_dependent_prediction_ = false;  // MoE capacity without padding: predicted per step
   ActivationLedger* ledger_ = nullptr;
   TraceRecorder* trace_ = nullptr;

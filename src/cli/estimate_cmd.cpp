@@ -22,7 +22,8 @@ namespace {
 
 struct EstimateOptions {
   std::string preset = "7b";
-  double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0, t = 0, p = 0, vpp = 0, m = 0;
+  double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0, t = 0, p = 0, m = 0;
+  double layers_per_vp = 0, vp = 0;  // the interleaved schedule: one of the two
   double d = 0;
   bool sp = false, no_sp = false, json = false, swiglu = false, untie = false, dist_opt = false;
   double bandwidth_gbps = 50.0;
@@ -46,7 +47,6 @@ int run(const EstimateOptions& o) {
   set(m.t, o.t), set(m.p, o.p);
   if (o.ffn > 0) m.ffn = o.ffn;
   else if (o.h > 0) m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
-  if (o.vpp > 0) m.vpp = o.vpp;
   if (o.m > 0) m.num_microbatches = o.m;
   if (o.d > 0) m.d = o.d;
   if (o.swiglu) m.swiglu = true;
@@ -59,6 +59,18 @@ int run(const EstimateOptions& o) {
               "--tensor-model-parallel-size > 1");
   TORCH_CHECK(std::fmod(m.L, m.p) == 0, "actmem estimate: num_layers (", m.L,
               ") must be divisible by the pipeline size (", m.p, ")");
+  TORCH_CHECK(!(o.layers_per_vp > 0 && o.vp > 0), "actmem estimate: No more than one of the "
+              "following arguments can be set at the same time: --num-layers-per-virtual-"
+              "pipeline-stage, --num-virtual-stages-per-pipeline-rank");
+  if (o.layers_per_vp > 0) {
+    // Megatron's validate_args: v = (num_layers / p) / layers per virtual stage.
+    const double per_stage = m.L / m.p;
+    TORCH_CHECK(std::fmod(per_stage, o.layers_per_vp) == 0, "actmem estimate: number of layers "
+                "per pipeline stage must be divisible number of layers per virtual pipeline stage (",
+                per_stage, " per stage, ", o.layers_per_vp, " per virtual stage)");
+    if (per_stage / o.layers_per_vp > 1) m.vpp = per_stage / o.layers_per_vp;
+  }
+  if (o.vp > 1) m.vpp = o.vp;
   TORCH_CHECK(o.mla || std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
               ") must divide hidden_size (", m.h, ")");
   // Megatron's tensor-parallel rules: heads and the MLP's columns split evenly over t ranks, and
@@ -331,8 +343,10 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_option("--vocab-size", o->v, "V");
   cmd->add_option("--tensor-model-parallel-size", o->t, "t");
   cmd->add_option("--pipeline-model-parallel-size", o->p, "p");
-  cmd->add_option("--num-layers-per-virtual-pipeline-stage", o->vpp,
-                  "virtual stages per rank (interleaved 1F1B)");
+  cmd->add_option("--num-layers-per-virtual-pipeline-stage", o->layers_per_vp,
+                  "layers per virtual stage (interleaved 1F1B: v = L / p / this)");
+  cmd->add_option("--num-virtual-stages-per-pipeline-rank", o->vp,
+                  "virtual stages (model chunks) per pipeline rank (interleaved 1F1B)");
   cmd->add_option("--num-microbatches", o->m, "micro-batches per step (Megatron's min(1, m/p))");
   cmd->add_option("--data-parallel-size", o->d, "d (divides the optimizer state with "
                   "--use-distributed-optimizer)");

@@ -133,11 +133,17 @@ int run(InspectOptions& o) {
             << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
             << predicted.total << " B\n";
   if (c.pipeline_model_parallel_size > 1) {
-    // Rank 0 is the first stage: the table covers its layers and embedding.
-    std::cout << "pipeline stage 0 of " << c.pipeline_model_parallel_size
-              << ": the tracker also holds the output sent on to stage 1 ("
-              << st.predicted_activation_bytes - predicted.total << " B); under 1F1B the stage "
-              << "held " << st.inflight_activation_bytes << " B at once (predicted "
+    // Rank 0 is the first stage: the table covers its layers and embedding (under the
+    // interleaved schedule its first model chunk's: the ledger records that chunk's forward).
+    const int64_t v = c.virtual_pipeline_size();
+    std::cout << "pipeline stage 0 of " << c.pipeline_model_parallel_size;
+    if (v > 1) {
+      std::cout << " (the table: model chunk 0 of " << v << "); under interleaved 1F1B";
+    } else {
+      std::cout << ": the tracker also holds the output sent on to stage 1 ("
+                << st.predicted_activation_bytes - predicted.total << " B); under 1F1B";
+    }
+    std::cout << " the stage held " << st.inflight_activation_bytes << " B at once (predicted "
               << st.predicted_inflight_activation_bytes << " B; docs/parallelism.md)\n";
   }
   if (o.records) {

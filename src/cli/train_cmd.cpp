@@ -286,7 +286,8 @@ int run_train(actmem::TrainOptions& o) {
         << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
   const auto& held = last_stats.inflight_activation_bytes_per_stage;
   if (!held.empty()) {
-    // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight (docs/parallelism.md).
+    // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight, the interleaved schedule
+    // more on the first stages (docs/parallelism.md).
     human << "activations in flight per pipeline stage (measured / predicted):";
     for (size_t i = 0; i < held.size(); ++i) {
       human << (i ? "," : "") << " stage " << i << " "
