@@ -663,6 +663,24 @@ std::map<std::string, std::string> merged_parameters(const std::vector<json>& ra
   return all;
 }
 
+// After the plain runs: with untied embeddings the stages' parameters, merged under their
+// single-process names, equal one process's bitwise; with a tied one, its two copies (the first
+// stage's word embedding, the last stage's output layer) agree with each other.
+void expect_stages_hold_one_process_parameters(const std::vector<json>& ranks,
+                                               const std::vector<json>& one, int tp, bool untied,
+                                               const std::string& what) {
+  for (int tp_rank = 0; tp_rank < tp; ++tp_rank) {
+    const auto stages = merged_parameters(ranks, "plain", tp_rank);
+    const auto single = merged_parameters(one, "plain", tp_rank);
+    if (untied) {
+      EXPECT_EQ(stages, single) << what << ": parameters after three steps";
+    } else {
+      EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight")) << what;
+      EXPECT_EQ(stages.size(), single.size() + 1) << what;
+    }
+  }
+}
+
 struct PipelineCase {
   int nproc, tp, pp;
   std::vector<std::string> extra;  // uneven split flags
@@ -729,17 +747,7 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
         if (r["pipeline"]["tp_rank"].get<int>() == 0) layers += pipeline_run(r, "plain")["stage_layers"].get<int64_t>();
       }
       EXPECT_EQ(layers, 4) << what;
-      for (int tp_rank = 0; tp_rank < k.tp; ++tp_rank) {
-        const auto stages = merged_parameters(ranks, "plain", tp_rank);
-        const auto single = merged_parameters(one, "plain", tp_rank);
-        if (untied) {
-          EXPECT_EQ(stages, single) << what << ": parameters after three steps";
-        } else {
-          // The tied copies (first stage's word embedding, last stage's output layer) agree.
-          EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight")) << what;
-          EXPECT_EQ(stages.size(), single.size() + 1) << what;
-        }
-      }
+      expect_stages_hold_one_process_parameters(ranks, one, k.tp, untied, what);
     }
   }
 }
@@ -1027,16 +1035,7 @@ TEST(Pipeline, InterleavedTrainsBitwiseLikeOneProcessWhenUntied) {
               << what << " rank " << r["rank"] << " step " << i << ": the up-front bound";
         }
       }
-      for (int tp_rank = 0; tp_rank < k.tp; ++tp_rank) {
-        const auto stages = merged_parameters(ranks, "plain", tp_rank);
-        const auto single = merged_parameters(one, "plain", tp_rank);
-        if (untied) {
-          EXPECT_EQ(stages, single) << what << ": parameters after three steps";
-        } else {
-          EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight")) << what;
-          EXPECT_EQ(stages.size(), single.size() + 1) << what;
-        }
-      }
+      expect_stages_hold_one_process_parameters(ranks, one, k.tp, untied, what);
     }
   }
 }
