@@ -325,6 +325,51 @@ TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   EXPECT_NE(bad.stderr_text.find("expected a positive number"), std::string::npos);
 }
 
+TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
+  // 1F1B: stage r holds min(p - r, M) micro-batches; interleaved with v chunks (groups of p):
+  // min(2 (p - r - 1) + (v - 1) p + 1, M v) chunk-micro-batches, i.e. p (1 + (p - 1)/(p v))
+  // stage-micro-batches on the first stage (Korthikanti et al. 2022's interleaved factor).
+  auto stages = [](const std::string& flags) {
+    const auto r = actmem::testing::run_actmem("estimate --json --num-layers 32 " + flags);
+    EXPECT_EQ(r.exit_code, 0) << r.output;
+    return nlohmann::json::parse(r.output);
+  };
+  const auto plain = stages("--pipeline-model-parallel-size 4");
+  ASSERT_EQ(plain["per_pipeline_stage"].size(), 4u);
+  EXPECT_EQ(plain["schedule"], "1F1B");
+  for (int r = 0; r < 4; ++r) {
+    const auto& row = plain["per_pipeline_stage"][static_cast<size_t>(r)];
+    EXPECT_DOUBLE_EQ(row["microbatches_in_flight"].get<double>(), 4.0 - r);
+    EXPECT_DOUBLE_EQ(row["activation_bytes"]["selective"].get<double>(),
+                     (4.0 - r) * plain["per_stage_bytes"]["selective"].get<double>());
+  }
+  const auto few = stages("--pipeline-model-parallel-size 4 --num-microbatches 2");
+  EXPECT_DOUBLE_EQ(few["per_pipeline_stage"][0]["microbatches_in_flight"].get<double>(), 2.0);
+  const auto inter = stages("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4");
+  EXPECT_EQ(inter["schedule"], "interleaved 1F1B");
+  EXPECT_DOUBLE_EQ(inter["virtual_pipeline_size"].get<double>(), 2.0);  // 8 layers per stage / 4
+  EXPECT_DOUBLE_EQ(inter["per_pipeline_stage"][0]["microbatches_in_flight"].get<double>(),
+                   4.0 * (1.0 + 3.0 / 8.0));
+  EXPECT_DOUBLE_EQ(inter["per_pipeline_stage"][3]["microbatches_in_flight"].get<double>(), 2.5);
+  // The first stage's total uses it.
+  EXPECT_DOUBLE_EQ(inter["device_bytes_per_rank"]["selective"].get<double>(),
+                   inter["weights_and_optimizer"]["total_bytes"].get<double>() +
+                       5.5 * inter["per_stage_bytes"]["selective"].get<double>());
+  const auto same = stages("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2");
+  EXPECT_EQ(same["per_pipeline_stage"], inter["per_pipeline_stage"]);
+  const auto bad = actmem::testing::run_actmem(
+      "estimate --num-layers 32 --pipeline-model-parallel-size 4 "
+      "--num-virtual-stages-per-pipeline-rank 2 --num-microbatches 6");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.output.find("must be a multiple of the pipeline size"), std::string::npos) << bad.output;
+  const auto uneven = actmem::testing::run_actmem(
+      "estimate --num-layers 32 --pipeline-model-parallel-size 4 "
+      "--num-layers-per-virtual-pipeline-stage 3");
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE(uneven.output.find("divisible number of layers per virtual pipeline stage"),
+            std::string::npos) << uneven.output;
+}
+
 TEST(Inspect, LedgerAccountsForTheMeasuredBytesAndMatchesThePaperPerModule) {
   const auto r = actmem::testing::run_actmem(
       "inspect --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "

@@ -10,11 +10,13 @@
 #include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <iomanip>
 #include <limits>
 #include <iostream>
 #include <memory>
 #include <sstream>
+#include <vector>
 
 namespace actmem::cli {
 
@@ -71,6 +73,11 @@ int run(const EstimateOptions& o) {
     if (per_stage / o.layers_per_vp > 1) m.vpp = per_stage / o.layers_per_vp;
   }
   if (o.vp > 1) m.vpp = o.vp;
+  // Megatron's interleaved rule with its default groups of p micro-batches: M a multiple of p.
+  TORCH_CHECK(!m.vpp || !m.num_microbatches || std::fmod(*m.num_microbatches, m.p) == 0,
+              "actmem estimate: with the interleaved schedule the number of micro-batches (",
+              *m.num_microbatches, ") must be a multiple of the pipeline size (", m.p, "): "
+              "Megatron's groups of p micro-batches per virtual stage");
   TORCH_CHECK(o.mla || std::fmod(m.h, m.a) == 0, "actmem estimate: num_attention_heads (", m.a,
               ") must divide hidden_size (", m.h, ")");
   // Megatron's tensor-parallel rules: heads and the MLP's columns split evenly over t ranks, and
@@ -167,8 +174,25 @@ int run(const EstimateOptions& o) {
   const double offload_s = offload_round_trip_seconds(selective_stage, o.bandwidth_gbps);
   const double meg = m.sp ? megatron_activation_memory(m) : megatron_activation_memory_without_sp(m);
   const WeightMemory w = megatron_weight_and_optimizer_memory(m);
-  // The first pipeline stage holds p micro-batches at the 1F1B peak (Korthikanti eq. 5).
-  const double in_flight = m.p;
+  // Stage r's micro-batches in flight at its peak, in micro-batches of the whole stage (every
+  // chunk): 1F1B min(p - r, M) (Korthikanti eq. 5: the first stage holds p); interleaved with v
+  // chunks and groups of p micro-batches, min(2 (p - r - 1) + (v - 1) p + 1, M v) chunk-micro-
+  // batches (Megatron's warmup plus the first steady forward), so p (1 + (p - 1)/(p v)) on the
+  // first stage (Korthikanti's interleaved factor). M unset: as many as the schedule can use.
+  std::vector<double> stage_in_flight;
+  for (int r = 0; r < static_cast<int>(m.p); ++r) {
+    const double rest = m.p - r - 1;
+    if (m.vpp) {
+      const double chunks = 2 * rest + (*m.vpp - 1) * m.p + 1;
+      stage_in_flight.push_back(
+          (m.num_microbatches ? std::min(chunks, *m.num_microbatches * *m.vpp) : chunks) / *m.vpp);
+    } else {
+      stage_in_flight.push_back(m.num_microbatches ? std::min(rest + 1, *m.num_microbatches)
+                                                   : rest + 1);
+    }
+  }
+  const double in_flight = stage_in_flight.front();
+  const char* schedule = m.vpp ? "interleaved 1F1B" : "1F1B";
   auto total = [&](double per_layer) { return w.total() + per_layer * per_stage * in_flight; };
   if (o.json) {
     nlohmann::json j = {
@@ -192,6 +216,19 @@ int run(const EstimateOptions& o) {
           {"total_bytes", w.total()}, {"data_parallel_size", m.d},
           {"distributed_optimizer", m.distributed_optimizer}, {"swiglu", m.swiglu},
           {"untied", m.untied}}},
+        {"schedule", schedule},
+        {"virtual_pipeline_size", m.vpp ? nlohmann::json(*m.vpp) : nlohmann::json(nullptr)},
+        {"per_pipeline_stage", [&] {
+           nlohmann::json rows = nlohmann::json::array();
+           for (size_t r = 0; r < stage_in_flight.size(); ++r) {
+             const double n = stage_in_flight[r] * per_stage;
+             rows.push_back({{"stage", r}, {"microbatches_in_flight", stage_in_flight[r]},
+                             {"activation_bytes", {{"none", layer.none * n},
+                                                   {"selective", layer.selective * n},
+                                                   {"full", layer.full * n}}}});
+           }
+           return rows;
+         }()},
         {"device_bytes_per_rank", {{"none", total(layer.none)},
                                    {"selective", total(layer.selective)},
                                    {"full", total(layer.full)},
@@ -245,9 +282,10 @@ int run(const EstimateOptions& o) {
             << std::setw(14) << format_bytes_3sig(layer.full * per_stage) << "   2sbh" << div << "\n\n"
             << std::fixed << std::setprecision(1) << "s^2 share of a layer without recompute: "
             << 100.0 * layer.s2_fraction << "%\n"
-            << "1F1B first stage holds p = " << static_cast<int64_t>(m.p) << " micro-batches in flight: no recompute "
-            << format_bytes_3sig(layer.none * per_stage * m.p) << ", selective " << format_bytes_3sig(selective_stage * m.p)
-            << "\n"
+            << schedule << " first stage holds " << std::defaultfloat << in_flight << std::fixed
+            << " micro-batches in flight: no recompute "
+            << format_bytes_3sig(layer.none * per_stage * in_flight) << ", selective "
+            << format_bytes_3sig(selective_stage * in_flight) << "\n"
             << "Megatron theoretical_memory_usage (first stage, "
             << (m.sp ? "compute_activation_memory" : "compute_activation_memory_without_sp")
             << "): " << format_bytes_3sig(meg) << "\n"
@@ -255,6 +293,21 @@ int run(const EstimateOptions& o) {
             << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat << o.bandwidth_gbps
             << std::fixed << " GB/s = "
             << offload_s << " s per micro-batch (not overlapped)\n";
+  if (m.p > 1) {
+    std::cout << "\nactivations per pipeline stage at the " << schedule << " peak (micro-batches of "
+              << "the stage's " << std::defaultfloat << per_stage << " layers"
+              << (m.vpp ? ", v = " + c10::str(*m.vpp) + " chunks" : std::string()) << ")\n"
+              << std::left << std::setw(8) << "stage" << std::right << std::setw(12) << "in flight"
+              << std::setw(14) << "none" << std::setw(14) << "selective" << std::setw(14) << "full"
+              << "\n";
+    for (size_t r = 0; r < stage_in_flight.size(); ++r) {
+      const double n = stage_in_flight[r] * per_stage;
+      std::cout << std::left << std::setw(8) << r << std::right << std::setw(12) << std::defaultfloat
+                << stage_in_flight[r] << std::fixed << std::setw(14) << format_bytes_3sig(layer.none * n)
+                << std::setw(14) << format_bytes_3sig(layer.selective * n) << std::setw(14)
+                << format_bytes_3sig(layer.full * n) << "\n";
+    }
+  }
   if (m.is_moe()) {
     auto n = [](double x) { return static_cast<int64_t>(x); };
     std::cout << "\nMoE: " << n(m.moe.layers) << " of " << n(m.L) << " layers ("
@@ -316,11 +369,11 @@ int run(const EstimateOptions& o) {
             << std::left << std::setw(44) << "  weights and optimizer" << std::right
             << std::setw(12) << format_bytes_3sig(w.total()) << "   " << std::defaultfloat
             << w.bytes_per_parameter << " B/param (Megatron's compute_weight_and_optimizer_memory)\n"
-            << std::left << std::setw(44) << "  total, no recompute (p in flight)" << std::right
+            << std::left << std::setw(44) << "  total, no recompute (first stage in flight)" << std::right
             << std::setw(12) << format_bytes_3sig(total(layer.none)) << "\n"
-            << std::left << std::setw(44) << "  total, selective recompute (p in flight)" << std::right
+            << std::left << std::setw(44) << "  total, selective recompute (first stage)" << std::right
             << std::setw(12) << format_bytes_3sig(total(layer.selective)) << "\n"
-            << std::left << std::setw(44) << "  total, full recompute (p in flight)" << std::right
+            << std::left << std::setw(44) << "  total, full recompute (first stage)" << std::right
             << std::setw(12) << format_bytes_3sig(total(layer.full)) << "\n"
             << std::left << std::setw(44) << "  total, Megatron's report_theoretical_memory" << std::right
             << std::setw(12) << format_bytes_3sig(w.total() + meg) << "\n";

@@ -55,6 +55,12 @@ int run(InspectOptions& o) {
                                          static_cast<int>(c.tensor_model_parallel_size),
                                          static_cast<int>(c.expert_model_parallel_size),
                                          static_cast<int>(c.pipeline_model_parallel_size));
+  if (c.virtual_pipeline_size() > 1) {
+    // The interleaved schedule needs at least one group of micro-batches (p by default); the
+    // ledger records the first micro-batch's first chunk either way.
+    t.global_batch_size =
+        c.micro_batch_size * c.microbatch_group_size() * data_parallel_group().size;
+  }
   Trainer trainer(c, t);
   ActivationLedger ledger;
   trainer.set_ledger(&ledger);
