@@ -681,6 +681,24 @@ void expect_stages_hold_one_process_parameters(const std::vector<json>& ranks,
   }
 }
 
+// One strategy's three pipelined steps on one stage: losses, gradient digests and parameters
+// bitwise those of the plain run; one micro-batch's and the in-flight bytes equal to the
+// predictor; the measured peak under the trainer's up-front bound.
+void expect_strategy_equals_plain_and_predicted(const json& run, const json& plain,
+                                                const std::string& what) {
+  for (size_t i = 0; i < 3; ++i) {
+    const json& st = run["steps"][i];
+    EXPECT_EQ(st["loss"], plain["steps"][i]["loss"]) << what << " step " << i;
+    EXPECT_EQ(st["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " step " << i;
+    EXPECT_EQ(st["activation_bytes"], st["predicted_activation_bytes"]) << what << " step " << i;
+    EXPECT_EQ(st["inflight_activation_bytes"], st["predicted_inflight_activation_bytes"])
+        << what << " step " << i;
+    EXPECT_GE(run["peak_bound"].get<double>(), st["peak_device_bytes"].get<double>())
+        << what << " step " << i << ": the up-front bound";
+  }
+  EXPECT_EQ(run["params"], plain["params"]) << what;
+}
+
 struct PipelineCase {
   int nproc, tp, pp;
   std::vector<std::string> extra;  // uneven split flags
@@ -771,17 +789,7 @@ TEST(Pipeline, EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerSt
       int strategies = 0;
       for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
         ++strategies;
-        for (size_t i = 0; i < 3; ++i) {
-          const json& st = run["steps"][i];
-          EXPECT_EQ(st["loss"], plain["steps"][i]["loss"]) << what << " " << name << " step " << i;
-          EXPECT_EQ(st["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " " << name << " step " << i;
-          EXPECT_EQ(st["activation_bytes"], st["predicted_activation_bytes"]) << what << " " << name << " step " << i;
-          EXPECT_EQ(st["inflight_activation_bytes"], st["predicted_inflight_activation_bytes"])
-              << what << " " << name << " step " << i;
-          EXPECT_GE(run["peak_bound"].get<double>(), st["peak_device_bytes"].get<double>())
-              << what << " " << name << " step " << i << ": the up-front bound";
-        }
-        EXPECT_EQ(run["params"], plain["params"]) << what << " " << name;
+        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
       }
       EXPECT_EQ(strategies, tp == 1 ? 9 : 11) << what;  // distribute_* need t > 1
       // The first stage holds two micro-batches at its peak, the last one.
@@ -1057,17 +1065,7 @@ TEST(Pipeline, InterleavedEveryRecomputeStrategyBitwiseEqualsPlainAndThePredicto
     std::set<std::string> names;
     for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
       names.insert(name);
-      for (size_t i = 0; i < 3; ++i) {
-        const json& st = run["steps"][i];
-        EXPECT_EQ(st["loss"], plain["steps"][i]["loss"]) << what << " " << name << " step " << i;
-        EXPECT_EQ(st["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " " << name << " step " << i;
-        EXPECT_EQ(st["activation_bytes"], st["predicted_activation_bytes"]) << what << " " << name << " step " << i;
-        EXPECT_EQ(st["inflight_activation_bytes"], st["predicted_inflight_activation_bytes"])
-            << what << " " << name << " step " << i;
-        EXPECT_GE(run["peak_bound"].get<double>(), st["peak_device_bytes"].get<double>())
-            << what << " " << name << " step " << i << ": the up-front bound";
-      }
-      EXPECT_EQ(run["params"], plain["params"]) << what << " " << name;
+      expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
     }
     // full_uniform_3 needs three layers in a chunk; the rest run.
     EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
