@@ -247,8 +247,11 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
                 "state and ", in_flight == 1 ? std::string("one micro-batch") :
-                std::to_string(in_flight) + " micro-batches (pipeline stage " +
-                std::to_string(pp.rank) + ")", " of activations at their peak) but the limit is ",
+                std::to_string(in_flight) +
+                    (model_config_.virtual_pipeline_size() > 1 ? " model-chunk micro-batches"
+                                                               : " micro-batches") +
+                    " (pipeline stage " + std::to_string(pp.rank) + ")",
+                " of activations at their peak) but the limit is ",
                 format_bytes(static_cast<double>(limit)),
                 explicit_limit ? std::string() : " (physical memory less the corpus's " +
                     format_bytes(static_cast<double>(corpus_.resident_bytes())) + ")",
