@@ -65,10 +65,6 @@ auto parse_in(const Table& table, std::string_view name)
   return std::nullopt;
 }
 
-// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
-// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
-// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
-// are marked "fixed" or "refused". Fills the recompute half of `plan`.
 // The model's pieces in layer order: every pipeline stage's layers, or with the interleaved
 // schedule every model chunk's (p v of them).
 std::vector<TransformerConfig::StageLayers> model_pieces(const TransformerConfig& c) {
@@ -82,6 +78,10 @@ std::vector<TransformerConfig::StageLayers> model_pieces(const TransformerConfig
   return pieces;
 }
 
+// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
+// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
+// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
+// are marked "fixed" or "refused". Fills the recompute half of `plan`.
 void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
   const std::string& g = c.recompute_granularity;
   if (!g.empty()) {
