@@ -56,6 +56,7 @@ struct ActivationOffloader::Entry {
   c10::Device where{c10::kCPU};  // the device the storage lives on
   CopyEvent offloaded, reloaded_event;
   bool reload_queued = false;
+  int group = -1;  // the group that created it (a later group of the forward may share it)
 };
 
 struct ActivationOffloader::Group {
@@ -196,11 +197,15 @@ void ActivationOffloader::release_forced(bool wait) {
 int ActivationOffloader::open_group(const std::string& name, GroupKind kind, bool offload) {
   release_forced(/*wait=*/false);
   std::lock_guard<std::mutex> lock(mutex_);
+  if (forwards_.empty()) forwards_.push_back({});  // a forward nobody announced
+  const ForwardInfo& forward = forwards_.back();
   auto g = std::make_shared<Group>();
   const size_t index = groups_.size();
   g->info.name = name;
   g->info.kind = kind;
-  g->info.offloads = schedule_.offloads(index, offload);
+  g->info.forward = static_cast<int>(forwards_.size()) - 1;
+  g->info.offloads = schedule_.offloads(forward.chunk, index - forward.first_group, offload,
+                                        forward.backward_follows);
   groups_.push_back(std::move(g));
   return static_cast<int>(index);
 }
@@ -239,6 +244,7 @@ std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
       entry = std::make_shared<Entry>();
       entry->nbytes = static_cast<int64_t>(t.storage().nbytes());
       entry->where = t.device();
+      entry->group = current_;
       entry->device = at::empty({0}, t.options().dtype(at::kByte))
                           .set_(t.storage(), 0, {entry->nbytes}, {1});
       by_storage_.insert_or_assign(
@@ -409,17 +415,8 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
   }
   if (!queued) {
     // Not prefetched: reload this entry's whole group (the rest is needed next anyway).
-    int index = -1;
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      for (size_t i = 0; i < groups_.size() && index < 0; ++i) {
-        for (const auto& w : groups_[i]->entries) {
-          if (w.lock().get() == &entry) index = static_cast<int>(i);
-        }
-      }
-    }
-    TORCH_INTERNAL_ASSERT(index >= 0, "offloaded entry without a group");
-    prefetch(index);
+    TORCH_INTERNAL_ASSERT(entry.group >= 0, "offloaded entry without a group");
+    prefetch(entry.group);
   }
   CopyEvent event;
   {
@@ -432,6 +429,10 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
 
 void ActivationOffloader::begin_step() {
   std::lock_guard<std::mutex> lock(mutex_);
+  // The previous step's backwards are done: its groups and forwards go (entries live on in
+  // whatever autograd still holds, which no step reaches again).
+  groups_.clear();
+  forwards_.clear();
   offloaded_bytes_ = 0;
   largest_kept_ = {};
   wait_ns_ = 0;
@@ -443,21 +444,36 @@ void ActivationOffloader::begin_step() {
 void ActivationOffloader::end_step() {
   std::lock_guard<std::mutex> lock(mutex_);
   if (!schedule_.in_warmup()) return;
-  std::vector<GroupInfo> infos;
-  for (const auto& g : groups_) infos.push_back(g->info);
+  // Each model chunk's last forward of the step: one micro-batch's groups, chunk by chunk.
+  std::map<int64_t, size_t> last;
+  for (size_t f = 0; f < forwards_.size(); ++f) last[forwards_[f].chunk] = f;
+  auto groups_of = [&](size_t f) {
+    const size_t end = f + 1 < forwards_.size() ? forwards_[f + 1].first_group : groups_.size();
+    return std::make_pair(forwards_[f].first_group, end);
+  };
+  std::map<int64_t, std::vector<GroupInfo>> infos;
+  for (const auto& [chunk, f] : last) {
+    const auto [begin, end] = groups_of(f);
+    for (size_t i = begin; i < end; ++i) infos[chunk].push_back(groups_[i]->info);
+  }
   schedule_.end_warmup(infos);  // Note [Offload warmup and margin]
   summary_.clear();
-  for (size_t i = 0; i < groups_.size(); ++i) {
-    const Group& g = *groups_[i];
-    if (!schedule_.offloads(i, g.info.offloads)) continue;
-    auto it = std::find_if(summary_.begin(), summary_.end(),
-                           [&](const OffloadSummaryRow& r) { return r.name == g.info.name; });
-    if (it == summary_.end()) {
-      summary_.push_back({g.info.name, 0, 0});
-      it = summary_.end() - 1;
+  for (const auto& [chunk, f] : last) {
+    const auto [begin, end] = groups_of(f);
+    for (size_t i = begin; i < end; ++i) {
+      const Group& g = *groups_[i];
+      if (!schedule_.offloads(chunk, i - begin, g.info.offloads, forwards_[f].backward_follows)) {
+        continue;
+      }
+      auto it = std::find_if(summary_.begin(), summary_.end(),
+                             [&](const OffloadSummaryRow& r) { return r.name == g.info.name; });
+      if (it == summary_.end()) {
+        summary_.push_back({g.info.name, 0, 0});
+        it = summary_.end() - 1;
+      }
+      it->bytes += g.bytes;
+      it->tensors += g.tensors;
     }
-    it->bytes += g.bytes;
-    it->tensors += g.tensors;
   }
 }
 
@@ -466,13 +482,39 @@ bool ActivationOffloader::in_warmup() const {
   return schedule_.in_warmup();
 }
 
-void ActivationOffloader::begin_forward() {
+int ActivationOffloader::begin_forward(int64_t chunk, bool backward_follows) {
   release_forced(/*wait=*/true);
   std::lock_guard<std::mutex> lock(mutex_);
-  groups_.clear();
+  forwards_.push_back({chunk, backward_follows, groups_.size()});
   by_storage_.clear();
   excluded_forward_.clear();
   schedule_.begin_forward();
+  return static_cast<int>(forwards_.size()) - 1;
+}
+
+void ActivationOffloader::prefetch_backward_start(int forward) {
+  std::vector<int> targets;
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    TORCH_CHECK(forward >= 0 && forward < static_cast<int>(forwards_.size()),
+                "actmem::ActivationOffloader::prefetch_backward_start: no forward ", forward,
+                " in this step (", forwards_.size(), " so far)");
+    const size_t begin = forwards_[static_cast<size_t>(forward)].first_group;
+    const size_t end = static_cast<size_t>(forward) + 1 < forwards_.size()
+                           ? forwards_[static_cast<size_t>(forward) + 1].first_group
+                           : groups_.size();
+    // The backward's first reads: the last group of each kind that moved something.
+    for (const GroupKind kind : {GroupKind::kModule, GroupKind::kLayer}) {
+      for (size_t i = end; i-- > begin;) {
+        const GroupInfo& g = groups_[i]->info;
+        if (g.kind == kind && g.committed && g.offloads && g.has_entries) {
+          targets.push_back(static_cast<int>(i));
+          break;
+        }
+      }
+    }
+  }
+  for (const int i : targets) prefetch(i);
 }
 
 void ActivationOffloader::wait_idle() {

@@ -211,9 +211,6 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
   }
   TORCH_CHECK(c.cpu_offloading_num_layers == 0, "actmem::TransformerConfig: "
               "fine_grained_activation_offloading cannot be enabled with cpu_offloading.");
-  TORCH_CHECK(c.pipeline_model_parallel_size == 1, "actmem::TransformerConfig: "
-              "fine_grained_activation_offloading with pipeline parallelism is not implemented "
-              "yet (pipeline_model_parallel_size ", c.pipeline_model_parallel_size, ")");
   TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name "
               "at least one module when fine_grained_activation_offloading is on");
   const auto invalid = resolve_names(c.offload_modules, kOffloadModuleNames, plan.offload_modules);

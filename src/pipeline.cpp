@@ -272,6 +272,39 @@ std::vector<PipelineStep> interleaved_schedule(int64_t stage, int64_t stages, in
   return steps;
 }
 
+std::vector<PipelineStep> pipeline_compute_order(int64_t stage, int64_t stages, int64_t chunks,
+                                                 int64_t num_microbatches, int64_t group) {
+  TORCH_CHECK(chunks >= 1 && num_microbatches >= 1 && stage >= 0 && stage < stages,
+              "actmem::pipeline_compute_order: needs a stage in [0, ", stages, "), at least one "
+              "model chunk and one micro-batch, got stage ", stage, ", ", chunks, " chunks, ",
+              num_microbatches, " micro-batches");
+  std::vector<PipelineStep> order;
+  auto add = [&](PipelineStep::Kind kind, int64_t m, int64_t chunk) {
+    PipelineStep s;
+    s.kind = kind;
+    s.microbatch = m;
+    s.chunk = chunk;
+    order.push_back(s);
+  };
+  if (chunks == 1) {
+    // run_one_f_one_b: warmup forwards, then forward W + i and backward i, then the rest.
+    const int64_t M = num_microbatches;
+    const int64_t warmup = std::min<int64_t>(stages - stage - 1, M);
+    for (int64_t m = 0; m < warmup; ++m) add(PipelineStep::Kind::kForward, m, 0);
+    for (int64_t i = 0; i < M - warmup; ++i) {
+      add(PipelineStep::Kind::kForward, warmup + i, 0);
+      add(PipelineStep::Kind::kBackward, i, 0);
+    }
+    for (int64_t m = M - warmup; m < M; ++m) add(PipelineStep::Kind::kBackward, m, 0);
+    return order;
+  }
+  for (const PipelineStep& s :
+       interleaved_schedule(stage, stages, chunks, num_microbatches, group)) {
+    if (s.kind != PipelineStep::Kind::kCommunicate) order.push_back(s);
+  }
+  return order;
+}
+
 PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
                                int64_t stages, const std::vector<int64_t>& chunk_bytes,
                                int64_t boundary_bytes) {

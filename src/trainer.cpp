@@ -548,7 +548,7 @@ double Trainer::forward_backward_microbatches(IterationStats& st, StepClock& clo
       scope = std::make_unique<TimelineScope>(*timeline_);
     }
     std::unique_ptr<LedgerScope> ledger_scope = m == 0 ? open_ledger(tokens, labels) : nullptr;
-    if (offloader_) offloader_->begin_forward();  // group numbering restarts per forward
+    if (offloader_) offloader_->begin_forward();  // each micro-batch: a forward of its own
     memory_.reset_peak();
     const int64_t before = memory_.current_bytes();
     const auto t0 = Clock::now();
@@ -602,6 +602,8 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   const bool record = record_timeline_ || trace_ != nullptr;
   const PipelineP2P p2p = pipeline_p2p();
   struct InFlight {
+    int64_t microbatch = 0;
+    int offload_forward = -1;          // the offloader's number for this forward
     at::Tensor input;                  // the received input (a leaf), undefined on the first stage
     torch::autograd::Edge output_edge;  // where the output's gradient enters (not the last stage)
     at::Tensor loss;                   // the last stage's
@@ -623,6 +625,30 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   }
   const auto t0 = Clock::now();
   schedule_.clear();
+  // The schedule's computations in order: each callback checks it is the one expected and looks
+  // at the next (Note [Offload under pipeline schedules] in activation_offloader.h).
+  const std::vector<PipelineStep> order = pipeline_compute_order(
+      pp.rank, pp.size, chunks, n_micro, model_config_.microbatch_group_size());
+  size_t computed = 0;
+  auto advance = [&](PipelineStep::Kind kind, int64_t m, int64_t chunk) -> const PipelineStep* {
+    TORCH_INTERNAL_ASSERT(computed < order.size() && order[computed].kind == kind &&
+                              order[computed].microbatch == m && order[computed].chunk == chunk,
+                          "the pipeline ran a computation out of pipeline_compute_order's order");
+    ++computed;
+    return computed < order.size() ? &order[computed] : nullptr;
+  };
+  // Before a computation followed by another micro-batch's backward: start that backward's
+  // first reloads, so they overlap this computation.
+  auto prefetch_for = [&](const PipelineStep* next, int64_t m, int64_t chunk) {
+    if (!offloader_ || next == nullptr || next->kind != PipelineStep::Kind::kBackward ||
+        (next->microbatch == m && next->chunk == chunk)) {
+      return;
+    }
+    const std::deque<InFlight>& queue = in_flight[static_cast<size_t>(next->chunk)];
+    TORCH_INTERNAL_ASSERT(!queue.empty() && queue.front().microbatch == next->microbatch,
+                          "the next backward's forward is not the oldest in flight");
+    offloader_->prefetch_backward_start(queue.front().offload_forward);
+  };
   // The wall clock: one clock for every process of a node, and across nodes as aligned as their
   // clocks are (the steady clock's epoch differs between machines).
   auto shared_clock_s = [] {
@@ -632,7 +658,16 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   auto forward = [&](int64_t m, int64_t chunk, const at::Tensor& received) {
     const double start = shared_clock_s();
     const auto& [tokens, labels] = batches[static_cast<size_t>(m)];
+    const PipelineStep* next = advance(PipelineStep::Kind::kForward, m, chunk);
+    prefetch_for(next, m, chunk);
     InFlight f;
+    f.microbatch = m;
+    if (offloader_) {
+      const bool own_backward_next = next != nullptr &&
+                                     next->kind == PipelineStep::Kind::kBackward &&
+                                     next->microbatch == m && next->chunk == chunk;
+      f.offload_forward = offloader_->begin_forward(chunk, own_backward_next);
+    }
     int64_t before = memory_.current_bytes();
     if (received.defined()) {
       f.input = received;
@@ -664,6 +699,8 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     std::deque<InFlight>& queue = in_flight[static_cast<size_t>(chunk)];
     InFlight f = std::move(queue.front());
     queue.pop_front();
+    TORCH_INTERNAL_ASSERT(f.microbatch == m, "backward of micro-batch ", m, " found ", f.microbatch);
+    prefetch_for(advance(PipelineStep::Kind::kBackward, m, chunk), m, chunk);
     if (f.loss.defined()) {
       if (mixed_ && mixed_->scaler()) {
         (f.loss * mixed_->loss_scale()).backward();  // Megatron's grad_scale_func

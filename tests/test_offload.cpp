@@ -84,6 +84,55 @@ TEST(HostPool, SizeClassesReuseABufferForNearbySizes) {
   EXPECT_EQ(pool.allocations(), 2);
 }
 
+TEST(OffloadSchedule, MarginPerChunkOnlyWhereTheOwnBackwardFollowsAndPrefetchStaysInItsForward) {
+  // Note [Offload warmup and margin]: after the warmup, the last group of each module name in a
+  // chunk's forward stays on the device, but only in a forward whose own backward comes next;
+  // decisions are per model chunk (chunk 1 here has one layer more). Layer groups keep no margin.
+  auto group = [](const char* name, GroupKind kind = GroupKind::kModule) {
+    GroupInfo g;
+    g.name = name;
+    g.kind = kind;
+    return g;
+  };
+  OffloadSchedule schedule;
+  EXPECT_TRUE(schedule.in_warmup());
+  EXPECT_TRUE(schedule.offloads(0, 1, true, true));  // the warmup offloads everything asked
+  EXPECT_FALSE(schedule.offloads(0, 1, false, true));
+  schedule.end_warmup({{0, {group("qkv"), group("mlp"), group("qkv"), group("mlp")}},
+                       {1, {group("qkv"), group("mlp"), group("qkv"), group("mlp"), group("qkv"),
+                            group("mlp"), group("layer", GroupKind::kLayer)}}});
+  EXPECT_FALSE(schedule.in_warmup());
+  std::vector<bool> chunk0, chunk1, chunk0_far;
+  for (size_t i = 0; i < 4; ++i) chunk0.push_back(schedule.offloads(0, i, true, true));
+  for (size_t i = 0; i < 7; ++i) chunk1.push_back(schedule.offloads(1, i, true, true));
+  for (size_t i = 0; i < 4; ++i) chunk0_far.push_back(schedule.offloads(0, i, true, false));
+  EXPECT_EQ(chunk0, (std::vector<bool>{true, true, false, false}));
+  EXPECT_EQ(chunk1, (std::vector<bool>{true, true, true, true, false, false, true}));
+  EXPECT_EQ(chunk0_far, (std::vector<bool>{true, true, true, true}));
+  EXPECT_TRUE(schedule.offloads(0, 9, true, true));   // beyond the warmup's count
+  EXPECT_TRUE(schedule.offloads(5, 2, true, true));   // a chunk the warmup never saw
+  EXPECT_FALSE(schedule.offloads(0, 0, false, false));
+
+  // Prefetch: module groups one group ahead within their own forward, never across into the
+  // previous micro-batch's forward.
+  std::vector<GroupInfo> groups;
+  for (int f = 0; f < 2; ++f) {
+    for (const char* name : {"qkv", "mlp"}) {
+      GroupInfo g = group(name);
+      g.forward = f;
+      g.offloads = g.committed = g.has_entries = true;
+      groups.push_back(g);
+    }
+  }
+  auto at = [&](int i) -> const GroupInfo* {
+    return i >= 0 && i < static_cast<int>(groups.size()) ? &groups[static_cast<size_t>(i)] : nullptr;
+  };
+  EXPECT_EQ(schedule.prefetch_target(3, BackwardPoint::kStart, at), 2);
+  EXPECT_EQ(schedule.prefetch_target(2, BackwardPoint::kStart, at), -1);  // forward 1's first
+  EXPECT_EQ(schedule.prefetch_target(1, BackwardPoint::kStart, at), 0);
+  EXPECT_EQ(schedule.prefetch_target(3, BackwardPoint::kCommit, at), -1);  // modules: at start
+}
+
 TEST(ActivationOffloader, StateMachineSurvivesRandomDelaysAndAnImmediateReload) {
   // Offload, then reload at once while the D2H copy is still delayed: the reload must wait for
   // the offload (Megatron's race, Megatron-LM issue #7398), and the data must come back intact.

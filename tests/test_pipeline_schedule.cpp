@@ -266,4 +266,52 @@ TEST(InterleavedSchedule, FirstStageHoldsKorthikantisMicroBatches) {
   }
 }
 
+TEST(PipelineComputeOrder, OneFOneBAndInterleavedOrdersEachMicroBatchOnce) {
+  // 1F1B by hand for 3 stages and 4 micro-batches (warmup p - r - 1 forwards, then forward W + i
+  // and backward i, then the rest), and under both schedules: every (micro-batch, chunk) forward
+  // once and before its backward, backwards of a chunk in micro-batch order, and the interleaved
+  // order the schedule's own steps without the exchanges.
+  auto text = [](const std::vector<PipelineStep>& order) {
+    std::string out;
+    for (const auto& s : order) {
+      out += (s.kind == Kind::kForward ? "F" : "B") + std::to_string(s.microbatch);
+      if (s.chunk > 0) out += "c" + std::to_string(s.chunk);
+      out += " ";
+    }
+    return out;
+  };
+  EXPECT_EQ(text(actmem::pipeline_compute_order(0, 3, 1, 4, 3)), "F0 F1 F2 B0 F3 B1 B2 B3 ");
+  EXPECT_EQ(text(actmem::pipeline_compute_order(1, 3, 1, 4, 3)), "F0 F1 B0 F2 B1 F3 B2 B3 ");
+  EXPECT_EQ(text(actmem::pipeline_compute_order(2, 3, 1, 4, 3)), "F0 B0 F1 B1 F2 B2 F3 B3 ");
+  EXPECT_EQ(text(actmem::pipeline_compute_order(0, 4, 1, 2, 4)), "F0 F1 B0 B1 ");
+  for (const auto& [p, v, M, N] : std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t>>{
+           {2, 1, 4, 2}, {4, 1, 3, 4}, {2, 2, 4, 2}, {3, 2, 6, 3}, {4, 3, 8, 4}, {2, 2, 5, 3}}) {
+    for (int64_t r = 0; r < p; ++r) {
+      const auto order = actmem::pipeline_compute_order(r, p, v, M, N);
+      std::set<std::pair<int64_t, int64_t>> forwarded;
+      std::map<int64_t, int64_t> next_backward;  // per chunk
+      for (const auto& s : order) {
+        const auto key = std::make_pair(s.microbatch, s.chunk);
+        if (s.kind == Kind::kForward) {
+          EXPECT_TRUE(forwarded.insert(key).second) << "p " << p << " r " << r;
+        } else {
+          ASSERT_EQ(s.kind, Kind::kBackward);
+          EXPECT_TRUE(forwarded.count(key)) << "backward before its forward";
+          EXPECT_EQ(s.microbatch, next_backward[s.chunk]++) << "p " << p << " r " << r;
+        }
+      }
+      EXPECT_EQ(order.size(), static_cast<size_t>(2 * M * v));
+      if (v > 1) {
+        std::vector<PipelineStep> computes;
+        for (const auto& s : actmem::interleaved_schedule(r, p, v, M, N)) {
+          if (s.kind != Kind::kCommunicate) computes.push_back(s);
+        }
+        EXPECT_EQ(text(order), text(computes));
+      }
+    }
+  }
+  actmem::testing::expect_error_containing(
+      [] { actmem::pipeline_compute_order(2, 2, 1, 4, 2); }, "needs a stage in [0, 2)");
+}
+
 }  // namespace

@@ -699,6 +699,41 @@ void expect_strategy_equals_plain_and_predicted(const json& run, const json& pla
   EXPECT_EQ(run["params"], plain["params"]) << what;
 }
 
+// A fine-grained offload strategy's three pipelined steps on one stage: losses, gradient digests
+// and parameters bitwise the plain run's; bytes offloaded every step; the stage holds less than
+// the plain run at the schedule's peak; the measured peak under the up-front bound. With the
+// in-flight cap 0 (each commit waits for its copy) and every forward of the stage offloading
+// alike (`uniform`: the margin applies to all of them or to none), one forward leaves exactly the
+// predictor's bytes (which count no offload) less its share of the step's offloaded bytes
+// (`forwards` per step); otherwise at least that (the largest forward is one keeping its margin).
+void expect_offload_equals_plain(const json& run, const json& plain, const std::string& what,
+                                 bool capped, bool uniform, int64_t forwards) {
+  for (size_t i = 0; i < 3; ++i) {
+    const json& st = run["steps"][i];
+    const json& ref = plain["steps"][i];
+    EXPECT_EQ(st["loss"], ref["loss"]) << what << " step " << i;
+    EXPECT_EQ(st["grad_digest"], ref["grad_digest"]) << what << " step " << i;
+    const int64_t offloaded = st["offloaded_bytes"].get<int64_t>();
+    EXPECT_GT(offloaded, 0) << what << " step " << i;
+    EXPECT_LT(st["inflight_activation_bytes"].get<int64_t>(),
+              ref["inflight_activation_bytes"].get<int64_t>())
+        << what << " step " << i;
+    if (capped) {
+      EXPECT_EQ(offloaded % forwards, 0) << what << " step " << i;
+      const int64_t expected =
+          st["predicted_activation_bytes"].get<int64_t>() - offloaded / forwards;
+      if (uniform) {
+        EXPECT_EQ(st["activation_bytes"].get<int64_t>(), expected) << what << " step " << i;
+      } else {
+        EXPECT_GE(st["activation_bytes"].get<int64_t>(), expected) << what << " step " << i;
+      }
+    }
+    EXPECT_GE(run["peak_bound"].get<double>(), st["peak_device_bytes"].get<double>())
+        << what << " step " << i << ": the up-front bound";
+  }
+  EXPECT_EQ(run["params"], plain["params"]) << what;
+}
+
 struct PipelineCase {
   int nproc, tp, pp;
   std::vector<std::string> extra;  // uneven split flags
@@ -770,14 +805,14 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
   }
 }
 
-TEST(Pipeline, EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
+TEST(Pipeline, EveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
   // Dropout on, six layers and four micro-batches on two stages (and on tensor 2 x pipeline 2):
-  // every recompute
-  // strategy gives each stage the plain run's losses, gradient digests and final parameters
-  // bitwise, and each stage holds what the predictor says: per micro-batch its layers' bytes (the
-  // received input is the first layer's norm input; the embedding on the first stage, the head
-  // and loss on the last) plus the output about to be sent; at once min(p - stage, 4)
-  // micro-batches (1F1B).
+  // every recompute and fine-grained offload strategy gives each stage the plain run's losses,
+  // gradient digests and final parameters bitwise, and each stage holds what the predictor says:
+  // per micro-batch its layers' bytes (the received input is the first layer's norm input; the
+  // embedding on the first stage, the head and loss on the last) plus the output about to be
+  // sent; at once min(p - stage, 4) micro-batches (1F1B); less what offload moved
+  // (expect_offload_equals_plain).
   for (const int tp : {1, 2}) {
     const auto ranks = run_workers(2 * tp, {"pipeline", "--tp", std::to_string(tp), "--pp", "2",
                                             "--layers", "6", "--global-batch", "16"});
@@ -789,9 +824,15 @@ TEST(Pipeline, EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerSt
       int strategies = 0;
       for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
         ++strategies;
-        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+        if (name.rfind("offload_", 0) == 0) {
+          // 1F1B: every forward of a stage keeps its margin (the last stage) or none.
+          expect_offload_equals_plain(run, plain, what + " " + name,
+                                      name == "offload_fine_grained_selective", true, 4);
+        } else {
+          expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+        }
       }
-      EXPECT_EQ(strategies, tp == 1 ? 9 : 11) << what;  // distribute_* need t > 1
+      EXPECT_EQ(strategies, tp == 1 ? 11 : 13) << what;  // distribute_* need t > 1
       // The first stage holds two micro-batches at its peak, the last one.
       const json& st = plain["steps"][0];
       const int64_t per = st["activation_bytes"].get<int64_t>();
@@ -859,10 +900,13 @@ TEST(Pipeline, RulesFollowMegatron) {
   expect_error_containing([&] { c.validate(); },
                           "Currently there is no support for Pipeline parallelism with CPU offloading");
   c.cpu_offloading_num_layers = 0;
+  // Fine-grained offload runs under pipeline parallelism (Note [Offload under pipeline
+  // schedules]); its own rules still apply.
   c.fine_grained_activation_offloading = true;
   c.offload_modules = {"core_attn"};
-  expect_error_containing([&] { c.validate(); },
-                          "fine_grained_activation_offloading with pipeline parallelism is not implemented yet");
+  EXPECT_NO_THROW(c.validate());
+  c.offload_modules = {"attn_proj"};
+  expect_error_containing([&] { c.validate(); }, "attn_proj cannot be set to offload_modules alone");
   c.fine_grained_activation_offloading = false;
   c.offload_modules.clear();
   TrainingConfig t;
@@ -1048,9 +1092,10 @@ TEST(Pipeline, InterleavedTrainsBitwiseLikeOneProcessWhenUntied) {
   }
 }
 
-TEST(Pipeline, InterleavedEveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
+TEST(Pipeline, InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
   // Dropout on, eight layers on two stages of two chunks (two layers per chunk), four
-  // micro-batches: every recompute strategy whose n fits a chunk gives each stage the plain
+  // micro-batches: every recompute strategy whose n fits a chunk, and fine-grained offload with
+  // and without selective recompute (expect_offload_equals_plain), gives each stage the plain
   // run's losses, gradient digests and parameters bitwise, and each stage holds what the
   // predictor says (per chunk's micro-batch its layers' bytes, counted over the schedule's steps
   // with the queued inputs and gradients); the first stage holds more than the last.
@@ -1065,12 +1110,21 @@ TEST(Pipeline, InterleavedEveryRecomputeStrategyBitwiseEqualsPlainAndThePredicto
     std::set<std::string> names;
     for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
       names.insert(name);
-      expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+      if (name.rfind("offload_", 0) == 0) {
+        // Interleaved: on the first stage no forward is followed by its own backward; on the
+        // last, some are (they keep their margin) and some not.
+        expect_offload_equals_plain(run, plain, what + " " + name,
+                                    name == "offload_fine_grained_selective", stage == 0, 8);
+      } else {
+        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+      }
     }
     // full_uniform_3 needs three layers in a chunk; the rest run.
     EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
                                             "full_block_2", "selective_core_attn", "selective_mlp",
-                                            "selective_layernorm", "selective_all"}))
+                                            "selective_layernorm", "selective_all",
+                                            "offload_fine_grained",
+                                            "offload_fine_grained_selective"}))
         << what;
     inflight[static_cast<size_t>(stage)] = plain["steps"][0]["inflight_activation_bytes"].get<int64_t>();
   }

@@ -324,8 +324,8 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
   return {{"steps", steps}, {"param_digest", param_digest(trainer.model())}};
 }
 
-// Pipeline parallelism: three steps per recompute strategy (offload under pipeline parallelism is
-// refused) without gradient clipping, so the parameters after them depend on the gradients alone
+// Pipeline parallelism: three steps per recompute and fine-grained offload strategy (layer-level
+// offload is refused under pipeline parallelism, as in Megatron) without gradient clipping, so the parameters after them depend on the gradients alone
 // (the reported norm is computed per stage and summed). Each rank reports its steps, its stage,
 // and every parameter's digest under its single-process name (decoder.layers.<global index>...;
 // the last stage's copy of a tied embedding as output_layer.weight).
@@ -341,9 +341,18 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
     c.recompute_method = "uniform";
     c.recompute_num_layers = 2;
   });
+  // Offload beside selective recompute, each commit waiting for its copy (the in-flight cap 0).
+  all.emplace_back("offload_fine_grained_selective", [](TransformerConfig& c) {
+    c.fine_grained_activation_offloading = true;
+    c.offload_modules = {"attn_norm", "qkv_linear", "mlp_norm"};
+    c.min_offloaded_tensor_size = 0;
+    c.fine_grained_offloading_max_inflight_offloads = 0;
+    c.recompute_granularity = "selective";
+    c.recompute_modules = {"core_attn", "mlp", "layernorm"};
+  });
   for (const auto& [name, mutate] : all) {
     if (!only.empty() && name != only) continue;
-    if (name.rfind("offload_", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0)) continue;
+    if (name.rfind("offload_layers", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0)) continue;
     TransformerConfig c = base_config(t, false, dropout, variant);
     c.num_layers = layers;
     c.pipeline_model_parallel_size = pp;
@@ -368,7 +377,10 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
                             {"inflight_activation_bytes", st.inflight_activation_bytes},
                             {"predicted_inflight_activation_bytes",
                              st.predicted_inflight_activation_bytes},
-                            {"peak_device_bytes", st.peak_device_bytes}});
+                            {"peak_device_bytes", st.peak_device_bytes},
+                            {"offloaded_bytes", st.offloaded_bytes},
+                            {"offload_wait_s", st.offload_wait_s},
+                            {"host_peak_bytes", st.host_peak_bytes}});
     }
     // The trainer's up-front bound for this stage (Note [Memory pre-check] in memory_model.cpp).
     const auto& pp_group = actmem::pipeline_parallel_group();

@@ -65,6 +65,18 @@ const char* to_string(OffloadState s);
 /// True when kOffloadTransitions holds from -> to.
 bool is_legal_transition(OffloadState from, OffloadState to);
 
+/// Note [Offload under pipeline schedules]
+/// Under a pipeline schedule several forwards (micro-batches, model chunks) await their backward
+/// at once, and a backward often follows other micro-batches' work instead of its own forward.
+/// The offloader numbers groups across the step, each group knowing its forward, so a backward
+/// reloads and prefetches within its own micro-batch. The trainer knows the schedule as data
+/// (pipeline_compute_order in pipeline.h) and tells the offloader two things Megatron infers
+/// from its staged chunk queue (PipelineOffloadManager's VPP staging and front_backward_chunk):
+/// whether a forward's own backward comes next (then the margin stays on the device), and, at
+/// the start of each computation followed by a backward of another micro-batch, to reload that
+/// backward's first groups (Megatron's pre_reload_last_layer), so the copy overlaps the
+/// computation in between.
+
 /// Per-step offload measurements.
 struct OffloadStats {
   int64_t offloaded_bytes = 0;   // device bytes copied to host this step
@@ -131,10 +143,17 @@ class ActivationOffloader final : public SavedTensorHook {
   /// Call at the end of each step; the first call ends the warmup (Note [Offload warmup and
   /// margin]) and computes the summary.
   void end_step();
-  /// Call before each training forward: group numbering restarts at 0.
-  void begin_forward();
+  /// Call before each training forward; returns its number in this step. `chunk`: the model
+  /// chunk it runs (the margin's decisions are per chunk); `backward_follows`: whether its own
+  /// backward is the next computation (Note [Offload warmup and margin]). Several forwards may
+  /// await their backward at once (Note [Offload under pipeline schedules]).
+  int begin_forward(int64_t chunk = 0, bool backward_follows = true);
+  /// Starts reloading what forward `forward`'s backward reads first (its last offloaded group of
+  /// each kind), so a backward that follows other work does not begin with a blocking reload.
+  void prefetch_backward_start(int forward);
   bool in_warmup() const;
-  /// Per-name offloaded bytes of the warmup step, after the margin rule (empty until then).
+  /// Per-name offloaded bytes of one micro-batch (each chunk's last forward of the warmup step),
+  /// after the margin rule (empty until then).
   const std::vector<OffloadSummaryRow>& summary() const { return summary_; }
   OffloadStats stats() const;
   /// The largest tensor saved inside a group this step that stayed on the device because it
@@ -189,7 +208,14 @@ class ActivationOffloader final : public SavedTensorHook {
   c10::intrusive_ptr<Handle> handle_;
   // Weak, so a freed excluded storage cannot exclude a new one allocated at its address.
   std::map<const void*, c10::weak_intrusive_ptr<c10::StorageImpl>> excluded_, excluded_forward_;
+  // This step's groups, every forward's (numbered across the step: autograd nodes hold the index).
   std::vector<std::shared_ptr<Group>> groups_;
+  struct ForwardInfo {
+    int64_t chunk = 0;
+    bool backward_follows = true;
+    size_t first_group = 0;
+  };
+  std::vector<ForwardInfo> forwards_;  // this step's forwards, in order
   // This forward's entries by storage. The weak storage pointer guards against a new storage
   // allocated at a freed one's address being mistaken for it.
   std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::weak_ptr<Entry>>>

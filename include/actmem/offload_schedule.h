@@ -27,6 +27,7 @@ struct GroupInfo {
   bool offloads = false;     // decided when the group opened
   bool committed = false;    // its device-to-host copies are queued
   bool has_entries = false;  // it captured at least one saved tensor
+  int forward = 0;           // the forward it belongs to (the offloader's numbering in a step)
 };
 
 /// Where the backward is when the schedule is asked what to reload: at a group's commit (the
@@ -43,15 +44,20 @@ class OffloadSchedule {
   /// Note [Offload warmup and margin]
   /// The first step is the warmup: every group that asks to offload does, so the bytes of each
   /// are known. At its end, for each name of module groups, the group the backward reaches
-  /// first (the last one in forward order) is kept on the device from then on: it would be
-  /// reloaded as soon as it finished offloading (Megatron's post_warmup_callback). Layer groups
-  /// have no margin (layer-level offload moves every layer it names). Decisions are fixed by
-  /// forward position.
+  /// first (the last one in forward order) is marked as the margin: it would be reloaded as soon
+  /// as it finished offloading (Megatron's post_warmup_callback), so from then on it stays on the
+  /// device in every forward whose own backward is the next computation (one process: every
+  /// forward; the last pipeline stage under 1F1B). A forward followed by other micro-batches'
+  /// work first offloads its margin too (Megatron's should_bulk_offload: the margin applies when
+  /// the next backward chunk is this one). Layer groups have no margin (layer-level offload moves
+  /// every layer it names). Decisions are fixed per model chunk by position in its forward.
   bool in_warmup() const { return warmup_; }
-  /// Whether the group opened at forward position `index` offloads, given that it asks to.
-  bool offloads(size_t index, bool requested) const;
-  /// Ends the warmup (first call only) with the groups of the warmup's last forward, in order.
-  void end_warmup(const std::vector<GroupInfo>& groups);
+  /// Whether the group at position `index` of a forward of model chunk `chunk` offloads, given
+  /// that it asks to; `backward_follows`: that forward's own backward comes next.
+  bool offloads(int64_t chunk, size_t index, bool requested, bool backward_follows = true) const;
+  /// Ends the warmup (first call only) with, per model chunk, the groups of its last forward in
+  /// the warmup step, in order.
+  void end_warmup(const std::map<int64_t, std::vector<GroupInfo>>& groups_per_chunk);
 
   /// In-flight cap: a group named `name` committed, its last copy completing with `last`.
   /// Returns the events compute must wait for now, oldest first, so that at most max_inflight
@@ -61,7 +67,7 @@ class OffloadSchedule {
   void begin_forward() { inflight_.clear(); }
 
   /// Prefetch order: the group to start reloading when the backward reaches `point` of group
-  /// `index`, or -1. Module groups reload one group ahead when a module's backward is done (the
+  /// `index`, or -1 (never a group of another forward). Module groups reload one group ahead when a module's backward is done (the
   /// closest earlier group that offloaded something); layer groups reload the layer before when
   /// a layer's backward begins, so its copy overlaps the whole layer's backward.
   int prefetch_target(int index, BackwardPoint point,
@@ -70,7 +76,7 @@ class OffloadSchedule {
  private:
   int max_inflight_;
   bool warmup_ = true;
-  std::vector<bool> decisions_;  // per forward position, fixed after the warmup
+  std::map<int64_t, std::vector<bool>> margin_;  // per chunk and forward position
   std::map<std::string, std::deque<CopyEvent>> inflight_;
 };
 

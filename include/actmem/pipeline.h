@@ -109,6 +109,12 @@ std::vector<PipelineStep> interleaved_schedule(int64_t stage, int64_t stages, in
                                                int64_t num_microbatches, int64_t group,
                                                bool forward_only = false);
 
+/// Stage `stage`'s forwards and backwards in the order its schedule computes them, without the
+/// exchanges: run_one_f_one_b's with one model chunk, interleaved_schedule's with several. What
+/// comes next after each computation (the offloader's margin and prefetch, Note [Offload under
+/// pipeline schedules] in activation_offloader.h).
+std::vector<PipelineStep> pipeline_compute_order(int64_t stage, int64_t stages, int64_t chunks,
+                                                 int64_t num_microbatches, int64_t group);
 /// What a stage holds under a schedule of steps, counted from the bytes each model chunk's
 /// micro-batch keeps (`chunk_bytes`, its received input among them) and the bytes of one tensor
 /// crossing a stage boundary.
