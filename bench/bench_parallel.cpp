@@ -1,11 +1,13 @@
 // bench_parallel.cpp — per-rank activation memory and step time of tensor and sequence
-// parallelism on the 4x512 reference model. Each configuration is a real run of
-// `actmem launch --nproc-per-node t -- train ... --log-json FILE` (t = 1 runs train directly);
-// this program reads the JSON logs (rank 0 logs every rank's memory) and prints one table.
+// parallelism on the 4x512 reference model, and of data parallelism with and without the
+// overlapped bucketed gradient reduction. Each configuration is a real run of
+// `actmem launch --nproc-per-node N -- train ... --log-json FILE` (one process runs train
+// directly); this program reads the JSON logs (rank 0 logs every rank's memory) and prints one
+// table.
 //
-//   bench_parallel [--steps N] [--small] [--json FILE]
+//   bench_parallel [--steps N] [--small] [--only SUBSTRING] [--json FILE]
 //
-// On this 2-core machine t = 1 runs with 2 intra-op threads and t = 2 with 1 thread per rank, so
+// On this 2-core machine one process runs with 2 intra-op threads and two with 1 thread each, so
 // step-time ratios compare the same cores; Gloo's loopback collectives are the overhead measured.
 #include "bench_common.h"
 
@@ -27,6 +29,7 @@ struct Case {
   std::string name;
   int t;
   std::string flags;
+  int nproc = 0;  // 0: t (tensor parallelism only); otherwise t x d
 };
 
 struct Result {
@@ -41,9 +44,10 @@ struct Result {
 Result run_case(const Case& c, const std::string& model_flags, int steps) {
   std::ostringstream cmd;
   cmd << ACTMEM_BINARY << " ";
-  if (c.t > 1) cmd << "launch --nproc-per-node " << c.t << " -- ";
+  const int nproc = c.nproc > 0 ? c.nproc : c.t;
+  if (nproc > 1) cmd << "launch --nproc-per-node " << nproc << " -- ";
   cmd << "train " << model_flags << " --tensor-model-parallel-size " << c.t << " " << c.flags
-      << " --threads " << (c.t > 1 ? 1 : 2) << " --train-iters " << steps
+      << " --threads " << (nproc > 1 ? 1 : 2) << " --train-iters " << steps
       << " --eval-interval 0 --log-interval 1000";
   Result r;
   r.name = c.name;
@@ -81,7 +85,9 @@ int main(int argc, char** argv) {
   CLI::App app{"Per-rank activation memory and step time of tensor and sequence parallelism"};
   int steps = 3;
   bool small = false;
-  std::string json_path;
+  std::string json_path, only;
+  app.add_option("--only", only, "Run only the configurations whose name contains SUBSTRING "
+                 "(the first configuration always runs: the ratios' baseline)");
   app.add_option("--steps", steps, "Optimizer steps per configuration (the first is untimed)")
       ->capture_default_str();
   app.add_flag("--small", small, "A small model (a quick check)");
@@ -113,9 +119,14 @@ int main(int argc, char** argv) {
         {"t=2 full uniform 1", 2, full},
         {"t=2 full + distribute", 2, full + " --distribute-saved-activations"},
         {"t=2 SP full uniform 1", 2, "--sequence-parallel " + full},
+        // Data parallelism, one micro-batch per rank: the whole backward is the last one.
+        {"d=2", 1, "", 2},
+        {"d=2 overlap, 1M buckets", 1, "--overlap-grad-reduce --ddp-bucket-size 1000000", 2},
+        {"d=2 overlap, 4M buckets", 1, "--overlap-grad-reduce --ddp-bucket-size 4000000", 2},
     };
     std::vector<Result> results;
     for (const auto& c : cases) {
+      if (!only.empty() && &c != &cases.front() && c.name.find(only) == std::string::npos) continue;
       std::cerr << "running " << c.name << " ..." << std::endl;
       results.push_back(run_case(c, m.str(), steps));
     }

@@ -606,6 +606,13 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               "actmem::TrainingConfig: offload_bandwidth_gbps must be 0 (uncapped) or in [",
               kMinOffloadBandwidthGbps, ", ", kMaxOffloadBandwidthGbps, "] GB/s, got ",
               offload_bandwidth_gbps);
+  TORCH_CHECK(!ddp_bucket_size || *ddp_bucket_size > 0, "actmem::TrainingConfig: "
+              "ddp_bucket_size must be positive, got ", ddp_bucket_size.value_or(0));
+  // Megatron sets the bucket size to None (one bucket) without overlap_grad_reduce: refused
+  // rather than ignored.
+  TORCH_CHECK(!ddp_bucket_size || overlap_grad_reduce, "actmem::TrainingConfig: "
+              "--ddp-bucket-size applies with --overlap-grad-reduce (without it the gradients "
+              "reduce in one all-reduce after backward)");
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
   TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
@@ -672,6 +679,8 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"device", t.device},
       {"device_memory_limit", t.device_memory_limit},
       {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},
+      {"overlap_grad_reduce", t.overlap_grad_reduce},
+      {"ddp_bucket_size", t.ddp_bucket_size ? nlohmann::json(*t.ddp_bucket_size) : nlohmann::json(nullptr)},
   };
 }
 

@@ -217,6 +217,36 @@ at::Tensor all_reduce_on(const TensorParallelGroup& g, const at::Tensor& x) {
 }
 }  // namespace
 
+PendingAllReduce::PendingAllReduce() = default;
+PendingAllReduce::~PendingAllReduce() = default;
+PendingAllReduce::PendingAllReduce(PendingAllReduce&&) noexcept = default;
+PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&&) noexcept = default;
+
+PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
+  PendingAllReduce r;
+  r.type_ = x.scalar_type();
+  if (g.size == 1) {
+    r.buffer_ = x;
+    return r;
+  }
+  RECORD_FUNCTION("actmem::start_group_all_reduce", std::vector<c10::IValue>());
+  // As all_reduce_on: bf16 summed in fp32 (Note [bfloat16 on Gloo]).
+  r.buffer_ = gloo_bf16(x) ? x.contiguous().to(at::kFloat) : x.contiguous().clone();
+  std::vector<at::Tensor> buf = {r.buffer_};
+  r.work_ = g.pg->allreduce(buf);
+  return r;
+}
+
+at::Tensor PendingAllReduce::wait() {
+  if (work_) {
+    wait_and_release(std::move(work_));
+    work_.reset();
+  }
+  at::Tensor out = buffer_.scalar_type() == type_ ? buffer_ : buffer_.to(type_);
+  buffer_ = at::Tensor();
+  return out;
+}
+
 at::Tensor group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
   if (g.size == 1) return x;
   RECORD_FUNCTION("actmem::group_all_reduce", std::vector<c10::IValue>());

@@ -299,6 +299,13 @@ void add_offload_flags(CLI::App& app, TrainOptions& o) {
 
 void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
+  // Data parallelism's gradient reduction (docs/parallelism.md, "Data parallelism").
+  app.add_flag("--overlap-grad-reduce", t.overlap_grad_reduce,
+               "Reduce data-parallel gradients in buckets that start during the last backward");
+  app.add_option_function<int64_t>(
+         "--ddp-bucket-size", [&t](const int64_t& n) { t.ddp_bucket_size = n; },
+         "Elements per gradient bucket with --overlap-grad-reduce (default max(40M, 1M x d))")
+      ->check(integer_in_range(1, kMaxInt));
   app.add_option("--global-batch-size", t.global_batch_size,
                  "Samples per optimizer step (a multiple of --micro-batch-size)")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));

@@ -5,6 +5,7 @@
 #include "actmem/gpt_dataset.h"
 #include "actmem/ledger.h"
 #include "actmem/activation_offloader.h"
+#include "actmem/grad_reducer.h"
 #include "actmem/memory_model.h"
 #include "actmem/mixed_precision.h"
 #include "actmem/output_file.h"
@@ -361,6 +362,25 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                                                     model_config_.micro_batch_size,
                                                     model_config_.seed + 1);
   }
+  if (config_.overlap_grad_reduce && data_parallel_group().size > 1) {
+    // After the main-grad hooks (mixed_), so each parameter's hook sees its accumulated gradient
+    // (Note [Overlapped gradient reduction] in grad_reducer.h). The routed experts reduce over
+    // the expert-data-parallel group when expert parallelism splits them.
+    const int64_t d = data_parallel_group().size;
+    const bool apart = expert_parallel_group().size > 1;
+    GradReducer::Group dense{&data_parallel_group(), {}, {}};
+    GradReducer::Group experts{&expert_data_parallel_group(), {}, {}};
+    for (size_t i = 0; i < params_.size(); ++i) {
+      GradReducer::Group& g = apart && expert_parallel_flags_[i] ? experts : dense;
+      g.params.push_back(params_[i]);
+      g.grads.push_back(grads_[i]);
+    }
+    std::vector<GradReducer::Group> groups = {std::move(dense)};
+    if (!experts.params.empty()) groups.push_back(std::move(experts));
+    grad_reducer_ = std::make_unique<GradReducer>(
+        std::move(groups), config_.ddp_bucket_size.value_or(std::max<int64_t>(40000000, 1000000 * d)),
+        1.0 / static_cast<double>(d));
+  }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   const ActivationPlan& plan = model_->plan();
   if (plan.offloads()) {
@@ -557,6 +577,8 @@ double Trainer::forward_backward_microbatches(IterationStats& st, StepClock& clo
     if (n_micro > 1) loss = loss / static_cast<double>(n_micro);
     synchronize_device(device_);
     const int64_t after_forward = memory_.current_bytes();
+    // Megatron's no_sync for every micro-batch but the last.
+    if (grad_reducer_) grad_reducer_->set_last_microbatch(m == n_micro - 1);
     if (mixed_ && mixed_->scaler()) {
       // Megatron's grad_scale_func: backward from loss * scale (an fp32 product).
       (loss * mixed_->loss_scale()).backward();
@@ -701,6 +723,9 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     queue.pop_front();
     TORCH_INTERNAL_ASSERT(f.microbatch == m, "backward of micro-batch ", m, " found ", f.microbatch);
     prefetch_for(advance(PipelineStep::Kind::kBackward, m, chunk), m, chunk);
+    // The chunk's last backward of the step reduces its gradients (Megatron's interleaved
+    // schedule enables grad sync for each model chunk's last micro-batch).
+    if (grad_reducer_) grad_reducer_->set_last_microbatch(m == n_micro - 1);
     if (f.loss.defined()) {
       if (mixed_ && mixed_->scaler()) {
         (f.loss * mixed_->loss_scale()).backward();  // Megatron's grad_scale_func
@@ -860,6 +885,10 @@ void reduce_as_one(std::vector<at::Tensor>& tensors,
 void Trainer::reduce_data_parallel_gradients() {
   const TensorParallelGroup& dp = data_parallel_group();
   if (dp.size == 1) return;
+  if (grad_reducer_) {
+    grad_reducer_->finish();  // the buckets started during backward, and the rest
+    return;
+  }
   // Megatron's DistributedDataParallel scales by 1/d before the sum (gradient_scaling_factor);
   // at 16 bits these are the fp32 main grads (accumulate_allreduce_grads_in_fp32).
   const double scale = 1.0 / static_cast<double>(dp.size);

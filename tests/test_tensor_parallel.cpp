@@ -608,6 +608,50 @@ TEST(DataParallel, RanksSplitTheGlobalBatchAndTrainBitwiseLikeOneProcess) {
   EXPECT_EQ(tp_dp[2]["data"]["dp_rank"], 1);
 }
 
+TEST(DataParallel, OverlappedBucketedReductionIsBitwiseTheSameAndStartsDuringBackward) {
+  // --overlap-grad-reduce with small buckets (20000 elements: several per layer), dropout on,
+  // two micro-batches per data-parallel rank: d = 2, pipeline 2 x d 2 (1F1B) and pipeline 2 x
+  // virtual 2 x d 2 (interleaved). Every rank's losses, gradient norms and gradient digests over
+  // three steps and its final parameters are bitwise those of the same layout reducing in one
+  // all-reduce after backward (each element sums the same two values). The first step only
+  // counts when each parameter becomes ready (Megatron's golden counts); from the second, every
+  // bucket starts during backward.
+  struct Case {
+    int nproc;
+    std::vector<std::string> args;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--pp", "1", "--layers", "4"}, "d 2"},
+      {4, {"--pp", "2", "--layers", "4"}, "p 2 x d 2"},
+      {4, {"--pp", "2", "--vp", "2", "--layers", "8"}, "p 2 x v 2 x d 2"},
+  };
+  for (const auto& k : cases) {
+    std::vector<std::string> args = {"overlap", "--tp", "1", "--global-batch", "16", "--bucket", "20000"};
+    args.insert(args.end(), k.args.begin(), k.args.end());
+    const auto ranks = run_workers(k.nproc, args);
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
+    for (const auto& r : ranks) {
+      const json& o = r["overlap"];
+      const std::string what = std::string(k.what) + " rank " + r["rank"].dump();
+      EXPECT_EQ(o["dp_size"], 2) << what;
+      const json& plain = o["plain"]["steps"];
+      const json& overlap = o["overlap"]["steps"];
+      ASSERT_EQ(overlap.size(), 3u) << what;
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(overlap[i]["loss"], plain[i]["loss"]) << what << " step " << i;
+        EXPECT_EQ(overlap[i]["grad_norm"], plain[i]["grad_norm"]) << what << " step " << i;
+        EXPECT_EQ(overlap[i]["grad_digest"], plain[i]["grad_digest"]) << what << " step " << i;
+        const int64_t buckets = overlap[i]["buckets"].get<int64_t>();
+        EXPECT_GT(buckets, 2) << what;
+        EXPECT_EQ(overlap[i]["started_in_backward"].get<int64_t>(), i == 0 ? 0 : buckets)
+            << what << " step " << i;
+      }
+      EXPECT_EQ(o["overlap"]["param_digest"], o["plain"]["param_digest"]) << what;
+    }
+  }
+}
+
 TEST(DataParallel, WithDropoutTheLossStaysWithinTheMaskNoise) {
   // With dropout the data-parallel ranks' masks differ from one process's (see above): the
   // losses agree to within the noise dropout adds (here under 1%), not bitwise.
@@ -642,6 +686,15 @@ TEST(DataParallel, LaunchSizeAndBatchRules) {
   EXPECT_NE(ok.output.find("micro-batch 2 x 1 micro-batches on each of 2 data-parallel ranks"),
             std::string::npos)
       << ok.output;
+  // The overlapped reduction says how many buckets it made (a bucket closes at 2000 elements
+  // or more).
+  const auto overlap = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --train-iters 2 --overlap-grad-reduce "
+      "--ddp-bucket-size 2000");
+  EXPECT_EQ(overlap.exit_code, 0) << overlap.output;
+  EXPECT_NE(overlap.output.find("buckets overlapping the last backward)"), std::string::npos)
+      << overlap.output;
 }
 
 // ---- pipeline parallelism -------------------------------------------------------------------

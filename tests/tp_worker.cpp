@@ -9,6 +9,9 @@
 //   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
 //   actmem_tp_worker data OUT_DIR --tp T --global-batch G [--no-dropout]
 //     (t x d ranks, d = WORLD_SIZE / T: three steps of the base model on global batch G)
+//   actmem_tp_worker overlap OUT_DIR --tp T --pp P [--vp V] --layers L --global-batch G
+//                    --bucket N [--no-dropout]   (data parallelism with and without
+//                    --overlap-grad-reduce)
 //   actmem_tp_worker experts OUT_DIR --tp T --ep E --global-batch G [--dispatcher D]
 //     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
 //     strategy; WORLD_SIZE = E x the expert-data-parallel size)
@@ -23,6 +26,7 @@
 #include "actmem/blas_kernels.h"
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
+#include "actmem/grad_reducer.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
 #include "actmem/activation_plan.h"
@@ -461,6 +465,42 @@ nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
           {"dp_size", actmem::data_parallel_group().size}};
 }
 
+// Data parallelism with and without --overlap-grad-reduce (buckets of `bucket` elements) on the
+// same layout (t x p x d, the interleaved schedule with vp > 1): three steps each, dropout as
+// asked; per step what the tests compare and how many buckets started during backward.
+nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropout,
+                           int64_t global_batch, int64_t bucket) {
+  nlohmann::json out;
+  for (const bool overlap : {false, true}) {
+    TransformerConfig c = base_config(t, false, dropout);
+    c.num_layers = layers;
+    c.pipeline_model_parallel_size = pp;
+    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
+    actmem::TrainingConfig tc;
+    tc.global_batch_size = global_batch;
+    tc.eval_interval = 0;
+    tc.overlap_grad_reduce = overlap;
+    if (overlap) tc.ddp_bucket_size = bucket;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) {
+      const actmem::IterationStats st = trainer.train_step(true);
+      nlohmann::json step = {{"loss", st.loss}, {"grad_norm", st.grad_norm},
+                             {"grad_digest", st.grad_digest}};
+      if (const actmem::GradReducer* reducer = trainer.grad_reducer()) {
+        step["buckets"] = reducer->buckets();
+        step["started_in_backward"] = reducer->started_in_backward();
+      }
+      r["steps"].push_back(step);
+    }
+    r["param_digest"] = param_digest(trainer.model());
+    out[overlap ? "overlap" : "plain"] = r;
+  }
+  out["dp_size"] = actmem::data_parallel_group().size;
+  out["pp_rank"] = actmem::pipeline_parallel_group().rank;
+  return out;
+}
+
 // Expert parallelism: an MoE model (4 experts, top-2, shared experts, aux loss) trained for three
 // steps on one global batch, under the recompute or offload strategy `strategy`; each rank
 // reports its steps and its place in the layout.
@@ -603,7 +643,7 @@ int main(int argc, char** argv) {
     int64_t layers = 4, vp = 1;
     int die_stage = -1;
     std::optional<int64_t> first_layers, last_layers;
-    int64_t global_batch = 0;
+    int64_t global_batch = 0, bucket = 0;
     std::string dispatcher = "alltoall";
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
@@ -633,6 +673,8 @@ int main(int argc, char** argv) {
         last_layers = std::stoll(argv[++i]);
       } else if (a == "--dispatcher" && i + 1 < argc) {
         dispatcher = argv[++i];
+      } else if (a == "--bucket" && i + 1 < argc) {
+        bucket = std::stoll(argv[++i]);
       } else if (a == "--global-batch" && i + 1 < argc) {
         global_batch = std::stoll(argv[++i]);
       } else {
@@ -655,6 +697,8 @@ int main(int argc, char** argv) {
                                         first_layers, last_layers, layers, vp);
     } else if (scenario == "pipeline_fault") {
       result["pipeline_fault"] = run_pipeline_fault(die_stage);
+    } else if (scenario == "overlap") {
+      result["overlap"] = run_overlap(std::max(tp, 1), pp, vp, layers, dropout, global_batch, bucket);
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch);
     } else if (scenario == "experts") {

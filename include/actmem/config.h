@@ -311,6 +311,11 @@ struct TrainingConfig {
   /// Emulated host-link bandwidth for offload copies, GB/s per direction; 0 = uncapped,
   /// otherwise in [kMinOffloadBandwidthGbps, kMaxOffloadBandwidthGbps].
   double offload_bandwidth_gbps = 0.0;
+  /// Megatron's --overlap-grad-reduce: the data-parallel gradient all-reduce in buckets that start
+  /// during the last micro-batch's backward (grad_reducer.h).
+  bool overlap_grad_reduce = false;
+  /// Megatron's --ddp-bucket-size: elements per bucket; unset: max(40M, 1M x d).
+  std::optional<int64_t> ddp_bucket_size;
 
   /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.
   bool fp32_main_grads(const TransformerConfig& model) const {

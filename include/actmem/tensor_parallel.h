@@ -81,6 +81,30 @@ void wait_and_release(c10::intrusive_ptr<c10d::Work> work);
 
 /// Sum of x over `group`; bf16 summed in fp32 as all_reduce_sum does.
 at::Tensor group_all_reduce_sum(const TensorParallelGroup& group, const at::Tensor& x);
+/// An all-reduce started and not yet waited for (start_group_all_reduce_sum).
+class PendingAllReduce {
+ public:
+  // Out of line: c10d::Work is only declared here.
+  PendingAllReduce();
+  ~PendingAllReduce();
+  PendingAllReduce(PendingAllReduce&&) noexcept;
+  PendingAllReduce& operator=(PendingAllReduce&&) noexcept;
+  PendingAllReduce(const PendingAllReduce&) = delete;
+  PendingAllReduce& operator=(const PendingAllReduce&) = delete;
+  /// Waits for the collective (wait_and_release) and returns the group's sum, in x's type.
+  at::Tensor wait();
+  bool pending() const { return static_cast<bool>(work_); }
+
+ private:
+  friend PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup&, const at::Tensor&);
+  c10::intrusive_ptr<c10d::Work> work_;
+  at::Tensor buffer_;
+  at::ScalarType type_ = at::kFloat;
+};
+/// group_all_reduce_sum without waiting: the collective runs on the process group's own thread
+/// (Gloo) or stream (NCCL) while the caller goes on; x is copied first, so the caller may change
+/// it. With size 1 the result is x itself.
+PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup& group, const at::Tensor& x);
 /// Every rank's x (same shape everywhere) concatenated along dim 0 in group-rank order.
 at::Tensor group_all_gather_dim0(const TensorParallelGroup& group, const at::Tensor& x);
 /// This rank's 1/size slice along dim 0, as a new tensor.

@@ -34,6 +34,7 @@ class PipelineP2P;
 struct TensorParallelGroup;
 class MixedPrecisionOptimizer;
 class ActivationOffloader;
+class GradReducer;
 class OutputFile;
 class TraceRecorder;
 
@@ -167,6 +168,8 @@ class Trainer {
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
   /// The layer-level offloader (null without cpu_offloading_num_layers).
   ActivationOffloader* offloader() { return offloader_.get(); }
+  /// The overlapped data-parallel reduction (--overlap-grad-reduce with d > 1), else null.
+  const GradReducer* grad_reducer() const { return grad_reducer_.get(); }
   /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
   void record_timeline(bool on) { record_timeline_ = on; }
   const MemoryTimeline& last_timeline() const { return *timeline_; }
@@ -224,6 +227,7 @@ class Trainer {
   std::unique_ptr<BatchSource> valid_sampler_;
   std::unique_ptr<MemoryTimeline> timeline_;
   std::unique_ptr<ActivationOffloader> offloader_;
+  std::unique_ptr<GradReducer> grad_reducer_;  // --overlap-grad-reduce with d > 1
   bool record_timeline_ = false;
   int64_t predicted_activation_bytes_ = 0;  // per micro-batch (model chunk 0's)
   std::vector<int64_t> chunk_activation_bytes_;  // per model chunk (interleaved schedule)

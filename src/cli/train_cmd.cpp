@@ -6,6 +6,7 @@
 #include "actmem/plot.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
+#include "actmem/grad_reducer.h"
 #include "actmem/trainer.h"
 #include "commands.h"
 
@@ -116,6 +117,10 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << (actmem::data_parallel_group().size > 1
               ? " on each of " + std::to_string(actmem::data_parallel_group().size) +
                     " data-parallel ranks"
+              : std::string())
+      << (trainer.grad_reducer() != nullptr
+              ? " (gradients in " + std::to_string(trainer.grad_reducer()->buckets()) +
+                    " buckets overlapping the last backward)"
               : std::string())
       << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
       << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions")
