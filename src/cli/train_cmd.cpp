@@ -293,7 +293,9 @@ int run_train(actmem::TrainOptions& o) {
   if (!held.empty()) {
     // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight, the interleaved schedule
     // more on the first stages (docs/parallelism.md).
-    human << "activations in flight per pipeline stage (measured / predicted):";
+    // The predictor counts no offload: offloaded bytes are what separates the two then.
+    human << "activations in flight per pipeline stage (measured / predicted"
+          << (o.model.fine_grained_activation_offloading ? " without offload" : "") << "):";
     for (size_t i = 0; i < held.size(); ++i) {
       human << (i ? "," : "") << " stage " << i << " "
             << actmem::format_bytes(static_cast<double>(held[i])) << " / "
