@@ -447,19 +447,15 @@ void ActivationOffloader::end_step() {
   // Each model chunk's last forward of the step: one micro-batch's groups, chunk by chunk.
   std::map<int64_t, size_t> last;
   for (size_t f = 0; f < forwards_.size(); ++f) last[forwards_[f].chunk] = f;
-  auto groups_of = [&](size_t f) {
-    const size_t end = f + 1 < forwards_.size() ? forwards_[f + 1].first_group : groups_.size();
-    return std::make_pair(forwards_[f].first_group, end);
-  };
   std::map<int64_t, std::vector<GroupInfo>> infos;
   for (const auto& [chunk, f] : last) {
-    const auto [begin, end] = groups_of(f);
+    const auto [begin, end] = forward_groups(f);
     for (size_t i = begin; i < end; ++i) infos[chunk].push_back(groups_[i]->info);
   }
   schedule_.end_warmup(infos);  // Note [Offload warmup and margin]
   summary_.clear();
   for (const auto& [chunk, f] : last) {
-    const auto [begin, end] = groups_of(f);
+    const auto [begin, end] = forward_groups(f);
     for (size_t i = begin; i < end; ++i) {
       const Group& g = *groups_[i];
       if (!schedule_.offloads(chunk, i - begin, g.info.offloads, forwards_[f].backward_follows)) {
@@ -492,6 +488,11 @@ int ActivationOffloader::begin_forward(int64_t chunk, bool backward_follows) {
   return static_cast<int>(forwards_.size()) - 1;
 }
 
+std::pair<size_t, size_t> ActivationOffloader::forward_groups(size_t f) const {
+  const size_t end = f + 1 < forwards_.size() ? forwards_[f + 1].first_group : groups_.size();
+  return {forwards_[f].first_group, end};
+}
+
 void ActivationOffloader::prefetch_backward_start(int forward) {
   std::vector<int> targets;
   {
@@ -499,10 +500,7 @@ void ActivationOffloader::prefetch_backward_start(int forward) {
     TORCH_CHECK(forward >= 0 && forward < static_cast<int>(forwards_.size()),
                 "actmem::ActivationOffloader::prefetch_backward_start: no forward ", forward,
                 " in this step (", forwards_.size(), " so far)");
-    const size_t begin = forwards_[static_cast<size_t>(forward)].first_group;
-    const size_t end = static_cast<size_t>(forward) + 1 < forwards_.size()
-                           ? forwards_[static_cast<size_t>(forward) + 1].first_group
-                           : groups_.size();
+    const auto [begin, end] = forward_groups(static_cast<size_t>(forward));
     // The backward's first reads: the last group of each kind that moved something.
     for (const GroupKind kind : {GroupKind::kModule, GroupKind::kLayer}) {
       for (size_t i = end; i-- > begin;) {

@@ -216,6 +216,8 @@ class ActivationOffloader final : public SavedTensorHook {
     size_t first_group = 0;
   };
   std::vector<ForwardInfo> forwards_;  // this step's forwards, in order
+  /// [begin, end) of forward f's groups in groups_; caller holds mutex_.
+  std::pair<size_t, size_t> forward_groups(size_t f) const;
   // This forward's entries by storage. The weak storage pointer guards against a new storage
   // allocated at a freed one's address being mistaken for it.
   std::map<const void*, std::pair<c10::weak_intrusive_ptr<c10::StorageImpl>, std::weak_ptr<Entry>>>
