@@ -1,7 +1,7 @@
 // bench_parallel.cpp — per-rank activation memory and step time of tensor and sequence
 // parallelism on the 4x512 reference model, and of data parallelism with and without the
-// overlapped bucketed gradient reduction. Each configuration is a real run of
-// `actmem launch --nproc-per-node N -- train ... --log-json FILE` (one process runs train
+// overlapped bucketed gradient reduction and the distributed optimizer. Each configuration is a
+// real run of `actmem launch --nproc-per-node N -- train ... --log-json FILE` (one process runs train
 // directly); this program reads the JSON logs (rank 0 logs every rank's memory) and prints one
 // table.
 //
@@ -123,6 +123,11 @@ int main(int argc, char** argv) {
         {"d=2", 1, "", 2},
         {"d=2 overlap, 1M buckets", 1, "--overlap-grad-reduce --ddp-bucket-size 1000000", 2},
         {"d=2 overlap, 4M buckets", 1, "--overlap-grad-reduce --ddp-bucket-size 4000000", 2},
+        // The optimizer state sharded over the two ranks (AdamW's moments: 8 of the 16 bytes
+        // per parameter that the weights, gradients and moments take in fp32).
+        {"d=2 distributed optimizer", 1, "--use-distributed-optimizer", 2},
+        {"d=2 dist. opt. + overlap 4M", 1,
+         "--use-distributed-optimizer --overlap-grad-reduce --ddp-bucket-size 4000000", 2},
     };
     std::vector<Result> results;
     for (const auto& c : cases) {

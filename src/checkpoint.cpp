@@ -2,6 +2,8 @@
 // writes into and restores from them.
 #include "actmem/checkpoint.h"
 
+#include "actmem/distributed_optimizer.h"
+
 #include "actmem/mixed_precision.h"
 #include "actmem/model.h"
 #include "actmem/output_file.h"
@@ -167,19 +169,65 @@ c10::impl::GenericDict dict_entry(const c10::impl::GenericDict& d, const std::st
   return v.toGenericDict();
 }
 
+// Whole tensors shaped like `full` from this rank's `pieces` of them and every other
+// data-parallel rank's (OptimizerShards::all_gather).
+std::vector<at::Tensor> unshard(const OptimizerShards& shards, const std::vector<at::Tensor>& full,
+                                const std::vector<at::Tensor>& pieces) {
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> whole;
+  for (const auto i : c10::irange(full.size())) {
+    whole.push_back(at::zeros(full[i].sizes(), pieces[i].options()));
+    shards.shard(whole.back(), i).copy_(pieces[i]);
+  }
+  shards.all_gather(whole);
+  return whole;
+}
+
+// An AdamW's per-parameter moments (null where no step was taken yet).
+struct AdamWMoments {
+  std::vector<int64_t> step;  // -1: no state
+  std::vector<at::Tensor> exp_avg, exp_avg_sq;
+};
+
+AdamWMoments adamw_moments(torch::optim::AdamW& opt, const std::vector<at::Tensor>& params) {
+  AdamWMoments m;
+  for (const auto& p : params) {
+    const auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    const auto* s = it == opt.state().end()
+                        ? nullptr
+                        : &static_cast<const torch::optim::AdamWParamState&>(*it->second);
+    m.step.push_back(s ? s->step() : -1);
+    m.exp_avg.push_back(s ? s->exp_avg() : at::Tensor());
+    m.exp_avg_sq.push_back(s ? s->exp_avg_sq() : at::Tensor());
+  }
+  return m;
+}
+
+// With the distributed optimizer the moments are this rank's pieces of the parameters whose
+// shapes `full` gives: every rank's pieces are gathered into whole tensors, so that the
+// checkpoint is the same as without it (a collective over the data-parallel ranks).
+AdamWMoments unshard(const OptimizerShards& shards, const std::vector<at::Tensor>& full,
+                     AdamWMoments m) {
+  const bool any = std::any_of(m.step.begin(), m.step.end(), [](int64_t s) { return s >= 0; });
+  if (!any) return m;  // no step taken yet, on any rank
+  TORCH_CHECK(std::all_of(m.step.begin(), m.step.end(), [](int64_t s) { return s >= 0; }),
+              "actmem::Trainer::save_checkpoint: the distributed optimizer has state for some "
+              "parameters only");
+  m.exp_avg = unshard(shards, full, m.exp_avg);
+  m.exp_avg_sq = unshard(shards, full, m.exp_avg_sq);
+  return m;
+}
+
 // An AdamW's per-parameter state as torch's Optimizer.state_dict() lays it out:
 // {"state": {i: {"step", "exp_avg", "exp_avg_sq"}}, "param_groups": [{..., "params": [0..n)}]}.
-c10::impl::GenericDict adamw_state_dict(torch::optim::AdamW& opt,
-                                        const std::vector<at::Tensor>& params) {
+c10::impl::GenericDict adamw_state_dict(torch::optim::AdamW& opt, const AdamWMoments& m) {
   c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
-  for (const auto i : c10::irange(params.size())) {
-    const auto it = opt.state().find(c10::guts::to_string(params[i].unsafeGetTensorImpl()));
-    if (it == opt.state().end()) continue;  // no step taken yet
-    const auto& s = static_cast<const torch::optim::AdamWParamState&>(*it->second);
+  for (const auto i : c10::irange(m.step.size())) {
+    if (m.step[i] < 0) continue;
     auto d = string_dict();
-    d.insert("step", s.step());
-    d.insert("exp_avg", host_copy(s.exp_avg()));
-    d.insert("exp_avg_sq", host_copy(s.exp_avg_sq()));
+    d.insert("step", m.step[i]);
+    d.insert("exp_avg", host_copy(m.exp_avg[i]));
+    d.insert("exp_avg_sq", host_copy(m.exp_avg_sq[i]));
     state.insert(static_cast<int64_t>(i), d);
   }
   const auto& o = static_cast<const torch::optim::AdamWOptions&>(opt.param_groups()[0].options());
@@ -190,7 +238,7 @@ c10::impl::GenericDict adamw_state_dict(torch::optim::AdamW& opt,
   group.insert("weight_decay", o.weight_decay());
   group.insert("amsgrad", o.amsgrad());
   c10::List<int64_t> ids;
-  for (const auto i : c10::irange(params.size())) ids.push_back(static_cast<int64_t>(i));
+  for (const auto i : c10::irange(m.step.size())) ids.push_back(static_cast<int64_t>(i));
   group.insert("params", ids);
   c10::impl::GenericList groups(c10::AnyType::get());
   groups.push_back(group);
@@ -200,8 +248,12 @@ c10::impl::GenericDict adamw_state_dict(torch::optim::AdamW& opt,
   return out;
 }
 
+// With the distributed optimizer (`shards`) `params` are this rank's pieces of the parameters
+// whose shapes `full` gives; each takes its elements of the saved whole tensors.
 void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& params,
-                      const c10::impl::GenericDict& sd, const std::string& path) {
+                      const c10::impl::GenericDict& sd, const std::string& path,
+                      const OptimizerShards* shards = nullptr,
+                      const std::vector<at::Tensor>& full = {}) {
   const c10::IValue& state_v = entry(sd, "state", path);
   TORCH_CHECK(state_v.isGenericDict(), "actmem::Trainer::load_checkpoint: ", path,
               ": the optimizer state is not a dict");
@@ -212,15 +264,18 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
                     e.value().isGenericDict(),
                 "actmem::Trainer::load_checkpoint: ", path, ": optimizer state entry ",
                 e.key(), " does not belong to any of this model's ", params.size(), " parameters");
-    const at::Tensor& p = params[static_cast<size_t>(e.key().toInt())];
+    const auto index = static_cast<size_t>(e.key().toInt());
+    const at::Tensor& p = params[index];
+    const at::IntArrayRef shape = shards ? full[index].sizes() : p.sizes();
     const auto d = e.value().toGenericDict();
     auto tensor = [&](const char* name) {
       const at::Tensor t = entry(d, name, path).toTensor();
-      TORCH_CHECK(t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type(),
+      TORCH_CHECK(t.sizes() == shape && t.scalar_type() == p.scalar_type(),
                   "actmem::Trainer::load_checkpoint: ", path, ": optimizer ", name, " of parameter ",
                   e.key().toInt(), " is ", t.sizes(), " ", t.scalar_type(), ", expected ",
-                  p.sizes(), " ", p.scalar_type());
-      return t.to(p.device()).clone();
+                  shape, " ", p.scalar_type());
+      const at::Tensor here = t.to(p.device());
+      return (shards ? shards->shard(here.contiguous(), index) : here).clone();
     };
     auto s = std::make_unique<torch::optim::AdamWParamState>();
     s->step(entry(d, "step", path).toInt());
@@ -505,8 +560,20 @@ int64_t Trainer::consumed_train_samples() const {
   return train_sampler_->batches_drawn() * model_config_.micro_batch_size;
 }
 
-c10::impl::GenericDict Trainer::checkpoint_state() const {
+c10::impl::GenericDict Trainer::checkpoint_state(bool write) const {
+  // The collectives first, on every replica (save_checkpoint): each replica's random streams, and
+  // with the distributed optimizer every data-parallel rank's pieces of the optimizer state.
+  const c10::impl::GenericList rng_list = replica_rng_states();
+  torch::optim::AdamW& adamw = mixed_ ? mixed_->adamw() : *optimizer_;
+  AdamWMoments moments = adamw_moments(adamw, mixed_ ? mixed_->main_params() : optimizer_params_);
+  std::vector<at::Tensor> mains;
+  if (mixed_) mains = mixed_->main_params();
+  if (shards_) {
+    moments = unshard(*shards_, params_, std::move(moments));
+    if (mixed_) mains = unshard(*shards_, params_, mains);
+  }
   auto top = string_dict();
+  if (!write) return top;
   nlohmann::json args = to_json(model_config_);
   const nlohmann::json training = to_json(config_);
   for (const auto& [k, v] : training.items()) args[k] = v;
@@ -525,7 +592,7 @@ c10::impl::GenericDict Trainer::checkpoint_state() const {
   if (mixed_) {
     // Megatron's Float16OptimizerWithFloat16Params.state_dict().
     auto opt = string_dict();
-    opt.insert("optimizer", adamw_state_dict(mixed_->adamw(), mixed_->main_params()));
+    opt.insert("optimizer", adamw_state_dict(adamw, moments));
     if (const auto& scaler = mixed_->scaler()) {
       auto gs = string_dict();
       gs.insert("scale", static_cast<double>(scaler->scale()));
@@ -535,14 +602,14 @@ c10::impl::GenericDict Trainer::checkpoint_state() const {
     } else {
       opt.insert("grad_scaler", c10::IValue());
     }
-    c10::List<at::Tensor> mains;
-    for (const auto& p : mixed_->main_params()) mains.push_back(host_copy(p));
+    c10::List<at::Tensor> main_list;
+    for (const auto& p : mains) main_list.push_back(host_copy(p));
     c10::impl::GenericList groups(c10::AnyType::get());
-    groups.push_back(mains);
+    groups.push_back(main_list);
     opt.insert("fp32_from_fp16_params", groups);
     top.insert("optimizer", opt);
   } else {
-    top.insert("optimizer", adamw_state_dict(*optimizer_, params_));
+    top.insert("optimizer", adamw_state_dict(adamw, moments));
   }
 
   // Megatron's OptimizerParamScheduler.state_dict(): its steps count samples.
@@ -556,17 +623,39 @@ c10::impl::GenericDict Trainer::checkpoint_state() const {
   sched.insert("num_steps", scheduler_steps_ * gbs);
   top.insert("opt_param_scheduler", sched);
 
-  // Megatron's rng_state: one entry per data-parallel rank (one here).
-  auto rng = string_dict();
-  rng.insert("torch_rng_state", host_copy(rng_state_[0]));
-  if (rng_state_.size() > 1) rng.insert("cuda_rng_state", host_copy(rng_state_[1]));
-  c10::impl::GenericDict tracker(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& [name, state] : tracker_.get_states()) tracker.insert(name, host_copy(state));
-  rng.insert("rng_tracker_states", tracker);
-  c10::impl::GenericList rng_list(c10::AnyType::get());
-  rng_list.push_back(rng);
   top.insert("rng_state", rng_list);
   return top;
+}
+
+c10::impl::GenericList Trainer::replica_rng_states() const {
+  // Megatron's rng_state with data_parallel_random_init: one entry per data-parallel replica (of
+  // the ranks that write this file: the expert-data-parallel group), since the replicas' streams
+  // can differ: expert dropout draws per token routed to the rank's experts, and those counts
+  // follow each replica's own data. Every state is gathered in one order on every replica.
+  const TensorParallelGroup& replicas = expert_data_parallel_group();
+  std::vector<std::pair<std::string, at::Tensor>> states = {{"torch_rng_state", rng_state_[0]}};
+  if (rng_state_.size() > 1) states.emplace_back("cuda_rng_state", rng_state_[1]);
+  const auto streams = tracker_.get_states();  // a std::map: the same order everywhere
+  for (const auto& [name, state] : streams) states.emplace_back(name, state);
+  std::vector<at::Tensor> gathered;  // per state: [replicas, bytes] on the host
+  for (const auto& [name, state] : states) {
+    const at::Tensor bytes = state.to(at::kCPU).contiguous().view({1, -1});
+    gathered.push_back(replicas.size == 1
+                           ? bytes
+                           : group_all_gather_dim0(replicas, bytes.to(device_)).to(at::kCPU));
+  }
+  c10::impl::GenericList list(c10::AnyType::get());
+  for (int r = 0; r < replicas.size; ++r) {
+    auto rng = string_dict();
+    size_t k = 0;
+    rng.insert("torch_rng_state", gathered[k++][r].clone());
+    if (rng_state_.size() > 1) rng.insert("cuda_rng_state", gathered[k++][r].clone());
+    c10::impl::GenericDict tracker(c10::StringType::get(), c10::TensorType::get());
+    for (const auto& item : streams) tracker.insert(item.first, gathered[k++][r].clone());
+    rng.insert("rng_tracker_states", tracker);
+    list.push_back(rng);
+  }
+  return list;
 }
 
 std::string Trainer::save_checkpoint(const std::string& dir) {
@@ -575,53 +664,74 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   const std::string final_dir = checkpoint_iteration_dir(dir, iteration_);
   // Data-parallel replicas hold the same weights, optimizer state and random states: the first
   // replica's tensor-parallel ranks write (as Megatron's data-parallel rank 0 does without the
-  // distributed optimizer); the others go on, meeting them again at the next gradient reduction.
-  // With expert parallelism the replicas are those of the experts (Megatron's
-  // expert_data_parallel_rank 0 writes): each expert-parallel rank writes its experts, with the
-  // dense weights every such file has.
-  if (expert_data_parallel_group().rank != 0) return final_dir;
+  // distributed optimizer). With expert parallelism the replicas are those of the experts
+  // (Megatron's expert_data_parallel_rank 0 writes): each expert-parallel rank writes its
+  // experts, with the dense weights every such file has. The distributed optimizer's state is
+  // first gathered from every data-parallel rank (a collective), so that the files are the same
+  // as without it.
+  const TensorParallelGroup& replicas = expert_data_parallel_group();
+  const c10::impl::GenericDict state = checkpoint_state(/*write=*/replicas.rank == 0);
   const bool leader = tp.rank == 0 && expert_parallel_group().rank == 0;
   const std::string tmp_dir = final_dir + ".tmp";
-  on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
-    if (!leader) return;
-    std::error_code ec;
-    fs::create_directories(dir, ec);
-    TORCH_CHECK(!ec && fs::is_directory(dir), "actmem::Trainer::save_checkpoint: cannot create "
-                "the directory ", dir, ": ", ec.message());
-    fs::remove_all(tmp_dir, ec);  // a crashed save's leftovers
-    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot remove ", tmp_dir, ": ",
-                ec.message());
-    fs::create_directories(tmp_dir, ec);
-    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", tmp_dir, ": ",
-                ec.message());
-  });
-  // Move 1: every rank's file, durable.
-  on_all_ranks(device_, "to write its file", [&] {
-    const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank());
-    std::error_code ec;
-    fs::create_directories(rank_dir, ec);
-    TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
-                ec.message());
-    const std::vector<char> bytes = torch::jit::pickle_save(checkpoint_state());
-    const std::string path = (rank_dir / "model_optim_rng.pt").string();
-    write_durably(path, bytes.data(), bytes.size(), iteration_);
-    fsync_path(rank_dir.string(), true);
-  });
-  // Moves 2 and 3, on rank 0.
-  on_all_ranks(device_, "to publish the checkpoint", [&] {
-    if (!leader) return;
-    fsync_path(tmp_dir, true);
-    maybe_fault("before-publish", iteration_);
-    publish_directory(tmp_dir, final_dir);
-    fsync_path(dir, true);
-    maybe_fault("before-latest", iteration_);
-    const std::string latest = (fs::path(dir) / kLatestCheckpointFile).string();
-    const std::string text = std::to_string(iteration_);
-    write_durably(latest + ".tmp", text.data(), text.size());
-    TORCH_CHECK(::rename((latest + ".tmp").c_str(), latest.c_str()) == 0,
-                "actmem::Trainer::save_checkpoint: cannot rename ", latest, ".tmp: ", errno_text());
-    fsync_path(dir, true);
-  });
+  std::exception_ptr error;
+  if (replicas.rank == 0) {
+    try {
+      on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
+        if (!leader) return;
+        std::error_code ec;
+        fs::create_directories(dir, ec);
+        TORCH_CHECK(!ec && fs::is_directory(dir), "actmem::Trainer::save_checkpoint: cannot create "
+                    "the directory ", dir, ": ", ec.message());
+        fs::remove_all(tmp_dir, ec);  // a crashed save's leftovers
+        TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot remove ", tmp_dir, ": ",
+                    ec.message());
+        fs::create_directories(tmp_dir, ec);
+        TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", tmp_dir, ": ",
+                    ec.message());
+      });
+      // Move 1: every rank's file, durable.
+      on_all_ranks(device_, "to write its file", [&] {
+        const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank());
+        std::error_code ec;
+        fs::create_directories(rank_dir, ec);
+        TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
+                    ec.message());
+        const std::vector<char> bytes = torch::jit::pickle_save(state);
+        const std::string path = (rank_dir / "model_optim_rng.pt").string();
+        write_durably(path, bytes.data(), bytes.size(), iteration_);
+        fsync_path(rank_dir.string(), true);
+      });
+      // Moves 2 and 3, on rank 0.
+      on_all_ranks(device_, "to publish the checkpoint", [&] {
+        if (!leader) return;
+        fsync_path(tmp_dir, true);
+        maybe_fault("before-publish", iteration_);
+        publish_directory(tmp_dir, final_dir);
+        fsync_path(dir, true);
+        maybe_fault("before-latest", iteration_);
+        const std::string latest = (fs::path(dir) / kLatestCheckpointFile).string();
+        const std::string text = std::to_string(iteration_);
+        write_durably(latest + ".tmp", text.data(), text.size());
+        TORCH_CHECK(::rename((latest + ".tmp").c_str(), latest.c_str()) == 0,
+                    "actmem::Trainer::save_checkpoint: cannot rename ", latest, ".tmp: ", errno_text());
+        fsync_path(dir, true);
+      });
+    } catch (...) {
+      error = std::current_exception();
+    }
+  }
+  // Megatron's save_checkpoint ends at a barrier: every replica returns once the checkpoint is
+  // published (a load right after it finds it), or learns that its writer failed.
+  if (replicas.size > 1) {
+    const at::Tensor failed = at::full({1}, error ? 1.0f : 0.0f,
+                                       at::TensorOptions().dtype(at::kFloat).device(device_));
+    const bool ok = group_all_reduce_sum(replicas, failed).item<float>() == 0.0f;
+    if (error) std::rethrow_exception(error);
+    TORCH_CHECK(ok, "actmem::Trainer::save_checkpoint: the data-parallel replica that writes ",
+                final_dir, " failed (its error is in its output)");
+  } else if (error) {
+    std::rethrow_exception(error);
+  }
   return final_dir;
 }
 
@@ -741,7 +851,7 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
       TORCH_CHECK(opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
                   " has no fp32 main parameters (saved by an fp32 run)");
       load_adamw_state(mixed_->adamw(), mixed_->main_params(), dict_entry(opt, "optimizer", path),
-                       path);
+                       path, shards_.get(), params_);
       const auto groups = entry(opt, "fp32_from_fp16_params", path).toListRef();
       TORCH_CHECK(groups.size() == 1 && groups[0].isList(), "actmem::Trainer::load_checkpoint: ",
                   path, ": fp32_from_fp16_params should hold one parameter group");
@@ -752,11 +862,11 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
       at::NoGradGuard no_grad;
       for (const auto i : c10::irange(mine.size())) {
         const at::Tensor t = mains[i].toTensor();
-        TORCH_CHECK(t.sizes() == mine[i].sizes() && t.scalar_type() == at::kFloat,
+        TORCH_CHECK(t.sizes() == params_[i].sizes() && t.scalar_type() == at::kFloat,
                     "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i,
-                    " is ", t.sizes(), " ", t.scalar_type(), ", expected ", mine[i].sizes(),
+                    " is ", t.sizes(), " ", t.scalar_type(), ", expected ", params_[i].sizes(),
                     " Float");
-        mine[i].copy_(t);
+        mine[i].copy_(shards_ ? shards_->shard(t.contiguous(), i) : t);
       }
       const c10::IValue& gs = entry(opt, "grad_scaler", path);
       if (auto& scaler = mixed_->scaler(); scaler && gs.isGenericDict()) {
@@ -768,7 +878,7 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
     } else {
       TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ",
                   path, " holds a 16-bit run's optimizer");
-      load_adamw_state(*optimizer_, params_, opt, path);
+      load_adamw_state(*optimizer_, optimizer_params_, opt, path, shards_.get(), params_);
     }
   } else {
     // Megatron's reload_model_params: the fp32 main parameters start from the loaded model.
@@ -776,16 +886,21 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
     scheduler_steps_ = 0;
     if (mixed_) {
       at::NoGradGuard no_grad;
-      for (const auto i : c10::irange(params_.size())) mixed_->main_params()[i].copy_(params_[i]);
+      mixed_->reload_main_params();
     }
   }
 
   if (options.rng && !options.finetune) {
+    // One entry per replica of the saving run (replica_rng_states): this replica's when the run
+    // has as many, else the first (another data-parallel size: the streams cannot continue as
+    // they were anyway; a checkpoint of one replica has one).
     const auto list = entry(ckpt, "rng_state", path).toListRef();
-    TORCH_CHECK(list.size() == 1 && list[0].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
-                path, ": rng_state should hold one entry (one data-parallel rank), has ",
-                list.size());
-    const auto rng = list[0].toGenericDict();
+    const auto replicas = static_cast<size_t>(expert_data_parallel_group().size);
+    const size_t mine = list.size() == replicas ? static_cast<size_t>(expert_data_parallel_group().rank) : 0;
+    TORCH_CHECK(!list.empty() && list[mine].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
+                path, ": rng_state should hold one dict per data-parallel replica, has ",
+                list.size(), " entries");
+    const auto rng = list[mine].toGenericDict();
     rng_state_[0] = entry(rng, "torch_rng_state", path).toTensor().clone();
     if (rng_state_.size() > 1) {
       TORCH_CHECK(rng.contains("cuda_rng_state"), "actmem::Trainer::load_checkpoint: ", path,

@@ -681,6 +681,7 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},
       {"overlap_grad_reduce", t.overlap_grad_reduce},
       {"ddp_bucket_size", t.ddp_bucket_size ? nlohmann::json(*t.ddp_bucket_size) : nlohmann::json(nullptr)},
+      {"use_distributed_optimizer", t.use_distributed_optimizer},
   };
 }
 

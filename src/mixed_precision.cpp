@@ -1,6 +1,8 @@
 // mixed_precision.cpp — main parameters, main-grad hooks and loss scaling (Megatron's semantics).
 #include "actmem/mixed_precision.h"
 
+#include "actmem/distributed_optimizer.h"
+
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
@@ -120,16 +122,20 @@ class AccumulateIntoMainGrad : public torch::autograd::FunctionPostHook {
 
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_params,
                                                  const AdamWSettings& s, at::ScalarType grad_dtype,
-                                                 std::optional<GradScaler> scaler)
-    : model_params_(std::move(model_params)), scaler_(std::move(scaler)) {
+                                                 std::optional<GradScaler> scaler,
+                                                 const OptimizerShards* shards)
+    : model_params_(std::move(model_params)), scaler_(std::move(scaler)), shards_(shards) {
   at::NoGradGuard no_grad;
-  for (auto& p : model_params_) {
+  for (size_t i = 0; i < model_params_.size(); ++i) {
+    const at::Tensor& p = model_params_[i];
     TORCH_CHECK(p.is_leaf() && p.requires_grad(), "actmem::MixedPrecisionOptimizer: expected "
                 "leaf parameters that require grad");
     // Megatron: main_param = param.detach().clone().float(); its grad is the main-grad buffer.
-    at::Tensor main = p.detach().clone().to(at::kFloat).set_requires_grad(true);
+    // With the distributed optimizer: this rank's elements of both (Megatron's
+    // shard_fp32_from_float16_groups).
+    at::Tensor main = model_view(i).clone().to(at::kFloat).set_requires_grad(true);
     at::Tensor main_grad = at::zeros_like(p, p.options().dtype(grad_dtype));
-    if (grad_dtype == at::kFloat) main.mutable_grad() = main_grad;
+    if (grad_dtype == at::kFloat) main.mutable_grad() = shards_ ? shards_->shard(main_grad, i) : main_grad;
     main_params_.push_back(main);
     main_grads_.push_back(main_grad);
     p.mutable_grad().reset();
@@ -171,19 +177,32 @@ void MixedPrecisionOptimizer::set_lr(double lr) {
   }
 }
 
+at::Tensor MixedPrecisionOptimizer::model_view(size_t i) const {
+  const at::Tensor p = model_params_[i].detach();
+  return shards_ ? shards_->shard(p, i) : p;
+}
+
+void MixedPrecisionOptimizer::reload_main_params() {
+  at::NoGradGuard no_grad;
+  for (size_t i = 0; i < main_params_.size(); ++i) main_params_[i].copy_(model_view(i));
+}
+
 void MixedPrecisionOptimizer::step() {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < main_params_.size(); ++i) {
     // fp16 gradients (accumulate_allreduce_grads_in_fp32 off): main_param.grad = main_grad.float()
     if (main_grads_[i].scalar_type() != at::kFloat) {
-      main_params_[i].mutable_grad() = main_grads_[i].to(at::kFloat);
+      main_params_[i].mutable_grad() =
+          (shards_ ? shards_->shard(main_grads_[i], i) : main_grads_[i]).to(at::kFloat);
     }
   }
   adamw_->step();
   for (size_t i = 0; i < main_params_.size(); ++i) {
-    model_params_[i].copy_(main_params_[i]);  // _copy_main_params_to_model_params
+    model_view(i).copy_(main_params_[i]);  // _copy_main_params_to_model_params
     if (main_grads_[i].scalar_type() != at::kFloat) main_params_[i].mutable_grad().reset();
   }
+  // The distributed optimizer's all-gather: every rank's updated elements, everywhere.
+  if (shards_) shards_->all_gather(model_params_);
 }
 
 }  // namespace actmem

@@ -306,6 +306,9 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
          "--ddp-bucket-size", [&t](const int64_t& n) { t.ddp_bucket_size = n; },
          "Elements per gradient bucket with --overlap-grad-reduce (default max(40M, 1M x d))")
       ->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--use-distributed-optimizer", t.use_distributed_optimizer,
+               "Shard the optimizer state (AdamW's moments, fp32 main parameters) over the "
+               "data-parallel ranks");
   app.add_option("--global-batch-size", t.global_batch_size,
                  "Samples per optimizer step (a multiple of --micro-batch-size)")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));

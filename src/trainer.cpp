@@ -5,6 +5,7 @@
 #include "actmem/gpt_dataset.h"
 #include "actmem/ledger.h"
 #include "actmem/activation_offloader.h"
+#include "actmem/distributed_optimizer.h"
 #include "actmem/grad_reducer.h"
 #include "actmem/memory_model.h"
 #include "actmem/mixed_precision.h"
@@ -297,6 +298,28 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   params_ = model_->ordered_parameters();
   tensor_parallel_flags_ = model_->tensor_parallel_flags();
   expert_parallel_flags_ = model_->expert_parallel_flags();
+  if (config_.use_distributed_optimizer) {
+    // Note [Distributed optimizer] in distributed_optimizer.h: the buffer layout of Megatron's
+    // DistributedOptimizer, its buckets those of the gradient reduction (one per group without
+    // --overlap-grad-reduce, as Megatron's bucket_size None).
+    const bool apart = expert_parallel_group().size > 1;
+    OptimizerShards::Group dense{&data_parallel_group(), {}};
+    OptimizerShards::Group experts{&expert_data_parallel_group(), {}};
+    for (size_t i = 0; i < params_.size(); ++i) {
+      (apart && expert_parallel_flags_[i] ? experts : dense).params.push_back(i);
+    }
+    std::vector<OptimizerShards::Group> groups = {std::move(dense)};
+    if (!experts.params.empty()) groups.push_back(std::move(experts));
+    int64_t tied = -1;
+    if (const at::Tensor shared = model_->shared_embedding_or_output_weight();
+        shared.defined() && embedding_group().size > 1) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        if (params_[i].is_same(shared)) tied = static_cast<int64_t>(i);
+      }
+    }
+    shards_ = std::make_unique<OptimizerShards>(params_, std::move(groups), ddp_bucket_size(),
+                                                tied);
+  }
   if (is_16bit(model_->dtype())) {
     // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
     std::optional<GradScaler> scaler;
@@ -310,7 +333,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
         params_,
         AdamWSettings{config_.lr, config_.adam_beta1, config_.adam_beta2, config_.adam_eps,
                       config_.weight_decay},
-        config_.fp32_main_grads(model_config_) ? at::kFloat : model_->dtype(), scaler);
+        config_.fp32_main_grads(model_config_) ? at::kFloat : model_->dtype(), scaler,
+        shards_.get());
     grads_ = mixed_->main_grads();
   } else {
     {
@@ -319,8 +343,18 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       for (auto& p : params_) p.mutable_grad() = at::zeros_like(p);
     }
     for (auto& p : params_) grads_.push_back(p.grad());
+    // With the distributed optimizer AdamW steps views of this rank's elements of each parameter
+    // (Megatron's fp32 shards are views of the parameters too), their gradients views of the
+    // gradients' same elements; the step writes straight into the parameters.
+    optimizer_params_ = params_;
+    if (shards_) {
+      for (size_t i = 0; i < params_.size(); ++i) {
+        optimizer_params_[i] = shards_->shard(params_[i].detach(), i);
+        optimizer_params_[i].mutable_grad() = shards_->shard(grads_[i], i);
+      }
+    }
     optimizer_ = std::make_unique<torch::optim::AdamW>(
-        params_, torch::optim::AdamWOptions(config_.lr)
+        optimizer_params_, torch::optim::AdamWOptions(config_.lr)
                      .betas({config_.adam_beta1, config_.adam_beta2})
                      .eps(config_.adam_eps)
                      .weight_decay(config_.weight_decay));
@@ -377,9 +411,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     }
     std::vector<GradReducer::Group> groups = {std::move(dense)};
     if (!experts.params.empty()) groups.push_back(std::move(experts));
-    grad_reducer_ = std::make_unique<GradReducer>(
-        std::move(groups), config_.ddp_bucket_size.value_or(std::max<int64_t>(40000000, 1000000 * d)),
-        1.0 / static_cast<double>(d));
+    grad_reducer_ = std::make_unique<GradReducer>(std::move(groups), *ddp_bucket_size(),
+                                                  1.0 / static_cast<double>(d));
   }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   const ActivationPlan& plan = model_->plan();
@@ -409,6 +442,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
 }
 
 Trainer::~Trainer() = default;
+
+std::optional<int64_t> Trainer::ddp_bucket_size() const {
+  // Megatron: --ddp-bucket-size, by default max(40M, 1M x d); None (one bucket) without
+  // --overlap-grad-reduce.
+  if (!config_.overlap_grad_reduce) return std::nullopt;
+  return config_.ddp_bucket_size.value_or(
+      std::max<int64_t>(40000000, 1000000 * data_parallel_group().size));
+}
 
 double Trainer::lr_at(int64_t it) const {
   // it is 1-based. Warmup is linear from lr/warmup to lr; then decay to min_lr at train_iters.
@@ -491,6 +532,8 @@ IterationStats Trainer::train_step(bool compute_digest) {
       mixed_->step();
     } else {
       optimizer_->step();
+      // The distributed optimizer's all-gather of every rank's updated elements.
+      if (shards_) shards_->all_gather(params_);
     }
     ++scheduler_steps_;
   }

@@ -1,10 +1,19 @@
 // test_parallel_layout.cpp — Megatron's rank groups: its documented examples, the explicit
 // ("past code") formulas its own unit test compares RankGenerator with, its errors, and the
 // groups built on c10d by a launch of four processes.
+#include "actmem/compat.h"
+#include "actmem/distributed.h"
+#include "actmem/distributed_optimizer.h"
 #include "actmem/parallel_layout.h"
 #include "test_util.h"
 
+#include <ATen/ATen.h>
 #include <gtest/gtest.h>
+// TensorParallelGroup's process-group pointer needs the complete type to be destroyed.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#endif
 
 namespace {
 
@@ -123,3 +132,75 @@ TEST(ParallelLayout, GroupsOnC10dAllReduceWithinTheirMembers) {
 }
 
 }  // namespace
+
+// ---- the distributed optimizer's buffer layout ------------------------------------------------
+
+namespace {
+
+// Rank `rank`'s range of each parameter (numels given) in a group of `d`.
+std::vector<std::pair<int64_t, int64_t>> shard_ranges(const std::vector<int64_t>& numels, int d,
+                                                      int rank, std::optional<int64_t> bucket,
+                                                      int64_t own = -1, int64_t* buckets = nullptr) {
+  actmem::TensorParallelGroup g;  // only the layout is computed: no process group needed
+  g.rank = rank;
+  g.size = d;
+  std::vector<at::Tensor> params;
+  actmem::OptimizerShards::Group group{&g, {}};
+  for (size_t i = 0; i < numels.size(); ++i) {
+    params.push_back(at::zeros({numels[i]}));
+    group.params.push_back(i);
+  }
+  const actmem::OptimizerShards shards(params, {group}, bucket, own);
+  std::vector<std::pair<int64_t, int64_t>> out;
+  for (size_t i = 0; i < numels.size(); ++i) out.emplace_back(shards.begin(i), shards.end(i));
+  if (buckets != nullptr) *buckets = shards.buckets();
+  return out;
+}
+
+using Ranges = std::vector<std::pair<int64_t, int64_t>>;
+
+}  // namespace
+
+TEST(DistributedOptimizerLayout, MegatronsPaddingAndPieces) {
+  // Parameters of 100, 50 and 300 elements, laid out in reverse (Megatron's
+  // _compute_per_buffer_param_layout): the 300 at [0, 300), the 50 at the next multiple of 64,
+  // [320, 370), the 100 at [384, 484); the bucket's end padded to lcm(2, 128) = 128: 512, two
+  // pieces of 256. Worked by hand from those rules.
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 0, std::nullopt), (Ranges{{0, 0}, {0, 0}, {0, 256}}));
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 1, std::nullopt),
+            (Ranges{{0, 100}, {0, 50}, {256, 300}}));
+  // Buckets of 350 elements: the first closes after the 50 (370 >= 350), padded to 384 (pieces
+  // of 192); the second holds the 100 at [384, 484), padded to 512 (pieces of 64).
+  int64_t buckets = 0;
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 0, 350, -1, &buckets),
+            (Ranges{{0, 64}, {0, 0}, {0, 192}}));
+  EXPECT_EQ(buckets, 2);
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 1, 350), (Ranges{{64, 100}, {0, 50}, {192, 300}}));
+  // The pipeline-tied embedding (the 50) alone in its bucket: [0, 300) padded to 384, then
+  // [384, 434) padded to 512 (pieces of 64: all of it on rank 0), then the 100 at [512, 612)
+  // padded to 640.
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 0, std::nullopt, 1, &buckets),
+            (Ranges{{0, 64}, {0, 50}, {0, 192}}));
+  EXPECT_EQ(buckets, 3);
+  EXPECT_EQ(shard_ranges({100, 50, 300}, 2, 1, std::nullopt, 1),
+            (Ranges{{64, 100}, {0, 0}, {192, 300}}));
+  // Three ranks: lcm(3, 128) = 384; 512 elements pad to 768, pieces of 256.
+  EXPECT_EQ(shard_ranges({512}, 3, 2, std::nullopt), (Ranges{{0, 0}}));
+  EXPECT_EQ(shard_ranges({512}, 3, 1, std::nullopt), (Ranges{{256, 512}}));
+  // One rank holds everything.
+  EXPECT_EQ(shard_ranges({100, 50}, 1, 0, std::nullopt), (Ranges{{0, 100}, {0, 50}}));
+}
+
+TEST(DistributedOptimizerLayout, BadInputIsRefused) {
+  actmem::TensorParallelGroup g;
+  std::vector<at::Tensor> params = {at::zeros({4}), at::zeros({4})};
+  actmem::testing::expect_error_containing(
+      [&] { actmem::OptimizerShards(params, {{&g, {0}}}, std::nullopt); }, "is in no group");
+  actmem::testing::expect_error_containing(
+      [&] { actmem::OptimizerShards(params, {{&g, {0, 1}}}, 0); }, "bucket_size must be positive");
+  actmem::testing::expect_error_containing(
+      [&] { actmem::OptimizerShards(params, {{&g, {0, 1, 1}}}, std::nullopt); }, "in two groups");
+  const actmem::OptimizerShards shards(params, {{&g, {0, 1}}}, std::nullopt);
+  actmem::testing::expect_error_containing([&] { shards.shard(at::zeros({5}), 0); },
+                                  "expected a contiguous tensor of parameter 0's 4 elements");
+}

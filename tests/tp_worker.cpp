@@ -12,6 +12,9 @@
 //   actmem_tp_worker overlap OUT_DIR --tp T --pp P [--vp V] --layers L --global-batch G
 //                    --bucket N [--no-dropout]   (data parallelism with and without
 //                    --overlap-grad-reduce)
+//   actmem_tp_worker distopt OUT_DIR --tp T --pp P [--vp V] --layers L --global-batch G
+//                    --bucket N [--variant base|bf16|moe] [--ep E] [--no-dropout]   (the distributed
+//                    optimizer against the replicated one; bucket 0: no --overlap-grad-reduce)
 //   actmem_tp_worker experts OUT_DIR --tp T --ep E --global-batch G [--dispatcher D]
 //     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
 //     strategy; WORLD_SIZE = E x the expert-data-parallel size)
@@ -26,6 +29,7 @@
 #include "actmem/blas_kernels.h"
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
+#include "actmem/distributed_optimizer.h"
 #include "actmem/grad_reducer.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
@@ -537,6 +541,76 @@ TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& di
   return c;
 }
 
+// The distributed optimizer against the replicated one on the same layout (t x p x d, the
+// interleaved schedule with vp > 1; buckets of `bucket` elements with --overlap-grad-reduce, one
+// per group with bucket 0): three steps each, dropout as asked, clip-grad on. Reports per step what
+// the tests compare, the parameters' digest, this rank's share of the optimizer state and the
+// tracker's device bytes once the trainer holds its state. With p = 1 also resumes across the
+// two: a checkpoint saved by either continues bitwise in the other.
+nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bool dropout,
+                           int64_t global_batch, int64_t bucket, const std::string& variant,
+                           const std::string& dir) {
+  auto make = [&](bool dist) {
+    // variant moe: the MoE model of run_experts, its experts sharded over the
+    // expert-data-parallel group and the rest over the data-parallel group.
+    TransformerConfig c = variant == "moe" ? moe_config(t, ep, dropout, "alltoall")
+                                           : base_config(t, false, dropout, variant);
+    c.num_layers = layers;
+    c.pipeline_model_parallel_size = pp;
+    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
+    actmem::TrainingConfig tc;
+    tc.global_batch_size = global_batch;
+    tc.eval_interval = 0;
+    tc.clip_grad = 0.05;  // small enough to clip: the coefficient comes from the whole gradient
+    tc.use_distributed_optimizer = dist;
+    if (bucket > 0) {
+      tc.overlap_grad_reduce = true;
+      tc.ddp_bucket_size = bucket;
+    }
+    return std::make_unique<actmem::Trainer>(c, tc);
+  };
+  auto step_json = [](const actmem::IterationStats& st) {
+    return nlohmann::json{{"loss", st.loss}, {"grad_norm", st.grad_norm},
+                          {"grad_digest", st.grad_digest}};
+  };
+  nlohmann::json out;
+  for (const bool dist : {false, true}) {
+    auto trainer = make(dist);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) r["steps"].push_back(step_json(trainer->train_step(true)));
+    r["param_digest"] = param_digest(trainer->model());
+    r["device_bytes"] = trainer->memory().current_bytes();
+    if (const actmem::OptimizerShards* shards = trainer->optimizer_shards()) {
+      r["owned"] = shards->owned_elements();
+      r["total"] = shards->total_elements();
+      r["buckets"] = shards->buckets();
+    }
+    out[dist ? "distributed" : "plain"] = r;
+  }
+  if (pp == 1) {
+    // Two steps, a checkpoint, the third step: saved by one optimizer, resumed by the other.
+    for (const bool dist : {false, true}) {
+      const std::string ckpt = dir + (dist ? "/ckpt_distributed" : "/ckpt_plain");
+      {
+        auto saver = make(dist);
+        saver->train_step(false);
+        saver->train_step(false);
+        saver->save_checkpoint(ckpt);
+      }
+      auto resumed = make(!dist);
+      resumed->load_checkpoint(ckpt);
+      nlohmann::json r = step_json(resumed->train_step(true));
+      r["param_digest"] = param_digest(resumed->model());
+      out[dist ? "resumed_from_distributed" : "resumed_from_plain"] = r;
+    }
+  }
+  out["dp_size"] = actmem::data_parallel_group().size;
+  out["dp_rank"] = actmem::data_parallel_group().rank;
+  out["pp_rank"] = actmem::pipeline_parallel_group().rank;
+  out["tp_rank"] = actmem::tensor_parallel_group().rank;
+  return out;
+}
+
 std::vector<std::pair<std::string, Mutator>> moe_strategies() {
   auto selective = [](std::vector<std::string> modules) {
     return [=](TransformerConfig& c) {
@@ -699,6 +773,9 @@ int main(int argc, char** argv) {
       result["pipeline_fault"] = run_pipeline_fault(die_stage);
     } else if (scenario == "overlap") {
       result["overlap"] = run_overlap(std::max(tp, 1), pp, vp, layers, dropout, global_batch, bucket);
+    } else if (scenario == "distopt") {
+      result["distopt"] = run_distopt(std::max(tp, 1), pp, ep, vp, layers, dropout, global_batch,
+                                      bucket, variant, out_dir);
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch);
     } else if (scenario == "experts") {

@@ -316,6 +316,9 @@ struct TrainingConfig {
   bool overlap_grad_reduce = false;
   /// Megatron's --ddp-bucket-size: elements per bucket; unset: max(40M, 1M x d).
   std::optional<int64_t> ddp_bucket_size;
+  /// Megatron's --use-distributed-optimizer: the optimizer state sharded over the data-parallel
+  /// ranks (distributed_optimizer.h).
+  bool use_distributed_optimizer = false;
 
   /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.
   bool fp32_main_grads(const TransformerConfig& model) const {

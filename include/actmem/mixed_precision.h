@@ -27,6 +27,8 @@ struct Node;
 
 namespace actmem {
 
+class OptimizerShards;
+
 /// Megatron's ConstantGradScaler and DynamicGradScaler (megatron/core/optimizer/grad_scaler.py).
 /// The scale is kept as an fp32 value, as Megatron keeps it in a float tensor.
 class GradScaler {
@@ -71,9 +73,12 @@ class MixedPrecisionOptimizer {
  public:
   /// model_params: the model's 16-bit leaf parameters. grad_dtype: the main-grad buffers' type
   /// (float with accumulate_allreduce_grads_in_fp32, else the parameters' type). The hooks are
-  /// installed here and live as long as this object.
+  /// installed here and live as long as this object. With `shards` (the distributed optimizer,
+  /// distributed_optimizer.h; must outlive this object) the main parameters and AdamW's state
+  /// cover this rank's elements only, and step() ends with the all-gather of the parameters.
   MixedPrecisionOptimizer(std::vector<at::Tensor> model_params, const AdamWSettings& settings,
-                          at::ScalarType grad_dtype, std::optional<GradScaler> scaler);
+                          at::ScalarType grad_dtype, std::optional<GradScaler> scaler,
+                          const OptimizerShards* shards = nullptr);
   ~MixedPrecisionOptimizer();
   MixedPrecisionOptimizer(const MixedPrecisionOptimizer&) = delete;
   MixedPrecisionOptimizer& operator=(const MixedPrecisionOptimizer&) = delete;
@@ -81,8 +86,12 @@ class MixedPrecisionOptimizer {
   /// The main-grad buffers, one per model parameter (what reductions, the norm, the clip and the
   /// digest work on).
   const std::vector<at::Tensor>& main_grads() const { return main_grads_; }
-  /// The fp32 main parameters the optimizer steps.
+  /// The fp32 main parameters the optimizer steps: one per model parameter, shaped like it, or
+  /// with the distributed optimizer this rank's elements of it (1-D, possibly empty).
   const std::vector<at::Tensor>& main_params() const { return main_params_; }
+  /// Main parameters := model parameters (Megatron's reload_model_params).
+  void reload_main_params();
+  const OptimizerShards* shards() const { return shards_; }
   void zero_grad();
   /// The loss multiplier for backward: the scaler's scale, or 1 without one.
   double loss_scale() const { return scaler_ ? scaler_->scale() : 1.0f; }
@@ -99,10 +108,13 @@ class MixedPrecisionOptimizer {
   void step();
 
  private:
+  /// Model parameter i's elements the main parameter i mirrors (all, or this rank's shard).
+  at::Tensor model_view(size_t i) const;
   std::vector<at::Tensor> model_params_, main_params_, main_grads_;
   std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
   std::optional<GradScaler> scaler_;
+  const OptimizerShards* shards_ = nullptr;
 };
 
 }  // namespace actmem

@@ -35,6 +35,7 @@ struct TensorParallelGroup;
 class MixedPrecisionOptimizer;
 class ActivationOffloader;
 class GradReducer;
+class OptimizerShards;
 class OutputFile;
 class TraceRecorder;
 
@@ -170,13 +171,21 @@ class Trainer {
   ActivationOffloader* offloader() { return offloader_.get(); }
   /// The overlapped data-parallel reduction (--overlap-grad-reduce with d > 1), else null.
   const GradReducer* grad_reducer() const { return grad_reducer_.get(); }
+  /// The distributed optimizer's layout (--use-distributed-optimizer), else null.
+  const OptimizerShards* optimizer_shards() const { return shards_.get(); }
   /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
   void record_timeline(bool on) { record_timeline_ = on; }
   const MemoryTimeline& last_timeline() const { return *timeline_; }
 
  private:
   double lr_at(int64_t iteration) const;
-  c10::impl::GenericDict checkpoint_state() const;  // checkpoint.cpp
+  // Elements per gradient bucket (grad_reducer.h, distributed_optimizer.h); nullopt: one bucket.
+  std::optional<int64_t> ddp_bucket_size() const;
+  // The checkpoint file's dict (checkpoint.cpp); a collective over the data-parallel replicas,
+  // each calling it, only the writers (`write`) building the dict.
+  c10::impl::GenericDict checkpoint_state(bool write) const;
+  // Every replica's random states, one list entry per expert-data-parallel rank (a collective).
+  c10::impl::GenericList replica_rng_states() const;
   void check_checkpoint_args(const nlohmann::json& args, const std::string& path) const;
   // The steps of train_step() (Note [The steps of a training step] in trainer.cpp).
   struct StepClock {
@@ -219,6 +228,10 @@ class Trainer {
   Corpus corpus_;
   std::shared_ptr<GPTModel> model_;
   std::vector<at::Tensor> params_;
+  // --use-distributed-optimizer: this rank's piece of each parameter (distributed_optimizer.h);
+  // declared before the optimizers, which use it.
+  std::unique_ptr<OptimizerShards> shards_;
+  std::vector<at::Tensor> optimizer_params_;             // what optimizer_ steps (see ctor)
   std::unique_ptr<torch::optim::AdamW> optimizer_;       // fp32 training
   std::unique_ptr<MixedPrecisionOptimizer> mixed_;       // --bf16 / --fp16
   std::vector<at::Tensor> grads_;                        // see gradients()

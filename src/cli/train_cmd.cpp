@@ -7,6 +7,7 @@
 #include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/grad_reducer.h"
+#include "actmem/distributed_optimizer.h"
 #include "actmem/trainer.h"
 #include "commands.h"
 
@@ -104,6 +105,12 @@ std::string mla_summary(const actmem::TransformerConfig& m) {
   return os.str();
 }
 
+// The optimizer state per parameter element: AdamW's two fp32 moments, and at 16 bits the fp32
+// main parameter.
+int64_t optimizer_bytes_per_element(const actmem::TransformerConfig& m) {
+  return m.bf16 || m.fp16 ? 12 : 8;
+}
+
 void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
                   actmem::GPTModel& model) {
   const auto& m = o.model;
@@ -125,8 +132,17 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
       << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions")
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
-      << "  precision " << precision_summary(m, t) << "\n"
-      << "  parameters " << model.num_parameters() << " | dropout attention "
+      << "  precision " << precision_summary(m, t) << "\n";
+  if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {
+    const int64_t per_element = optimizer_bytes_per_element(m);
+    out << "  distributed optimizer: this rank holds the optimizer state of "
+        << shards->owned_elements() << " of " << shards->total_elements() << " elements ("
+        << actmem::format_bytes(static_cast<double>(shards->owned_elements() * per_element))
+        << " instead of "
+        << actmem::format_bytes(static_cast<double>(shards->total_elements() * per_element))
+        << ", " << shards->buckets() << (shards->buckets() == 1 ? " bucket" : " buckets") << ")\n";
+  }
+  out << "  parameters " << model.num_parameters() << " | dropout attention "
       << m.attention_dropout << " hidden " << m.hidden_dropout << " | ";
   if (corpus.train.defined()) {
     out << "corpus " << corpus.source << " (" << corpus.train.numel() << " train / "
@@ -160,6 +176,15 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
   j["activation_plan"] = trainer.model().plan().to_json();
   j["training"] = to_json(o.training);
   j["training"]["device_memory_limit"] = o.training.device_memory_limit;
+  if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {
+    // Rank 0's piece (the others differ by a bucket's padding at most).
+    j["distributed_optimizer"] = {
+        {"owned_elements_rank0", shards->owned_elements()},
+        {"total_elements", shards->total_elements()},
+        {"buckets", shards->buckets()},
+        {"state_bytes_rank0", shards->owned_elements() * optimizer_bytes_per_element(o.model)},
+        {"state_bytes_replicated", shards->total_elements() * optimizer_bytes_per_element(o.model)}};
+  }
   const auto& c = trainer.corpus();
   if (c.train.defined()) {
     j["corpus"] = {{"source", c.source},
