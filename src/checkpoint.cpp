@@ -97,14 +97,20 @@ void write_durably(const std::string& path, const char* data, size_t size,
               " (is the disk full? the previous checkpoint is untouched)");
 }
 
-// Whether every tensor-parallel rank succeeded; the ranks call it together, so one rank's
-// failure reaches the others instead of leaving them waiting in the next collective.
-// The writers are one replica's tensor- and expert-parallel ranks (Trainer::save_checkpoint).
+// Whether every writing rank succeeded; the ranks call it together, so one rank's failure
+// reaches the others instead of leaving them waiting in the next collective. The writers are one
+// replica's tensor-, expert-parallel ranks and pipeline stages (Trainer::save_checkpoint).
 bool all_ranks_ok(bool ok, const at::Device& device) {
-  if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1) return ok;
+  if (tensor_parallel_group().size == 1 && expert_parallel_group().size == 1 &&
+      pipeline_parallel_group().size == 1) {
+    return ok;
+  }
   const at::Tensor failures = at::full({1}, ok ? 0.0f : 1.0f,
                                        at::TensorOptions().dtype(at::kFloat).device(device));
-  return group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(failures)).item<float>() == 0.0f;
+  return group_all_reduce_sum(
+             pipeline_parallel_group(),
+             group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(failures)))
+             .item<float>() == 0.0f;
 }
 
 // Runs `fn` on every rank, then agrees on success: rethrows a local error, or reports another
@@ -119,7 +125,7 @@ void on_all_ranks(const at::Device& device, const char* what, Fn&& fn) {
   }
   const bool all_ok = all_ranks_ok(!error, device);
   if (error) std::rethrow_exception(error);
-  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor- or expert-parallel rank failed ",
+  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor-, expert- or pipeline-parallel rank failed ",
               what, " (its error is in its output); nothing was published");
 }
 
@@ -292,10 +298,12 @@ constexpr const char* kShapeFields[] = {
     "normalization", "gated_linear_unit", "add_bias_linear", "position_embedding_type",
     "untie_embeddings_and_output_weights", "tensor_model_parallel_size", "precision"};
 
-// "mp_rank_03" (Megatron's name without a pipeline stage).
-std::string rank_dir_name(int64_t tp_rank, int64_t ep_rank = -1) {
+// "mp_rank_03", "mp_rank_03_001" (expert rank 1 or pipeline stage 1), "mp_rank_03_002_001"
+// (stage 2, expert rank 1): Megatron's get_checkpoint_name.
+std::string rank_dir_name(int64_t tp_rank, int64_t ep_rank = -1, int64_t pp_rank = -1) {
   std::ostringstream os;
   os << "mp_rank_" << std::setw(2) << std::setfill('0') << tp_rank;
+  if (pp_rank >= 0) os << "_" << std::setw(3) << std::setfill('0') << pp_rank;
   if (ep_rank >= 0) os << "_" << std::setw(3) << std::setfill('0') << ep_rank;
   return os.str();
 }
@@ -303,6 +311,11 @@ std::string rank_dir_name(int64_t tp_rank, int64_t ep_rank = -1) {
 // This rank's expert-parallel rank for its file name: -1 without expert parallelism.
 int64_t file_ep_rank() {
   return expert_parallel_group().size > 1 ? expert_parallel_group().rank : -1;
+}
+
+// This rank's pipeline stage for its file name: -1 without pipeline parallelism.
+int64_t file_pp_rank() {
+  return pipeline_parallel_group().size > 1 ? pipeline_parallel_group().rank : -1;
 }
 
 }  // namespace
@@ -314,8 +327,9 @@ std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration) 
 }
 
 std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank,
-                            int64_t ep_rank) {
-  return (fs::path(checkpoint_iteration_dir(dir, iteration)) / rank_dir_name(tp_rank, ep_rank) /
+                            int64_t ep_rank, int64_t pp_rank) {
+  return (fs::path(checkpoint_iteration_dir(dir, iteration)) /
+          rank_dir_name(tp_rank, ep_rank, pp_rank) /
           "model_optim_rng.pt")
       .string();
 }
@@ -536,11 +550,18 @@ LoadedModel load_model_for_inference(const std::string& dir) {
   LoadedModel out;
   out.path = checkpoint_file(dir, *latest, 0);
   std::error_code ec;
-  TORCH_CHECK(fs::exists(out.path, ec) || !fs::exists(checkpoint_file(dir, *latest, 0, 0), ec),
-              "actmem::load_model_for_inference: ", dir, " was saved with expert parallelism (one "
-              "file per expert-parallel rank, ", checkpoint_file(dir, *latest, 0, 0), ", ...); "
-              "inference loads a single-process checkpoint: train with "
-              "--expert-model-parallel-size 1 or load it under the same launch with --load");
+  // mp_rank_00_000 is expert rank 0's file or stage 0's (Megatron's names): its args tell which.
+  const std::string split = checkpoint_file(dir, *latest, 0, 0);
+  if (!fs::exists(out.path, ec) && fs::exists(split, ec)) {
+    const nlohmann::json args = ivalue_to_json(entry(read_checkpoint_file(split), "args", split));
+    const bool pipeline = args.value("pipeline_model_parallel_size", int64_t{1}) > 1;
+    TORCH_CHECK(false, "actmem::load_model_for_inference: ", dir, " was saved with ",
+                pipeline ? "pipeline parallelism (one file per stage, "
+                         : "expert parallelism (one file per expert-parallel rank, ",
+                split, ", ...); inference loads a single-process checkpoint: train with ",
+                pipeline ? "--pipeline-model-parallel-size 1" : "--expert-model-parallel-size 1",
+                " or load it under the same launch with --load");
+  }
   const c10::impl::GenericDict ckpt = read_checkpoint_file(out.path);
   const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", out.path));
   out.args_json = args.dump();
@@ -671,7 +692,8 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // as without it.
   const TensorParallelGroup& replicas = expert_data_parallel_group();
   const c10::impl::GenericDict state = checkpoint_state(/*write=*/replicas.rank == 0);
-  const bool leader = tp.rank == 0 && expert_parallel_group().rank == 0;
+  const bool leader =
+      tp.rank == 0 && expert_parallel_group().rank == 0 && pipeline_parallel_group().rank == 0;
   const std::string tmp_dir = final_dir + ".tmp";
   std::exception_ptr error;
   if (replicas.rank == 0) {
@@ -691,7 +713,8 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
       });
       // Move 1: every rank's file, durable.
       on_all_ranks(device_, "to write its file", [&] {
-        const fs::path rank_dir = fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank());
+        const fs::path rank_dir =
+            fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank(), file_pp_rank());
         std::error_code ec;
         fs::create_directories(rank_dir, ec);
         TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
@@ -764,13 +787,24 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
       fields.emplace_back(f);
     }
   }
+  // Which layers a stage (and each of its model chunks) holds. A checkpoint from before pipeline
+  // parallelism records none of these: it is a one-stage one.
+  const auto ckpt_p = args.contains("pipeline_model_parallel_size")
+                          ? args["pipeline_model_parallel_size"].get<int64_t>()
+                          : int64_t{1};
+  if (ckpt_p > 1 || model_config_.pipeline_model_parallel_size > 1) {
+    for (const char* f : {"pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                          "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size"}) {
+      fields.emplace_back(f);
+    }
+  }
   for (const auto& f : fields) {
     TORCH_CHECK(args.contains(f), "actmem::Trainer::load_checkpoint: ", path, " does not record ",
                 f, " in its args; cannot tell whether it fits this model");
     TORCH_CHECK(args[f] == mine[f], "actmem::Trainer::load_checkpoint: the checkpoint has ", f,
                 " = ", args[f].dump(), " but this run has ", f, " = ", mine[f].dump(), " (", path,
-                "); a checkpoint loads only into the model shape, tensor-parallel size and "
-                "precision it was saved with");
+                "); a checkpoint loads only into the model shape, tensor-, pipeline- and "
+                "expert-parallel layout and precision it was saved with");
   }
 }
 
@@ -779,14 +813,18 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
   const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
   if (!latest) return std::nullopt;
   const auto& tp = tensor_parallel_group();
-  std::string path = checkpoint_file(dir, *latest, tp.rank, file_ep_rank());
+  std::string path = checkpoint_file(dir, *latest, tp.rank, file_ep_rank(), file_pp_rank());
   std::error_code ec;
   if (!fs::exists(path, ec)) {
-    // Another tensor- or expert-parallel size names the mismatch; otherwise the file is missing.
-    for (const int64_t ep_rank : {int64_t{-1}, int64_t{0}}) {
-      const std::string first = checkpoint_file(dir, *latest, 0, ep_rank);
-      if (fs::exists(first, ec)) {
-        check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)), first);
+    // Another tensor-, expert- or pipeline-parallel size names the mismatch; otherwise the file
+    // is missing.
+    for (const int64_t pp_rank : {int64_t{-1}, int64_t{0}}) {
+      for (const int64_t ep_rank : {int64_t{-1}, int64_t{0}}) {
+        const std::string first = checkpoint_file(dir, *latest, 0, ep_rank, pp_rank);
+        if (fs::exists(first, ec)) {
+          check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)),
+                                first);
+        }
       }
     }
     TORCH_CHECK(false, "actmem::Trainer::load_checkpoint: ", dir, "/", kLatestCheckpointFile,

@@ -544,10 +544,6 @@ nlohmann::json to_json(const TransformerConfig& c) {
 }
 
 void TrainingConfig::validate(const TransformerConfig& model) const {
-  TORCH_CHECK(model.pipeline_model_parallel_size == 1 || (save.empty() && load.empty()),
-              "actmem::TrainingConfig: --save and --load with pipeline parallelism are not "
-              "implemented yet (pipeline_model_parallel_size ", model.pipeline_model_parallel_size,
-              ")");
   TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
               "got ", global_batch_size);
   const int64_t gbs = global_batch(model.micro_batch_size);

@@ -555,6 +555,42 @@ TEST(CheckpointCli, TensorAndExpertParallelResumeIsBitwiseWithOneFilePerRankPair
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
+  // Pipeline 2 x data 2 under 1F1B (four processes, four micro-batches, the tied embedding kept
+  // over the embedding group, dropout on), and pipeline 2 under the interleaved schedule (two
+  // model chunks per stage): each stage of the first replica writes its layers to its own file
+  // (Megatron's mp_rank_TT_PPP), every rank resumes from its stage's file, and the resumed
+  // iterations equal the uninterrupted run's bitwise. Another pipeline size names the mismatch;
+  // generate (single-process inference) refuses clearly.
+  const std::string dir = testing::fresh_temp_dir("pp_resume");
+  const std::string flags = std::string(kTinyFlags) + " --global-batch-size 16 "
+                            "--pipeline-model-parallel-size 2";
+  expect_bitwise_resume("launch --nproc-per-node 4 -- train", flags, dir);
+  if (::testing::Test::HasFatalFailure()) return;
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, -1, 0)));
+  EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, -1, 1)));
+  EXPECT_FALSE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0)));
+  std::string one = flags;
+  one.replace(one.find("--pipeline-model-parallel-size 2"), 32, "--pipeline-model-parallel-size 1");
+  auto r = testing::run_actmem("launch --nproc-per-node 2 -- train" + one +
+                               " --train-iters 4 --load " + dir + "/ckpt");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("pipeline_model_parallel_size = 2 but this run has "
+                          "pipeline_model_parallel_size = 1"),
+            std::string::npos) << r.output;
+  r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("was saved with pipeline parallelism"), std::string::npos) << r.output;
+  fs::remove_all(dir);
+
+  const std::string interleaved = testing::fresh_temp_dir("vpp_resume");
+  std::string vpp = std::string(kTinyFlags) + " --global-batch-size 8 "
+                    "--pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1";
+  vpp.replace(vpp.find("--num-layers 2"), 14, "--num-layers 4");
+  expect_bitwise_resume("launch --nproc-per-node 2 -- train", vpp, interleaved);
+  fs::remove_all(interleaved);
+}
+
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {

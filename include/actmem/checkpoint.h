@@ -31,9 +31,10 @@ inline constexpr double kCheckpointVersion = 3.0;
 std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration);
 /// DIR/iter_0000100/mp_rank_03/model_optim_rng.pt: tensor-parallel rank 3's file; with expert
 /// parallelism (ep_rank >= 0) DIR/iter_0000100/mp_rank_03_001/model_optim_rng.pt for expert-
-/// parallel rank 1 (Megatron's get_checkpoint_name).
+/// parallel rank 1; with pipeline parallelism (pp_rank >= 0) mp_rank_03_002 for stage 2, and
+/// mp_rank_03_002_001 with both (Megatron's get_checkpoint_name).
 std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank,
-                            int64_t ep_rank = -1);
+                            int64_t ep_rank = -1, int64_t pp_rank = -1);
 
 /// The iteration DIR/latest_checkpointed_iteration.txt names; nullopt when the file does not
 /// exist. Throws for a file that is not a non-negative iteration number ("release" checkpoints
