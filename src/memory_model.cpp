@@ -654,16 +654,20 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
 // stage's measured peak in Pipeline.EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHolds-
 // PerStage (tests/test_tensor_parallel.cpp).
 double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
-                               int64_t pipeline_stage, int64_t microbatches_in_flight) {
+                               int64_t pipeline_stage, int64_t microbatches_in_flight,
+                               int64_t optimizer_shards) {
   TORCH_CHECK(microbatches_in_flight >= 1, "actmem::predict_step_peak_bound: at least one "
               "micro-batch in flight, got ", microbatches_in_flight);
-  return predict_step_peak_bound(c, dtype_bytes, pipeline_stage, {microbatches_in_flight}, 2);
+  return predict_step_peak_bound(c, dtype_bytes, pipeline_stage, {microbatches_in_flight}, 2,
+                                 optimizer_shards);
 }
 
 double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                                int64_t pipeline_stage,
                                const std::vector<int64_t>& in_flight_per_chunk,
-                               int64_t boundary_tensors) {
+                               int64_t boundary_tensors, int64_t optimizer_shards) {
+  TORCH_CHECK(optimizer_shards >= 1, "actmem::predict_step_peak_bound: optimizer_shards must be "
+              "at least 1, got ", optimizer_shards);
   TORCH_CHECK(static_cast<int64_t>(in_flight_per_chunk.size()) == c.virtual_pipeline_size(),
               "actmem::predict_step_peak_bound: one in-flight count per model chunk (",
               c.virtual_pipeline_size(), "), got ", in_flight_per_chunk.size());
@@ -686,8 +690,21 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   // Per parameter: fp32 (or double) training keeps parameter, gradient and both AdamW moments
   // (4e). 16-bit training keeps the 16-bit parameter, fp32 main grad, main parameter and moments
   // (Megatron's 18 bytes) and, transiently, a 16-bit gradient before its hook adds it into the
-  // main grad (2 more).
-  const double per_param = e == 2.0 ? 20.0 : 4.0 * e;
+  // main grad (2 more). The distributed optimizer keeps 1/d of the moments and main parameters,
+  // and a rank's piece may hold more than 1/d of the real elements by the buffer's padding
+  // (distributed_optimizer.h): under 64 elements per parameter tensor (at most 16 per layer
+  // and 4 per routed expert; 8 outside the layers) and lcm(d, 128) per bucket (one per tensor at
+  // most).
+  const double d = static_cast<double>(optimizer_shards);
+  const double state_bytes = e == 2.0 ? 12.0 : 2.0 * e;  // per element: moments (+ main param)
+  const double per_param = e == 2.0 ? 8.0 + 12.0 / d : 2.0 * e + 2.0 * e / d;
+  const double tensors =
+      L * (16.0 + (c.is_moe() ? 4.0 * static_cast<double>(c.num_moe_experts) : 0.0)) + 8.0;
+  const double padding =
+      optimizer_shards > 1
+          ? tensors * (64.0 + static_cast<double>(std::lcm(optimizer_shards, int64_t{128}))) *
+                state_bytes
+          : 0.0;
   // Per rank: the linear layers are split t ways, norms, embedding and output layer replicated.
   // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
   // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
@@ -763,8 +780,8 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
   // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
   const double upcast = e == 2.0 ? 2.0 : 1.0;
-  return per_param * (params + moe_params) + 2.0 * largest_param * upcast + activations +
-         3.0 * largest_tensor * upcast;
+  return per_param * (params + moe_params) + padding + 2.0 * largest_param * upcast +
+         activations + 3.0 * largest_tensor * upcast;
 }
 
 }  // namespace actmem

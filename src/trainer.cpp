@@ -234,6 +234,12 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     const int64_t n_micro =
         config_.num_microbatches(model_config_.micro_batch_size, data_parallel_group().size);
     int64_t in_flight = one_f_one_b_in_flight(pp.rank, pp.size, n_micro);
+    // The distributed optimizer's state: 1/d of it (the experts' over their own, possibly
+    // smaller, data-parallel group: the smaller size keeps the bound a bound).
+    const int64_t shards =
+        config_.use_distributed_optimizer
+            ? std::min(data_parallel_group().size, expert_data_parallel_group().size)
+            : 1;
     double need = 0.0;
     if (const int64_t v = model_config_.virtual_pipeline_size(); v > 1) {
       const PipelineMemory counts = pipeline_memory(
@@ -242,13 +248,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
       in_flight = 0;
       for (const int64_t n : counts.max_in_flight) in_flight += n;
       need = predict_step_peak_bound(model_config_, 0, pp.rank, counts.max_in_flight,
-                                     counts.max_boundary_tensors + 2);
+                                     counts.max_boundary_tensors + 2, shards);
     } else {
-      need = predict_step_peak_bound(model_config_, 0, pp.rank, in_flight);
+      need = predict_step_peak_bound(model_config_, 0, pp.rank, in_flight, shards);
     }
     TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
                 "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
-                "state and ", in_flight == 1 ? std::string("one micro-batch") :
+                "state", shards > 1 ? " (1/" + std::to_string(shards) + " of it)" : std::string(),
+                " and ", in_flight == 1 ? std::string("one micro-batch") :
                 std::to_string(in_flight) +
                     (model_config_.virtual_pipeline_size() > 1 ? " model-chunk micro-batches"
                                                                : " micro-batches") +

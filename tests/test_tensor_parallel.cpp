@@ -707,6 +707,12 @@ TEST(DataParallel, DistributedOptimizerIsBitwiseTheReplicatedOneWithItsStateShar
       EXPECT_EQ(plain["device_bytes"].get<int64_t>() - dist["device_bytes"].get<int64_t>(),
                 (total - mine) * k.state_bytes)
           << what;
+      if (dist.contains("peak_bound")) {
+        // The trainer's memory pre-check stays a bound with the state split, and a tighter one.
+        EXPECT_GE(dist["peak_bound"].get<double>(), dist["peak"].get<double>()) << what;
+        EXPECT_LT(dist["peak_bound"].get<double>(), plain["peak_bound"].get<double>()) << what;
+        EXPECT_GE(plain["peak_bound"].get<double>(), plain["peak"].get<double>()) << what;
+      }
       if (o.contains("resumed_from_plain")) {
         for (const char* from : {"resumed_from_plain", "resumed_from_distributed"}) {
           EXPECT_EQ(o[from]["loss"], plain["steps"][2]["loss"]) << what << " " << from;

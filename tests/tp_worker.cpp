@@ -576,10 +576,19 @@ nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bo
   nlohmann::json out;
   for (const bool dist : {false, true}) {
     auto trainer = make(dist);
+    trainer->memory().reset_peak();
     nlohmann::json r;
     for (int i = 0; i < 3; ++i) r["steps"].push_back(step_json(trainer->train_step(true)));
     r["param_digest"] = param_digest(trainer->model());
     r["device_bytes"] = trainer->memory().current_bytes();
+    r["peak"] = trainer->memory().peak_bytes();
+    if (pp == 1) {
+      // The trainer's memory pre-check, with the optimizer state split d ways.
+      const int64_t d = std::min(actmem::data_parallel_group().size,
+                                 actmem::expert_data_parallel_group().size);
+      r["peak_bound"] = actmem::predict_step_peak_bound(trainer->model().config(), 0, 0, 1,
+                                                        dist ? d : 1);
+    }
     if (const actmem::OptimizerShards* shards = trainer->optimizer_shards()) {
       r["owned"] = shards->owned_elements();
       r["total"] = shards->total_elements();

@@ -243,8 +243,11 @@ int64_t moe_max_routed_rows(const TransformerConfig& config);
 /// stage, the output layer on the last) and `microbatches_in_flight` micro-batches of its
 /// activations (1F1B: one_f_one_b_in_flight in pipeline.h) with the tensors crossing its
 /// boundaries.
+/// `optimizer_shards`: d with the distributed optimizer (its AdamW moments and fp32 main
+/// parameters take 1/d of their bytes), else 1.
 double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes = 0,
-                               int64_t pipeline_stage = 0, int64_t microbatches_in_flight = 1);
+                               int64_t pipeline_stage = 0, int64_t microbatches_in_flight = 1,
+                               int64_t optimizer_shards = 1);
 /// The same for a stage of v model chunks (the interleaved schedule): per chunk the most
 /// micro-batches in flight at once, and the most tensors crossing a stage boundary the stage
 /// holds at once beyond them (pipeline_memory in pipeline.h, plus the one being received and
@@ -252,6 +255,6 @@ double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_by
 double predict_step_peak_bound(const TransformerConfig& config, int64_t dtype_bytes,
                                int64_t pipeline_stage,
                                const std::vector<int64_t>& in_flight_per_chunk,
-                               int64_t boundary_tensors);
+                               int64_t boundary_tensors, int64_t optimizer_shards = 1);
 
 }  // namespace actmem
