@@ -11,25 +11,41 @@
 
 namespace actmem {
 
-void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows) {
-  // Megatron's post-warmup table (one rank): MiB offloaded per group name, and the total.
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRank>& ranks) {
+  // Megatron's post-warmup table: MiB offloaded per rank and group name, and each rank's total.
+  std::vector<std::string> names;
+  size_t label_width = 6;
+  for (const auto& rank : ranks) {
+    label_width = std::max(label_width, rank.label.size() + 2);
+    for (const auto& r : rank.rows) {
+      if (std::find(names.begin(), names.end(), r.name) == names.end()) names.push_back(r.name);
+    }
+  }
   int width = 12;
-  for (const auto& r : rows) width = std::max(width, static_cast<int>(r.name.size()) + 2);
-  const int total_width = 6 + width * static_cast<int>(rows.size() + 1);
+  for (const auto& n : names) width = std::max(width, static_cast<int>(n.size()) + 2);
+  const int lw = static_cast<int>(label_width);
+  const int total_width = lw + width * static_cast<int>(names.size() + 1);
   const std::string title = "Activation Offload Summary (MB)";
   os << std::string(total_width, '=') << "\n"
      << std::string(std::max(0, (total_width - static_cast<int>(title.size())) / 2), ' ') << title
-     << "\n" << std::string(total_width, '=') << "\n" << std::setw(6) << std::left << "Rank"
+     << "\n" << std::string(total_width, '=') << "\n" << std::setw(lw) << std::left << "Rank"
      << std::right;
-  for (const auto& r : rows) os << std::setw(width) << r.name;
+  for (const auto& n : names) os << std::setw(width) << n;
   os << std::setw(width) << "Total" << "\n" << std::string(total_width, '-') << "\n";
-  double total = 0;
-  os << std::setw(6) << std::left << "0" << std::right << std::fixed << std::setprecision(2);
-  for (const auto& r : rows) {
-    os << std::setw(width) << r.bytes / 1048576.0;
-    total += static_cast<double>(r.bytes);
+  os << std::fixed << std::setprecision(2);
+  for (const auto& rank : ranks) {
+    os << std::setw(lw) << std::left << rank.label << std::right;
+    double total = 0;
+    for (const auto& n : names) {
+      const auto it = std::find_if(rank.rows.begin(), rank.rows.end(),
+                                   [&](const OffloadSummaryRow& r) { return r.name == n; });
+      const double bytes = it == rank.rows.end() ? 0.0 : static_cast<double>(it->bytes);
+      os << std::setw(width) << bytes / 1048576.0;
+      total += bytes;
+    }
+    os << std::setw(width) << total / 1048576.0 << "\n";
   }
-  os << std::setw(width) << total / 1048576.0 << "\n" << std::string(total_width, '=') << "\n";
+  os << std::string(total_width, '=') << "\n";
 }
 
 double median(std::vector<double> v) {

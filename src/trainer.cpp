@@ -1183,6 +1183,60 @@ std::string zero_offload_warning(const ActivationOffloader& offloader) {
   }
   return os.str();
 }
+
+// Every rank's `text` of group `g`, in rank order (collective).
+std::vector<std::string> gather_text(const TensorParallelGroup& g, const std::string& text,
+                                     const at::Device& device) {
+  if (g.size == 1) return {text};
+  const at::TensorOptions longs = at::TensorOptions().dtype(at::kLong).device(device);
+  const at::Tensor lengths =
+      group_all_gather_dim0(g, at::full({1}, static_cast<int64_t>(text.size()), longs)).cpu();
+  const int64_t longest = lengths.max().item<int64_t>();
+  at::Tensor bytes = at::zeros({1, std::max<int64_t>(longest, 1)}, at::kByte);
+  std::memcpy(bytes.data_ptr<uint8_t>(), text.data(), text.size());
+  const at::Tensor all = group_all_gather_dim0(g, bytes.to(device)).cpu();
+  std::vector<std::string> out;
+  for (int r = 0; r < g.size; ++r) {
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()),
+                     static_cast<size_t>(lengths[r].item<int64_t>()));
+  }
+  return out;
+}
+
+// Megatron's offload summary has a row per rank: every pipeline stage's and tensor-parallel
+// rank's rows of the first replica ("name\tbytes\ttensors" lines between ranks), labelled by
+// stage and tensor rank (collective over both groups).
+std::vector<OffloadSummaryRank> gather_offload_summary(const std::vector<OffloadSummaryRow>& mine,
+                                                       const at::Device& device) {
+  std::ostringstream os;
+  for (const auto& r : mine) os << r.name << '\t' << r.bytes << '\t' << r.tensors << '\n';
+  const auto& tp = tensor_parallel_group();
+  const auto& pp = pipeline_parallel_group();
+  std::string stage;  // this stage's tensor ranks, separated by '\f'
+  for (const auto& t : gather_text(tp, os.str(), device)) stage += t + '\f';
+  std::vector<OffloadSummaryRank> out;
+  const auto stages = gather_text(pp, stage, device);
+  for (size_t p = 0; p < stages.size(); ++p) {
+    std::istringstream ranks(stages[p]);
+    std::string rows;
+    for (int t = 0; std::getline(ranks, rows, '\f'); ++t) {
+      OffloadSummaryRank rank;
+      rank.label = pp.size == 1 && tp.size == 1
+                       ? "0"
+                       : (pp.size > 1 ? "pp" + std::to_string(p) : std::string()) +
+                             (pp.size > 1 && tp.size > 1 ? " " : "") +
+                             (tp.size > 1 ? "tp" + std::to_string(t) : std::string());
+      std::istringstream lines(rows);
+      OffloadSummaryRow row;
+      while (std::getline(lines, row.name, '\t') && lines >> row.bytes >> row.tensors) {
+        lines.ignore(1);  // the line's end
+        rank.rows.push_back(row);
+      }
+      out.push_back(std::move(rank));
+    }
+  }
+  return out;
+}
 }  // namespace
 
 int Trainer::run(const RunOutput& out,
@@ -1224,9 +1278,11 @@ int Trainer::run(const RunOutput& out,
       }
     }
     if (it == first && offloader_) {
-      if (progress != nullptr && !offloader_->summary().empty()) {
-        print_offload_summary(*progress, offloader_->summary());
-      }
+      // Every rank gathers (a collective); the progress stream's rank prints.
+      const auto summary = gather_offload_summary(offloader_->summary(), device_);
+      const bool any = std::any_of(summary.begin(), summary.end(),
+                                   [](const OffloadSummaryRank& r) { return !r.rows.empty(); });
+      if (progress != nullptr && any) print_offload_summary(*progress, summary);
       if (out.warnings != nullptr && st.offloaded_bytes == 0) {
         *out.warnings << zero_offload_warning(*offloader_) << std::endl;
       }

@@ -18,6 +18,7 @@
 #include <set>
 #include <regex>
 #include <set>
+#include <sstream>
 #include <string>
 #include <utility>
 #include <vector>
@@ -1259,6 +1260,34 @@ TEST(Pipeline, InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndT
     inflight[static_cast<size_t>(stage)] = plain["steps"][0]["inflight_activation_bytes"].get<int64_t>();
   }
   EXPECT_GT(inflight[0], inflight[1]);
+}
+
+TEST(Pipeline, OffloadSummaryHasARowPerStage) {
+  // Megatron's "Activation Offload Summary (MB)" lists every rank: here each pipeline stage's
+  // warmup-step offload, gathered to the printing rank. With one layer per stage the last stage
+  // keeps its only layer's groups (the margin rule: its backward follows its forward at once);
+  // the first stage offloads core_attn and attn_proj.
+  const auto r = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 2 --hidden-size 64 --num-attention-heads 4 "
+      "--seq-length 64 --micro-batch-size 2 --global-batch-size 8 --pipeline-model-parallel-size 2 "
+      "--train-iters 2 --eval-interval 0 --fine-grained-activation-offloading --offload-modules "
+      "core_attn attn_proj --min-offloaded-tensor-size 1024");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  std::map<std::string, std::vector<double>> rows;
+  std::istringstream lines(r.output);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.rfind("pp", 0) != 0) continue;
+    std::istringstream fields(line);
+    std::string label;
+    fields >> label;
+    for (double mb; fields >> mb;) rows[label].push_back(mb);
+  }
+  ASSERT_EQ(rows.size(), 2u) << r.output;
+  ASSERT_EQ(rows["pp0"].size(), 3u) << r.output;  // core_attn, attn_proj, total
+  EXPECT_GT(rows["pp0"][0], 0.0) << r.output;
+  EXPECT_GT(rows["pp0"][1], 0.0) << r.output;
+  EXPECT_NEAR(rows["pp0"][2], rows["pp0"][0] + rows["pp0"][1], 0.011) << r.output;  // rounding
+  EXPECT_EQ(rows["pp1"], (std::vector<double>{0.0, 0.0, 0.0})) << r.output;
 }
 
 TEST(Pipeline, InterleavedRulesFollowMegatron) {

@@ -27,7 +27,13 @@ struct OffloadSummaryRow {
   int64_t bytes = 0;
   int64_t tensors = 0;
 };
-/// Megatron's post-warmup table (rank 0).
-void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRow>& rows);
+/// One rank's rows, labelled ("0"; under pipeline or tensor parallelism "pp1 tp0").
+struct OffloadSummaryRank {
+  std::string label;
+  std::vector<OffloadSummaryRow> rows;
+};
+/// Megatron's post-warmup table: a row per rank, a column per group name (in the order the
+/// names first appear), and the rank's total.
+void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRank>& ranks);
 
 }  // namespace actmem
