@@ -469,6 +469,22 @@ nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
           {"dp_size", actmem::data_parallel_group().size}};
 }
 
+// `c` with `layers` layers over `pp` stages of `vp` model chunks each.
+TransformerConfig with_pipeline(TransformerConfig c, int64_t layers, int pp, int64_t vp) {
+  c.num_layers = layers;
+  c.pipeline_model_parallel_size = pp;
+  if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
+  return c;
+}
+
+// Training on global batches of `global_batch` samples, no evaluation.
+actmem::TrainingConfig step_training(int64_t global_batch) {
+  actmem::TrainingConfig tc;
+  tc.global_batch_size = global_batch;
+  tc.eval_interval = 0;
+  return tc;
+}
+
 // Data parallelism with and without --overlap-grad-reduce (buckets of `bucket` elements) on the
 // same layout (t x p x d, the interleaved schedule with vp > 1): three steps each, dropout as
 // asked; per step what the tests compare and how many buckets started during backward.
@@ -476,13 +492,8 @@ nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropo
                            int64_t global_batch, int64_t bucket) {
   nlohmann::json out;
   for (const bool overlap : {false, true}) {
-    TransformerConfig c = base_config(t, false, dropout);
-    c.num_layers = layers;
-    c.pipeline_model_parallel_size = pp;
-    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
-    actmem::TrainingConfig tc;
-    tc.global_batch_size = global_batch;
-    tc.eval_interval = 0;
+    const TransformerConfig c = with_pipeline(base_config(t, false, dropout), layers, pp, vp);
+    actmem::TrainingConfig tc = step_training(global_batch);
     tc.overlap_grad_reduce = overlap;
     if (overlap) tc.ddp_bucket_size = bucket;
     actmem::Trainer trainer(c, tc);
@@ -553,14 +564,11 @@ nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bo
   auto make = [&](bool dist) {
     // variant moe: the MoE model of run_experts, its experts sharded over the
     // expert-data-parallel group and the rest over the data-parallel group.
-    TransformerConfig c = variant == "moe" ? moe_config(t, ep, dropout, "alltoall")
-                                           : base_config(t, false, dropout, variant);
-    c.num_layers = layers;
-    c.pipeline_model_parallel_size = pp;
-    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
-    actmem::TrainingConfig tc;
-    tc.global_batch_size = global_batch;
-    tc.eval_interval = 0;
+    const TransformerConfig c =
+        with_pipeline(variant == "moe" ? moe_config(t, ep, dropout, "alltoall")
+                                       : base_config(t, false, dropout, variant),
+                      layers, pp, vp);
+    actmem::TrainingConfig tc = step_training(global_batch);
     tc.clip_grad = 0.05;  // small enough to clip: the coefficient comes from the whole gradient
     tc.use_distributed_optimizer = dist;
     if (bucket > 0) {
