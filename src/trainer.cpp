@@ -305,6 +305,13 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   params_ = model_->ordered_parameters();
   tensor_parallel_flags_ = model_->tensor_parallel_flags();
   expert_parallel_flags_ = model_->expert_parallel_flags();
+  // Where a parameter sits in params_ (and so its gradient in grads_).
+  auto index_of = [this](const at::Tensor& p) {
+    const auto it = std::find_if(params_.begin(), params_.end(),
+                                 [&p](const at::Tensor& q) { return q.is_same(p); });
+    TORCH_INTERNAL_ASSERT(it != params_.end());
+    return static_cast<size_t>(it - params_.begin());
+  };
   if (config_.use_distributed_optimizer) {
     // Note [Distributed optimizer] in distributed_optimizer.h: the buffer layout of Megatron's
     // DistributedOptimizer, its buckets those of the gradient reduction (one per group without
@@ -320,9 +327,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     int64_t tied = -1;
     if (const at::Tensor shared = model_->shared_embedding_or_output_weight();
         shared.defined() && embedding_group().size > 1) {
-      for (size_t i = 0; i < params_.size(); ++i) {
-        if (params_[i].is_same(shared)) tied = static_cast<int64_t>(i);
-      }
+      tied = static_cast<int64_t>(index_of(shared));
     }
     shards_ = std::make_unique<OptimizerShards>(params_, std::move(groups), ddp_bucket_size(),
                                                 tied);
@@ -366,13 +371,6 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
                      .eps(config_.adam_eps)
                      .weight_decay(config_.weight_decay));
   }
-  // Where a parameter sits in params_ (and so its gradient in grads_).
-  auto index_of = [this](const at::Tensor& p) {
-    const auto it = std::find_if(params_.begin(), params_.end(),
-                                 [&p](const at::Tensor& q) { return q.is_same(p); });
-    TORCH_INTERNAL_ASSERT(it != params_.end());
-    return static_cast<size_t>(it - params_.begin());
-  };
   // The gradients the sequence-parallel all-reduce sums (at 16 bits: their main grads), found
   // once here rather than per step.
   for (const auto& p : model_->sequence_parallel_parameters()) {
