@@ -550,16 +550,23 @@ LoadedModel load_model_for_inference(const std::string& dir) {
   LoadedModel out;
   out.path = checkpoint_file(dir, *latest, 0);
   std::error_code ec;
-  // mp_rank_00_000 is expert rank 0's file or stage 0's (Megatron's names): its args tell which.
-  const std::string split = checkpoint_file(dir, *latest, 0, 0);
+  // mp_rank_00_000 is expert rank 0's file or stage 0's (Megatron's names): its args tell which;
+  // mp_rank_00_000_000 is stage 0's and expert rank 0's.
+  std::string split = checkpoint_file(dir, *latest, 0, 0);
+  if (!fs::exists(split, ec)) split = checkpoint_file(dir, *latest, 0, 0, 0);
   if (!fs::exists(out.path, ec) && fs::exists(split, ec)) {
     const nlohmann::json args = ivalue_to_json(entry(read_checkpoint_file(split), "args", split));
     const bool pipeline = args.value("pipeline_model_parallel_size", int64_t{1}) > 1;
+    const bool experts = args.value("expert_model_parallel_size", int64_t{1}) > 1;
     TORCH_CHECK(false, "actmem::load_model_for_inference: ", dir, " was saved with ",
-                pipeline ? "pipeline parallelism (one file per stage, "
-                         : "expert parallelism (one file per expert-parallel rank, ",
+                pipeline && experts ? "pipeline and expert parallelism (one file per stage and "
+                                      "expert-parallel rank, "
+                : pipeline          ? "pipeline parallelism (one file per stage, "
+                                    : "expert parallelism (one file per expert-parallel rank, ",
                 split, ", ...); inference loads a single-process checkpoint: train with ",
-                pipeline ? "--pipeline-model-parallel-size 1" : "--expert-model-parallel-size 1",
+                pipeline && experts ? "--pipeline-model-parallel-size 1 --expert-model-parallel-size 1"
+                : pipeline          ? "--pipeline-model-parallel-size 1"
+                                    : "--expert-model-parallel-size 1",
                 " or load it under the same launch with --load");
   }
   const c10::impl::GenericDict ckpt = read_checkpoint_file(out.path);

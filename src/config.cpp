@@ -127,8 +127,6 @@ void validate_pipeline(const TransformerConfig& c) {
   const char* api = "actmem::TransformerConfig: ";
   const int64_t p = c.pipeline_model_parallel_size;
   check_positive(p, "pipeline_model_parallel_size");
-  TORCH_CHECK(p == 1 || !c.is_moe(), api, "MoE layers with pipeline parallelism are not "
-              "implemented yet (pipeline_model_parallel_size ", p, ")");
   const auto& first = c.decoder_first_pipeline_num_layers;
   const auto& last = c.decoder_last_pipeline_num_layers;
   const auto& per_vp = c.num_layers_per_virtual_pipeline_stage;

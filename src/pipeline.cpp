@@ -308,10 +308,22 @@ std::vector<PipelineStep> pipeline_compute_order(int64_t stage, int64_t stages, 
 PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
                                int64_t stages, const std::vector<int64_t>& chunk_bytes,
                                int64_t boundary_bytes) {
-  const int64_t v = static_cast<int64_t>(chunk_bytes.size());
+  return pipeline_memory(
+      steps, stage, stages, static_cast<int64_t>(chunk_bytes.size()),
+      [&](int64_t chunk, int64_t) { return chunk_bytes[static_cast<size_t>(chunk)]; },
+      boundary_bytes);
+}
+
+PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
+                               int64_t stages, int64_t chunks,
+                               const std::function<int64_t(int64_t, int64_t)>& bytes,
+                               int64_t boundary_bytes) {
+  TORCH_CHECK(chunks >= 1, "actmem::pipeline_memory: at least one model chunk, got ", chunks);
+  const int64_t v = chunks;
   PipelineMemory out;
-  out.max_in_flight.assign(chunk_bytes.size(), 0);
-  std::vector<int64_t> in_flight(chunk_bytes.size(), 0);
+  out.max_in_flight.assign(static_cast<size_t>(v), 0);
+  std::vector<int64_t> in_flight(static_cast<size_t>(v), 0);
+  int64_t held = 0;               // the in-flight micro-batches' bytes
   int64_t queued = 0;             // received inputs and gradients not yet consumed
   bool output = false, grad = false;  // produced, not yet sent
   for (const PipelineStep& s : steps) {
@@ -320,16 +332,16 @@ PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t s
       case PipelineStep::Kind::kForward: {
         if (!(stage == 0 && s.chunk == 0)) --queued;  // the input joins the micro-batch's bytes
         ++in_flight[c];
+        held += bytes(s.chunk, s.microbatch);
         output = !(stage == stages - 1 && s.chunk == v - 1);
-        int64_t bytes = 0;
-        for (size_t i = 0; i < chunk_bytes.size(); ++i) bytes += in_flight[i] * chunk_bytes[i];
-        bytes += boundary_bytes * (queued + (output ? 1 : 0));
-        out.peak_at_forward_end = std::max(out.peak_at_forward_end, bytes);
+        out.peak_at_forward_end = std::max(
+            out.peak_at_forward_end, held + boundary_bytes * (queued + (output ? 1 : 0)));
         break;
       }
       case PipelineStep::Kind::kBackward:
         if (!(stage == stages - 1 && s.chunk == v - 1)) --queued;
         --in_flight[c];
+        held -= bytes(s.chunk, s.microbatch);
         grad = !(stage == 0 && s.chunk == 0);
         break;
       case PipelineStep::Kind::kCommunicate:

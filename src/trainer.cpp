@@ -680,6 +680,9 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   };
   const int64_t chunks = model_->num_model_chunks();
   std::vector<std::deque<InFlight>> in_flight(static_cast<size_t>(chunks));  // per model chunk
+  // Per model chunk and micro-batch, the bytes predicted to stay from its forward to its backward.
+  std::vector<std::vector<int64_t>> predicted(static_cast<size_t>(chunks),
+                                              std::vector<int64_t>(static_cast<size_t>(n_micro)));
   double loss_sum = 0.0;
   // The step's batches first, so what the stage holds at once is measured without them.
   std::vector<std::pair<at::Tensor, at::Tensor>> batches;
@@ -760,6 +763,8 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     const int64_t after = memory_.current_bytes();
     st.activation_bytes = std::max(st.activation_bytes, after - before);
     st.inflight_activation_bytes = std::max(st.inflight_activation_bytes, after - step_base);
+    predicted[static_cast<size_t>(chunk)][static_cast<size_t>(m)] =
+        predicted_chunk_bytes(chunk, p2p.bytes());
     in_flight[static_cast<size_t>(chunk)].push_back(std::move(f));
     schedule_.push_back({true, m, start, shared_clock_s(), chunk});
     return out;
@@ -803,51 +808,75 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   const int64_t peak = memory_.peak_bytes();
   st.activation_peak_bytes = peak - step_base;
   clock.peak = std::max(clock.peak, peak);
-  // Per micro-batch: this stage's activations (predicted_chunk_bytes) and, at the end of its
-  // forward, its output (not on the last stage); under 1F1B min(p - stage, M) micro-batches at
-  // once.
-  // Under the interleaved schedule the same per chunk, counted over the schedule's steps
-  // (pipeline_memory in pipeline.h): the micro-batches of every chunk in flight, the received
-  // inputs and gradients queued for later steps, the output about to be sent.
-  const std::vector<int64_t> per_chunk = predicted_chunk_bytes(p2p.bytes());
+  // Per micro-batch: this stage's activations (predicted_chunk_bytes; with routing-dependent MoE
+  // layers each micro-batch's own) and, at the end of its forward, its output (not on the last
+  // stage). At once, what the schedule holds at the end of each forward, replayed over the
+  // computations the stage ran: under 1F1B min(p - stage, M) micro-batches; under the interleaved
+  // schedule the micro-batches of every chunk in flight, the received inputs and gradients queued
+  // for later steps and the output about to be sent (pipeline_memory in pipeline.h).
+  const auto bytes_of = [&](int64_t c, int64_t m) {
+    return predicted[static_cast<size_t>(c)][static_cast<size_t>(m)];
+  };
   st.predicted_activation_bytes = 0;
   for (int64_t c = 0; c < chunks; ++c) {
-    st.predicted_activation_bytes =
-        std::max(st.predicted_activation_bytes,
-                 per_chunk[static_cast<size_t>(c)] +
-                     (model_->chunk_post_process(c) ? 0 : p2p.bytes()));
+    for (int64_t m = 0; m < n_micro; ++m) {
+      st.predicted_activation_bytes =
+          std::max(st.predicted_activation_bytes,
+                   bytes_of(c, m) + (model_->chunk_post_process(c) ? 0 : p2p.bytes()));
+    }
   }
   if (chunks > 1) {
     st.predicted_inflight_activation_bytes =
         pipeline_memory(interleaved_schedule(pp.rank, pp.size, chunks, n_micro,
                                              model_config_.microbatch_group_size()),
-                        pp.rank, pp.size, per_chunk, p2p.bytes())
+                        pp.rank, pp.size, chunks, bytes_of, p2p.bytes())
             .peak_at_forward_end;
   } else {
     const int64_t output = model_->post_process() ? 0 : p2p.bytes();
-    st.predicted_inflight_activation_bytes =
-        per_chunk[0] * one_f_one_b_in_flight(pp.rank, pp.size, n_micro) + output;
+    int64_t held = 0;
+    st.predicted_inflight_activation_bytes = 0;
+    for (const PipelineStep& s : order) {
+      if (s.kind == PipelineStep::Kind::kForward) {
+        held += bytes_of(0, s.microbatch);
+        st.predicted_inflight_activation_bytes =
+            std::max(st.predicted_inflight_activation_bytes, held + output);
+      } else {
+        held -= bytes_of(0, s.microbatch);
+      }
+    }
   }
   return from_last_stage(loss_sum);  // the loss is the last stage's: every stage reports it
 }
 
-std::vector<int64_t> Trainer::predicted_chunk_bytes(int64_t boundary_bytes) const {
-  // Per model chunk's micro-batch: its layers' bytes (the received input among them: the first
-  // layer's norm keeps it, as it keeps the embedding's output on the first stage). With
+int64_t Trainer::predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes) const {
+  // A micro-batch's bytes in a model chunk: its layers' bytes (the received input among them: the
+  // first layer's norm keeps it, as it keeps the embedding's output on the first stage). With
   // distribute_saved_activations a checkpoint that starts the chunk keeps its 1/t shard of the
   // received input, and the input itself stays too (the schedule needs its gradient; Megatron's
   // CheckpointFunction swaps the tensor's storage for the shard instead, which this project does
   // not do).
   const ActivationPlan& plan = model_->plan();
-  std::vector<int64_t> out;
-  for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
-    const bool kept_input =
-        !model_->chunk_pre_process(c) && plan.distribute_saved_activations &&
-        plan.layers[static_cast<size_t>(model_->stage_layers(c).offset)].starts_chunk;
-    out.push_back(chunk_activation_bytes_.at(static_cast<size_t>(c)) +
-                  (kept_input ? boundary_bytes : 0));
+  const bool kept_input =
+      !model_->chunk_pre_process(chunk) && plan.distribute_saved_activations &&
+      plan.layers[static_cast<size_t>(model_->stage_layers(chunk).offset)].starts_chunk;
+  int64_t layers = 0;
+  if (routing_dependent_prediction_) {
+    // The chunk's MoE layers as its latest forward routed them (the caller asks right after it).
+    const TransformerConfig::StageLayers mine = model_->stage_layers(chunk);
+    MoERouting routing;
+    for (const auto& l : model_->moe_stats().layers) {
+      if (mine.contains(l.layer_number - 1)) {
+        routing.emplace_back(l.last_tokens_per_expert, l.last_dispatched_rows);
+      }
+    }
+    layers = predict_activation_bytes(model_config_, plan, model_config_.element_bytes(),
+                                      device_.is_cpu(), &routing, pipeline_parallel_group().rank,
+                                      chunk)
+                 .total;
+  } else {
+    layers = chunk_activation_bytes_.at(static_cast<size_t>(chunk));
   }
-  return out;
+  return layers + (kept_input ? boundary_bytes : 0);
 }
 
 double Trainer::from_last_stage(double value) const {
@@ -885,6 +914,9 @@ void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
       for (auto& n : l.routed_per_expert) n = static_cast<int64_t>(*p++);
     }
   }
+  if (model_config_.is_moe() && pipeline_parallel_group().size > 1) {
+    moe = gather_moe_stats_over_stages(moe);
+  }
   if (!moe.layers.empty()) {
     st.moe = true;
     const double lb = moe.mean_load_balancing_loss(), z = moe.mean_z_loss();
@@ -909,6 +941,56 @@ void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
     if (st.load_balancing_loss) st.load_balancing_loss = all[3].item<double>() / d;
     if (st.z_loss) st.z_loss = all[4].item<double>() / d;
   }
+}
+
+MoEStats Trainer::gather_moe_stats_over_stages(const MoEStats& local) const {
+  // Each stage routed its own MoE layers: every layer's counts and loss sums go in the model's
+  // slot for it, zeros elsewhere, summed over the pipeline group (exact: one non-zero term each).
+  // Megatron's tracker does the same (reduce_aux_losses_tracker_across_ranks in
+  // megatron/core/transformer/moe/moe_utils.py, an all-reduce over the pipeline group of values
+  // indexed by layer).
+  const std::vector<bool> is_moe = model_config_.moe_layers();
+  const int64_t experts = model_config_.num_moe_experts;
+  const int64_t fields = 6 + experts;
+  std::vector<int64_t> slot(is_moe.size(), -1);  // layer index -> MoE layer index in the model
+  int64_t n = 0;
+  for (size_t i = 0; i < is_moe.size(); ++i) {
+    if (is_moe[i]) slot[i] = n++;
+  }
+  std::vector<double> v(static_cast<size_t>(n * fields), 0.0);
+  for (const auto& l : local.layers) {
+    const int64_t k = slot.at(static_cast<size_t>(l.layer_number - 1));
+    TORCH_INTERNAL_ASSERT(k >= 0, "MoE statistics for a dense layer ", l.layer_number);
+    double* p = v.data() + k * fields;
+    p[0] = static_cast<double>(l.routed);
+    p[1] = static_cast<double>(l.dropped);
+    p[2] = l.load_balancing_loss;
+    p[3] = static_cast<double>(l.load_balancing_count);
+    p[4] = l.z_loss;
+    p[5] = static_cast<double>(l.z_loss_count);
+    for (size_t j = 0; j < l.routed_per_expert.size() && j < static_cast<size_t>(experts); ++j) {
+      p[6 + j] = static_cast<double>(l.routed_per_expert[j]);
+    }
+  }
+  const at::Tensor sum =
+      group_all_reduce_sum(pipeline_parallel_group(), at::tensor(v, at::kDouble).to(device_)).cpu();
+  const double* p = sum.data_ptr<double>();
+  MoEStats out;
+  for (size_t i = 0; i < is_moe.size(); ++i) {
+    if (!is_moe[i]) continue;
+    MoEStats::Layer l;
+    l.layer_number = static_cast<int64_t>(i) + 1;
+    l.routed = static_cast<int64_t>(p[0]);
+    l.dropped = static_cast<int64_t>(p[1]);
+    l.load_balancing_loss = p[2];
+    l.load_balancing_count = static_cast<int64_t>(p[3]);
+    l.z_loss = p[4];
+    l.z_loss_count = static_cast<int64_t>(p[5]);
+    for (int64_t j = 0; j < experts; ++j) l.routed_per_expert.push_back(static_cast<int64_t>(p[6 + j]));
+    out.layers.push_back(std::move(l));
+    p += fields;
+  }
+  return out;
 }
 
 namespace {

@@ -555,6 +555,30 @@ TEST(CheckpointCli, TensorAndExpertParallelResumeIsBitwiseWithOneFilePerRankPair
   fs::remove_all(dir);
 }
 
+TEST(CheckpointCli, PipelineAndExpertParallelResumeIsBitwiseWithOneFilePerStageAndExpertRank) {
+  // MoE under pipeline 2 x expert parallelism 2 (four processes: data parallel 2 carved into the
+  // expert-parallel pair, dropout and expert dropout on): each (stage, expert rank) pair writes its
+  // file (Megatron's mp_rank_TT_PPP_EEE) and all four resume bitwise; generate names both splits.
+  const std::string dir = testing::fresh_temp_dir("pp_ep_resume");
+  const std::string flags = std::string(kTinyFlags) +
+                            " --global-batch-size 16 --num-experts 4 --moe-router-topk 2 "
+                            "--moe-grouped-gemm --moe-aux-loss-coeff 0.01 --moe-expert-dropout 0.1 "
+                            "--expert-model-parallel-size 2 --moe-token-dispatcher-type alltoall "
+                            "--pipeline-model-parallel-size 2";
+  expect_bitwise_resume("launch --nproc-per-node 4 -- train", flags, dir);
+  if (::testing::Test::HasFatalFailure()) return;
+  for (int pp = 0; pp < 2; ++pp) {
+    for (int ep = 0; ep < 2; ++ep) {
+      EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, ep, pp))) << pp << " " << ep;
+    }
+  }
+  const auto r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("was saved with pipeline and expert parallelism"), std::string::npos)
+      << r.output;
+  fs::remove_all(dir);
+}
+
 TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
   // Pipeline 2 x data 2 under 1F1B (four processes, four micro-batches, the tied embedding kept
   // over the embedding group, dropout on), and pipeline 2 under the interleaved schedule (two

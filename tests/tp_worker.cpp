@@ -337,12 +337,20 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
 // (the reported norm is computed per stage and summed). Each rank reports its steps, its stage,
 // and every parameter's digest under its single-process name (decoder.layers.<global index>...;
 // the last stage's copy of a tied embedding as output_layer.weight).
-nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
+TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& dispatcher,
+                             const std::string& variant);
+std::vector<std::pair<std::string, Mutator>> moe_strategies();
+
+// variant moe / moe_capacity: the MoE model of run_experts (dropless / capacity factor 1, whose
+// predicted bytes follow each micro-batch's routing), its experts over `ep` ranks, under
+// moe_strategies().
+nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_batch,
                             const std::string& only, const std::string& variant,
                             std::optional<int64_t> first, std::optional<int64_t> last,
                             int64_t layers, int64_t vp) {
   nlohmann::json out;
-  auto all = strategies(false);
+  const bool moe = variant.rfind("moe", 0) == 0;
+  auto all = moe ? moe_strategies() : strategies(false);
   // With 3 layers per stage: uniform chunks [0, 2) [2, 3) on every stage (a clamped tail).
   all.emplace_back("full_uniform_2", [](TransformerConfig& c) {
     c.recompute_granularity = "full";
@@ -350,18 +358,20 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
     c.recompute_num_layers = 2;
   });
   // Offload beside selective recompute, each commit waiting for its copy (the in-flight cap 0).
-  all.emplace_back("offload_fine_grained_selective", [](TransformerConfig& c) {
+  all.emplace_back("offload_fine_grained_selective", [moe](TransformerConfig& c) {
     c.fine_grained_activation_offloading = true;
     c.offload_modules = {"attn_norm", "qkv_linear", "mlp_norm"};
     c.min_offloaded_tensor_size = 0;
     c.fine_grained_offloading_max_inflight_offloads = 0;
     c.recompute_granularity = "selective";
-    c.recompute_modules = {"core_attn", "mlp", "layernorm"};
+    c.recompute_modules = {"core_attn", moe ? "moe_act" : "mlp", "layernorm"};
   });
   for (const auto& [name, mutate] : all) {
     if (!only.empty() && name != only) continue;
     if (name.rfind("offload_layers", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0)) continue;
-    TransformerConfig c = base_config(t, false, dropout, variant);
+    TransformerConfig c =
+        moe ? moe_config(t, ep, dropout, "alltoall", variant == "moe" ? "base" : "capacity")
+            : base_config(t, false, dropout, variant);
     c.num_layers = layers;
     c.pipeline_model_parallel_size = pp;
     c.decoder_first_pipeline_num_layers = first;
@@ -389,10 +399,18 @@ nlohmann::json run_pipeline(int t, int pp, bool dropout, int64_t global_batch,
                             {"offloaded_bytes", st.offloaded_bytes},
                             {"offload_wait_s", st.offload_wait_s},
                             {"host_peak_bytes", st.host_peak_bytes}});
+      if (moe) {
+        r["steps"].back().update({{"load_balancing_loss", st.load_balancing_loss.value_or(-1.0)},
+                                  {"z_loss", st.z_loss.value_or(-1.0)},
+                                  {"routed", st.moe_routed_tokens},
+                                  {"dropped", st.moe_dropped_tokens},
+                                  {"imbalance", st.expert_load_imbalance}});
+      }
     }
     // The trainer's up-front bound for this stage (Note [Memory pre-check] in memory_model.cpp).
     const auto& pp_group = actmem::pipeline_parallel_group();
-    const int64_t n_micro = tc.num_microbatches(c.micro_batch_size, 1);
+    const int64_t n_micro =
+        tc.num_microbatches(c.micro_batch_size, actmem::data_parallel_group().size);
     if (vp > 1) {
       const actmem::PipelineMemory counts = actmem::pipeline_memory(
           actmem::interleaved_schedule(pp_group.rank, pp_group.size, vp, n_micro,
@@ -522,7 +540,7 @@ nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropo
 // variant: "base" (dropless), "capacity" (capacity factor 1, tokens dropped), "padded" (and
 // padded to the capacity), "gated_bias" (dropless SwiGLU experts with biases, no grouping).
 TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& dispatcher,
-                             const std::string& variant = "base") {
+                             const std::string& variant) {
   // MoE under tensor parallelism needs sequence parallelism (Megatron's rule).
   TransformerConfig c = base_config(tp, tp > 1, dropout);
   TORCH_CHECK(variant == "base" || variant == "capacity" || variant == "padded" ||
@@ -565,7 +583,7 @@ nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bo
     // variant moe: the MoE model of run_experts, its experts sharded over the
     // expert-data-parallel group and the rest over the data-parallel group.
     const TransformerConfig c =
-        with_pipeline(variant == "moe" ? moe_config(t, ep, dropout, "alltoall")
+        with_pipeline(variant == "moe" ? moe_config(t, ep, dropout, "alltoall", "base")
                                        : base_config(t, false, dropout, variant),
                       layers, pp, vp);
     actmem::TrainingConfig tc = step_training(global_batch);
@@ -689,7 +707,7 @@ nlohmann::json run_experts(int tp, int ep, bool dropout, int64_t global_batch,
 // drew, so the difference comes from the stream, not from the rows.
 nlohmann::json run_expert_masks() {
   const auto& ep = actmem::expert_parallel_group();
-  TransformerConfig c = moe_config(1, ep.size, true, "alltoall");
+  TransformerConfig c = moe_config(1, ep.size, true, "alltoall", "base");
   c.moe_expert_dropout = 0.5;
   const actmem::ActivationPlan plan = actmem::make_activation_plan(c);
   actmem::Experts experts(c, plan.layers[0], at::kFloat);
@@ -784,7 +802,7 @@ int main(int argc, char** argv) {
     } else if (scenario == "dispatch") {
       result["dispatch"] = run_dispatch(group);
     } else if (scenario == "pipeline") {
-      result["pipeline"] = run_pipeline(std::max(tp, 1), pp, dropout, global_batch, only, variant,
+      result["pipeline"] = run_pipeline(std::max(tp, 1), pp, ep, dropout, global_batch, only, variant,
                                         first_layers, last_layers, layers, vp);
     } else if (scenario == "pipeline_fault") {
       result["pipeline_fault"] = run_pipeline_fault(die_stage);

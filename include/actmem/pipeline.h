@@ -130,6 +130,12 @@ struct PipelineMemory {
 PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
                                int64_t stages, const std::vector<int64_t>& chunk_bytes,
                                int64_t boundary_bytes);
+/// The same when a micro-batch's bytes depend on the micro-batch (an MoE layer's expert rows
+/// follow its routing): `bytes(chunk, microbatch)` for each of `chunks` model chunks.
+PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t stage,
+                               int64_t stages, int64_t chunks,
+                               const std::function<int64_t(int64_t, int64_t)>& bytes,
+                               int64_t boundary_bytes);
 
 /// One micro-batch's forward / backward on model chunk `chunk` of this stage.
 using ChunkForward =

@@ -203,8 +203,11 @@ class Trainer {
   void finish_forward_backward(IterationStats& st, double loss_sum);
   // Sends and receives between this rank's pipeline neighbours.
   PipelineP2P pipeline_p2p() const;
-  // Per model chunk, the bytes one micro-batch keeps on this stage (Note [Pipeline step]).
-  std::vector<int64_t> predicted_chunk_bytes(int64_t boundary_bytes) const;
+  // The bytes one micro-batch keeps on this stage in model chunk `chunk` (Note [Pipeline step]):
+  // predicted once, or, when they depend on the routing, from the chunk's latest forward.
+  int64_t predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes) const;
+  // The MoE statistics of every stage's layers, on every stage (the log reports the model's).
+  MoEStats gather_moe_stats_over_stages(const MoEStats& local) const;
   // The ledger's record of one forward (null without a ledger).
   std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
   // The tied embedding's gradient summed over the embedding group (first and last stage).
