@@ -93,9 +93,10 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
                 " must be \"block\" or \"uniform\".");
     plan.granularity = g == "full" ? RecomputeGranularity::kFull : RecomputeGranularity::kSelective;
     // A model chunk's layers (a stage's without interleaving): Megatron's TransformerBlock counts
-    // len(self.layers), one chunk's, as num_layers_per_pipeline_rank.
-    const int64_t per_stage = c.num_layers / c.pipeline_model_parallel_size /
-                              std::max<int64_t>(c.virtual_pipeline_size(), 1);
+    // len(self.layers), one chunk's, as num_layers_per_pipeline_rank. With an uneven split the
+    // largest chunk's (n is clamped to a smaller chunk's layers there).
+    int64_t per_stage = 0;
+    for (const auto& piece : model_pieces(c)) per_stage = std::max(per_stage, piece.count);
     if (plan.granularity == RecomputeGranularity::kFull) {
       TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
                   "recompute_granularity: full so recompute_method must be \"block\" or "

@@ -138,19 +138,29 @@ void validate_pipeline(const TransformerConfig& c) {
     TORCH_CHECK(!per_vp || (!first && !last), api, "please use --num-virtual-stages-per-pipeline-"
                 "rank to specify virtual pipeline parallel degree when enable uneven pipeline "
                 "parallelism");
-    TORCH_CHECK(!first && !last, api, "uneven pipeline splits with the interleaved schedule are "
-                "not implemented yet (--decoder-first/last-pipeline-num-layers with "
-                "--num-virtual-stages-per-pipeline-rank)");
-    TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
-                "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p, ")");
     const int64_t per_stage = c.num_layers / p;
-    if (per_vp) {
+    if (first || last) {
+      // Uneven and interleaved (TransformerConfig.__post_init__'s "Uneven PP" with a virtual
+      // size): the first and last stages' layers split into v chunks each; the middle stages'
+      // checks follow below.
+      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
+      TORCH_CHECK(!first || *first % *vp == 0, api, "number of layers at first stage: ",
+                  *first, " must be divisible by virtual pipeline parallel degree ", *vp);
+      TORCH_CHECK(!last || *last % *vp == 0, api, "number of layers at last stage: ", *last,
+                  " must be divisible by virtual pipeline parallel degree ", *vp);
+    } else if (per_vp) {
+      TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
+                  "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p,
+                  ")");
       TORCH_CHECK(*per_vp >= 1, api, "num_layers_per_virtual_pipeline_stage must be positive, got ",
                   *per_vp);
       TORCH_CHECK(per_stage % *per_vp == 0, api, "number of layers per pipeline stage must be "
                   "divisible number of layers per virtual pipeline stage (", per_stage, " layers "
                   "per stage, ", *per_vp, " per virtual stage)");
     } else {
+      TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
+                  "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p,
+                  ")");
       TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
       TORCH_CHECK(per_stage % *vp == 0, api, "the ", per_stage, " layers of a pipeline stage cannot "
                   "be split into ", *vp, " virtual stages of equal size");
@@ -193,6 +203,11 @@ void validate_pipeline(const TransformerConfig& c) {
               "(num_layers ", c.num_layers, ", pipeline size ", p, ")");
   TORCH_CHECK(stages == 0 || layers % stages == 0, api, "number of layers at middle stage: ",
               layers, " must be divisible by the middle pipeline model parallel size ", stages);
+  if (vp) {
+    TORCH_CHECK(stages == 0 || (layers / stages) % *vp == 0, api, "number of layers on each "
+                "middle pipeline rank: ", layers / stages, " must be divisible by virtual pipeline "
+                "parallel degree ", *vp);
+  }
 }
 }  // namespace
 
@@ -218,8 +233,23 @@ TransformerConfig::StageLayers TransformerConfig::model_chunk_layers(int64_t sta
   const int64_t p = pipeline_model_parallel_size;
   TORCH_CHECK(stage >= 0 && stage < p, "actmem::TransformerConfig::model_chunk_layers: stage ",
               stage, " outside 0..", p - 1);
-  const int64_t n = num_layers / (p * v);
-  return {chunk * (num_layers / v) + stage * n, n};
+  const auto& first = decoder_first_pipeline_num_layers;
+  const auto& last = decoder_last_pipeline_num_layers;
+  if (!first && !last) {
+    const int64_t n = num_layers / (p * v);
+    return {chunk * (num_layers / v) + stage * n, n};
+  }
+  // Megatron's get_transformer_layer_offset with an uneven split and a vp_stage: chunk c of
+  // every stage holds a 1/v share of that stage's layers, the chunks of one round (c) together
+  // T = first/v + middle/v + last/v layers, stage r's at its place within the round.
+  const int64_t middle_stages = p - (first ? 1 : 0) - (last ? 1 : 0);
+  const int64_t first_chunk = first.value_or(0) / v, last_chunk = last.value_or(0) / v;
+  const int64_t middle_chunk = (num_layers - first.value_or(0) - last.value_or(0)) / v;
+  const int64_t round = first_chunk + middle_chunk + last_chunk;
+  const int64_t per_middle = middle_stages > 0 ? middle_chunk / middle_stages : 0;
+  if (first && stage == 0) return {chunk * round, first_chunk};
+  if (last && stage == p - 1) return {chunk * round + first_chunk + middle_chunk, last_chunk};
+  return {chunk * round + first_chunk + (stage - (first ? 1 : 0)) * per_middle, per_middle};
 }
 
 TransformerConfig::StageLayers TransformerConfig::pipeline_stage_layers(int64_t stage) const {

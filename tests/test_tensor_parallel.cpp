@@ -1262,6 +1262,59 @@ TEST(Pipeline, InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndT
   EXPECT_GT(inflight[0], inflight[1]);
 }
 
+TEST(Pipeline, InterleavedUnevenSplitTrainsBitwiseLikeOneProcessAndThePredictorHolds) {
+  // Six layers on two stages of two model chunks with a first stage of 2 layers (Megatron's
+  // uneven interleaved split: stage 0 holds layers 0 and 3, stage 1 layers 1-2 and 4-5). Without
+  // dropout and with untied embeddings, against one process on the same global batch: losses and
+  // every parameter after three steps bitwise equal. With dropout, every recompute strategy
+  // whose n fits the largest chunk and fine-grained offload bitwise equal to the plain run, and
+  // each stage holds what the predictor says over the schedule (chunks of different sizes).
+  const auto one = run_workers(1, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "1",
+                                   "--layers", "6", "--global-batch", "16", "--only", "plain",
+                                   "--variant", "swiglu"});
+  const auto ranks = run_workers(2, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "2",
+                                     "--vp", "2", "--first", "2", "--layers", "6",
+                                     "--global-batch", "16", "--only", "plain", "--variant",
+                                     "swiglu"});
+  ASSERT_EQ(one.size(), 1u);
+  ASSERT_EQ(ranks.size(), 2u);
+  const json& ref = pipeline_run(one[0], "plain")["steps"];
+  for (const auto& r : ranks) {
+    const json& run = pipeline_run(r, "plain");
+    const int stage = r["pipeline"]["pp_rank"].get<int>();
+    EXPECT_EQ(run["chunk_offsets"], stage == 0 ? json::array({0, 3}) : json::array({1, 4}));
+    EXPECT_EQ(run["stage_layers"].get<int64_t>(), stage == 0 ? 2 : 4);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(run["steps"][i]["loss"], ref[i]["loss"]) << "stage " << stage << " step " << i;
+    }
+  }
+  expect_stages_hold_one_process_parameters(ranks, one, 1, true, "uneven interleaved");
+
+  const auto strategies = run_workers(2, {"pipeline", "--tp", "1", "--pp", "2", "--vp", "2",
+                                          "--first", "2", "--layers", "6", "--global-batch", "16"});
+  ASSERT_EQ(strategies.size(), 2u);
+  for (const auto& r : strategies) {
+    const int stage = r["pipeline"]["pp_rank"].get<int>();
+    const std::string what = "uneven interleaved stage " + std::to_string(stage);
+    const json& plain = pipeline_run(r, "plain");
+    std::set<std::string> names;
+    for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
+      names.insert(name);
+      if (name.rfind("offload_", 0) == 0) {
+        expect_offload_equals_plain(run, plain, what + " " + name, false, false, 8);
+      } else {
+        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+      }
+    }
+    EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
+                                            "full_block_2", "selective_core_attn", "selective_mlp",
+                                            "selective_layernorm", "selective_all",
+                                            "offload_fine_grained",
+                                            "offload_fine_grained_selective"}))
+        << what;
+  }
+}
+
 TEST(Pipeline, MoEStagesTrainLikeOneProcessAndLogEveryStagesLayers) {
   // The MoE model (4 experts, top-2, capacity factor 1: tokens are dropped) without dropout on
   // one process and split into stages: the first step computes on bitwise the same parameters
@@ -1398,6 +1451,49 @@ TEST(Pipeline, InterleavedRulesFollowMegatron) {
   c.num_virtual_stages_per_pipeline_rank.reset();
   c.decoder_first_pipeline_num_layers = 2;
   expect_error_containing([&] { c.validate(); }, "please use --num-virtual-stages-per-pipeline-rank");
+  {
+    // Uneven and interleaved (Megatron's get_transformer_layer_offset with a vp_stage): 10 layers,
+    // p 3, v 2, first stage 2 and last 4 layers. Each chunk takes 1/v of its stage's layers, one
+    // round of chunks holds 2/2 + 4/2 + 4/2 = 5 layers: stage 0 holds 0 and 5, stage 1 1-2 and
+    // 6-7, stage 2 3-4 and 8-9 (worked by hand from Megatron's formula).
+    TransformerConfig u;
+    u.num_layers = 10;
+    u.pipeline_model_parallel_size = 3;
+    u.num_virtual_stages_per_pipeline_rank = 2;
+    u.decoder_first_pipeline_num_layers = 2;
+    u.decoder_last_pipeline_num_layers = 4;
+    u.validate();
+    std::vector<std::pair<int64_t, int64_t>> chunks;
+    for (int64_t stage = 0; stage < 3; ++stage) {
+      for (int64_t chunk = 0; chunk < 2; ++chunk) {
+        const auto l = u.model_chunk_layers(stage, chunk);
+        chunks.emplace_back(l.offset, l.count);
+      }
+    }
+    EXPECT_EQ(chunks, (std::vector<std::pair<int64_t, int64_t>>{
+                          {0, 1}, {5, 1}, {1, 2}, {6, 2}, {3, 2}, {8, 2}}));
+    // recompute_num_layers counts the largest chunk's layers (2 here).
+    u.recompute_granularity = "full";
+    u.recompute_method = "uniform";
+    u.recompute_num_layers = 3;
+    expect_error_containing([&] { u.validate(); }, "num_layers_per_pipeline_rank: 2, got 3");
+    u.recompute_granularity.clear();
+    u.recompute_method.clear();
+    u.recompute_num_layers.reset();
+    // Megatron's rules: the first and last stages' layers, and each middle stage's, divide by v.
+    u.decoder_first_pipeline_num_layers = 3;
+    u.decoder_last_pipeline_num_layers = 3;
+    expect_error_containing([&] { u.validate(); }, "number of layers at first stage: 3 must be "
+                                                   "divisible by virtual pipeline parallel degree 2");
+    u.decoder_first_pipeline_num_layers = 2;
+    expect_error_containing([&] { u.validate(); }, "number of layers at last stage: 3 must be "
+                                                   "divisible by virtual pipeline parallel degree 2");
+    u.num_layers = 9;
+    u.decoder_last_pipeline_num_layers = 4;
+    expect_error_containing([&] { u.validate(); }, "number of layers on each middle pipeline rank: "
+                                                   "3 must be divisible by virtual pipeline parallel "
+                                                   "degree 2");
+  }
   c.decoder_first_pipeline_num_layers.reset();
   c.pipeline_model_parallel_size = 1;
   expect_error_containing([&] { c.validate(); }, "pipeline-model-parallel size should be greater than 1");

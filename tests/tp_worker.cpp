@@ -378,8 +378,14 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
     c.decoder_last_pipeline_num_layers = last;
     if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
     mutate(c);
-    // Under the interleaved schedule n counts a model chunk's layers: skip what does not fit.
-    if (vp > 1 && c.recompute_num_layers && *c.recompute_num_layers > layers / pp / vp) continue;
+    // n counts a model chunk's (a stage's) layers: skip what fits no chunk.
+    int64_t largest = 0;
+    for (int64_t stage = 0; stage < pp; ++stage) {
+      for (int64_t k = 0; k < c.virtual_pipeline_size(); ++k) {
+        largest = std::max(largest, c.model_chunk_layers(stage, k).count);
+      }
+    }
+    if (c.recompute_num_layers && *c.recompute_num_layers > largest) continue;
     actmem::TrainingConfig tc;
     tc.global_batch_size = global_batch;
     tc.eval_interval = 0;
