@@ -637,6 +637,21 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
   TORCH_CHECK(!ddp_bucket_size || overlap_grad_reduce, "actmem::TrainingConfig: "
               "--ddp-bucket-size applies with --overlap-grad-reduce (without it the gradients "
               "reduce in one all-reduce after backward)");
+  if (const auto& n = num_microbatches_with_partial_activation_checkpoints) {
+    // Megatron's schedules pass the choice to the model, whose mcore GPT ignores it (the flag has
+    // no effect there); here it applies, so its preconditions are checked rather than ignored.
+    const char* api = "actmem::TrainingConfig: num_microbatches_with_partial_activation_checkpoints";
+    TORCH_CHECK(*n >= 0, api, " must be >= 0, got ", *n);
+    TORCH_CHECK(model.pipeline_model_parallel_size > 1, api, " applies to the pipeline schedules "
+                "(--pipeline-model-parallel-size > 1); without a pipeline every micro-batch runs "
+                "the same plan");
+    TORCH_CHECK(model.recompute_granularity == "full" && model.recompute_method == "block", api,
+                " needs --recompute-granularity full --recompute-method block: its micro-batches "
+                "checkpoint the first --recompute-num-layers layers, the others every layer (with "
+                "uniform every layer is already checkpointed)");
+    TORCH_CHECK(!model.fine_grained_activation_offloading && model.cpu_offloading_num_layers == 0,
+                api, " together with activation offload is not implemented");
+  }
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
   TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
@@ -706,6 +721,10 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"overlap_grad_reduce", t.overlap_grad_reduce},
       {"ddp_bucket_size", t.ddp_bucket_size ? nlohmann::json(*t.ddp_bucket_size) : nlohmann::json(nullptr)},
       {"use_distributed_optimizer", t.use_distributed_optimizer},
+      {"num_microbatches_with_partial_activation_checkpoints",
+       t.num_microbatches_with_partial_activation_checkpoints
+           ? nlohmann::json(*t.num_microbatches_with_partial_activation_checkpoints)
+           : nlohmann::json(nullptr)},
   };
 }
 

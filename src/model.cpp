@@ -796,11 +796,15 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
           ? fork_model_parallel_rng(true, "actmem::TransformerBlock: sequence parallelism")
           : std::nullopt;
   const int64_t L = offset_ + static_cast<int64_t>(layers.size());  // one past this stage's last
-  if (plan_.full_recompute() && is_training()) {
+  if ((plan_.full_recompute() || checkpoint_every_layer_) && is_training()) {
     // Megatron's checkpointed_forward: only each chunk's input is kept. The plan's chunks never
     // cross a stage boundary (check_activation_plan); this stage runs its own.
+    std::vector<CheckpointChunk> every_layer;
+    if (checkpoint_every_layer_) {
+      for (int64_t i = offset_; i < L; ++i) every_layer.push_back({i, i + 1});
+    }
     int64_t next = offset_;
-    for (const auto& chunk : plan_.chunks) {
+    for (const auto& chunk : checkpoint_every_layer_ ? every_layer : plan_.chunks) {
       if (chunk.start < offset_ || chunk.start >= L) continue;
       hidden = run_layers(hidden, next, chunk.start, ctx);  // layers before a block chunk: plain
       ModuleScope scope("layers", chunk.start);  // the chunk's saved input belongs to its first layer
@@ -993,6 +997,10 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
 at::Tensor GPTModel::shared_embedding_or_output_weight() const {
   if (config_.untie_embeddings_and_output_weights) return {};
   return pre_process_ ? word_embeddings : output_weight;
+}
+
+void GPTModel::set_checkpoint_every_layer(bool on) {
+  for (const auto& block : decoders_) block->set_checkpoint_every_layer(on);
 }
 
 void GPTModel::set_moe_aux_loss_scale(double scale) {

@@ -259,6 +259,13 @@ void add_recompute_flags(CLI::App& app, TrainOptions& o) {
          "--recompute-num-layers", [&m](const int64_t& n) { m.recompute_num_layers = n; },
          "Full recompute: layers per chunk (uniform) or checkpointed layers (block)")
       ->check(integer_in_range(0, kMaxInt));
+  auto& t = o.training;
+  app.add_option_function<int64_t>(
+         "--num-microbatches-with-partial-activation-checkpoints",
+         [&t](const int64_t& n) { t.num_microbatches_with_partial_activation_checkpoints = n; },
+         "Pipeline schedules with full block recompute: per window of warmup + 1 forwards, the "
+         "first N checkpoint --recompute-num-layers layers, the others every layer")
+      ->check(integer_in_range(0, kMaxInt));
   app.add_option_function<std::vector<std::string>>(
          "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
          "Selective targets, space-separated: core_attn mlp layernorm moe moe_act shared_experts "

@@ -444,6 +444,26 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     }
     predicted_activation_bytes_ = chunk_activation_bytes_.front();
   }
+  if (config_.num_microbatches_with_partial_activation_checkpoints) {
+    // The block method over all of a chunk's layers: what the model runs in every-layer mode.
+    TransformerConfig every = model_config_;
+    int64_t largest = 0;  // the model's largest chunk (make_activation_plan's bound on n)
+    for (int64_t s = 0; s < model_config_.pipeline_model_parallel_size; ++s) {
+      for (int64_t c = 0; c < model_config_.virtual_pipeline_size(); ++c) {
+        largest = std::max(largest, model_config_.model_chunk_layers(s, c).count);
+      }
+    }
+    every.recompute_num_layers = largest;
+    every_layer_plan_ = std::make_unique<ActivationPlan>(make_activation_plan(every));
+    if (!routing_dependent_prediction_) {
+      for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
+        every_layer_chunk_bytes_.push_back(
+            predict_activation_bytes(model_config_, *every_layer_plan_, model_config_.element_bytes(),
+                                     device_.is_cpu(), nullptr, pipeline_parallel_group().rank, c)
+                .total);
+      }
+    }
+  }
 }
 
 Trainer::~Trainer() = default;
@@ -680,6 +700,24 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   };
   const int64_t chunks = model_->num_model_chunks();
   std::vector<std::deque<InFlight>> in_flight(static_cast<size_t>(chunks));  // per model chunk
+  // Note [Partial activation checkpoints]
+  // Megatron's --num-microbatches-with-partial-activation-checkpoints N (schedules.py, after
+  // Korthikanti et al. 2022, appendix C): a stage keeps at most W = warmup + 1 forwards in flight
+  // (its max_outstanding_backprops); forward k (counted over the step, every model chunk) checks
+  // k % W >= N: false for the first N of each window, which run the configured plan (the block
+  // method's first recompute_num_layers layers checkpointed), true for the others, which
+  // checkpoint every layer. So at most N in-flight micro-batches keep the partial plan's bytes;
+  // the last stage (W = 1) runs every micro-batch partially. Megatron passes the flag to the
+  // model's forward step, which its mcore GPT ignores; here the model applies it
+  // (TransformerBlock::set_checkpoint_every_layer), bitwise like any recompute.
+  const std::optional<int64_t>& partial = config_.num_microbatches_with_partial_activation_checkpoints;
+  const int64_t stages_after = pp.size - pp.rank - 1;
+  const int64_t warmup =
+      chunks > 1 ? std::min(2 * stages_after + (chunks - 1) * model_config_.microbatch_group_size(),
+                            n_micro * chunks)
+                 : std::min(stages_after, n_micro);
+  const int64_t outstanding = warmup + 1;
+  int64_t forwards_run = 0;
   // Per model chunk and micro-batch, the bytes predicted to stay from its forward to its backward.
   std::vector<std::vector<int64_t>> predicted(static_cast<size_t>(chunks),
                                               std::vector<int64_t>(static_cast<size_t>(n_micro)));
@@ -749,7 +787,12 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     }
     std::unique_ptr<LedgerScope> ledger_scope =
         m == 0 && chunk == 0 ? open_ledger(tokens, labels) : nullptr;
+    // Note [Partial activation checkpoints]
+    const bool every_layer = partial && forwards_run % outstanding >= *partial;
+    ++forwards_run;
+    model_->set_checkpoint_every_layer(every_layer);
     at::Tensor out = model_->forward_stage(tokens, labels, f.input, chunk);
+    model_->set_checkpoint_every_layer(false);
     ledger_scope.reset();
     if (model_->chunk_post_process(chunk)) {
       if (n_micro > 1) out = out / static_cast<double>(n_micro);
@@ -764,7 +807,7 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
     st.activation_bytes = std::max(st.activation_bytes, after - before);
     st.inflight_activation_bytes = std::max(st.inflight_activation_bytes, after - step_base);
     predicted[static_cast<size_t>(chunk)][static_cast<size_t>(m)] =
-        predicted_chunk_bytes(chunk, p2p.bytes());
+        predicted_chunk_bytes(chunk, p2p.bytes(), every_layer);
     in_flight[static_cast<size_t>(chunk)].push_back(std::move(f));
     schedule_.push_back({true, m, start, shared_clock_s(), chunk});
     return out;
@@ -848,14 +891,15 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   return from_last_stage(loss_sum);  // the loss is the last stage's: every stage reports it
 }
 
-int64_t Trainer::predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes) const {
+int64_t Trainer::predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes,
+                                       bool every_layer) const {
   // A micro-batch's bytes in a model chunk: its layers' bytes (the received input among them: the
   // first layer's norm keeps it, as it keeps the embedding's output on the first stage). With
   // distribute_saved_activations a checkpoint that starts the chunk keeps its 1/t shard of the
   // received input, and the input itself stays too (the schedule needs its gradient; Megatron's
   // CheckpointFunction swaps the tensor's storage for the shard instead, which this project does
   // not do).
-  const ActivationPlan& plan = model_->plan();
+  const ActivationPlan& plan = every_layer ? *every_layer_plan_ : model_->plan();
   const bool kept_input =
       !model_->chunk_pre_process(chunk) && plan.distribute_saved_activations &&
       plan.layers[static_cast<size_t>(model_->stage_layers(chunk).offset)].starts_chunk;
@@ -874,7 +918,8 @@ int64_t Trainer::predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes) co
                                       chunk)
                  .total;
   } else {
-    layers = chunk_activation_bytes_.at(static_cast<size_t>(chunk));
+    layers = (every_layer ? every_layer_chunk_bytes_ : chunk_activation_bytes_)
+                 .at(static_cast<size_t>(chunk));
   }
   return layers + (kept_input ? boundary_bytes : 0);
 }

@@ -117,6 +117,31 @@ INSTANTIATE_TEST_SUITE_P(
         TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; }, "device_memory_limit must be >= 0"}),
     [](const auto& info) { return std::string(info.param.name); });
 
+TEST(TrainingConfig, PartialActivationCheckpointsNeedAPipelineAndBlockRecompute) {
+  // --num-microbatches-with-partial-activation-checkpoints picks, per micro-batch of a pipeline
+  // schedule, between the block plan and every layer checkpointed: refused where it would change
+  // nothing (Megatron's mcore GPT ignores it everywhere) or meet offload (not implemented).
+  TransformerConfig model;
+  TrainingConfig t;
+  t.num_microbatches_with_partial_activation_checkpoints = 1;
+  expect_error_containing([&] { t.validate(model); }, "applies to the pipeline schedules");
+  model.pipeline_model_parallel_size = 2;
+  expect_error_containing([&] { t.validate(model); },
+                          "needs --recompute-granularity full --recompute-method block");
+  model.recompute_granularity = "full";
+  model.recompute_method = "uniform";
+  model.recompute_num_layers = 1;
+  expect_error_containing([&] { t.validate(model); },
+                          "needs --recompute-granularity full --recompute-method block");
+  model.recompute_method = "block";
+  t.validate(model);
+  model.fine_grained_activation_offloading = true;
+  expect_error_containing([&] { t.validate(model); }, "together with activation offload is not implemented");
+  model.fine_grained_activation_offloading = false;
+  t.num_microbatches_with_partial_activation_checkpoints = -1;
+  expect_error_containing([&] { t.validate(model); }, "must be >= 0, got -1");
+}
+
 TEST(TransformerConfig, RecomputeDefaultsFollowMegatron) {
   // The plan is the resolved form of the recompute flags (Note [One plan]).
   TransformerConfig c;

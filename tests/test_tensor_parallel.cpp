@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <fstream>
 #include <map>
-#include <set>
 #include <regex>
 #include <set>
 #include <sstream>
@@ -866,6 +865,36 @@ void expect_offload_equals_plain(const json& run, const json& plain, const std::
   EXPECT_EQ(run["params"], plain["params"]) << what;
 }
 
+// One stage's strategies under the interleaved schedule (two chunks, four micro-batches: eight
+// forwards a step) against its plain run: every recompute strategy whose n fits the largest chunk
+// (full_uniform_3 does not) and both fine-grained offload strategies. `equal_chunks`: every chunk
+// offloads the same bytes per forward, so the capped strategy's bytes per forward are checked.
+void expect_interleaved_strategies_equal_plain(const json& rank, const std::string& what,
+                                               bool equal_chunks) {
+  const int stage = rank["pipeline"]["pp_rank"].get<int>();
+  const json& plain = pipeline_run(rank, "plain");
+  std::set<std::string> names;
+  for (const auto& [name, run] : rank["pipeline"]["strategies"].items()) {
+    names.insert(name);
+    if (name.rfind("offload_", 0) == 0) {
+      // Interleaved: on the first stage no forward is followed by its own backward; on the
+      // last, some are (they keep their margin) and some not.
+      expect_offload_equals_plain(run, plain, what + " " + name,
+                                  equal_chunks && name == "offload_fine_grained_selective",
+                                  stage == 0, 8);
+    } else {
+      expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
+    }
+  }
+  EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
+                                          "full_block_2", "full_block_1_partial_1",
+                                          "selective_core_attn", "selective_mlp",
+                                          "selective_layernorm", "selective_all",
+                                          "offload_fine_grained",
+                                          "offload_fine_grained_selective"}))
+      << what;
+}
+
 struct PipelineCase {
   int nproc, tp, pp;
   std::vector<std::string> extra;  // uneven split flags
@@ -964,7 +993,26 @@ TEST(Pipeline, EveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictor
           expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
         }
       }
-      EXPECT_EQ(strategies, tp == 1 ? 11 : 13) << what;  // distribute_* need t > 1
+      EXPECT_EQ(strategies, tp == 1 ? 12 : 14) << what;  // distribute_* need t > 1
+      // Partial activation checkpoints, one per window of min(p - stage, 4) outstanding
+      // forwards: block 1 (one of the stage's three layers checkpointed) for the first of each
+      // window, every layer checkpointed (as full uniform 1) for the others. The first stage
+      // holds one micro-batch of each at its peak; the last (a window of one) block 1's only.
+      const auto bytes = [&](const std::string& name, const char* key) {
+        return pipeline_run(r, name)["steps"][0][key].get<int64_t>();
+      };
+      const int64_t partial = bytes("full_block_1_partial_1", "activation_bytes");
+      EXPECT_GT(partial, bytes("full_uniform_1", "activation_bytes")) << what;
+      if (stage == 0) {
+        // Each term holds the output about to be sent once: uniform 1's in-flight less its one
+        // micro-batch is what the second micro-batch adds.
+        EXPECT_EQ(bytes("full_block_1_partial_1", "inflight_activation_bytes"),
+                  partial + bytes("full_uniform_1", "inflight_activation_bytes") -
+                      bytes("full_uniform_1", "activation_bytes"))
+            << what;
+      } else {
+        EXPECT_EQ(bytes("full_block_1_partial_1", "inflight_activation_bytes"), partial) << what;
+      }
       // The first stage holds two micro-batches at its peak, the last one.
       const json& st = plain["steps"][0];
       const int64_t per = st["activation_bytes"].get<int64_t>();
@@ -1236,28 +1284,9 @@ TEST(Pipeline, InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndT
   std::vector<int64_t> inflight(2);
   for (const auto& r : ranks) {
     const int stage = r["pipeline"]["pp_rank"].get<int>();
-    const std::string what = "stage " + std::to_string(stage);
-    const json& plain = pipeline_run(r, "plain");
-    std::set<std::string> names;
-    for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
-      names.insert(name);
-      if (name.rfind("offload_", 0) == 0) {
-        // Interleaved: on the first stage no forward is followed by its own backward; on the
-        // last, some are (they keep their margin) and some not.
-        expect_offload_equals_plain(run, plain, what + " " + name,
-                                    name == "offload_fine_grained_selective", stage == 0, 8);
-      } else {
-        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
-      }
-    }
-    // full_uniform_3 needs three layers in a chunk; the rest run.
-    EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
-                                            "full_block_2", "selective_core_attn", "selective_mlp",
-                                            "selective_layernorm", "selective_all",
-                                            "offload_fine_grained",
-                                            "offload_fine_grained_selective"}))
-        << what;
-    inflight[static_cast<size_t>(stage)] = plain["steps"][0]["inflight_activation_bytes"].get<int64_t>();
+    expect_interleaved_strategies_equal_plain(r, "stage " + std::to_string(stage), true);
+    inflight[static_cast<size_t>(stage)] =
+        pipeline_run(r, "plain")["steps"][0]["inflight_activation_bytes"].get<int64_t>();
   }
   EXPECT_GT(inflight[0], inflight[1]);
 }
@@ -1294,24 +1323,9 @@ TEST(Pipeline, InterleavedUnevenSplitTrainsBitwiseLikeOneProcessAndThePredictorH
                                           "--first", "2", "--layers", "6", "--global-batch", "16"});
   ASSERT_EQ(strategies.size(), 2u);
   for (const auto& r : strategies) {
-    const int stage = r["pipeline"]["pp_rank"].get<int>();
-    const std::string what = "uneven interleaved stage " + std::to_string(stage);
-    const json& plain = pipeline_run(r, "plain");
-    std::set<std::string> names;
-    for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
-      names.insert(name);
-      if (name.rfind("offload_", 0) == 0) {
-        expect_offload_equals_plain(run, plain, what + " " + name, false, false, 8);
-      } else {
-        expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
-      }
-    }
-    EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
-                                            "full_block_2", "selective_core_attn", "selective_mlp",
-                                            "selective_layernorm", "selective_all",
-                                            "offload_fine_grained",
-                                            "offload_fine_grained_selective"}))
-        << what;
+    // The chunks hold one and two layers: they offload different bytes per forward.
+    expect_interleaved_strategies_equal_plain(
+        r, "uneven interleaved stage " + r["pipeline"]["pp_rank"].dump(), false);
   }
 }
 

@@ -357,6 +357,16 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
     c.recompute_method = "uniform";
     c.recompute_num_layers = 2;
   });
+  if (!moe) {
+    // Block 1 with --num-microbatches-with-partial-activation-checkpoints 1 (set below): per
+    // window of a stage's outstanding forwards the first keeps block 1's bytes, the others
+    // checkpoint every layer.
+    all.emplace_back("full_block_1_partial_1", [](TransformerConfig& c) {
+      c.recompute_granularity = "full";
+      c.recompute_method = "block";
+      c.recompute_num_layers = 1;
+    });
+  }
   // Offload beside selective recompute, each commit waiting for its copy (the in-flight cap 0).
   all.emplace_back("offload_fine_grained_selective", [moe](TransformerConfig& c) {
     c.fine_grained_activation_offloading = true;
@@ -390,6 +400,7 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
     tc.global_batch_size = global_batch;
     tc.eval_interval = 0;
     tc.clip_grad = 0.0;
+    if (name == "full_block_1_partial_1") tc.num_microbatches_with_partial_activation_checkpoints = 1;
     actmem::Trainer trainer(c, tc);
     nlohmann::json r;
     for (int i = 0; i < 3; ++i) {

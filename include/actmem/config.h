@@ -319,6 +319,11 @@ struct TrainingConfig {
   /// Megatron's --use-distributed-optimizer: the optimizer state sharded over the data-parallel
   /// ranks (distributed_optimizer.h).
   bool use_distributed_optimizer = false;
+  /// Megatron's --num-microbatches-with-partial-activation-checkpoints N (pipeline schedules,
+  /// full block recompute): in each window of W = warmup + 1 forwards of a stage the first N
+  /// checkpoint the block method's first recompute_num_layers layers, the others every layer
+  /// (Note [Partial activation checkpoints] in trainer.cpp).
+  std::optional<int64_t> num_microbatches_with_partial_activation_checkpoints;
 
   /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.
   bool fp32_main_grads(const TransformerConfig& model) const {

@@ -260,6 +260,10 @@ class TransformerBlock : public torch::nn::Module {
   /// (training only) the plan's chunks of this stage's layers run inside checkpoints
   /// (ActivationPlan::chunks).
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
+  /// Training forwards from now on checkpoint every layer on its own (the block method with n =
+  /// all of the block's layers) instead of the plan's chunks: the fully checkpointed micro-batches
+  /// of --num-microbatches-with-partial-activation-checkpoints.
+  void set_checkpoint_every_layer(bool on) { checkpoint_every_layer_ = on; }
   std::vector<std::shared_ptr<TransformerLayer>> layers;  // this stage's
   std::shared_ptr<Norm> final_layernorm;  // null except on the last stage
 
@@ -269,6 +273,7 @@ class TransformerBlock : public torch::nn::Module {
   TransformerConfig config_;
   ActivationPlan plan_;
   int64_t offset_ = 0;  // the global index of layers[0]
+  bool checkpoint_every_layer_ = false;
 };
 
 class GPTModel : public torch::nn::Module {
@@ -332,6 +337,8 @@ class GPTModel : public torch::nn::Module {
   /// The backward scale of the MoE auxiliary losses (Megatron's
   /// MoEAuxLossAutoScaler.set_loss_scale): the main loss's scale over the micro-batches.
   void set_moe_aux_loss_scale(double scale);
+  /// TransformerBlock::set_checkpoint_every_layer for every model chunk of this stage.
+  void set_checkpoint_every_layer(bool on);
   /// What every layer keeps, recomputes or offloads (Note [One plan] in activation_plan.h).
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).

@@ -205,7 +205,9 @@ class Trainer {
   PipelineP2P pipeline_p2p() const;
   // The bytes one micro-batch keeps on this stage in model chunk `chunk` (Note [Pipeline step]):
   // predicted once, or, when they depend on the routing, from the chunk's latest forward.
-  int64_t predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes) const;
+  // `every_layer`: a micro-batch that checkpoints every layer (Note [Partial activation
+  // checkpoints] in trainer.cpp).
+  int64_t predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes, bool every_layer) const;
   // The MoE statistics of every stage's layers, on every stage (the log reports the model's).
   MoEStats gather_moe_stats_over_stages(const MoEStats& local) const;
   // The ledger's record of one forward (null without a ledger).
@@ -248,6 +250,10 @@ class Trainer {
   int64_t predicted_activation_bytes_ = 0;  // per micro-batch (model chunk 0's)
   std::vector<int64_t> chunk_activation_bytes_;  // per model chunk (interleaved schedule)
   bool routing_dependent_prediction_ = false;  // MoE capacity without padding: predicted per step
+  // With --num-microbatches-with-partial-activation-checkpoints: the plan of a micro-batch that
+  // checkpoints every layer, and its bytes per model chunk (unless routing-dependent).
+  std::unique_ptr<ActivationPlan> every_layer_plan_;
+  std::vector<int64_t> every_layer_chunk_bytes_;
   ActivationLedger* ledger_ = nullptr;
   TraceRecorder* trace_ = nullptr;
   // Note [Trainer RNG stream]: see trainer.cpp.

@@ -142,6 +142,11 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << actmem::format_bytes(static_cast<double>(shards->total_elements() * per_element))
         << ", " << shards->buckets() << (shards->buckets() == 1 ? " bucket" : " buckets") << ")\n";
   }
+  if (const auto& n = t.num_microbatches_with_partial_activation_checkpoints) {
+    out << "  partial activation checkpoints: the first " << *n << " forwards of each window of "
+        << "a stage's outstanding micro-batches checkpoint " << *m.recompute_num_layers
+        << (*m.recompute_num_layers == 1 ? " layer" : " layers") << ", the others every layer\n";
+  }
   out << "  parameters " << model.num_parameters() << " | dropout attention "
       << m.attention_dropout << " hidden " << m.hidden_dropout << " | ";
   if (corpus.train.defined()) {
