@@ -865,27 +865,39 @@ void expect_offload_equals_plain(const json& run, const json& plain, const std::
   EXPECT_EQ(run["params"], plain["params"]) << what;
 }
 
-// One stage's strategies under the interleaved schedule (two chunks, four micro-batches: eight
-// forwards a step) against its plain run: every recompute strategy whose n fits the largest chunk
-// (full_uniform_3 does not) and both fine-grained offload strategies. `equal_chunks`: every chunk
-// offloads the same bytes per forward, so the capped strategy's bytes per forward are checked.
-void expect_interleaved_strategies_equal_plain(const json& rank, const std::string& what,
-                                               bool equal_chunks) {
-  const int stage = rank["pipeline"]["pp_rank"].get<int>();
+// One stage's strategies (run_pipeline) against its plain run: recompute strategies with
+// expect_strategy_equals_plain_and_predicted, offload ones with expect_offload_equals_plain
+// (`forwards` per step; `uniform`: every forward keeps its margin or none; `capped`: the capped
+// strategy offloads the same bytes every forward, so its bytes per forward are checked). Returns
+// the strategies that ran.
+std::set<std::string> expect_stage_strategies_equal_plain(const json& rank, const std::string& what,
+                                                          bool capped, bool uniform,
+                                                          int64_t forwards) {
   const json& plain = pipeline_run(rank, "plain");
   std::set<std::string> names;
   for (const auto& [name, run] : rank["pipeline"]["strategies"].items()) {
     names.insert(name);
     if (name.rfind("offload_", 0) == 0) {
-      // Interleaved: on the first stage no forward is followed by its own backward; on the
-      // last, some are (they keep their margin) and some not.
       expect_offload_equals_plain(run, plain, what + " " + name,
-                                  equal_chunks && name == "offload_fine_grained_selective",
-                                  stage == 0, 8);
+                                  capped && name == "offload_fine_grained_selective", uniform,
+                                  forwards);
     } else {
       expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
     }
   }
+  return names;
+}
+
+// One stage's strategies under the interleaved schedule (two chunks, four micro-batches: eight
+// forwards a step): every recompute strategy whose n fits the largest chunk (full_uniform_3 does
+// not) and both fine-grained offload strategies. On the first stage no forward is followed by its
+// own backward; on the last, some are (they keep their margin) and some not. `equal_chunks`:
+// every chunk offloads the same bytes per forward.
+void expect_interleaved_strategies_equal_plain(const json& rank, const std::string& what,
+                                               bool equal_chunks) {
+  const int stage = rank["pipeline"]["pp_rank"].get<int>();
+  const std::set<std::string> names =
+      expect_stage_strategies_equal_plain(rank, what, equal_chunks, stage == 0, 8);
   EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
                                           "full_block_2", "full_block_1_partial_1",
                                           "selective_core_attn", "selective_mlp",
@@ -982,18 +994,9 @@ TEST(Pipeline, EveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictor
       const int stage = r["pipeline"]["pp_rank"].get<int>();
       const std::string what = "tp " + std::to_string(tp) + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
       const json& plain = pipeline_run(r, "plain");
-      int strategies = 0;
-      for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
-        ++strategies;
-        if (name.rfind("offload_", 0) == 0) {
-          // 1F1B: every forward of a stage keeps its margin (the last stage) or none.
-          expect_offload_equals_plain(run, plain, what + " " + name,
-                                      name == "offload_fine_grained_selective", true, 4);
-        } else {
-          expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
-        }
-      }
-      EXPECT_EQ(strategies, tp == 1 ? 12 : 14) << what;  // distribute_* need t > 1
+      // 1F1B: every forward of a stage keeps its margin (the last stage) or none.
+      const size_t strategies = expect_stage_strategies_equal_plain(r, what, true, true, 4).size();
+      EXPECT_EQ(strategies, tp == 1 ? 12u : 14u) << what;  // distribute_* need t > 1
       // Partial activation checkpoints, one per window of min(p - stage, 4) outstanding
       // forwards: block 1 (one of the stage's three layers checkpointed) for the first of each
       // window, every layer checkpointed (as full uniform 1) for the others. The first stage
@@ -1392,22 +1395,13 @@ TEST(Pipeline, MoEEveryStrategyBitwiseEqualsPlainAndThePredictorFollowsEachMicro
       const int stage = r["pipeline"]["pp_rank"].get<int>();
       const std::string what = k.what + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
       const json& plain = pipeline_run(r, "plain");
-      int strategies = 0;
-      for (const auto& [name, run] : r["pipeline"]["strategies"].items()) {
-        ++strategies;
-        if (name.rfind("offload_", 0) == 0) {
-          // The capped one offloads dense tensors (the same bytes every forward): one forward
-          // leaves the predictor's bytes for its routing less its share (see the dense test).
-          expect_offload_equals_plain(run, plain, what + " " + name,
-                                      name == "offload_fine_grained_selective",
-                                      !k.interleaved || stage == 0, k.interleaved ? 8 : 4);
-        } else {
-          expect_strategy_equals_plain_and_predicted(run, plain, what + " " + name);
-        }
-      }
-      // moe_strategies() with full_uniform_2 (not under the interleaved schedule: one layer per
-      // chunk) and offload beside selective core_attn, moe_act and layernorm recompute.
-      EXPECT_EQ(strategies, k.interleaved ? 9 : 10) << what;
+      // The capped strategy offloads dense tensors (the same bytes every forward): one forward
+      // leaves the predictor's bytes for its routing less its share (see the dense test). The
+      // strategies: moe_strategies() with full_uniform_2 (not under the interleaved schedule: one
+      // layer per chunk) and offload beside selective core_attn, moe_act and layernorm recompute.
+      const size_t strategies = expect_stage_strategies_equal_plain(
+          r, what, true, !k.interleaved || stage == 0, k.interleaved ? 8 : 4).size();
+      EXPECT_EQ(strategies, k.interleaved ? 9u : 10u) << what;
       if (stage == 0) {
         const json& st = plain["steps"][0];
         EXPECT_GT(st["inflight_activation_bytes"].get<int64_t>(),
