@@ -138,6 +138,9 @@ void validate_pipeline(const TransformerConfig& c) {
     TORCH_CHECK(!per_vp || (!first && !last), api, "please use --num-virtual-stages-per-pipeline-"
                 "rank to specify virtual pipeline parallel degree when enable uneven pipeline "
                 "parallelism");
+    TORCH_CHECK(first || last || c.num_layers % p == 0, api, "number of layers of the model must "
+                "be divisible pipeline model parallel size (num_layers ", c.num_layers,
+                ", pipeline size ", p, ")");
     const int64_t per_stage = c.num_layers / p;
     if (first || last) {
       // Uneven and interleaved (TransformerConfig.__post_init__'s "Uneven PP" with a virtual
@@ -149,18 +152,12 @@ void validate_pipeline(const TransformerConfig& c) {
       TORCH_CHECK(!last || *last % *vp == 0, api, "number of layers at last stage: ", *last,
                   " must be divisible by virtual pipeline parallel degree ", *vp);
     } else if (per_vp) {
-      TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
-                  "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p,
-                  ")");
       TORCH_CHECK(*per_vp >= 1, api, "num_layers_per_virtual_pipeline_stage must be positive, got ",
                   *per_vp);
       TORCH_CHECK(per_stage % *per_vp == 0, api, "number of layers per pipeline stage must be "
                   "divisible number of layers per virtual pipeline stage (", per_stage, " layers "
                   "per stage, ", *per_vp, " per virtual stage)");
     } else {
-      TORCH_CHECK(c.num_layers % p == 0, api, "number of layers of the model must be divisible "
-                  "pipeline model parallel size (num_layers ", c.num_layers, ", pipeline size ", p,
-                  ")");
       TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
       TORCH_CHECK(per_stage % *vp == 0, api, "the ", per_stage, " layers of a pipeline stage cannot "
                   "be split into ", *vp, " virtual stages of equal size");

@@ -700,24 +700,6 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   };
   const int64_t chunks = model_->num_model_chunks();
   std::vector<std::deque<InFlight>> in_flight(static_cast<size_t>(chunks));  // per model chunk
-  // Note [Partial activation checkpoints]
-  // Megatron's --num-microbatches-with-partial-activation-checkpoints N (schedules.py, after
-  // Korthikanti et al. 2022, appendix C): a stage keeps at most W = warmup + 1 forwards in flight
-  // (its max_outstanding_backprops); forward k (counted over the step, every model chunk) checks
-  // k % W >= N: false for the first N of each window, which run the configured plan (the block
-  // method's first recompute_num_layers layers checkpointed), true for the others, which
-  // checkpoint every layer. So at most N in-flight micro-batches keep the partial plan's bytes;
-  // the last stage (W = 1) runs every micro-batch partially. Megatron passes the flag to the
-  // model's forward step, which its mcore GPT ignores; here the model applies it
-  // (TransformerBlock::set_checkpoint_every_layer), bitwise like any recompute.
-  const std::optional<int64_t>& partial = config_.num_microbatches_with_partial_activation_checkpoints;
-  const int64_t stages_after = pp.size - pp.rank - 1;
-  const int64_t warmup =
-      chunks > 1 ? std::min(2 * stages_after + (chunks - 1) * model_config_.microbatch_group_size(),
-                            n_micro * chunks)
-                 : std::min(stages_after, n_micro);
-  const int64_t outstanding = warmup + 1;
-  int64_t forwards_run = 0;
   // Per model chunk and micro-batch, the bytes predicted to stay from its forward to its backward.
   std::vector<std::vector<int64_t>> predicted(static_cast<size_t>(chunks),
                                               std::vector<int64_t>(static_cast<size_t>(n_micro)));
@@ -740,6 +722,24 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   // at the next (Note [Offload under pipeline schedules] in activation_offloader.h).
   const std::vector<PipelineStep> order = pipeline_compute_order(
       pp.rank, pp.size, chunks, n_micro, model_config_.microbatch_group_size());
+  // Note [Partial activation checkpoints]
+  // Megatron's --num-microbatches-with-partial-activation-checkpoints N (schedules.py, after
+  // Korthikanti et al. 2022, appendix C): a stage keeps at most W = warmup + 1 forwards in flight
+  // (its max_outstanding_backprops); forward k (counted over the step, every model chunk) checks
+  // k % W >= N: false for the first N of each window, which run the configured plan (the block
+  // method's first recompute_num_layers layers checkpointed), true for the others, which
+  // checkpoint every layer. So at most N in-flight micro-batches keep the partial plan's bytes;
+  // the last stage (W = 1) runs every micro-batch partially. Megatron passes the flag to the
+  // model's forward step, which its mcore GPT ignores; here the model applies it
+  // (TransformerBlock::set_checkpoint_every_layer), bitwise like any recompute.
+  // W is read off the stage's own order: the forwards before its first backward are the warmup
+  // and one more (all of them when the schedule is all warmup, where k mod W is k either way).
+  const std::optional<int64_t>& partial = config_.num_microbatches_with_partial_activation_checkpoints;
+  const int64_t outstanding =
+      std::find_if(order.begin(), order.end(),
+                   [](const PipelineStep& s) { return s.kind == PipelineStep::Kind::kBackward; }) -
+      order.begin();
+  int64_t forwards_run = 0;
   size_t computed = 0;
   auto advance = [&](PipelineStep::Kind kind, int64_t m, int64_t chunk) -> const PipelineStep* {
     TORCH_INTERNAL_ASSERT(computed < order.size() && order[computed].kind == kind &&
