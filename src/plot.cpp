@@ -1,4 +1,4 @@
-// plot.cpp — memory_timeline_svg and pipeline_schedule_svg.
+// plot.cpp — memory_timeline_svg, plan_front_svg and pipeline_schedule_svg.
 #include "actmem/plot.h"
 
 #include "actmem/report.h"
@@ -117,6 +117,82 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const
         << "\" y2=\"" << top + ph << "\" stroke=\"#bbb\" stroke-dasharray=\"3,3\"/>\n"
         << "<text x=\"" << t + 2 << "\" y=\"" << top + 10 << "\" font-size=\"9\" fill=\"#888\">"
         << escape(e.label.substr(0, 3) + e.label.substr(9)) << "</text>\n";
+    }
+  }
+  o << "</svg>\n";
+  return o.str();
+}
+
+std::string plan_front_svg(const std::vector<PlanPoint>& points, double budget_bytes,
+                           const std::string& title) {
+  const double W = 1020, H = 600, left = 100, right = 40, top = 50, bottom = 60;
+  const double pw = W - left - right, ph = H - top - bottom;
+  double r_lo = 1.0, r_hi = 1.0, y_hi = std::max(1.0, budget_bytes);
+  for (const auto& p : points) {
+    r_lo = std::min(r_lo, p.step_ratio);
+    r_hi = std::max(r_hi, p.step_ratio);
+    y_hi = std::max(y_hi, p.peak_bytes);
+  }
+  r_hi += 0.05 * (r_hi - r_lo) + 1e-3;
+  r_lo -= 0.02 * (r_hi - r_lo);
+  y_hi *= 1.08;
+  auto X = [&](double r) { return left + pw * (r - r_lo) / (r_hi - r_lo); };
+  auto Y = [&](double bytes) { return top + ph * (1.0 - bytes / y_hi); };
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  open_svg(o, W, H, left, title);
+  o << "<g class=\"axes\" stroke=\"#444\">\n<line x1=\"" << left << "\" y1=\"" << top + ph
+    << "\" x2=\"" << left + pw << "\" y2=\"" << top + ph << "\"/>\n<line x1=\"" << left
+    << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  for (int i = 0; i <= 5; ++i) {
+    const double bytes = y_hi * i / 5.0, r = r_lo + (r_hi - r_lo) * i / 5.0;
+    o << "<line x1=\"" << left << "\" y1=\"" << Y(bytes) << "\" x2=\"" << left + pw << "\" y2=\""
+      << Y(bytes) << "\" stroke=\"#eee\"/>\n<text x=\"" << left - 6 << "\" y=\"" << Y(bytes) + 4
+      << "\" text-anchor=\"end\">" << escape(format_bytes(bytes)) << "</text>\n<text x=\"" << X(r)
+      << "\" y=\"" << top + ph + 18 << "\" text-anchor=\"middle\">" << std::setprecision(2) << r
+      << std::setprecision(1) << "</text>\n";
+  }
+  o << "<text x=\"" << left + pw / 2 << "\" y=\"" << H - 15
+    << "\" text-anchor=\"middle\">predicted step time / plain step time</text>\n"
+    << "<text x=\"18\" y=\"" << top + ph / 2 << "\" transform=\"rotate(-90 18 " << top + ph / 2
+    << ")\" text-anchor=\"middle\">predicted device peak</text>\n";
+  if (budget_bytes > 0) {
+    o << "<line class=\"budget\" x1=\"" << left << "\" y1=\"" << Y(budget_bytes) << "\" x2=\""
+      << left + pw << "\" y2=\"" << Y(budget_bytes)
+      << "\" stroke=\"#d62728\" stroke-dasharray=\"6,4\"/>\n<text x=\"" << left + pw - 4
+      << "\" y=\"" << Y(budget_bytes) - 5 << "\" text-anchor=\"end\" fill=\"#d62728\">budget "
+      << escape(format_bytes(budget_bytes)) << "</text>\n";
+  }
+  // The front as a staircase: from each entry the next faster one is reached at a higher peak.
+  std::vector<const PlanPoint*> front;
+  for (const auto& p : points) {
+    if (p.on_front) front.push_back(&p);
+  }
+  std::sort(front.begin(), front.end(),
+            [](const PlanPoint* a, const PlanPoint* b) { return a->peak_bytes < b->peak_bytes; });
+  if (!front.empty()) {
+    o << "<polyline class=\"front\" fill=\"none\" stroke=\"#1f77b4\" stroke-width=\"2\" points=\"";
+    for (size_t i = 0; i < front.size(); ++i) {
+      if (i > 0) o << X(front[i - 1]->step_ratio) << "," << Y(front[i]->peak_bytes) << " ";
+      o << X(front[i]->step_ratio) << "," << Y(front[i]->peak_bytes) << " ";
+    }
+    o << "\"/>\n";
+  }
+  for (const auto& p : points) {
+    o << "<circle data-name=\"" << escape(p.name) << "\" data-peak-bytes=\"" << std::setprecision(0)
+      << p.peak_bytes << "\" data-step-ratio=\"" << std::setprecision(4) << p.step_ratio
+      << std::setprecision(1) << "\" data-front=\"" << (p.on_front ? 1 : 0) << "\" cx=\""
+      << X(p.step_ratio) << "\" cy=\"" << Y(p.peak_bytes) << "\" r=\"" << (p.on_front ? 4 : 2.5)
+      << "\" fill=\"" << (p.on_front ? "#1f77b4" : "#bbb") << "\"><title>" << escape(p.name)
+      << "</title></circle>\n";
+    if (p.chosen) {
+      o << "<circle class=\"chosen\" cx=\"" << X(p.step_ratio) << "\" cy=\"" << Y(p.peak_bytes)
+        << "\" r=\"9\" fill=\"none\" stroke=\"#d62728\" stroke-width=\"2\"/>\n";
+    }
+    if (p.standard || p.chosen) {
+      o << "<text x=\"" << X(p.step_ratio) + 7 << "\" y=\"" << Y(p.peak_bytes) - 6
+        << "\" font-size=\"11\" fill=\"" << (p.chosen ? "#d62728" : "#333") << "\">"
+        << escape(p.name + (p.chosen ? " (chosen)" : "")) << "</text>\n";
     }
   }
   o << "</svg>\n";

@@ -119,6 +119,7 @@ nlohmann::json to_json(const IterationStats& s) {
       {"step_time_s", s.step_time_s},
       {"tokens_per_s", s.tokens_per_s},
       {"peak_device_bytes", s.peak_device_bytes},
+      {"optimizer_peak_bytes", s.optimizer_peak_bytes},
       {"activation_bytes", s.activation_bytes},
       {"activation_peak_bytes", s.activation_peak_bytes},
       {"predicted_activation_bytes", s.predicted_activation_bytes},
@@ -522,6 +523,9 @@ IterationStats Trainer::train_step(bool compute_digest) {
 
   StepClock clock{0.0, memory_.current_bytes()};
   forward_backward(st, clock);
+  // What follows the backward is measured on its own (IterationStats::optimizer_peak_bytes).
+  clock.peak = std::max(clock.peak, memory_.peak_bytes());
+  memory_.reset_peak();
   // Megatron's finalize_model_grads: the data-parallel sync, then the sequence-parallel norms.
   reduce_data_parallel_gradients();
   reduce_sequence_parallel_gradients();
@@ -564,7 +568,8 @@ IterationStats Trainer::train_step(bool compute_digest) {
   }
   synchronize_device(device_);
   clock.busy_s += seconds_since(t2);
-  clock.peak = std::max(clock.peak, memory_.peak_bytes());
+  st.optimizer_peak_bytes = memory_.peak_bytes();
+  clock.peak = std::max(clock.peak, st.optimizer_peak_bytes);
   finish_stats(st, clock);
   st.consumed_samples = consumed_train_samples();
   return st;

@@ -21,6 +21,23 @@ struct TimelineSeries {
 /// series carries data-name and data-peak-bytes attributes so tools and tests can read the plot.
 std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title);
 
+/// One strategy of a plan (planner.h) as plan_front_svg draws it.
+struct PlanPoint {
+  std::string name;
+  double peak_bytes = 0;
+  double step_ratio = 1;
+  bool on_front = false;
+  bool standard = false;  // one of Megatron's standard settings: labelled
+  bool chosen = false;
+};
+
+/// Every strategy as a dot (predicted step ratio across, device peak up), the Pareto front as a
+/// line, the standard settings labelled, the budget (when > 0) as a horizontal line and the
+/// chosen strategy ringed. Every dot is a <circle> with data-name, data-peak-bytes,
+/// data-step-ratio and data-front attributes, so tools and tests can read the plot.
+std::string plan_front_svg(const std::vector<PlanPoint>& points, double budget_bytes,
+                           const std::string& title);
+
 /// One row per stage (stage order), one box per forward (F) or backward (B), the micro-batch's
 /// number inside; each row's caption gives the stage's busy share of the step and the most
 /// micro-batches it held at once. Every box is a <rect> with data-stage, data-op and

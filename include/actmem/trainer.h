@@ -59,6 +59,9 @@ struct IterationStats {
   double step_time_s = 0.0;    // forward, backward and optimizer step of all micro-batches
   double tokens_per_s = 0.0;
   int64_t peak_device_bytes = 0;      // tracker peak during the step
+  /// Tracker peak from the end of the backward (gradient reductions, clipping, optimizer step) to
+  /// the end of the step: the part of the step's peak no activation strategy changes.
+  int64_t optimizer_peak_bytes = 0;
   int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
   int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max;
                                       // with pipeline parallelism over the whole schedule)

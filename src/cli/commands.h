@@ -16,6 +16,7 @@ Runner add_train_command(CLI::App& app);
 Runner add_estimate_command(CLI::App& app);
 Runner add_inspect_command(CLI::App& app);
 Runner add_compare_command(CLI::App& app);
+Runner add_plan_command(CLI::App& app);
 Runner add_launch_command(CLI::App& app);
 Runner add_dist_check_command(CLI::App& app);
 Runner add_preprocess_command(CLI::App& app);

@@ -64,6 +64,7 @@ int main(int argc, char** argv) {
       actmem::cli::add_estimate_command(app),
       actmem::cli::add_inspect_command(app),
       actmem::cli::add_compare_command(app),
+      actmem::cli::add_plan_command(app),
       actmem::cli::add_launch_command(app),
       actmem::cli::add_dist_check_command(app),
       actmem::cli::add_preprocess_command(app),

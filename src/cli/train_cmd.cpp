@@ -3,7 +3,9 @@
 #include "actmem/distributed.h"
 #include "actmem/environment.h"
 #include "actmem/output_file.h"
+#include "actmem/planner.h"
 #include "actmem/plot.h"
+#include "actmem/report.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/train_options.h"
 #include "actmem/grad_reducer.h"
@@ -204,7 +206,41 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
   return j;
 }
 
-int run_train(actmem::TrainOptions& o) {
+// Note [Train under a budget]
+// `train --memory-budget B` runs the planner (planner.h) on this model first, in this process,
+// and trains with the strategy it chooses: the same profiling and choice as `actmem plan
+// --memory-budget B`, whose flags the header then shows. One process only: under launch every
+// rank would profile on its own and could choose differently.
+void plan_for_budget(actmem::TrainOptions& o, const std::string& budget_text, int world_size) {
+  const int64_t budget = actmem::parse_memory_budget(budget_text);
+  TORCH_CHECK(world_size == 1, "actmem train: --memory-budget plans on one process; under launch "
+              "run `actmem plan --memory-budget ", budget_text, "` once and pass the flags it "
+              "prints to train");
+  const actmem::TransformerConfig& m = o.model;
+  TORCH_CHECK(m.recompute_granularity.empty() && !m.moe_layer_recompute &&
+                  m.cpu_offloading_num_layers == 0 && !m.fine_grained_activation_offloading,
+              "actmem train: --memory-budget chooses the recompute and offload flags itself; "
+              "drop --recompute-granularity, --cpu-offloading-num-layers and "
+              "--fine-grained-activation-offloading, or drop --memory-budget");
+  const auto strategies = actmem::legal_strategies(m);
+  const actmem::PlanCosts costs = actmem::profile_costs(
+      m, o.training, 3, [](const std::string& line) {
+        std::cerr << "\rplanning: " << line << "            " << std::flush;
+      });
+  std::cerr << "\n";
+  const auto front = actmem::pareto_front(actmem::estimate_plans(m, strategies, costs));
+  const actmem::PlanEstimate& chosen = actmem::choose_plan(front, budget);
+  std::cout << "planned for a memory budget of " << actmem::format_bytes(static_cast<double>(budget))
+            << ": " << chosen.strategy.name() << " (predicted peak "
+            << actmem::format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
+            << std::fixed << std::setprecision(3) << chosen.step_ratio << std::defaultfloat
+            << ")" << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags())
+            << "\n";
+  o.model = chosen.strategy.apply(m);
+  o.model.validate();
+}
+
+int run_train(actmem::TrainOptions& o, const std::string& memory_budget) {
   o.finalize();
   actmem::apply_thread_count(o.threads);
   // Note [Outputs never destroy inputs] (output_file.h).
@@ -217,6 +253,7 @@ int run_train(actmem::TrainOptions& o) {
                                 {"--pipeline-plot", o.pipeline_plot}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
+  if (!memory_budget.empty()) plan_for_budget(o, memory_budget, dist.world_size);
   // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
   // data-parallel size, is implied, as in Megatron.
   const int t = static_cast<int>(o.model.tensor_model_parallel_size);
@@ -355,7 +392,11 @@ Runner add_train_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train", "Train a GPT model and log each iteration");
   add_model_flags(*cmd, *options);
   add_training_flags(*cmd, *options);
-  return [options, cmd]() { return cmd->parsed() ? run_train(*options) : -1; };
+  auto budget = std::make_shared<std::string>();
+  cmd->add_option("--memory-budget", *budget,
+                  "plan the recompute and offload flags for this many device bytes first "
+                  "(as `actmem plan`; 8GiB, 7.5G, 900MiB)");
+  return [options, budget, cmd]() { return cmd->parsed() ? run_train(*options, *budget) : -1; };
 }
 
 }  // namespace actmem::cli

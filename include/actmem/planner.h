@@ -1,0 +1,124 @@
+// planner.h — `actmem plan`: the fastest activation strategy (keep, recompute, offload) whose
+// step fits a device-memory budget, chosen from costs measured on this machine (docs/planner.md).
+//
+// Note [Planner]
+// Every strategy the planner considers is a set of Megatron flags that make_activation_plan()
+// accepts, so nothing it proposes is refused by train, and every one is bitwise exact (the
+// mechanisms are; the verify step checks it again). For each strategy it predicts
+//   device peak = static bytes (parameters, gradients, optimizer state: measured before a forward)
+//               + kept bytes (the exact predictor, memory_model.h, for the whole model)
+//               + backward transient (measured on a truncated copy of the model: see below),
+// and a step-time ratio to the plain step, 1 + the sum of the measured extra time of each
+// mechanism the strategy uses (a recompute module, a full-recompute layer, an offload group),
+// each measured alone against the plain step in interleaved rounds (Note
+// [Honest step ratios] in compare_cmd.cpp). The search enumerates every legal strategy (hundreds
+// for a dense model), so the chosen plan is the optimum under this model, not an approximation
+// of it; the Pareto front (peak against ratio) is the strategies no other beats on both.
+//
+// Offload moves bytes off the device after the forward: the kept bytes less what the whole
+// model offloads, measured once per selective set (Note [Offloaded bytes] in planner.cpp).
+//
+// The backward transient: after the forward a step holds the kept bytes; the backward adds, at
+// its peak, what the first layers it reaches rebuild (a recomputed module or chunk), reload
+// (offload) or create (gradients of the largest tensors). That depends on the plan of the last
+// layers and the head only, so it is measured once per distinct tail on a copy of the model with
+// at most three layers (a uniform chunk of N layers: N), one micro-batch, and added to the whole
+// model's kept bytes.
+#pragma once
+
+#include "actmem/config.h"
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace actmem {
+
+/// One activation strategy as Megatron's flags.
+struct Strategy {
+  std::vector<std::string> recompute_modules;  // selective recompute (empty: none)
+  std::string full_method;                     // "uniform" or "block" (empty: no full recompute)
+  int64_t full_layers = 0;                     // full recompute's --recompute-num-layers
+  std::vector<std::string> offload_modules;    // fine-grained offload groups (empty: none)
+  int64_t offload_layers = 0;                  // layer-level offload of the first K layers
+
+  bool plain() const {
+    return recompute_modules.empty() && full_method.empty() && offload_modules.empty() &&
+           offload_layers == 0;
+  }
+  /// Short name: "plain", "selective core_attn+mlp", "full block 2", "offload attn_norm",
+  /// "selective core_attn, offload mlp_norm", "layer offload 1".
+  std::string name() const;
+  /// Megatron's command-line flags, ready to paste ("" for plain).
+  std::string flags() const;
+  /// `base` with its recompute and offload flags replaced by this strategy's.
+  TransformerConfig apply(const TransformerConfig& base) const;
+  bool operator==(const Strategy& o) const;
+};
+
+/// Every strategy make_activation_plan() accepts for `base`'s shape: plain; every non-empty set
+/// of the applicable recompute modules; full uniform and block recompute with every N; every
+/// legal set of fine-grained offload groups, alone and with every selective set. Layer-level
+/// offload is not proposed (docs/planner.md, limits). Refuses what is not planned yet: pipeline,
+/// tensor and expert parallelism, MoE capacity without padding.
+std::vector<Strategy> legal_strategies(const TransformerConfig& base);
+
+/// A memory budget in bytes: an integer count of bytes, or a number with a unit (B, K/KB/KiB,
+/// M/MB/MiB, G/GB/GiB, T/TB/TiB; K, M, G, T mean binary units, KB/MB/GB/TB decimal ones, as in
+/// "8GiB", "7.5G", "900MiB", "16GB"). Throws for anything else or a value below one byte.
+int64_t parse_memory_budget(const std::string& text);
+
+/// What the profiling run measured (Note [Planner]).
+struct PlanCosts {
+  int64_t static_bytes = 0;  // held before a forward: parameters, gradients, optimizer state
+  int64_t optimizer_peak_bytes = 0;  // the step's peak outside forward and backward
+  double plain_step_s = 0;           // median step of the plain strategy
+  /// Extra step time over plain, as a fraction of the plain step, of each mechanism alone:
+  /// "recompute:MOD" (all layers), "full-layer" (one layer fully recomputed), "offload:GROUP"
+  /// (all layers).
+  std::map<std::string, double> extra;
+  /// The measured backward transient of each distinct tail (Note [Planner]), by tail key.
+  std::map<std::string, int64_t> transient;
+  /// Bytes one forward of the whole model offloads (Note [Offloaded bytes] in planner.cpp), per
+  /// fine-grained group under each selective set.
+  std::map<std::string, int64_t> offloaded;
+  int steps = 0;      // timed rounds
+  int threads = 0;
+  nlohmann::json to_json() const;
+};
+
+/// One strategy's prediction.
+struct PlanEstimate {
+  Strategy strategy;
+  int64_t kept_bytes = 0;  // activation bytes the forward leaves on the device (exact predictor
+                           // less what offload moves)
+  int64_t peak_bytes = 0;      // predicted device peak of a step
+  double step_ratio = 1.0;     // predicted step time over the plain step's
+  nlohmann::json to_json() const;
+};
+
+/// Profiles `base` (its own activation flags ignored) on this machine: `steps` interleaved timed
+/// rounds after one warm-up round of every mechanism alone, and one forward-backward per distinct
+/// tail. `progress` (may be empty) is called with a line per phase.
+PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+                        const std::function<void(const std::string&)>& progress = {});
+
+/// The prediction for every strategy in `strategies` from `costs` (profile_costs() of `base`).
+std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
+                                         const std::vector<Strategy>& strategies,
+                                         const PlanCosts& costs);
+
+/// The Pareto front of `estimates`: sorted by peak, each strictly faster than every one with a
+/// smaller or equal peak (ties in ratio keep the smaller peak).
+std::vector<PlanEstimate> pareto_front(std::vector<PlanEstimate> estimates);
+
+/// The fastest estimate whose peak fits `budget` (the front's entry with the largest peak <=
+/// budget). Throws when none fits, saying the smallest peak any strategy reaches, with which
+/// strategy, and what else would lower it.
+const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget);
+
+}  // namespace actmem

@@ -1,0 +1,519 @@
+// planner.cpp — legal strategies, the profiling run, the per-strategy prediction and the search
+// (Note [Planner] in planner.h).
+#include "actmem/planner.h"
+
+#include "actmem/activation_offloader.h"
+#include "actmem/activation_plan.h"
+#include "actmem/memory_model.h"
+#include "actmem/report.h"
+#include "actmem/trainer.h"
+
+#include <ATen/Parallel.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <limits>
+#include <memory>
+#include <sstream>
+
+namespace actmem {
+
+namespace {
+
+std::string join(const std::vector<std::string>& items, const char* sep) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : sep) + s;
+  return out;
+}
+
+bool accepted(const TransformerConfig& c) {
+  try {
+    make_activation_plan(c);
+    return true;
+  } catch (const c10::Error&) {
+    return false;
+  }
+}
+
+// Every subset of `names` (in their order), the empty one first.
+std::vector<std::vector<std::string>> subsets(const std::vector<std::string>& names) {
+  std::vector<std::vector<std::string>> out;
+  const size_t n = names.size();
+  for (uint64_t mask = 0; mask < (uint64_t{1} << n); ++mask) {
+    std::vector<std::string> s;
+    for (size_t i = 0; i < n; ++i) {
+      if (mask & (uint64_t{1} << i)) s.push_back(names[i]);
+    }
+    out.push_back(std::move(s));
+  }
+  return out;
+}
+
+// How many mechanisms a strategy uses: among equally good ones the simplest is listed.
+int complexity(const Strategy& s) {
+  return static_cast<int>(s.recompute_modules.size() + s.offload_modules.size()) +
+         (s.full_method.empty() ? 0 : 1) + (s.offload_layers > 0 ? 1 : 0);
+}
+
+// The model a strategy's backward transient is measured on, and the key of that measurement
+// (Note [Planner]): the last layers with the same per-layer plan, at most three of them.
+struct Tail {
+  std::string key;
+  TransformerConfig probe;
+};
+
+Tail tail_of(const TransformerConfig& base, const Strategy& s) {
+  const int64_t L = base.num_layers;
+  const int64_t probe_layers_default = std::min<int64_t>(L, 3);
+  Strategy t = s;
+  int64_t layers = probe_layers_default;
+  if (s.full_method == "uniform" || (s.full_method == "block" && s.full_layers >= L)) {
+    // A chunk is rebuilt while every earlier chunk's input is held: the last two chunks (the
+    // last may be shorter, and then the one before it holds the peak), cut as the model cuts
+    // them.
+    layers = s.full_method == "uniform" ? std::min(L, s.full_layers + L % s.full_layers) : 1;
+    t.full_method = "uniform";
+    t.full_layers = s.full_method == "uniform" ? std::min(s.full_layers, L) : 1;
+  } else if (s.full_method == "block") {
+    // The last layers run plainly: the backward starts as the plain one does, and rebuilding one
+    // checkpointed layer later holds less (the plain layers after it are freed by then).
+    t = Strategy{};
+  }
+  TransformerConfig probe = t.apply(base);
+  probe.num_layers = layers;
+  if (base.is_moe()) {
+    // The tail's own MoE pattern (a pattern spelled for L layers would not parse for fewer).
+    const std::vector<bool> moe = base.moe_layers();
+    std::string pattern = "[";
+    for (int64_t i = L - layers; i < L; ++i) {
+      pattern += std::string(i > L - layers ? "," : "") + (moe[static_cast<size_t>(i)] ? "1" : "0");
+    }
+    probe.moe_layer_freq = pattern + "]";
+  }
+  if (layers < L && !accepted(probe)) {
+    // A rule of the shorter model refuses it (mlp recompute on a tail of MoE layers only):
+    // measure on the whole model.
+    layers = L;
+    probe = t.apply(base);
+  }
+  std::ostringstream key;
+  key << layers << " layers: " << t.name();
+  return {key.str(), probe};
+}
+
+// Note [Offloaded bytes]
+// What a forward offloads depends on the whole model (every layer but the last offloads; the
+// last is the margin, Note [Offload warmup and margin] in offload_schedule.h) and on the
+// selective set (a recomputed module saves nothing to offload), and the threshold
+// min_offloaded_tensor_size keeps small tensors on the device. So it is measured on the whole
+// model: per selective set, one step with every offload group that set allows, read per group
+// name from the offloader's summary (the bytes of one forward after the margin rule); a
+// strategy's offloaded bytes are the sum over its groups (the groups are disjoint modules).
+std::string offload_key(const std::vector<std::string>& recompute, const std::string& group) {
+  return "selective " + (recompute.empty() ? std::string("none") : join(recompute, "+")) +
+         ": offload " + group;
+}
+
+// Training settings of one measured step: one micro-batch, no validation.
+TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, int64_t steps) {
+  t.global_batch_size = model.micro_batch_size;
+  t.eval_interval = 0;
+  t.train_iters = steps;
+  t.save.clear();
+  t.load.clear();
+  t.save_interval = 0;
+  return t;
+}
+
+}  // namespace
+
+std::string Strategy::name() const {
+  std::vector<std::string> parts;
+  if (!recompute_modules.empty()) parts.push_back("selective " + join(recompute_modules, "+"));
+  if (!full_method.empty()) parts.push_back("full " + full_method + " " + std::to_string(full_layers));
+  if (!offload_modules.empty()) parts.push_back("offload " + join(offload_modules, "+"));
+  if (offload_layers > 0) parts.push_back("layer offload " + std::to_string(offload_layers));
+  return parts.empty() ? "plain" : join(parts, ", ");
+}
+
+std::string Strategy::flags() const {
+  std::vector<std::string> f;
+  if (!recompute_modules.empty()) {
+    f.push_back("--recompute-granularity selective --recompute-modules " +
+                join(recompute_modules, " "));
+  }
+  if (!full_method.empty()) {
+    f.push_back("--recompute-granularity full --recompute-method " + full_method +
+                " --recompute-num-layers " + std::to_string(full_layers));
+  }
+  if (!offload_modules.empty()) {
+    f.push_back("--fine-grained-activation-offloading --offload-modules " +
+                join(offload_modules, " "));
+  }
+  if (offload_layers > 0) f.push_back("--cpu-offloading-num-layers " + std::to_string(offload_layers));
+  return join(f, " ");
+}
+
+TransformerConfig Strategy::apply(const TransformerConfig& base) const {
+  TransformerConfig c = base;
+  c.recompute_granularity.clear();
+  c.recompute_method.clear();
+  c.recompute_num_layers.reset();
+  c.recompute_modules.reset();
+  c.distribute_saved_activations = false;
+  c.moe_layer_recompute = false;
+  c.cpu_offloading_num_layers = 0;
+  c.fine_grained_activation_offloading = false;
+  c.offload_modules.clear();
+  if (!recompute_modules.empty()) {
+    c.recompute_granularity = "selective";
+    c.recompute_modules = recompute_modules;
+  }
+  if (!full_method.empty()) {
+    c.recompute_granularity = "full";
+    c.recompute_method = full_method;
+    c.recompute_num_layers = full_layers;
+  }
+  if (!offload_modules.empty()) {
+    c.fine_grained_activation_offloading = true;
+    c.offload_modules = offload_modules;
+  }
+  c.cpu_offloading_num_layers = offload_layers;
+  return c;
+}
+
+bool Strategy::operator==(const Strategy& o) const {
+  return recompute_modules == o.recompute_modules && full_method == o.full_method &&
+         full_layers == o.full_layers && offload_modules == o.offload_modules &&
+         offload_layers == o.offload_layers;
+}
+
+std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
+  base.validate_shape();
+  TORCH_CHECK(base.pipeline_model_parallel_size == 1, "actmem::legal_strategies: pipeline "
+              "parallelism is not planned yet (each stage holds a different number of "
+              "micro-batches); plan one stage's layers with --pipeline-model-parallel-size 1");
+  TORCH_CHECK(base.tensor_model_parallel_size == 1 && base.expert_model_parallel_size == 1,
+              "actmem::legal_strategies: tensor and expert parallelism are not planned yet (the "
+              "profiling run is one process); plan with sizes of one rank's share");
+  TORCH_CHECK(!base.is_moe() || !base.moe_expert_capacity_factor.has_value() ||
+                  base.moe_pad_expert_input_to_capacity,
+              "actmem::legal_strategies: MoE with a capacity factor and no padding is not planned "
+              "yet (each micro-batch's activation bytes follow its routing); plan the dropless or "
+              "padded model (--moe-pad-expert-input-to-capacity), which bounds it");
+  std::vector<std::string> modules, groups;
+  for (const auto& [m, name] : kRecomputeModuleNames) {
+    if (m != RecomputeModule::kGdnNormOut) modules.emplace_back(name);
+  }
+  for (const auto& [g, name] : kOffloadModuleNames) groups.emplace_back(name);
+  std::vector<std::vector<std::string>> selective, offload;
+  for (auto& set : subsets(modules)) {
+    Strategy s;
+    s.recompute_modules = set;
+    if (set.empty() || accepted(s.apply(base))) selective.push_back(std::move(set));
+  }
+  for (auto& set : subsets(groups)) {
+    Strategy s;
+    s.offload_modules = set;
+    if (!set.empty() && accepted(s.apply(base))) offload.push_back(std::move(set));
+  }
+  std::vector<Strategy> out;
+  for (const auto& sel : selective) {
+    Strategy s;
+    s.recompute_modules = sel;
+    out.push_back(s);
+    for (const auto& off : offload) {
+      s.offload_modules = off;
+      if (accepted(s.apply(base))) out.push_back(s);
+    }
+  }
+  for (const char* method : {"uniform", "block"}) {
+    for (int64_t n = 1; n <= base.num_layers; ++n) {
+      Strategy s;
+      s.full_method = method;
+      s.full_layers = n;
+      if (accepted(s.apply(base))) out.push_back(s);
+    }
+  }
+  // Layer-level offload (--cpu-offloading-num-layers) is not proposed: on this project's CPU
+  // copy engine its device peak moved by 3% to 15% between runs under load (docs/planner.md,
+  // limits), more than the prediction promises. Strategy and estimate_plans handle it.
+  return out;
+}
+
+int64_t parse_memory_budget(const std::string& text) {
+  auto bad = [&text](const char* why) {
+    TORCH_CHECK(false, "actmem plan: --memory-budget '", text, "': ", why, "; expected bytes "
+                "('8589934592') or a number with a unit ('8GiB', '7.5G', '900MiB', '16GB')");
+  };
+  size_t pos = 0;
+  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) ++pos;
+  if (pos == 0) bad("no number");
+  double value = 0;
+  try {
+    size_t used = 0;
+    value = std::stod(text.substr(0, pos), &used);
+    if (used != pos) bad("not a number");
+  } catch (const std::logic_error&) {
+    bad("not a number");
+  }
+  std::string unit = text.substr(pos);
+  while (!unit.empty() && unit.front() == ' ') unit.erase(unit.begin());
+  std::string u;
+  for (char ch : unit) u += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
+  double scale = 0;
+  const std::vector<std::pair<const char*, double>> units = {
+      {"", 1}, {"B", 1}, {"K", 1024.0}, {"KIB", 1024.0}, {"KB", 1e3},
+      {"M", 1048576.0}, {"MIB", 1048576.0}, {"MB", 1e6}, {"G", 1073741824.0},
+      {"GIB", 1073741824.0}, {"GB", 1e9}, {"T", 1099511627776.0}, {"TIB", 1099511627776.0},
+      {"TB", 1e12}};
+  for (const auto& [name, factor] : units) {
+    if (u == name) scale = factor;
+  }
+  if (scale == 0) bad("unknown unit");
+  const double bytes = std::floor(value * scale);
+  if (!(bytes >= 1)) bad("less than one byte");
+  if (bytes > 9.0e18) bad("too large");
+  return static_cast<int64_t>(bytes);
+}
+
+nlohmann::json PlanCosts::to_json() const {
+  return {{"static_bytes", static_bytes}, {"optimizer_peak_bytes", optimizer_peak_bytes},
+          {"plain_step_s", plain_step_s}, {"extra_step_fraction", extra},
+          {"backward_transient_bytes", transient}, {"offloaded_bytes", offloaded},
+          {"timed_rounds", steps}, {"threads", threads}};
+}
+
+nlohmann::json PlanEstimate::to_json() const {
+  return {{"strategy", strategy.name()}, {"flags", strategy.flags()}, {"kept_bytes", kept_bytes},
+          {"peak_bytes", peak_bytes}, {"step_ratio", step_ratio}};
+}
+
+// Note [Planner cost basis]
+// The time side is measured per mechanism, not per strategy: the plain step, each recompute
+// module alone, full recompute of every layer (uniform 1) and each offload group alone (a group
+// that cannot offload alone, in the smallest legal set holding it), all in the same rounds with
+// a rotated order, each ratio taken against the plain step of the same round (Note [Honest step
+// ratios] in compare_cmd.cpp). A strategy's predicted ratio is 1 + the sum of its mechanisms'
+// extra fractions: full recompute of n layers (block n) costs n/L of every layer's; uniform N
+// rebuilds every layer once, whatever N. A mechanism measured faster than plain (noise) counts
+// 0: none makes the step faster.
+PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+                        const std::function<void(const std::string&)>& progress) {
+  TORCH_CHECK(steps >= 1, "actmem::profile_costs: at least one timed round, got ", steps);
+  const std::vector<Strategy> all = legal_strategies(base);
+  auto say = [&progress](const std::string& line) {
+    if (progress) progress(line);
+  };
+  PlanCosts costs;
+  costs.steps = steps;
+  costs.threads = at::get_num_threads();
+  const TrainingConfig one = probe_training(training, base, 2);
+
+  // Memory: the plain model's static bytes and optimizer peak (alone in the process), then one
+  // measurement per distinct tail.
+  {
+    Trainer t(Strategy{}.apply(base), one);
+    t.train_step(false);
+    const IterationStats st = t.train_step(false);
+    // Held when the forward starts (the batch included): the step's peak less the activation
+    // peak, unless the optimizer step is the peak; then what the step ends with.
+    costs.static_bytes = st.peak_device_bytes > st.optimizer_peak_bytes
+                             ? st.peak_device_bytes - st.activation_peak_bytes
+                             : t.memory().current_bytes();
+    costs.optimizer_peak_bytes = st.optimizer_peak_bytes;
+  }
+  for (const auto& s : all) {
+    if (s.offload_modules.empty()) continue;
+    // Per selective set, its widest offload set measures every group that set allows.
+    const Strategy* widest = &s;
+    for (const auto& o : all) {
+      if (o.recompute_modules == s.recompute_modules && o.full_method.empty() &&
+          o.offload_modules.size() > widest->offload_modules.size()) {
+        widest = &o;
+      }
+    }
+    if (widest != &s || costs.offloaded.count(offload_key(s.recompute_modules, s.offload_modules[0]))) {
+      continue;
+    }
+    say("measuring what " + s.name() + " offloads");
+    Trainer t(s.apply(base), one);
+    t.train_step(false);
+    t.train_step(false);
+    for (const auto& g : s.offload_modules) costs.offloaded[offload_key(s.recompute_modules, g)] = 0;
+    for (const auto& row : t.offloader()->summary()) {
+      costs.offloaded[offload_key(s.recompute_modules, row.name)] = row.bytes;
+    }
+  }
+  std::vector<Tail> tails;
+  for (const auto& s : all) {
+    Tail tail = tail_of(base, s);
+    if (costs.transient.count(tail.key)) continue;
+    costs.transient[tail.key] = 0;
+    tails.push_back(std::move(tail));
+  }
+  for (size_t i = 0; i < tails.size(); ++i) {
+    say("measuring the backward transient " + std::to_string(i + 1) + "/" +
+        std::to_string(tails.size()));
+    Trainer t(tails[i].probe, one);
+    t.train_step(false);
+    const IterationStats st = t.train_step(false);
+    costs.transient[tails[i].key] = st.activation_peak_bytes - st.activation_bytes;
+  }
+
+  // Time: each mechanism alone against the plain step (Note [Planner cost basis]).
+  std::vector<std::pair<std::string, Strategy>> basis = {{"plain", Strategy{}}};
+  // A group that cannot offload alone (attn_proj needs core_attn) is measured in the smallest
+  // legal set holding it, less the others' measured extra.
+  std::map<std::string, std::vector<std::string>> measured_with;
+  for (const auto& s : all) {
+    if (s.recompute_modules.size() == 1 && s.offload_modules.empty()) {
+      basis.push_back({"recompute:" + s.recompute_modules[0], s});
+    }
+    if (s.recompute_modules.empty() && s.full_method.empty()) {
+      for (const auto& g : s.offload_modules) {
+        auto& best = measured_with[g];
+        if (best.empty() || s.offload_modules.size() < best.size()) best = s.offload_modules;
+      }
+    }
+  }
+  for (const auto& [g, set] : measured_with) {
+    Strategy s;
+    s.offload_modules = set;
+    basis.push_back({"offload-set:" + join(set, "+"), s});
+  }
+  for (const auto& s : all) {
+    if (s.full_method == "uniform" && s.full_layers == 1) basis.push_back({"full-layer", s});
+  }
+  TrainingConfig timed = probe_training(training, base, 1 + steps);
+  timed.global_batch_size = training.global_batch(base.micro_batch_size);
+  std::vector<std::unique_ptr<Trainer>> trainers;
+  for (const auto& [name, s] : basis) trainers.push_back(std::make_unique<Trainer>(s.apply(base), timed));
+  const size_t n = basis.size();
+  std::vector<std::vector<double>> ratios(n);
+  std::vector<double> plain_times;
+  for (int round = 0; round <= steps; ++round) {
+    say("timing " + std::to_string(n) + " mechanisms: round " + std::to_string(round + 1) + "/" +
+        std::to_string(steps + 1) + (round == 0 ? " (warm-up, not timed)" : ""));
+    std::vector<double> time(n);
+    for (size_t k = 0; k < n; ++k) {
+      const size_t i = (k + static_cast<size_t>(round)) % n;
+      time[i] = trainers[i]->train_step(false).step_time_s;
+    }
+    if (round == 0) continue;
+    plain_times.push_back(time[0]);
+    for (size_t i = 1; i < n; ++i) ratios[i].push_back(time[i] / time[0]);
+  }
+  costs.plain_step_s = median(plain_times);
+  const double L = static_cast<double>(base.num_layers);
+  std::map<std::string, double> set_extra;
+  for (size_t i = 1; i < n; ++i) {
+    double extra = std::max(0.0, median(ratios[i]) - 1.0);
+    if (basis[i].first == "full-layer") extra /= L;
+    if (basis[i].first.rfind("offload-set:", 0) == 0) {
+      set_extra[join(basis[i].second.offload_modules, "+")] = extra;
+    } else {
+      costs.extra[basis[i].first] = extra;
+    }
+  }
+  // Singletons first, then each group measured with others as the set's extra less theirs.
+  for (const auto& [g, set] : measured_with) {
+    if (set.size() == 1) costs.extra["offload:" + g] = set_extra.at(g);
+  }
+  for (const auto& [g, set] : measured_with) {
+    if (set.size() == 1) continue;
+    double extra = set_extra.at(join(set, "+"));
+    for (const auto& other : set) {
+      if (other == g) continue;
+      const auto it = costs.extra.find("offload:" + other);
+      TORCH_CHECK(it != costs.extra.end(), "actmem::profile_costs: offload group ", g,
+                  " is measured with ", other, ", which was not measured alone");
+      extra -= it->second;
+    }
+    costs.extra["offload:" + g] = std::max(0.0, extra);
+  }
+  return costs;
+}
+
+std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
+                                         const std::vector<Strategy>& strategies,
+                                         const PlanCosts& costs) {
+  std::vector<PlanEstimate> out;
+  const double L = static_cast<double>(base.num_layers);
+  auto extra = [&costs](const std::string& key) {
+    const auto it = costs.extra.find(key);
+    TORCH_CHECK(it != costs.extra.end(), "actmem::estimate_plans: the costs have no measurement of '",
+                key, "' (profile the same model)");
+    return it->second;
+  };
+  for (const auto& s : strategies) {
+    const TransformerConfig c = s.apply(base);
+    PlanEstimate e;
+    e.strategy = s;
+    e.kept_bytes = predict_activation_bytes(c).total;
+    auto offloaded = [&costs, &s](const std::string& key) {
+      const auto it = costs.offloaded.find(key);
+      TORCH_CHECK(it != costs.offloaded.end(), "actmem::estimate_plans: the costs have no "
+                  "measurement of '", key, "' for ", s.name(), " (profile the same model)");
+      return it->second;
+    };
+    for (const auto& g : s.offload_modules) e.kept_bytes -= offloaded(offload_key(s.recompute_modules, g));
+    TORCH_CHECK(s.offload_layers == 0, "actmem::estimate_plans: layer-level offload is not "
+                "planned (docs/planner.md, limits): ", s.name());
+    const auto tail = costs.transient.find(tail_of(base, s).key);
+    TORCH_CHECK(tail != costs.transient.end(), "actmem::estimate_plans: no transient measured for '",
+                s.name(), "' (profile the same model)");
+    e.peak_bytes = std::max(costs.static_bytes + e.kept_bytes + tail->second,
+                            costs.optimizer_peak_bytes);
+    double ratio = 1.0;
+    for (const auto& m : s.recompute_modules) ratio += extra("recompute:" + m);
+    for (const auto& g : s.offload_modules) ratio += extra("offload:" + g);
+    if (s.full_method == "uniform") ratio += L * extra("full-layer");
+    if (s.full_method == "block") {
+      ratio += static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)) *
+               extra("full-layer");
+    }
+    e.step_ratio = ratio;
+    out.push_back(std::move(e));
+  }
+  return out;
+}
+
+std::vector<PlanEstimate> pareto_front(std::vector<PlanEstimate> estimates) {
+  std::sort(estimates.begin(), estimates.end(), [](const PlanEstimate& a, const PlanEstimate& b) {
+    if (a.peak_bytes != b.peak_bytes) return a.peak_bytes < b.peak_bytes;
+    if (a.step_ratio != b.step_ratio) return a.step_ratio < b.step_ratio;
+    return complexity(a.strategy) < complexity(b.strategy);
+  });
+  std::vector<PlanEstimate> front;
+  double best = std::numeric_limits<double>::infinity();
+  for (auto& e : estimates) {
+    if (e.step_ratio < best) {
+      best = e.step_ratio;
+      front.push_back(std::move(e));
+    }
+  }
+  return front;
+}
+
+const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget) {
+  TORCH_CHECK(!front.empty(), "actmem::choose_plan: no strategy to choose from");
+  const PlanEstimate* chosen = nullptr;
+  for (const auto& e : front) {
+    if (e.peak_bytes <= budget) chosen = &e;
+  }
+  TORCH_CHECK(chosen != nullptr, "actmem plan: no strategy fits a memory budget of ",
+              format_bytes(static_cast<double>(budget)), " (", budget, " bytes): the smallest "
+              "predicted peak is ", format_bytes(static_cast<double>(front.front().peak_bytes)),
+              " (", front.front().peak_bytes, " bytes), with ", front.front().strategy.name(),
+              " (", front.front().strategy.flags(), "). To go lower: more tensor parallelism "
+              "(--tensor-model-parallel-size with --sequence-parallel splits the activations and "
+              "the weights), pipeline stages (--pipeline-model-parallel-size), the distributed "
+              "optimizer over data-parallel ranks (--use-distributed-optimizer), a smaller "
+              "--micro-batch-size, or 16-bit training (--bf16)");
+  return *chosen;
+}
+
+}  // namespace actmem
