@@ -4,6 +4,7 @@
 
 #include "actmem/activation_offloader.h"
 #include "actmem/activation_plan.h"
+#include "actmem/environment.h"
 #include "actmem/memory_model.h"
 #include "actmem/report.h"
 #include "actmem/trainer.h"
@@ -284,6 +285,36 @@ nlohmann::json PlanCosts::to_json() const {
           {"plain_step_s", plain_step_s}, {"extra_step_fraction", extra},
           {"backward_transient_bytes", transient}, {"offloaded_bytes", offloaded},
           {"timed_rounds", steps}, {"threads", threads}};
+}
+
+PlanCosts PlanCosts::from_json(const nlohmann::json& j) {
+  try {
+    PlanCosts c;
+    c.static_bytes = j.at("static_bytes").get<int64_t>();
+    c.optimizer_peak_bytes = j.at("optimizer_peak_bytes").get<int64_t>();
+    c.plain_step_s = j.at("plain_step_s").get<double>();
+    c.extra = j.at("extra_step_fraction").get<std::map<std::string, double>>();
+    c.transient = j.at("backward_transient_bytes").get<std::map<std::string, int64_t>>();
+    c.offloaded = j.at("offloaded_bytes").get<std::map<std::string, int64_t>>();
+    c.steps = j.at("timed_rounds").get<int>();
+    c.threads = j.at("threads").get<int>();
+    return c;
+  } catch (const nlohmann::json::exception& e) {
+    TORCH_CHECK(false, "actmem::PlanCosts::from_json: not a cost record (", e.what(), ")");
+  }
+}
+
+// Note [Planner cost cache]
+// A profile takes a minute or more; its results depend only on what plan_costs_key() records.
+// `actmem plan --costs FILE` keeps {"key", "costs"} in FILE and reuses it when the key matches
+// (the same model, micro-batches, device, threads, BLAS kernels and versions), so a sweep of
+// budgets, or a later `train --memory-budget`, plans from the same measurement.
+nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training) {
+  const TransformerConfig plainly = Strategy{}.apply(base);
+  return {{"model", actmem::to_json(plainly)},
+          {"microbatches_per_step", training.num_microbatches(base.micro_batch_size)},
+          {"device", training.device},
+          {"runtime", runtime_info()}};
 }
 
 nlohmann::json PlanEstimate::to_json() const {

@@ -168,14 +168,19 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
                             "--threads 1 --profile-steps 1 "
                             "--verify-steps 2";
   // A budget between the smallest and the largest peak: first read the front.
-  auto r = testing::run_actmem("plan" + flags + " --json " + dir + "/front.json");
+  // The profile is kept in --costs and reused by the runs after it (same model and machine).
+  const std::string costs = " --costs " + dir + "/costs.json";
+  auto r = testing::run_actmem("plan" + flags + costs + " --json " + dir + "/front.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
   const auto front = nlohmann::json::parse(std::ifstream(dir + "/front.json"))["front"];
   ASSERT_FALSE(front.empty());
   const int64_t budget = front[front.size() / 2]["peak_bytes"].get<int64_t>();
   r = testing::run_actmem("plan" + flags + " --memory-budget " + std::to_string(budget) +
-                          " --verify --json " + dir + "/plan.json --svg " + dir + "/plan.svg");
+                          " --verify --json " + dir + "/plan.json --svg " + dir + "/plan.svg" +
+                          costs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs reused from"), std::string::npos) << r.output;
   {
     // The plot: one dot per legal strategy, the front's marked, the choice ringed, the budget.
     std::stringstream svg;
@@ -212,7 +217,7 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
     if (v["strategy"] == plan["chosen"]["strategy"]) EXPECT_TRUE(v["fits_budget"].get<bool>()) << v;
   }
   // Below every strategy's peak: a clear error naming the minimum and what would lower it.
-  r = testing::run_actmem("plan" + flags + " --memory-budget 100KiB");
+  r = testing::run_actmem("plan" + flags + " --memory-budget 100KiB" + costs);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("no strategy fits a memory budget of 100.0 KiB"), std::string::npos)
       << r.output;
@@ -242,6 +247,14 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--memory-budget chooses the recompute and offload flags itself"),
             std::string::npos) << r.output;
+  // Another model does not reuse the costs; a file that is no cost record is refused.
+  r = testing::run_actmem("plan" + flags + " --hidden-size 16 --num-layers 2" + costs);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs profiled again"), std::string::npos) << r.output;
+  std::ofstream(dir + "/bad.json") << "[1, 2]";
+  r = testing::run_actmem("plan" + flags + " --costs " + dir + "/bad.json");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("is not a cost record"), std::string::npos) << r.output;
   r = testing::run_actmem("plan" + flags + " --memory-budget 12XB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown unit"), std::string::npos) << r.output;

@@ -89,7 +89,14 @@ struct PlanCosts {
   int steps = 0;      // timed rounds
   int threads = 0;
   nlohmann::json to_json() const;
+  /// The inverse of to_json(); throws for a record that lacks a field.
+  static PlanCosts from_json(const nlohmann::json& j);
 };
+
+/// What a profile's costs depend on (Note [Planner cost cache] in planner.cpp): the model without
+/// its activation flags, the micro-batches per step, the device, the threads, the BLAS kernels
+/// and the library versions. Two profiles with equal keys measured the same thing.
+nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training);
 
 /// One strategy's prediction.
 struct PlanEstimate {

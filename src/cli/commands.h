@@ -7,10 +7,17 @@
 namespace CLI {
 class App;
 }
+namespace actmem {
+struct TransformerConfig;
+}
 
 namespace actmem::cli {
 
 using Runner = std::function<int()>;
+
+/// The default model of compare and plan (4 layers, h 128, s 256, b 4): large enough for the
+/// strategies to differ visibly, about 10 s for compare's default strategies.
+void set_demo_model(TransformerConfig& model);
 
 Runner add_train_command(CLI::App& app);
 Runner add_estimate_command(CLI::App& app);

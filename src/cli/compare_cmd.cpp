@@ -253,13 +253,16 @@ int run(CompareOptions& o) {
 
 }  // namespace
 
+void set_demo_model(TransformerConfig& model) {
+  model.num_layers = 4;
+  model.hidden_size = 128;
+  model.seq_length = 256;
+  model.micro_batch_size = 4;
+}
+
 Runner add_compare_command(CLI::App& app) {
   auto o = std::make_shared<CompareOptions>();
-  // compare's own default model: large enough for the strategies to differ visibly, ~10 s.
-  o->train.model.num_layers = 4;
-  o->train.model.hidden_size = 128;
-  o->train.model.seq_length = 256;
-  o->train.model.micro_batch_size = 4;
+  set_demo_model(o->train.model);
   CLI::App* cmd = app.add_subcommand("compare", "Compare recompute strategies on one model");
   // Only what compare uses: the strategies set recompute, so its flags are not accepted here.
   add_flags(*cmd, o->train, kShapeFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);

@@ -17,6 +17,9 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <filesystem>
+#include <fstream>
+#include <optional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -34,6 +37,7 @@ struct PlanOptions {
   int verify_steps = 5;
   std::string json;
   std::string svg;
+  std::string costs;  // the cost cache (Note [Planner cost cache]); "" = none
 };
 
 // Megatron's usual settings, marked on the plot and run beside the chosen plan by --verify: no
@@ -125,17 +129,46 @@ int run(PlanOptions& o) {
   const TransformerConfig& base = o.train.model;
   const int64_t budget = o.budget.empty() ? -1 : parse_memory_budget(o.budget);
   check_distinct_files({{"--data", o.train.training.data_path}},
-                       {{"--svg", o.svg}, {"--json", o.json}});
+                       {{"--svg", o.svg}, {"--json", o.json}, {"--costs", o.costs}});
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
   const std::vector<Strategy> strategies = legal_strategies(base);
-  const PlanCosts costs = profile_costs(base, o.train.training, o.profile_steps,
-                                        [](const std::string& line) {
-                                          std::cerr << "\rplan: " << line << "            "
-                                                    << std::flush;
-                                        });
-  std::cerr << "\n";
+  const nlohmann::json key = plan_costs_key(base, o.train.training);
+  std::optional<PlanCosts> cached;
+  std::string cache_note;
+  if (!o.costs.empty() && std::filesystem::exists(o.costs)) {
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(std::ifstream(o.costs));
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "actmem plan: --costs ", o.costs, " is not a cost record (", e.what(),
+                  "); remove it to profile again");
+    }
+    TORCH_CHECK(record.is_object() && record.contains("key") && record.contains("costs"),
+                "actmem plan: --costs ", o.costs, " is not a cost record (no key and costs); "
+                "remove it to profile again");
+    if (record["key"] == key) {
+      cached = PlanCosts::from_json(record["costs"]);
+      cache_note = "costs reused from " + o.costs;
+    } else {
+      cache_note = "costs profiled again: " + o.costs + " was measured for another model, "
+                   "device, thread count or library";
+    }
+  }
+  const PlanCosts costs =
+      cached ? *cached
+             : profile_costs(base, o.train.training, o.profile_steps, [](const std::string& line) {
+                 std::cerr << "\rplan: " << line << "            " << std::flush;
+               });
+  if (!cached) std::cerr << "\n";
+  if (!cached && !o.costs.empty()) {
+    OutputFile cache({"--costs", o.costs});
+    cache.write(nlohmann::json{{"key", key}, {"costs", costs.to_json()}}.dump(1) + "\n",
+                "the costs");
+    cache.close();
+    if (cache_note.empty()) cache_note = "costs written to " + o.costs;
+  }
   const std::vector<PlanEstimate> estimates = estimate_plans(base, strategies, costs);
   const std::vector<PlanEstimate> front = pareto_front(estimates);
 
@@ -143,7 +176,8 @@ int run(PlanOptions& o) {
             << base.num_attention_heads << " heads, seq " << base.seq_length << ", micro-batch "
             << base.micro_batch_size << ", " << base.precision() << (base.is_moe() ? ", MoE" : "")
             << "; " << strategies.size() << " legal strategies; profiled here with "
-            << costs.threads << " threads, " << costs.steps << " timed rounds\n\n"
+            << costs.threads << " threads, " << costs.steps << " timed rounds"
+            << (cache_note.empty() ? "" : " (" + cache_note + ")") << "\n\n"
             << "measured: plain step " << std::fixed << std::setprecision(1)
             << costs.plain_step_s * 1e3 << " ms; parameters, gradients and optimizer state "
             << format_bytes(static_cast<double>(costs.static_bytes))
@@ -199,7 +233,7 @@ int run(PlanOptions& o) {
     }
     const std::vector<Verified> v = verify(base, o.train.training, runs, o.verify_steps);
     std::cout << "\nverified (" << o.verify_steps << " timed rounds after one warm-up, same seed):\n"
-              << std::left << std::setw(44) << "strategy" << std::right << std::setw(13)
+              << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
               << "peak" << std::setw(13) << "predicted" << std::setw(9) << "error"
               << std::setw(8) << "ratio" << std::setw(11) << "predicted" << std::setw(9)
               << "error" << std::setw(10) << "fits" << std::setw(9) << "bitwise\n";
@@ -209,7 +243,7 @@ int run(PlanOptions& o) {
                               static_cast<double>(r.peak);
       const double ratio_err = (r.estimate.step_ratio - r.ratio) / r.ratio;
       const bool fits = r.peak <= budget;
-      std::cout << std::left << std::setw(44) << r.estimate.strategy.name() << std::right
+      std::cout << std::left << std::setw(58) << r.estimate.strategy.name() << std::right
                 << std::setw(13) << format_bytes(static_cast<double>(r.peak)) << std::setw(13)
                 << format_bytes(static_cast<double>(r.estimate.peak_bytes)) << std::setw(9)
                 << percent(peak_err) << std::setw(8) << std::setprecision(3) << r.ratio
@@ -255,11 +289,7 @@ int run(PlanOptions& o) {
 
 Runner add_plan_command(CLI::App& app) {
   auto o = std::make_shared<PlanOptions>();
-  // The same default model as compare: large enough for the strategies to differ visibly.
-  o->train.model.num_layers = 4;
-  o->train.model.hidden_size = 128;
-  o->train.model.seq_length = 256;
-  o->train.model.micro_batch_size = 4;
+  set_demo_model(o->train.model);  // compare's
   CLI::App* cmd = app.add_subcommand(
       "plan", "Find the fastest activation strategy that fits a device-memory budget");
   // The strategies are the planner's: the recompute and offload flags are not accepted here.
@@ -282,6 +312,9 @@ Runner add_plan_command(CLI::App& app) {
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");
   cmd->add_option("--svg", o->svg, "plot every strategy and the front (peak against step time)");
+  cmd->add_option("--costs", o->costs,
+                  "keep the measured costs in this file and reuse them while the model, device, "
+                  "threads and libraries are the same");
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
 }
 
