@@ -10,6 +10,7 @@
 #include "actmem/trainer.h"
 
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -22,12 +23,6 @@
 namespace actmem {
 
 namespace {
-
-std::string join(const std::vector<std::string>& items, const char* sep) {
-  std::string out;
-  for (const auto& s : items) out += (out.empty() ? "" : sep) + s;
-  return out;
-}
 
 bool accepted(const TransformerConfig& c) {
   try {
@@ -113,7 +108,7 @@ Tail tail_of(const TransformerConfig& base, const Strategy& s) {
 // name from the offloader's summary (the bytes of one forward after the margin rule); a
 // strategy's offloaded bytes are the sum over its groups (the groups are disjoint modules).
 std::string offload_key(const std::vector<std::string>& recompute, const std::string& group) {
-  return "selective " + (recompute.empty() ? std::string("none") : join(recompute, "+")) +
+  return "selective " + (recompute.empty() ? std::string("none") : c10::Join("+", recompute)) +
          ": offload " + group;
 }
 
@@ -132,18 +127,18 @@ TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, 
 
 std::string Strategy::name() const {
   std::vector<std::string> parts;
-  if (!recompute_modules.empty()) parts.push_back("selective " + join(recompute_modules, "+"));
+  if (!recompute_modules.empty()) parts.push_back("selective " + c10::Join("+", recompute_modules));
   if (!full_method.empty()) parts.push_back("full " + full_method + " " + std::to_string(full_layers));
-  if (!offload_modules.empty()) parts.push_back("offload " + join(offload_modules, "+"));
+  if (!offload_modules.empty()) parts.push_back("offload " + c10::Join("+", offload_modules));
   if (offload_layers > 0) parts.push_back("layer offload " + std::to_string(offload_layers));
-  return parts.empty() ? "plain" : join(parts, ", ");
+  return parts.empty() ? "plain" : c10::Join(", ", parts);
 }
 
 std::string Strategy::flags() const {
   std::vector<std::string> f;
   if (!recompute_modules.empty()) {
     f.push_back("--recompute-granularity selective --recompute-modules " +
-                join(recompute_modules, " "));
+                c10::Join(" ", recompute_modules));
   }
   if (!full_method.empty()) {
     f.push_back("--recompute-granularity full --recompute-method " + full_method +
@@ -151,10 +146,10 @@ std::string Strategy::flags() const {
   }
   if (!offload_modules.empty()) {
     f.push_back("--fine-grained-activation-offloading --offload-modules " +
-                join(offload_modules, " "));
+                c10::Join(" ", offload_modules));
   }
   if (offload_layers > 0) f.push_back("--cpu-offloading-num-layers " + std::to_string(offload_layers));
-  return join(f, " ");
+  return c10::Join(" ", f);
 }
 
 TransformerConfig Strategy::apply(const TransformerConfig& base) const {
@@ -191,19 +186,8 @@ bool Strategy::operator==(const Strategy& o) const {
          offload_layers == o.offload_layers;
 }
 
-std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
+std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool layer_offload) {
   base.validate_shape();
-  TORCH_CHECK(base.pipeline_model_parallel_size == 1, "actmem::legal_strategies: pipeline "
-              "parallelism is not planned yet (each stage holds a different number of "
-              "micro-batches); plan one stage's layers with --pipeline-model-parallel-size 1");
-  TORCH_CHECK(base.tensor_model_parallel_size == 1 && base.expert_model_parallel_size == 1,
-              "actmem::legal_strategies: tensor and expert parallelism are not planned yet (the "
-              "profiling run is one process); plan with sizes of one rank's share");
-  TORCH_CHECK(!base.is_moe() || !base.moe_expert_capacity_factor.has_value() ||
-                  base.moe_pad_expert_input_to_capacity,
-              "actmem::legal_strategies: MoE with a capacity factor and no padding is not planned "
-              "yet (each micro-batch's activation bytes follow its routing); plan the dropless or "
-              "padded model (--moe-pad-expert-input-to-capacity), which bounds it");
   std::vector<std::string> modules, groups;
   for (const auto& [m, name] : kRecomputeModuleNames) {
     if (m != RecomputeModule::kGdnNormOut) modules.emplace_back(name);
@@ -230,18 +214,41 @@ std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
       if (accepted(s.apply(base))) out.push_back(s);
     }
   }
+  // N beyond one model chunk's layers is the same plan as N equal to them.
+  const int64_t chunk_layers =
+      base.num_layers / base.pipeline_model_parallel_size / base.virtual_pipeline_size();
   for (const char* method : {"uniform", "block"}) {
-    for (int64_t n = 1; n <= base.num_layers; ++n) {
+    for (int64_t n = 1; n <= chunk_layers; ++n) {
       Strategy s;
       s.full_method = method;
       s.full_layers = n;
       if (accepted(s.apply(base))) out.push_back(s);
     }
   }
-  // Layer-level offload (--cpu-offloading-num-layers) is not proposed: on this project's CPU
-  // copy engine its device peak moved by 3% to 15% between runs under load (docs/planner.md,
-  // limits), more than the prediction promises. Strategy and estimate_plans handle it.
+  for (int64_t k = 1; layer_offload && k < base.num_layers; ++k) {
+    Strategy s;
+    s.offload_layers = k;
+    if (accepted(s.apply(base))) out.push_back(s);
+  }
   return out;
+}
+
+std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
+  base.validate_shape();
+  TORCH_CHECK(base.pipeline_model_parallel_size == 1, "actmem::legal_strategies: pipeline "
+              "parallelism is not planned yet (each stage holds a different number of "
+              "micro-batches); plan one stage's layers with --pipeline-model-parallel-size 1, or a paper "
+              "model's layout analytically with --preset");
+  TORCH_CHECK(base.tensor_model_parallel_size == 1 && base.expert_model_parallel_size == 1,
+              "actmem::legal_strategies: tensor and expert parallelism are not planned yet (the "
+              "profiling run is one process); plan with sizes of one rank's share, or a paper model's "
+              "layout analytically with --preset");
+  TORCH_CHECK(!base.is_moe() || !base.moe_expert_capacity_factor.has_value() ||
+                  base.moe_pad_expert_input_to_capacity,
+              "actmem::legal_strategies: MoE with a capacity factor and no padding is not planned "
+              "yet (each micro-batch's activation bytes follow its routing); plan the dropless or "
+              "padded model (--moe-pad-expert-input-to-capacity), which bounds it");
+  return enumerate_strategies(base, /*layer_offload=*/false);
 }
 
 int64_t parse_memory_budget(const std::string& text) {
@@ -413,7 +420,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   for (const auto& [g, set] : measured_with) {
     Strategy s;
     s.offload_modules = set;
-    basis.push_back({"offload-set:" + join(set, "+"), s});
+    basis.push_back({"offload-set:" + c10::Join("+", set), s});
   }
   for (const auto& s : all) {
     if (s.full_method == "uniform" && s.full_layers == 1) basis.push_back({"full-layer", s});
@@ -444,7 +451,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     double extra = std::max(0.0, median(ratios[i]) - 1.0);
     if (basis[i].first == "full-layer") extra /= L;
     if (basis[i].first.rfind("offload-set:", 0) == 0) {
-      set_extra[join(basis[i].second.offload_modules, "+")] = extra;
+      set_extra[c10::Join("+", basis[i].second.offload_modules)] = extra;
     } else {
       costs.extra[basis[i].first] = extra;
     }
@@ -455,7 +462,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   }
   for (const auto& [g, set] : measured_with) {
     if (set.size() == 1) continue;
-    double extra = set_extra.at(join(set, "+"));
+    double extra = set_extra.at(c10::Join("+", set));
     for (const auto& other : set) {
       if (other == g) continue;
       const auto it = costs.extra.find("offload:" + other);
@@ -529,7 +536,8 @@ std::vector<PlanEstimate> pareto_front(std::vector<PlanEstimate> estimates) {
   return front;
 }
 
-const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget) {
+const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget,
+                                const std::string& lower_it) {
   TORCH_CHECK(!front.empty(), "actmem::choose_plan: no strategy to choose from");
   const PlanEstimate* chosen = nullptr;
   for (const auto& e : front) {
@@ -539,11 +547,14 @@ const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t 
               format_bytes(static_cast<double>(budget)), " (", budget, " bytes): the smallest "
               "predicted peak is ", format_bytes(static_cast<double>(front.front().peak_bytes)),
               " (", front.front().peak_bytes, " bytes), with ", front.front().strategy.name(),
-              " (", front.front().strategy.flags(), "). To go lower: more tensor parallelism "
-              "(--tensor-model-parallel-size with --sequence-parallel splits the activations and "
-              "the weights), pipeline stages (--pipeline-model-parallel-size), the distributed "
-              "optimizer over data-parallel ranks (--use-distributed-optimizer), a smaller "
-              "--micro-batch-size, or 16-bit training (--bf16)");
+              " (", front.front().strategy.flags(), "). To go lower: ",
+              lower_it.empty() ? "more tensor parallelism (--tensor-model-parallel-size with "
+                                 "--sequence-parallel splits the activations and the weights), "
+                                 "pipeline stages (--pipeline-model-parallel-size), the "
+                                 "distributed optimizer over data-parallel ranks "
+                                 "(--use-distributed-optimizer), a smaller --micro-batch-size, "
+                                 "or 16-bit training (--bf16)"
+                               : lower_it);
   return *chosen;
 }
 

@@ -67,6 +67,11 @@ struct Strategy {
 /// tensor and expert parallelism, MoE capacity without padding.
 std::vector<Strategy> legal_strategies(const TransformerConfig& base);
 
+/// The enumeration behind legal_strategies() without its refusals (any parallel layout): every
+/// strategy make_activation_plan() accepts for `base`, full recompute's N up to one model chunk's
+/// layers, and with `layer_offload` every K of --cpu-offloading-num-layers Megatron allows.
+std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool layer_offload);
+
 /// A memory budget in bytes: an integer count of bytes, or a number with a unit (B, K/KB/KiB,
 /// M/MB/MiB, G/GB/GiB, T/TB/TiB; K, M, G, T mean binary units, KB/MB/GB/TB decimal ones, as in
 /// "8GiB", "7.5G", "900MiB", "16GB"). Throws for anything else or a value below one byte.
@@ -125,7 +130,8 @@ std::vector<PlanEstimate> pareto_front(std::vector<PlanEstimate> estimates);
 
 /// The fastest estimate whose peak fits `budget` (the front's entry with the largest peak <=
 /// budget). Throws when none fits, saying the smallest peak any strategy reaches, with which
-/// strategy, and what else would lower it.
-const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget);
+/// strategy, and what else would lower it: `lower_it` (empty: the flags of a run here).
+const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t budget,
+                                const std::string& lower_it = "");
 
 }  // namespace actmem

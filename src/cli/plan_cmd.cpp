@@ -4,6 +4,7 @@
 // (docs/planner.md).
 #include "actmem/environment.h"
 #include "actmem/output_file.h"
+#include "actmem/plan_analytic.h"
 #include "actmem/planner.h"
 #include "actmem/plot.h"
 #include "actmem/report.h"
@@ -15,8 +16,12 @@
 #include <nlohmann/json.hpp>
 
 #include <ATen/Parallel.h>
+#include <c10/util/StringUtil.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <set>
 #include <filesystem>
 #include <fstream>
 #include <optional>
@@ -38,6 +43,11 @@ struct PlanOptions {
   std::string json;
   std::string svg;
   std::string costs;  // the cost cache (Note [Planner cost cache]); "" = none
+  // A paper preset planned analytically (Note [Analytic plan] in plan_analytic.h).
+  std::string preset;
+  std::string gpu = "h100";
+  int64_t data_parallel_size = 1;
+  bool no_sequence_parallel = false;
 };
 
 // Megatron's usual settings, marked on the plot and run beside the chosen plan by --verify: no
@@ -71,6 +81,51 @@ std::string offload_extra_flags(const TransformerConfig& base) {
            std::to_string(base.fine_grained_offloading_max_inflight_offloads);
   }
   return out;
+}
+
+// The front as a table, the chosen entry marked.
+void print_front(const std::vector<PlanEstimate>& front, const PlanEstimate* chosen) {
+  std::cout << "\nPareto front (predicted device peak against step time):\n"
+            << std::right << std::setw(14) << "peak" << std::setw(12) << "step ratio" << "  "
+            << std::left << "strategy\n";
+  for (const auto& e : front) {
+    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
+              << std::setw(12) << std::fixed << std::setprecision(3) << e.step_ratio << "  "
+              << std::left << e.strategy.name() << (chosen == &e ? "   <- chosen" : "") << "\n";
+  }
+}
+
+// The choice and its flags, ready to paste. `budget_note` says where the budget came from.
+void print_choice(const PlanEstimate& chosen, int64_t budget, const std::string& budget_note,
+                  const std::string& offload_flags) {
+  std::cout << "\nmemory budget " << format_bytes(static_cast<double>(budget)) << budget_note
+            << ": " << chosen.strategy.name() << ", predicted peak "
+            << format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
+            << std::fixed << std::setprecision(3) << chosen.step_ratio << "\n  flags: "
+            << (chosen.strategy.plain() ? "(none: keep every activation)" : chosen.strategy.flags())
+            << (chosen.strategy.offload_modules.empty() && chosen.strategy.offload_layers == 0
+                    ? ""
+                    : offload_flags)
+            << "\n";
+}
+
+// Every strategy as a dot, the front, the standard settings, the budget and the choice.
+void write_front_svg(OutputFile& file, const std::string& path,
+                     const std::vector<PlanEstimate>& estimates,
+                     const std::vector<PlanEstimate>& front, const PlanEstimate* chosen,
+                     int64_t budget, int64_t num_layers, const std::string& title) {
+  std::vector<PlanPoint> points;
+  for (const auto& e : estimates) {
+    const bool on_front = std::any_of(front.begin(), front.end(), [&e](const PlanEstimate& f) {
+      return f.strategy == e.strategy;
+    });
+    points.push_back({e.strategy.name(), static_cast<double>(e.peak_bytes), e.step_ratio,
+                      on_front, standard_setting(e.strategy, num_layers),
+                      chosen != nullptr && chosen->strategy == e.strategy});
+  }
+  file.write(plan_front_svg(points, static_cast<double>(budget), title), "the plot");
+  file.close();
+  std::cout << "\nfront plot: " << path << "\n";
 }
 
 // Note [Plan verification]
@@ -123,7 +178,169 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
   return out;
 }
 
-int run(PlanOptions& o) {
+// Note [Plan a preset]
+// `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
+// plan_analytic.h): the preset's shape, changed by the shape and layout flags given, planned per
+// GPU of its first pipeline stage on --gpu, the budget defaulting to that GPU's memory. Flags
+// that only mean something to a run here (data, runtime, profiling, --verify) are refused rather
+// than ignored.
+int run_preset(const PlanOptions& o, const CLI::App& cmd) {
+  const std::set<std::string> allowed = {
+      "--preset", "--gpu", "--memory-budget", "--json", "--svg", "--data-parallel-size",
+      "--no-sequence-parallel", "--num-layers", "--hidden-size", "--num-attention-heads",
+      "--ffn-hidden-size", "--seq-length", "--micro-batch-size", "--vocab-size", "--swiglu",
+      "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
+      "--sequence-parallel", "--pipeline-model-parallel-size", "--use-distributed-optimizer",
+      "--global-batch-size", "--num-virtual-stages-per-pipeline-rank",
+      "--num-layers-per-virtual-pipeline-stage"};
+  std::vector<std::string> refused;
+  for (const CLI::Option* opt : cmd.get_options()) {
+    if (opt->count() > 0 && !allowed.count(opt->get_name())) refused.push_back(opt->get_name());
+  }
+  TORCH_CHECK(refused.empty(), "actmem plan --preset: ", c10::Join(", ", refused), " not used: "
+              "a preset is planned analytically, nothing runs (it takes the shape and layout "
+              "flags, --gpu, --data-parallel-size, --memory-budget, --json and --svg)");
+  const TransformerConfig& given = o.train.model;
+  PaperShape m = paper_preset(o.preset);
+  auto set = [&cmd](const char* flag, double& field, int64_t value) {
+    if (cmd.count(flag) > 0) field = static_cast<double>(value);
+  };
+  set("--num-layers", m.L, given.num_layers);
+  set("--hidden-size", m.h, given.hidden_size);
+  set("--num-attention-heads", m.a, given.num_attention_heads);
+  set("--seq-length", m.s, given.seq_length);
+  set("--micro-batch-size", m.b, given.micro_batch_size);
+  set("--vocab-size", m.v, given.vocab_size);
+  set("--tensor-model-parallel-size", m.t, given.tensor_model_parallel_size);
+  set("--pipeline-model-parallel-size", m.p, given.pipeline_model_parallel_size);
+  if (cmd.count("--ffn-hidden-size") > 0) {
+    m.ffn = static_cast<double>(given.ffn_hidden_size);
+  } else if (cmd.count("--hidden-size") > 0) {
+    m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
+  }
+  if (cmd.count("--swiglu") > 0) m.swiglu = true;  // train's flag for gated_linear_unit
+  if (cmd.count("--untie-embeddings-and-output-weights") > 0) m.untied = true;
+  if (cmd.count("--sequence-parallel") > 0) m.sp = true;
+  TORCH_CHECK(!(m.sp && o.no_sequence_parallel && cmd.count("--sequence-parallel") > 0),
+              "actmem plan --preset: --sequence-parallel and --no-sequence-parallel together");
+  if (o.no_sequence_parallel || m.t == 1) m.sp = false;
+  m.d = static_cast<double>(o.data_parallel_size);
+  if (cmd.count("--use-distributed-optimizer") > 0) m.distributed_optimizer = true;
+  const bool chunks = cmd.count("--num-virtual-stages-per-pipeline-rank") > 0;
+  const bool chunk_layers = cmd.count("--num-layers-per-virtual-pipeline-stage") > 0;
+  TORCH_CHECK(!(chunks && chunk_layers), "actmem plan --preset: No more than one of the following "
+              "arguments can be set at the same time: --num-layers-per-virtual-pipeline-stage, "
+              "--num-virtual-stages-per-pipeline-rank");
+  TORCH_CHECK(!(chunks || chunk_layers) || m.p > 1, "actmem plan --preset: the interleaved "
+              "schedule needs --pipeline-model-parallel-size > 1");
+  if (chunks) m.vpp = static_cast<double>(*given.num_virtual_stages_per_pipeline_rank);
+  if (chunk_layers) {
+    const double per_chunk = static_cast<double>(*given.num_layers_per_virtual_pipeline_stage);
+    TORCH_CHECK(std::fmod(m.L / m.p, per_chunk) == 0, "actmem plan --preset: number of layers "
+                "per pipeline stage (", m.L / m.p, ") must be divisible by the number of layers "
+                "per virtual pipeline stage (", per_chunk, ")");
+    m.vpp = m.L / m.p / per_chunk;
+  }
+  if (m.p == 1 || (m.vpp && *m.vpp == 1)) m.vpp.reset();  // no interleaving
+  if (o.train.training.global_batch_size > 0) {
+    const double per_step = m.b * m.d;
+    TORCH_CHECK(std::fmod(static_cast<double>(o.train.training.global_batch_size), per_step) == 0,
+                "actmem plan --preset: --global-batch-size (", o.train.training.global_batch_size,
+                ") must be a multiple of micro-batch size x data-parallel size (", per_step, ")");
+    m.num_microbatches = static_cast<double>(o.train.training.global_batch_size) / per_step;
+  }
+  if (m.vpp) {
+    TORCH_CHECK(std::fmod(m.L, m.p) == 0 && std::fmod(m.L / m.p, *m.vpp) == 0,
+                "actmem plan --preset: ", *m.vpp, " virtual stages per pipeline rank must divide "
+                "the ", m.L / m.p, " layers per stage");
+  }
+  const DeviceSpec gpu = device_spec(o.gpu);
+  const int64_t budget = o.budget.empty() ? static_cast<int64_t>(gpu.memory_bytes)
+                                          : parse_memory_budget(o.budget);
+  check_distinct_files({}, {{"--svg", o.svg}, {"--json", o.json}});
+  OutputFile json_file, svg_file;
+  if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
+  if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
+
+  const auto start = std::chrono::steady_clock::now();
+  const std::vector<Strategy> strategies = analytic_strategies(m);
+  const AnalyticBasis basis = analytic_basis(m, gpu);
+  const std::vector<PlanEstimate> estimates = estimate_plans_analytic(m, strategies, gpu);
+  const std::vector<PlanEstimate> front = pareto_front(estimates);
+  const double planning_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+
+  const WeightMemory w = megatron_weight_and_optimizer_memory(m);
+  std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — "
+            << m.L << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
+            << (m.swiglu ? " (SwiGLU)" : "") << ", seq " << m.s << ", micro-batch " << m.b
+            << ", vocab " << m.v << ", " << std::setprecision(4) << w.parameters / 1e9
+            << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p " << m.p;
+  if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
+  std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
+            << "; bf16; " << strategies.size() << " legal strategies\n"
+            << "GPU " << gpu.name << ": " << gpu.source << "; costed at " << std::setprecision(3)
+            << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, "
+            << gpu.memory_bandwidth / 1e12 << " TB/s for element-wise ops, "
+            << gpu.d2h_bandwidth / 1e9 << "/" << gpu.h2d_bandwidth / 1e9
+            << " GB/s device-to-host/host-to-device\n"
+            << "per GPU of the first pipeline stage: " << basis.layers_per_stage
+            << " layers, weights, gradients and optimizer state "
+            << format_bytes(basis.static_bytes) << ", " << "micro-batches in flight "
+            << basis.microbatches_in_flight << ", plain step " << std::fixed << std::setprecision(1)
+            << basis.plain_step_s * 1e3 << " ms per micro-batch (roofline)\n";
+  const PlanEstimate* chosen = &choose_plan(
+      front, budget,
+      "more tensor parallelism (--tensor-model-parallel-size; with --sequence-parallel it splits "
+      "every activation), more pipeline stages (--pipeline-model-parallel-size), the "
+      "distributed optimizer over more data-parallel ranks (--use-distributed-optimizer "
+      "--data-parallel-size), a smaller --micro-batch-size, or a GPU with more memory or a "
+      "faster host link (--gpu)");
+  print_front(front, chosen);
+  // Megatron's usual settings beside it: what the common choices would cost on this layout.
+  const auto chunk_layers_n = static_cast<int64_t>(m.L / m.p / (m.vpp ? *m.vpp : 1.0));
+  std::vector<PlanEstimate> standard;
+  for (const auto& e : estimates) {
+    if (standard_setting(e.strategy, chunk_layers_n)) standard.push_back(e);
+  }
+  std::cout << "\nMegatron's standard settings:\n";
+  for (const auto& e : standard) {
+    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
+              << std::setw(12) << std::setprecision(3) << e.step_ratio << "  " << std::left
+              << std::setw(24) << e.strategy.name()
+              << (e.peak_bytes <= budget ? "fits" : "does not fit") << "\n";
+  }
+  print_choice(*chosen, budget, o.budget.empty() ? " (the " + gpu.name + "'s memory)" : "", "");
+  std::cout << "\nplanned " << estimates.size() << " strategies in " << std::setprecision(3)
+            << planning_s << " s\n";
+  if (svg_file.is_open()) {
+    std::ostringstream title;
+    title << "Activation strategies of preset " << o.preset << " (t " << m.t << ", p " << m.p
+          << ") on " << gpu.name << ": predicted device peak and step time";
+    write_front_svg(svg_file, o.svg, estimates, front, chosen, budget, chunk_layers_n,
+                    title.str());
+  }
+  if (json_file.is_open()) {
+    nlohmann::json out = {{"preset", o.preset}, {"analytic", true}, {"gpu", gpu.to_json()},
+                          {"basis", basis.to_json()},
+                          {"shape", {{"s", m.s}, {"b", m.b}, {"h", m.h}, {"a", m.a}, {"L", m.L},
+                                     {"ffn", m.ffn}, {"v", m.v}, {"t", m.t}, {"p", m.p},
+                                     {"d", m.d}, {"sequence_parallel", m.sp},
+                                     {"swiglu", m.swiglu}}},
+                          {"legal_strategies", strategies.size()}, {"planning_s", planning_s},
+                          {"memory_budget_bytes", budget}, {"chosen", chosen->to_json()},
+                          {"front", nlohmann::json::array()}};
+    for (const auto& e : front) out["front"].push_back(e.to_json());
+    out["standard_settings"] = nlohmann::json::array();
+    for (const auto& e : standard) out["standard_settings"].push_back(e.to_json());
+    json_file.write(out.dump(2) + "\n", "the plan");
+    json_file.close();
+  }
+  return 0;
+}
+
+int run(PlanOptions& o, const CLI::App& cmd) {
+  if (!o.preset.empty()) return run_preset(o, cmd);
   o.train.finalize();
   apply_thread_count(o.train.threads);
   const TransformerConfig& base = o.train.model;
@@ -184,15 +401,9 @@ int run(PlanOptions& o) {
             << "; optimizer-step peak " << format_bytes(static_cast<double>(costs.optimizer_peak_bytes))
             << "\nextra step time of each mechanism alone:";
   for (const auto& [name, extra] : costs.extra) std::cout << "  " << name << " +" << percent(extra);
-  std::cout << "\n\nPareto front (predicted device peak against step time):\n"
-            << std::right << std::setw(14) << "peak" << std::setw(12) << "step ratio" << "  "
-            << std::left << "strategy\n";
+  std::cout << "\n";
   const PlanEstimate* chosen = budget > 0 ? &choose_plan(front, budget) : nullptr;
-  for (const auto& e : front) {
-    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
-              << std::setw(12) << std::setprecision(3) << e.step_ratio << "  " << std::left
-              << e.strategy.name() << (chosen == &e ? "   <- chosen" : "") << "\n";
-  }
+  print_front(front, chosen);
   nlohmann::json out = {{"model", to_json(base)}, {"legal_strategies", strategies.size()},
                         {"costs", costs.to_json()}, {"front", nlohmann::json::array()},
                         {"runtime", runtime_info()}};
@@ -200,15 +411,7 @@ int run(PlanOptions& o) {
   if (chosen) {
     out["memory_budget_bytes"] = budget;
     out["chosen"] = chosen->to_json();
-    std::cout << "\nmemory budget " << format_bytes(static_cast<double>(budget)) << ": "
-              << chosen->strategy.name() << ", predicted peak "
-              << format_bytes(static_cast<double>(chosen->peak_bytes)) << ", step ratio "
-              << std::setprecision(3) << chosen->step_ratio << "\n  flags: "
-              << (chosen->strategy.plain() ? "(none: keep every activation)" : chosen->strategy.flags())
-              << (chosen->strategy.offload_modules.empty() && chosen->strategy.offload_layers == 0
-                      ? ""
-                      : offload_extra_flags(base))
-              << "\n";
+    print_choice(*chosen, budget, "", offload_extra_flags(base));
   }
   int rc = 0;
   if (o.verify) {
@@ -262,21 +465,10 @@ int run(PlanOptions& o) {
     if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
   }
   if (svg_file.is_open()) {
-    std::vector<PlanPoint> points;
-    for (const auto& e : estimates) {
-      const bool on_front = std::any_of(front.begin(), front.end(), [&e](const PlanEstimate& f) {
-        return f.strategy == e.strategy;
-      });
-      points.push_back({e.strategy.name(), static_cast<double>(e.peak_bytes), e.step_ratio,
-                        on_front, standard_setting(e.strategy, base.num_layers),
-                        chosen != nullptr && chosen->strategy == e.strategy});
-    }
     std::ostringstream title;
     title << "Activation strategies of a " << base.num_layers << "-layer h " << base.hidden_size
           << " model: predicted device peak and step time";
-    svg_file.write(plan_front_svg(points, static_cast<double>(budget), title.str()), "the plot");
-    svg_file.close();
-    std::cout << "\nfront plot: " << o.svg << "\n";
+    write_front_svg(svg_file, o.svg, estimates, front, chosen, budget, base.num_layers, title.str());
   }
   if (json_file.is_open()) {
     json_file.write(out.dump(2) + "\n", "the plan");
@@ -293,7 +485,9 @@ Runner add_plan_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand(
       "plan", "Find the fastest activation strategy that fits a device-memory budget");
   // The strategies are the planner's: the recompute and offload flags are not accepted here.
-  add_flags(*cmd, o->train, kShapeFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
+  // The parallel flags serve --preset (the measured plan refuses t, p > 1 with a clear message).
+  add_flags(*cmd, o->train,
+            kShapeFlags | kParallelFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--min-offloaded-tensor-size", o->train.model.min_offloaded_tensor_size,
                   "offload keeps saved tensors of fewer elements on the device (as train)")
       ->capture_default_str()->check(integer_in_range(0, int64_t{1} << 62));
@@ -312,10 +506,22 @@ Runner add_plan_command(CLI::App& app) {
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");
   cmd->add_option("--svg", o->svg, "plot every strategy and the front (peak against step time)");
+  cmd->add_option("--preset", o->preset,
+                  "plan a paper model analytically instead of measuring one here: " +
+                      c10::Join(", ", paper_preset_names()) + " (docs/planner.md)");
+  cmd->add_option("--gpu", o->gpu, "with --preset: the GPU costed (" +
+                      c10::Join(", ", device_spec_names()) + ")")
+      ->capture_default_str()
+      ->check(CLI::IsMember(device_spec_names()));
+  cmd->add_option("--data-parallel-size", o->data_parallel_size,
+                  "with --preset: d (divides the optimizer state with --use-distributed-optimizer)")
+      ->capture_default_str()->check(integer_in_range(1, int64_t{1} << 40));
+  cmd->add_flag("--no-sequence-parallel", o->no_sequence_parallel,
+                "with --preset: sequence parallelism off");
   cmd->add_option("--costs", o->costs,
                   "keep the measured costs in this file and reuse them while the model, device, "
                   "threads and libraries are the same");
-  return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
+  return [o, cmd]() { return cmd->parsed() ? run(*o, *cmd) : -1; };
 }
 
 }  // namespace actmem::cli
