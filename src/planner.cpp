@@ -6,7 +6,9 @@
 #include "actmem/activation_plan.h"
 #include "actmem/environment.h"
 #include "actmem/memory_model.h"
+#include "actmem/output_file.h"
 #include "actmem/report.h"
+#include "actmem/step_rounds.h"
 #include "actmem/trainer.h"
 
 #include <ATen/Parallel.h>
@@ -16,6 +18,8 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
+#include <filesystem>
+#include <fstream>
 #include <limits>
 #include <memory>
 #include <sstream>
@@ -121,6 +125,20 @@ TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, 
   t.load.clear();
   t.save_interval = 0;
   return t;
+}
+
+// A model alone in the process for two steps (the first warms the allocator, the caches and the
+// offloader's warmup up): the trainer, for what it holds afterwards, and the second step's stats.
+struct SecondStep {
+  std::unique_ptr<Trainer> trainer;
+  IterationStats stats;
+};
+
+SecondStep second_step(const TransformerConfig& model, const TrainingConfig& two_steps) {
+  SecondStep r{std::make_unique<Trainer>(model, two_steps), {}};
+  r.trainer->train_step(false);
+  r.stats = r.trainer->train_step(false);
+  return r;
 }
 
 }  // namespace
@@ -324,6 +342,52 @@ nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfi
           {"runtime", runtime_info()}};
 }
 
+PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+                     const std::string& costs_path,
+                     const std::function<void(const std::string&)>& progress, std::string* note) {
+  const nlohmann::json key = plan_costs_key(base, training);
+  std::string said;
+  if (!costs_path.empty() && std::filesystem::exists(costs_path)) {
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(std::ifstream(costs_path));
+    } catch (const nlohmann::json::exception& e) {
+      TORCH_CHECK(false, "actmem plan: --costs ", costs_path, " is not a cost record (", e.what(),
+                  "); remove it to profile again");
+    }
+    TORCH_CHECK(record.is_object() && record.contains("key") && record.contains("costs"),
+                "actmem plan: --costs ", costs_path, " is not a cost record (no key and costs); "
+                "remove it to profile again");
+    if (record["key"] == key) {
+      if (note) *note = "costs reused from " + costs_path;
+      return PlanCosts::from_json(record["costs"]);
+    }
+    said = "costs profiled again: " + costs_path + " was measured for another model, device, "
+           "thread count or library";
+  }
+  const PlanCosts costs = profile_costs(base, training, steps, progress);
+  if (!costs_path.empty()) {
+    OutputFile cache({"--costs", costs_path});
+    cache.write(nlohmann::json{{"key", key}, {"costs", costs.to_json()}}.dump(1) + "\n",
+                "the costs");
+    cache.close();
+    if (said.empty()) said = "costs written to " + costs_path;
+  }
+  if (note) *note = said;
+  return costs;
+}
+
+MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
+                           int steps, const std::string& costs_path,
+                           const std::function<void(const std::string&)>& progress) {
+  MeasuredPlan plan;
+  plan.strategies = legal_strategies(base);
+  plan.costs = plan_costs(base, training, steps, costs_path, progress, &plan.costs_note);
+  plan.estimates = estimate_plans(base, plan.strategies, plan.costs);
+  plan.front = pareto_front(plan.estimates);
+  return plan;
+}
+
 nlohmann::json PlanEstimate::to_json() const {
   return {{"strategy", strategy.name()}, {"flags", strategy.flags()}, {"kept_bytes", kept_bytes},
           {"peak_bytes", peak_bytes}, {"step_ratio", step_ratio}};
@@ -353,14 +417,13 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   // Memory: the plain model's static bytes and optimizer peak (alone in the process), then one
   // measurement per distinct tail.
   {
-    Trainer t(Strategy{}.apply(base), one);
-    t.train_step(false);
-    const IterationStats st = t.train_step(false);
+    const SecondStep plain = second_step(Strategy{}.apply(base), one);
+    const IterationStats& st = plain.stats;
     // Held when the forward starts (the batch included): the step's peak less the activation
     // peak, unless the optimizer step is the peak; then what the step ends with.
     costs.static_bytes = st.peak_device_bytes > st.optimizer_peak_bytes
                              ? st.peak_device_bytes - st.activation_peak_bytes
-                             : t.memory().current_bytes();
+                             : plain.trainer->memory().current_bytes();
     costs.optimizer_peak_bytes = st.optimizer_peak_bytes;
   }
   for (const auto& s : all) {
@@ -377,11 +440,9 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
       continue;
     }
     say("measuring what " + s.name() + " offloads");
-    Trainer t(s.apply(base), one);
-    t.train_step(false);
-    t.train_step(false);
+    const SecondStep run = second_step(s.apply(base), one);
     for (const auto& g : s.offload_modules) costs.offloaded[offload_key(s.recompute_modules, g)] = 0;
-    for (const auto& row : t.offloader()->summary()) {
+    for (const auto& row : run.trainer->offloader()->summary()) {
       costs.offloaded[offload_key(s.recompute_modules, row.name)] = row.bytes;
     }
   }
@@ -395,9 +456,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   for (size_t i = 0; i < tails.size(); ++i) {
     say("measuring the backward transient " + std::to_string(i + 1) + "/" +
         std::to_string(tails.size()));
-    Trainer t(tails[i].probe, one);
-    t.train_step(false);
-    const IterationStats st = t.train_step(false);
+    const IterationStats st = second_step(tails[i].probe, one).stats;
     costs.transient[tails[i].key] = st.activation_peak_bytes - st.activation_bytes;
   }
 
@@ -432,18 +491,19 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   const size_t n = basis.size();
   std::vector<std::vector<double>> ratios(n);
   std::vector<double> plain_times;
-  for (int round = 0; round <= steps; ++round) {
-    say("timing " + std::to_string(n) + " mechanisms: round " + std::to_string(round + 1) + "/" +
-        std::to_string(steps + 1) + (round == 0 ? " (warm-up, not timed)" : ""));
-    std::vector<double> time(n);
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = (k + static_cast<size_t>(round)) % n;
-      time[i] = trainers[i]->train_step(false).step_time_s;
+  std::vector<Trainer*> order;
+  for (auto& tr : trainers) order.push_back(tr.get());
+  say("timing " + std::to_string(n) + " mechanisms: round 1/" + std::to_string(steps + 1) +
+      " (warm-up, not timed)");
+  run_rotated_rounds(order, steps + 1, false, [&](int round, const std::vector<IterationStats>& st) {
+    if (round < steps) {
+      say("timing " + std::to_string(n) + " mechanisms: round " + std::to_string(round + 2) +
+          "/" + std::to_string(steps + 1));
     }
-    if (round == 0) continue;
-    plain_times.push_back(time[0]);
-    for (size_t i = 1; i < n; ++i) ratios[i].push_back(time[i] / time[0]);
-  }
+    if (round == 0) return;
+    plain_times.push_back(st[0].step_time_s);
+    for (size_t i = 1; i < n; ++i) ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
+  });
   costs.plain_step_s = median(plain_times);
   const double L = static_cast<double>(base.num_layers);
   std::map<std::string, double> set_extra;

@@ -227,10 +227,24 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
                             "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
                             "--min-offloaded-tensor-size 256 "
                             "--fine-grained-offloading-max-inflight-offloads 0 --threads 1";
+  const std::string train_costs = " --costs " + dir + "/train-costs.json";
   r = testing::run_actmem("train" + model + " --train-iters 3 --eval-interval 0 --memory-budget " +
-                          std::to_string(budget) + " --log-json " + dir + "/train.jsonl");
+                          std::to_string(budget) + " --log-json " + dir + "/train.jsonl" +
+                          train_costs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("planned for a memory budget of"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
+  const std::string first_plan = r.output.substr(r.output.find("planned for a memory budget of"));
+  // A second run plans from the kept costs, and so chooses the same.
+  r = testing::run_actmem("train" + model + " --train-iters 1 --eval-interval 0 --memory-budget " +
+                          std::to_string(budget) + train_costs);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs reused from"), std::string::npos) << r.output;
+  const std::string second_plan = r.output.substr(r.output.find("planned for a memory budget of"));
+  EXPECT_EQ(first_plan.substr(0, first_plan.find('\n')), second_plan.substr(0, second_plan.find('\n')));
+  r = testing::run_actmem("train" + model + " --train-iters 1" + train_costs);
+  EXPECT_NE(r.exit_code, 0);  // --costs without --memory-budget plans nothing
+  EXPECT_NE(r.output.find("give both"), std::string::npos) << r.output;
   std::ifstream log(dir + "/train.jsonl");
   std::string line;
   int steps = 0;

@@ -11,7 +11,7 @@
 // and a step-time ratio to the plain step, 1 + the sum of the measured extra time of each
 // mechanism the strategy uses (a recompute module, a full-recompute layer, an offload group),
 // each measured alone against the plain step in interleaved rounds (Note
-// [Honest step ratios] in compare_cmd.cpp). The search enumerates every legal strategy (hundreds
+// [Honest step ratios] in step_rounds.h). The search enumerates every legal strategy (hundreds
 // for a dense model), so the chosen plan is the optimum under this model, not an approximation
 // of it; the Pareto front (peak against ratio) is the strategies no other beats on both.
 //
@@ -103,6 +103,16 @@ struct PlanCosts {
 /// and the library versions. Two profiles with equal keys measured the same thing.
 nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training);
 
+/// The costs of `base` for `training`: read from the cache file `costs_path` when it holds a
+/// profile with this key (plan_costs_key), else profiled (`steps` timed rounds) and, when
+/// `costs_path` is not empty, written there (Note [Planner cost cache]). `note` (may be null)
+/// says which ("costs reused from F", "costs written to F", "costs profiled again: ..."). Throws
+/// for a file that is not a cost record. `progress` as in profile_costs().
+PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+                     const std::string& costs_path,
+                     const std::function<void(const std::string&)>& progress = {},
+                     std::string* note = nullptr);
+
 /// One strategy's prediction.
 struct PlanEstimate {
   Strategy strategy;
@@ -123,6 +133,19 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
 std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
                                          const std::vector<Strategy>& strategies,
                                          const PlanCosts& costs);
+
+/// Everything `actmem plan` and `train --memory-budget` compute for a model measured here:
+/// legal_strategies(), plan_costs(), estimate_plans() and pareto_front().
+struct MeasuredPlan {
+  std::vector<Strategy> strategies;
+  PlanCosts costs;
+  std::string costs_note;  // plan_costs()'s note
+  std::vector<PlanEstimate> estimates;
+  std::vector<PlanEstimate> front;
+};
+MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
+                           int steps, const std::string& costs_path,
+                           const std::function<void(const std::string&)>& progress = {});
 
 /// The Pareto front of `estimates`: sorted by peak, each strictly faster than every one with a
 /// smaller or equal peak (ties in ratio keep the smaller peak).

@@ -7,6 +7,7 @@
 #include "actmem/output_file.h"
 #include "actmem/plot.h"
 #include "actmem/train_options.h"
+#include "actmem/step_rounds.h"
 #include "actmem/trainer.h"
 #include "commands.h"
 
@@ -88,14 +89,8 @@ TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
   return c;
 }
 
-// Note [Honest step ratios]
-// A strategy's step time is only comparable with the plain step's when both ran under the same
-// conditions. So: the first --warmup rounds are not timed (allocator and thread-pool warm-up,
-// offload's warmup); in every timed round each strategy runs one step, in an order rotated from
-// round to round; a strategy's ratio is the median over rounds of its time divided by the plain
-// step's time *in the same round*, so drift of the machine cancels; the range of those per-round
-// ratios is printed beside it, and too few rounds or a plain step that varies a lot is warned
-// about instead of printed as if it were exact.
+// Timing follows Note [Honest step ratios] in step_rounds.h: --warmup untimed rounds, then
+// rotated rounds, each ratio against the plain step of its round.
 int run(CompareOptions& o) {
   o.train.finalize();
   apply_thread_count(o.train.threads);
@@ -148,25 +143,22 @@ int run(CompareOptions& o) {
   std::vector<std::vector<double>> times(n), ratios(n);
   std::vector<IterationStats> last(n);
   std::vector<bool> equal(n, true);
-  for (int round = 0; round < rounds; ++round) {
-    std::vector<double> round_time(n);
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = (k + static_cast<size_t>(round)) % n;  // rotated order
-      last[i] = trainers[i]->train_step(/*compute_digest=*/true);
-      round_time[i] = last[i].step_time_s;
-    }
+  std::vector<Trainer*> order;
+  for (auto& tr : trainers) order.push_back(tr.get());
+  run_rotated_rounds(order, rounds, /*compute_digest=*/true,
+                     [&](int round, const std::vector<IterationStats>& st) {
+    last = st;
     for (size_t i = 0; i < n; ++i) {
-      equal[i] = equal[i] && last[i].loss == last[ref].loss &&
-                 last[i].grad_digest == last[ref].grad_digest;
+      equal[i] = equal[i] && st[i].loss == st[ref].loss && st[i].grad_digest == st[ref].grad_digest;
       if (round >= o.warmup) {
-        times[i].push_back(round_time[i]);
-        ratios[i].push_back(round_time[i] / round_time[ref]);
+        times[i].push_back(st[i].step_time_s);
+        ratios[i].push_back(st[i].step_time_s / st[ref].step_time_s);
       }
     }
     std::cerr << "\rcompare: round " << round + 1 << "/" << rounds << " of " << n
               << " strategies" << (round < o.warmup ? " (warm-up, not timed)" : "")
               << "            " << std::flush;
-  }
+  });
   std::cerr << "\n";
   std::vector<TimelineSeries> series(n);
   for (size_t i = 0; i < n; ++i) {

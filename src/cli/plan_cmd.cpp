@@ -8,6 +8,7 @@
 #include "actmem/planner.h"
 #include "actmem/plot.h"
 #include "actmem/report.h"
+#include "actmem/step_rounds.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 #include "commands.h"
@@ -159,20 +160,17 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
   for (const auto& e : runs) trainers.push_back(std::make_unique<Trainer>(e.strategy.apply(base), t));
   const size_t n = runs.size();
   std::vector<std::vector<double>> ratios(n);
-  for (int round = 0; round <= steps; ++round) {
+  std::vector<Trainer*> order;
+  for (auto& tr : trainers) order.push_back(tr.get());
+  run_rotated_rounds(order, steps + 1, true, [&](int round, const std::vector<IterationStats>& st) {
     std::cerr << "\rplan: verifying step times and exactness, round " << round + 1 << "/"
               << steps + 1 << "            " << std::flush;
-    std::vector<IterationStats> st(n);
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = (k + static_cast<size_t>(round)) % n;
-      st[i] = trainers[i]->train_step(true);
-    }
     for (size_t i = 0; i < n; ++i) {  // runs[0] is plain
       out[i].bitwise = out[i].bitwise && st[i].loss == st[0].loss &&
                        st[i].grad_digest == st[0].grad_digest;
       if (round > 0) ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
     }
-  }
+  });
   std::cerr << "\n";
   for (size_t i = 0; i < n; ++i) out[i].ratio = median(ratios[i]);
   return out;
@@ -350,44 +348,16 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
-  const std::vector<Strategy> strategies = legal_strategies(base);
-  const nlohmann::json key = plan_costs_key(base, o.train.training);
-  std::optional<PlanCosts> cached;
-  std::string cache_note;
-  if (!o.costs.empty() && std::filesystem::exists(o.costs)) {
-    nlohmann::json record;
-    try {
-      record = nlohmann::json::parse(std::ifstream(o.costs));
-    } catch (const nlohmann::json::exception& e) {
-      TORCH_CHECK(false, "actmem plan: --costs ", o.costs, " is not a cost record (", e.what(),
-                  "); remove it to profile again");
-    }
-    TORCH_CHECK(record.is_object() && record.contains("key") && record.contains("costs"),
-                "actmem plan: --costs ", o.costs, " is not a cost record (no key and costs); "
-                "remove it to profile again");
-    if (record["key"] == key) {
-      cached = PlanCosts::from_json(record["costs"]);
-      cache_note = "costs reused from " + o.costs;
-    } else {
-      cache_note = "costs profiled again: " + o.costs + " was measured for another model, "
-                   "device, thread count or library";
-    }
-  }
-  const PlanCosts costs =
-      cached ? *cached
-             : profile_costs(base, o.train.training, o.profile_steps, [](const std::string& line) {
-                 std::cerr << "\rplan: " << line << "            " << std::flush;
-               });
-  if (!cached) std::cerr << "\n";
-  if (!cached && !o.costs.empty()) {
-    OutputFile cache({"--costs", o.costs});
-    cache.write(nlohmann::json{{"key", key}, {"costs", costs.to_json()}}.dump(1) + "\n",
-                "the costs");
-    cache.close();
-    if (cache_note.empty()) cache_note = "costs written to " + o.costs;
-  }
-  const std::vector<PlanEstimate> estimates = estimate_plans(base, strategies, costs);
-  const std::vector<PlanEstimate> front = pareto_front(estimates);
+  const MeasuredPlan plan = measured_plan(
+      base, o.train.training, o.profile_steps, o.costs, [](const std::string& line) {
+        std::cerr << "\rplan: " << line << "            " << std::flush;
+      });
+  if (plan.costs_note.rfind("costs reused", 0) != 0) std::cerr << "\n";
+  const std::vector<Strategy>& strategies = plan.strategies;
+  const PlanCosts& costs = plan.costs;
+  const std::string& cache_note = plan.costs_note;
+  const std::vector<PlanEstimate>& estimates = plan.estimates;
+  const std::vector<PlanEstimate>& front = plan.front;
 
   std::cout << "actmem plan: " << base.num_layers << " layers, hidden " << base.hidden_size << ", "
             << base.num_attention_heads << " heads, seq " << base.seq_length << ", micro-batch "

@@ -211,7 +211,13 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
 // and trains with the strategy it chooses: the same profiling and choice as `actmem plan
 // --memory-budget B`, whose flags the header then shows. One process only: under launch every
 // rank would profile on its own and could choose differently.
-void plan_for_budget(actmem::TrainOptions& o, const std::string& budget_text, int world_size) {
+struct BudgetOptions {
+  std::string budget;  // "" = train with the flags given
+  std::string costs;   // the planner's cost cache (Note [Planner cost cache])
+};
+
+void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_size) {
+  const std::string& budget_text = b.budget;
   const int64_t budget = actmem::parse_memory_budget(budget_text);
   TORCH_CHECK(world_size == 1, "actmem train: --memory-budget plans on one process; under launch "
               "run `actmem plan --memory-budget ", budget_text, "` once and pass the flags it "
@@ -222,14 +228,13 @@ void plan_for_budget(actmem::TrainOptions& o, const std::string& budget_text, in
               "actmem train: --memory-budget chooses the recompute and offload flags itself; "
               "drop --recompute-granularity, --cpu-offloading-num-layers and "
               "--fine-grained-activation-offloading, or drop --memory-budget");
-  const auto strategies = actmem::legal_strategies(m);
-  const actmem::PlanCosts costs = actmem::profile_costs(
-      m, o.training, 3, [](const std::string& line) {
+  const actmem::MeasuredPlan plan = actmem::measured_plan(
+      m, o.training, 3, b.costs, [](const std::string& line) {
         std::cerr << "\rplanning: " << line << "            " << std::flush;
       });
-  std::cerr << "\n";
-  const auto front = actmem::pareto_front(actmem::estimate_plans(m, strategies, costs));
-  const actmem::PlanEstimate& chosen = actmem::choose_plan(front, budget);
+  if (plan.costs_note.rfind("costs reused", 0) != 0) std::cerr << "\n";
+  if (!plan.costs_note.empty()) std::cerr << "planning: " << plan.costs_note << "\n";
+  const actmem::PlanEstimate& chosen = actmem::choose_plan(plan.front, budget);
   std::cout << "planned for a memory budget of " << actmem::format_bytes(static_cast<double>(budget))
             << ": " << chosen.strategy.name() << " (predicted peak "
             << actmem::format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
@@ -240,7 +245,7 @@ void plan_for_budget(actmem::TrainOptions& o, const std::string& budget_text, in
   o.model.validate();
 }
 
-int run_train(actmem::TrainOptions& o, const std::string& memory_budget) {
+int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   o.finalize();
   actmem::apply_thread_count(o.threads);
   // Note [Outputs never destroy inputs] (output_file.h).
@@ -250,10 +255,12 @@ int run_train(actmem::TrainOptions& o, const std::string& memory_budget) {
     inputs.push_back({"--data-path", p + ".idx"});
   }
   check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace},
-                                {"--pipeline-plot", o.pipeline_plot}});
+                                {"--pipeline-plot", o.pipeline_plot}, {"--costs", budget.costs}});
   // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
-  if (!memory_budget.empty()) plan_for_budget(o, memory_budget, dist.world_size);
+  TORCH_CHECK(budget.costs.empty() || !budget.budget.empty(),
+              "actmem train: --costs keeps the planner's costs for --memory-budget; give both");
+  if (!budget.budget.empty()) plan_for_budget(o, budget, dist.world_size);
   // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
   // data-parallel size, is implied, as in Megatron.
   const int t = static_cast<int>(o.model.tensor_model_parallel_size);
@@ -392,10 +399,13 @@ Runner add_train_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("train", "Train a GPT model and log each iteration");
   add_model_flags(*cmd, *options);
   add_training_flags(*cmd, *options);
-  auto budget = std::make_shared<std::string>();
-  cmd->add_option("--memory-budget", *budget,
+  auto budget = std::make_shared<BudgetOptions>();
+  cmd->add_option("--memory-budget", budget->budget,
                   "plan the recompute and offload flags for this many device bytes first "
                   "(as `actmem plan`; 8GiB, 7.5G, 900MiB)");
+  cmd->add_option("--costs", budget->costs,
+                  "with --memory-budget: the planner's cost file (as `actmem plan --costs`): "
+                  "reused when it holds this model's costs, else written");
   return [options, budget, cmd]() { return cmd->parsed() ? run_train(*options, *budget) : -1; };
 }
 
