@@ -127,6 +127,16 @@ TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, 
   return t;
 }
 
+// The q-quantile of `values` (linear between the order statistics); 0 for none.
+double quantile(std::vector<double> values, double q) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  const double at = q * static_cast<double>(values.size() - 1);
+  const auto lo = static_cast<size_t>(std::floor(at));
+  const size_t hi = std::min(lo + 1, values.size() - 1);
+  return values[lo] + (at - static_cast<double>(lo)) * (values[hi] - values[lo]);
+}
+
 // A model alone in the process for two steps (the first warms the allocator, the caches and the
 // offloader's warmup up): the trainer, for what it holds afterwards, and the second step's stats.
 struct SecondStep {
@@ -308,6 +318,7 @@ int64_t parse_memory_budget(const std::string& text) {
 nlohmann::json PlanCosts::to_json() const {
   return {{"static_bytes", static_bytes}, {"optimizer_peak_bytes", optimizer_peak_bytes},
           {"plain_step_s", plain_step_s}, {"extra_step_fraction", extra},
+          {"extra_step_fraction_spread", spread},
           {"backward_transient_bytes", transient}, {"offloaded_bytes", offloaded},
           {"timed_rounds", steps}, {"threads", threads}};
 }
@@ -319,6 +330,7 @@ PlanCosts PlanCosts::from_json(const nlohmann::json& j) {
     c.optimizer_peak_bytes = j.at("optimizer_peak_bytes").get<int64_t>();
     c.plain_step_s = j.at("plain_step_s").get<double>();
     c.extra = j.at("extra_step_fraction").get<std::map<std::string, double>>();
+    c.spread = j.at("extra_step_fraction_spread").get<std::map<std::string, double>>();
     c.transient = j.at("backward_transient_bytes").get<std::map<std::string, int64_t>>();
     c.offloaded = j.at("offloaded_bytes").get<std::map<std::string, int64_t>>();
     c.steps = j.at("timed_rounds").get<int>();
@@ -339,7 +351,8 @@ nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfi
   return {{"model", actmem::to_json(plainly)},
           {"microbatches_per_step", training.num_microbatches(base.micro_batch_size)},
           {"device", training.device},
-          {"runtime", runtime_info()}};
+          {"runtime", runtime_info()},
+          {"cost_format", 2}};  // 2: with the spread (Note [Planner uncertainty])
 }
 
 PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
@@ -390,7 +403,8 @@ MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& 
 
 nlohmann::json PlanEstimate::to_json() const {
   return {{"strategy", strategy.name()}, {"flags", strategy.flags()}, {"kept_bytes", kept_bytes},
-          {"peak_bytes", peak_bytes}, {"step_ratio", step_ratio}};
+          {"peak_bytes", peak_bytes}, {"step_ratio", step_ratio},
+          {"step_ratio_spread", step_ratio_spread}};
 }
 
 // Note [Planner cost basis]
@@ -398,10 +412,18 @@ nlohmann::json PlanEstimate::to_json() const {
 // module alone, full recompute of every layer (uniform 1) and each offload group alone (a group
 // that cannot offload alone, in the smallest legal set holding it), all in the same rounds with
 // a rotated order, each ratio taken against the plain step of the same round (Note [Honest step
-// ratios] in compare_cmd.cpp). A strategy's predicted ratio is 1 + the sum of its mechanisms'
+// ratios] in step_rounds.h). A strategy's predicted ratio is 1 + the sum of its mechanisms'
 // extra fractions: full recompute of n layers (block n) costs n/L of every layer's; uniform N
 // rebuilds every layer once, whatever N. A mechanism measured faster than plain (noise) counts
 // 0: none makes the step faster.
+//
+// Note [Planner uncertainty]
+// "How sure is that?": each mechanism's spread is half the interquartile range of its per-round
+// ratios (on the scale of its extra fraction: /L for full-layer); a group measured with others
+// takes the set's spread and theirs in quadrature. A strategy's spread adds its mechanisms' in
+// quadrature, each times its count (n layers of full recompute: n times full-layer's), as for
+// independent measurements. Printed beside every predicted ratio; two plans whose ratios differ
+// by less than their spreads are a tie on this machine.
 PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
                         const std::function<void(const std::string&)>& progress) {
   TORCH_CHECK(steps >= 1, "actmem::profile_costs: at least one timed round, got ", steps);
@@ -506,31 +528,41 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   });
   costs.plain_step_s = median(plain_times);
   const double L = static_cast<double>(base.num_layers);
-  std::map<std::string, double> set_extra;
+  std::map<std::string, double> set_extra, set_spread;
   for (size_t i = 1; i < n; ++i) {
     double extra = std::max(0.0, median(ratios[i]) - 1.0);
-    if (basis[i].first == "full-layer") extra /= L;
+    double spread = (quantile(ratios[i], 0.75) - quantile(ratios[i], 0.25)) / 2;
+    if (basis[i].first == "full-layer") extra /= L, spread /= L;
     if (basis[i].first.rfind("offload-set:", 0) == 0) {
-      set_extra[c10::Join("+", basis[i].second.offload_modules)] = extra;
+      const std::string set = c10::Join("+", basis[i].second.offload_modules);
+      set_extra[set] = extra;
+      set_spread[set] = spread;
     } else {
       costs.extra[basis[i].first] = extra;
+      costs.spread[basis[i].first] = spread;
     }
   }
-  // Singletons first, then each group measured with others as the set's extra less theirs.
+  // Singletons first, then each group measured with others as the set's extra less theirs (its
+  // spread: the set's and theirs in quadrature).
   for (const auto& [g, set] : measured_with) {
-    if (set.size() == 1) costs.extra["offload:" + g] = set_extra.at(g);
+    if (set.size() > 1) continue;
+    costs.extra["offload:" + g] = set_extra.at(g);
+    costs.spread["offload:" + g] = set_spread.at(g);
   }
   for (const auto& [g, set] : measured_with) {
     if (set.size() == 1) continue;
     double extra = set_extra.at(c10::Join("+", set));
+    double variance = std::pow(set_spread.at(c10::Join("+", set)), 2);
     for (const auto& other : set) {
       if (other == g) continue;
       const auto it = costs.extra.find("offload:" + other);
       TORCH_CHECK(it != costs.extra.end(), "actmem::profile_costs: offload group ", g,
                   " is measured with ", other, ", which was not measured alone");
       extra -= it->second;
+      variance += std::pow(costs.spread.at("offload:" + other), 2);
     }
     costs.extra["offload:" + g] = std::max(0.0, extra);
+    costs.spread["offload:" + g] = std::sqrt(variance);
   }
   return costs;
 }
@@ -565,15 +597,20 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
                 s.name(), "' (profile the same model)");
     e.peak_bytes = std::max(costs.static_bytes + e.kept_bytes + tail->second,
                             costs.optimizer_peak_bytes);
-    double ratio = 1.0;
-    for (const auto& m : s.recompute_modules) ratio += extra("recompute:" + m);
-    for (const auto& g : s.offload_modules) ratio += extra("offload:" + g);
-    if (s.full_method == "uniform") ratio += L * extra("full-layer");
+    double ratio = 1.0, variance = 0.0;
+    auto add = [&](const std::string& key, double times) {
+      ratio += times * extra(key);
+      const auto it = costs.spread.find(key);
+      if (it != costs.spread.end()) variance += std::pow(times * it->second, 2);
+    };
+    for (const auto& m : s.recompute_modules) add("recompute:" + m, 1.0);
+    for (const auto& g : s.offload_modules) add("offload:" + g, 1.0);
+    if (s.full_method == "uniform") add("full-layer", L);
     if (s.full_method == "block") {
-      ratio += static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)) *
-               extra("full-layer");
+      add("full-layer", static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
     }
     e.step_ratio = ratio;
+    e.step_ratio_spread = std::sqrt(variance);
     out.push_back(std::move(e));
   }
   return out;

@@ -139,6 +139,24 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
     last_ratio = chosen.step_ratio;
     EXPECT_LE(measured_peak(chosen.strategy.apply(c)), budget) << chosen.strategy.name();
   }
+  // Spreads add in quadrature, each mechanism's times its count (Note [Planner uncertainty]):
+  // 0.03 and 0.04 make 0.05; n layers of full recompute n times full-layer's.
+  PlanCosts spread = costs;
+  for (auto& [key, value] : spread.spread) value = 0;
+  spread.spread["recompute:core_attn"] = 0.03;
+  spread.spread["recompute:layernorm"] = 0.04;
+  spread.spread["full-layer"] = 0.01;
+  for (const auto& e : estimate_plans(c, all, spread)) {
+    const auto& m = e.strategy.recompute_modules;
+    const bool core = std::find(m.begin(), m.end(), "core_attn") != m.end();
+    const bool norm = std::find(m.begin(), m.end(), "layernorm") != m.end();
+    const double full = e.strategy.full_method == "uniform" ? static_cast<double>(c.num_layers)
+                        : e.strategy.full_method == "block"
+                            ? static_cast<double>(std::min(e.strategy.full_layers, c.num_layers))
+                            : 0.0;
+    const double expected = core && norm ? 0.05 : core ? 0.03 : norm ? 0.04 : 0.01 * full;
+    EXPECT_NEAR(e.step_ratio_spread, expected, 1e-12) << e.strategy.name();
+  }
   testing::expect_error_containing([&] { choose_plan(front, front.front().peak_bytes - 1); },
                                    "the smallest predicted peak is");
   testing::expect_error_containing([&] { choose_plan(front, front.front().peak_bytes - 1); },

@@ -86,6 +86,9 @@ struct PlanCosts {
   /// "recompute:MOD" (all layers), "full-layer" (one layer fully recomputed), "offload:GROUP"
   /// (all layers).
   std::map<std::string, double> extra;
+  /// How far each mechanism's per-round measurement spread: half the interquartile range of its
+  /// per-round ratios to the plain step, on the scale of `extra` (Note [Planner uncertainty]).
+  std::map<std::string, double> spread;
   /// The measured backward transient of each distinct tail (Note [Planner]), by tail key.
   std::map<std::string, int64_t> transient;
   /// Bytes one forward of the whole model offloads (Note [Offloaded bytes] in planner.cpp), per
@@ -120,6 +123,7 @@ struct PlanEstimate {
                            // less what offload moves)
   int64_t peak_bytes = 0;      // predicted device peak of a step
   double step_ratio = 1.0;     // predicted step time over the plain step's
+  double step_ratio_spread = 0;  // its uncertainty from the measurements' spread (0: analytic)
   nlohmann::json to_json() const;
 };
 

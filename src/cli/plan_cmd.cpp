@@ -84,15 +84,23 @@ std::string offload_extra_flags(const TransformerConfig& base) {
   return out;
 }
 
+// A predicted ratio, with its spread when it was measured (Note [Planner uncertainty]).
+std::string ratio_text(const PlanEstimate& e) {
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3) << e.step_ratio;
+  if (e.step_ratio_spread > 0) os << " ±" << e.step_ratio_spread;
+  return os.str();
+}
+
 // The front as a table, the chosen entry marked.
 void print_front(const std::vector<PlanEstimate>& front, const PlanEstimate* chosen) {
   std::cout << "\nPareto front (predicted device peak against step time):\n"
-            << std::right << std::setw(14) << "peak" << std::setw(12) << "step ratio" << "  "
+            << std::right << std::setw(14) << "peak" << std::setw(16) << "step ratio" << "  "
             << std::left << "strategy\n";
   for (const auto& e : front) {
     std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
-              << std::setw(12) << std::fixed << std::setprecision(3) << e.step_ratio << "  "
-              << std::left << e.strategy.name() << (chosen == &e ? "   <- chosen" : "") << "\n";
+              << std::setw(16) << ratio_text(e) << "  " << std::left << e.strategy.name()
+              << (chosen == &e ? "   <- chosen" : "") << "\n";
   }
 }
 
@@ -102,7 +110,7 @@ void print_choice(const PlanEstimate& chosen, int64_t budget, const std::string&
   std::cout << "\nmemory budget " << format_bytes(static_cast<double>(budget)) << budget_note
             << ": " << chosen.strategy.name() << ", predicted peak "
             << format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
-            << std::fixed << std::setprecision(3) << chosen.step_ratio << "\n  flags: "
+            << ratio_text(chosen) << "\n  flags: "
             << (chosen.strategy.plain() ? "(none: keep every activation)" : chosen.strategy.flags())
             << (chosen.strategy.offload_modules.empty() && chosen.strategy.offload_layers == 0
                     ? ""
@@ -408,7 +416,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     std::cout << "\nverified (" << o.verify_steps << " timed rounds after one warm-up, same seed):\n"
               << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
               << "peak" << std::setw(13) << "predicted" << std::setw(9) << "error"
-              << std::setw(8) << "ratio" << std::setw(11) << "predicted" << std::setw(9)
+              << std::setw(8) << "ratio" << std::setw(16) << "predicted" << std::setw(9)
               << "error" << std::setw(10) << "fits" << std::setw(9) << "bitwise\n";
     out["verified"] = nlohmann::json::array();
     for (const auto& r : v) {
@@ -420,7 +428,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
                 << std::setw(13) << format_bytes(static_cast<double>(r.peak)) << std::setw(13)
                 << format_bytes(static_cast<double>(r.estimate.peak_bytes)) << std::setw(9)
                 << percent(peak_err) << std::setw(8) << std::setprecision(3) << r.ratio
-                << std::setw(11) << r.estimate.step_ratio << std::setw(9) << percent(ratio_err)
+                << std::setw(16) << ratio_text(r.estimate) << std::setw(9) << percent(ratio_err)
                 << std::setw(10) << (fits ? "yes" : "no") << std::setw(8)
                 << (r.bitwise ? "yes" : "NO") << "\n";
       out["verified"].push_back({{"strategy", r.estimate.strategy.name()},
@@ -428,6 +436,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
                                  {"predicted_peak_bytes", r.estimate.peak_bytes},
                                  {"measured_step_ratio", r.ratio},
                                  {"predicted_step_ratio", r.estimate.step_ratio},
+                                 {"predicted_step_ratio_spread", r.estimate.step_ratio_spread},
                                  {"fits_budget", fits},
                                  {"bitwise_equal_to_plain", r.bitwise}});
       if (!r.bitwise) rc = 3;
