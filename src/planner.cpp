@@ -116,6 +116,19 @@ std::string offload_key(const std::vector<std::string>& recompute, const std::st
          ": offload " + group;
 }
 
+// `s` without the offload groups that move nothing under its selective set (every tensor below
+// min_offloaded_tensor_size, or none saved): the same memory as `s`, so its tail is measured once
+// for both (where dropping them leaves a legal strategy).
+Strategy moving_groups(const TransformerConfig& base, const Strategy& s, const PlanCosts& costs) {
+  Strategy m = s;
+  m.offload_modules.clear();
+  for (const auto& g : s.offload_modules) {
+    const auto it = costs.offloaded.find(offload_key(s.recompute_modules, g));
+    if (it == costs.offloaded.end() || it->second != 0) m.offload_modules.push_back(g);
+  }
+  return m.offload_modules.size() == s.offload_modules.size() || accepted(m.apply(base)) ? m : s;
+}
+
 // Training settings of one measured step: one micro-batch, no validation.
 TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, int64_t steps) {
   t.global_batch_size = model.micro_batch_size;
@@ -470,7 +483,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   }
   std::vector<Tail> tails;
   for (const auto& s : all) {
-    Tail tail = tail_of(base, s);
+    Tail tail = tail_of(base, moving_groups(base, s, costs));
     if (costs.transient.count(tail.key)) continue;
     costs.transient[tail.key] = 0;
     tails.push_back(std::move(tail));
@@ -592,7 +605,7 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
     for (const auto& g : s.offload_modules) e.kept_bytes -= offloaded(offload_key(s.recompute_modules, g));
     TORCH_CHECK(s.offload_layers == 0, "actmem::estimate_plans: layer-level offload is not "
                 "planned (docs/planner.md, limits): ", s.name());
-    const auto tail = costs.transient.find(tail_of(base, s).key);
+    const auto tail = costs.transient.find(tail_of(base, moving_groups(base, s, costs)).key);
     TORCH_CHECK(tail != costs.transient.end(), "actmem::estimate_plans: no transient measured for '",
                 s.name(), "' (profile the same model)");
     e.peak_bytes = std::max(costs.static_bytes + e.kept_bytes + tail->second,

@@ -172,6 +172,17 @@ TEST(Planner, PredictedPeaksMatchTheTrackerAndEveryBudgetsChoiceFits) {
   expect_plans_predicted_within_one_percent(c);
   testing::set_precision(c, "bf16");
   expect_plans_predicted_within_one_percent(c);
+  // The premise of measuring one tail for a strategy and the same without its idle groups: a
+  // group all of whose tensors stay under the threshold changes nothing on the device. At 4096
+  // elements only core_attn's scores (a s^2 b = 8192) move; the norms' inputs (s b h = 2048) stay.
+  c = testing::offload_model();
+  c.fine_grained_offloading_max_inflight_offloads = 0;
+  c.min_offloaded_tensor_size = 4096;
+  Strategy idle, busy;
+  idle.offload_modules = {"core_attn", "attn_norm", "mlp_norm"};
+  busy.offload_modules = {"core_attn"};
+  EXPECT_EQ(measured_peak(idle.apply(c)), measured_peak(busy.apply(c)));
+  EXPECT_LT(measured_peak(busy.apply(c)), measured_peak(Strategy{}.apply(c)));  // scores moved
 }
 
 TEST(Planner, PredictedPeaksMatchTheTrackerForAnMoEModel) {

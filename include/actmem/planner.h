@@ -23,7 +23,8 @@
 // (offload) or create (gradients of the largest tensors). That depends on the plan of the last
 // layers and the head only, so it is measured once per distinct tail on a copy of the model with
 // at most three layers (a uniform chunk of N layers: N), one micro-batch, and added to the whole
-// model's kept bytes.
+// model's kept bytes. Offload groups that move nothing (all their tensors under the size
+// threshold) are left out of a tail: they change nothing on the device.
 #pragma once
 
 #include "actmem/config.h"
