@@ -248,15 +248,12 @@ TEST(PlanCli, PlansAPresetAnalytically) {
   EXPECT_EQ(q["shape"]["s"].get<double>(), 8192.0);
   EXPECT_EQ(q["shape"]["p"].get<double>(), 1.0);
   EXPECT_EQ(q["memory_budget_bytes"].get<int64_t>(), int64_t{120} << 30);
-  // Below the minimum, flags that need a run, and unknown GPUs: clear errors.
+  // Below the minimum and unknown presets: clear errors (flags that need a run, unknown GPUs
+  // and the preset-only flags without --preset: Refused/BadValues in test_robustness.cpp).
   r = testing::run_actmem("plan --preset 7b --memory-budget 1GiB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("smallest predicted peak"), std::string::npos) << r.output;
-  r = testing::run_actmem("plan --preset 7b --verify");
-  EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.output.find("--verify not used"), std::string::npos) << r.output;
-  r = testing::run_actmem("plan --preset 7b --gpu tpu");
-  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.output.find("--gpu"), std::string::npos) << r.output;  // what else would lower it
   r = testing::run_actmem("plan --preset 9b");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown preset"), std::string::npos) << r.output;

@@ -347,6 +347,11 @@ int run_preset(const PlanOptions& o, const CLI::App& cmd) {
 
 int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.preset.empty()) return run_preset(o, cmd);
+  for (const char* flag : {"--gpu", "--data-parallel-size", "--no-sequence-parallel"}) {
+    TORCH_CHECK(cmd.count(flag) == 0, "actmem plan: ", flag, " applies with --preset (a paper "
+                "model planned analytically); without it the model is measured here, in one "
+                "process");
+  }
   o.train.finalize();
   apply_thread_count(o.train.threads);
   const TransformerConfig& base = o.train.model;
