@@ -361,11 +361,13 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
+  bool profiled = false;  // progress lines were printed: end them
   const MeasuredPlan plan = measured_plan(
-      base, o.train.training, o.profile_steps, o.costs, [](const std::string& line) {
+      base, o.train.training, o.profile_steps, o.costs, [&profiled](const std::string& line) {
+        profiled = true;
         std::cerr << "\rplan: " << line << "            " << std::flush;
       });
-  if (plan.costs_note.rfind("costs reused", 0) != 0) std::cerr << "\n";
+  if (profiled) std::cerr << "\n";
   const std::vector<Strategy>& strategies = plan.strategies;
   const PlanCosts& costs = plan.costs;
   const std::string& cache_note = plan.costs_note;

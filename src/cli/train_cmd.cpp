@@ -228,11 +228,13 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
               "actmem train: --memory-budget chooses the recompute and offload flags itself; "
               "drop --recompute-granularity, --cpu-offloading-num-layers and "
               "--fine-grained-activation-offloading, or drop --memory-budget");
+  bool profiled = false;  // progress lines were printed: end them
   const actmem::MeasuredPlan plan = actmem::measured_plan(
-      m, o.training, 3, b.costs, [](const std::string& line) {
+      m, o.training, 3, b.costs, [&profiled](const std::string& line) {
+        profiled = true;
         std::cerr << "\rplanning: " << line << "            " << std::flush;
       });
-  if (plan.costs_note.rfind("costs reused", 0) != 0) std::cerr << "\n";
+  if (profiled) std::cerr << "\n";
   if (!plan.costs_note.empty()) std::cerr << "planning: " << plan.costs_note << "\n";
   const actmem::PlanEstimate& chosen = actmem::choose_plan(plan.front, budget);
   std::cout << "planned for a memory budget of " << actmem::format_bytes(static_cast<double>(budget))
