@@ -140,16 +140,6 @@ TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, 
   return t;
 }
 
-// The q-quantile of `values` (linear between the order statistics); 0 for none.
-double quantile(std::vector<double> values, double q) {
-  if (values.empty()) return 0.0;
-  std::sort(values.begin(), values.end());
-  const double at = q * static_cast<double>(values.size() - 1);
-  const auto lo = static_cast<size_t>(std::floor(at));
-  const size_t hi = std::min(lo + 1, values.size() - 1);
-  return values[lo] + (at - static_cast<double>(lo)) * (values[hi] - values[lo]);
-}
-
 // A model alone in the process for two steps (the first warms the allocator, the caches and the
 // offloader's warmup up): the trainer, for what it holds afterwards, and the second step's stats.
 struct SecondStep {

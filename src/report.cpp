@@ -48,11 +48,19 @@ void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRan
   os << std::string(total_width, '=') << "\n";
 }
 
+double quantile(std::vector<double> v, double q) {
+  TORCH_CHECK(!v.empty(), "actmem::quantile: empty sample");
+  TORCH_CHECK(q >= 0.0 && q <= 1.0, "actmem::quantile: q must be in [0, 1], got ", q);
+  std::sort(v.begin(), v.end());
+  const double at = q * static_cast<double>(v.size() - 1);
+  const auto lo = static_cast<size_t>(std::floor(at));
+  const size_t hi = std::min(lo + 1, v.size() - 1);
+  return v[lo] + (at - static_cast<double>(lo)) * (v[hi] - v[lo]);
+}
+
 double median(std::vector<double> v) {
   TORCH_CHECK(!v.empty(), "actmem::median: empty sample");
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+  return quantile(std::move(v), 0.5);
 }
 
 std::string format_duration(double seconds) {

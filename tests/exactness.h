@@ -12,8 +12,24 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace actmem::testing {
+
+/// Selective recompute of `modules` on `c`.
+inline void selective(TransformerConfig& c, std::vector<std::string> modules) {
+  c.recompute_granularity = "selective";
+  c.recompute_modules = std::move(modules);
+}
+
+/// Fine-grained offload of `modules` on `c`, with a threshold low enough for the tests' tiny
+/// tensors (64 elements).
+inline void offload(TransformerConfig& c, std::vector<std::string> modules) {
+  c.fine_grained_activation_offloading = true;
+  c.offload_modules = std::move(modules);
+  c.min_offloaded_tensor_size = 64;
+}
 
 /// Steps `reference` and `candidate` together for `steps` optimizer steps and expects, at every
 /// step, bitwise-equal losses, gradient norms, gradient digests and default-generator states,

@@ -27,6 +27,8 @@ using actmem::TrainingConfig;
 using actmem::Trainer;
 using actmem::TransformerConfig;
 using actmem::testing::expect_error_containing;
+using actmem::testing::offload;
+using actmem::testing::selective;
 
 // small_model (4 layers, h 32, 4 heads, s 24, b 2) with DeepSeek-style MLA: compressed queries,
 // normed latents, RMSNorm, YaRN with a factor > 1 (so the tables differ from plain RoPE).
@@ -46,15 +48,6 @@ TransformerConfig mla_model() {
   return c;
 }
 
-void selective(TransformerConfig& c, std::vector<std::string> modules) {
-  c.recompute_granularity = "selective";
-  c.recompute_modules = std::move(modules);
-}
-void offload(TransformerConfig& c, std::vector<std::string> modules) {
-  c.fine_grained_activation_offloading = true;
-  c.offload_modules = std::move(modules);
-  c.min_offloaded_tensor_size = 64;
-}
 
 // ---- validation --------------------------------------------------------------------------------
 
@@ -380,7 +373,7 @@ TEST_P(MLAExactness, BitwiseEqualToPlainOverThreeSteps) {
   }
 }
 
-std::vector<std::tuple<Case, Case, const char*>> exactness_cases() {
+std::vector<std::tuple<Case, Case, const char*>> mla_exactness_cases() {
   std::vector<std::tuple<Case, Case, const char*>> out;
   for (const auto& v : kMLAVariants) {
     for (const auto& s : kMLAStrategies) {
@@ -391,7 +384,7 @@ std::vector<std::tuple<Case, Case, const char*>> exactness_cases() {
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, MLAExactness, ::testing::ValuesIn(exactness_cases()),
+INSTANTIATE_TEST_SUITE_P(Strategies, MLAExactness, ::testing::ValuesIn(mla_exactness_cases()),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).name) + "_" +
                                   std::get<1>(info.param).name + "_" + std::get<2>(info.param);

@@ -28,6 +28,8 @@ using actmem::TrainingConfig;
 using actmem::Trainer;
 using actmem::TransformerConfig;
 using actmem::testing::expect_error_containing;
+using actmem::testing::offload;
+using actmem::testing::selective;
 
 // small_model with 4 experts (top-2, expert ffn 32), aux and z losses and expert dropout.
 TransformerConfig moe_model() {
@@ -429,15 +431,6 @@ struct MoEStrategy {
 void PrintTo(const MoEVariant& v, std::ostream* os) { *os << v.name; }
 void PrintTo(const MoEStrategy& s, std::ostream* os) { *os << s.name; }
 
-void selective(TransformerConfig& c, std::vector<std::string> modules) {
-  c.recompute_granularity = "selective";
-  c.recompute_modules = std::move(modules);
-}
-void offload(TransformerConfig& c, std::vector<std::string> modules) {
-  c.fine_grained_activation_offloading = true;
-  c.offload_modules = std::move(modules);
-  c.min_offloaded_tensor_size = 64;
-}
 void shared(TransformerConfig& c) {
   c.add_bias_linear = false;
   c.moe_shared_expert_intermediate_size = 24;
@@ -538,7 +531,7 @@ TEST_P(MoEExactness, BitwiseEqualToPlainOverThreeSteps) {
   }
 }
 
-std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> exactness_cases() {
+std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> moe_exactness_cases() {
   std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> out;
   for (const auto& v : kVariants) {
     for (const auto& s : kMoEStrategies) {
@@ -555,7 +548,7 @@ std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> exactness_cases() 
   return out;
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, MoEExactness, ::testing::ValuesIn(exactness_cases()),
+INSTANTIATE_TEST_SUITE_P(Strategies, MoEExactness, ::testing::ValuesIn(moe_exactness_cases()),
                          [](const auto& info) {
                            return std::string(std::get<0>(info.param).name) + "_" +
                                   std::get<1>(info.param).name + "_" + std::get<2>(info.param);

@@ -19,6 +19,7 @@ namespace {
 using actmem::testing::bitwise_equal;
 using actmem::testing::expect_error_containing;
 using actmem::testing::gradcheck;
+using actmem::testing::selective;
 
 at::Tensor cpu_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
 
@@ -248,10 +249,6 @@ void full(TransformerConfig& c, const char* method, int64_t n) {
   c.recompute_granularity = "full";
   c.recompute_method = method;
   c.recompute_num_layers = n;
-}
-void selective(TransformerConfig& c, std::vector<std::string> modules) {
-  c.recompute_granularity = "selective";
-  c.recompute_modules = std::move(modules);
 }
 
 const Strategy kStrategies[] = {

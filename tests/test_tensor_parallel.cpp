@@ -757,20 +757,16 @@ TEST(DataParallel, LaunchSizeAndBatchRules) {
                               "times data parallel size (2)"),
             std::string::npos)
       << batch.output;
-  const auto ok = actmem::testing::run_actmem(
-      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
-      "--seq-length 16 --micro-batch-size 2 --train-iters 2");
-  EXPECT_EQ(ok.exit_code, 0) << ok.output;
-  EXPECT_NE(ok.output.find("micro-batch 2 x 1 micro-batches on each of 2 data-parallel ranks"),
-            std::string::npos)
-      << ok.output;
-  // The overlapped reduction says how many buckets it made (a bucket closes at 2000 elements
-  // or more).
+  // A run that fits: the split of the batch, and the overlapped reduction says how many buckets
+  // it made (a bucket closes at 2000 elements or more).
   const auto overlap = actmem::testing::run_actmem(
       "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
       "--seq-length 16 --micro-batch-size 2 --train-iters 2 --overlap-grad-reduce "
       "--ddp-bucket-size 2000");
   EXPECT_EQ(overlap.exit_code, 0) << overlap.output;
+  EXPECT_NE(overlap.output.find("micro-batch 2 x 1 micro-batches on each of 2 data-parallel ranks"),
+            std::string::npos)
+      << overlap.output;
   EXPECT_NE(overlap.output.find("buckets overlapping the last backward)"), std::string::npos)
       << overlap.output;
 }
@@ -934,6 +930,9 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
     const bool untied = variant == "swiglu";
     std::map<int, std::vector<json>> reference;  // per tensor-parallel size
     for (const auto& k : cases) {
+      // The tied embedding's tolerance does not depend on the layout: one case of it is enough
+      // (every layout is checked bitwise untied).
+      if (!untied && k.what != cases.front().what) continue;
       if (!reference.count(k.tp)) {
         reference[k.tp] = run_workers(k.tp, {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp), "--pp", "1",
                                              "--global-batch", "16", "--only", "plain", "--variant", variant});

@@ -211,6 +211,20 @@ TEST(Report, DurationsForProgressLines) {
   EXPECT_EQ(format_duration(-1), "?");
 }
 
+TEST(Report, QuantilesInterpolateBetweenOrderStatistics) {
+  // Unsorted input; quantiles of 1..5 at q = k/4 are the order statistics, between them linear.
+  const std::vector<double> v = {5, 1, 4, 2, 3};
+  EXPECT_EQ(quantile(v, 0.0), 1.0);
+  EXPECT_EQ(quantile(v, 0.25), 2.0);
+  EXPECT_EQ(quantile(v, 1.0), 5.0);
+  EXPECT_DOUBLE_EQ(quantile(v, 0.1), 1.4);
+  EXPECT_EQ(median(v), 3.0);
+  EXPECT_EQ(median({4, 1, 2, 3}), 2.5);  // even count: the mean of the middle two
+  EXPECT_EQ(quantile({7}, 0.75), 7.0);
+  EXPECT_THROW(median({}), c10::Error);
+  EXPECT_THROW(quantile(v, 1.5), c10::Error);
+}
+
 TEST(Digest, DetectsOneBitAndBoundaries) {
   at::Tensor a = at::arange(1000, at::kFloat);
   Digest d1, d2;

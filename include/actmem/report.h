@@ -17,7 +17,10 @@ std::string format_bytes_3sig(double bytes);
 /// "42s", "3m05s", "2h07m": a duration for progress lines (ETA), rounded to the second.
 std::string format_duration(double seconds);
 
-/// Median of a non-empty sample (the mean of the middle two for an even count).
+/// The q-quantile (0 <= q <= 1) of a non-empty sample, linear between the order statistics.
+double quantile(std::vector<double> values, double q);
+
+/// Median of a non-empty sample: quantile 0.5 (the mean of the middle two for an even count).
 double median(std::vector<double> values);
 
 /// One row of Megatron's "Activation Offload Summary (MB)": bytes offloaded per group name in
