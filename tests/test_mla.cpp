@@ -48,7 +48,6 @@ TransformerConfig mla_model() {
   return c;
 }
 
-
 // ---- validation --------------------------------------------------------------------------------
 
 TEST(MLAConfig, MegatronsRulesWithItsMessages) {
