@@ -5,6 +5,7 @@
 #include "actmem/blas_kernels.h"
 #include "actmem/config.h"
 #include "actmem/report.h"
+#include "actmem/step_rounds.h"
 #include "actmem/trainer.h"
 
 #include <c10/util/Exception.h>
@@ -76,38 +77,38 @@ struct RoundRobin {
   std::vector<IterationStats> last;
 };
 
-/// Builds one trainer per strategy from `base` and steps them round-robin, in an order rotated
-/// every round (so drift of the machine hits all alike), for warmup + iters steps, timing the last `iters`; throws unless
-/// every strategy's loss and gradient digest equal the first one's (the plain run) at every step.
+/// Builds one trainer per strategy from `base` and steps them round-robin, in a new order every
+/// round (run_rotated_rounds, Note [Step round order] in step_rounds.h: drift of the machine hits
+/// all alike, and no strategy always runs after the same one), for warmup + iters steps, timing
+/// the last `iters`; throws unless every strategy's loss and gradient digest equal the first
+/// one's (the plain run) at every step.
 inline RoundRobin step_round_robin(const char* program, const TransformerConfig& base,
                                    const std::vector<Strategy>& strategies, int warmup, int iters) {
   TrainingConfig t;
   t.eval_interval = 0;
   t.train_iters = warmup + iters;
   RoundRobin r;
+  std::vector<Trainer*> order;
   for (const auto& s : strategies) {
     TransformerConfig c = base;
     s.apply(c);
     r.trainers.push_back(std::make_unique<Trainer>(c, t));
+    order.push_back(r.trainers.back().get());
   }
   r.times.resize(strategies.size());
-  r.last.resize(strategies.size());
   const size_t n = strategies.size();
-  for (int it = 0; it < warmup + iters; ++it) {
-    // The order rotates from round to round, so no strategy always runs first (after the
-    // previous round's last step) or last.
-    for (size_t k = 0; k < n; ++k) {
-      const size_t i = (k + static_cast<size_t>(it)) % n;
-      r.last[i] = r.trainers[i]->train_step(/*compute_digest=*/true);
-      if (it >= warmup) r.times[i].push_back(r.last[i].step_time_s);
-    }
-    for (size_t i = 0; i < n; ++i) {
-      TORCH_CHECK(r.last[i].grad_digest == r.last[0].grad_digest && r.last[i].loss == r.last[0].loss,
-                  program, ": ", strategies[i].name, " is not bitwise equal to the plain run at "
-                  "step ", it + 1);
-    }
-    std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
-  }
+  run_rotated_rounds(order, warmup + iters, /*compute_digest=*/true,
+                     [&](int it, const std::vector<IterationStats>& st) {
+                       r.last = st;
+                       for (size_t i = 0; i < n; ++i) {
+                         if (it >= warmup) r.times[i].push_back(st[i].step_time_s);
+                         TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss,
+                                     program, ": ", strategies[i].name, " is not bitwise equal to "
+                                     "the plain run at step ", it + 1);
+                       }
+                       std::cerr << "step " << it + 1 << "/" << warmup + iters
+                                 << " done for all strategies\n";
+                     });
   return r;
 }
 

@@ -63,10 +63,15 @@ int main(int argc, char** argv) {
       runs.push_back({"layer-level " + std::to_string(layer.cpu_offloading_num_layers) + ", " + link,
                       std::make_unique<actmem::Trainer>(layer, tb), {}, {}, {}, {}});
     }
-    for (int it = 0; it < warmup + iters; ++it) {
-      for (auto& r : runs) {
-        r.last = r.trainer->train_step(true);
-        TORCH_CHECK(r.last.grad_digest == runs[0].last.grad_digest && r.last.loss == runs[0].last.loss,
+    // Every run steps once per round, in a new order each round (Note [Step round order]).
+    std::vector<actmem::Trainer*> order;
+    for (auto& r : runs) order.push_back(r.trainer.get());
+    actmem::run_rotated_rounds(order, warmup + iters, /*compute_digest=*/true,
+                               [&](int it, const std::vector<actmem::IterationStats>& st) {
+      for (size_t i = 0; i < runs.size(); ++i) {
+        auto& r = runs[i];
+        r.last = st[i];
+        TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss,
                     "bench_offload: ", r.name, " is not bitwise equal to the plain run at step ", it + 1);
         if (it >= warmup) {
           r.times.push_back(r.last.step_time_s);
@@ -75,7 +80,7 @@ int main(int argc, char** argv) {
         }
       }
       std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all runs\n";
-    }
+    });
     const double plain = actmem::median(runs[0].times);
     nlohmann::json out = {{"plain_step_s", plain}, {"runs", nlohmann::json::array()}};
     std::cout << std::left << std::setw(34) << "run" << std::right << std::setw(9) << "step s"

@@ -5,6 +5,7 @@
 #include "actmem/data.h"
 #include "actmem/memory_model.h"
 #include "actmem/output_file.h"
+#include "actmem/step_rounds.h"
 #include "actmem/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
@@ -20,6 +21,8 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <numeric>
+#include <set>
 #include <sstream>
 
 namespace actmem {
@@ -524,6 +527,33 @@ TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
 }
 
 // ---- compare's timing (Note [Honest step ratios]) -----------------------------------------------
+
+TEST(CompareTiming, EveryRoundHasANewOrderAndNoTrainerAlwaysFollowsTheSameOne) {
+  // Note [Step round order]: a rotation by one left every trainer behind the same predecessor.
+  for (const size_t n : {size_t{2}, size_t{3}, size_t{5}, size_t{12}}) {
+    const int rounds = 8;
+    const auto orders = round_orders(n, rounds);
+    ASSERT_EQ(orders.size(), static_cast<size_t>(rounds));
+    EXPECT_EQ(orders, round_orders(n, rounds));  // the same in every run
+    std::vector<size_t> identity(n);
+    std::iota(identity.begin(), identity.end(), size_t{0});
+    EXPECT_EQ(orders[0], identity);
+    std::vector<std::set<size_t>> predecessors(n);
+    std::set<size_t> firsts;
+    for (const auto& order : orders) {
+      std::vector<size_t> sorted = order;
+      std::sort(sorted.begin(), sorted.end());
+      EXPECT_EQ(sorted, identity) << "not a permutation";
+      firsts.insert(order[0]);
+      for (size_t k = 1; k < n; ++k) predecessors[order[k]].insert(order[k - 1]);
+    }
+    EXPECT_GT(firsts.size(), 1u) << n;  // no trainer always first
+    for (size_t i = 0; n > 2 && i < n; ++i) {
+      EXPECT_GT(predecessors[i].size(), 1u) << "trainer " << i << " of " << n
+                                            << " always ran after the same one";
+    }
+  }
+}
 
 TEST(CompareTiming, WarmUpIsExcludedAndTooFewStepsAreWarnedAbout) {
   const std::string json = temp_path("compare_timing.json");
