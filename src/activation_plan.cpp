@@ -195,6 +195,15 @@ void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(c.recompute_granularity.empty(), "actmem::TransformerConfig: CPU offloading does "
                 "not work when activation recomputation is enabled");
     plan.cpu_offloading_num_layers = c.cpu_offloading_num_layers;
+    // Our extension: Megatron's in-flight cap is a fine-grained setting (Transformer Engine's
+    // CPU offload context has none), and with no cap a layer's device copy is released whenever
+    // the copy thread finishes it, so the step's peak depends on thread timing. With the cap each
+    // layer's commit waits for the copies beyond it (0: its own), and the peak is deterministic,
+    // which is what `actmem plan` predicts (docs/offload.md, docs/planner.md).
+    TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
+                "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
+                ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
+    plan.max_inflight_offloads = c.fine_grained_offloading_max_inflight_offloads;
   }
   TORCH_CHECK(c.min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
               "min_offloaded_tensor_size must be >= 0, got ", c.min_offloaded_tensor_size);
@@ -439,9 +448,11 @@ std::string ActivationPlan::summary() const {
   } else if (fine_grained_offload()) {
     os << "modules:";
     for (const auto m : offload_modules) os << " " << to_string(m);
-    if (max_inflight_offloads >= 0) os << ", at most " << max_inflight_offloads << " in flight";
   } else {
     os << "none";
+  }
+  if (offloads() && max_inflight_offloads >= 0) {
+    os << ", at most " << max_inflight_offloads << " in flight";
   }
   if (offloads()) os << ", tensors of at least " << min_offloaded_tensor_size << " elements";
   return os.str();

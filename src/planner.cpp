@@ -80,6 +80,11 @@ Tail tail_of(const TransformerConfig& base, const Strategy& s) {
     // The last layers run plainly: the backward starts as the plain one does, and rebuilding one
     // checkpointed layer later holds less (the plain layers after it are freed by then).
     t = Strategy{};
+  } else if (s.offload_layers > 0) {
+    // Layer-level offload of the first K layers: the tail offloads those of its layers that are
+    // among them, so the backward reaching the first kept layer reloads the one before it as
+    // the whole model does (K < L: the last layer is never offloaded).
+    t.offload_layers = std::max<int64_t>(0, s.offload_layers - (L - layers));
   }
   TransformerConfig probe = t.apply(base);
   probe.num_layers = layers;
@@ -115,6 +120,9 @@ std::string offload_key(const std::vector<std::string>& recompute, const std::st
   return "selective " + (recompute.empty() ? std::string("none") : c10::Join("+", recompute)) +
          ": offload " + group;
 }
+// Layer-level offload of the first K layers moves everything they save of at least the
+// threshold (no margin: every one of the K groups offloads), measured per K on the whole model.
+std::string layer_offload_key(int64_t k) { return "layer offload " + std::to_string(k); }
 
 // `s` without the offload groups that move nothing under its selective set (every tensor below
 // min_offloaded_tensor_size, or none saved): the same memory as `s`, so its tail is measured once
@@ -279,7 +287,7 @@ std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
               "actmem::legal_strategies: MoE with a capacity factor and no padding is not planned "
               "yet (each micro-batch's activation bytes follow its routing); plan the dropless or "
               "padded model (--moe-pad-expert-input-to-capacity), which bounds it");
-  return enumerate_strategies(base, /*layer_offload=*/false);
+  return enumerate_strategies(base, /*layer_offload=*/true);
 }
 
 int64_t parse_memory_budget(const std::string& text) {
@@ -355,7 +363,7 @@ nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfi
           {"microbatches_per_step", training.num_microbatches(base.micro_batch_size)},
           {"device", training.device},
           {"runtime", runtime_info()},
-          {"cost_format", 2}};  // 2: with the spread (Note [Planner uncertainty])
+          {"cost_format", 3}};  // 2: with the spread (Note [Planner uncertainty]); 3: layer offload
 }
 
 PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
@@ -412,12 +420,13 @@ nlohmann::json PlanEstimate::to_json() const {
 
 // Note [Planner cost basis]
 // The time side is measured per mechanism, not per strategy: the plain step, each recompute
-// module alone, full recompute of every layer (uniform 1) and each offload group alone (a group
-// that cannot offload alone, in the smallest legal set holding it), all in the same rounds with
-// a rotated order, each ratio taken against the plain step of the same round (Note [Honest step
-// ratios] in step_rounds.h). A strategy's predicted ratio is 1 + the sum of its mechanisms'
-// extra fractions: full recompute of n layers (block n) costs n/L of every layer's; uniform N
-// rebuilds every layer once, whatever N. A mechanism measured faster than plain (noise) counts
+// module alone, full recompute of every layer (uniform 1), each offload group alone (a group
+// that cannot offload alone, in the smallest legal set holding it) and layer-level offload of
+// L - 1 layers, all in the same rounds with a rotated order, each ratio taken against the plain
+// step of the same round (Note [Honest step ratios] in step_rounds.h). A strategy's predicted
+// ratio is 1 + the sum of its mechanisms' extra fractions: full recompute of n layers (block n)
+// costs n/L of every layer's; uniform N rebuilds every layer once, whatever N; layer offload of
+// K layers costs K/(L - 1) of L - 1 layers'. A mechanism measured faster than plain (noise) counts
 // 0: none makes the step faster.
 //
 // Note [Planner uncertainty]
@@ -471,6 +480,14 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
       costs.offloaded[offload_key(s.recompute_modules, row.name)] = row.bytes;
     }
   }
+  for (const auto& s : all) {
+    if (s.offload_layers == 0) continue;
+    say("measuring what " + s.name() + " offloads");
+    const SecondStep run = second_step(s.apply(base), one);
+    int64_t bytes = 0;
+    for (const auto& row : run.trainer->offloader()->summary()) bytes += row.bytes;
+    costs.offloaded[layer_offload_key(s.offload_layers)] = bytes;
+  }
   std::vector<Tail> tails;
   for (const auto& s : all) {
     Tail tail = tail_of(base, moving_groups(base, s, costs));
@@ -508,6 +525,8 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   }
   for (const auto& s : all) {
     if (s.full_method == "uniform" && s.full_layers == 1) basis.push_back({"full-layer", s});
+    // Layer-level offload of every layer it may take (L - 1), charged per layer.
+    if (s.offload_layers == base.num_layers - 1) basis.push_back({"layer-offload", s});
   }
   TrainingConfig timed = probe_training(training, base, 1 + steps);
   timed.global_batch_size = training.global_batch(base.micro_batch_size);
@@ -536,6 +555,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     double extra = std::max(0.0, median(ratios[i]) - 1.0);
     double spread = (quantile(ratios[i], 0.75) - quantile(ratios[i], 0.25)) / 2;
     if (basis[i].first == "full-layer") extra /= L, spread /= L;
+    if (basis[i].first == "layer-offload") extra /= L - 1, spread /= L - 1;
     if (basis[i].first.rfind("offload-set:", 0) == 0) {
       const std::string set = c10::Join("+", basis[i].second.offload_modules);
       set_extra[set] = extra;
@@ -593,8 +613,7 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
       return it->second;
     };
     for (const auto& g : s.offload_modules) e.kept_bytes -= offloaded(offload_key(s.recompute_modules, g));
-    TORCH_CHECK(s.offload_layers == 0, "actmem::estimate_plans: layer-level offload is not "
-                "planned (docs/planner.md, limits): ", s.name());
+    if (s.offload_layers > 0) e.kept_bytes -= offloaded(layer_offload_key(s.offload_layers));
     const auto tail = costs.transient.find(tail_of(base, moving_groups(base, s, costs)).key);
     TORCH_CHECK(tail != costs.transient.end(), "actmem::estimate_plans: no transient measured for '",
                 s.name(), "' (profile the same model)");
@@ -612,11 +631,23 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
     if (s.full_method == "block") {
       add("full-layer", static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
     }
+    if (s.offload_layers > 0) add("layer-offload", static_cast<double>(s.offload_layers));
     e.step_ratio = ratio;
     e.step_ratio_spread = std::sqrt(variance);
     out.push_back(std::move(e));
   }
   return out;
+}
+
+std::string copies_in_flight_note(const TransformerConfig& base, const Strategy& chosen) {
+  if (base.fine_grained_offloading_max_inflight_offloads >= 0 ||
+      (chosen.offload_modules.empty() && chosen.offload_layers == 0)) {
+    return "";
+  }
+  return "note: offload copies may stay in flight (no --fine-grained-offloading-max-inflight-"
+         "offloads), so the peak depends on when the copy thread runs and may exceed the "
+         "prediction; plan and train with --fine-grained-offloading-max-inflight-offloads 0 for "
+         "the predicted peak";
 }
 
 std::vector<PlanEstimate> pareto_front(std::vector<PlanEstimate> estimates) {

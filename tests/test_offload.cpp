@@ -228,6 +228,17 @@ TEST(LayerOffload, ValidationFollowsMegatron) {
   c.recompute_granularity = "";
   c.min_offloaded_tensor_size = -1;
   expect_error_containing([&] { c.validate(); }, "min_offloaded_tensor_size must be >= 0");
+  // The in-flight cap applies to layer-level offload too (our extension; Megatron's is a
+  // fine-grained setting): checked, and part of the plan.
+  c.min_offloaded_tensor_size = 0;
+  c.fine_grained_offloading_max_inflight_offloads = -2;
+  expect_error_containing([&] { c.validate(); },
+                          "fine_grained_offloading_max_inflight_offloads must be >= 0");
+  c.fine_grained_offloading_max_inflight_offloads = 0;
+  const ActivationPlan plan = make_activation_plan(c);
+  EXPECT_EQ(plan.max_inflight_offloads, 0);
+  EXPECT_NE(plan.summary().find("the first 1 layer(s), at most 0 in flight"), std::string::npos)
+      << plan.summary();
 }
 
 }  // namespace

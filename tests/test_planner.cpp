@@ -49,17 +49,24 @@ TEST(Planner, LegalStrategiesAreTheOnesTheTrainerAcceptsEachOnce) {
     EXPECT_TRUE(has("full uniform " + std::to_string(n))) << n;
     EXPECT_TRUE(has("full block " + std::to_string(n))) << n;
   }
+  for (int k = 1; k <= 3; ++k) EXPECT_TRUE(has("layer offload " + std::to_string(k))) << k;
   // What the validation refuses is not proposed: attn_proj without core_attn offload, core_attn
-  // both offloaded and recomputed, MoE modules on a dense model; layer-level offload is not
-  // proposed (docs/planner.md, limits).
+  // both offloaded and recomputed, MoE modules on a dense model, layer offload of every layer or
+  // with anything else.
   EXPECT_FALSE(has("offload attn_proj"));
   EXPECT_FALSE(has("selective core_attn, offload core_attn"));
   EXPECT_FALSE(has("selective moe"));
-  EXPECT_FALSE(has("layer offload 1"));
-  // 7 selective sets (+ none) with 23 offload sets minus the core_attn conflicts, 4 + 4 full:
-  // counted by hand from the rules above. None: 1 + 23; with core_attn recompute (4 sets):
-  // 1 + 7 each (no core_attn or attn_proj offload); without (3 sets): 1 + 23 each.
-  EXPECT_EQ(all.size(), static_cast<size_t>(24 + 4 * 8 + 3 * 24 + 8));
+  EXPECT_FALSE(has("layer offload 4"));
+  for (const auto& s : all) {
+    EXPECT_TRUE(s.offload_layers == 0 || (s.recompute_modules.empty() && s.full_method.empty() &&
+                                          s.offload_modules.empty()))
+        << s.name();
+  }
+  // 7 selective sets (+ none) with 23 offload sets minus the core_attn conflicts, 4 + 4 full,
+  // K = 1..3 of layer offload: counted by hand from the rules above. None: 1 + 23; with
+  // core_attn recompute (4 sets): 1 + 7 each (no core_attn or attn_proj offload); without
+  // (3 sets): 1 + 23 each.
+  EXPECT_EQ(all.size(), static_cast<size_t>(24 + 4 * 8 + 3 * 24 + 8 + 3));
   TransformerConfig piped = c;
   piped.pipeline_model_parallel_size = 2;
   testing::expect_error_containing([&] { legal_strategies(piped); },
@@ -82,6 +89,22 @@ TEST(Planner, MemoryBudgetsParseWithUnitsAndRefuseNonsense) {
   for (const char* bad : {"", "GiB", "abc", "5XB", "0", "0.5", "-1", "1.2.3G", "1e30"}) {
     testing::expect_error_containing([bad] { parse_memory_budget(bad); }, "--memory-budget");
   }
+}
+
+TEST(Planner, WarnsWhenAnOffloadPlanLetsCopiesStayInFlight) {
+  TransformerConfig c = testing::offload_model();  // the default cap: -1, copies in flight
+  Strategy layer, groups, recompute;
+  layer.offload_layers = 2;
+  groups.offload_modules = {"core_attn"};
+  recompute.recompute_modules = {"core_attn"};
+  for (const Strategy& s : {layer, groups}) {
+    EXPECT_NE(copies_in_flight_note(c, s).find("--fine-grained-offloading-max-inflight-offloads 0"),
+              std::string::npos) << s.name();
+  }
+  EXPECT_EQ(copies_in_flight_note(c, recompute), "");  // nothing is copied
+  c.fine_grained_offloading_max_inflight_offloads = 0;
+  EXPECT_EQ(copies_in_flight_note(c, layer), "");
+  EXPECT_EQ(copies_in_flight_note(c, groups), "");
 }
 
 // The chosen plan's device peak as a run measures it: alone in the process, second step.
@@ -118,7 +141,8 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   std::vector<Strategy> checked;
   for (const auto& f : front) checked.push_back(f.strategy);
   for (const auto& e : estimates) {
-    if (e.strategy.full_method == "uniform" || e.strategy.offload_modules.size() >= 3) {
+    if (e.strategy.full_method == "uniform" || e.strategy.offload_modules.size() >= 3 ||
+        e.strategy.offload_layers > 0) {
       checked.push_back(e.strategy);
     }
   }

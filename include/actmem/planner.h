@@ -63,9 +63,9 @@ struct Strategy {
 
 /// Every strategy make_activation_plan() accepts for `base`'s shape: plain; every non-empty set
 /// of the applicable recompute modules; full uniform and block recompute with every N; every
-/// legal set of fine-grained offload groups, alone and with every selective set. Layer-level
-/// offload is not proposed (docs/planner.md, limits). Refuses what is not planned yet: pipeline,
-/// tensor and expert parallelism, MoE capacity without padding.
+/// legal set of fine-grained offload groups, alone and with every selective set; layer-level
+/// offload of every K Megatron allows. Refuses what is not planned yet: pipeline, tensor and
+/// expert parallelism, MoE capacity without padding.
 std::vector<Strategy> legal_strategies(const TransformerConfig& base);
 
 /// The enumeration behind legal_strategies() without its refusals (any parallel layout): every
@@ -85,7 +85,7 @@ struct PlanCosts {
   double plain_step_s = 0;           // median step of the plain strategy
   /// Extra step time over plain, as a fraction of the plain step, of each mechanism alone:
   /// "recompute:MOD" (all layers), "full-layer" (one layer fully recomputed), "offload:GROUP"
-  /// (all layers).
+  /// (all layers), "layer-offload" (one layer of layer-level offload).
   std::map<std::string, double> extra;
   /// How far each mechanism's per-round measurement spread: half the interquartile range of its
   /// per-round ratios to the plain step, on the scale of `extra` (Note [Planner uncertainty]).
@@ -93,7 +93,7 @@ struct PlanCosts {
   /// The measured backward transient of each distinct tail (Note [Planner]), by tail key.
   std::map<std::string, int64_t> transient;
   /// Bytes one forward of the whole model offloads (Note [Offloaded bytes] in planner.cpp), per
-  /// fine-grained group under each selective set.
+  /// fine-grained group under each selective set, and per K of layer-level offload.
   std::map<std::string, int64_t> offloaded;
   int steps = 0;      // timed rounds
   int threads = 0;
@@ -151,6 +151,11 @@ struct MeasuredPlan {
 MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
                            int steps, const std::string& costs_path,
                            const std::function<void(const std::string&)>& progress = {});
+
+/// A warning for a chosen strategy that offloads while `base` lets copies stay in flight
+/// (fine_grained_offloading_max_inflight_offloads < 0): its peak then depends on when the copy
+/// thread runs, so the prediction is not guaranteed. Empty otherwise.
+std::string copies_in_flight_note(const TransformerConfig& base, const Strategy& chosen);
 
 /// The Pareto front of `estimates`: sorted by peak, each strictly faster than every one with a
 /// smaller or equal peak (ties in ratio keep the smaller peak).

@@ -397,6 +397,8 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     out["memory_budget_bytes"] = budget;
     out["chosen"] = chosen->to_json();
     print_choice(*chosen, budget, "", offload_extra_flags(base));
+    const std::string note = copies_in_flight_note(base, chosen->strategy);
+    if (!note.empty()) std::cout << "  " << note << "\n";
   }
   int rc = 0;
   if (o.verify) {

@@ -243,6 +243,8 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
             << std::fixed << std::setprecision(3) << chosen.step_ratio << std::defaultfloat
             << ")" << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags())
             << "\n";
+  const std::string note = actmem::copies_in_flight_note(m, chosen.strategy);
+  if (!note.empty()) std::cerr << "planning: " << note << "\n";
   o.model = chosen.strategy.apply(m);
   o.model.validate();
 }
