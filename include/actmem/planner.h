@@ -24,7 +24,8 @@
 // layers and the head only, so it is measured once per distinct tail on a copy of the model with
 // at most three layers (a uniform chunk of N layers: N), one micro-batch, and added to the whole
 // model's kept bytes. Offload groups that move nothing (all their tensors under the size
-// threshold) are left out of a tail: they change nothing on the device.
+// threshold) are left out of a tail: they change nothing on the device. An MoE model is probed
+// whole (its layers route by their inputs; a shorter copy routes differently).
 #pragma once
 
 #include "actmem/config.h"
