@@ -432,8 +432,8 @@ nlohmann::json PlanEstimate::to_json() const {
 // The time side is measured per mechanism, not per strategy: the plain step, each recompute
 // module alone, full recompute of every layer (uniform 1), each offload group alone (a group
 // that cannot offload alone, in the smallest legal set holding it) and layer-level offload of
-// L - 1 layers, all in the same rounds with a rotated order, each ratio taken against the plain
-// step of the same round (Note [Honest step ratios] in step_rounds.h). A strategy's predicted
+// L - 1 layers, all in the same rounds in a new order each round, each ratio taken against the
+// plain step of the same round (Note [Honest step ratios] in step_rounds.h). A strategy's predicted
 // ratio is 1 + the sum of its mechanisms' extra fractions: full recompute of n layers (block n)
 // costs n/L of every layer's; uniform N rebuilds every layer once, whatever N; layer offload of
 // K layers costs K/(L - 1) of L - 1 layers'. A mechanism measured faster than plain (noise) counts

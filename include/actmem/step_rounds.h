@@ -7,8 +7,9 @@
 // warmup); in every timed round each strategy runs one step, in an order shuffled from round to
 // round (no strategy always runs first, or always after the same one: Note [Step round order]);
 // a strategy's ratio is the median over rounds of its time divided by the plain step's time *in
-// the same round*, so drift of the machine cancels. `compare` prints the range of those per-round ratios beside it and warns
-// when too few rounds or a plain step that varies a lot cannot carry the digits.
+// the same round*, so drift of the machine cancels. `compare` prints the range of those
+// per-round ratios beside it and warns when too few rounds or a plain step that varies a lot
+// cannot carry the digits.
 #pragma once
 
 #include "actmem/trainer.h"
@@ -26,6 +27,7 @@ namespace actmem {
 // measured: with layer-level offload of L - 1 layers appended last to the planner's profile of
 // a 4-layer MoE model, the plain step (always its successor) took 150 ms against 100 ms without
 // it, and every mechanism measured as free.
+
 /// The order of each of `rounds` rounds of `n` trainers: the first round 0, 1, ..., n - 1, every
 /// later one a permutation drawn from a fixed seed (Note [Step round order]).
 std::vector<std::vector<size_t>> round_orders(size_t n, int rounds);
