@@ -78,7 +78,7 @@ struct RoundRobin {
 };
 
 /// Builds one trainer per strategy from `base` and steps them round-robin, in a new order every
-/// round (run_rotated_rounds, Note [Step round order] in step_rounds.h: drift of the machine hits
+/// round (run_shuffled_rounds, Note [Step round order] in step_rounds.h: drift of the machine hits
 /// all alike, and no strategy always runs after the same one), for warmup + iters steps, timing
 /// the last `iters`; throws unless every strategy's loss and gradient digest equal the first
 /// one's (the plain run) at every step.
@@ -97,7 +97,7 @@ inline RoundRobin step_round_robin(const char* program, const TransformerConfig&
   }
   r.times.resize(strategies.size());
   const size_t n = strategies.size();
-  run_rotated_rounds(order, warmup + iters, /*compute_digest=*/true,
+  run_shuffled_rounds(order, warmup + iters, /*compute_digest=*/true,
                      [&](int it, const std::vector<IterationStats>& st) {
                        r.last = st;
                        for (size_t i = 0; i < n; ++i) {

@@ -66,7 +66,7 @@ int main(int argc, char** argv) {
     // Every run steps once per round, in a new order each round (Note [Step round order]).
     std::vector<actmem::Trainer*> order;
     for (auto& r : runs) order.push_back(r.trainer.get());
-    actmem::run_rotated_rounds(order, warmup + iters, /*compute_digest=*/true,
+    actmem::run_shuffled_rounds(order, warmup + iters, /*compute_digest=*/true,
                                [&](int it, const std::vector<actmem::IterationStats>& st) {
       for (size_t i = 0; i < runs.size(); ++i) {
         auto& r = runs[i];

@@ -182,6 +182,15 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
               "MoE; recompute the MoE layer with moe (or its parts with moe_act, shared_experts)");
 }
 
+// The in-flight cap of offload copies (Megatron's fine_grained_offloading_max_inflight_offloads),
+// checked for either kind of offload.
+int64_t inflight_cap(const TransformerConfig& c) {
+  TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
+              "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
+              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
+  return c.fine_grained_offloading_max_inflight_offloads;
+}
+
 // Megatron's layer-level offload rules (the cpu_offloading checks of TransformerConfig's
 // __post_init__, megatron/core/transformer/transformer_config.py; as in validate_args,
 // megatron/training/arguments.py, cpu_offloading_num_layers K > 0 turns offloading on).
@@ -200,10 +209,7 @@ void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
     // the copy thread finishes it, so the step's peak depends on thread timing. With the cap each
     // layer's commit waits for the copies beyond it (0: its own), and the peak is deterministic,
     // which is what `actmem plan` predicts (docs/offload.md, docs/planner.md).
-    TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
-                "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
-                ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
-    plan.max_inflight_offloads = c.fine_grained_offloading_max_inflight_offloads;
+    plan.max_inflight_offloads = inflight_cap(c);
   }
   TORCH_CHECK(c.min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
               "min_offloaded_tensor_size must be >= 0, got ", c.min_offloaded_tensor_size);
@@ -255,10 +261,7 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
   TORCH_CHECK(!plan.full_recompute(), "actmem::TransformerConfig: "
               "fine_grained_activation_offloading works with selective recompute only, not with "
               "recompute_granularity full");
-  TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
-              "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
-              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
-  plan.max_inflight_offloads = c.fine_grained_offloading_max_inflight_offloads;
+  plan.max_inflight_offloads = inflight_cap(c);
 }
 
 // Megatron's _checkpointed_forward (megatron/core/transformer/transformer_block.py): uniform =

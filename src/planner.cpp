@@ -98,18 +98,9 @@ Tail tail_of(const TransformerConfig& base, const Strategy& s) {
   }
   TransformerConfig probe = t.apply(base);
   probe.num_layers = layers;
-  if (base.is_moe()) {
-    // The tail's own MoE pattern (a pattern spelled for L layers would not parse for fewer).
-    const std::vector<bool> moe = base.moe_layers();
-    std::string pattern = "[";
-    for (int64_t i = L - layers; i < L; ++i) {
-      pattern += std::string(i > L - layers ? "," : "") + (moe[static_cast<size_t>(i)] ? "1" : "0");
-    }
-    probe.moe_layer_freq = pattern + "]";
-  }
   if (layers < L && !accepted(probe)) {
-    // A rule of the shorter model refuses it (mlp recompute on a tail of MoE layers only):
-    // measure on the whole model.
+    // Should a rule of the shorter model refuse it, measure on the whole model (it was needed
+    // for MoE tails, mlp recompute on MoE layers only; MoE models are now probed whole above).
     layers = L;
     probe = t.apply(base);
   }
@@ -549,7 +540,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   for (auto& tr : trainers) order.push_back(tr.get());
   say("timing " + std::to_string(n) + " mechanisms: round 1/" + std::to_string(steps + 1) +
       " (warm-up, not timed)");
-  run_rotated_rounds(order, steps + 1, false, [&](int round, const std::vector<IterationStats>& st) {
+  run_shuffled_rounds(order, steps + 1, false, [&](int round, const std::vector<IterationStats>& st) {
     if (round < steps) {
       say("timing " + std::to_string(n) + " mechanisms: round " + std::to_string(round + 2) +
           "/" + std::to_string(steps + 1));

@@ -21,7 +21,7 @@ std::vector<std::vector<size_t>> round_orders(size_t n, int rounds) {
   return orders;
 }
 
-void run_rotated_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
                         const std::function<void(int round, const std::vector<IterationStats>&)>&
                             after_round) {
   std::vector<IterationStats> stats(trainers.size());

@@ -35,7 +35,7 @@ std::vector<std::vector<size_t>> round_orders(size_t n, int rounds);
 /// Runs `rounds` rounds of one training step of every trainer, in a new order each round (Note
 /// [Step round order]), and after each round calls `after_round(round, stats)` with every
 /// trainer's stats in trainer order. `compute_digest` as in Trainer::train_step.
-void run_rotated_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
                         const std::function<void(int round, const std::vector<IterationStats>&)>&
                             after_round);
 

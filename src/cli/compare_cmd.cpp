@@ -145,7 +145,7 @@ int run(CompareOptions& o) {
   std::vector<bool> equal(n, true);
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
-  run_rotated_rounds(order, rounds, /*compute_digest=*/true,
+  run_shuffled_rounds(order, rounds, /*compute_digest=*/true,
                      [&](int round, const std::vector<IterationStats>& st) {
     last = st;
     for (size_t i = 0; i < n; ++i) {

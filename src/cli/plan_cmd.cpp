@@ -170,7 +170,7 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
   std::vector<std::vector<double>> ratios(n);
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
-  run_rotated_rounds(order, steps + 1, true, [&](int round, const std::vector<IterationStats>& st) {
+  run_shuffled_rounds(order, steps + 1, true, [&](int round, const std::vector<IterationStats>& st) {
     std::cerr << "\rplan: verifying step times and exactness, round " << round + 1 << "/"
               << steps + 1 << "            " << std::flush;
     for (size_t i = 0; i < n; ++i) {  // runs[0] is plain
