@@ -1,6 +1,7 @@
 // copy_engine.cpp — CopyEvent, CopyStream (CPU worker threads; CUDA streams) and HostPool.
 #include "actmem/copy_engine.h"
 
+#include "actmem/memory_tracker.h"
 #include "actmem/trace.h"
 
 #include <ATen/ATen.h>
@@ -207,14 +208,7 @@ void CopyStream::copy(Job& job) {
 
 HostPool::~HostPool() = default;
 
-int64_t HostPool::size_class(int64_t bytes) {
-  // Four classes per doubling: (2^n, 2^(n+1)] rounds up to a multiple of 2^(n-2), so a buffer is
-  // at most 25% larger than asked; 4 KiB at least.
-  if (bytes <= 4096) return 4096;
-  int n = 63 - __builtin_clzll(static_cast<unsigned long long>(bytes - 1));  // 2^n < bytes
-  const int64_t step = int64_t{1} << (n - 2);
-  return (bytes + step - 1) / step * step;
-}
+int64_t HostPool::size_class(int64_t bytes) { return actmem::size_class(bytes); }
 
 at::Tensor HostPool::acquire(int64_t bytes, bool size_classes) {
   TORCH_CHECK(bytes > 0, "actmem::HostPool::acquire: expected a positive size, got ", bytes);

@@ -97,6 +97,37 @@ TEST(MemoryTracker, CapacityThrowsAClearErrorAndLeavesCountsIntact) {
   expect_error_containing([&] { mem.set_capacity(-1); }, "expected bytes >= 0");
 }
 
+TEST(MemoryTracker, FreedBlocksAreReusedBySizeClassAndCountAtTheirRequestedSize) {
+  // Note [Caching the tracked CPU allocator's blocks]: 40,000 and 40,400 bytes (plus the 64-byte
+  // header) both round up to the 40,960-byte class, so the second tensor gets the first's block
+  // (the most recently freed of its class) while the counts stay the requested bytes.
+  auto& mem = cpu();
+  EXPECT_EQ(size_class(40000 + 64), 40960);
+  EXPECT_EQ(size_class(40400 + 64), 40960);
+  EXPECT_EQ(size_class(40960 + 1), 49152);
+  const int64_t base = mem.current_bytes();
+  void* first = nullptr;
+  {
+    at::Tensor a = at::empty({10000}, at::kFloat);
+    first = a.data_ptr();
+    EXPECT_EQ(mem.current_bytes() - base, 40000);
+  }
+  const CpuBlockCacheStats freed = cpu_block_cache_stats();
+  EXPECT_GE(freed.cached, 40960);
+  at::Tensor b = at::empty({10100}, at::kFloat);
+  EXPECT_EQ(b.data_ptr(), first);
+  EXPECT_EQ(mem.current_bytes() - base, 40400);
+  EXPECT_EQ(cpu_block_cache_stats().cached, freed.cached - 40960);
+  at::Tensor c = at::empty({10241}, at::kFloat);  // 40,964 bytes: the next class, a new block
+  EXPECT_NE(c.data_ptr(), first);
+  b.reset();
+  c.reset();
+  EXPECT_EQ(mem.current_bytes(), base);
+  EXPECT_GE(release_cached_cpu_blocks(), 40960 + 49152);
+  EXPECT_EQ(cpu_block_cache_stats().cached, 0);
+  expect_error_containing([] { size_class(0); }, "expected a positive size");
+}
+
 TEST(MemoryTracker, CudaIsAClearErrorWithoutCuda) {
 #ifdef ACTMEM_WITH_CUDA
   GTEST_SKIP() << "CUDA build";

@@ -44,6 +44,23 @@ class DeviceMemory {
 /// should count). Tensors allocated earlier keep their old deleter and are simply not counted.
 void install_memory_tracker();
 
+/// The block size a request of `bytes` rounds up to: four classes per doubling ((2^n, 2^(n+1)]
+/// rounds up to a multiple of 2^(n-2), so at most 25% more than asked), 4 KiB at least. The
+/// tracked CPU allocator's cached blocks and the offload host pool (copy_engine.h) use it.
+int64_t size_class(int64_t bytes);
+
+/// The tracked CPU allocator keeps freed blocks of 4 KiB and more for reuse, by size class
+/// (Note [Caching the tracked CPU allocator's blocks] in memory_tracker.cpp), as a GPU caching
+/// allocator does. `reserved`: bytes of every block it manages (in use or free); `cached`: of
+/// those, the bytes free for reuse. Neither counts in DeviceMemory's current or peak bytes.
+struct CpuBlockCacheStats {
+  int64_t reserved = 0;
+  int64_t cached = 0;
+};
+CpuBlockCacheStats cpu_block_cache_stats();
+/// Returns every cached (free) block to the system; returns the bytes released.
+int64_t release_cached_cpu_blocks();
+
 /// The accounting for `device`; installs the CPU tracker on first use. Throws for CUDA when
 /// this build has no CUDA support, and for other device types.
 DeviceMemory& device_memory(const c10::Device& device);
