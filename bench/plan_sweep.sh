@@ -5,7 +5,9 @@
 # row per budget: the chosen plan, its measured and predicted peak and step ratio, the fastest
 # Megatron standard setting that fits (measured in the same rounds), and whether every verified
 # run was bitwise the plain run. Needs python3 for the table.
-# Usage: bench/plan_sweep.sh [OUT_DIR]   (default: a new temporary directory; JSON and SVG kept)
+# Usage: [PROFILE_STEPS=5] [VERIFY_STEPS=5] bench/plan_sweep.sh [OUT_DIR]
+#   (OUT_DIR default: a new temporary directory; JSON and SVG kept; the step counts are the
+#   timed rounds of the profile and of each --verify)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 actmem="${ACTMEM_BUILD_DIR:-$root/build}/actmem"
@@ -20,7 +22,7 @@ declare -A model=(
 for m in dense bf16 moe; do
   echo "plan_sweep: profiling $m" >&2
   # shellcheck disable=SC2086
-  "$actmem" plan ${model[$m]} --profile-steps 5 --costs "$out/$m-costs.json" \
+  "$actmem" plan ${model[$m]} --profile-steps "${PROFILE_STEPS:-5}" --costs "$out/$m-costs.json" \
     --json "$out/$m-front.json" > "$out/$m-front.txt" 2>&1
   for f in 0.2 0.5 0.85; do
     budget=$(python3 -c "import json; fr = json.load(open('$out/$m-front.json'))['front']; \
@@ -28,7 +30,7 @@ lo, hi = fr[0]['peak_bytes'], fr[-1]['peak_bytes']; print(int(lo + $f * (hi - lo
     echo "plan_sweep: $m at $budget bytes" >&2
     # shellcheck disable=SC2086
     "$actmem" plan ${model[$m]} --costs "$out/$m-costs.json" --memory-budget "$budget" --verify \
-      --verify-steps 5 --json "$out/$m-$f.json" --svg "$out/$m-$f.svg" > "$out/$m-$f.txt" 2>&1 ||
+      --verify-steps "${VERIFY_STEPS:-5}" --json "$out/$m-$f.json" --svg "$out/$m-$f.svg" > "$out/$m-$f.txt" 2>&1 ||
       echo "plan_sweep: $m at $f exited $? (see $out/$m-$f.txt)" >&2
   done
 done
