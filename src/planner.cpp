@@ -535,7 +535,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     // Layer-level offload of every layer it may take (L - 1), charged per layer.
     if (s.offload_layers == base.num_layers - 1) basis.push_back({"layer-offload", s});
   }
-  TrainingConfig timed = probe_training(training, base, 1 + steps);
+  TrainingConfig timed = probe_training(training, base, kMaxWarmUpRounds + steps);
   timed.global_batch_size = training.global_batch(base.micro_batch_size);
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (const auto& [name, s] : basis) trainers.push_back(std::make_unique<Trainer>(s.apply(base), timed));
@@ -544,14 +544,14 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   std::vector<double> plain_times;
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
-  say("timing " + std::to_string(n) + " mechanisms: round 1/" + std::to_string(steps + 1) +
-      " (warm-up, not timed)");
-  run_shuffled_rounds(order, steps + 1, false, [&](int round, const std::vector<IterationStats>& st) {
-    if (round < steps) {
-      say("timing " + std::to_string(n) + " mechanisms: round " + std::to_string(round + 2) +
-          "/" + std::to_string(steps + 1));
-    }
-    if (round == 0) return;
+  const std::string what = "timing " + std::to_string(n) + " mechanisms: ";
+  say(what + "warming up (not timed)");
+  warm_up_rounds(order, 1, kMaxWarmUpRounds, [&](int round) {
+    say(what + "warm-up round " + std::to_string(round + 1) + " done (not timed)");
+  });
+  say(what + "round 1/" + std::to_string(steps));
+  run_shuffled_rounds(order, steps, false, [&](int round, const std::vector<IterationStats>& st) {
+    if (round + 1 < steps) say(what + "round " + std::to_string(round + 2) + "/" + std::to_string(steps));
     plain_times.push_back(st[0].step_time_s);
     for (size_t i = 1; i < n; ++i) ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
   });

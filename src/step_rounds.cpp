@@ -2,6 +2,10 @@
 // and Note [Step round order] in step_rounds.h).
 #include "actmem/step_rounds.h"
 
+#include "actmem/memory_tracker.h"
+
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <numeric>
 #include <random>
@@ -32,6 +36,22 @@ void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool
     }
     if (after_round) after_round(round, stats);
   }
+}
+
+int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int max_rounds,
+                   const std::function<void(int round)>& after_round) {
+  TORCH_CHECK(min_rounds >= 1 && max_rounds >= min_rounds, "actmem::warm_up_rounds: expected 1 <= "
+              "min_rounds <= max_rounds, got ", min_rounds, " and ", max_rounds);
+  const std::vector<std::vector<size_t>> orders = round_orders(trainers.size(), max_rounds);
+  int steady = 0;
+  for (int round = 0; round < max_rounds; ++round) {
+    const int64_t before = cpu_block_cache_stats().reserved;
+    for (const size_t i : orders[static_cast<size_t>(round)]) trainers[i]->train_step(false);
+    steady = cpu_block_cache_stats().reserved > before ? 0 : steady + 1;
+    if (after_round) after_round(round);
+    if (round + 1 >= min_rounds && steady >= 3) return round + 1;
+  }
+  return max_rounds;
 }
 
 }  // namespace actmem

@@ -32,6 +32,25 @@ namespace actmem {
 /// later one a permutation drawn from a fixed seed (Note [Step round order]).
 std::vector<std::vector<size_t>> round_orders(size_t n, int rounds);
 
+// Note [Warm until the allocator is steady]
+// The first steps of a model allocate: the tracked CPU allocator's block cache (Note [Caching the
+// tracked CPU allocator's blocks] in memory_tracker.cpp) gains a block whenever a step holds more
+// of a size class at once than any step before, and a step that gains blocks pays for fresh
+// memory. A dense model is steady after its first step; an MoE model's sizes follow the routing
+// and keep reaching new highs for tens of steps. Measured on the 4-layer MoE model of
+// docs/planner.md, a plain trainer against an identical second one in `compare`: 0.73 to 1.40 per
+// round after 2 warm-up steps, 0.77 to 1.13 after 15 or 40. So the planner's profile and verify
+// step warm up until the cache has not grown for three rounds in a row (at least one round, at
+// most kMaxWarmUpRounds), and only then time.
+constexpr int kMaxWarmUpRounds = 20;
+
+/// Untimed rounds of one step of every trainer (in the shuffled orders of round_orders()) until
+/// the block cache's reserved bytes have not grown for three rounds in a row, at least
+/// `min_rounds` and at most `max_rounds` (Note [Warm until the allocator is steady]). Calls
+/// `after_round(round)` after each; returns the rounds run.
+int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int max_rounds,
+                   const std::function<void(int round)>& after_round = nullptr);
+
 /// Runs `rounds` rounds of one training step of every trainer, in a new order each round (Note
 /// [Step round order]), and after each round calls `after_round(round, stats)` with every
 /// trainer's stats in trainer order. `compute_digest` as in Trainer::train_step.

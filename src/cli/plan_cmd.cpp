@@ -163,20 +163,25 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
     solo.train_step(false);
     out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, true});
   }
-  t.train_iters = 1 + steps;
+  t.train_iters = kMaxWarmUpRounds + steps;
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (const auto& e : runs) trainers.push_back(std::make_unique<Trainer>(e.strategy.apply(base), t));
   const size_t n = runs.size();
   std::vector<std::vector<double>> ratios(n);
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
-  run_shuffled_rounds(order, steps + 1, true, [&](int round, const std::vector<IterationStats>& st) {
-    std::cerr << "\rplan: verifying step times and exactness, round " << round + 1 << "/"
-              << steps + 1 << "            " << std::flush;
+  // Note [Warm until the allocator is steady] in step_rounds.h.
+  warm_up_rounds(order, 1, kMaxWarmUpRounds, [](int round) {
+    std::cerr << "\rplan: verifying step times and exactness, warm-up round " << round + 1
+              << " done (not timed)            " << std::flush;
+  });
+  run_shuffled_rounds(order, steps, true, [&](int round, const std::vector<IterationStats>& st) {
+    std::cerr << "\rplan: verifying step times and exactness, round " << round + 1 << "/" << steps
+              << "            " << std::flush;
     for (size_t i = 0; i < n; ++i) {  // runs[0] is plain
       out[i].bitwise = out[i].bitwise && st[i].loss == st[0].loss &&
                        st[i].grad_digest == st[0].grad_digest;
-      if (round > 0) ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
+      ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
     }
   });
   std::cerr << "\n";
