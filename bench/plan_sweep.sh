@@ -2,10 +2,15 @@
 # plan_sweep.sh — the planner's measured table (docs/planner.md, "Measured"): three models (dense
 # fp32, bf16 with SwiGLU, MoE), each profiled once and planned with --verify at three budgets
 # between its front's smallest and largest peak (20%, 50%, 85% of the way). Prints one markdown
-# row per budget: the chosen plan, its measured and predicted peak and step ratio, the fastest
-# Megatron standard setting that fits (measured in the same rounds), and whether every verified
-# run was bitwise the plain run. Needs python3 for the table.
-# Usage: [PROFILE_STEPS=5] [VERIFY_STEPS=5] bench/plan_sweep.sh [OUT_DIR]
+# row per budget: the chosen plan, its measured and predicted peak, its measured step ratio
+# against the one the planner stated (its finalist measurement, Note [Plan finalists] in
+# src/planner.cpp) and the model's prediction, the fastest
+# Megatron standard setting that fits (measured in the same rounds), the plain step's median in
+# the profile and in the verify rounds (a machine whose speed changed between the two predicts
+# worse: Note [Machine speed check] in src/planner.cpp; a reuse of the costs that finds the
+# plain step moved by over 10% profiles again), and whether every verified run was bitwise the
+# plain run. Needs python3 for the table.
+# Usage: [PROFILE_STEPS=5] [VERIFY_STEPS=10] bench/plan_sweep.sh [OUT_DIR]
 #   (OUT_DIR default: a new temporary directory; JSON and SVG kept; the step counts are the
 #   timed rounds of the profile and of each --verify)
 set -euo pipefail
@@ -30,7 +35,7 @@ lo, hi = fr[0]['peak_bytes'], fr[-1]['peak_bytes']; print(int(lo + $f * (hi - lo
     echo "plan_sweep: $m at $budget bytes" >&2
     # shellcheck disable=SC2086
     "$actmem" plan ${model[$m]} --costs "$out/$m-costs.json" --memory-budget "$budget" --verify \
-      --verify-steps "${VERIFY_STEPS:-5}" --json "$out/$m-$f.json" --svg "$out/$m-$f.svg" > "$out/$m-$f.txt" 2>&1 ||
+      --verify-steps "${VERIFY_STEPS:-10}" --json "$out/$m-$f.json" --svg "$out/$m-$f.svg" > "$out/$m-$f.txt" 2>&1 ||
       echo "plan_sweep: $m at $f exited $? (see $out/$m-$f.txt)" >&2
   done
 done
@@ -41,9 +46,9 @@ def standard(name, layers):
     return name in ("plain", "selective core_attn", "full uniform 1", "full block 1",
                     "full block %d" % max(1, layers // 2))
 mib = lambda b: b / 2**20
-print("| model | budget | chosen | peak measured / predicted | step ratio measured / predicted "
-      "| best standard setting that fits (measured ratio) | all bitwise |")
-print("|---|---|---|---|---|---|---|")
+print("| model | budget | chosen | peak measured / predicted | step ratio measured / planned (model) "
+      "| best standard setting that fits (measured ratio) | plain step profile / verify | all bitwise |")
+print("|---|---|---|---|---|---|---|---|")
 for m in ("dense", "bf16", "moe"):
     for f in ("0.2", "0.5", "0.85"):
         try:
@@ -58,13 +63,15 @@ for m in ("dense", "bf16", "moe"):
         worst = max(abs(r["measured_peak_bytes"] - r["predicted_peak_bytes"]) / r["measured_peak_bytes"]
                     for r in runs)
         peak_err = (chosen["predicted_peak_bytes"] / chosen["measured_peak_bytes"] - 1) * 100
-        ratio_err = (chosen["predicted_step_ratio"] / chosen["measured_step_ratio"] - 1) * 100
-        print("| %s | %.1f MiB | %s | %.2f / %.2f MiB (%+.2f%%) | %.3f / %.3f (%+.1f%%) | %s | %s "
-              "(worst peak error of %d runs %.2f%%) |" % (
+        ratio_err = (chosen["planned_step_ratio"] / chosen["measured_step_ratio"] - 1) * 100
+        model_err = (chosen["predicted_step_ratio"] / chosen["measured_step_ratio"] - 1) * 100
+        print("| %s | %.1f MiB | %s | %.2f / %.2f MiB (%+.2f%%) | %.3f / %.3f (%+.1f%%) (%.3f, %+.1f%%) | %s "
+              "| %.0f / %.0f ms | %s (worst peak error of %d runs %.2f%%) |" % (
                   m, mib(budget), chosen["strategy"], mib(chosen["measured_peak_bytes"]),
                   mib(chosen["predicted_peak_bytes"]), peak_err, chosen["measured_step_ratio"],
-                  chosen["predicted_step_ratio"], ratio_err,
+                  chosen["planned_step_ratio"], ratio_err, chosen["predicted_step_ratio"], model_err,
                   "%s (%.3f)" % (best["strategy"], best["measured_step_ratio"]) if best else "none fits",
+                  1e3 * j["profile_plain_step_s"], 1e3 * j["verify_plain_step_s"],
                   "yes" if all(r["bitwise_equal_to_plain"] for r in runs) else "NO", len(runs),
                   100 * worst))
 PY

@@ -91,6 +91,40 @@ TEST(Planner, MemoryBudgetsParseWithUnitsAndRefuseNonsense) {
   }
 }
 
+// Note [Plan finalists]: the strategies that fit with the least predicted ratios (ties: the
+// smaller peak), the plain run first when it fits, at most n.
+TEST(Planner, FinalistsAreTheFastestPredictedStrategiesThatFit) {
+  auto estimate = [](std::vector<std::string> modules, int64_t peak, double ratio) {
+    PlanEstimate e;
+    e.strategy.recompute_modules = std::move(modules);
+    e.peak_bytes = peak;
+    e.step_ratio = ratio;
+    return e;
+  };
+  const std::vector<PlanEstimate> estimates = {
+      estimate({}, 100, 1.0),                 // plain
+      estimate({"core_attn"}, 60, 1.30),
+      estimate({"mlp"}, 70, 1.10),
+      estimate({"layernorm"}, 90, 1.02),      // does not fit 80
+      estimate({"core_attn", "mlp"}, 40, 1.40),
+      estimate({"layernorm", "mlp"}, 65, 1.10),  // ties mlp's ratio with a smaller peak
+  };
+  auto names = [](const std::vector<PlanEstimate>& f) {
+    std::vector<std::string> out;
+    for (const auto& e : f) out.push_back(e.strategy.name());
+    return out;
+  };
+  EXPECT_EQ(names(plan_finalists(estimates, 80, 3)),
+            (std::vector<std::string>{"selective layernorm+mlp", "selective mlp",
+                                      "selective core_attn"}));
+  EXPECT_EQ(names(plan_finalists(estimates, 45, 3)),
+            (std::vector<std::string>{"selective core_attn+mlp"}));
+  EXPECT_EQ(names(plan_finalists(estimates, 100, 2)),
+            (std::vector<std::string>{"plain", "selective layernorm"}));
+  EXPECT_TRUE(plan_finalists(estimates, 10, 4).empty());
+  EXPECT_THROW(plan_finalists(estimates, 80, 0), c10::Error);
+}
+
 TEST(Planner, WarnsWhenAnOffloadPlanLetsCopiesStayInFlight) {
   TransformerConfig c = testing::offload_model();  // the default cap: -1, copies in flight
   Strategy layer, groups, recompute;
@@ -221,8 +255,9 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
                             "--threads 1 --profile-steps 1 "
                             "--verify-steps 2";
   // A budget between the smallest and the largest peak: first read the front.
-  // The profile is kept in --costs and reused by the runs after it (same model and machine).
-  const std::string costs = " --costs " + dir + "/costs.json";
+  // The profile is kept in --costs and reused by the runs after it (same model and machine; the
+  // speed check is off here: another test may load the machine meanwhile).
+  const std::string costs = " --costs " + dir + "/costs.json --costs-speed-tolerance 0";
   auto r = testing::run_actmem("plan" + flags + costs + " --json " + dir + "/front.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
@@ -262,6 +297,34 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   EXPECT_NE(r.output.find("flags: --"), std::string::npos) << r.output;
   const auto plan = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
   EXPECT_LE(plan["chosen"]["peak_bytes"].get<int64_t>(), budget);
+  // Note [Plan finalists]: the kDefaultFinalists fastest predicted that fit, each timed; the
+  // choice is the one measured fastest, and no strategy of the front that fits and was left out
+  // is predicted faster than a finalist.
+  const auto& finalists = plan["finalists"];
+  ASSERT_GE(finalists.size(), 2u);
+  EXPECT_LE(finalists.size(), static_cast<size_t>(kDefaultFinalists));
+  double slowest_predicted = 0;
+  for (const auto& f : finalists) {
+    EXPECT_LE(f["peak_bytes"].get<int64_t>(), budget) << f;
+    EXPECT_GT(f["finalist_step_ratio"].get<double>(), 0) << f;
+    EXPECT_GE(f["finalist_step_ratio"].get<double>(),
+              plan["chosen"]["finalist_step_ratio"].get<double>()) << f;
+    slowest_predicted = std::max(slowest_predicted, f["step_ratio"].get<double>());
+  }
+  for (const auto& e : plan["front"]) {
+    const bool finalist = std::any_of(finalists.begin(), finalists.end(), [&e](const auto& f) {
+      return f["strategy"] == e["strategy"];
+    });
+    if (!finalist && e["peak_bytes"].get<int64_t>() <= budget) {
+      EXPECT_GE(e["step_ratio"].get<double>(), slowest_predicted) << e;
+    }
+  }
+  // The finalists are verified too, beside the choice.
+  for (const auto& f : finalists) {
+    EXPECT_TRUE(std::any_of(plan["verified"].begin(), plan["verified"].end(),
+                            [&f](const auto& v) { return v["strategy"] == f["strategy"]; }))
+        << f;
+  }
   ASSERT_GE(plan["verified"].size(), 2u);  // the plain run and at least one other
   for (const auto& v : plan["verified"]) {
     EXPECT_TRUE(v["bitwise_equal_to_plain"].get<bool>()) << v;
@@ -280,24 +343,35 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
                             "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
                             "--min-offloaded-tensor-size 256 "
                             "--fine-grained-offloading-max-inflight-offloads 0 --threads 1";
-  const std::string train_costs = " --costs " + dir + "/train-costs.json";
+  const std::string train_costs = " --costs " + dir + "/train-costs.json --costs-speed-tolerance 0";
   r = testing::run_actmem("train" + model + " --train-iters 3 --eval-interval 0 --memory-budget " +
                           std::to_string(budget) + " --log-json " + dir + "/train.jsonl" +
                           train_costs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("planned for a memory budget of"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
-  const std::string first_plan = r.output.substr(r.output.find("planned for a memory budget of"));
-  // A second run plans from the kept costs, and so chooses the same.
-  r = testing::run_actmem("train" + model + " --train-iters 1 --eval-interval 0 --memory-budget " +
-                          std::to_string(budget) + train_costs);
-  ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("costs reused from"), std::string::npos) << r.output;
-  const std::string second_plan = r.output.substr(r.output.find("planned for a memory budget of"));
-  EXPECT_EQ(first_plan.substr(0, first_plan.find('\n')), second_plan.substr(0, second_plan.find('\n')));
-  r = testing::run_actmem("train" + model + " --train-iters 1" + train_costs);
+  // The finalists were timed and the choice is one of them (Note [Plan finalists]).
+  EXPECT_NE(r.output.find("measured among the finalists"), std::string::npos) << r.output;
+  // Runs that choose by the prediction alone plan from the kept costs, and so choose the same.
+  std::string plans[2];
+  for (std::string& plan_line : plans) {
+    r = testing::run_actmem("train" + model + " --train-iters 1 --eval-interval 0 --memory-budget " +
+                            std::to_string(budget) + train_costs + " --finalists 0");
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("costs reused from"), std::string::npos) << r.output;
+    plan_line = r.output.substr(r.output.find("planned for a memory budget of"));
+    plan_line = plan_line.substr(0, plan_line.find('\n'));
+    EXPECT_EQ(plan_line.find("finalists"), std::string::npos) << plan_line;
+  }
+  EXPECT_EQ(plans[0], plans[1]);
+  r = testing::run_actmem("train" + model + " --train-iters 1 --costs " + dir + "/train-costs.json");
   EXPECT_NE(r.exit_code, 0);  // --costs without --memory-budget plans nothing
   EXPECT_NE(r.output.find("give both"), std::string::npos) << r.output;
+  r = testing::run_actmem("train" + model + " --train-iters 1 --memory-budget 1GiB "
+                          "--costs-speed-tolerance 5");
+  EXPECT_NE(r.exit_code, 0);  // nothing to check without --costs
+  EXPECT_NE(r.output.find("--costs-speed-tolerance checks the costs kept in --costs"),
+            std::string::npos) << r.output;
   std::ifstream log(dir + "/train.jsonl");
   std::string line;
   int steps = 0;
@@ -321,11 +395,61 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   r = testing::run_actmem("plan" + flags + " --costs " + dir + "/bad.json");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("is not a cost record"), std::string::npos) << r.output;
+  r = testing::run_actmem("plan" + flags + " --finalists 2");
+  EXPECT_NE(r.exit_code, 0);  // nothing to choose without a budget
+  EXPECT_NE(r.output.find("--finalists chooses among strategies for --memory-budget"),
+            std::string::npos) << r.output;
   r = testing::run_actmem("plan" + flags + " --memory-budget 12XB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown unit"), std::string::npos) << r.output;
   r = testing::run_actmem("plan" + flags + " --recompute-granularity full");
   EXPECT_NE(r.exit_code, 0);  // the planner chooses the strategy: its flags are not accepted
+  std::filesystem::remove_all(dir);
+}
+
+// Note [Machine speed check] in planner.cpp: a cost file is reused only while the plain step
+// alone takes what it took when profiled; --verify warns when its rounds' plain step moved.
+TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
+  const std::string dir = testing::fresh_temp_dir("plan-speed");
+  const std::string path = dir + "/costs.json";
+  const std::string flags = " --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+                            "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
+                            "--threads 1 --profile-steps 1 --costs " + path;
+  auto r = testing::run_actmem("plan" + flags);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
+  auto record = [&path] { return nlohmann::json::parse(std::ifstream(path)); };
+  const double solo = record()["costs"]["solo_plain_step_s"].get<double>();
+  ASSERT_GT(solo, 0);
+  // Checked and within a (wide) tolerance: reused, the two times shown.
+  r = testing::run_actmem("plan" + flags + " --costs-speed-tolerance 1000");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs reused from " + path + "; the plain step alone takes"),
+            std::string::npos) << r.output;
+  // A profile made when the plain step took ten times as long: measured again, and rewritten.
+  auto j = record();
+  j["costs"]["solo_plain_step_s"] = 10 * solo;
+  std::ofstream(path) << j.dump();
+  r = testing::run_actmem("plan" + flags);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("costs profiled again: the machine's speed changed since " + path),
+            std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("more than the tolerance of 10%"), std::string::npos) << r.output;
+  EXPECT_LT(record()["costs"]["solo_plain_step_s"].get<double>(), 5 * solo);
+  // --verify: its rounds' plain step against the profile's.
+  j = record();
+  const double plain = j["costs"]["plain_step_s"].get<double>();
+  j["costs"]["plain_step_s"] = plain / 100;
+  std::ofstream(path) << j.dump();
+  const int64_t budget = j["costs"]["static_bytes"].get<int64_t>() * 100;  // everything fits
+  r = testing::run_actmem("plan" + flags + " --costs-speed-tolerance 1000 --verify "
+                          "--verify-steps 1 --memory-budget " + std::to_string(budget) +
+                          " --json " + dir + "/plan.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("WARNING: the plain step took"), std::string::npos) << r.output;
+  const auto plan = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
+  EXPECT_DOUBLE_EQ(plan["profile_plain_step_s"].get<double>(), plain / 100);
+  EXPECT_GT(plan["verify_plain_step_s"].get<double>(), plain / 10);
   std::filesystem::remove_all(dir);
 }
 

@@ -84,9 +84,14 @@ struct PlanCosts {
   int64_t static_bytes = 0;  // held before a forward: parameters, gradients, optimizer state
   int64_t optimizer_peak_bytes = 0;  // the step's peak outside forward and backward
   double plain_step_s = 0;           // median step of the plain strategy
-  /// Extra step time over plain, as a fraction of the plain step, of each mechanism alone:
-  /// "recompute:MOD" (all layers), "full-layer" (one layer fully recomputed), "offload:GROUP"
-  /// (all layers), "layer-offload" (one layer of layer-level offload).
+  /// Median step of the plain strategy alone in the process, timed before anything else of the
+  /// profile: what a reuse of the costs checks the machine's speed against (Note [Machine speed
+  /// check] in planner.cpp).
+  double solo_step_s = 0;
+  /// Extra step time over plain, as a fraction of the plain step, of each mechanism alone (Note
+  /// [Planner cost basis] in planner.cpp): "recompute:MOD" (all layers), "full-layer" (one layer
+  /// fully recomputed), "offload:GROUP" (all layers), "layer-offload" (one layer of layer-level
+  /// offload).
   std::map<std::string, double> extra;
   /// How far each mechanism's per-round measurement spread: half the interquartile range of its
   /// per-round ratios to the plain step, on the scale of `extra` (Note [Planner uncertainty]).
@@ -96,6 +101,10 @@ struct PlanCosts {
   /// Bytes one forward of the whole model offloads (Note [Offloaded bytes] in planner.cpp), per
   /// fine-grained group under each selective set, and per K of layer-level offload.
   std::map<std::string, int64_t> offloaded;
+  /// Every timed round's step time of each measured trainer, by the name it is measured under
+  /// ("plain", "recompute:MOD", "full-layer", "offload-set:G+...", "layer-offload"): what the
+  /// extras were taken from, kept so a reader can recompute them (optional in a record).
+  std::map<std::string, std::vector<double>> round_step_s;
   int steps = 0;      // timed rounds
   int threads = 0;
   nlohmann::json to_json() const;
@@ -108,15 +117,25 @@ struct PlanCosts {
 /// and the library versions. Two profiles with equal keys measured the same thing.
 nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training);
 
+/// How far the plain step may have moved since a profile before its costs are measured again
+/// (Note [Machine speed check] in planner.cpp): 10%.
+constexpr double kCostSpeedTolerance = 0.10;
+
+/// The median time of `steps` steps of `base` trained plainly and alone, after warming up until
+/// the allocator is steady (Note [Warm until the allocator is steady] in step_rounds.h).
+double solo_plain_step_s(const TransformerConfig& base, const TrainingConfig& training, int steps);
+
 /// The costs of `base` for `training`: read from the cache file `costs_path` when it holds a
-/// profile with this key (plan_costs_key), else profiled (`steps` timed rounds) and, when
-/// `costs_path` is not empty, written there (Note [Planner cost cache]). `note` (may be null)
-/// says which ("costs reused from F", "costs written to F", "costs profiled again: ..."). Throws
-/// for a file that is not a cost record. `progress` as in profile_costs().
+/// profile with this key (plan_costs_key) and the machine's speed has not changed by more than
+/// `speed_tolerance` since (Note [Machine speed check]; 0: not checked), else profiled (`steps`
+/// timed rounds) and, when `costs_path` is not empty, written there (Note [Planner cost cache]).
+/// `note` (may be null) says which ("costs reused from F ...", "costs written to F", "costs
+/// profiled again: ..."). Throws for a file that is not a cost record. `progress` as in
+/// profile_costs().
 PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
                      const std::string& costs_path,
                      const std::function<void(const std::string&)>& progress = {},
-                     std::string* note = nullptr);
+                     std::string* note = nullptr, double speed_tolerance = kCostSpeedTolerance);
 
 /// One strategy's prediction.
 struct PlanEstimate {
@@ -126,12 +145,56 @@ struct PlanEstimate {
   int64_t peak_bytes = 0;      // predicted device peak of a step
   double step_ratio = 1.0;     // predicted step time over the plain step's
   double step_ratio_spread = 0;  // its uncertainty from the measurements' spread (0: analytic)
+  /// Measured as a finalist (Note [Plan finalists] in planner.cpp): its step ratio among the
+  /// finalists' rounds and that ratio's spread; 0 when it was not.
+  double finalist_ratio = 0;
+  double finalist_ratio_spread = 0;
+  /// What the planner states for this strategy: the finalist measurement when there is one, else
+  /// the prediction.
+  double planned_ratio() const { return finalist_ratio > 0 ? finalist_ratio : step_ratio; }
   nlohmann::json to_json() const;
 };
 
-/// Profiles `base` (its own activation flags ignored) on this machine: `steps` interleaved timed
-/// rounds after one warm-up round of every mechanism alone, and one forward-backward per distinct
-/// tail. `progress` (may be empty) is called with a line per phase.
+/// Step ratios of strategies trained side by side from the same seed (Note [Honest step ratios]
+/// in step_rounds.h).
+struct MeasuredRatios {
+  std::vector<double> ratio;    // per strategy: median over rounds of its step / the plain step's
+  std::vector<double> spread;   // per strategy: half the interquartile range of those per-round ratios
+  std::vector<std::vector<double>> step_s;  // per strategy: every timed round's step time
+  std::vector<bool> bitwise;    // per strategy: every round's loss and gradient digest the plain run's
+  int warm_up_rounds = 0;
+};
+
+/// Trains `strategies` of `base` (the first must be plain) side by side: untimed rounds until the
+/// allocator is steady (Note [Warm until the allocator is steady]), then `steps` timed rounds in
+/// a new order each, every round's loss and gradient digest compared with the plain run's.
+/// `progress` (may be empty) is called with a line per round.
+MeasuredRatios measure_step_ratios(const TransformerConfig& base, const TrainingConfig& training,
+                                   const std::vector<Strategy>& strategies, int steps,
+                                   const std::function<void(const std::string&)>& progress = {});
+
+/// Note [Plan finalists] in planner.cpp: how many strategies `plan --memory-budget` and `train
+/// --memory-budget` time side by side before choosing.
+constexpr int kDefaultFinalists = 4;
+/// Their timed rounds: few trainers, so more rounds than the profile's for the same time.
+constexpr int kDefaultFinalistSteps = 10;
+
+/// The at most `n` strategies of `estimates` that fit `budget` with the least predicted step
+/// ratios (ties: the smaller peak), fastest first.
+std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates,
+                                         int64_t budget, int n);
+
+/// Times `finalists` (plan_finalists()) against the plain step (`steps` rounds) and returns them
+/// with their finalist ratios set, the one measured fastest first (ties: the prediction's order).
+std::vector<PlanEstimate> measure_finalists(const TransformerConfig& base,
+                                            const TrainingConfig& training,
+                                            std::vector<PlanEstimate> finalists, int steps,
+                                            const std::function<void(const std::string&)>& progress = {});
+
+/// Profiles `base` (its own activation flags ignored) on this machine: the plain step alone (Note
+/// [Machine speed check]), one forward-backward per distinct tail and per offload set, then
+/// `steps` interleaved timed rounds of every mechanism alone (Note [Planner cost basis]) after
+/// warming up until the allocator is steady. `progress` (may be empty) is called with a line per phase.
 PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
                         const std::function<void(const std::string&)>& progress = {});
 
@@ -151,7 +214,8 @@ struct MeasuredPlan {
 };
 MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
                            int steps, const std::string& costs_path,
-                           const std::function<void(const std::string&)>& progress = {});
+                           const std::function<void(const std::string&)>& progress = {},
+                           double speed_tolerance = kCostSpeedTolerance);
 
 /// A warning for a chosen strategy that offloads while `base` lets copies stay in flight
 /// (fine_grained_offloading_max_inflight_offloads < 0): its peak then depends on when the copy

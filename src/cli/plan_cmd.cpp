@@ -40,10 +40,13 @@ struct PlanOptions {
   std::string budget;  // "" = print the front only
   int profile_steps = 5;
   bool verify = false;
-  int verify_steps = 5;
+  int verify_steps = 10;
   std::string json;
   std::string svg;
   std::string costs;  // the cost cache (Note [Planner cost cache]); "" = none
+  double costs_speed_tolerance = kCostSpeedTolerance * 100;  // percent (Note [Machine speed check])
+  int finalists = kDefaultFinalists;  // Note [Plan finalists]; 0: the model's choice
+  int finalist_steps = kDefaultFinalistSteps;
   // A paper preset planned analytically (Note [Analytic plan] in plan_analytic.h).
   std::string preset;
   std::string gpu = "h100";
@@ -92,6 +95,15 @@ std::string ratio_text(const PlanEstimate& e) {
   return os.str();
 }
 
+// What the planner states for a choice: its finalist measurement when it has one.
+std::string planned_ratio_text(const PlanEstimate& e) {
+  if (e.finalist_ratio <= 0) return ratio_text(e);
+  std::ostringstream os;
+  os << std::fixed << std::setprecision(3) << e.finalist_ratio << " ±" << e.finalist_ratio_spread
+     << " measured (predicted " << ratio_text(e) << ")";
+  return os.str();
+}
+
 // The front as a table, the chosen entry marked.
 void print_front(const std::vector<PlanEstimate>& front, const PlanEstimate* chosen) {
   std::cout << "\nPareto front (predicted device peak against step time):\n"
@@ -100,7 +112,8 @@ void print_front(const std::vector<PlanEstimate>& front, const PlanEstimate* cho
   for (const auto& e : front) {
     std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
               << std::setw(16) << ratio_text(e) << "  " << std::left << e.strategy.name()
-              << (chosen == &e ? "   <- chosen" : "") << "\n";
+              << (chosen != nullptr && chosen->strategy == e.strategy ? "   <- chosen" : "")
+              << "\n";
   }
 }
 
@@ -110,7 +123,7 @@ void print_choice(const PlanEstimate& chosen, int64_t budget, const std::string&
   std::cout << "\nmemory budget " << format_bytes(static_cast<double>(budget)) << budget_note
             << ": " << chosen.strategy.name() << ", predicted peak "
             << format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
-            << ratio_text(chosen) << "\n  flags: "
+            << planned_ratio_text(chosen) << "\n  flags: "
             << (chosen.strategy.plain() ? "(none: keep every activation)" : chosen.strategy.flags())
             << (chosen.strategy.offload_modules.empty() && chosen.strategy.offload_layers == 0
                     ? ""
@@ -138,54 +151,49 @@ void write_front_svg(OutputFile& file, const std::string& path,
 }
 
 // Note [Plan verification]
-// The chosen strategy, its neighbours on the front and the plain run train from the same seed.
-// Memory: each alone in the process for two steps (the tracker counts the whole process), the
-// second step's peak. Time and exactness: all of them in interleaved rounds (Note [Honest step
-// ratios] in compare_cmd.cpp), every round's loss and gradient digest compared with the plain
-// run's bitwise.
+// The chosen strategy, the finalists it was chosen against (Note [Plan finalists] in
+// planner.cpp; without them, its neighbours on the front), Megatron's standard settings that fit
+// and the plain run train from the same seed. Memory: each alone in the process for two steps
+// (the tracker counts the whole process), the second step's peak. Time and exactness: all of
+// them in interleaved rounds of their own (measure_step_ratios(), Note [Honest step ratios] in
+// step_rounds.h), every round's loss and gradient digest compared with the plain run's bitwise.
+// The measured ratio is set against the prediction and, for a finalist, its finalist measurement
+// (what the planner stated for its choice), each taken in different rounds.
 struct Verified {
   PlanEstimate estimate;
   int64_t peak = 0;
   double ratio = 0;
   bool bitwise = true;
+  std::vector<double> step_s;  // every timed round's step time
 };
 
 std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig& training,
-                             const std::vector<PlanEstimate>& runs, int steps) {
+                             const std::vector<PlanEstimate>& runs, int steps, int* warm_up) {
   std::vector<Verified> out;
   TrainingConfig t = training;
   t.eval_interval = 0;
+  t.train_iters = 2;
   for (const auto& e : runs) {
     std::cerr << "\rplan: verifying the peak of " << e.strategy.name() << "            "
               << std::flush;
-    t.train_iters = 2;
     Trainer solo(e.strategy.apply(base), t);
     solo.train_step(false);
-    out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, true});
+    out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, true, {}});
   }
-  t.train_iters = kMaxWarmUpRounds + steps;
-  std::vector<std::unique_ptr<Trainer>> trainers;
-  for (const auto& e : runs) trainers.push_back(std::make_unique<Trainer>(e.strategy.apply(base), t));
-  const size_t n = runs.size();
-  std::vector<std::vector<double>> ratios(n);
-  std::vector<Trainer*> order;
-  for (auto& tr : trainers) order.push_back(tr.get());
-  // Note [Warm until the allocator is steady] in step_rounds.h.
-  warm_up_rounds(order, 1, kMaxWarmUpRounds, [](int round) {
-    std::cerr << "\rplan: verifying step times and exactness, warm-up round " << round + 1
-              << " done (not timed)            " << std::flush;
-  });
-  run_shuffled_rounds(order, steps, true, [&](int round, const std::vector<IterationStats>& st) {
-    std::cerr << "\rplan: verifying step times and exactness, round " << round + 1 << "/" << steps
-              << "            " << std::flush;
-    for (size_t i = 0; i < n; ++i) {  // runs[0] is plain
-      out[i].bitwise = out[i].bitwise && st[i].loss == st[0].loss &&
-                       st[i].grad_digest == st[0].grad_digest;
-      ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
-    }
-  });
+  std::vector<Strategy> strategies;
+  for (const auto& e : runs) strategies.push_back(e.strategy);  // runs[0] is plain
+  const MeasuredRatios m = measure_step_ratios(
+      base, training, strategies, steps, [](const std::string& line) {
+        std::cerr << "\rplan: verifying step times and exactness, " << line << "            "
+                  << std::flush;
+      });
   std::cerr << "\n";
-  for (size_t i = 0; i < n; ++i) out[i].ratio = median(ratios[i]);
+  for (size_t i = 0; i < out.size(); ++i) {
+    out[i].ratio = m.ratio[i];
+    out[i].bitwise = m.bitwise[i];
+    out[i].step_s = m.step_s[i];
+  }
+  *warm_up = m.warm_up_rounds;
   return out;
 }
 
@@ -361,6 +369,8 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   apply_thread_count(o.train.threads);
   const TransformerConfig& base = o.train.model;
   const int64_t budget = o.budget.empty() ? -1 : parse_memory_budget(o.budget);
+  TORCH_CHECK(budget > 0 || (cmd.count("--finalists") == 0 && cmd.count("--finalist-steps") == 0),
+              "actmem plan: --finalists chooses among strategies for --memory-budget; give both");
   check_distinct_files({{"--data", o.train.training.data_path}},
                        {{"--svg", o.svg}, {"--json", o.json}, {"--costs", o.costs}});
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
@@ -371,7 +381,8 @@ int run(PlanOptions& o, const CLI::App& cmd) {
       base, o.train.training, o.profile_steps, o.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplan: " << line << "            " << std::flush;
-      });
+      },
+      o.costs_speed_tolerance / 100);
   if (profiled) std::cerr << "\n";
   const std::vector<Strategy>& strategies = plan.strategies;
   const PlanCosts& costs = plan.costs;
@@ -389,15 +400,50 @@ int run(PlanOptions& o, const CLI::App& cmd) {
             << costs.plain_step_s * 1e3 << " ms; parameters, gradients and optimizer state "
             << format_bytes(static_cast<double>(costs.static_bytes))
             << "; optimizer-step peak " << format_bytes(static_cast<double>(costs.optimizer_peak_bytes))
-            << "\nextra step time of each mechanism alone:";
-  for (const auto& [name, extra] : costs.extra) std::cout << "  " << name << " +" << percent(extra);
+            << "\nextra step time of each mechanism (Note [Planner cost basis]):";
+  for (const auto& [name, extra] : costs.extra) {
+    std::cout << "  " << name << " " << (extra >= 0 ? "+" : "") << percent(extra) << " ±"
+              << percent(costs.spread.count(name) ? costs.spread.at(name) : 0.0);
+  }
   std::cout << "\n";
   const PlanEstimate* chosen = budget > 0 ? &choose_plan(front, budget) : nullptr;
+  // Note [Plan finalists] in planner.cpp: the few fastest-predicted that fit, timed side by side.
+  std::vector<PlanEstimate> finalists;
+  if (chosen != nullptr && o.finalists > 0) {
+    finalists = plan_finalists(estimates, budget, o.finalists);
+    if (finalists.size() > 1) {
+      finalists = measure_finalists(base, o.train.training, finalists, o.finalist_steps,
+                                    [](const std::string& line) {
+                                      std::cerr << "\rplan: timing the finalists, " << line
+                                                << "            " << std::flush;
+                                    });
+      std::cerr << "\n";
+      chosen = &finalists.front();
+    } else {
+      finalists.clear();  // one strategy fits: nothing to choose between
+    }
+  }
   print_front(front, chosen);
   nlohmann::json out = {{"model", to_json(base)}, {"legal_strategies", strategies.size()},
                         {"costs", costs.to_json()}, {"front", nlohmann::json::array()},
                         {"runtime", runtime_info()}};
   for (const auto& e : front) out["front"].push_back(e.to_json());
+  if (!finalists.empty()) {
+    std::cout << "\nfinalists (the " << finalists.size() << " fastest predicted that fit, timed "
+              << "side by side with the plain run, " << o.finalist_steps << " rounds):\n"
+              << std::right << std::setw(14) << "peak" << std::setw(16) << "predicted"
+              << std::setw(16) << "measured" << "  " << std::left << "strategy\n";
+    out["finalists"] = nlohmann::json::array();
+    for (const auto& f : finalists) {
+      std::ostringstream measured;
+      measured << std::fixed << std::setprecision(3) << f.finalist_ratio << " ±"
+               << f.finalist_ratio_spread;
+      std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(f.peak_bytes))
+                << std::setw(16) << ratio_text(f) << std::setw(16) << measured.str() << "  "
+                << std::left << f.strategy.name() << (&f == chosen ? "   <- chosen" : "") << "\n";
+      out["finalists"].push_back(f.to_json());
+    }
+  }
   if (chosen) {
     out["memory_budget_bytes"] = budget;
     out["chosen"] = chosen->to_json();
@@ -413,9 +459,23 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     const auto plain = std::find_if(estimates.begin(), estimates.end(),
                                     [](const PlanEstimate& e) { return e.strategy.plain(); });
     runs.push_back(*plain);
-    const size_t at = static_cast<size_t>(chosen - front.data());
-    for (size_t i = at == 0 ? 0 : at - 1; i <= std::min(at + 1, front.size() - 1); ++i) {
-      if (!front[i].strategy.plain()) runs.push_back(front[i]);
+    auto add = [&runs](const PlanEstimate& e) {
+      const bool listed = std::any_of(runs.begin(), runs.end(), [&e](const PlanEstimate& r) {
+        return r.strategy == e.strategy;
+      });
+      if (!listed) runs.push_back(e);
+    };
+    add(*chosen);
+    if (!finalists.empty()) {
+      for (const auto& f : finalists) add(f);  // the ones it was chosen against
+    } else {
+      const auto on = std::find_if(front.begin(), front.end(), [chosen](const PlanEstimate& e) {
+        return e.strategy == chosen->strategy;
+      });
+      const size_t at = static_cast<size_t>(on - front.begin());
+      for (size_t i = at == 0 ? 0 : at - 1; i <= std::min(at + 1, front.size() - 1); ++i) {
+        add(front[i]);
+      }
     }
     // And the standard settings predicted to fit: what the plan is measured against.
     for (const auto& e : estimates) {
@@ -426,36 +486,65 @@ int run(PlanOptions& o, const CLI::App& cmd) {
         runs.push_back(e);
       }
     }
-    const std::vector<Verified> v = verify(base, o.train.training, runs, o.verify_steps);
-    std::cout << "\nverified (" << o.verify_steps << " timed rounds after one warm-up, same seed):\n"
+    int warm_up = 0;
+    const std::vector<Verified> v = verify(base, o.train.training, runs, o.verify_steps, &warm_up);
+    std::cout << "\nverified (" << o.verify_steps << " timed rounds after " << warm_up
+              << " warm-up rounds, same seed):\n"
               << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
               << "peak" << std::setw(13) << "predicted" << std::setw(9) << "error"
               << std::setw(8) << "ratio" << std::setw(16) << "predicted" << std::setw(9)
-              << "error" << std::setw(10) << "fits" << std::setw(9) << "bitwise\n";
+              << "error" << std::setw(10) << "finalist" << std::setw(9) << "error"
+              << std::setw(6) << "fits" << std::setw(9) << "bitwise\n";
+    out["verify_warm_up_rounds"] = warm_up;
     out["verified"] = nlohmann::json::array();
     for (const auto& r : v) {
       const double peak_err = static_cast<double>(r.estimate.peak_bytes - r.peak) /
                               static_cast<double>(r.peak);
       const double ratio_err = (r.estimate.step_ratio - r.ratio) / r.ratio;
+      const double finalist = r.estimate.finalist_ratio;
+      std::ostringstream finalist_text, finalist_err;
+      if (finalist > 0) {
+        finalist_text << std::fixed << std::setprecision(3) << finalist;
+        finalist_err << percent((finalist - r.ratio) / r.ratio);
+      }
       const bool fits = r.peak <= budget;
       std::cout << std::left << std::setw(58) << r.estimate.strategy.name() << std::right
                 << std::setw(13) << format_bytes(static_cast<double>(r.peak)) << std::setw(13)
                 << format_bytes(static_cast<double>(r.estimate.peak_bytes)) << std::setw(9)
                 << percent(peak_err) << std::setw(8) << std::setprecision(3) << r.ratio
                 << std::setw(16) << ratio_text(r.estimate) << std::setw(9) << percent(ratio_err)
-                << std::setw(10) << (fits ? "yes" : "no") << std::setw(8)
+                << std::setw(10) << finalist_text.str() << std::setw(9) << finalist_err.str()
+                << std::setw(6) << (fits ? "yes" : "no") << std::setw(8)
                 << (r.bitwise ? "yes" : "NO") << "\n";
-      out["verified"].push_back({{"strategy", r.estimate.strategy.name()},
-                                 {"measured_peak_bytes", r.peak},
-                                 {"predicted_peak_bytes", r.estimate.peak_bytes},
-                                 {"measured_step_ratio", r.ratio},
-                                 {"predicted_step_ratio", r.estimate.step_ratio},
-                                 {"predicted_step_ratio_spread", r.estimate.step_ratio_spread},
-                                 {"fits_budget", fits},
-                                 {"bitwise_equal_to_plain", r.bitwise}});
+      nlohmann::json row = {{"strategy", r.estimate.strategy.name()},
+                            {"measured_peak_bytes", r.peak},
+                            {"predicted_peak_bytes", r.estimate.peak_bytes},
+                            {"measured_step_ratio", r.ratio},
+                            {"predicted_step_ratio", r.estimate.step_ratio},
+                            {"predicted_step_ratio_spread", r.estimate.step_ratio_spread},
+                            {"planned_step_ratio", r.estimate.planned_ratio()},
+                            {"fits_budget", fits},
+                            {"bitwise_equal_to_plain", r.bitwise},
+                            {"step_times_s", r.step_s}};
+      if (finalist > 0) row["finalist_step_ratio"] = finalist;
+      out["verified"].push_back(std::move(row));
       if (!r.bitwise) rc = 3;
     }
     if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
+    // Note [Machine speed check] in planner.cpp: a speed change after the profile (or its check).
+    std::vector<double> plain_steps = v.front().step_s;
+    const double verify_plain = median(plain_steps);
+    const double change = verify_plain / costs.plain_step_s - 1;
+    out["profile_plain_step_s"] = costs.plain_step_s;
+    out["verify_plain_step_s"] = verify_plain;
+    if (o.costs_speed_tolerance > 0 && std::abs(change) * 100 > o.costs_speed_tolerance) {
+      std::cout << std::fixed << std::setprecision(1) << "\nWARNING: the plain step took "
+                << verify_plain * 1e3 << " ms in these rounds and " << costs.plain_step_s * 1e3
+                << " ms in the profile (" << std::showpos << change * 100 << std::noshowpos
+                << "%): the machine's speed changed since the costs were measured, and the "
+                   "predicted ratios may be off by more than their spread. Profile again (a "
+                   "new --costs file, or none) to plan for the machine as it is now.\n";
+    }
   }
   if (svg_file.is_open()) {
     std::ostringstream title;
@@ -493,6 +582,12 @@ Runner add_plan_command(CLI::App& app) {
                   "device bytes a step may hold: bytes or with a unit (8GiB, 7.5G, 900MiB)");
   cmd->add_option("--profile-steps", o->profile_steps, "timed rounds of the profiling run")
       ->capture_default_str()->check(integer_in_range(1, 1000));
+  cmd->add_option("--finalists", o->finalists,
+                  "with --memory-budget: time this many fastest-predicted strategies that fit "
+                  "side by side and choose the one measured fastest (0: the prediction's choice)")
+      ->capture_default_str()->check(integer_in_range(0, 64));
+  cmd->add_option("--finalist-steps", o->finalist_steps, "timed rounds of the finalists")
+      ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_flag("--verify", o->verify,
                 "run the chosen strategy, its front neighbours and the plain run, and compare");
   cmd->add_option("--verify-steps", o->verify_steps, "timed rounds of --verify")
@@ -514,6 +609,10 @@ Runner add_plan_command(CLI::App& app) {
   cmd->add_option("--costs", o->costs,
                   "keep the measured costs in this file and reuse them while the model, device, "
                   "threads and libraries are the same");
+  cmd->add_option("--costs-speed-tolerance", o->costs_speed_tolerance,
+                  "percent the plain step may have moved since the --costs profile before it is "
+                  "profiled again; --verify warns beyond it (0: not checked)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1000.0));
   return [o, cmd]() { return cmd->parsed() ? run(*o, *cmd) : -1; };
 }
 

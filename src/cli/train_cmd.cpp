@@ -214,6 +214,10 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
 struct BudgetOptions {
   std::string budget;  // "" = train with the flags given
   std::string costs;   // the planner's cost cache (Note [Planner cost cache])
+  double costs_speed_tolerance = actmem::kCostSpeedTolerance * 100;  // percent
+  bool costs_speed_tolerance_given = false;
+  int finalists = actmem::kDefaultFinalists;  // Note [Plan finalists] in planner.cpp
+  bool finalists_given = false;
 };
 
 void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_size) {
@@ -233,16 +237,30 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
       m, o.training, 3, b.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplanning: " << line << "            " << std::flush;
-      });
+      },
+      b.costs_speed_tolerance / 100);
   if (profiled) std::cerr << "\n";
   if (!plan.costs_note.empty()) std::cerr << "planning: " << plan.costs_note << "\n";
-  const actmem::PlanEstimate& chosen = actmem::choose_plan(plan.front, budget);
+  actmem::PlanEstimate chosen = actmem::choose_plan(plan.front, budget);
+  if (b.finalists > 0) {
+    std::vector<actmem::PlanEstimate> finalists =
+        actmem::plan_finalists(plan.estimates, budget, b.finalists);
+    if (finalists.size() > 1) {
+      finalists = actmem::measure_finalists(m, o.training, finalists, actmem::kDefaultFinalistSteps,
+                                            [](const std::string& line) {
+                                              std::cerr << "\rplanning: timing the finalists, "
+                                                        << line << "            " << std::flush;
+                                            });
+      std::cerr << "\n";
+      chosen = finalists.front();
+    }
+  }
   std::cout << "planned for a memory budget of " << actmem::format_bytes(static_cast<double>(budget))
             << ": " << chosen.strategy.name() << " (predicted peak "
             << actmem::format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
-            << std::fixed << std::setprecision(3) << chosen.step_ratio << std::defaultfloat
-            << ")" << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags())
-            << "\n";
+            << std::fixed << std::setprecision(3) << chosen.planned_ratio() << std::defaultfloat
+            << (chosen.finalist_ratio > 0 ? " measured among the finalists" : "") << ")"
+            << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags()) << "\n";
   const std::string note = actmem::copies_in_flight_note(m, chosen.strategy);
   if (!note.empty()) std::cerr << "planning: " << note << "\n";
   o.model = chosen.strategy.apply(m);
@@ -264,6 +282,10 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   const actmem::DistEnv dist = actmem::dist_env_from_environment();
   TORCH_CHECK(budget.costs.empty() || !budget.budget.empty(),
               "actmem train: --costs keeps the planner's costs for --memory-budget; give both");
+  TORCH_CHECK(!budget.finalists_given || !budget.budget.empty(),
+              "actmem train: --finalists chooses among strategies for --memory-budget; give both");
+  TORCH_CHECK(!budget.costs_speed_tolerance_given || !budget.costs.empty(),
+              "actmem train: --costs-speed-tolerance checks the costs kept in --costs; give both");
   if (!budget.budget.empty()) plan_for_budget(o, budget, dist.world_size);
   // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
   // data-parallel size, is implied, as in Megatron.
@@ -410,7 +432,19 @@ Runner add_train_command(CLI::App& app) {
   cmd->add_option("--costs", budget->costs,
                   "with --memory-budget: the planner's cost file (as `actmem plan --costs`): "
                   "reused when it holds this model's costs, else written");
-  return [options, budget, cmd]() { return cmd->parsed() ? run_train(*options, *budget) : -1; };
+  CLI::Option* finalists = cmd->add_option("--finalists", budget->finalists,
+                  "with --memory-budget: time this many fastest-predicted strategies that fit "
+                  "side by side and train the one measured fastest (0: the prediction's choice)");
+  finalists->capture_default_str()->check(CLI::Range(0, 64));
+  CLI::Option* tolerance = cmd->add_option("--costs-speed-tolerance", budget->costs_speed_tolerance,
+                  "with --costs: percent the plain step may have moved since the profile before "
+                  "it is profiled again (0: not checked)")
+      ->capture_default_str()->check(CLI::Range(0.0, 1000.0));
+  return [options, budget, cmd, tolerance, finalists]() {
+    budget->costs_speed_tolerance_given = tolerance->count() > 0;
+    budget->finalists_given = finalists->count() > 0;
+    return cmd->parsed() ? run_train(*options, *budget) : -1;
+  };
 }
 
 }  // namespace actmem::cli
