@@ -569,20 +569,20 @@ std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estima
   return fits;
 }
 
-std::vector<PlanEstimate> measure_finalists(const TransformerConfig& base,
-                                            const TrainingConfig& training,
-                                            std::vector<PlanEstimate> finalists, int steps,
-                                            const std::function<void(const std::string&)>& progress) {
-  std::vector<Strategy> runs = {Strategy{}};
+std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
+                                          const TrainingConfig& training,
+                                          const std::vector<PlanEstimate>& estimates,
+                                          int64_t budget, int n, int steps,
+                                          const std::function<void(const std::string&)>& progress) {
+  std::vector<PlanEstimate> finalists = plan_finalists(estimates, budget, n);
+  if (finalists.size() < 2) return {};  // nothing to choose between
+  std::vector<Strategy> runs = {Strategy{}};  // the reference, plain, first
   for (const auto& f : finalists) {
     if (!f.strategy.plain()) runs.push_back(f.strategy);
   }
   const MeasuredRatios m = measure_step_ratios(base, training, runs, steps, progress);
   for (auto& f : finalists) {
-    const size_t i = f.strategy.plain()
-                         ? 0
-                         : static_cast<size_t>(std::find(runs.begin(), runs.end(), f.strategy) -
-                                               runs.begin());
+    const auto i = static_cast<size_t>(std::find(runs.begin(), runs.end(), f.strategy) - runs.begin());
     f.finalist_ratio = m.ratio[i];
     f.finalist_ratio_spread = m.spread[i];
   }

@@ -184,12 +184,14 @@ constexpr int kDefaultFinalistSteps = 10;
 std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates,
                                          int64_t budget, int n);
 
-/// Times `finalists` (plan_finalists()) against the plain step (`steps` rounds) and returns them
-/// with their finalist ratios set, the one measured fastest first (ties: the prediction's order).
-std::vector<PlanEstimate> measure_finalists(const TransformerConfig& base,
-                                            const TrainingConfig& training,
-                                            std::vector<PlanEstimate> finalists, int steps,
-                                            const std::function<void(const std::string&)>& progress = {});
+/// plan_finalists() of `estimates` for `budget`, timed against the plain step (`steps` rounds of
+/// measure_step_ratios()) and returned with their finalist ratios set, the one measured fastest
+/// first (ties: the prediction's order); empty when fewer than two fit (nothing to choose).
+std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
+                                          const TrainingConfig& training,
+                                          const std::vector<PlanEstimate>& estimates,
+                                          int64_t budget, int n, int steps,
+                                          const std::function<void(const std::string&)>& progress = {});
 
 /// Profiles `base` (its own activation flags ignored) on this machine: the plain step alone (Note
 /// [Machine speed check]), one forward-backward per distinct tail and per offload set, then

@@ -410,17 +410,14 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   // Note [Plan finalists] in planner.cpp: the few fastest-predicted that fit, timed side by side.
   std::vector<PlanEstimate> finalists;
   if (chosen != nullptr && o.finalists > 0) {
-    finalists = plan_finalists(estimates, budget, o.finalists);
-    if (finalists.size() > 1) {
-      finalists = measure_finalists(base, o.train.training, finalists, o.finalist_steps,
-                                    [](const std::string& line) {
-                                      std::cerr << "\rplan: timing the finalists, " << line
-                                                << "            " << std::flush;
-                                    });
+    finalists = timed_finalists(base, o.train.training, estimates, budget, o.finalists,
+                                o.finalist_steps, [](const std::string& line) {
+                                  std::cerr << "\rplan: timing the finalists, " << line
+                                            << "            " << std::flush;
+                                });
+    if (!finalists.empty()) {
       std::cerr << "\n";
       chosen = &finalists.front();
-    } else {
-      finalists.clear();  // one strategy fits: nothing to choose between
     }
   }
   print_front(front, chosen);
@@ -454,7 +451,8 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   int rc = 0;
   if (o.verify) {
     TORCH_CHECK(chosen != nullptr, "actmem plan: --verify needs --memory-budget");
-    // The plain run first (the reference), then the chosen plan and its front neighbours.
+    // The plain run first (the reference), then the chosen plan and the finalists (without
+    // them, its front neighbours).
     std::vector<PlanEstimate> runs;
     const auto plain = std::find_if(estimates.begin(), estimates.end(),
                                     [](const PlanEstimate& e) { return e.strategy.plain(); });
@@ -479,12 +477,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     }
     // And the standard settings predicted to fit: what the plan is measured against.
     for (const auto& e : estimates) {
-      const bool listed = std::any_of(runs.begin(), runs.end(), [&e](const PlanEstimate& r) {
-        return r.strategy == e.strategy;
-      });
-      if (!listed && e.peak_bytes <= budget && standard_setting(e.strategy, base.num_layers)) {
-        runs.push_back(e);
-      }
+      if (e.peak_bytes <= budget && standard_setting(e.strategy, base.num_layers)) add(e);
     }
     int warm_up = 0;
     const std::vector<Verified> v = verify(base, o.train.training, runs, o.verify_steps, &warm_up);
@@ -532,8 +525,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     }
     if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
     // Note [Machine speed check] in planner.cpp: a speed change after the profile (or its check).
-    std::vector<double> plain_steps = v.front().step_s;
-    const double verify_plain = median(plain_steps);
+    const double verify_plain = median(v.front().step_s);
     const double change = verify_plain / costs.plain_step_s - 1;
     out["profile_plain_step_s"] = costs.plain_step_s;
     out["verify_plain_step_s"] = verify_plain;
@@ -589,7 +581,8 @@ Runner add_plan_command(CLI::App& app) {
   cmd->add_option("--finalist-steps", o->finalist_steps, "timed rounds of the finalists")
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_flag("--verify", o->verify,
-                "run the chosen strategy, its front neighbours and the plain run, and compare");
+                "run the chosen strategy, the other finalists (or its front neighbours), the "
+                "standard settings that fit and the plain run, and compare");
   cmd->add_option("--verify-steps", o->verify_steps, "timed rounds of --verify")
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");

@@ -243,14 +243,12 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   if (!plan.costs_note.empty()) std::cerr << "planning: " << plan.costs_note << "\n";
   actmem::PlanEstimate chosen = actmem::choose_plan(plan.front, budget);
   if (b.finalists > 0) {
-    std::vector<actmem::PlanEstimate> finalists =
-        actmem::plan_finalists(plan.estimates, budget, b.finalists);
-    if (finalists.size() > 1) {
-      finalists = actmem::measure_finalists(m, o.training, finalists, actmem::kDefaultFinalistSteps,
-                                            [](const std::string& line) {
-                                              std::cerr << "\rplanning: timing the finalists, "
-                                                        << line << "            " << std::flush;
-                                            });
+    const std::vector<actmem::PlanEstimate> finalists = actmem::timed_finalists(
+        m, o.training, plan.estimates, budget, b.finalists, actmem::kDefaultFinalistSteps,
+        [](const std::string& line) {
+          std::cerr << "\rplanning: timing the finalists, " << line << "            " << std::flush;
+        });
+    if (!finalists.empty()) {
       std::cerr << "\n";
       chosen = finalists.front();
     }
