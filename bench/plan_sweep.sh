@@ -3,8 +3,9 @@
 # fp32, bf16 with SwiGLU, MoE), each profiled once and planned with --verify at three budgets
 # between its front's smallest and largest peak (20%, 50%, 85% of the way). Prints one markdown
 # row per budget: the chosen plan, its measured and predicted peak, its measured step ratio
-# against the one the planner stated (its finalist measurement, Note [Plan finalists] in
-# src/planner.cpp) and the model's prediction, the fastest
+# against the one the planner stated (the choice timed again against the plain step, Note
+# [Confirming the choice] in src/planner.cpp, with its rounds and those of the verify), the
+# finalist measurement it was chosen by (Note [Plan finalists]) and the model's prediction, the fastest
 # Megatron standard setting that fits (measured in the same rounds), the plain step's median in
 # the profile and in the verify rounds (a machine whose speed changed between the two predicts
 # worse: Note [Machine speed check] in src/planner.cpp; a reuse of the costs that finds the
@@ -46,9 +47,10 @@ def standard(name, layers):
     return name in ("plain", "selective core_attn", "full uniform 1", "full block 1",
                     "full block %d" % max(1, layers // 2))
 mib = lambda b: b / 2**20
-print("| model | budget | chosen | peak measured / predicted | step ratio measured / planned (model) "
+print("| model | budget | chosen | peak measured / predicted | step ratio measured / stated "
+      "(rounds verify / confirm) | finalist | model "
       "| best standard setting that fits (measured ratio) | plain step profile / verify | all bitwise |")
-print("|---|---|---|---|---|---|---|---|")
+print("|---|---|---|---|---|---|---|---|---|---|")
 for m in ("dense", "bf16", "moe"):
     for f in ("0.2", "0.5", "0.85"):
         try:
@@ -65,11 +67,15 @@ for m in ("dense", "bf16", "moe"):
         peak_err = (chosen["predicted_peak_bytes"] / chosen["measured_peak_bytes"] - 1) * 100
         ratio_err = (chosen["planned_step_ratio"] / chosen["measured_step_ratio"] - 1) * 100
         model_err = (chosen["predicted_step_ratio"] / chosen["measured_step_ratio"] - 1) * 100
-        print("| %s | %.1f MiB | %s | %.2f / %.2f MiB (%+.2f%%) | %.3f / %.3f (%+.1f%%) (%.3f, %+.1f%%) | %s "
-              "| %.0f / %.0f ms | %s (worst peak error of %d runs %.2f%%) |" % (
+        fin = chosen.get("finalist_step_ratio")
+        fin_text = "%.3f (%+.1f%%)" % (fin, (fin / chosen["measured_step_ratio"] - 1) * 100) if fin else "-"
+        print("| %s | %.1f MiB | %s | %.2f / %.2f MiB (%+.2f%%) | %.3f / %.3f (%+.1f%%) (%d / %s) | %s "
+              "| %.3f (%+.1f%%) | %s | %.0f / %.0f ms | %s (worst peak error of %d runs %.2f%%) |" % (
                   m, mib(budget), chosen["strategy"], mib(chosen["measured_peak_bytes"]),
                   mib(chosen["predicted_peak_bytes"]), peak_err, chosen["measured_step_ratio"],
-                  chosen["planned_step_ratio"], ratio_err, chosen["predicted_step_ratio"], model_err,
+                  chosen["planned_step_ratio"], ratio_err, j.get("verify_rounds", 0),
+                  j["chosen"].get("confirmed_rounds", "-"), fin_text,
+                  chosen["predicted_step_ratio"], model_err,
                   "%s (%.3f)" % (best["strategy"], best["measured_step_ratio"]) if best else "none fits",
                   1e3 * j["profile_plain_step_s"], 1e3 * j["verify_plain_step_s"],
                   "yes" if all(r["bitwise_equal_to_plain"] for r in runs) else "NO", len(runs),

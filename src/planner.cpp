@@ -494,24 +494,55 @@ nlohmann::json PlanEstimate::to_json() const {
     j["finalist_step_ratio"] = finalist_ratio;
     j["finalist_step_ratio_spread"] = finalist_ratio_spread;
   }
+  if (confirmed_ratio > 0) {
+    j["confirmed_step_ratio"] = confirmed_ratio;
+    j["confirmed_step_ratio_standard_error"] = confirmed_ratio_error;
+    j["confirmed_rounds"] = confirmed_rounds;
+  }
   return j;
 }
 
+// Note [Rounds until sure]
+// A measured step ratio is the median of per-round ratios, and on a shared machine one round's
+// ratio scatters by 5 to 15% (the development machine, 2 cores with a busy neighbour: half
+// interquartile ranges of 0.02 to 0.06). Ten rounds then leave a standard error of 1.5 to 3% on
+// the median, and two such measurements of the same plan (the finalists' and --verify's) differ
+// by more than 5% once in every few budgets: measured, 1 of 9 in one sweep. A fixed count is too
+// few on a noisy machine and wasted on a quiet one, so the planner measures until it is sure:
+// after the minimum, another round while a watched ratio's standard error
+// (median_standard_error(): from the interquartile range, as for independent normal draws) is
+// above the precision wanted (kDefaultRatioPrecision, 1%; `--ratio-precision`), up to a maximum
+// (kDefaultMaxTimedRounds, `--max-timed-rounds`). Rounds minutes apart are not independent
+// draws when the machine's speed drifts (Note [Machine speed check]); the error assumes they
+// are, so it is a floor, not a bound.
 MeasuredRatios measure_step_ratios(const TransformerConfig& base, const TrainingConfig& training,
-                                   const std::vector<Strategy>& strategies, int steps,
-                                   const std::function<void(const std::string&)>& progress) {
+                                   const std::vector<Strategy>& strategies,
+                                   const TimedRounds& rounds,
+                                   const std::function<void(const std::string&)>& progress,
+                                   bool compute_digest) {
   TORCH_CHECK(!strategies.empty() && strategies.front().plain(), "actmem::measure_step_ratios: "
               "the first strategy must be plain, the reference");
-  TORCH_CHECK(steps >= 1, "actmem::measure_step_ratios: at least one timed round, got ", steps);
+  TORCH_CHECK(rounds.min_rounds >= 1 && rounds.max_rounds >= rounds.min_rounds,
+              "actmem::measure_step_ratios: expected 1 <= min_rounds <= max_rounds, got ",
+              rounds.min_rounds, " and ", rounds.max_rounds);
+  TORCH_CHECK(rounds.precision >= 0, "actmem::measure_step_ratios: the precision is a standard "
+              "error >= 0 (0: min_rounds exactly), got ", rounds.precision);
+  const size_t n = strategies.size();
+  std::vector<size_t> watch = rounds.watch;
+  if (watch.empty()) {
+    for (size_t i = 1; i < n; ++i) watch.push_back(i);
+  }
+  for (const size_t i : watch) {
+    TORCH_CHECK(i < n, "actmem::measure_step_ratios: watched strategy ", i, " of ", n);
+  }
+  const int most = rounds.precision > 0 ? rounds.max_rounds : rounds.min_rounds;
   auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
   };
-  TrainingConfig t = training;
-  t.eval_interval = 0;
-  t.train_iters = kMaxWarmUpRounds + steps;
+  TrainingConfig t = probe_training(training, base, kMaxWarmUpRounds + most);
+  t.global_batch_size = training.global_batch(base.micro_batch_size);
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (const auto& s : strategies) trainers.push_back(std::make_unique<Trainer>(s.apply(base), t));
-  const size_t n = strategies.size();
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
   MeasuredRatios m;
@@ -521,17 +552,38 @@ MeasuredRatios measure_step_ratios(const TransformerConfig& base, const Training
   m.warm_up_rounds = warm_up_rounds(order, 1, kMaxWarmUpRounds, [&](int round) {
     say("warm-up round " + std::to_string(round + 1) + " done (not timed)");
   });
-  run_shuffled_rounds(order, steps, true, [&](int round, const std::vector<IterationStats>& st) {
-    say("round " + std::to_string(round + 1) + "/" + std::to_string(steps));
+  auto worst_error = [&] {
+    double worst = 0;
+    for (const size_t i : watch) worst = std::max(worst, median_standard_error(ratios[i]));
+    return worst;
+  };
+  say("round 1/" + std::to_string(rounds.min_rounds));
+  const auto after = [&](int, const std::vector<IterationStats>& st) {
     for (size_t i = 0; i < n; ++i) {
       m.bitwise[i] = m.bitwise[i] && st[i].loss == st[0].loss && st[i].grad_digest == st[0].grad_digest;
       ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
       m.step_s[i].push_back(st[i].step_time_s);
     }
+  };
+  m.rounds = run_shuffled_rounds(order, most, compute_digest, after, [&](int done) {
+    if (done < rounds.min_rounds) {
+      say("round " + std::to_string(done + 1) + "/" + std::to_string(rounds.min_rounds));
+      return false;
+    }
+    if (rounds.precision == 0) return true;
+    const double error = worst_error();
+    if (error <= rounds.precision) return true;
+    std::ostringstream line;
+    line << "round " << done + 1 << " (until the standard error is " << std::fixed
+         << std::setprecision(1) << rounds.precision * 100 << "%, now " << error * 100
+         << "%; at most " << most << ")";
+    if (done < most) say(line.str());
+    return false;
   });
   for (size_t i = 0; i < n; ++i) {
     m.ratio.push_back(median(ratios[i]));
     m.spread.push_back((quantile(ratios[i], 0.75) - quantile(ratios[i], 0.25)) / 2);
+    m.standard_error.push_back(median_standard_error(ratios[i]));
   }
   return m;
 }
@@ -569,10 +621,19 @@ std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estima
   return fits;
 }
 
+// Note [Confirming the choice]
+// Choosing the finalist measured fastest brings the winner's curse back on a smaller scale: among
+// finalists whose true ratios nearly tie, the one chosen is, more often than not, one whose
+// finalist rounds happened to run fast, so its finalist ratio understates what it costs. So the
+// ratio the planner states is not the one it chose by: the choice is timed again against the
+// plain step alone, in rounds of its own (two trainers a round, so cheap), until its standard
+// error reaches the precision wanted (Note [Rounds until sure]). That measurement is independent
+// of the choice, so it is as likely above the truth as below.
 std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
                                           const TrainingConfig& training,
                                           const std::vector<PlanEstimate>& estimates,
                                           int64_t budget, int n, int steps,
+                                          const TimedRounds& confirm,
                                           const std::function<void(const std::string&)>& progress) {
   std::vector<PlanEstimate> finalists = plan_finalists(estimates, budget, n);
   if (finalists.size() < 2) return {};  // nothing to choose between
@@ -580,7 +641,8 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
   for (const auto& f : finalists) {
     if (!f.strategy.plain()) runs.push_back(f.strategy);
   }
-  const MeasuredRatios m = measure_step_ratios(base, training, runs, steps, progress);
+  const MeasuredRatios m = measure_step_ratios(base, training, runs, TimedRounds::fixed(steps),
+                                               progress);
   for (auto& f : finalists) {
     const auto i = static_cast<size_t>(std::find(runs.begin(), runs.end(), f.strategy) - runs.begin());
     f.finalist_ratio = m.ratio[i];
@@ -590,6 +652,17 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
                    [](const PlanEstimate& a, const PlanEstimate& b) {
                      return a.finalist_ratio < b.finalist_ratio;
                    });
+  PlanEstimate& chosen = finalists.front();
+  if (chosen.strategy.plain()) return finalists;  // the plain step is its own reference
+  TimedRounds again = confirm;
+  again.watch = {1};
+  const MeasuredRatios c = measure_step_ratios(
+      base, training, {Strategy{}, chosen.strategy}, again, [&progress](const std::string& line) {
+        if (progress) progress("confirming the choice, " + line);
+      });
+  chosen.confirmed_ratio = c.ratio[1];
+  chosen.confirmed_ratio_error = c.standard_error[1];
+  chosen.confirmed_rounds = c.rounds;
   return finalists;
 }
 
@@ -718,33 +791,21 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     // Layer-level offload of every layer it may take (L - 1), charged per layer.
     if (s.offload_layers == base.num_layers - 1) basis.push_back({"layer-offload", s});
   }
-  TrainingConfig timed = probe_training(training, base, kMaxWarmUpRounds + steps);
-  timed.global_batch_size = training.global_batch(base.micro_batch_size);
-  std::vector<std::unique_ptr<Trainer>> trainers;
-  for (const auto& [name, s] : basis) trainers.push_back(std::make_unique<Trainer>(s.apply(base), timed));
+  std::vector<Strategy> runs;
+  for (const auto& entry : basis) runs.push_back(entry.second);
   const size_t n = basis.size();
-  std::vector<std::vector<double>> ratios(n);
-  std::vector<double> plain_times;
-  std::vector<Trainer*> order;
-  for (auto& tr : trainers) order.push_back(tr.get());
   const std::string what = "timing " + std::to_string(n) + " mechanisms: ";
   say(what + "warming up (not timed)");
-  warm_up_rounds(order, 1, kMaxWarmUpRounds, [&](int round) {
-    say(what + "warm-up round " + std::to_string(round + 1) + " done (not timed)");
-  });
-  say(what + "round 1/" + std::to_string(steps));
-  run_shuffled_rounds(order, steps, false, [&](int round, const std::vector<IterationStats>& st) {
-    if (round + 1 < steps) say(what + "round " + std::to_string(round + 2) + "/" + std::to_string(steps));
-    plain_times.push_back(st[0].step_time_s);
-    for (size_t i = 0; i < n; ++i) costs.round_step_s[basis[i].first].push_back(st[i].step_time_s);
-    for (size_t i = 1; i < n; ++i) ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
-  });
-  costs.plain_step_s = median(plain_times);
+  const MeasuredRatios m = measure_step_ratios(
+      base, training, runs, TimedRounds::fixed(steps),
+      [&](const std::string& line) { say(what + line); }, /*compute_digest=*/false);
+  for (size_t i = 0; i < n; ++i) costs.round_step_s[basis[i].first] = m.step_s[i];
+  costs.plain_step_s = median(m.step_s[0]);
   const double L = static_cast<double>(base.num_layers);
   std::map<std::string, double> set_extra, set_spread;
   for (size_t i = 1; i < n; ++i) {
-    double extra = median(ratios[i]) - 1.0;  // signed (Note [Planner cost basis])
-    double spread = (quantile(ratios[i], 0.75) - quantile(ratios[i], 0.25)) / 2;
+    double extra = m.ratio[i] - 1.0;  // signed (Note [Planner cost basis])
+    double spread = m.spread[i];
     if (basis[i].first == "full-layer") extra /= L, spread /= L;
     if (basis[i].first == "layer-offload") extra /= L - 1, spread /= L - 1;
     if (basis[i].first.rfind("offload-set:", 0) == 0) {

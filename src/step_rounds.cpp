@@ -25,9 +25,10 @@ std::vector<std::vector<size_t>> round_orders(size_t n, int rounds) {
   return orders;
 }
 
-void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+int run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
                         const std::function<void(int round, const std::vector<IterationStats>&)>&
-                            after_round) {
+                            after_round,
+                        const std::function<bool(int rounds_done)>& stop) {
   std::vector<IterationStats> stats(trainers.size());
   const std::vector<std::vector<size_t>> orders = round_orders(trainers.size(), rounds);
   for (int round = 0; round < rounds; ++round) {
@@ -35,7 +36,9 @@ void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool
       stats[i] = trainers[i]->train_step(compute_digest);
     }
     if (after_round) after_round(round, stats);
+    if (stop && stop(round + 1)) return round + 1;
   }
+  return rounds;
 }
 
 int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int max_rounds,

@@ -125,6 +125,34 @@ TEST(Planner, FinalistsAreTheFastestPredictedStrategiesThatFit) {
   EXPECT_THROW(plan_finalists(estimates, 80, 0), c10::Error);
 }
 
+// Note [Rounds until sure]: the fewest rounds when no precision is asked, more while a watched
+// ratio is less sure than asked, never more than the most, and every round compared bitwise.
+TEST(Planner, TimedRoundsGoOnUntilTheRatiosAreSure) {
+  const TransformerConfig c = testing::offload_model();
+  TrainingConfig t = testing::tiny_training();
+  Strategy core_attn;
+  core_attn.recompute_modules = {"core_attn"};
+  const std::vector<Strategy> runs = {Strategy{}, core_attn};
+  MeasuredRatios m = measure_step_ratios(c, t, runs, TimedRounds::fixed(3));
+  EXPECT_EQ(m.rounds, 3);
+  ASSERT_EQ(m.step_s[1].size(), 3u);
+  EXPECT_TRUE(m.bitwise[1]);
+  EXPECT_DOUBLE_EQ(m.standard_error[1], median_standard_error({m.step_s[1][0] / m.step_s[0][0],
+                                                               m.step_s[1][1] / m.step_s[0][1],
+                                                               m.step_s[1][2] / m.step_s[0][2]}));
+  // A precision no timing reaches: the most rounds. One any three rounds reach: the fewest.
+  m = measure_step_ratios(c, t, runs, TimedRounds{3, 6, 1e-12, {}});
+  EXPECT_EQ(m.rounds, 6);
+  EXPECT_EQ(m.step_s[0].size(), 6u);
+  m = measure_step_ratios(c, t, runs, TimedRounds{3, 6, 100.0, {}});
+  EXPECT_EQ(m.rounds, 3);
+  // Only the watched ratio counts: the plain run's own ratio is exactly 1 every round.
+  m = measure_step_ratios(c, t, runs, TimedRounds{3, 6, 1e-12, {0}});
+  EXPECT_EQ(m.rounds, 3);
+  EXPECT_THROW(measure_step_ratios(c, t, runs, TimedRounds{3, 2, 0.01, {}}), c10::Error);
+  EXPECT_THROW(measure_step_ratios(c, t, runs, TimedRounds{3, 6, 0.01, {2}}), c10::Error);
+}
+
 TEST(Planner, WarnsWhenAnOffloadPlanLetsCopiesStayInFlight) {
   TransformerConfig c = testing::offload_model();  // the default cap: -1, copies in flight
   Strategy layer, groups, recompute;
@@ -253,7 +281,7 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
                             "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
                             "--min-offloaded-tensor-size 256 --fine-grained-offloading-max-inflight-offloads 0 "
                             "--threads 1 --profile-steps 1 "
-                            "--verify-steps 2";
+                            "--verify-steps 2 --max-timed-rounds 12";
   // A budget between the smallest and the largest peak: first read the front.
   // The profile is kept in --costs and reused by the runs after it (same model and machine; the
   // speed check is off here: another test may load the machine meanwhile).
@@ -319,6 +347,18 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
       EXPECT_GE(e["step_ratio"].get<double>(), slowest_predicted) << e;
     }
   }
+  // Note [Confirming the choice]: the choice timed again against the plain step, in at least the
+  // finalists' rounds (10) and at most --max-timed-rounds; that is what the planner states.
+  if (plan["chosen"]["strategy"] != "plain") {
+    const auto& chosen = plan["chosen"];
+    EXPECT_GT(chosen["confirmed_step_ratio"].get<double>(), 0) << chosen;
+    EXPECT_GE(chosen["confirmed_rounds"].get<int>(), kDefaultFinalistSteps) << chosen;
+    EXPECT_LE(chosen["confirmed_rounds"].get<int>(), 12) << chosen;
+    EXPECT_NE(r.output.find("rounds against the plain step"), std::string::npos) << r.output;
+  }
+  // --verify: at least --verify-steps rounds, at most --max-timed-rounds.
+  EXPECT_GE(plan["verify_rounds"].get<int>(), 2);
+  EXPECT_LE(plan["verify_rounds"].get<int>(), 12);
   // The finalists are verified too, beside the choice.
   for (const auto& f : finalists) {
     EXPECT_TRUE(std::any_of(plan["verified"].begin(), plan["verified"].end(),
@@ -350,8 +390,9 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("planned for a memory budget of"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
-  // The finalists were timed and the choice is one of them (Note [Plan finalists]).
-  EXPECT_NE(r.output.find("measured among the finalists"), std::string::npos) << r.output;
+  // The finalists were timed, the choice is one of them and its ratio was measured again (Note
+  // [Plan finalists], Note [Confirming the choice]).
+  EXPECT_NE(r.output.find("measured against the plain step"), std::string::npos) << r.output;
   // Runs that choose by the prediction alone plan from the kept costs, and so choose the same.
   std::string plans[2];
   for (std::string& plan_line : plans) {

@@ -149,9 +149,17 @@ struct PlanEstimate {
   /// finalists' rounds and that ratio's spread; 0 when it was not.
   double finalist_ratio = 0;
   double finalist_ratio_spread = 0;
-  /// What the planner states for this strategy: the finalist measurement when there is one, else
-  /// the prediction.
-  double planned_ratio() const { return finalist_ratio > 0 ? finalist_ratio : step_ratio; }
+  /// The choice among finalists measured again, against the plain step alone, in rounds of its
+  /// own (Note [Confirming the choice] in planner.cpp): its ratio, that ratio's standard error
+  /// and the rounds timed; 0 when it was not.
+  double confirmed_ratio = 0;
+  double confirmed_ratio_error = 0;
+  int confirmed_rounds = 0;
+  /// What the planner states for this strategy: the confirmed measurement, else the finalist
+  /// one, else the prediction.
+  double planned_ratio() const {
+    return confirmed_ratio > 0 ? confirmed_ratio : finalist_ratio > 0 ? finalist_ratio : step_ratio;
+  }
   nlohmann::json to_json() const;
 };
 
@@ -160,18 +168,41 @@ struct PlanEstimate {
 struct MeasuredRatios {
   std::vector<double> ratio;    // per strategy: median over rounds of its step / the plain step's
   std::vector<double> spread;   // per strategy: half the interquartile range of those per-round ratios
+  std::vector<double> standard_error;  // per strategy: median_standard_error() of those ratios
   std::vector<std::vector<double>> step_s;  // per strategy: every timed round's step time
-  std::vector<bool> bitwise;    // per strategy: every round's loss and gradient digest the plain run's
+  std::vector<bool> bitwise;    // per strategy: every round's loss and gradient digest the plain
+                                // run's (the loss only without digests)
   int warm_up_rounds = 0;
+  int rounds = 0;  // timed rounds run
 };
 
+/// How many timed rounds measure_step_ratios() runs (Note [Rounds until sure] in planner.cpp):
+/// at least `min_rounds`; then, while a watched strategy's ratio has a standard error above
+/// `precision`, more, up to `max_rounds`. `precision` 0: exactly `min_rounds`.
+struct TimedRounds {
+  int min_rounds = 10;
+  int max_rounds = 10;
+  double precision = 0;        // the standard error wanted of each watched ratio (0.01: 1%)
+  std::vector<size_t> watch;   // indices into the strategies; empty: every one but the plain
+  /// `rounds` exactly.
+  static TimedRounds fixed(int rounds) { return {rounds, rounds, 0.0, {}}; }
+};
+/// Note [Rounds until sure]: the default precision of a measured step ratio (a standard error of
+/// 1%) and the most rounds spent reaching it.
+constexpr double kDefaultRatioPrecision = 0.01;
+constexpr int kDefaultMaxTimedRounds = 60;
+
 /// Trains `strategies` of `base` (the first must be plain) side by side: untimed rounds until the
-/// allocator is steady (Note [Warm until the allocator is steady]), then `steps` timed rounds in
-/// a new order each, every round's loss and gradient digest compared with the plain run's.
-/// `progress` (may be empty) is called with a line per round.
+/// allocator is steady (Note [Warm until the allocator is steady]), then timed rounds in a new
+/// order each, as many as `rounds` asks, every round's loss (and with `compute_digest` the
+/// gradient digest) compared with the plain run's. `training`'s global batch is kept; its
+/// evaluation, save and load are not run. `progress` (may be empty) is called with a line per
+/// round.
 MeasuredRatios measure_step_ratios(const TransformerConfig& base, const TrainingConfig& training,
-                                   const std::vector<Strategy>& strategies, int steps,
-                                   const std::function<void(const std::string&)>& progress = {});
+                                   const std::vector<Strategy>& strategies,
+                                   const TimedRounds& rounds,
+                                   const std::function<void(const std::string&)>& progress = {},
+                                   bool compute_digest = true);
 
 /// Note [Plan finalists] in planner.cpp: how many strategies `plan --memory-budget` and `train
 /// --memory-budget` time side by side before choosing.
@@ -186,11 +217,14 @@ std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estima
 
 /// plan_finalists() of `estimates` for `budget`, timed against the plain step (`steps` rounds of
 /// measure_step_ratios()) and returned with their finalist ratios set, the one measured fastest
-/// first (ties: the prediction's order); empty when fewer than two fit (nothing to choose).
+/// first (ties: the prediction's order); that one is then timed again against the plain step
+/// alone, for as many rounds as `confirm` asks (Note [Confirming the choice]; `confirm.watch` is
+/// ignored), and its confirmed ratio set. Empty when fewer than two fit (nothing to choose).
 std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
                                           const TrainingConfig& training,
                                           const std::vector<PlanEstimate>& estimates,
                                           int64_t budget, int n, int steps,
+                                          const TimedRounds& confirm,
                                           const std::function<void(const std::string&)>& progress = {});
 
 /// Profiles `base` (its own activation flags ignored) on this machine: the plain step alone (Note

@@ -23,6 +23,11 @@ double quantile(std::vector<double> values, double q);
 /// Median of a non-empty sample: quantile 0.5 (the mean of the middle two for an even count).
 double median(std::vector<double> values);
 
+/// Standard error of the median of a sample of independent draws, from its interquartile range
+/// as for a normal distribution: sqrt(pi / 2) * (IQR / 1.349) / sqrt(n). Infinite below three
+/// values (no spread to judge by).
+double median_standard_error(const std::vector<double>& values);
+
 /// One row of Megatron's "Activation Offload Summary (MB)": bytes offloaded per group name in
 /// the warmup step, after the margin rule.
 struct OffloadSummaryRow {

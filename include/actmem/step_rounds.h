@@ -53,9 +53,12 @@ int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int ma
 
 /// Runs `rounds` rounds of one training step of every trainer, in a new order each round (Note
 /// [Step round order]), and after each round calls `after_round(round, stats)` with every
-/// trainer's stats in trainer order. `compute_digest` as in Trainer::train_step.
-void run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+/// trainer's stats in trainer order. `compute_digest` as in Trainer::train_step. When `stop` is
+/// given, it is asked after each round (with the rounds done) whether enough were run; returns
+/// the rounds run.
+int run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
                         const std::function<void(int round, const std::vector<IterationStats>&)>&
-                            after_round);
+                            after_round,
+                        const std::function<bool(int rounds_done)>& stop = nullptr);
 
 }  // namespace actmem

@@ -47,6 +47,10 @@ struct PlanOptions {
   double costs_speed_tolerance = kCostSpeedTolerance * 100;  // percent (Note [Machine speed check])
   int finalists = kDefaultFinalists;  // Note [Plan finalists]; 0: the model's choice
   int finalist_steps = kDefaultFinalistSteps;
+  // Note [Rounds until sure] in planner.cpp: the standard error wanted of the confirmed and the
+  // verified ratio (percent; 0: the minimum rounds only) and the most rounds spent on it.
+  double ratio_precision = kDefaultRatioPrecision * 100;
+  int max_timed_rounds = kDefaultMaxTimedRounds;
   // A paper preset planned analytically (Note [Analytic plan] in plan_analytic.h).
   std::string preset;
   std::string gpu = "h100";
@@ -99,8 +103,14 @@ std::string ratio_text(const PlanEstimate& e) {
 std::string planned_ratio_text(const PlanEstimate& e) {
   if (e.finalist_ratio <= 0) return ratio_text(e);
   std::ostringstream os;
-  os << std::fixed << std::setprecision(3) << e.finalist_ratio << " ±" << e.finalist_ratio_spread
-     << " measured (predicted " << ratio_text(e) << ")";
+  os << std::fixed << std::setprecision(3);
+  if (e.confirmed_ratio > 0) {
+    os << e.confirmed_ratio << " measured (standard error " << e.confirmed_ratio_error << ", "
+       << e.confirmed_rounds << " rounds against the plain step; predicted " << ratio_text(e) << ")";
+  } else {
+    os << e.finalist_ratio << " ±" << e.finalist_ratio_spread << " measured (predicted "
+       << ratio_text(e) << ")";
+  }
   return os.str();
 }
 
@@ -163,12 +173,14 @@ struct Verified {
   PlanEstimate estimate;
   int64_t peak = 0;
   double ratio = 0;
+  double ratio_error = 0;  // its standard error (Note [Rounds until sure] in planner.cpp)
   bool bitwise = true;
   std::vector<double> step_s;  // every timed round's step time
 };
 
 std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig& training,
-                             const std::vector<PlanEstimate>& runs, int steps, int* warm_up) {
+                             const std::vector<PlanEstimate>& runs, const TimedRounds& rounds,
+                             MeasuredRatios* measured) {
   std::vector<Verified> out;
   TrainingConfig t = training;
   t.eval_interval = 0;
@@ -178,22 +190,23 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
               << std::flush;
     Trainer solo(e.strategy.apply(base), t);
     solo.train_step(false);
-    out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, true, {}});
+    out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, 0.0, true, {}});
   }
   std::vector<Strategy> strategies;
   for (const auto& e : runs) strategies.push_back(e.strategy);  // runs[0] is plain
   const MeasuredRatios m = measure_step_ratios(
-      base, training, strategies, steps, [](const std::string& line) {
+      base, training, strategies, rounds, [](const std::string& line) {
         std::cerr << "\rplan: verifying step times and exactness, " << line << "            "
                   << std::flush;
       });
   std::cerr << "\n";
   for (size_t i = 0; i < out.size(); ++i) {
     out[i].ratio = m.ratio[i];
+    out[i].ratio_error = m.standard_error[i];
     out[i].bitwise = m.bitwise[i];
     out[i].step_s = m.step_s[i];
   }
-  *warm_up = m.warm_up_rounds;
+  *measured = m;
   return out;
 }
 
@@ -371,6 +384,7 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   const int64_t budget = o.budget.empty() ? -1 : parse_memory_budget(o.budget);
   TORCH_CHECK(budget > 0 || (cmd.count("--finalists") == 0 && cmd.count("--finalist-steps") == 0),
               "actmem plan: --finalists chooses among strategies for --memory-budget; give both");
+  const TimedRounds until_sure{1, o.max_timed_rounds, o.ratio_precision / 100, {}};
   check_distinct_files({{"--data", o.train.training.data_path}},
                        {{"--svg", o.svg}, {"--json", o.json}, {"--costs", o.costs}});
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
@@ -410,8 +424,10 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   // Note [Plan finalists] in planner.cpp: the few fastest-predicted that fit, timed side by side.
   std::vector<PlanEstimate> finalists;
   if (chosen != nullptr && o.finalists > 0) {
+    TimedRounds confirm = until_sure;
+    confirm.min_rounds = std::min(o.finalist_steps, o.max_timed_rounds);
     finalists = timed_finalists(base, o.train.training, estimates, budget, o.finalists,
-                                o.finalist_steps, [](const std::string& line) {
+                                o.finalist_steps, confirm, [](const std::string& line) {
                                   std::cerr << "\rplan: timing the finalists, " << line
                                             << "            " << std::flush;
                                 });
@@ -439,6 +455,13 @@ int run(PlanOptions& o, const CLI::App& cmd) {
                 << std::setw(16) << ratio_text(f) << std::setw(16) << measured.str() << "  "
                 << std::left << f.strategy.name() << (&f == chosen ? "   <- chosen" : "") << "\n";
       out["finalists"].push_back(f.to_json());
+    }
+    const PlanEstimate& c = finalists.front();
+    if (c.confirmed_ratio > 0) {
+      std::cout << std::fixed << std::setprecision(3) << "confirmed (Note [Confirming the choice] "
+                << "in planner.cpp): " << c.strategy.name() << " timed again against the plain "
+                << "step alone, " << c.confirmed_rounds << " rounds: " << c.confirmed_ratio
+                << ", standard error " << c.confirmed_ratio_error << "\n";
     }
   }
   if (chosen) {
@@ -479,26 +502,35 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     for (const auto& e : estimates) {
       if (e.peak_bytes <= budget && standard_setting(e.strategy, base.num_layers)) add(e);
     }
-    int warm_up = 0;
-    const std::vector<Verified> v = verify(base, o.train.training, runs, o.verify_steps, &warm_up);
-    std::cout << "\nverified (" << o.verify_steps << " timed rounds after " << warm_up
-              << " warm-up rounds, same seed):\n"
+    // Rounds until the chosen plan's ratio is as sure as its confirmation (runs[1] is the chosen
+    // one unless the plain run is).
+    TimedRounds rounds = until_sure;
+    rounds.min_rounds = std::min(o.verify_steps, o.max_timed_rounds);
+    rounds.watch = {chosen->strategy.plain() ? size_t{0} : size_t{1}};
+    if (chosen->strategy.plain()) rounds.precision = 0;
+    MeasuredRatios measured;
+    const std::vector<Verified> v = verify(base, o.train.training, runs, rounds, &measured);
+    std::cout << "\nverified (" << measured.rounds << " timed rounds after "
+              << measured.warm_up_rounds << " warm-up rounds, same seed):\n"
               << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
               << "peak" << std::setw(13) << "predicted" << std::setw(9) << "error"
               << std::setw(8) << "ratio" << std::setw(16) << "predicted" << std::setw(9)
-              << "error" << std::setw(10) << "finalist" << std::setw(9) << "error"
+              << "error" << std::setw(10) << "stated" << std::setw(9) << "error"
               << std::setw(6) << "fits" << std::setw(9) << "bitwise\n";
-    out["verify_warm_up_rounds"] = warm_up;
+    out["verify_warm_up_rounds"] = measured.warm_up_rounds;
+    out["verify_rounds"] = measured.rounds;
     out["verified"] = nlohmann::json::array();
     for (const auto& r : v) {
       const double peak_err = static_cast<double>(r.estimate.peak_bytes - r.peak) /
                               static_cast<double>(r.peak);
       const double ratio_err = (r.estimate.step_ratio - r.ratio) / r.ratio;
-      const double finalist = r.estimate.finalist_ratio;
-      std::ostringstream finalist_text, finalist_err;
-      if (finalist > 0) {
-        finalist_text << std::fixed << std::setprecision(3) << finalist;
-        finalist_err << percent((finalist - r.ratio) / r.ratio);
+      // What the planner stated for a finalist (its confirmation, for the choice) from rounds of
+      // its own, set against these.
+      const double stated = r.estimate.planned_ratio();
+      std::ostringstream stated_text, stated_err;
+      if (r.estimate.finalist_ratio > 0) {
+        stated_text << std::fixed << std::setprecision(3) << stated;
+        stated_err << percent((stated - r.ratio) / r.ratio);
       }
       const bool fits = r.peak <= budget;
       std::cout << std::left << std::setw(58) << r.estimate.strategy.name() << std::right
@@ -506,20 +538,22 @@ int run(PlanOptions& o, const CLI::App& cmd) {
                 << format_bytes(static_cast<double>(r.estimate.peak_bytes)) << std::setw(9)
                 << percent(peak_err) << std::setw(8) << std::setprecision(3) << r.ratio
                 << std::setw(16) << ratio_text(r.estimate) << std::setw(9) << percent(ratio_err)
-                << std::setw(10) << finalist_text.str() << std::setw(9) << finalist_err.str()
+                << std::setw(10) << stated_text.str() << std::setw(9) << stated_err.str()
                 << std::setw(6) << (fits ? "yes" : "no") << std::setw(8)
                 << (r.bitwise ? "yes" : "NO") << "\n";
       nlohmann::json row = {{"strategy", r.estimate.strategy.name()},
                             {"measured_peak_bytes", r.peak},
                             {"predicted_peak_bytes", r.estimate.peak_bytes},
                             {"measured_step_ratio", r.ratio},
+                            {"measured_step_ratio_standard_error", r.ratio_error},
                             {"predicted_step_ratio", r.estimate.step_ratio},
                             {"predicted_step_ratio_spread", r.estimate.step_ratio_spread},
                             {"planned_step_ratio", r.estimate.planned_ratio()},
                             {"fits_budget", fits},
                             {"bitwise_equal_to_plain", r.bitwise},
                             {"step_times_s", r.step_s}};
-      if (finalist > 0) row["finalist_step_ratio"] = finalist;
+      if (r.estimate.finalist_ratio > 0) row["finalist_step_ratio"] = r.estimate.finalist_ratio;
+      if (r.estimate.confirmed_ratio > 0) row["confirmed_step_ratio"] = r.estimate.confirmed_ratio;
       out["verified"].push_back(std::move(row));
       if (!r.bitwise) rc = 3;
     }
@@ -578,12 +612,21 @@ Runner add_plan_command(CLI::App& app) {
                   "with --memory-budget: time this many fastest-predicted strategies that fit "
                   "side by side and choose the one measured fastest (0: the prediction's choice)")
       ->capture_default_str()->check(integer_in_range(0, 64));
-  cmd->add_option("--finalist-steps", o->finalist_steps, "timed rounds of the finalists")
+  cmd->add_option("--finalist-steps", o->finalist_steps,
+                  "timed rounds of the finalists, and the fewest of the choice's confirmation")
       ->capture_default_str()->check(integer_in_range(1, 1000));
+  cmd->add_option("--ratio-precision", o->ratio_precision,
+                  "percent: time the choice's confirmation and --verify until the chosen plan's "
+                  "step ratio has this standard error (0: the fewest rounds only)")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+  cmd->add_option("--max-timed-rounds", o->max_timed_rounds,
+                  "the most timed rounds --ratio-precision may take")
+      ->capture_default_str()->check(integer_in_range(1, 10000));
   cmd->add_flag("--verify", o->verify,
                 "run the chosen strategy, the other finalists (or its front neighbours), the "
                 "standard settings that fit and the plain run, and compare");
-  cmd->add_option("--verify-steps", o->verify_steps, "timed rounds of --verify")
+  cmd->add_option("--verify-steps", o->verify_steps,
+                  "the fewest timed rounds of --verify (then until --ratio-precision)")
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");
   cmd->add_option("--svg", o->svg, "plot every strategy and the front (peak against step time)");

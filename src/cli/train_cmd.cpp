@@ -245,6 +245,8 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   if (b.finalists > 0) {
     const std::vector<actmem::PlanEstimate> finalists = actmem::timed_finalists(
         m, o.training, plan.estimates, budget, b.finalists, actmem::kDefaultFinalistSteps,
+        actmem::TimedRounds{actmem::kDefaultFinalistSteps, actmem::kDefaultMaxTimedRounds,
+                            actmem::kDefaultRatioPrecision, {}},
         [](const std::string& line) {
           std::cerr << "\rplanning: timing the finalists, " << line << "            " << std::flush;
         });
@@ -257,7 +259,10 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
             << ": " << chosen.strategy.name() << " (predicted peak "
             << actmem::format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
             << std::fixed << std::setprecision(3) << chosen.planned_ratio() << std::defaultfloat
-            << (chosen.finalist_ratio > 0 ? " measured among the finalists" : "") << ")"
+            << (chosen.confirmed_ratio > 0   ? " measured against the plain step"
+                : chosen.finalist_ratio > 0 ? " measured among the finalists"
+                                            : "")
+            << ")"
             << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags()) << "\n";
   const std::string note = actmem::copies_in_flight_note(m, chosen.strategy);
   if (!note.empty()) std::cerr << "planning: " << note << "\n";
