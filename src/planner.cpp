@@ -417,8 +417,8 @@ double solo_plain_step_s(const TransformerConfig& base, const TrainingConfig& tr
   return median(times);
 }
 
-PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
-                     const std::string& costs_path,
+PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training,
+                     const TimedRounds& rounds, const std::string& costs_path,
                      const std::function<void(const std::string&)>& progress, std::string* note,
                      double speed_tolerance) {
   TORCH_CHECK(speed_tolerance >= 0, "actmem::plan_costs: the speed tolerance is a fraction >= 0 "
@@ -461,7 +461,7 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
              "thread count or library";
     }
   }
-  const PlanCosts costs = profile_costs(base, training, steps, progress);
+  const PlanCosts costs = profile_costs(base, training, rounds, progress);
   if (!costs_path.empty()) {
     OutputFile cache({"--costs", costs_path});
     cache.write(nlohmann::json{{"key", key}, {"costs", costs.to_json()}}.dump(1) + "\n",
@@ -474,12 +474,12 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
 }
 
 MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
-                           int steps, const std::string& costs_path,
+                           const TimedRounds& rounds, const std::string& costs_path,
                            const std::function<void(const std::string&)>& progress,
                            double speed_tolerance) {
   MeasuredPlan plan;
   plan.strategies = legal_strategies(base);
-  plan.costs = plan_costs(base, training, steps, costs_path, progress, &plan.costs_note,
+  plan.costs = plan_costs(base, training, rounds, costs_path, progress, &plan.costs_note,
                           speed_tolerance);
   plan.estimates = estimate_plans(base, plan.strategies, plan.costs);
   plan.front = pareto_front(plan.estimates);
@@ -512,7 +512,10 @@ nlohmann::json PlanEstimate::to_json() const {
 // after the minimum, another round while a watched ratio's standard error
 // (median_standard_error(): from the interquartile range, as for independent normal draws) is
 // above the precision wanted (kDefaultRatioPrecision, 1%; `--ratio-precision`), up to a maximum
-// (kDefaultMaxTimedRounds, `--max-timed-rounds`). Rounds minutes apart are not independent
+// (kDefaultMaxTimedRounds, `--max-timed-rounds`). The profile watches every mechanism it times,
+// to a looser 2% (kDefaultProfilePrecision, `--profile-precision`) and at most kMaxProfileRounds
+// (30): a round there steps a dozen trainers, and the model's predictions sum several of its
+// ratios, so their errors matter more than one ratio's. Rounds minutes apart are not independent
 // draws when the machine's speed drifts (Note [Machine speed check]); the error assumes they
 // are, so it is a floor, not a bound.
 MeasuredRatios measure_step_ratios(const TransformerConfig& base, const TrainingConfig& training,
@@ -695,15 +698,14 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
 // quadrature, each times its count (n layers of full recompute: n times full-layer's), as for
 // independent measurements. Printed beside every predicted ratio; two plans whose ratios differ
 // by less than their spreads are a tie on this machine.
-PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training,
+                        const TimedRounds& rounds,
                         const std::function<void(const std::string&)>& progress) {
-  TORCH_CHECK(steps >= 1, "actmem::profile_costs: at least one timed round, got ", steps);
   const std::vector<Strategy> all = legal_strategies(base);
   auto say = [&progress](const std::string& line) {
     if (progress) progress(line);
   };
   PlanCosts costs;
-  costs.steps = steps;
   costs.threads = at::get_num_threads();
   // First, in the fresh process: the plain step alone, as a later reuse will time it (Note
   // [Machine speed check]).
@@ -796,9 +798,12 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   const size_t n = basis.size();
   const std::string what = "timing " + std::to_string(n) + " mechanisms: ";
   say(what + "warming up (not timed)");
+  TimedRounds every = rounds;
+  every.watch.clear();  // every mechanism
   const MeasuredRatios m = measure_step_ratios(
-      base, training, runs, TimedRounds::fixed(steps),
-      [&](const std::string& line) { say(what + line); }, /*compute_digest=*/false);
+      base, training, runs, every, [&](const std::string& line) { say(what + line); },
+      /*compute_digest=*/false);
+  costs.steps = m.rounds;
   for (size_t i = 0; i < n; ++i) costs.round_step_s[basis[i].first] = m.step_s[i];
   costs.plain_step_s = median(m.step_s[0]);
   const double L = static_cast<double>(base.num_layers);

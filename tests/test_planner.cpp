@@ -180,7 +180,7 @@ int64_t measured_peak(const TransformerConfig& c) {
 
 void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   const std::vector<Strategy> all = legal_strategies(c);
-  const PlanCosts costs = profile_costs(c, testing::tiny_training(), 1);
+  const PlanCosts costs = profile_costs(c, testing::tiny_training(), TimedRounds::fixed(1));
   const std::vector<PlanEstimate> estimates = estimate_plans(c, all, costs);
   const std::vector<PlanEstimate> front = pareto_front(estimates);
   // How many strategies the front holds depends on the measured times (on a step of a few
@@ -289,8 +289,13 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   auto r = testing::run_actmem("plan" + flags + costs + " --json " + dir + "/front.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
-  const auto front = nlohmann::json::parse(std::ifstream(dir + "/front.json"))["front"];
+  const auto profiled = nlohmann::json::parse(std::ifstream(dir + "/front.json"));
+  const auto& front = profiled["front"];
   ASSERT_FALSE(front.empty());
+  // Note [Rounds until sure]: --profile-steps 1 is the fewest; with the default precision the
+  // profile goes on (a standard error needs three rounds at least), never past the most.
+  EXPECT_GE(profiled["costs"]["timed_rounds"].get<int>(), 3);
+  EXPECT_LE(profiled["costs"]["timed_rounds"].get<int>(), kMaxProfileRounds);
   const int64_t budget = front[front.size() / 2]["peak_bytes"].get<int64_t>();
   r = testing::run_actmem("plan" + flags + " --memory-budget " + std::to_string(budget) +
                           " --verify --json " + dir + "/plan.json --svg " + dir + "/plan.svg" +

@@ -105,12 +105,31 @@ struct PlanCosts {
   /// ("plain", "recompute:MOD", "full-layer", "offload-set:G+...", "layer-offload"): what the
   /// extras were taken from, kept so a reader can recompute them (optional in a record).
   std::map<std::string, std::vector<double>> round_step_s;
-  int steps = 0;      // timed rounds
+  int steps = 0;      // timed rounds run (Note [Rounds until sure])
   int threads = 0;
   nlohmann::json to_json() const;
   /// The inverse of to_json(); throws for a record that lacks a field.
   static PlanCosts from_json(const nlohmann::json& j);
 };
+
+/// How many timed rounds measure_step_ratios() runs (Note [Rounds until sure] in planner.cpp):
+/// at least `min_rounds`; then, while a watched strategy's ratio has a standard error above
+/// `precision`, more, up to `max_rounds`. `precision` 0: exactly `min_rounds`.
+struct TimedRounds {
+  int min_rounds = 10;
+  int max_rounds = 10;
+  double precision = 0;        // the standard error wanted of each watched ratio (0.01: 1%)
+  std::vector<size_t> watch;   // indices into the strategies; empty: every one but the plain
+  /// `rounds` exactly.
+  static TimedRounds fixed(int rounds) { return {rounds, rounds, 0.0, {}}; }
+};
+/// Note [Rounds until sure]: the default precision of a measured step ratio (a standard error of
+/// 1%) and the most rounds spent reaching it; for the profile, where every mechanism is watched
+/// and a round steps them all, 2% and at most 30 rounds.
+constexpr double kDefaultRatioPrecision = 0.01;
+constexpr int kDefaultMaxTimedRounds = 60;
+constexpr double kDefaultProfilePrecision = 0.02;
+constexpr int kMaxProfileRounds = 30;
 
 /// What a profile's costs depend on (Note [Planner cost cache] in planner.cpp): the model without
 /// its activation flags, the micro-batches per step, the device, the threads, the BLAS kernels
@@ -127,13 +146,14 @@ double solo_plain_step_s(const TransformerConfig& base, const TrainingConfig& tr
 
 /// The costs of `base` for `training`: read from the cache file `costs_path` when it holds a
 /// profile with this key (plan_costs_key) and the machine's speed has not changed by more than
-/// `speed_tolerance` since (Note [Machine speed check]; 0: not checked), else profiled (`steps`
-/// timed rounds) and, when `costs_path` is not empty, written there (Note [Planner cost cache]).
+/// `speed_tolerance` since (Note [Machine speed check]; 0: not checked), else profiled (as many
+/// timed rounds as `rounds` asks) and, when `costs_path` is not empty, written there (Note
+/// [Planner cost cache]).
 /// `note` (may be null) says which ("costs reused from F ...", "costs written to F", "costs
 /// profiled again: ..."). Throws for a file that is not a cost record. `progress` as in
 /// profile_costs().
-PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
-                     const std::string& costs_path,
+PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& training,
+                     const TimedRounds& rounds, const std::string& costs_path,
                      const std::function<void(const std::string&)>& progress = {},
                      std::string* note = nullptr, double speed_tolerance = kCostSpeedTolerance);
 
@@ -176,22 +196,6 @@ struct MeasuredRatios {
   int rounds = 0;  // timed rounds run
 };
 
-/// How many timed rounds measure_step_ratios() runs (Note [Rounds until sure] in planner.cpp):
-/// at least `min_rounds`; then, while a watched strategy's ratio has a standard error above
-/// `precision`, more, up to `max_rounds`. `precision` 0: exactly `min_rounds`.
-struct TimedRounds {
-  int min_rounds = 10;
-  int max_rounds = 10;
-  double precision = 0;        // the standard error wanted of each watched ratio (0.01: 1%)
-  std::vector<size_t> watch;   // indices into the strategies; empty: every one but the plain
-  /// `rounds` exactly.
-  static TimedRounds fixed(int rounds) { return {rounds, rounds, 0.0, {}}; }
-};
-/// Note [Rounds until sure]: the default precision of a measured step ratio (a standard error of
-/// 1%) and the most rounds spent reaching it.
-constexpr double kDefaultRatioPrecision = 0.01;
-constexpr int kDefaultMaxTimedRounds = 60;
-
 /// Trains `strategies` of `base` (the first must be plain) side by side: untimed rounds until the
 /// allocator is steady (Note [Warm until the allocator is steady]), then timed rounds in a new
 /// order each, as many as `rounds` asks, every round's loss (and with `compute_digest` the
@@ -229,9 +233,11 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
 
 /// Profiles `base` (its own activation flags ignored) on this machine: the plain step alone (Note
 /// [Machine speed check]), one forward-backward per distinct tail and per offload set, then
-/// `steps` interleaved timed rounds of every mechanism alone (Note [Planner cost basis]) after
-/// warming up until the allocator is steady. `progress` (may be empty) is called with a line per phase.
-PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training, int steps,
+/// interleaved timed rounds of every mechanism alone (Note [Planner cost basis]) after warming up
+/// until the allocator is steady, as many as `rounds` asks (`rounds.watch` is ignored: every
+/// mechanism is watched). `progress` (may be empty) is called with a line per phase.
+PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& training,
+                        const TimedRounds& rounds,
                         const std::function<void(const std::string&)>& progress = {});
 
 /// The prediction for every strategy in `strategies` from `costs` (profile_costs() of `base`).
@@ -249,7 +255,7 @@ struct MeasuredPlan {
   std::vector<PlanEstimate> front;
 };
 MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& training,
-                           int steps, const std::string& costs_path,
+                           const TimedRounds& rounds, const std::string& costs_path,
                            const std::function<void(const std::string&)>& progress = {},
                            double speed_tolerance = kCostSpeedTolerance);
 

@@ -38,7 +38,8 @@ namespace {
 struct PlanOptions {
   TrainOptions train;
   std::string budget;  // "" = print the front only
-  int profile_steps = 5;
+  int profile_steps = 5;  // the fewest; then until profile_precision (Note [Rounds until sure])
+  double profile_precision = kDefaultProfilePrecision * 100;  // percent; 0: profile_steps exactly
   bool verify = false;
   int verify_steps = 10;
   std::string json;
@@ -391,8 +392,10 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
   bool profiled = false;  // progress lines were printed: end them
+  const TimedRounds profile_rounds{o.profile_steps, std::max(o.profile_steps, kMaxProfileRounds),
+                                   o.profile_precision / 100, {}};
   const MeasuredPlan plan = measured_plan(
-      base, o.train.training, o.profile_steps, o.costs, [&profiled](const std::string& line) {
+      base, o.train.training, profile_rounds, o.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplan: " << line << "            " << std::flush;
       },
@@ -606,8 +609,14 @@ Runner add_plan_command(CLI::App& app) {
       ->capture_default_str()->check(integer_in_range(-1, 1 << 20));
   cmd->add_option("--memory-budget", o->budget,
                   "device bytes a step may hold: bytes or with a unit (8GiB, 7.5G, 900MiB)");
-  cmd->add_option("--profile-steps", o->profile_steps, "timed rounds of the profiling run")
+  cmd->add_option("--profile-steps", o->profile_steps,
+                  "the fewest timed rounds of the profiling run (then until --profile-precision)")
       ->capture_default_str()->check(integer_in_range(1, 1000));
+  cmd->add_option("--profile-precision", o->profile_precision,
+                  "percent: profile until every mechanism's step ratio has this standard error, "
+                  "at most " + std::to_string(kMaxProfileRounds) + " rounds (0: --profile-steps "
+                  "exactly)")
+      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--finalists", o->finalists,
                   "with --memory-budget: time this many fastest-predicted strategies that fit "
                   "side by side and choose the one measured fastest (0: the prediction's choice)")

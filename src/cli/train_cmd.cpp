@@ -234,7 +234,9 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
               "--fine-grained-activation-offloading, or drop --memory-budget");
   bool profiled = false;  // progress lines were printed: end them
   const actmem::MeasuredPlan plan = actmem::measured_plan(
-      m, o.training, 3, b.costs, [&profiled](const std::string& line) {
+      m, o.training,
+      actmem::TimedRounds{3, actmem::kMaxProfileRounds, actmem::kDefaultProfilePrecision, {}},
+      b.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplanning: " << line << "            " << std::flush;
       },
