@@ -13,7 +13,8 @@
 # plain run. Needs python3 for the table.
 # Usage: [PROFILE_STEPS=5] [VERIFY_STEPS=10] bench/plan_sweep.sh [OUT_DIR]
 #   (OUT_DIR default: a new temporary directory; JSON and SVG kept; the step counts are the
-#   timed rounds of the profile and of each --verify)
+#   fewest timed rounds of the profile and of each --verify, which then go on until sure: Note
+#   [Rounds until sure] in src/planner.cpp)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 actmem="${ACTMEM_BUILD_DIR:-$root/build}/actmem"
