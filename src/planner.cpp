@@ -600,10 +600,10 @@ MeasuredRatios measure_step_ratios(const TransformerConfig& base, const Training
 // worst when a plan of five to seven nearly free mechanisms summed to 1.000. So with a budget the
 // planner does not stop at the prediction: it trains the plain run and the kDefaultFinalists
 // (`--finalists`) strategies that fit with the least predicted ratios side by side
-// (measure_step_ratios(), as long as the profile's rounds) and chooses the one measured fastest.
-// The prediction narrows 100-odd strategies to a few; the measurement decides among them, each
-// ratio measured whole, so a plan is no longer favoured for how many errors it sums. What is
-// stated for the choice is its finalist measurement. The front (and its monotonicity) stays the
+// (measure_step_ratios(), kDefaultFinalistSteps rounds, `--finalist-steps`) and chooses the one
+// measured fastest. The prediction narrows 100-odd strategies to a few; the measurement decides
+// among them, each ratio measured whole, so a plan is no longer favoured for how many errors it
+// sums. What is stated for the choice is measured once more (Note [Confirming the choice]). The front (and its monotonicity) stays the
 // model's; choosing among measured finalists is no longer exact under the model but cannot be
 // slower than the model's choice by more than the measurement's noise, since that is a finalist.
 std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates,

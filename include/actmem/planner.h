@@ -122,6 +122,11 @@ struct TimedRounds {
   std::vector<size_t> watch;   // indices into the strategies; empty: every one but the plain
   /// `rounds` exactly.
   static TimedRounds fixed(int rounds) { return {rounds, rounds, 0.0, {}}; }
+  /// At least `fewest` rounds (always: the cap bounds only the rounds after them), then until
+  /// `precision`, at most `most` in all.
+  static TimedRounds until_sure(int fewest, int most, double precision) {
+    return {fewest, fewest > most ? fewest : most, precision, {}};
+  }
 };
 /// Note [Rounds until sure]: the default precision of a measured step ratio (a standard error of
 /// 1%) and the most rounds spent reaching it; for the profile, where every mechanism is watched

@@ -100,7 +100,8 @@ std::string ratio_text(const PlanEstimate& e) {
   return os.str();
 }
 
-// What the planner states for a choice: its finalist measurement when it has one.
+// What the planner states for a choice: its confirmation (Note [Confirming the choice] in
+// planner.cpp), else its finalist measurement, else the prediction.
 std::string planned_ratio_text(const PlanEstimate& e) {
   if (e.finalist_ratio <= 0) return ratio_text(e);
   std::ostringstream os;
@@ -168,21 +169,17 @@ void write_front_svg(OutputFile& file, const std::string& path,
 // (the tracker counts the whole process), the second step's peak. Time and exactness: all of
 // them in interleaved rounds of their own (measure_step_ratios(), Note [Honest step ratios] in
 // step_rounds.h), every round's loss and gradient digest compared with the plain run's bitwise.
-// The measured ratio is set against the prediction and, for a finalist, its finalist measurement
-// (what the planner stated for its choice), each taken in different rounds.
-struct Verified {
-  PlanEstimate estimate;
-  int64_t peak = 0;
-  double ratio = 0;
-  double ratio_error = 0;  // its standard error (Note [Rounds until sure] in planner.cpp)
-  bool bitwise = true;
-  std::vector<double> step_s;  // every timed round's step time
+// The measured ratio is set against the prediction and, for a finalist, what the planner stated
+// for it (the choice's confirmation, the others' finalist measurements), each taken in rounds of
+// its own.
+struct Verification {
+  std::vector<int64_t> peak;  // per run: its measured device peak
+  MeasuredRatios time;        // per run: step ratio, its standard error, step times, bitwise
 };
 
-std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig& training,
-                             const std::vector<PlanEstimate>& runs, const TimedRounds& rounds,
-                             MeasuredRatios* measured) {
-  std::vector<Verified> out;
+Verification verify(const TransformerConfig& base, const TrainingConfig& training,
+                    const std::vector<PlanEstimate>& runs, const TimedRounds& rounds) {
+  Verification out;
   TrainingConfig t = training;
   t.eval_interval = 0;
   t.train_iters = 2;
@@ -191,23 +188,16 @@ std::vector<Verified> verify(const TransformerConfig& base, const TrainingConfig
               << std::flush;
     Trainer solo(e.strategy.apply(base), t);
     solo.train_step(false);
-    out.push_back({e, solo.train_step(false).peak_device_bytes, 0.0, 0.0, true, {}});
+    out.peak.push_back(solo.train_step(false).peak_device_bytes);
   }
   std::vector<Strategy> strategies;
   for (const auto& e : runs) strategies.push_back(e.strategy);  // runs[0] is plain
-  const MeasuredRatios m = measure_step_ratios(
+  out.time = measure_step_ratios(
       base, training, strategies, rounds, [](const std::string& line) {
         std::cerr << "\rplan: verifying step times and exactness, " << line << "            "
                   << std::flush;
       });
   std::cerr << "\n";
-  for (size_t i = 0; i < out.size(); ++i) {
-    out[i].ratio = m.ratio[i];
-    out[i].ratio_error = m.standard_error[i];
-    out[i].bitwise = m.bitwise[i];
-    out[i].step_s = m.step_s[i];
-  }
-  *measured = m;
   return out;
 }
 
@@ -385,17 +375,16 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   const int64_t budget = o.budget.empty() ? -1 : parse_memory_budget(o.budget);
   TORCH_CHECK(budget > 0 || (cmd.count("--finalists") == 0 && cmd.count("--finalist-steps") == 0),
               "actmem plan: --finalists chooses among strategies for --memory-budget; give both");
-  const TimedRounds until_sure{1, o.max_timed_rounds, o.ratio_precision / 100, {}};
   check_distinct_files({{"--data", o.train.training.data_path}},
                        {{"--svg", o.svg}, {"--json", o.json}, {"--costs", o.costs}});
   OutputFile json_file, svg_file;  // opened before the work: an unwritable path fails now
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
   if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
   bool profiled = false;  // progress lines were printed: end them
-  const TimedRounds profile_rounds{o.profile_steps, std::max(o.profile_steps, kMaxProfileRounds),
-                                   o.profile_precision / 100, {}};
   const MeasuredPlan plan = measured_plan(
-      base, o.train.training, profile_rounds, o.costs, [&profiled](const std::string& line) {
+      base, o.train.training,
+      TimedRounds::until_sure(o.profile_steps, kMaxProfileRounds, o.profile_precision / 100),
+      o.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplan: " << line << "            " << std::flush;
       },
@@ -427,10 +416,11 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   // Note [Plan finalists] in planner.cpp: the few fastest-predicted that fit, timed side by side.
   std::vector<PlanEstimate> finalists;
   if (chosen != nullptr && o.finalists > 0) {
-    TimedRounds confirm = until_sure;
-    confirm.min_rounds = std::min(o.finalist_steps, o.max_timed_rounds);
     finalists = timed_finalists(base, o.train.training, estimates, budget, o.finalists,
-                                o.finalist_steps, confirm, [](const std::string& line) {
+                                o.finalist_steps,
+                                TimedRounds::until_sure(o.finalist_steps, o.max_timed_rounds,
+                                                        o.ratio_precision / 100),
+                                [](const std::string& line) {
                                   std::cerr << "\rplan: timing the finalists, " << line
                                             << "            " << std::flush;
                                 });
@@ -507,12 +497,11 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     }
     // Rounds until the chosen plan's ratio is as sure as its confirmation (runs[1] is the chosen
     // one unless the plain run is).
-    TimedRounds rounds = until_sure;
-    rounds.min_rounds = std::min(o.verify_steps, o.max_timed_rounds);
+    TimedRounds rounds = TimedRounds::until_sure(
+        o.verify_steps, o.max_timed_rounds, chosen->strategy.plain() ? 0.0 : o.ratio_precision / 100);
     rounds.watch = {chosen->strategy.plain() ? size_t{0} : size_t{1}};
-    if (chosen->strategy.plain()) rounds.precision = 0;
-    MeasuredRatios measured;
-    const std::vector<Verified> v = verify(base, o.train.training, runs, rounds, &measured);
+    const Verification v = verify(base, o.train.training, runs, rounds);
+    const MeasuredRatios& measured = v.time;
     std::cout << "\nverified (" << measured.rounds << " timed rounds after "
               << measured.warm_up_rounds << " warm-up rounds, same seed):\n"
               << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
@@ -523,46 +512,49 @@ int run(PlanOptions& o, const CLI::App& cmd) {
     out["verify_warm_up_rounds"] = measured.warm_up_rounds;
     out["verify_rounds"] = measured.rounds;
     out["verified"] = nlohmann::json::array();
-    for (const auto& r : v) {
-      const double peak_err = static_cast<double>(r.estimate.peak_bytes - r.peak) /
-                              static_cast<double>(r.peak);
-      const double ratio_err = (r.estimate.step_ratio - r.ratio) / r.ratio;
+    for (size_t i = 0; i < runs.size(); ++i) {
+      const PlanEstimate& e = runs[i];
+      const int64_t peak = v.peak[i];
+      const double ratio = measured.ratio[i];
+      const bool bitwise = measured.bitwise[i];
+      const double peak_err = static_cast<double>(e.peak_bytes - peak) / static_cast<double>(peak);
+      const double ratio_err = (e.step_ratio - ratio) / ratio;
       // What the planner stated for a finalist (its confirmation, for the choice) from rounds of
       // its own, set against these.
-      const double stated = r.estimate.planned_ratio();
+      const double stated = e.planned_ratio();
       std::ostringstream stated_text, stated_err;
-      if (r.estimate.finalist_ratio > 0) {
+      if (e.finalist_ratio > 0) {
         stated_text << std::fixed << std::setprecision(3) << stated;
-        stated_err << percent((stated - r.ratio) / r.ratio);
+        stated_err << percent((stated - ratio) / ratio);
       }
-      const bool fits = r.peak <= budget;
-      std::cout << std::left << std::setw(58) << r.estimate.strategy.name() << std::right
-                << std::setw(13) << format_bytes(static_cast<double>(r.peak)) << std::setw(13)
-                << format_bytes(static_cast<double>(r.estimate.peak_bytes)) << std::setw(9)
-                << percent(peak_err) << std::setw(8) << std::setprecision(3) << r.ratio
-                << std::setw(16) << ratio_text(r.estimate) << std::setw(9) << percent(ratio_err)
+      const bool fits = peak <= budget;
+      std::cout << std::left << std::setw(58) << e.strategy.name() << std::right
+                << std::setw(13) << format_bytes(static_cast<double>(peak)) << std::setw(13)
+                << format_bytes(static_cast<double>(e.peak_bytes)) << std::setw(9)
+                << percent(peak_err) << std::setw(8) << std::setprecision(3) << ratio
+                << std::setw(16) << ratio_text(e) << std::setw(9) << percent(ratio_err)
                 << std::setw(10) << stated_text.str() << std::setw(9) << stated_err.str()
                 << std::setw(6) << (fits ? "yes" : "no") << std::setw(8)
-                << (r.bitwise ? "yes" : "NO") << "\n";
-      nlohmann::json row = {{"strategy", r.estimate.strategy.name()},
-                            {"measured_peak_bytes", r.peak},
-                            {"predicted_peak_bytes", r.estimate.peak_bytes},
-                            {"measured_step_ratio", r.ratio},
-                            {"measured_step_ratio_standard_error", r.ratio_error},
-                            {"predicted_step_ratio", r.estimate.step_ratio},
-                            {"predicted_step_ratio_spread", r.estimate.step_ratio_spread},
-                            {"planned_step_ratio", r.estimate.planned_ratio()},
+                << (bitwise ? "yes" : "NO") << "\n";
+      nlohmann::json row = {{"strategy", e.strategy.name()},
+                            {"measured_peak_bytes", peak},
+                            {"predicted_peak_bytes", e.peak_bytes},
+                            {"measured_step_ratio", ratio},
+                            {"measured_step_ratio_standard_error", measured.standard_error[i]},
+                            {"predicted_step_ratio", e.step_ratio},
+                            {"predicted_step_ratio_spread", e.step_ratio_spread},
+                            {"planned_step_ratio", stated},
                             {"fits_budget", fits},
-                            {"bitwise_equal_to_plain", r.bitwise},
-                            {"step_times_s", r.step_s}};
-      if (r.estimate.finalist_ratio > 0) row["finalist_step_ratio"] = r.estimate.finalist_ratio;
-      if (r.estimate.confirmed_ratio > 0) row["confirmed_step_ratio"] = r.estimate.confirmed_ratio;
+                            {"bitwise_equal_to_plain", bitwise},
+                            {"step_times_s", measured.step_s[i]}};
+      if (e.finalist_ratio > 0) row["finalist_step_ratio"] = e.finalist_ratio;
+      if (e.confirmed_ratio > 0) row["confirmed_step_ratio"] = e.confirmed_ratio;
       out["verified"].push_back(std::move(row));
-      if (!r.bitwise) rc = 3;
+      if (!bitwise) rc = 3;
     }
     if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
     // Note [Machine speed check] in planner.cpp: a speed change after the profile (or its check).
-    const double verify_plain = median(v.front().step_s);
+    const double verify_plain = median(measured.step_s[0]);
     const double change = verify_plain / costs.plain_step_s - 1;
     out["profile_plain_step_s"] = costs.plain_step_s;
     out["verify_plain_step_s"] = verify_plain;

@@ -235,7 +235,7 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   bool profiled = false;  // progress lines were printed: end them
   const actmem::MeasuredPlan plan = actmem::measured_plan(
       m, o.training,
-      actmem::TimedRounds{3, actmem::kMaxProfileRounds, actmem::kDefaultProfilePrecision, {}},
+      actmem::TimedRounds::until_sure(3, actmem::kMaxProfileRounds, actmem::kDefaultProfilePrecision),
       b.costs, [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplanning: " << line << "            " << std::flush;
@@ -247,8 +247,8 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   if (b.finalists > 0) {
     const std::vector<actmem::PlanEstimate> finalists = actmem::timed_finalists(
         m, o.training, plan.estimates, budget, b.finalists, actmem::kDefaultFinalistSteps,
-        actmem::TimedRounds{actmem::kDefaultFinalistSteps, actmem::kDefaultMaxTimedRounds,
-                            actmem::kDefaultRatioPrecision, {}},
+        actmem::TimedRounds::until_sure(actmem::kDefaultFinalistSteps, actmem::kDefaultMaxTimedRounds,
+                                        actmem::kDefaultRatioPrecision),
         [](const std::string& line) {
           std::cerr << "\rplanning: timing the finalists, " << line << "            " << std::flush;
         });
