@@ -38,6 +38,7 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   actmem::bench::print_blas();
   try {
+    o.offload_planned_later = true;  // the runs below add the offload the settings apply to
     o.finalize();
     actmem::apply_thread_count(o.threads);
     struct Run {

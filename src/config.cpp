@@ -351,8 +351,11 @@ void validate_moe(const TransformerConfig& c) {
     const int64_t v = *c.moe_shared_expert_intermediate_size;
     TORCH_CHECK(v > 0, api, "moe_shared_expert_intermediate_size must be num_shared_experts * "
                 "ffn_size_of_each_shared_expert, but got ", v);
-    // megatron/core/transformer/moe/shared_experts.py (the whole message as Megatron prints it).
-    TORCH_CHECK(!c.add_bias_linear, api, "bias is not supported in the shared experts, ");
+    // megatron/core/transformer/moe/shared_experts.py. Megatron's assert message loses its
+    // second half to a line break ("bias is not supported in the shared experts, " and the
+    // advice on the next line is a separate expression): actmem prints both halves.
+    TORCH_CHECK(!c.add_bias_linear, api, "bias is not supported in the shared experts, please "
+                "set '--disable-bias-linear' instead.");
     TORCH_CHECK(v % c.tensor_model_parallel_size == 0, api, "moe_shared_expert_intermediate_size (",
                 v, ") must be divisible by tensor_model_parallel_size (", c.tensor_model_parallel_size, ")");
   } else {

@@ -64,18 +64,28 @@ std::vector<double> parse_split(const std::string& split) {
   return w;
 }
 
-std::vector<std::pair<int64_t, int64_t>> split_document_ranges(const std::vector<double>& weights,
-                                                               int64_t num_documents) {
-  // megatron/core/datasets/utils.py: _get_split_indices (the rounding remainder comes off
-  // every boundary).
-  std::vector<int64_t> idx{0};
-  for (size_t i = 0; i < weights.size(); ++i) {
-    idx.push_back(idx[i] + static_cast<int64_t>(std::nearbyint(weights[i] * static_cast<double>(num_documents))));
-  }
-  const int64_t diff = idx.back() - num_documents;
-  for (size_t i = 1; i < idx.size(); ++i) idx[i] -= diff;
+std::vector<std::pair<int64_t, int64_t>> split_ranges(const std::vector<double>& weights,
+                                                      int64_t num_elements) {
+  // Megatron-LM today (megatron/core/datasets): blended_megatron_dataset_config.py
+  // convert_split_vector_to_split_matrix turns the normalised weights into book-ends
+  // [(0, w0), (w0, w0 + w1), (w0 + w1, w0 + w1 + w2)] (cumulative sums, left to right), and
+  // blended_megatron_dataset_builder.py _build_megatron_dataset_splits takes
+  // beg = int(round(lo * n)), end = int(round(hi * n)) per split. Python's round() of a float
+  // rounds half to even, as std::nearbyint does in the default rounding mode. A zero weight is
+  // Megatron's None split: lo == hi, so beg == end here. (actmem used the rule Megatron had from
+  // 2023-10-26 to 2023-12-09, _get_split_indices, which took the rounding remainder off every
+  // boundary: 330 sequences at 949,50,1 trained on [0, 314) instead of [0, 313).)
+  TORCH_CHECK(num_elements >= 0, "actmem::split_ranges: expected a non-negative count, got ",
+              num_elements);
+  const double n = static_cast<double>(num_elements);
   std::vector<std::pair<int64_t, int64_t>> out;
-  for (size_t i = 0; i + 1 < idx.size(); ++i) out.emplace_back(idx[i], idx[i + 1]);
+  double lo = 0.0;
+  for (const double w : weights) {
+    const double hi = lo + w;
+    out.emplace_back(static_cast<int64_t>(std::nearbyint(lo * n)),
+                     static_cast<int64_t>(std::nearbyint(hi * n)));
+    lo = hi;
+  }
   return out;
 }
 
@@ -142,23 +152,26 @@ bool read_npy(const std::string& path, std::vector<T>& v, const std::vector<int6
 // ---- GPTDataset -------------------------------------------------------------------------------
 
 GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
-                       std::pair<int64_t, int64_t> documents, int64_t num_samples,
+                       std::pair<int64_t, int64_t> sequences, int64_t num_samples,
                        int64_t seq_length, uint32_t seed, const std::string& split_name,
                        const std::string& cache_dir)
-    : data_(std::move(data)), documents_(documents), seq_length_(seq_length) {
+    : data_(std::move(data)), sequences_(sequences), seq_length_(seq_length) {
   TORCH_CHECK(seq_length_ > 0 && num_samples >= 0, "actmem::GPTDataset: seq_length must be positive "
               "and num_samples non-negative");
-  TORCH_CHECK(documents_.first >= 0 && documents_.first < documents_.second &&
-                  documents_.second <= data_->num_documents(),
+  // Megatron's GPTDataset indexes sequences, not documents (numel_low_level_dataset): a
+  // document of several sequences (preprocess_data.py --split-sentences) contributes each, an
+  // empty document none.
+  TORCH_CHECK(sequences_.first >= 0 && sequences_.first < sequences_.second &&
+                  sequences_.second <= data_->num_sequences(),
               "actmem::GPTDataset: the ", split_name, " split of ", data_->prefix(), " has no "
-              "documents (documents [", documents_.first, ", ", documents_.second, ") of ",
-              data_->num_documents(), "); change --split or add data");
+              "sequences (sequences [", sequences_.first, ", ", sequences_.second, ") of ",
+              data_->num_sequences(), "); change --split or add data");
   // The cache key: what decides the indices (Megatron hashes a similar description).
   nlohmann::json desc = {{"class", "GPTDataset"},
                          {"dataset_path", fs::absolute(data_->prefix()).string()},
                          {"bin_bytes", data_->bin_bytes()},
                          {"num_sequences", data_->num_sequences()},
-                         {"documents", {documents_.first, documents_.second}},
+                         {"sequences", {sequences_.first, sequences_.second}},
                          {"num_samples", num_samples},
                          {"sequence_length", seq_length_},
                          {"random_seed", seed},
@@ -178,7 +191,7 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
       std::vector<int64_t> counts;
       if (read_npy<int64_t>(base + "-counts.npy", counts, {2})) {
         num_epochs_ = counts[0];
-        const int64_t n_doc = num_epochs_ * (documents_.second - documents_.first);
+        const int64_t n_doc = num_epochs_ * (sequences_.second - sequences_.first);
         from_cache_ = read_npy<int32_t>(base + "-document_index.npy", document_index_, {n_doc}) &&
                       read_npy<int64_t>(base + "-sample_index.npy", sample_index_, {counts[1] + 1, 2}) &&
                       read_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {counts[1]});
@@ -210,14 +223,14 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
 void GPTDataset::build(int64_t num_samples, uint32_t seed) {
   // gpt_dataset.py: _build_document_sample_shuffle_indices, with add_extra_token_to_sequence
   // and drop_last_partial_sequence (Megatron's defaults).
-  const int64_t n_docs = documents_.second - documents_.first;
+  const int64_t n_docs = sequences_.second - sequences_.first;
   int64_t tokens_per_epoch = 0;
-  for (int64_t doc = documents_.first; doc < documents_.second; ++doc) {
+  for (int64_t doc = sequences_.first; doc < sequences_.second; ++doc) {
     tokens_per_epoch += data_->sequence_length(doc);
   }
   TORCH_CHECK(tokens_per_epoch > seq_length_, "actmem::GPTDataset: ", data_->prefix(), " has ",
-              tokens_per_epoch, " tokens in its documents [", documents_.first, ", ",
-              documents_.second, "), fewer than one sample of ", seq_length_ + 1);
+              tokens_per_epoch, " tokens in its sequences [", sequences_.first, ", ",
+              sequences_.second, "), fewer than one sample of ", seq_length_ + 1);
   const int64_t requested = num_samples * seq_length_ + 1;
   num_epochs_ = 1;
   for (int64_t t = tokens_per_epoch; t < requested; t += tokens_per_epoch) ++num_epochs_;
@@ -237,7 +250,7 @@ void GPTDataset::build(int64_t num_samples, uint32_t seed) {
     std::vector<int32_t> idx;
     idx.reserve(static_cast<size_t>(count * n_docs));
     for (int64_t e = 0; e < count; ++e) {
-      for (int64_t doc = documents_.first; doc < documents_.second; ++doc) {
+      for (int64_t doc = sequences_.first; doc < sequences_.second; ++doc) {
         idx.push_back(static_cast<int32_t>(doc));
       }
     }
@@ -422,6 +435,7 @@ GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int
   for (const auto& prefix : blend.prefixes) {
     data.push_back(std::make_shared<const IndexedDataset>(prefix));
     out.documents += data.back()->num_documents();
+    out.sequences += data.back()->num_sequences();
     out.bytes += data.back()->bin_bytes();
     out.tokens += data.back()->bin_bytes() / token_bytes(data.back()->code());
   }
@@ -430,7 +444,7 @@ GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int
     if (target == 0) continue;
     std::vector<std::shared_ptr<const SampleSource>> parts;
     for (size_t d = 0; d < data.size(); ++d) {
-      const auto ranges = split_document_ranges(weights, data[d]->num_documents());
+      const auto ranges = split_ranges(weights, data[d]->num_sequences());
       // blended_megatron_dataset_builder.py: _get_size_per_split_per_dataset (0.5% extra).
       const int64_t size =
           blend.weights.empty()

@@ -1,6 +1,7 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
 #include "actmem/train_options.h"
 
+#include "actmem/activation_plan.h"
 #include "actmem/blas_kernels.h"
 #include "actmem/environment.h"
 #include "actmem/tokenizer.h"
@@ -211,7 +212,8 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--moe-token-dispatcher-type", m.moe_token_dispatcher_type, "allgather or alltoall")
       ->capture_default_str();
   app.add_option("--expert-model-parallel-size", m.expert_model_parallel_size,
-                 "Expert-parallel ranks (only 1 is implemented so far)")
+                 "Expert-parallel ranks: the routed experts split e ways (e divides the "
+                 "data-parallel ranks; docs/moe.md)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
   app.add_flag("--moe-layer-recompute", m.moe_layer_recompute,
                "Deprecated: --recompute-granularity selective --recompute-modules core_attn moe");
@@ -268,8 +270,8 @@ void add_recompute_flags(CLI::App& app, TrainOptions& o) {
       ->check(integer_in_range(0, kMaxInt));
   app.add_option_function<std::vector<std::string>>(
          "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
-         "Selective targets, space-separated: core_attn mlp layernorm moe moe_act shared_experts "
-         "(default core_attn)")
+         "Selective targets, space-separated: " + recompute_module_list(" ") +
+             " (default core_attn)")
       ->expected(1, -1);
   app.add_flag("--recompute-activations", o.recompute_activations,
                "Legacy: same as --recompute-granularity selective");
@@ -281,6 +283,9 @@ void add_recompute_flags(CLI::App& app, TrainOptions& o) {
 
 void add_offload_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
+  auto setting = [&o](const char* flag) {
+    return [&o, flag](const std::string&) { o.offload_setting_flag = flag; };
+  };
   // CPU offload (docs/offload.md).
   app.add_option("--cpu-offloading-num-layers", m.cpu_offloading_num_layers,
                  "Offload the saved activations of the first K layers to host memory")
@@ -288,20 +293,23 @@ void add_offload_flags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--fine-grained-activation-offloading", m.fine_grained_activation_offloading,
                "Offload what the modules of --offload-modules save");
   app.add_option("--offload-modules", m.offload_modules,
-                 "Space-separated: attn_norm qkv_linear core_attn attn_proj mlp_norm expert_fc1 moe_act")
+                 "Space-separated: " + offload_module_list(" "))
       ->expected(1, -1);
   app.add_option("--fine-grained-offloading-max-inflight-offloads",
                  m.fine_grained_offloading_max_inflight_offloads,
                  "Groups of one name with copies in flight before compute waits (-1 = no cap)")
-      ->capture_default_str()->check(integer_in_range(-1, kMaxInt));
+      ->capture_default_str()->check(integer_in_range(-1, kMaxInt))
+      ->each(setting("--fine-grained-offloading-max-inflight-offloads"));
   app.add_option("--min-offloaded-tensor-size", m.min_offloaded_tensor_size,
                  "Saved tensors with fewer elements stay on the device")
-      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
+      ->capture_default_str()->check(integer_in_range(0, kMaxInt))
+      ->each(setting("--min-offloaded-tensor-size"));
   app.add_option("--offload-bandwidth-gbps", o.training.offload_bandwidth_gbps,
                  "Emulated host link for offload copies, GB/s per direction (0 = uncapped; "
                  "otherwise " + c10::str(kMinOffloadBandwidthGbps) + " to " +
                  c10::str(kMaxOffloadBandwidthGbps) + ")")
-      ->capture_default_str()->check(kNonNegative);
+      ->capture_default_str()->check(kNonNegative)
+      ->each(setting("--offload-bandwidth-gbps"));
 }
 
 void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
@@ -390,7 +398,10 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
   app.add_option("--data-cache-path", t.data_cache_path,
                  "Where --data-path caches its sample indices (default: PREFIX/cache/GPTDataset_indices)");
-  app.add_option("--split", t.split, "train,validation[,test] weights")->capture_default_str();
+  app.add_option("--split", t.split,
+                 "train,validation[,test] weights (Megatron's default; --data-path cuts its "
+                 "sequences as Megatron does, --data and the built-in corpus their tokens)")
+      ->capture_default_str();
 }
 
 void add_runtime_flags(CLI::App& app, TrainOptions& o) {
@@ -510,6 +521,13 @@ void TrainOptions::finalize() {
   }
   model.validate();
   training.validate(model);
+  // A setting that would do nothing is refused, as --offload-modules without the switch is
+  // (after the values' own checks, whose messages say more).
+  TORCH_CHECK(offload_setting_flag.empty() || offload_planned_later ||
+                  model.cpu_offloading_num_layers > 0 || model.fine_grained_activation_offloading,
+              offload_setting_flag, " applies to activation offloading, which is off: add "
+              "--fine-grained-activation-offloading --offload-modules ... or "
+              "--cpu-offloading-num-layers K");
   TORCH_CHECK(pipeline_plot.empty() || model.pipeline_model_parallel_size > 1,
               "--pipeline-plot draws a pipeline's schedule: it needs "
               "--pipeline-model-parallel-size > 1");

@@ -215,6 +215,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     corpus_.source = source.str();
     corpus_.memory_mapped = true;
     corpus_.documents = splits.documents;
+    corpus_.sequences = splits.sequences;
     corpus_.bytes = splits.bytes;
     corpus_.tokens = splits.tokens;
     corpus_.train_samples = train_samples->size();
@@ -384,6 +385,15 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     // The last stage's copy is left out of the gradient norm: it equals the first stage's after
     // the embedding all-reduce (Megatron's param_is_not_shared).
     if (!model_->pre_process()) shared_copy_index_ = static_cast<int64_t>(i);
+  }
+  {
+    std::vector<GradNormParameter> attributes(params_.size());
+    for (size_t i = 0; i < params_.size(); ++i) {
+      attributes[i] = {tensor_parallel_flags_[i], expert_parallel_flags_[i],
+                       static_cast<int64_t>(i) == shared_copy_index_};
+    }
+    grad_norm_roles_ = grad_norm_roles(attributes, tensor_parallel_group().rank,
+                                       expert_parallel_group().size);
   }
   if (train_samples) {
     train_sampler_ = std::make_unique<DatasetBatches>(
@@ -1126,41 +1136,8 @@ void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {
 
 double Trainer::clip_gradients(const IterationStats& st) {
   at::NoGradGuard no_grad;
-  double grad_norm = 0.0;
-  if (expert_parallel_group().size > 1) {
-    // Megatron's get_grad_norm_fp32 over both parameter kinds: the dense ones summed over the
-    // tensor ranks (equal on the expert-parallel ranks), the experts' over the tensor-and-expert
-    // group, which holds every expert's every slice once; a parameter replicated over the
-    // tensor ranks counts on tensor rank 0 only.
-    const bool first = tensor_parallel_group().rank == 0;
-    at::Tensor dense = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
-    at::Tensor experts = dense.clone();
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (!tensor_parallel_flags_[i] && !first) continue;
-      (expert_parallel_flags_[i] ? experts : dense) += grads_[i].to(at::kDouble).pow(2).sum();
-    }
-    grad_norm = std::sqrt((all_reduce_sum(dense) +
-                           group_all_reduce_sum(tensor_and_expert_parallel_group(), experts))
-                              .item<double>());
-  } else if (tensor_parallel_group().size == 1 && pipeline_parallel_group().size == 1) {
-    std::vector<at::Tensor> norms;
-    norms.reserve(params_.size());
-    for (const auto& g : grads_) norms.push_back(g.norm());
-    grad_norm = at::stack(norms).norm().item<double>();
-  } else {
-    // Megatron's clip_grad_norm: split parameters count on every rank, replicated ones once;
-    // summed over the pipeline stages (the last stage's copy of the tied embedding left out).
-    const bool first = tensor_parallel_group().rank == 0;
-    at::Tensor sq = at::zeros({1}, at::TensorOptions().dtype(at::kDouble).device(device_));
-    for (size_t i = 0; i < params_.size(); ++i) {
-      if (static_cast<int64_t>(i) == shared_copy_index_) continue;
-      if (tensor_parallel_flags_[i] || first) {
-        sq += grads_[i].to(at::kDouble).pow(2).sum();
-      }
-    }
-    grad_norm = std::sqrt(
-        group_all_reduce_sum(pipeline_parallel_group(), all_reduce_sum(sq)).item<double>());
-  }
+  // Megatron's clip_grad_norm_fp32 over get_grad_norm_fp32: one function for every layout.
+  const double grad_norm = global_grad_norm(grads_, grad_norm_roles_);
   // Megatron fails on a NaN gradient norm (check_for_nan_in_loss_and_grad); stopping before
   // the optimizer step leaves the parameters as they were.
   TORCH_CHECK(std::isfinite(st.loss) && std::isfinite(grad_norm), "actmem::Trainer: "

@@ -22,7 +22,7 @@ endif()
 string(REGEX MATCHALL "(^|\n)[A-Za-z_][A-Za-z0-9_/]*\\." _suite_lines "${_listing}")
 # The suites that start processes of their own (launches of 2-4 ranks, the command) run longest:
 # weighted so that ctest -j starts them first instead of leaving one for the end.
-set(_multi_process "^(Pipeline|CheckpointCli|CheckpointCrash|TensorParallel|DataParallel|ExpertParallel|ExpertTensorParallel|Launch|ParallelLayout|PlanCli|GenerateCli|DataPath|Estimate)$")
+set(_multi_process "^(Pipeline|CheckpointCli|CheckpointCrash|TensorParallel|DataParallel|ExpertParallel|ExpertTensorParallel|Launch|Layouts|ParallelLayout|PlanCli|GenerateCli|DataPath|Estimate)$")
 foreach(_line IN LISTS _suite_lines)
   string(STRIP "${_line}" _suite)
   string(REGEX REPLACE "\\.$" "" _suite "${_suite}")

@@ -330,7 +330,7 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
   // min(2 (p - r - 1) + (v - 1) p + 1, M v) chunk-micro-batches, i.e. p (1 + (p - 1)/(p v))
   // stage-micro-batches on the first stage (Korthikanti et al. 2022's interleaved factor).
   auto stages = [](const std::string& flags) {
-    const auto r = actmem::testing::run_actmem("estimate --json --num-layers 32 " + flags);
+    const auto r = actmem::testing::run_actmem("estimate --json --preset 7b --num-layers 32 " + flags);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return nlohmann::json::parse(r.output);
   };
@@ -358,16 +358,111 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
   const auto same = stages("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2");
   EXPECT_EQ(same["per_pipeline_stage"], inter["per_pipeline_stage"]);
   const auto bad = actmem::testing::run_actmem(
-      "estimate --num-layers 32 --pipeline-model-parallel-size 4 "
+      "estimate --preset 7b --num-layers 32 --pipeline-model-parallel-size 4 "
       "--num-virtual-stages-per-pipeline-rank 2 --num-microbatches 6");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("must be a multiple of the pipeline size"), std::string::npos) << bad.output;
   const auto uneven = actmem::testing::run_actmem(
-      "estimate --num-layers 32 --pipeline-model-parallel-size 4 "
+      "estimate --preset 7b --num-layers 32 --pipeline-model-parallel-size 4 "
       "--num-layers-per-virtual-pipeline-stage 3");
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.output.find("divisible number of layers per virtual pipeline stage"),
             std::string::npos) << uneven.output;
+}
+
+TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
+  // Sizes without --preset are a model of their own with Megatron's defaults (LayerNorm, GeLU,
+  // tied embeddings): nothing comes from the 7b preset. Parameters by Megatron's
+  // compute_weight_and_optimizer_memory (theoretical_memory_usage.py), worked here:
+  // per layer 4h^2 (attention) + 2 h ffn (MLP) + 2h x 2 (norms), plus V h and the final norm 2h.
+  const std::string sizes = "estimate --json --num-layers 24 --hidden-size 2048 "
+                            "--num-attention-heads 16 --seq-length 2048 --micro-batch-size 1 "
+                            "--vocab-size 51200";
+  const auto r = actmem::testing::run_actmem(sizes);
+  ASSERT_EQ(r.exit_code, 0) << r.output << r.stderr_text;
+  const auto j = nlohmann::json::parse(r.output);
+  const double h = 2048, ffn = 4 * h, L = 24, V = 51200;
+  EXPECT_EQ(j["model"]["ffn_hidden_size"].get<double>(), ffn);  // Megatron's 4h
+  EXPECT_FALSE(j["model"]["swiglu"].get<bool>());
+  EXPECT_FALSE(j["model"]["untied"].get<bool>());
+  EXPECT_EQ(j["model"]["normalization"], "LayerNorm");
+  EXPECT_TRUE(j["model"]["base"].is_null());
+  EXPECT_EQ(j["model"]["tensor_model_parallel_size"].get<double>(), 1);
+  EXPECT_EQ(j["model"]["pipeline_model_parallel_size"].get<double>(), 1);
+  const double per_layer = 4 * h * h + 2 * h * ffn + 4 * h;
+  EXPECT_DOUBLE_EQ(j["weights_and_optimizer"]["parameters"].get<double>(), L * per_layer + V * h + 2 * h);
+  // --swiglu without --ffn-hidden-size: Megatron's int((4h x 2/3) / 64) x 64 = 5440 for h 2048.
+  const auto g = actmem::testing::run_actmem(sizes + " --swiglu --untie-embeddings-and-output-weights");
+  ASSERT_EQ(g.exit_code, 0) << g.stderr_text;
+  const auto jg = nlohmann::json::parse(g.output);
+  EXPECT_EQ(jg["model"]["ffn_hidden_size"].get<double>(), 5440);
+  EXPECT_DOUBLE_EQ(jg["weights_and_optimizer"]["parameters"].get<double>(),
+                   L * (4 * h * h + 2 * h * 5440 * 1.5 + 4 * h) + 2 * V * h + 2 * h);
+  // A preset named is the base, and what it brings can be switched off and is printed.
+  const auto p = actmem::testing::run_actmem("estimate --json --preset 7b --no-swiglu "
+                                             "--tie-embeddings-and-output-weights");
+  ASSERT_EQ(p.exit_code, 0) << p.stderr_text;
+  const auto jp = nlohmann::json::parse(p.output);
+  EXPECT_EQ(jp["model"]["base"], "7b");
+  EXPECT_FALSE(jp["model"]["swiglu"].get<bool>());
+  EXPECT_FALSE(jp["model"]["untied"].get<bool>());
+  const auto text = actmem::testing::run_actmem("estimate --preset 7b --num-layers 16");
+  EXPECT_NE(text.output.find("7b (with the sizes given)"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("SwiGLU, untied embeddings, LayerNorm"), std::string::npos) << text.output;
+  // Sizes that leave the model unsaid are refused, naming what is missing.
+  const auto bad = actmem::testing::run_actmem("estimate --hidden-size 2048 --num-layers 24");
+  EXPECT_NE(bad.exit_code, 0);
+  EXPECT_NE(bad.stderr_text.find("missing: --num-attention-heads, --seq-length, "
+                                 "--micro-batch-size, --vocab-size"),
+            std::string::npos) << bad.stderr_text;
+  const auto both = actmem::testing::run_actmem("estimate --swiglu --no-swiglu");
+  EXPECT_NE(both.exit_code, 0);
+}
+
+TEST(Estimate, PresetInterleavingFollowsTheFlags) {
+  // 175b: 96 layers, p = 8, 3 chunks per stage. --num-virtual-stages-per-pipeline-rank 1 turns
+  // interleaving off (Megatron: one virtual stage is none); a layer count whose stages no longer
+  // divide by the preset's 3 chunks is refused as Megatron's TransformerConfig refuses it.
+  auto run = [](const std::string& flags) {
+    return actmem::testing::run_actmem("estimate --json --preset 175b " + flags);
+  };
+  const auto inter = run("");
+  ASSERT_EQ(inter.exit_code, 0) << inter.stderr_text;
+  EXPECT_EQ(nlohmann::json::parse(inter.output)["schedule"], "interleaved 1F1B");
+  const auto off = run("--num-virtual-stages-per-pipeline-rank 1");
+  ASSERT_EQ(off.exit_code, 0) << off.stderr_text;
+  const auto j = nlohmann::json::parse(off.output);
+  EXPECT_EQ(j["schedule"], "1F1B");
+  EXPECT_TRUE(j["virtual_pipeline_size"].is_null());
+  // 1F1B: the first stage holds p = 8 micro-batches.
+  EXPECT_DOUBLE_EQ(j["per_pipeline_stage"][0]["microbatches_in_flight"].get<double>(), 8.0);
+  const auto one_per_stage = run("--num-layers-per-virtual-pipeline-stage 12");  // 12 per stage
+  ASSERT_EQ(one_per_stage.exit_code, 0) << one_per_stage.stderr_text;
+  EXPECT_EQ(nlohmann::json::parse(one_per_stage.output)["schedule"], "1F1B");
+  const auto uneven = run("--num-layers 64");  // 8 layers per stage, 3 chunks
+  EXPECT_NE(uneven.exit_code, 0);
+  EXPECT_NE(uneven.stderr_text.find("must be divisible by virtual_pipeline_model_parallel_size"),
+            std::string::npos) << uneven.stderr_text;
+  EXPECT_NE(uneven.stderr_text.find("--num-virtual-stages-per-pipeline-rank (1 for no interleaving)"),
+            std::string::npos) << uneven.stderr_text;
+  EXPECT_EQ(run("--num-layers 64 --num-virtual-stages-per-pipeline-rank 2").exit_code, 0);
+  // The interleaved count prints as a number (31/3 micro-batches), not 1e+01.
+  const auto text = actmem::testing::run_actmem("estimate --preset 175b");
+  EXPECT_NE(text.output.find("holds 10.33 micro-batches in flight"), std::string::npos) << text.output;
+  EXPECT_EQ(text.output.find("e+01"), std::string::npos) << text.output;
+}
+
+TEST(Estimate, TheFormulaColumnNamesWhatWasComputed) {
+  // Without SP and t > 1 (eq. 2), the norms and dropouts are replicated: the selective row is
+  // sbh(10 + (8 + 4 ffn/h)/t), and the printed formula says so.
+  const auto r = actmem::testing::run_actmem("estimate --no-sequence-parallel");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  EXPECT_NE(r.output.find("sbh(10 + (8 + 4 ffn/h)/t)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("sbh(10 + 24/t + 5as/ht)"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("sbh(18 + 4 ffn/h)"), std::string::npos) << r.output;
+  const auto sp = actmem::testing::run_actmem("estimate");
+  EXPECT_NE(sp.output.find("sbh(18 + 4 ffn/h)/t"), std::string::npos) << sp.output;
+  EXPECT_NE(sp.output.find("2sbh/t"), std::string::npos) << sp.output;
 }
 
 TEST(Inspect, LedgerAccountsForTheMeasuredBytesAndMatchesThePaperPerModule) {

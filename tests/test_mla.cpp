@@ -495,8 +495,8 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
   // The command: MLA's terms replace the paper's attention terms in the per-layer figure.
   const std::string model =
       "estimate --json --seq-length 4096 --micro-batch-size 1 --hidden-size 2048 "
-      "--num-attention-heads 16 --num-layers 4 --ffn-hidden-size 8192 --tensor-model-parallel-size 1 "
-      "--pipeline-model-parallel-size 1 --no-sequence-parallel";
+      "--num-attention-heads 16 --num-layers 4 --ffn-hidden-size 8192 --vocab-size 32000 "
+      "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --no-sequence-parallel";
   const auto dense = actmem::testing::run_actmem(model);
   const auto mla = actmem::testing::run_actmem(
       model + " --multi-latent-attention --q-lora-rank 512 --kv-lora-rank 256 --qk-head-dim 128 "

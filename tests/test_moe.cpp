@@ -88,7 +88,8 @@ TEST(MoEConfig, MegatronsRulesWithItsMessages) {
                 "moe_shared_expert_intermediate_size must be num_shared_experts * "
                 "ffn_size_of_each_shared_expert, but got 0");
   check_refused([](auto& c) { c.moe_shared_expert_intermediate_size = 32; },
-                "bias is not supported in the shared experts, ");
+                "bias is not supported in the shared experts, please set "
+                "'--disable-bias-linear' instead.");
   check_refused([](auto& c) { c.num_moe_experts = 6; c.expert_model_parallel_size = 4; },
                 "Number of experts should be a multiple of expert model parallel_size.");
   // MoELayer.forward's rule for tensor parallelism (refused up front), and the experts' columns
@@ -762,7 +763,8 @@ TEST(MoEEstimate, TermsEqualThePredictorsMoEModulesAtBf16) {
   // The command: a mixed model's first stage is the mix of dense and MoE layers.
   const auto r = actmem::testing::run_actmem(
       "estimate --json --seq-length 4096 --micro-batch-size 1 --hidden-size 2048 "
-      "--num-attention-heads 16 --num-layers 8 --ffn-hidden-size 8192 --tensor-model-parallel-size 1 "
+      "--num-attention-heads 16 --num-layers 8 --ffn-hidden-size 8192 --vocab-size 32000 "
+      "--tensor-model-parallel-size 1 "
       "--pipeline-model-parallel-size 1 --no-sequence-parallel --num-experts 8 --moe-router-topk 2 "
       "--moe-ffn-hidden-size 1024 --moe-layer-freq 2 --moe-aux-loss-coeff 0.01");
   ASSERT_EQ(r.exit_code, 0) << r.output << r.stderr_text;

@@ -73,6 +73,10 @@ inline constexpr std::array<std::pair<OffloadModule, std::string_view>, 7> kOffl
 
 const char* to_string(RecomputeModule m);
 const char* to_string(OffloadModule m);
+/// The module names actmem implements, from the tables above, joined by `sep` (help texts and
+/// error messages use these; gdn_norm_out, known by name only, is left out).
+std::string recompute_module_list(std::string_view sep);
+std::string offload_module_list(std::string_view sep);
 std::optional<RecomputeModule> parse_recompute_module(std::string_view name);
 std::optional<OffloadModule> parse_offload_module(std::string_view name);
 

@@ -288,7 +288,9 @@ struct TrainingConfig {
   std::string tokenizer_type;
   std::string tokenizer_model;
   int64_t make_vocab_size_divisible_by = 128;
-  std::string split = "95,5";
+  /// Train, validation and test weights (--split). Megatron's default when --data-path is given
+  /// (arguments.py, legacy_default_split_value); the built-in corpus and --data use it too.
+  std::string split = "969,30,1";
   // ---- checkpoints (docs/checkpoints.md), Megatron's names ----
   /// Directory to save checkpoints in (--save); empty means none.
   std::string save;

@@ -62,6 +62,7 @@ struct Corpus {
   /// two streams above are then undefined.
   int64_t train_samples = 0, valid_samples = 0;
   int64_t documents = 0, tokens = 0;
+  int64_t sequences = 0;  // with --data-path: what the splits cut (Megatron splits by sequence)
 };
 
 /// Parses Megatron's --split ("95,5" or "969,30,1": train, validation[, test] weights) and cuts

@@ -2,7 +2,8 @@
 // (megatron/core/datasets/gpt_dataset.py, blended_dataset.py, blended_megatron_dataset_builder.py
 // and helpers.cpp), reproduced index for index:
 //
-//   document index   the split's documents, repeated for enough epochs, shuffled
+//   document index   the split's sequences (Megatron splits and indexes a GPT dataset by
+//                    sequence, not by document), repeated for enough epochs, shuffled
 //   sample index     (position in the document index, token offset) where each sample starts:
 //                    samples of seq_length + 1 tokens that run across document boundaries and
 //                    overlap by one token (the label of the last position)
@@ -49,10 +50,12 @@ class NumpyRandomState {
   std::mt19937 mt_;  // the same MT19937, seeded as numpy's mt19937_seed (init_genrand)
 };
 
-/// Megatron's split of `num_documents` by weights (--split 949,50,1): the [begin, end) document
-/// ranges of train, validation and test (_get_split_indices).
-std::vector<std::pair<int64_t, int64_t>> split_document_ranges(const std::vector<double>& weights,
-                                                               int64_t num_documents);
+/// Megatron's split of `num_elements` by normalised weights (--split 969,30,1): the [begin, end)
+/// ranges of train, validation and test, begin = round(lo n) and end = round(hi n) of each
+/// split's cumulative book-ends (convert_split_vector_to_split_matrix,
+/// _build_megatron_dataset_splits; round half to even). A GPT dataset is split by sequences.
+std::vector<std::pair<int64_t, int64_t>> split_ranges(const std::vector<double>& weights,
+                                                      int64_t num_elements);
 /// Parses "949,50,1" (or "95,5") into normalised weights; throws a clear error otherwise.
 std::vector<double> parse_split(const std::string& split);
 
@@ -65,12 +68,13 @@ class SampleSource {
   virtual void sample(int64_t i, std::vector<int64_t>& out) const = 0;
 };
 
-/// Megatron's GPTDataset over documents [begin, end) of one indexed dataset.
+/// Megatron's GPTDataset over sequences [begin, end) of one indexed dataset (its
+/// indexed_indices; empty documents hold none, a multi-sentence document several).
 class GPTDataset : public SampleSource {
  public:
   /// num_samples: the samples this split must provide (Megatron's target size); the document
-  /// index repeats the documents for as many epochs as that takes. cache_dir empty: no cache.
-  GPTDataset(std::shared_ptr<const IndexedDataset> data, std::pair<int64_t, int64_t> documents,
+  /// index repeats the sequences for as many epochs as that takes. cache_dir empty: no cache.
+  GPTDataset(std::shared_ptr<const IndexedDataset> data, std::pair<int64_t, int64_t> sequences,
              int64_t num_samples, int64_t seq_length, uint32_t seed, const std::string& split_name,
              const std::string& cache_dir);
   /// Samples available (every sample of every epoch built; at least the requested number).
@@ -87,7 +91,7 @@ class GPTDataset : public SampleSource {
  private:
   void build(int64_t num_samples, uint32_t seed);
   std::shared_ptr<const IndexedDataset> data_;
-  std::pair<int64_t, int64_t> documents_;
+  std::pair<int64_t, int64_t> sequences_;
   int64_t seq_length_;
   int64_t num_epochs_ = 1;
   bool from_cache_ = false;
@@ -144,6 +148,7 @@ DataBlend parse_data_path(const std::vector<std::string>& args);
 struct GPTSplits {
   std::shared_ptr<const SampleSource> train, valid, test;
   int64_t documents = 0;       // over all datasets
+  int64_t sequences = 0;       // over all datasets (what the splits cut)
   int64_t tokens = 0;          // over all datasets
   int64_t bytes = 0;           // of their .bin files
 };

@@ -33,6 +33,13 @@ struct TrainOptions {
   /// Set when a dynamic-loss-scaling flag (--initial-loss-scale, --min-loss-scale,
   /// --loss-scale-window, --hysteresis) was given: refused unless the run scales dynamically.
   std::string dynamic_scaling_flag;
+  /// Set when an offload setting (--fine-grained-offloading-max-inflight-offloads,
+  /// --min-offloaded-tensor-size, --offload-bandwidth-gbps) was given: refused unless the run
+  /// offloads (--cpu-offloading-num-layers or --fine-grained-activation-offloading).
+  std::string offload_setting_flag;
+  /// The offload flags are chosen after finalize() (train --memory-budget): the settings above
+  /// apply to the plan's offload, if it has one.
+  bool offload_planned_later = false;
   /// Intra-op threads for libtorch; 0 means one per core.
   int threads = 0;
   /// Applies the derived fields (flags that map onto config fields) and validates everything.

@@ -50,7 +50,7 @@ TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
   auto bad = [&name] {
     TORCH_CHECK(false, "actmem compare: unknown strategy '", name, "'; expected plain, "
                 "full-uniform-N, full-block-N, selective or selective-MOD[+MOD...] with MOD a "
-                "recompute module (core_attn, mlp, layernorm, moe, moe_act, shared_experts)");
+                "recompute module (", recompute_module_list(", "), ")");
   };
   auto after = [&name](const std::string& prefix) -> std::optional<std::string> {
     if (name.rfind(prefix, 0) != 0) return std::nullopt;

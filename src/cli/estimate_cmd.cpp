@@ -28,6 +28,8 @@ struct EstimateOptions {
   double layers_per_vp = 0, vp = 0;  // the interleaved schedule: one of the two
   double d = 0;
   bool sp = false, no_sp = false, json = false, swiglu = false, untie = false, dist_opt = false;
+  bool no_swiglu = false, tie = false;
+  bool preset_given = false, normalization_given = false;  // set from the parse
   double bandwidth_gbps = 50.0;
   // MoE (docs/moe.md): experts 0 = dense.
   double experts = 0, topk = 2, moe_ffn = 0, shared_ffn = 0, capacity = 0;
@@ -40,23 +42,55 @@ struct EstimateOptions {
   double q_lora = 0, kv_lora = 32, qk_head = 128, pos_head = 64, v_head = 128;
 };
 
+// Megatron's ffn_hidden_size when none is given (arguments.py, validate_args): 4h, or with
+// SwiGLU two thirds of it rounded down to a multiple of 64.
+double megatron_default_ffn(double h, bool swiglu) {
+  return swiglu ? std::floor(4.0 * h * 2.0 / 3.0 / 64.0) * 64.0 : 4.0 * h;
+}
+
+// The model the flags describe. With --preset (or no size at all: the 7b preset) the preset is
+// the base and each flag replaces its field; without --preset, sizes describe a model of their
+// own, with Megatron's defaults for everything not given (LayerNorm, GeLU, tied embeddings, no
+// parallelism), so nothing is inherited from a preset the user never named.
+PaperShape base_shape(const EstimateOptions& o) {
+  const bool sizes = o.s > 0 || o.h > 0 || o.a > 0 || o.L > 0 || o.ffn > 0 || o.v > 0;
+  if (o.preset_given || !sizes) return paper_preset(o.preset);
+  std::vector<std::string> missing;
+  if (o.L <= 0) missing.emplace_back("--num-layers");
+  if (o.h <= 0) missing.emplace_back("--hidden-size");
+  if (o.a <= 0) missing.emplace_back("--num-attention-heads");
+  if (o.s <= 0) missing.emplace_back("--seq-length");
+  if (o.b <= 0) missing.emplace_back("--micro-batch-size");
+  if (o.v <= 0) missing.emplace_back("--vocab-size");
+  TORCH_CHECK(missing.empty(), "actmem estimate: a model given by its sizes needs --num-layers, "
+              "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size and "
+              "--vocab-size (missing: ", c10::Join(", ", missing), "); or name a --preset (",
+              c10::Join(", ", paper_preset_names()), ") for the flags to modify");
+  PaperShape m;  // Megatron's defaults: t = p = d = 1, no SP, LayerNorm, GeLU, tied embeddings
+  return m;
+}
+
 int run(const EstimateOptions& o) {
-  PaperShape m = paper_preset(o.preset);
+  PaperShape m = base_shape(o);
   auto set = [](double& field, double value) {
     if (value > 0) field = value;
   };
   set(m.s, o.s), set(m.b, o.b), set(m.h, o.h), set(m.a, o.a), set(m.L, o.L), set(m.v, o.v);
   set(m.t, o.t), set(m.p, o.p);
+  if (o.swiglu) m.swiglu = true;
+  if (o.no_swiglu) m.swiglu = false;
+  if (o.untie) m.untied = true;
+  if (o.tie) m.untied = false;
   if (o.ffn > 0) m.ffn = o.ffn;
-  else if (o.h > 0) m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
+  else if (o.h > 0 || m.ffn <= 0) m.ffn = megatron_default_ffn(m.h, m.swiglu);
   if (o.m > 0) m.num_microbatches = o.m;
   if (o.d > 0) m.d = o.d;
-  if (o.swiglu) m.swiglu = true;
-  if (o.untie) m.untied = true;
   if (o.dist_opt) m.distributed_optimizer = true;
-  m.rmsnorm = o.normalization == "RMSNorm";
+  if (o.normalization_given) m.rmsnorm = o.normalization == "RMSNorm";
   if (o.sp) m.sp = true;
   if (o.no_sp) m.sp = false;
+  TORCH_CHECK(!(o.swiglu && o.no_swiglu) && !(o.untie && o.tie) && !(o.sp && o.no_sp),
+              "actmem estimate: a switch and its --no-/--tie- opposite were both given");
   TORCH_CHECK(!(m.sp && m.t == 1), "actmem estimate: --sequence-parallel needs "
               "--tensor-model-parallel-size > 1");
   TORCH_CHECK(std::fmod(m.L, m.p) == 0, "actmem estimate: num_layers (", m.L,
@@ -70,9 +104,20 @@ int run(const EstimateOptions& o) {
     TORCH_CHECK(std::fmod(per_stage, o.layers_per_vp) == 0, "actmem estimate: number of layers "
                 "per pipeline stage must be divisible number of layers per virtual pipeline stage (",
                 per_stage, " per stage, ", o.layers_per_vp, " per virtual stage)");
-    if (per_stage / o.layers_per_vp > 1) m.vpp = per_stage / o.layers_per_vp;
+    m.vpp = per_stage / o.layers_per_vp;
   }
-  if (o.vp > 1) m.vpp = o.vp;
+  if (o.vp > 0) m.vpp = o.vp;
+  if (m.vpp && *m.vpp == 1) m.vpp.reset();  // Megatron: one virtual stage is no interleaving
+  // A preset's chunks are kept only while they still cut the stage evenly (Megatron's
+  // TransformerConfig and get_num_layers_to_build: layers per rank divisible by the virtual
+  // stages), also after --num-layers or --pipeline-model-parallel-size changed the stage.
+  TORCH_CHECK(!m.vpp || std::fmod(m.L / m.p, *m.vpp) == 0, "actmem estimate: number of layers on "
+              "each pipeline rank (", m.L / m.p, ") must be divisible by "
+              "virtual_pipeline_model_parallel_size (", *m.vpp, ")",
+              o.vp > 0 || o.layers_per_vp > 0
+                  ? std::string()
+                  : "; the preset's " + c10::str(*m.vpp) + " chunks per stage no longer fit: give "
+                    "--num-virtual-stages-per-pipeline-rank (1 for no interleaving)");
   // Megatron's interleaved rule with its default groups of p micro-batches: M a multiple of p.
   TORCH_CHECK(!m.vpp || !m.num_microbatches || std::fmod(*m.num_microbatches, m.p) == 0,
               "actmem estimate: with the interleaved schedule the number of micro-batches (",
@@ -193,13 +238,27 @@ int run(const EstimateOptions& o) {
   }
   const double in_flight = stage_in_flight.front();
   const char* schedule = m.vpp ? "interleaved 1F1B" : "1F1B";
+  // A count of micro-batches (fractional under the interleaved schedule) with up to 4
+  // significant digits, whatever the stream's format: 10.33, not 1e+01.
+  auto count = [](double x) {
+    std::ostringstream os;
+    os << std::setprecision(4) << x;
+    return os.str();
+  };
+  const bool sizes = o.s > 0 || o.h > 0 || o.a > 0 || o.L > 0 || o.ffn > 0 || o.v > 0;
+  const std::string base_name = o.preset_given || !sizes
+                                    ? o.preset + (sizes ? " (with the sizes given)" : "")
+                                    : std::string("custom");
   auto total = [&](double per_layer) { return w.total() + per_layer * per_stage * in_flight; };
   if (o.json) {
     nlohmann::json j = {
         {"model", {{"seq_length", m.s}, {"micro_batch_size", m.b}, {"hidden_size", m.h},
                    {"num_attention_heads", m.a}, {"num_layers", m.L}, {"ffn_hidden_size", m.ffn},
                    {"vocab_size", m.v}, {"tensor_model_parallel_size", m.t},
-                   {"pipeline_model_parallel_size", m.p}, {"sequence_parallel", m.sp}}},
+                   {"pipeline_model_parallel_size", m.p}, {"sequence_parallel", m.sp},
+                   {"swiglu", m.swiglu}, {"untied", m.untied},
+                   {"normalization", m.rmsnorm ? "RMSNorm" : "LayerNorm"},
+                   {"base", o.preset_given || !sizes ? nlohmann::json(o.preset) : nlohmann::json(nullptr)}}},
         {"per_layer_bytes", {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
         {"per_stage_bytes", {{"none", layer.none * per_stage},
                              {"selective", selective_stage},
@@ -264,25 +323,33 @@ int run(const EstimateOptions& o) {
     std::cout << j.dump(2) << std::endl;
     return 0;
   }
-  std::cout << "actmem estimate: " << (o.s || o.h || o.L ? "custom" : o.preset) << " — s=" << m.s
+  std::cout << "actmem estimate: " << base_name << " — s=" << m.s
             << " b=" << m.b << " h=" << m.h << " a=" << m.a << " L=" << m.L << " ffn=" << m.ffn
-            << " t=" << m.t << (m.sp ? " (SP)" : "") << " p=" << m.p << " (" << per_stage
-            << " layers per stage)\n"
+            << " V=" << m.v << " t=" << m.t << (m.sp ? " (SP)" : "") << " p=" << m.p << " ("
+            << per_stage << " layers per stage)" << (m.vpp ? ", v=" + c10::str(*m.vpp) : "")
+            << "; " << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
+            << " embeddings, " << (m.rmsnorm ? "RMSNorm" : "LayerNorm") << "\n"
             << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
             << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
             << std::setw(14) << "per stage" << "   formula\n";
-  const std::string none_formula = (m.t == 1 || m.sp) ? "sbh(34 + 5as/h)" : "sbh(10 + 24/t + 5as/ht)";
+  // The formulas paper_layer_bytes computes: with t = 1 or SP every term divided by t (eq. 1/4);
+  // without SP the norms and dropouts (10 sbh) replicated (eq. 2).
+  const bool split_all = m.t == 1 || m.sp;
+  const std::string none_formula = split_all ? "sbh(34 + 5as/h)" : "sbh(10 + 24/t + 5as/ht)";
+  const std::string selective_formula =
+      split_all ? "sbh(18 + 4 ffn/h)" : "sbh(10 + (8 + 4 ffn/h)/t)";
   const std::string div = m.sp ? "/t" : "";
+  const std::string full_formula = m.sp ? "2sbh/t" : "2sbh";
   std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14) << format_bytes_3sig(layer.none)
             << std::setw(14) << format_bytes_3sig(layer.none * per_stage) << "   " << none_formula << div << "\n"
             << std::left << std::setw(18) << "selective" << std::right << std::setw(14)
-            << format_bytes_3sig(layer.selective) << std::setw(14) << format_bytes_3sig(selective_stage) << "   sbh(18 + 4 ffn/h)"
-            << div << "\n"
+            << format_bytes_3sig(layer.selective) << std::setw(14) << format_bytes_3sig(selective_stage) << "   "
+            << selective_formula << (split_all ? div : "") << "\n"
             << std::left << std::setw(18) << "full" << std::right << std::setw(14) << format_bytes_3sig(layer.full)
-            << std::setw(14) << format_bytes_3sig(layer.full * per_stage) << "   2sbh" << div << "\n\n"
+            << std::setw(14) << format_bytes_3sig(layer.full * per_stage) << "   " << full_formula << "\n\n"
             << std::fixed << std::setprecision(1) << "s^2 share of a layer without recompute: "
             << 100.0 * layer.s2_fraction << "%\n"
-            << schedule << " first stage holds " << std::defaultfloat << in_flight << std::fixed
+            << schedule << " first stage holds " << count(in_flight)
             << " micro-batches in flight: no recompute "
             << format_bytes_3sig(layer.none * per_stage * in_flight) << ", selective "
             << format_bytes_3sig(selective_stage * in_flight) << "\n"
@@ -303,7 +370,7 @@ int run(const EstimateOptions& o) {
     for (size_t r = 0; r < stage_in_flight.size(); ++r) {
       const double n = stage_in_flight[r] * per_stage;
       std::cout << std::left << std::setw(8) << r << std::right << std::setw(12) << std::defaultfloat
-                << stage_in_flight[r] << std::fixed << std::setw(14) << format_bytes_3sig(layer.none * n)
+                << count(stage_in_flight[r]) << std::fixed << std::setw(14) << format_bytes_3sig(layer.none * n)
                 << std::setw(14) << format_bytes_3sig(layer.selective * n) << std::setw(14)
                 << format_bytes_3sig(layer.full * n) << "\n";
     }
@@ -385,7 +452,10 @@ int run(const EstimateOptions& o) {
 Runner add_estimate_command(CLI::App& app) {
   auto o = std::make_shared<EstimateOptions>();
   CLI::App* cmd = app.add_subcommand("estimate", "Analytic activation memory (paper formulas)");
-  cmd->add_option("--preset", o->preset, "7b (the 7B worked example in docs/memory-model.md), 22b, 175b, 530b or 1t")
+  CLI::Option* preset = cmd->add_option(
+      "--preset", o->preset, "7b (the 7B worked example in docs/memory-model.md), 22b, 175b, 530b "
+      "or 1t: the base the other flags modify (the default when no size is given; sizes without "
+      "--preset describe a model of their own, with Megatron's defaults)")
       ->capture_default_str();
   cmd->add_option("--seq-length", o->s, "s");
   cmd->add_option("--micro-batch-size", o->b, "b");
@@ -406,10 +476,15 @@ Runner add_estimate_command(CLI::App& app) {
   cmd->add_flag("--use-distributed-optimizer", o->dist_opt,
                 "optimizer state sharded over the data-parallel ranks (6 + 12/d bytes/param)");
   cmd->add_flag("--swiglu", o->swiglu, "gated MLP (the 7b preset has it)");
-  cmd->add_option("--normalization", o->normalization, "LayerNorm (weight and bias) or RMSNorm "
-                  "(weight): the norms' parameters")->capture_default_str();
+  cmd->add_flag("--no-swiglu", o->no_swiglu, "GeLU MLP (turns off a preset's SwiGLU)");
+  CLI::Option* normalization = cmd->add_option(
+      "--normalization", o->normalization, "LayerNorm (weight and bias) or RMSNorm "
+      "(weight): the norms' parameters")->capture_default_str();
   cmd->add_flag("--untie-embeddings-and-output-weights", o->untie,
                 "separate output layer (the 7b preset has it)");
+  cmd->add_flag("--tie-embeddings-and-output-weights", o->tie,
+                "output layer tied to the embedding (Megatron's default; turns off a preset's "
+                "untied one)");
   cmd->add_flag("--sequence-parallel", o->sp, "sequence parallelism on");
   cmd->add_flag("--no-sequence-parallel", o->no_sp, "sequence parallelism off");
   cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")
@@ -456,7 +531,12 @@ Runner add_estimate_command(CLI::App& app) {
       opt->check(integer_in_range(1, std::numeric_limits<int64_t>::max()));
     }
   }
-  return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
+  return [o, cmd, preset, normalization]() {
+    if (!cmd->parsed()) return -1;
+    o->preset_given = preset->count() > 0;
+    o->normalization_given = normalization->count() > 0;
+    return run(*o);
+  };
 }
 
 }  // namespace actmem::cli

@@ -177,7 +177,7 @@ int run_preprocess(PreprocessOptions& o) {
   }
 
   DocumentReader reader(o);
-  int64_t docs = 0, tokens = 0, skipped = 0;
+  int64_t docs = 0, tokens = 0, empty = 0;
   std::vector<int64_t> written(builders.size(), 0);
   auto last_report = Clock::now();
   constexpr size_t kChunk = 1024;  // documents tokenized in parallel, written in order
@@ -205,13 +205,16 @@ int run_preprocess(PreprocessOptions& o) {
     for (auto& t : threads) t.join();
     for (size_t i = 0; i < n; ++i) {
       for (size_t k = 0; k < builders.size(); ++k) {
-        if (ids[i][k].empty()) {  // an empty document: nothing to index (Megatron keeps an
-          ++skipped;              // empty document whose id then names no sequence)
-          continue;
+        // An empty document is written as Megatron's preprocess_data.py writes it: a document
+        // with no sequence (add_document with no lengths). GPTDataset indexes sequences, so it
+        // contributes no sample.
+        if (ids[i][k].empty()) {
+          ++empty;
+        } else {
+          builders[k]->add_item(ids[i][k]);
+          ++written[k];
         }
-        builders[k]->add_item(ids[i][k]);
         builders[k]->end_document();
-        ++written[k];
         tokens += static_cast<int64_t>(ids[i][k].size());
       }
       ++docs;
@@ -229,12 +232,15 @@ int run_preprocess(PreprocessOptions& o) {
   for (auto& b : builders) b->finalize();
   for (size_t k = 0; k < prefixes.size(); ++k) {
     const auto& p = prefixes[k];
-    std::cout << "wrote " << p << ".bin and " << p << ".idx: " << written[k]
-              << " documents, " << tok->type() << " (vocabulary " << tok->vocab_size()
+    std::cout << "wrote " << p << ".bin and " << p << ".idx: " << docs << " documents, "
+              << written[k] << " sequences, " << tok->type() << " (vocabulary " << tok->vocab_size()
               << (o.append_eod ? ", <eod> " + std::to_string(tok->eod()) + " appended" : "")
               << "), tokens stored as " << (code == kUInt16 ? "uint16" : "int32") << "\n";
   }
-  if (skipped > 0) std::cout << "skipped " << skipped << " empty document(s)\n";
+  if (empty > 0) {
+    std::cout << empty << " empty document(s) written without a sequence (as Megatron's "
+                 "preprocess_data.py writes them; they yield no sample)\n";
+  }
   return 0;
 }
 

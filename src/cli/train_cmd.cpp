@@ -156,8 +156,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << corpus.valid.numel() << " validation tokens"
         << (corpus.memory_mapped ? ", memory-mapped" : "") << ")";
   } else {
-    out << "data " << corpus.source << " (" << corpus.documents << " documents, " << corpus.tokens
-        << " tokens; " << corpus.train_samples << " train / " << corpus.valid_samples
+    out << "data " << corpus.source << " (" << corpus.documents << " documents, "
+        << corpus.sequences << " sequences, " << corpus.tokens << " tokens; " << corpus.train_samples << " train / " << corpus.valid_samples
         << " validation samples, memory-mapped)";
   }
   out << " | device "
@@ -200,7 +200,7 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
                    {"memory_mapped", c.memory_mapped}};
   } else {
     j["corpus"] = {{"source", c.source},           {"documents", c.documents},
-                   {"tokens", c.tokens},             {"train_samples", c.train_samples},
+                   {"sequences", c.sequences},       {"tokens", c.tokens},             {"train_samples", c.train_samples},
                    {"validation_samples", c.valid_samples}, {"memory_mapped", true}};
   }
   return j;
@@ -273,6 +273,9 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
 }
 
 int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
+  // With --memory-budget (or --costs, which asks for it) the planner chooses the offload the
+  // offload settings apply to; a --costs without the budget is refused below with its reason.
+  o.offload_planned_later = !budget.budget.empty() || !budget.costs.empty();
   o.finalize();
   actmem::apply_thread_count(o.threads);
   // Note [Outputs never destroy inputs] (output_file.h).
