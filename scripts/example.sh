@@ -5,12 +5,15 @@
 # (e.g. the CMAKE_PREFIX_PATH of a CUDA libtorch).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+# shellcheck source=scripts/env.sh
+source "$root/scripts/env.sh"
 build="${ACTMEM_BUILD_DIR:-$root/build}"
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
 # shellcheck disable=SC2086
-cmake -S "$root/examples" -B "$work/build" -DCMAKE_PREFIX_PATH="$work/prefix" \
+cmake -S "$root/examples" -B "$work/build" -G Ninja $ACTMEM_TORCH_CMAKE_ARGS \
+  "-DCMAKE_PREFIX_PATH=$work/prefix;$_actmem_torch_dir/share/cmake;$_actmem_torch_dir" \
   ${ACTMEM_CMAKE_ARGS:-} >/dev/null
 cmake --build "$work/build" -j "$(nproc 2>/dev/null || echo 2)" >/dev/null
 "$work/build/checkpoint_offload"

@@ -3,4 +3,6 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 "$root/scripts/setup.sh"
+# shellcheck source=scripts/env.sh
+source "$root/scripts/env.sh"  # the venv's ctest
 ctest --test-dir "${ACTMEM_BUILD_DIR:-$root/build}" -j "$(nproc 2>/dev/null || echo 2)" --output-on-failure "$@"

@@ -2,6 +2,7 @@
 // writes into and restores from them.
 #include "actmem/checkpoint.h"
 
+
 #include "actmem/distributed_optimizer.h"
 
 #include "actmem/mixed_precision.h"
@@ -12,7 +13,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
+#include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/optim/adamw.h>
 
 #include <nlohmann/json.hpp>
@@ -54,6 +58,64 @@ namespace fs = std::filesystem;
 // the process sends itself SIGKILL there).
 
 namespace {
+// A parameter's entry in the optimizer's state map: its TensorImpl's address.
+void* state_key(const torch::optim::Optimizer&, const at::Tensor& p) {
+  return p.unsafeGetTensorImpl();
+}
+
+// Note [Checkpoints Python loads with weights_only]
+// torch.load has defaulted to weights_only=True since PyTorch 2.6: the unpickler accepts only
+// dicts, lists, tuples, primitives and tensors (torch._utils._rebuild_tensor_v2 and the storage
+// types). torch::jit::pickle_save tags every dict and list with its element types through the
+// GLOBAL torch.jit._pickle.restore_type_tag, which that unpickler refuses ("Unsupported global").
+// It also writes a list of floats, ints, bools or tensors through torch.jit._pickle.build_doublelist
+// (build_intlist, ...), equally refused. So the value is first rebuilt with generic lists
+// (untyped()), then pickled as pickle_save does (torch/csrc/jit/serialization/pickle.cpp) with
+// the Pickler's tag_aggregates off: the same zip container and tensor records, plain containers,
+// which both Python's torch.load (either mode) and torch::jit::pickle_load read.
+c10::IValue untyped(const c10::IValue& v) {
+  if (v.isList()) {  // every list kind, specialized or generic
+    c10::impl::GenericList out(c10::AnyType::get());
+    for (const c10::IValue& e : v.toListRef()) out.push_back(untyped(e));
+    return out;
+  }
+  if (v.isGenericDict()) {
+    c10::impl::GenericDict out(c10::AnyType::get(), c10::AnyType::get());
+    for (const auto& e : v.toGenericDict()) out.insert(e.key(), untyped(e.value()));
+    return out;
+  }
+  if (v.isTuple()) {
+    std::vector<c10::IValue> elements;
+    for (const c10::IValue& e : v.toTupleRef().elements()) elements.push_back(untyped(e));
+    return c10::ivalue::Tuple::create(std::move(elements));
+  }
+  return v;
+}
+
+std::vector<char> save_untagged(const c10::IValue& value) {
+  std::vector<char> pickled;
+  torch::jit::Pickler pickler(
+      [&pickled](const char* data, size_t n) { pickled.insert(pickled.end(), data, data + n); },
+      /*tensor_table=*/nullptr, /*type_renamer=*/nullptr, /*memoized_class_types=*/nullptr,
+      /*get_tensor_id=*/nullptr, /*tag_aggregates=*/false);
+  pickler.protocol();
+  pickler.pushIValue(untyped(value));
+  pickler.stop();
+  std::vector<char> container;
+  container.reserve(pickled.size());
+  {
+    caffe2::serialize::PyTorchStreamWriter writer([&container](const void* data, size_t n) {
+      const char* bytes = static_cast<const char*>(data);
+      container.insert(container.end(), bytes, bytes + n);
+      return n;
+    });
+    torch::jit::writeArchiveAndTensors("data", pickled.data(), pickled.size(), pickler.tensorData(),
+                                       writer);
+    writer.writeEndOfFile();
+  }
+  return container;
+}
+
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -198,7 +260,7 @@ struct AdamWMoments {
 AdamWMoments adamw_moments(torch::optim::AdamW& opt, const std::vector<at::Tensor>& params) {
   AdamWMoments m;
   for (const auto& p : params) {
-    const auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+    const auto it = opt.state().find(state_key(opt, p));
     const auto* s = it == opt.state().end()
                         ? nullptr
                         : &static_cast<const torch::optim::AdamWParamState&>(*it->second);
@@ -287,7 +349,7 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
     s->step(entry(d, "step", path).toInt());
     s->exp_avg(tensor("exp_avg"));
     s->exp_avg_sq(tensor("exp_avg_sq"));
-    opt.state()[c10::guts::to_string(p.unsafeGetTensorImpl())] = std::move(s);
+    opt.state()[state_key(opt, p)] = std::move(s);
   }
 }
 
@@ -726,7 +788,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
         fs::create_directories(rank_dir, ec);
         TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
                     ec.message());
-        const std::vector<char> bytes = torch::jit::pickle_save(state);
+        const std::vector<char> bytes = save_untagged(state);
         const std::string path = (rank_dir / "model_optim_rng.pt").string();
         write_durably(path, bytes.data(), bytes.size(), iteration_);
         fsync_path(rank_dir.string(), true);

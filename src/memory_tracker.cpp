@@ -128,7 +128,7 @@ void tracked_free(void* data) {
 }
 
 struct TrackingCpuAllocator final : c10::Allocator {
-  c10::DataPtr allocate(size_t n) ACTMEM_ALLOCATE_CONST override {
+  c10::DataPtr allocate(size_t n) override {
     const c10::Device cpu(c10::DeviceType::CPU);
     if (n == 0) return {nullptr, nullptr, &tracked_free, cpu};
     const auto bytes = static_cast<int64_t>(n);
@@ -157,7 +157,9 @@ struct TrackingCpuAllocator final : c10::Allocator {
     return {data, data, &tracked_free, cpu};
   }
   c10::DeleterFnPtr raw_deleter() const override { return &tracked_free; }
-  ACTMEM_ALLOCATOR_COPY_DATA
+  void copy_data(void* dest, const void* src, std::size_t count) const override {
+    default_copy_data(dest, src, count);
+  }
 };
 
 TrackingCpuAllocator g_allocator;

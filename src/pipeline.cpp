@@ -4,9 +4,7 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 
 #include <algorithm>
 #include <deque>

@@ -1,6 +1,8 @@
 // recompute.cpp — CheckpointFunction and CheckpointWithoutOutput on libtorch's C++ autograd.
 #include "actmem/recompute.h"
 
+#include "actmem/compat.h"
+
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
 
@@ -224,7 +226,7 @@ struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
   // autograd (not through aliases kept here) checks their versions and lets saved-tensor hooks
   // (offload) bring them back to the device before the replay: a recompute's inputs must be on
   // the device before it runs (docs/offload.md, the paragraph on selective recompute).
-  std::weak_ptr<torch::autograd::Node> node;
+  compat::WeakNodePtr node;
   std::vector<bool> needs_grad;  // which inputs required grad in forward
   // The outputs' storages, not the output tensors: a tensor would point back at the autograd
   // node that owns this state (a reference cycle that nothing in C++ would collect).
@@ -314,7 +316,8 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
 }  // namespace
 
 TensorList CheckpointWithoutOutput::State::saved_inputs() {
-  auto n = std::dynamic_pointer_cast<torch::autograd::CppNode<OutputDiscardFunction>>(node.lock());
+  const compat::NodePtr locked = node.lock();  // keeps the node alive while its inputs are read
+  auto* n = dynamic_cast<torch::autograd::CppNode<OutputDiscardFunction>*>(locked.get());
   TORCH_CHECK(n != nullptr, "actmem::CheckpointWithoutOutput: the checkpoint's autograd node is "
               "gone (its graph was freed) before the recompute");
   return n->ctx_.get_saved_variables();

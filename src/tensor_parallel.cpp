@@ -16,9 +16,7 @@
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 
 #include <chrono>
 #include <thread>

@@ -81,12 +81,7 @@ void expect_layers_agree(GPTModel& model, const std::string& what) {
   for (int64_t i = -1; i < model.config().num_layers; ++i) {
     const int64_t m = measured.count(i) ? measured.at(i) : 0;
     const int64_t p = predicted.count(i) ? predicted.at(i) : 0;
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
-    EXPECT_NEAR(static_cast<double>(m), static_cast<double>(p), 0.03 * static_cast<double>(p))
-        << what << ", layer " << i;
-#else
-    EXPECT_EQ(m, p) << what << ", layer " << i;  // exact on libtorch 1.13 (docs/memory-model.md)
-#endif
+    EXPECT_EQ(m, p) << what << ", layer " << i;
   }
 }
 

@@ -612,8 +612,8 @@ TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
 
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
-  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "python3-torch is not installed";
+  if (std::system((std::string(ACTMEM_PYTHON) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+    GTEST_SKIP() << ACTMEM_PYTHON << " has no torch";
   }
   TransformerConfig model = testing::tiny_model();
   testing::set_precision(model, "bf16");
@@ -632,7 +632,7 @@ TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
       "for name, t in d['model'].items():\n"
       "    print(name, str(t.dtype), ' '.join(map(str, t.shape)),\n"
       "          ' '.join(float(x).hex() for x in t.float().flatten().tolist()))\n";
-  const std::string cmd = "/usr/bin/python3 " + script + " " + checkpoint_file(dir, 1, 0) + " > " +
+  const std::string cmd = std::string(ACTMEM_PYTHON) + " " + script + " " + checkpoint_file(dir, 1, 0) + " > " +
                           listing + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << std::ifstream(listing).rdbuf();
   std::ifstream in(listing);

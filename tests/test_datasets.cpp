@@ -28,7 +28,7 @@ using testing::expect_error_containing;
 namespace fs = std::filesystem;
 
 bool python_has_numpy() {
-  return std::system("/usr/bin/python3 -c 'import numpy' >/dev/null 2>&1") == 0;
+  return std::system((std::string(ACTMEM_PYTHON) + " -c 'import numpy' >/dev/null 2>&1").c_str()) == 0;
 }
 
 // Documents of pseudo-random lengths and tokens below `vocab`.
@@ -123,7 +123,7 @@ TEST(IndexedDataset, ReadsAFileWrittenByAnIndependentWriter) {
 
 // Megatron's own _IndexWriter logic in Python (struct + numpy), when numpy is installed.
 TEST(IndexedDataset, ReadsAFileWrittenByMegatronsWriterInPython) {
-  if (!python_has_numpy()) GTEST_SKIP() << "python3-numpy is not installed";
+  if (!python_has_numpy()) GTEST_SKIP() << ACTMEM_PYTHON << " has no numpy";
   const std::string dir = testing::fresh_temp_dir("idx_python");
   const std::string script = dir + "/write.py", prefix = dir + "/py";
   std::ofstream(script) <<
@@ -147,7 +147,7 @@ TEST(IndexedDataset, ReadsAFileWrittenByMegatronsWriterInPython) {
       "    f.write(np.array(document_indices, dtype=np.int64).tobytes(order='C'))\n"
       "with open(prefix + '.txt', 'w') as f:\n"
       "    for d in docs: f.write(' '.join(map(str, d.tolist())) + '\\n')\n";
-  ASSERT_EQ(std::system(("/usr/bin/python3 " + script + " " + prefix).c_str()), 0);
+  ASSERT_EQ(std::system((std::string(ACTMEM_PYTHON) + " " + script + " " + prefix).c_str()), 0);
   const IndexedDataset ds(prefix);
   ASSERT_EQ(ds.num_documents(), 40);
   std::ifstream txt(prefix + ".txt");
@@ -183,13 +183,13 @@ TEST(IndexedDataset, DamagedFilesAreClearErrors) {
 }
 
 TEST(GPTDataset, ShufflesAsNumpysRandomState) {
-  if (!python_has_numpy()) GTEST_SKIP() << "python3-numpy is not installed";
+  if (!python_has_numpy()) GTEST_SKIP() << ACTMEM_PYTHON << " has no numpy";
   const std::string dir = testing::fresh_temp_dir("numpy_shuffle");
   const std::string out = dir + "/numpy.txt";
   // Sizes that need the bounded draw's rejection (not powers of two), and two shuffles in a row
   // from one state, as GPTDataset draws its document and shuffle indices.
   const std::string cmd =
-      "/usr/bin/python3 -c \"import numpy as np; r = np.random.RandomState(1234); "
+      std::string(ACTMEM_PYTHON) + " -c \"import numpy as np; r = np.random.RandomState(1234); "
       "a = np.arange(1000, dtype=np.int32); r.shuffle(a); b = np.arange(77, dtype=np.uint32); "
       "r.shuffle(b); print(' '.join(map(str, a.tolist() + b.tolist())))\" > " + out;
   ASSERT_EQ(std::system(cmd.c_str()), 0);
@@ -243,8 +243,8 @@ TEST(GPTDataset, SplitsAsMegatronDoesToday) {
 TEST(GPTDataset, SplitsEveryCountAsMegatronsRuleInPython) {
   // The same rule evaluated by Python itself (its floats, its sum, its round), for every count
   // 1..20000 and three splits: the late-2023 rule actmem had disagreed on about a quarter of them.
-  if (std::system("/usr/bin/python3 -c 'pass' >/dev/null 2>&1") != 0) {
-    GTEST_SKIP() << "no /usr/bin/python3";
+  if (std::system((std::string(ACTMEM_PYTHON) + " -c 'pass' >/dev/null 2>&1").c_str()) != 0) {
+    GTEST_SKIP() << "no " << ACTMEM_PYTHON;
   }
   const std::string dir = testing::fresh_temp_dir("split_python");
   const std::string script = dir + "/split.py";
@@ -269,7 +269,7 @@ for split in sys.argv[1:]:
         print(split, n, " ".join(out))
 )PY";
   const std::vector<std::string> splits = {"949,50,1", "969,30,1", "98,2"};
-  std::string cmd = "/usr/bin/python3 " + script;
+  std::string cmd = std::string(ACTMEM_PYTHON) + " " + script;
   for (const auto& s : splits) cmd += " " + s;
   ASSERT_EQ(std::system((cmd + " > " + dir + "/want.txt").c_str()), 0);
   std::ifstream want(dir + "/want.txt");

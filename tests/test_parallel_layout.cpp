@@ -11,9 +11,7 @@
 #include <gtest/gtest.h>
 // TensorParallelGroup's process-group pointer needs the complete type to be destroyed.
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 
 namespace {
 

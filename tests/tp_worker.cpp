@@ -46,9 +46,7 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 #include <nlohmann/json.hpp>
 
 #include <csignal>

@@ -1,33 +1,60 @@
 // compat.h — the one place where differences between libtorch versions live.
 //
-// actmem builds against Debian's libtorch 1.13 (CPU) and against the CUDA libtorch 2.x shipped
-// inside a PyTorch installation. Every API whose signature moved between those versions is
-// wrapped here, so the rest of the code never tests TORCH_VERSION itself.
+// actmem builds against the libtorch inside a PyTorch 2.11 to 2.15 installation (the PyPI wheel,
+// CUDA build; scripts/setup.sh). Every API whose signature moved within that range is wrapped
+// here, so the rest of the code never tests TORCH_VERSION itself.
 #pragma once
 
 #include <c10/core/Allocator.h>
-#include <cstdint>
+#include <c10/util/intrusive_ptr.h>
 #include <torch/version.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+
+namespace torch::autograd {
+struct Node;
+}  // namespace torch::autograd
 
 #define ACTMEM_TORCH_VERSION_AT_LEAST(major, minor) \
   (TORCH_VERSION_MAJOR > (major) ||                 \
    (TORCH_VERSION_MAJOR == (major) && TORCH_VERSION_MINOR >= (minor)))
 
-// c10::Allocator::allocate lost its `const` in libtorch 2.3 and gained a pure virtual
-// copy_data(). Allocators declare `DataPtr allocate(size_t) ACTMEM_ALLOCATE_CONST override`
-// and add ACTMEM_ALLOCATOR_COPY_DATA to their body.
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 3)
-#define ACTMEM_ALLOCATE_CONST
-#define ACTMEM_ALLOCATOR_COPY_DATA                                           \
-  void copy_data(void* dest, const void* src, std::size_t count) const override { \
-    default_copy_data(dest, src, count);                                 \
-  }
+namespace actmem::compat {
+
+// Autograd nodes (grad_fn(), grad accumulators) are held by std::shared_ptr up to libtorch 2.12
+// and by c10::intrusive_ptr from 2.13 on.
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 13)
+using NodePtr = c10::intrusive_ptr<torch::autograd::Node>;
 #else
-#define ACTMEM_ALLOCATE_CONST const
-#define ACTMEM_ALLOCATOR_COPY_DATA
+using NodePtr = std::shared_ptr<torch::autograd::Node>;
 #endif
 
-namespace actmem::compat {
+/// A weak reference to an autograd node, empty until assigned (c10::weak_intrusive_ptr has no
+/// empty state of its own). A template so that the node type need be complete only where it is
+/// used (torch/csrc/autograd/function.h), not where this header is included.
+template <typename Node = torch::autograd::Node>
+class BasicWeakNodePtr {
+ public:
+  BasicWeakNodePtr() = default;
+  BasicWeakNodePtr& operator=(const NodePtr& node) {
+    weak_.reset();
+    if (node) weak_.emplace(node);
+    return *this;
+  }
+  /// The node while it lives, else null.
+  NodePtr lock() const { return weak_ ? weak_->lock() : NodePtr(); }
+
+ private:
+#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 13)
+  std::optional<c10::weak_intrusive_ptr<Node>> weak_;
+#else
+  std::optional<std::weak_ptr<Node>> weak_;
+#endif
+};
+using WeakNodePtr = BasicWeakNodePtr<>;
+
 
 /// Statistics of the CUDA caching allocator for one device, in bytes.
 struct CudaMemoryStats {

@@ -26,11 +26,7 @@ class Store;
 
 namespace actmem {
 
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 using CollectiveGroup = c10d::Backend;
-#else
-using CollectiveGroup = c10d::ProcessGroup;
-#endif
 
 /// RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT as torchrun sets them.
 struct DistEnv {

@@ -4,6 +4,7 @@
 // parallelism".
 #pragma once
 
+#include "actmem/compat.h"
 #include "actmem/tensor_parallel.h"
 
 #include <ATen/core/Tensor.h>
@@ -71,7 +72,7 @@ class GradReducer {
   std::vector<size_t> bucket_of_;
   std::vector<int64_t> count_, golden_;
   std::vector<Bucket> buckets_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators_;
+  std::vector<compat::NodePtr> accumulators_;
   double scale_;
   bool last_microbatch_ = true, first_step_ = true;
   int64_t started_in_backward_ = 0, started_now_ = 0;

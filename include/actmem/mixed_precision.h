@@ -10,6 +10,8 @@
 // parameters and copies them back, rounded, into the model.
 #pragma once
 
+#include "actmem/compat.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <functional>
@@ -111,7 +113,7 @@ class MixedPrecisionOptimizer {
   /// Model parameter i's elements the main parameter i mirrors (all, or this rank's shard).
   at::Tensor model_view(size_t i) const;
   std::vector<at::Tensor> model_params_, main_params_, main_grads_;
-  std::vector<std::shared_ptr<torch::autograd::Node>> grad_accumulators_;
+  std::vector<compat::NodePtr> grad_accumulators_;
   std::unique_ptr<torch::optim::AdamW> adamw_;
   std::optional<GradScaler> scaler_;
   const OptimizerShards* shards_ = nullptr;

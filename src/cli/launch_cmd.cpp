@@ -8,9 +8,7 @@
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#if ACTMEM_TORCH_VERSION_AT_LEAST(2, 0)
 #include <torch/csrc/distributed/c10d/Backend.hpp>
-#endif
 
 #include <chrono>
 #include <iostream>
