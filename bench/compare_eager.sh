@@ -1,18 +1,17 @@
 #!/usr/bin/env bash
 # compare_eager.sh — bench_step (C++) against the same step in PyTorch eager on the same libtorch.
-# Installs Debian's python3-torch (libtorch 1.13, like the C++ build) when it is missing, runs
-# both with the same thread count, alternating for ROUNDS rounds (default 3) so machine drift hits
+# The eager side runs in the set-up's virtual environment (scripts/env.sh): the very torch wheel
+# whose libtorch the C++ build links. Runs both with the same thread count, alternating for ROUNDS rounds (default 3) so machine drift hits
 # both alike, and prints per round and the median of the rounds the ratio eager / actmem per model
 # (>= 1 means actmem is at least as fast). Usage: [ROUNDS=N] bench/compare_eager.sh [--iters N]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build="${ACTMEM_BUILD_DIR:-$root/build}"
-py=/usr/bin/python3
-if ! "$py" -c 'import torch' 2>/dev/null; then
-  echo "compare_eager: installing python3-torch" >&2
-  sudo=""; [[ $(id -u) -ne 0 ]] && sudo="sudo"
-  $sudo apt-get update -q && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -q --no-install-recommends python3-torch
-fi
+# shellcheck source=scripts/env.sh
+source "$root/scripts/env.sh"
+py="$ACTMEM_PYTHON"
+"$py" -c 'import torch' 2>/dev/null ||
+  { echo "compare_eager: no torch in $ACTMEM_VENV: run scripts/setup.sh first" >&2; exit 1; }
 threads="$(nproc)"
 # Both sides run with the same OpenMP policy (see Note [OpenMP wait policy] in process.h).
 export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"

@@ -153,6 +153,9 @@ BlasLibrary detect_blas() {
   } else if (blis_version != nullptr && !gemm.empty() &&
              dir_of(library_of(blis_version)) == dir_of(gemm)) {
     blas.config = std::string("BLIS ") + reinterpret_cast<Version>(blis_version)() + " (" + gemm + ")";
+  } else if (!gemm.empty() && at::hasMKL()) {
+    // The PyPI wheel links MKL statically into libtorch_cpu.so.
+    blas.config = "MKL, linked into " + gemm;
   } else if (!gemm.empty()) {
     blas.config = "the BLAS in " + gemm;
   } else {
