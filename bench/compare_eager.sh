@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # compare_eager.sh — bench_step (C++) against the same step in PyTorch eager on the same libtorch.
 # The eager side runs in the set-up's virtual environment (scripts/env.sh): the very torch wheel
-# whose libtorch the C++ build links. Runs both with the same thread count, alternating for ROUNDS rounds (default 3) so machine drift hits
-# both alike, and prints per round and the median of the rounds the ratio eager / actmem per model
+# whose libtorch the C++ build links. Runs both with the same thread count, alternating for
+# ROUNDS rounds (default 3) so machine drift hits both alike, and prints per round and the median of the rounds the ratio eager / actmem per model
 # (>= 1 means actmem is at least as fast). Usage: [ROUNDS=N] bench/compare_eager.sh [--iters N]
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -12,7 +12,7 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" >/dev/null
 # shellcheck disable=SC2086
-cmake -S "$root/examples" -B "$work/build" -G Ninja $ACTMEM_TORCH_CMAKE_ARGS \
+cmake -S "$root/examples" -B "$work/build" -G Ninja \
   "-DCMAKE_PREFIX_PATH=$work/prefix;$_actmem_torch_dir/share/cmake;$_actmem_torch_dir" \
   ${ACTMEM_CMAKE_ARGS:-} >/dev/null
 cmake --build "$work/build" -j "$(nproc 2>/dev/null || echo 2)" >/dev/null

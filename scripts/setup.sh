@@ -50,7 +50,8 @@ if [[ "${ACTMEM_SKIP_APT:-0}" != 1 ]]; then
 fi
 
 # The wheel, once per machine.
-have="$("$ACTMEM_PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null || true)"
+torch_version() { "$ACTMEM_PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null; }
+have="$(torch_version || true)"
 if [[ "$have" != "$ACTMEM_TORCH_VERSION" ]]; then
   parent="$(dirname "$ACTMEM_VENV")"
   $sudo mkdir -p "$parent"
@@ -68,7 +69,7 @@ if [[ "$have" != "$ACTMEM_TORCH_VERSION" ]]; then
   echo "setup: installing torch $ACTMEM_TORCH_VERSION into $ACTMEM_VENV (first time: ~3 GB to download)"
   $sudo "$ACTMEM_PYTHON" -m pip install --disable-pip-version-check --progress-bar on \
     "torch==$ACTMEM_TORCH_VERSION" numpy cmake ninja
-  have="$("$ACTMEM_PYTHON" -c 'import torch; print(torch.__version__.split("+")[0])')"
+  have="$(torch_version || true)"
   [[ "$have" == "$ACTMEM_TORCH_VERSION" ]] ||
     { echo "setup: $ACTMEM_VENV has torch $have after the install, expected $ACTMEM_TORCH_VERSION" >&2; exit 1; }
 fi

@@ -23,6 +23,18 @@ std::string join_names(const Table& table) {
   return os.str();
 }
 
+// The names `keep` accepts, joined by `sep` (help texts: "core_attn mlp ...").
+template <typename Table, typename Keep>
+std::string names_joined(const Table& table, std::string_view sep, Keep keep) {
+  std::string out;
+  for (const auto& [value, name] : table) {
+    if (!keep(value)) continue;
+    if (!out.empty()) out += sep;
+    out += name;
+  }
+  return out;
+}
+
 std::string join_set(const std::vector<std::string>& items) {
   std::ostringstream os;
   os << "{";
@@ -288,25 +300,12 @@ std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan,
 
 const char* to_string(RecomputeModule m) { return name_in(kRecomputeModuleNames, m); }
 
-namespace {
-template <typename Table, typename Keep>
-std::string join_names(const Table& table, std::string_view sep, Keep keep) {
-  std::string out;
-  for (const auto& [value, name] : table) {
-    if (!keep(value)) continue;
-    if (!out.empty()) out += sep;
-    out += name;
-  }
-  return out;
-}
-}  // namespace
-
 std::string recompute_module_list(std::string_view sep) {
-  return join_names(kRecomputeModuleNames, sep,
-                    [](RecomputeModule m) { return m != RecomputeModule::kGdnNormOut; });
+  return names_joined(kRecomputeModuleNames, sep,
+                      [](RecomputeModule m) { return m != RecomputeModule::kGdnNormOut; });
 }
 std::string offload_module_list(std::string_view sep) {
-  return join_names(kOffloadModuleNames, sep, [](OffloadModule) { return true; });
+  return names_joined(kOffloadModuleNames, sep, [](OffloadModule) { return true; });
 }
 const char* to_string(OffloadModule m) { return name_in(kOffloadModuleNames, m); }
 std::optional<RecomputeModule> parse_recompute_module(std::string_view name) {

@@ -2,7 +2,6 @@
 // writes into and restores from them.
 #include "actmem/checkpoint.h"
 
-
 #include "actmem/distributed_optimizer.h"
 
 #include "actmem/mixed_precision.h"
@@ -59,7 +58,7 @@ namespace fs = std::filesystem;
 
 namespace {
 // A parameter's entry in the optimizer's state map: its TensorImpl's address.
-void* state_key(const torch::optim::Optimizer&, const at::Tensor& p) {
+void* state_key(const at::Tensor& p) {
   return p.unsafeGetTensorImpl();
 }
 
@@ -115,7 +114,6 @@ std::vector<char> save_untagged(const c10::IValue& value) {
   }
   return container;
 }
-
 
 std::string errno_text() { return std::strerror(errno); }
 
@@ -260,7 +258,7 @@ struct AdamWMoments {
 AdamWMoments adamw_moments(torch::optim::AdamW& opt, const std::vector<at::Tensor>& params) {
   AdamWMoments m;
   for (const auto& p : params) {
-    const auto it = opt.state().find(state_key(opt, p));
+    const auto it = opt.state().find(state_key(p));
     const auto* s = it == opt.state().end()
                         ? nullptr
                         : &static_cast<const torch::optim::AdamWParamState&>(*it->second);
@@ -349,7 +347,7 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
     s->step(entry(d, "step", path).toInt());
     s->exp_avg(tensor("exp_avg"));
     s->exp_avg_sq(tensor("exp_avg_sq"));
-    opt.state()[state_key(opt, p)] = std::move(s);
+    opt.state()[state_key(p)] = std::move(s);
   }
 }
 

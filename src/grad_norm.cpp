@@ -49,8 +49,7 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
   const auto options = at::TensorOptions().dtype(at::kDouble).device(grads.front().device());
   // Megatron reduces each optimizer's squares over its own group; summing a stage's total over
   // the tensor (or tensor-and-expert) ranks first and then over the stages is the same sum.
-  at::Tensor dense = all_reduce_sum(sum_of_squares(grads, roles, GradNormRole::kDense, options));
-  at::Tensor total = dense;
+  at::Tensor total = all_reduce_sum(sum_of_squares(grads, roles, GradNormRole::kDense, options));
   if (expert_parallel_group().size > 1) {
     total = total + group_all_reduce_sum(
                         tensor_and_expert_parallel_group(),

@@ -2,7 +2,6 @@
 #include "actmem/recompute.h"
 
 #include "actmem/compat.h"
-
 #include "actmem/rng.h"
 #include "actmem/tensor_parallel.h"
 

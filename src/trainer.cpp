@@ -378,23 +378,20 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   for (const auto& p : model_->sequence_parallel_parameters()) {
     sequence_parallel_grads_.push_back(grads_[index_of(p)]);
   }
+  std::vector<GradNormParameter> norm_attributes(params_.size());
+  for (size_t i = 0; i < params_.size(); ++i) {
+    norm_attributes[i] = {tensor_parallel_flags_[i], expert_parallel_flags_[i], false};
+  }
   if (const at::Tensor shared = model_->shared_embedding_or_output_weight();
       shared.defined() && embedding_group().size > 1) {
     const size_t i = index_of(shared);
     embedding_grad_ = grads_[i];
     // The last stage's copy is left out of the gradient norm: it equals the first stage's after
     // the embedding all-reduce (Megatron's param_is_not_shared).
-    if (!model_->pre_process()) shared_copy_index_ = static_cast<int64_t>(i);
+    norm_attributes[i].shared_copy = !model_->pre_process();
   }
-  {
-    std::vector<GradNormParameter> attributes(params_.size());
-    for (size_t i = 0; i < params_.size(); ++i) {
-      attributes[i] = {tensor_parallel_flags_[i], expert_parallel_flags_[i],
-                       static_cast<int64_t>(i) == shared_copy_index_};
-    }
-    grad_norm_roles_ = grad_norm_roles(attributes, tensor_parallel_group().rank,
-                                       expert_parallel_group().size);
-  }
+  grad_norm_roles_ = grad_norm_roles(norm_attributes, tensor_parallel_group().rank,
+                                     expert_parallel_group().size);
   if (train_samples) {
     train_sampler_ = std::make_unique<DatasetBatches>(
         train_samples, model_config_.seq_length, model_config_.micro_batch_size,

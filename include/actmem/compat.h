@@ -55,7 +55,6 @@ class BasicWeakNodePtr {
 };
 using WeakNodePtr = BasicWeakNodePtr<>;
 
-
 /// Statistics of the CUDA caching allocator for one device, in bytes.
 struct CudaMemoryStats {
   int64_t allocated_current = 0;

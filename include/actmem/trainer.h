@@ -268,7 +268,6 @@ class Trainer {
   std::vector<bool> expert_parallel_flags_;           // per params_ entry: routed experts' weights
   std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
   at::Tensor embedding_grad_;       // the tied embedding's (first and last pipeline stage)
-  int64_t shared_copy_index_ = -1;  // the last stage's copy of it, left out of the norm
   std::vector<GradNormRole> grad_norm_roles_;  // per params_ entry (grad_norm.h)
   // This stage's share of the last pipelined step, times in seconds of the wall clock
   // (system_clock since its epoch); finish_stats gathers every stage's.

@@ -48,13 +48,18 @@ double megatron_default_ffn(double h, bool swiglu) {
   return swiglu ? std::floor(4.0 * h * 2.0 / 3.0 / 64.0) * 64.0 : 4.0 * h;
 }
 
-// The model the flags describe. With --preset (or no size at all: the 7b preset) the preset is
-// the base and each flag replaces its field; without --preset, sizes describe a model of their
-// own, with Megatron's defaults for everything not given (LayerNorm, GeLU, tied embeddings, no
-// parallelism), so nothing is inherited from a preset the user never named.
+bool sizes_given(const EstimateOptions& o) {
+  return o.s > 0 || o.h > 0 || o.a > 0 || o.L > 0 || o.ffn > 0 || o.v > 0;
+}
+// With --preset (or no size at all: the 7b preset) the preset is the base and each flag replaces
+// its field; without --preset, sizes describe a model of their own.
+bool on_preset(const EstimateOptions& o) { return o.preset_given || !sizes_given(o); }
+
+// The model the flags describe: a preset, or Megatron's defaults for everything the sizes do
+// not give (LayerNorm, GeLU, tied embeddings, no parallelism), so nothing is inherited from a
+// preset the user never named.
 PaperShape base_shape(const EstimateOptions& o) {
-  const bool sizes = o.s > 0 || o.h > 0 || o.a > 0 || o.L > 0 || o.ffn > 0 || o.v > 0;
-  if (o.preset_given || !sizes) return paper_preset(o.preset);
+  if (on_preset(o)) return paper_preset(o.preset);
   std::vector<std::string> missing;
   if (o.L <= 0) missing.emplace_back("--num-layers");
   if (o.h <= 0) missing.emplace_back("--hidden-size");
@@ -66,8 +71,7 @@ PaperShape base_shape(const EstimateOptions& o) {
               "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size and "
               "--vocab-size (missing: ", c10::Join(", ", missing), "); or name a --preset (",
               c10::Join(", ", paper_preset_names()), ") for the flags to modify");
-  PaperShape m;  // Megatron's defaults: t = p = d = 1, no SP, LayerNorm, GeLU, tied embeddings
-  return m;
+  return PaperShape{};  // Megatron's defaults: t = p = d = 1, no SP, LayerNorm, GeLU, tied
 }
 
 int run(const EstimateOptions& o) {
@@ -245,10 +249,8 @@ int run(const EstimateOptions& o) {
     os << std::setprecision(4) << x;
     return os.str();
   };
-  const bool sizes = o.s > 0 || o.h > 0 || o.a > 0 || o.L > 0 || o.ffn > 0 || o.v > 0;
-  const std::string base_name = o.preset_given || !sizes
-                                    ? o.preset + (sizes ? " (with the sizes given)" : "")
-                                    : std::string("custom");
+  const std::string base_name =
+      on_preset(o) ? o.preset + (sizes_given(o) ? " (with the sizes given)" : "") : "custom";
   auto total = [&](double per_layer) { return w.total() + per_layer * per_stage * in_flight; };
   if (o.json) {
     nlohmann::json j = {
@@ -258,7 +260,7 @@ int run(const EstimateOptions& o) {
                    {"pipeline_model_parallel_size", m.p}, {"sequence_parallel", m.sp},
                    {"swiglu", m.swiglu}, {"untied", m.untied},
                    {"normalization", m.rmsnorm ? "RMSNorm" : "LayerNorm"},
-                   {"base", o.preset_given || !sizes ? nlohmann::json(o.preset) : nlohmann::json(nullptr)}}},
+                   {"base", on_preset(o) ? nlohmann::json(o.preset) : nlohmann::json(nullptr)}}},
         {"per_layer_bytes", {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
         {"per_stage_bytes", {{"none", layer.none * per_stage},
                              {"selective", selective_stage},

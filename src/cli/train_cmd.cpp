@@ -157,7 +157,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << (corpus.memory_mapped ? ", memory-mapped" : "") << ")";
   } else {
     out << "data " << corpus.source << " (" << corpus.documents << " documents, "
-        << corpus.sequences << " sequences, " << corpus.tokens << " tokens; " << corpus.train_samples << " train / " << corpus.valid_samples
+        << corpus.sequences << " sequences, " << corpus.tokens << " tokens; "
+        << corpus.train_samples << " train / " << corpus.valid_samples
         << " validation samples, memory-mapped)";
   }
   out << " | device "
@@ -200,8 +201,9 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
                    {"memory_mapped", c.memory_mapped}};
   } else {
     j["corpus"] = {{"source", c.source},           {"documents", c.documents},
-                   {"sequences", c.sequences},       {"tokens", c.tokens},             {"train_samples", c.train_samples},
-                   {"validation_samples", c.valid_samples}, {"memory_mapped", true}};
+                   {"sequences", c.sequences},       {"tokens", c.tokens},
+                   {"train_samples", c.train_samples}, {"validation_samples", c.valid_samples},
+                   {"memory_mapped", true}};
   }
   return j;
 }
