@@ -2,7 +2,7 @@
 // how they report an error.
 #pragma once
 
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 #include "actmem/config.h"
 #include "actmem/report.h"
 #include "actmem/step_rounds.h"
@@ -37,8 +37,8 @@ inline void use_reference_model(TransformerConfig& c) {
   c.micro_batch_size = 4;
 }
 
-/// The kernels the BLAS runs (Note [BLAS kernel choice]): a line on stderr at start-up, so every
-/// benchmark's numbers say which kernels produced them.
+/// The BLAS and its threads (blas.h): a line on stderr at start-up, so every
+/// benchmark's numbers say which library produced them.
 inline void print_blas() { std::cerr << blas_report().summary() << std::endl; }
 
 /// A strategy the round-robin benchmarks compare: a name and its change to the base config.

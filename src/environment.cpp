@@ -1,7 +1,7 @@
 // environment.cpp — available_cores and runtime_info.
 #include "actmem/environment.h"
 
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>

@@ -17,8 +17,7 @@ namespace actmem {
 namespace {
 int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
 
-// One all-to-all of x's rows. Gloo has no bfloat16: the rows travel as float16 bits (a copy
-// moves bits only, Note [bfloat16 on Gloo] in tensor_parallel.cpp).
+// One all-to-all of x's rows, in x's own type (Note [16-bit collectives] in tensor_parallel.cpp).
 at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
                     std::vector<int64_t> input_splits, CollectiveGroup& pg) {
   RECORD_FUNCTION("actmem::all_to_all", std::vector<c10::IValue>());
@@ -33,10 +32,8 @@ at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
   std::vector<int64_t> shape = x.sizes().vec();
   shape[0] = sum(output_splits);
   at::Tensor out = at::empty(shape, x.options());
-  const bool as_half = x.is_cpu() && x.scalar_type() == at::kBFloat16;
-  at::Tensor out_wire = as_half ? out.view(at::kHalf) : out;
-  at::Tensor in_wire = as_half ? x.view(at::kHalf) : x;
-  wait_and_release(pg.alltoall_base(out_wire, in_wire, output_splits, input_splits));
+  at::Tensor in = x;
+  wait_and_release(pg.alltoall_base(out, in, output_splits, input_splits));
   return out;
 }
 

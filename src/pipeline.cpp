@@ -17,12 +17,6 @@ namespace {
 // another, so the two directions between a pair of neighbours can never be matched crosswise.
 constexpr int kForwardTag = 0;
 constexpr int kBackwardTag = 1;
-
-// Gloo moves bytes; bfloat16 (which libtorch 1.13's Gloo refuses by type) travels as float16 of
-// the same size (Note [bfloat16 on Gloo] in tensor_parallel.cpp).
-at::Tensor wire(const at::Tensor& x) {
-  return x.is_cpu() && x.scalar_type() == at::kBFloat16 ? x.view(at::kHalf) : x;
-}
 }  // namespace
 
 PipelineP2P::PipelineP2P(const TensorParallelGroup& pipeline, std::vector<int64_t> shape,
@@ -62,22 +56,22 @@ std::pair<at::Tensor, at::Tensor> PipelineP2P::communicate(const at::Tensor& sen
   const int next = (rank + 1) % size, prev = (rank + size - 1) % size;
   if (send_next.defined() && has_next) {
     check(send_next, "an activation sent forward");
-    buffers.push_back({wire(send_next.contiguous())});
+    buffers.push_back({send_next.contiguous()});
     works.push_back(group_->pg->send(buffers.back(), next, kForwardTag));
   }
   if (recv_prev && has_prev) {
     from_prev = at::empty(shape_, options_);
-    buffers.push_back({wire(from_prev)});
+    buffers.push_back({from_prev});
     works.push_back(group_->pg->recv(buffers.back(), prev, kForwardTag));
   }
   if (send_prev.defined() && has_prev) {
     check(send_prev, "a gradient sent backward");
-    buffers.push_back({wire(send_prev.contiguous())});
+    buffers.push_back({send_prev.contiguous()});
     works.push_back(group_->pg->send(buffers.back(), prev, kBackwardTag));
   }
   if (recv_next && has_next) {
     from_next = at::empty(shape_, options_);
-    buffers.push_back({wire(from_next)});
+    buffers.push_back({from_next});
     works.push_back(group_->pg->recv(buffers.back(), next, kBackwardTag));
   }
   for (auto& w : works) wait_and_release(std::move(w));

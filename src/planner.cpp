@@ -380,7 +380,7 @@ PlanCosts PlanCosts::from_json(const nlohmann::json& j) {
 // Note [Planner cost cache]
 // A profile takes a minute or more; its results depend only on what plan_costs_key() records.
 // `actmem plan --costs FILE` keeps {"key", "costs"} in FILE and reuses it when the key matches
-// (the same model, micro-batches, device, threads, BLAS kernels and versions), so a sweep of
+// (the same model, micro-batches, device, threads, BLAS and versions), so a sweep of
 // budgets, or a later `train --memory-budget`, plans from the same measurement.
 nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training) {
   const TransformerConfig plainly = Strategy{}.apply(base);

@@ -2,11 +2,13 @@
 // linear layers on c10d (Gloo on CPU).
 //
 // Note [Reduce-scatter on Gloo]
-// libtorch 1.13's ProcessGroupGloo has no reduce_scatter, so reduce-scatter is an all-reduce of
-// the whole tensor followed by taking this rank's slice: the same sums (each element is reduced
-// once, in the same order on every rank), twice the traffic of a true reduce-scatter. The
-// full-size buffer exists anyway (it is the matmul output being reduced), so the memory an
-// activation keeps is the same as with NCCL's reduce-scatter.
+// Reduce-scatter is an all-reduce of the whole tensor followed by taking this rank's slice: the
+// same sums (each element is reduced once, in the same order on every rank), twice the traffic
+// of a true reduce-scatter. The full-size buffer exists anyway (it is the matmul output being
+// reduced), so the memory an activation keeps is the same as with NCCL's reduce-scatter.
+// libtorch 1.13's Gloo had no reduce-scatter; 2.x's has one, but under two names across the
+// supported range (_reduce_scatter_base in 2.11, reduce_scatter_single in 2.15, where the old
+// name is deprecated), and on CPU the traffic is a memory copy, so the all-reduce stays.
 #include "actmem/tensor_parallel.h"
 
 #include "actmem/distributed.h"
@@ -190,14 +192,13 @@ at::Tensor data_parallel_all_reduce_sum(const at::Tensor& x) {
 
 // ---- collectives ------------------------------------------------------------------------------
 
-// Note [bfloat16 on Gloo]
-// libtorch 1.13's ProcessGroupGloo refuses bfloat16 ("Invalid scalar type"). An all-gather only
-// moves bits, so a bf16 tensor travels reinterpreted as float16 (same size, 2 bytes per element).
-// A sum cannot: a bf16 all-reduce on CPU adds in fp32 and rounds once to bf16 (every rank gets
-// the same bits; twice the bytes on the wire). NCCL (CUDA) reduces bf16 natively.
+// Note [16-bit collectives]
+// Collectives carry a tensor in its own type, as Megatron's do on NCCL: a bf16 or fp16 all-reduce
+// sums in 16 bits (each addition rounded), every rank getting the same bits. (libtorch 1.13's
+// Gloo refused bfloat16, so actmem once moved bf16 as float16 bits and summed it in fp32; the
+// Gloo of PyTorch 2.11 to 2.15 reduces, gathers and exchanges bfloat16 itself.) Gradients are
+// reduced in the fp32 main grads regardless (mixed_precision.h).
 namespace {
-bool gloo_bf16(const at::Tensor& x) { return x.is_cpu() && x.scalar_type() == at::kBFloat16; }
-
 int64_t total(const std::vector<int64_t>& v) {
   int64_t n = 0;
   for (const int64_t x : v) n += x;
@@ -207,11 +208,10 @@ int64_t total(const std::vector<int64_t>& v) {
 
 namespace {
 at::Tensor all_reduce_on(const TensorParallelGroup& g, const at::Tensor& x) {
-  // Gradients reduce in fp32 (main grads); bf16 is summed in fp32 (Note [bfloat16 on Gloo]).
-  const bool bf16 = gloo_bf16(x);
-  std::vector<at::Tensor> buf = {bf16 ? x.contiguous().to(at::kFloat) : x.contiguous().clone()};
+  // In x's own type (Note [16-bit collectives]).
+  std::vector<at::Tensor> buf = {x.contiguous().clone()};
   wait_and_release(g.pg->allreduce(buf));
-  return bf16 ? buf[0].to(at::kBFloat16) : buf[0];
+  return buf[0];
 }
 }  // namespace
 
@@ -228,8 +228,7 @@ PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup& g, const 
     return r;
   }
   RECORD_FUNCTION("actmem::start_group_all_reduce", std::vector<c10::IValue>());
-  // As all_reduce_on: bf16 summed in fp32 (Note [bfloat16 on Gloo]).
-  r.buffer_ = gloo_bf16(x) ? x.contiguous().to(at::kFloat) : x.contiguous().clone();
+  r.buffer_ = x.contiguous().clone();  // in x's own type, as all_reduce_on
   std::vector<at::Tensor> buf = {r.buffer_};
   r.work_ = g.pg->allreduce(buf);
   return r;
@@ -240,7 +239,7 @@ at::Tensor PendingAllReduce::wait() {
     wait_and_release(std::move(work_));
     work_.reset();
   }
-  at::Tensor out = buffer_.scalar_type() == type_ ? buffer_ : buffer_.to(type_);
+  at::Tensor out = std::move(buffer_);
   buffer_ = at::Tensor();
   return out;
 }
@@ -258,11 +257,9 @@ at::Tensor group_all_gather_dim0(const TensorParallelGroup& g, const at::Tensor&
   shape[0] *= g.size;
   at::Tensor out = at::empty(shape, x.options());
   // Each rank's part is written straight into its dim-0 slice (contiguous views).
-  const bool as_half = gloo_bf16(x);  // Note [bfloat16 on Gloo]
-  const at::Tensor wire = as_half ? out.view(at::kHalf) : out;
   std::vector<std::vector<at::Tensor>> outputs(1);
-  for (int r = 0; r < g.size; ++r) outputs[0].push_back(wire.narrow(0, r * n0, n0));
-  std::vector<at::Tensor> inputs = {as_half ? x.contiguous().view(at::kHalf) : x.contiguous()};
+  for (int r = 0; r < g.size; ++r) outputs[0].push_back(out.narrow(0, r * n0, n0));
+  std::vector<at::Tensor> inputs = {x.contiguous()};
   wait_and_release(g.pg->allgather(outputs, inputs));
   return out;
 }
@@ -305,10 +302,6 @@ at::Tensor group_all_gather_v(const TensorParallelGroup& g, const at::Tensor& x,
   // The send buffer: x once per destination rank.
   at::Tensor send = at::cat(std::vector<at::Tensor>(static_cast<size_t>(g.size), x.contiguous()), 0);
   at::Tensor recv = out;
-  if (gloo_bf16(x)) {  // Note [bfloat16 on Gloo]
-    send = send.view(at::kHalf);
-    recv = out.view(at::kHalf);
-  }
   std::vector<int64_t> out_splits = sizes;
   std::vector<int64_t> in_splits(static_cast<size_t>(g.size), x.size(0));
   wait_and_release(g.pg->alltoall_base(recv, send, out_splits, in_splits));
@@ -323,9 +316,8 @@ at::Tensor group_reduce_scatter_v(const TensorParallelGroup& g, const at::Tensor
               x.dim() >= 1 ? x.size(0) : 0, " rows, the sizes add up to ", total(sizes));
   if (g.size == 1) return x;
   const int64_t mine = sizes[static_cast<size_t>(g.rank)];
-  // bf16 partials travel and add in fp32 (Note [bfloat16 on Gloo]).
-  const bool bf16 = gloo_bf16(x);
-  at::Tensor send = bf16 ? x.to(at::kFloat) : x.contiguous();
+  // The partials travel and add in x's own type (Note [16-bit collectives]).
+  at::Tensor send = x.contiguous();
   std::vector<int64_t> shape = x.sizes().vec();
   shape[0] = mine * g.size;
   at::Tensor parts = at::empty(shape, send.options());
@@ -334,7 +326,7 @@ at::Tensor group_reduce_scatter_v(const TensorParallelGroup& g, const at::Tensor
   wait_and_release(g.pg->alltoall_base(parts, send, out_splits, in_splits));
   at::Tensor sum = parts.narrow(0, 0, mine).clone();
   for (int r = 1; r < g.size; ++r) sum.add_(parts.narrow(0, r * mine, mine));
-  return bf16 ? sum.to(at::kBFloat16) : sum;
+  return sum;
 }
 
 at::Tensor all_reduce_sum(const at::Tensor& x) {

@@ -2,7 +2,7 @@
 #include "actmem/train_options.h"
 
 #include "actmem/activation_plan.h"
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 #include "actmem/environment.h"
 #include "actmem/tokenizer.h"
 
@@ -481,7 +481,6 @@ int apply_thread_count(int threads) {
     }
   }
   at::set_num_threads(n);
-  set_blas_threads(n);  // the BLAS pool too (blas_kernels.h)
   return n;
 }
 

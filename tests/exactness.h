@@ -38,10 +38,14 @@ inline void offload(TransformerConfig& c, std::vector<std::string> modules) {
 inline void expect_bitwise_equal_training(
     Trainer& reference, Trainer& candidate, int steps,
     const std::function<void(const IterationStats&)>& per_step = nullptr) {
+  int applied = 0;  // steps the reference did not skip
   for (int step = 1; step <= steps; ++step) {
     const auto a = reference.train_step(), b = candidate.train_step();
+    applied += a.skipped ? 0 : 1;
     EXPECT_EQ(a.loss, b.loss) << "step " << step;
-    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
+    if (!(std::isnan(a.grad_norm) && std::isnan(b.grad_norm))) {  // NaN: both skipped
+      EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
+    }
     EXPECT_EQ(a.grad_digest, b.grad_digest) << "step " << step;
     ASSERT_EQ(reference.rng_state().size(), candidate.rng_state().size());
     for (size_t g = 0; g < reference.rng_state().size(); ++g) {
@@ -62,6 +66,8 @@ inline void expect_bitwise_equal_training(
       return;
     }
   }
+  // A comparison of skipped steps only would compare no update (fp16 from too high a scale).
+  EXPECT_GT(applied, 0) << "every step was skipped: lower the initial loss scale";
   const auto pa = reference.model().ordered_parameters();
   const auto pb = candidate.model().ordered_parameters();
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i;
@@ -78,9 +84,8 @@ inline void expect_bitwise_equal_training(
 
 
 /// One training step of `c`: the exact predictor (given the step's MoE routing) equals the
-/// tracker's activation bytes (libtorch 1.13; within 3% on 2.x, whose kernels save a few
-/// tensors differently) and the trainer's own prediction, and the activation ledger agrees with
-/// it module by module (within one random-state snapshot: the ledger does not count them).
+/// tracker's activation bytes to the byte, and the trainer's own prediction; the activation
+/// ledger agrees with it module by module (within one random-state snapshot: the ledger does not count them).
 inline void expect_predictor_matches_tracker(const TransformerConfig& c, const std::string& what) {
   TrainingConfig t;
   t.eval_interval = 0;

@@ -31,15 +31,25 @@ inline TransformerConfig tiny_model() { return shaped_model(2, 64, 4, 0, 32, 4);
 /// 4 layers, h 32, ffn 48, s 24, b 2: enough layers for every recompute chunking.
 inline TransformerConfig small_model() { return shaped_model(4, 32, 4, 48, 24, 2); }
 
-/// The precisions the exactness and memory suites run at: fp32 and bf16 (fp16 has no CPU
-/// kernels in the libtorch this project builds against: the trainer refuses it there).
-inline const char* const kPrecisions[] = {"fp32", "bf16"};
+/// The precisions the exactness and memory suites run at: fp32, bf16 and fp16 (float16 has CPU
+/// kernels in the PyTorch 2.x this project builds against).
+inline const char* const kPrecisions[] = {"fp32", "bf16", "fp16"};
 /// Sets config's precision by name, with the softmax in fp32 at 16 bits (Megatron's usual
 /// --attention-softmax-in-fp32).
 inline void set_precision(TransformerConfig& c, const std::string& precision) {
   c.bf16 = precision == "bf16";
   c.fp16 = precision == "fp16";
   c.attention_softmax_in_fp32 = c.bf16 || c.fp16;
+}
+/// The initial dynamic loss scale the fp16 suites start from: 2^12. Megatron's 2^32 overflows
+/// float16 gradients on every step of a few-step test (each overflow only halves the scale), so a
+/// suite that started there would compare skipped steps only; dynamic scaling itself (overflows,
+/// hysteresis, growth) has its own tests in test_mixed_precision.cpp.
+inline constexpr double kFp16TestLossScale = 4096.0;
+/// set_precision, and for fp16 the training's initial loss scale kFp16TestLossScale.
+inline void set_precision(TransformerConfig& c, TrainingConfig& t, const std::string& precision) {
+  set_precision(c, precision);
+  if (c.fp16) t.initial_loss_scale = kFp16TestLossScale;
 }
 
 /// small_model with s 32 and offload from 256 elements, so every group moves something.

@@ -1,5 +1,5 @@
 // test_checkpoint.cpp — checkpoints: bitwise resume (also with another recompute or offload
-// strategy, at fp32 and bf16, and under tensor parallelism), the crash-safe save protocol,
+// strategy, at fp32, bf16 and fp16, and under tensor parallelism), the crash-safe save protocol,
 // refusals of checkpoints that do not fit, the load options, the exit-signal handler, and
 // Python's torch.load reading what libtorch wrote.
 #include "actmem/checkpoint.h"
@@ -23,7 +23,7 @@ using testing::expect_error_containing;
 namespace fs = std::filesystem;
 
 struct Steps {
-  std::vector<double> loss, lr;
+  std::vector<double> loss, lr, loss_scale;
   std::vector<std::string> digest;
 };
 
@@ -33,6 +33,7 @@ Steps run_steps(Trainer& trainer, int n) {
     const IterationStats st = trainer.train_step();
     s.loss.push_back(st.loss);
     s.lr.push_back(st.lr);
+    s.loss_scale.push_back(st.loss_scale);
     s.digest.push_back(st.grad_digest);
   }
   return s;
@@ -47,9 +48,9 @@ TrainingConfig resume_training() {
   return t;
 }
 
-TransformerConfig resume_model(const std::string& precision) {
+TransformerConfig resume_model(const std::string& precision, TrainingConfig& training) {
   TransformerConfig c = testing::offload_model();
-  testing::set_precision(c, precision);
+  testing::set_precision(c, training, precision);
   return c;
 }
 
@@ -77,8 +78,8 @@ class ResumeTest : public ::testing::TestWithParam<std::tuple<const char*, size_
 TEST_P(ResumeTest, SaveHalfwayLoadAndContinueIsBitwiseTheUninterruptedRun) {
   const std::string precision = std::get<0>(GetParam());
   const auto& [name, apply] = kResumeStrategies[std::get<1>(GetParam())];
-  const TransformerConfig model = resume_model(precision);
   TrainingConfig training = resume_training();
+  const TransformerConfig model = resume_model(precision, training);
   training.global_batch_size = 2 * model.micro_batch_size;  // accumulation across micro-batches
 
   Trainer whole(model, training);
@@ -101,6 +102,7 @@ TEST_P(ResumeTest, SaveHalfwayLoadAndContinueIsBitwiseTheUninterruptedRun) {
   for (int i = 0; i < 3; ++i) {
     EXPECT_EQ(rest.loss[i], ref.loss[3 + i]) << name << " iteration " << 4 + i;
     EXPECT_EQ(rest.lr[i], ref.lr[3 + i]) << name << " iteration " << 4 + i;
+    EXPECT_EQ(rest.loss_scale[i], ref.loss_scale[3 + i]) << name << " iteration " << 4 + i;
     EXPECT_EQ(rest.digest[i], ref.digest[3 + i]) << name << " iteration " << 4 + i;
   }
   EXPECT_EQ(digest_of(parameters_of(second)), digest_of(parameters_of(whole))) << name;

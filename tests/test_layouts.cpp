@@ -49,7 +49,7 @@ std::vector<Step> train(int nproc, const std::string& model, const std::string& 
   return steps;
 }
 
-double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+using actmem::testing::rel;
 
 struct Layout {
   int nproc;

@@ -158,7 +158,7 @@ using actmem::testing::kRecomputePolicies;
 
 class PredictorSweep : public ::testing::TestWithParam<std::tuple<Shape, const char*>> {};
 
-TEST_P(PredictorSweep, WithinThreePercentOfMeasuredForEveryStrategy) {
+TEST_P(PredictorSweep, ExactToTheByteForEveryStrategy) {
   for (const auto& [policy, apply] : kRecomputePolicies) {
     TransformerConfig c = sweep_base();
     std::get<0>(GetParam()).apply(c);

@@ -1,6 +1,7 @@
 // test_mixed_precision.cpp — bf16/fp16 training as Megatron runs it: loss scalers, main
 // parameters and main grads, skipped steps, the fp16 refusal on CPU, and the memory truth at
 // 16 bits (ledger vs Korthikanti per module, the predictor to the byte).
+#include "actmem/digest.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
 #include "actmem/mixed_precision.h"
@@ -126,14 +127,115 @@ TrainingConfig quick_training() {
   return t;
 }
 
-TEST(MixedPrecision, Fp16IsRefusedWhereItsKernelsAreMissing) {
+// The PyTorch range actmem builds on (2.11 to 2.15) computes every operation of the model in
+// float16 on CPU, so the trainer's kernel probe finds nothing missing and --fp16 trains there.
+TEST(MixedPrecision, Fp16AndBf16HaveEveryKernelOnCpu) {
+  EXPECT_EQ(missing_kernel(at::kHalf, at::kCPU).value_or(""), "");
+  EXPECT_EQ(missing_kernel(at::kBFloat16, at::kCPU).value_or(""), "");
+}
+
+// ---- fp16 through the trainer ------------------------------------------------------------------
+
+// Megatron's dynamic scaling (DynamicGradScaler.update in megatron/core/optimizer/grad_scaler.py)
+// stated here on its own: an overflow uses up one unit of hysteresis and, once none is left,
+// halves the scale (never below min); `window` successful steps in a row double it and restore
+// the hysteresis.
+struct ScalerRule {
+  double scale;
+  int64_t window, hysteresis, left, growth = 0;
+  double next(bool overflow) {
+    if (overflow) {
+      growth = 0;
+      if (--left <= 0) scale = std::max(scale / 2, 1.0);
+    } else if (++growth == window) {
+      growth = 0;
+      left = hysteresis;
+      scale *= 2;
+    }
+    return scale;
+  }
+};
+
+// From Megatron's initial scale of 2^32 a tiny fp16 model overflows on its first steps: the
+// trainer skips them (parameters, fp32 main parameters and the learning-rate schedule unchanged),
+// the scale follows Megatron's rule step by step, training resumes once the gradients fit, and a
+// short window grows the scale again.
+TEST(MixedPrecisionFp16, DynamicScalingSkipsHalvesAndGrowsThroughTheTrainer) {
   TransformerConfig c = actmem::testing::small_model();
-  c.fp16 = true;
-  const auto missing = missing_kernel(at::kHalf, at::kCPU);
-  if (!missing) GTEST_SKIP() << "this libtorch has float16 CPU kernels";
-  actmem::testing::expect_error_containing([&] { Trainer(c, quick_training()); },
-                                           "use --bf16 on CPU");
-  EXPECT_FALSE(missing_kernel(at::kBFloat16, at::kCPU).has_value());
+  actmem::testing::set_precision(c, "fp16");
+  TrainingConfig t = quick_training();
+  t.loss_scale_window = 3;  // hysteresis 2 and the initial 2^32: Megatron's defaults
+  ASSERT_EQ(t.initial_loss_scale, 0x1p32);
+  Trainer trainer(c, t);
+  ScalerRule rule{t.initial_loss_scale, t.loss_scale_window, t.hysteresis, t.hysteresis};
+  int skipped = 0, applied = 0, grown = 0;
+  double previous_lr = -1.0;
+  bool previous_skipped = false;
+  for (int step = 1; step <= 40; ++step) {
+    const auto params_before = digest_of(trainer.model().ordered_parameters());
+    const auto main_before = digest_of(trainer.mixed_precision()->main_params());
+    const double scale_before = rule.scale;
+    const auto st = trainer.train_step(false);
+    EXPECT_EQ(st.loss_scale, scale_before) << "step " << step;
+    EXPECT_TRUE(std::isfinite(st.loss)) << "step " << step << ": the forward is fp16-safe";
+    const double scale_after = rule.next(st.skipped);
+    EXPECT_EQ(trainer.mixed_precision()->loss_scale(), scale_after) << "step " << step;
+    grown += scale_after > scale_before ? 1 : 0;
+    const bool params_same = digest_of(trainer.model().ordered_parameters()) == params_before;
+    const bool main_same = digest_of(trainer.mixed_precision()->main_params()) == main_before;
+    if (st.skipped) {
+      ++skipped;
+      EXPECT_TRUE(std::isnan(st.grad_norm)) << "step " << step;
+      EXPECT_TRUE(params_same && main_same) << "step " << step << ": a skipped step changed weights";
+    } else {
+      ++applied;
+      EXPECT_TRUE(std::isfinite(st.grad_norm)) << "step " << step;
+      EXPECT_FALSE(params_same || main_same) << "step " << step << ": an applied step changed nothing";
+    }
+    // After a skipped step the schedule has not advanced: the same learning rate again.
+    if (previous_skipped) EXPECT_EQ(st.lr, previous_lr) << "step " << step;
+    previous_lr = st.lr;
+    previous_skipped = st.skipped;
+    if (skipped > 0 && applied > 6 && grown > 0) break;
+  }
+  EXPECT_GE(skipped, 2) << "2^32 must overflow float16 gradients (and hysteresis absorbs one)";
+  EXPECT_GT(applied, 6);
+  EXPECT_GT(grown, 0) << "three good steps in a row double the scale";
+}
+
+// Every recompute and offload strategy stays bitwise equal to the plain run at fp16 through a
+// trajectory that skips steps: the overflow decision, and so the skipped steps, are the same.
+// From 2^20 with hysteresis 1 the model below overflows on its first steps and then trains.
+constexpr double kFp16SkipScale = 0x1p20;
+TEST(MixedPrecisionFp16, StrategiesStayBitwiseThroughSkippedSteps) {
+  const std::pair<const char*, void (*)(TransformerConfig&)> strategies[] = {
+      {"full uniform 1", [](TransformerConfig& c) {
+         c.recompute_granularity = "full";
+         c.recompute_method = "uniform";
+         c.recompute_num_layers = 1;
+       }},
+      {"selective all", [](TransformerConfig& c) {
+         actmem::testing::selective(c, {"core_attn", "mlp", "layernorm"});
+       }},
+      {"layer offload 2", [](TransformerConfig& c) { c.cpu_offloading_num_layers = 2; }},
+      {"fine-grained offload", [](TransformerConfig& c) {
+         actmem::testing::offload(c, {"attn_norm", "core_attn", "mlp_norm"});
+       }},
+  };
+  for (const auto& [name, apply] : strategies) {
+    TransformerConfig base = actmem::testing::offload_model();
+    actmem::testing::set_precision(base, "fp16");
+    TransformerConfig other = base;
+    apply(other);
+    TrainingConfig t = quick_training();
+    t.hysteresis = 1;
+    t.initial_loss_scale = kFp16SkipScale;
+    Trainer plain(base, t), strat(other, t);
+    int skipped = 0;
+    actmem::testing::expect_bitwise_equal_training(
+        plain, strat, 6, [&](const IterationStats& st) { skipped += st.skipped ? 1 : 0; });
+    EXPECT_GT(skipped, 0) << name << ": the trajectory skipped no step";
+  }
 }
 
 TEST(MixedPrecision, Bf16KeepsFp32MainParamsAndGradsAndCopiesBackRounded) {

@@ -163,10 +163,10 @@ class LayerOffloadExactness : public ::testing::TestWithParam<std::tuple<int, co
 
 TEST_P(LayerOffloadExactness, BitwiseEqualToPlainOverThreeSteps) {
   TransformerConfig base = offload_model();
-  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  TrainingConfig t;
+  actmem::testing::set_precision(base, t, std::get<1>(GetParam()));
   TransformerConfig off = base;
   off.cpu_offloading_num_layers = std::get<0>(GetParam());
-  TrainingConfig t;
   t.global_batch_size = 4;  // two micro-batches
   t.eval_interval = 0;
   TrainingConfig capped = t;
@@ -260,7 +260,8 @@ class FineGrainedExactness
 TEST_P(FineGrainedExactness, BitwiseEqualToPlainOverThreeSteps) {
   const FineGrained& param = std::get<0>(GetParam());
   TransformerConfig base = offload_model();
-  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  TrainingConfig t;
+  actmem::testing::set_precision(base, t, std::get<1>(GetParam()));
   TransformerConfig off = base;
   off.fine_grained_activation_offloading = true;
   off.offload_modules = param.modules;
@@ -268,7 +269,6 @@ TEST_P(FineGrainedExactness, BitwiseEqualToPlainOverThreeSteps) {
     base.recompute_granularity = off.recompute_granularity = "selective";
     base.recompute_modules = off.recompute_modules = param.recompute;
   }
-  TrainingConfig t;
   t.global_batch_size = 4;
   t.eval_interval = 0;
   Trainer plain(base, t), offloaded(off, t);

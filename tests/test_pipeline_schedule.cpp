@@ -50,12 +50,12 @@ TEST(InterleavedSchedule, MicroBatchRulesFollowMegatron) {
   actmem::check_interleaved_microbatches(3, 7, 4);  // a last group of 3 = p
 }
 
-struct Case {
+struct ScheduleCase {
   int64_t p, v, m, n;
 };
 
-std::vector<Case> sweep() {
-  std::vector<Case> out;
+std::vector<ScheduleCase> sweep() {
+  std::vector<ScheduleCase> out;
   for (int64_t p : {2, 3, 4}) {
     for (int64_t v : {2, 3}) {
       for (int64_t m : {p, 2 * p, 2 * p + p / 2 + 1, 3 * p}) {
@@ -71,7 +71,7 @@ std::vector<Case> sweep() {
   return out;
 }
 
-std::string describe(const Case& k) {
+std::string describe(const ScheduleCase& k) {
   return "p " + std::to_string(k.p) + " v " + std::to_string(k.v) + " M " + std::to_string(k.m) +
          " N " + std::to_string(k.n);
 }
@@ -81,7 +81,7 @@ TEST(InterleavedSchedule, WarmupAndOrdersFollowMegatron) {
   // begins with a forward, so min(W + 1, M v) forwards come before its first backward; its
   // forwards follow the table, its backwards the table with the chunks mirrored, each
   // (micro-batch, chunk) once.
-  for (const Case& k : sweep()) {
+  for (const ScheduleCase& k : sweep()) {
     const auto table = actmem::interleaved_schedule_table(k.m, k.v, k.n);
     for (int64_t r = 0; r < k.p; ++r) {
       const auto steps = actmem::interleaved_schedule(r, k.p, k.v, k.m, k.n);
@@ -115,7 +115,7 @@ struct Payload {
   }
 };
 
-void run_all_ranks(const Case& k, bool forward_only) {
+void run_all_ranks(const ScheduleCase& k, bool forward_only) {
   const std::string what = describe(k) + (forward_only ? " forward only" : "");
   const int64_t p = k.p;
   std::vector<std::vector<PipelineStep>> steps;
@@ -228,7 +228,7 @@ void run_all_ranks(const Case& k, bool forward_only) {
 
 TEST(InterleavedSchedule, EveryRankFinishesAndEveryTensorReachesItsConsumer) {
   int cases = 0;
-  for (const Case& k : sweep()) {
+  for (const ScheduleCase& k : sweep()) {
     run_all_ranks(k, false);
     run_all_ranks(k, true);
     ++cases;
@@ -242,7 +242,7 @@ TEST(InterleavedSchedule, FirstStageHoldsKorthikantisMicroBatches) {
   // min(2 (p - r - 1) + (v - 1) N + 1, M v) chunk-micro-batches. With N = p the first rank's is
   // (p - 1) 2 + (v - 1) p + 1 = v p (1 + (p - 1) / (p v)) chunk-micro-batches: Korthikanti et al.'s
   // p (1 + (p - 1) / (p v)) micro-batches of a whole stage.
-  for (const Case& k : sweep()) {
+  for (const ScheduleCase& k : sweep()) {
     for (int64_t r = 0; r < k.p; ++r) {
       const auto steps = actmem::interleaved_schedule(r, k.p, k.v, k.m, k.n);
       const actmem::PipelineMemory mem = actmem::pipeline_memory(

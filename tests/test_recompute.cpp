@@ -275,7 +275,8 @@ class RecomputeExactness
 TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   const Strategy& strategy = std::get<0>(GetParam());
   TransformerConfig base = small_model();
-  actmem::testing::set_precision(base, std::get<1>(GetParam()));
+  TrainingConfig t;
+  actmem::testing::set_precision(base, t, std::get<1>(GetParam()));
   if (std::string(strategy.name).find("Rope") != std::string::npos) {
     base.normalization = "RMSNorm";
     base.gated_linear_unit = true;
@@ -283,7 +284,6 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   }
   TransformerConfig strat = base;
   strategy.apply(strat);
-  TrainingConfig t;
   t.global_batch_size = 4;  // two micro-batches per step
   t.train_iters = 3;
   t.eval_interval = 0;

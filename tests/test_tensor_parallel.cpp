@@ -50,7 +50,7 @@ std::vector<json> run_workers(int nproc, std::vector<std::string> args) {
   return out;
 }
 
-double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+using actmem::testing::rel;
 
 // Both model variants: LayerNorm/GeLU/learned positions/tied output/biases, and
 // RMSNorm/SwiGLU (its [gate; up] split per rank)/RoPE/untied output/no biases.
@@ -118,7 +118,7 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainRmsSwigluRopeUntiedNoBias) {
   expect_strategies_bitwise_equal_to_plain(true, "swiglu");
 }
 
-// bf16 parameters and activations: the collectives carry bf16 (Note [bfloat16 on Gloo]), the
+// bf16 parameters and activations: the collectives carry bf16 (Note [16-bit collectives]), the
 // sequence-parallel gradients are reduced in the fp32 main grads.
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtBf16WithSequenceParallel) {
   expect_strategies_bitwise_equal_to_plain(true, "bf16");
@@ -128,6 +128,11 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtBf16WithSequenceParallel) 
 // the checkpoint inputs, gathered in backward).
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtBf16) {
   expect_strategies_bitwise_equal_to_plain(false, "bf16");
+}
+
+// fp16 at a loss scale the gradients fit: the collectives carry float16 natively.
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainAtFp16WithSequenceParallel) {
+  expect_strategies_bitwise_equal_to_plain(true, "fp16");
 }
 
 // Masks in the tensor-parallel region (attention dropout, model-parallel stream) differ across

@@ -8,7 +8,9 @@
 #include <nlohmann/json.hpp>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <unistd.h>
@@ -31,6 +33,9 @@ inline void expect_error_containing(const std::function<void()>& fn, const std::
 }
 
 /// True when a and b have the same dtype, shape and bytes.
+/// |a - b| / |b|: how far a is from the reference b, relatively.
+inline double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+
 inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;
   const at::Tensor x = a.cpu().contiguous(), y = b.cpu().contiguous();  // CUDA tensors too

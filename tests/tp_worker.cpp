@@ -26,7 +26,6 @@
 //     each stage reports its steps and its parameters' digests under their global names)
 //   actmem_tp_worker pipeline_fault OUT_DIR --tp 1 --pp P --die STAGE   (1F1B on small
 //     tensors; stage STAGE kills itself with SIGKILL in the forward of micro-batch 2)
-#include "actmem/blas_kernels.h"
 #include "actmem/digest.h"
 #include "actmem/distributed.h"
 #include "actmem/distributed_optimizer.h"
@@ -41,6 +40,7 @@
 #include "actmem/saved_tensor_hooks.h"
 #include "actmem/tensor_parallel.h"
 #include "actmem/trainer.h"
+#include "fixtures.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -75,9 +75,8 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
   c.hidden_dropout = dropout ? 0.1 : 0.0;
   c.tensor_model_parallel_size = t;
   c.sequence_parallel = sp;
-  if (variant == "bf16") {
-    c.bf16 = true;
-    c.attention_softmax_in_fp32 = true;
+  if (variant == "bf16" || variant == "fp16") {
+    actmem::testing::set_precision(c, variant);
   } else if (variant == "swiglu") {
     c.normalization = "RMSNorm";
     c.gated_linear_unit = true;
@@ -148,6 +147,7 @@ nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& o
     TransformerConfig c = base_config(t, sp, dropout, variant);
     mutate(c);
     actmem::TrainingConfig tc;
+    if (c.fp16) tc.initial_loss_scale = actmem::testing::kFp16TestLossScale;
     tc.global_batch_size = 2 * c.micro_batch_size;  // two micro-batches per step
     tc.train_iters = 3;
     tc.eval_interval = 0;
@@ -810,7 +810,6 @@ int main(int argc, char** argv) {
       }
     }
     at::set_num_threads(1);  // N ranks share this machine's cores
-    actmem::set_blas_threads(1);  // and BLAS's pool: one thread whatever the launch's OMP_NUM_THREADS
     const actmem::DistEnv env = actmem::dist_env_from_environment();
     const auto& group = actmem::init_tensor_parallel_from_environment(env, c10::kCPU, tp, ep, pp);
     nlohmann::json result = {{"rank", group.rank}, {"world_size", group.size}};

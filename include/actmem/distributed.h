@@ -15,9 +15,7 @@
 #include <string>
 #include <vector>
 
-// The object collectives are called on: libtorch 1.13's ProcessGroupGloo is a ProcessGroup; from
-// 2.0 on it (and ProcessGroupNCCL) is a c10d::Backend. Both have allreduce and allgather with the
-// same signatures.
+// The object collectives are called on: a c10d::Backend (ProcessGroupGloo, ProcessGroupNCCL).
 namespace c10d {
 class ProcessGroup;
 class Backend;

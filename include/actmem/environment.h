@@ -11,7 +11,7 @@ namespace actmem {
 int available_cores();
 
 /// {"actmem": version, "libtorch": version, "cuda": bool, "cores": n, "threads": n,
-///  "blas": the BLAS kernel report (blas_kernels.h)}.
+///  "blas": the BLAS and its threads (blas.h)}.
 nlohmann::json runtime_info();
 
 }  // namespace actmem

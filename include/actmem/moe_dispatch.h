@@ -18,7 +18,7 @@
 // reduce-scattered back to the rank that gathered them, then the reverse all-to-all). The all-to-all is an autograd function
 // whose backward is the reverse all-to-all (Megatron's _AllToAll), so gradients follow the
 // tokens back to the ranks that own them and reach the experts from every rank's tokens.
-// Gloo in libtorch 1.13 has all-to-all with uneven splits for CPU tensors (alltoall_base); the
+// Gloo has all-to-all with uneven splits for CPU tensors (ProcessGroup::alltoall_base); the
 // counts travel as one all-gather of E int64 per rank.
 #pragma once
 
@@ -48,8 +48,8 @@ at::Tensor sort_chunks_by_idxs(const at::Tensor& x, const std::vector<int64_t>& 
 /// reduce-scatter), each rank computes its local experts (its slice of them under expert tensor
 /// parallelism) on the rows routed to them, and reduce_scatter_tokens sums the group's partial
 /// outputs and keeps this rank's slice (backward: all-gather). On Gloo the reduce-scatter is an
-/// all-reduce and a slice (Note [Reduce-scatter on Gloo] in tensor_parallel.cpp); bf16 sums in
-/// fp32. Both are x itself for a group of one.
+/// all-reduce and a slice (Note [Reduce-scatter on Gloo] in tensor_parallel.cpp); 16-bit x sums
+/// in its own type. Both are x itself for a group of one.
 at::Tensor all_gather_tokens(const at::Tensor& x, const TensorParallelGroup& group);
 at::Tensor reduce_scatter_tokens(const at::Tensor& x, const TensorParallelGroup& group);
 /// The same with rank r holding sizes[r] rows (Note [Uneven all-gather on Gloo]): the all-to-all

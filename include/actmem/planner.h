@@ -137,7 +137,7 @@ constexpr double kDefaultProfilePrecision = 0.02;
 constexpr int kMaxProfileRounds = 30;
 
 /// What a profile's costs depend on (Note [Planner cost cache] in planner.cpp): the model without
-/// its activation flags, the micro-batches per step, the device, the threads, the BLAS kernels
+/// its activation flags, the micro-batches per step, the device, the threads, the BLAS
 /// and the library versions. Two profiles with equal keys measured the same thing.
 nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfig& training);
 

@@ -1,11 +1,11 @@
 // saved_tensor_hooks.h — the C++ counterpart of torch.autograd.graph.saved_tensors_hooks.
 //
-// libtorch 1.13 has no pure-C++ global saved-tensor hook stack (its hooks take PyObjects). The
-// autograd engine, however, asks Engine::get_default_saved_variable_hooks() for hooks every time
-// an op saves a tensor; actmem installs an Engine subclass (set_default_engine_stub) that returns
-// hooks built from a per-thread stack of SavedTensorHook objects (docs/memory-model.md, "The
-// ledger"). This header is the only place that knows; callers push hooks with
-// SavedTensorHooksGuard.
+// libtorch's global saved-tensor hook stack (at::SavedTensorDefaultHooks) holds Python objects:
+// it has no pure-C++ form, in 1.13 and in 2.x alike. The autograd engine, however, asks
+// Engine::get_default_saved_variable_hooks() for hooks every time an op saves a tensor; actmem
+// installs an Engine subclass (set_default_engine_stub) that returns hooks built from a per-thread
+// stack of SavedTensorHook objects (docs/memory-model.md, "The ledger"). This header is the only
+// place that knows; callers push hooks with SavedTensorHooksGuard.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -2,7 +2,7 @@
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
 #include "actmem/activation_plan.h"
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 #include "actmem/environment.h"
 #include "actmem/output_file.h"
 #include "actmem/plot.h"

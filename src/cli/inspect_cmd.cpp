@@ -2,7 +2,7 @@
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
 #include "actmem/activation_plan.h"
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"

@@ -54,11 +54,6 @@ int main(int argc, char** argv) {
   app.failure_message([](const CLI::App*, const CLI::Error& e) {
     return "error: " + std::string(e.what()) + " (run with --help for usage)\n";
   });
-  // Decided by prepare_process() before the BLAS was used (Note [BLAS kernel choice]); accepted
-  // here and after every subcommand so that it can be given anywhere.
-  bool no_blas_kernel_choice = false;
-  app.add_flag("--no-blas-kernel-choice", no_blas_kernel_choice,
-               "Keep the BLAS kernels OpenBLAS detected (also ACTMEM_BLAS_KERNEL_CHOICE=off)");
   const std::vector<actmem::cli::Runner> commands = {
       actmem::cli::add_train_command(app),
       actmem::cli::add_estimate_command(app),

@@ -1,5 +1,5 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
-#include "actmem/blas_kernels.h"
+#include "actmem/blas.h"
 #include "actmem/distributed.h"
 #include "actmem/environment.h"
 #include "actmem/output_file.h"

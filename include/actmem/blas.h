@@ -1,0 +1,31 @@
+// blas.h — which BLAS the process runs and with how many threads, for the header of each command
+// and the JSON configuration record.
+//
+// The PyTorch wheel actmem builds on links MKL statically into libtorch_cpu.so, and MKL picks its
+// kernels from the CPU itself and follows libtorch's intra-op thread count (at::set_num_threads
+// sets MKL's too). Earlier builds used Debian's libtorch over OpenBLAS, whose kernel detection
+// could fall back to generic kernels on virtual machines; the machinery that chose and probed
+// OpenBLAS kernels was removed with that build (docs/benchmarks.md, "BLAS").
+#pragma once
+
+#include <nlohmann/json_fwd.hpp>
+
+#include <string>
+
+namespace actmem {
+
+struct BlasReport {
+  /// "MKL, linked into /.../libtorch_cpu.so", "OpenBLAS 0.3.21 ...", "the BLAS in /...", or
+  /// "no BLAS library (libtorch's own kernels)".
+  std::string library;
+  bool mkl = false;   // at::hasMKL()
+  int threads = 1;    // the threads a product may use (MKL: libtorch's intra-op threads)
+  std::string summary() const;  // "BLAS: MKL, linked into ..., 2 threads"
+  nlohmann::json to_json() const;
+};
+
+/// Reads the live library: whichever provides the sgemm_ libtorch calls (dladdr), named by its
+/// own version string where it has one.
+BlasReport blas_report();
+
+}  // namespace actmem
