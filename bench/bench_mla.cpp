@@ -5,7 +5,6 @@
 // it at every step (the program fails otherwise), and is reported as step-time ratio and
 // activation bytes against the plain run of the same process, with the exact predictor's bytes.
 #include "actmem/memory_model.h"
-#include "actmem/process.h"
 #include "actmem/train_options.h"
 #include "bench_common.h"
 
@@ -38,7 +37,6 @@ std::vector<Strategy> strategies() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_mla: multi-latent attention recompute and offload strategies"};
   actmem::TrainOptions o;
   auto& m = o.model;

@@ -8,7 +8,6 @@
 // Part 2: the same model trained from the same initialisation with and without the Switch
 // load-balancing loss; the busiest expert's share of the routed tokens over the mean, per step.
 #include "actmem/activation_offloader.h"
-#include "actmem/process.h"
 #include "actmem/report.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -44,7 +43,6 @@ std::vector<Strategy> strategies() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_moe: MoE recompute and offload strategies, and load balancing"};
   actmem::TrainOptions o;
   auto& m = o.model;

@@ -6,7 +6,6 @@
 // loss and gradient digest must equal the plain run's at every step. Bandwidth is emulated by the
 // CPU copy engine (docs/offload.md, "Copy engine"): a copy of n bytes takes at least
 // n / bandwidth.
-#include "actmem/process.h"
 #include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -20,7 +19,6 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_offload: step-time overhead and overlap of CPU offload"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);

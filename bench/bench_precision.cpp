@@ -5,7 +5,6 @@
 // bf16 rounds parameters to 8 significant bits after every step (the fp32 main parameters keep
 // the rest), so the two runs part ways bit by bit from the first step; what must hold is that
 // they learn the same.
-#include "actmem/process.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
 #include "bench_common.h"
@@ -19,7 +18,6 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_precision: validation loss of the default model, fp32 against bf16"};
   int64_t iters = 200, eval_interval = 50;
   double tolerance = 0.05;

@@ -8,7 +8,6 @@
 // selective core_attn replays the core-attention forward, so its ideal is
 // (step + L * core-attention forward) / step.
 #include "actmem/model.h"
-#include "actmem/process.h"
 #include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -89,7 +88,6 @@ double time_core_attention(const actmem::TransformerConfig& c, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_recompute: step time and activation memory of every recompute strategy"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);

@@ -5,7 +5,6 @@
 // with bench/compare_eager.sh). Validation: every step's loss must be finite. Timing: median of
 // --iters steps after --warmup steps, measured by the Trainer around forward, backward and the
 // optimizer step only.
-#include "actmem/process.h"
 #include "bench_common.h"
 #include "actmem/train_options.h"
 #include "actmem/trainer.h"
@@ -37,7 +36,6 @@ std::vector<Preset> presets() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"bench_step: plain training-step time of actmem's GPT model"};
   std::string which = "all", json_path, precision = "fp32";
   int iters = 5, warmup = 2, threads = 0;

@@ -13,8 +13,6 @@ py="$ACTMEM_PYTHON"
 "$py" -c 'import torch' 2>/dev/null ||
   { echo "compare_eager: no torch in $ACTMEM_VENV: run scripts/setup.sh first" >&2; exit 1; }
 threads="$(nproc)"
-# Both sides run with the same OpenMP policy (see Note [OpenMP wait policy] in process.h).
-export OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}"
 # actmem keeps freed memory in the heap (Note [Host malloc as a caching allocator] in
 # memory_tracker.cpp); the eager side gets the same malloc settings through glibc's variables.
 export MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2147483647

@@ -1,6 +1,5 @@
 // main.cpp — the `actmem` command line. Library code throws; only this file turns errors into
 // messages on stderr and exit codes.
-#include "actmem/process.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>
@@ -47,7 +46,6 @@ std::vector<std::string> last_occurrence_wins(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  actmem::prepare_process(argv);
   CLI::App app{"actmem: train transformers on libtorch with managed activation memory"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");
