@@ -6,12 +6,19 @@
 #ifdef ACTMEM_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
+#include <cuda_runtime_api.h>
 #endif
 
 namespace actmem::compat {
 
 #ifdef ACTMEM_WITH_CUDA
 bool cuda_available() { return c10::cuda::device_count() > 0; }
+
+int cuda_device_count() { return c10::cuda::device_count(); }
+
+std::string cuda_compiled_version() {
+  return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
+}
 
 CudaMemoryStats cuda_memory_stats(int device) {
   namespace cca = c10::cuda::CUDACachingAllocator;
@@ -32,6 +39,10 @@ void cuda_synchronize(int device) {
 }
 #else
 bool cuda_available() { return false; }
+
+int cuda_device_count() { return 0; }
+
+std::string cuda_compiled_version() { return {}; }
 
 CudaMemoryStats cuda_memory_stats(int) {
   TORCH_CHECK(false, "actmem::compat::cuda_memory_stats: this build has no CUDA support "

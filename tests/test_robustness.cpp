@@ -3,6 +3,7 @@
 // no-ops are refused or warned about, outputs are opened before the work, repeated flags take
 // their last value, and the JSON log starts with the run's configuration.
 #include "actmem/activation_plan.h"
+#include "actmem/compat.h"
 #include "actmem/data.h"
 #include "actmem/memory_model.h"
 #include "actmem/output_file.h"
@@ -12,6 +13,7 @@
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
+#include <torch/version.h>
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -556,8 +558,26 @@ TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
   EXPECT_EQ(c["training"]["train_iters"], 1);
   EXPECT_EQ(c["runtime"]["threads"], 1);
   EXPECT_EQ(c["runtime"]["device"], "cpu");
-  EXPECT_FALSE(c["runtime"]["libtorch"].get<std::string>().empty());
+  // What produced the log: the libtorch this test was compiled against, whether the CUDA paths
+  // are in, the GPUs the run saw, the BLAS and its threads; the header says the same.
+  const std::string torch_version = std::to_string(TORCH_VERSION_MAJOR) + "." +
+                                    std::to_string(TORCH_VERSION_MINOR) + "." +
+                                    std::to_string(TORCH_VERSION_PATCH);
+  EXPECT_EQ(c["runtime"]["libtorch"], torch_version);
   EXPECT_FALSE(c["runtime"]["actmem"].get<std::string>().empty());
+#ifdef ACTMEM_WITH_CUDA
+  EXPECT_EQ(c["runtime"]["cuda"], true);
+  EXPECT_EQ(c["runtime"]["cuda_version"].get<std::string>().find("."), 2u) << c["runtime"];
+  EXPECT_TRUE(contains(r.output, "| libtorch " + torch_version + " | CUDA ")) << r.output;
+  EXPECT_EQ(c["runtime"]["gpus"], compat::cuda_device_count());
+#else
+  EXPECT_EQ(c["runtime"]["cuda"], false);
+  EXPECT_TRUE(contains(r.output, "| libtorch " + torch_version + " | CPU-only build")) << r.output;
+  EXPECT_EQ(c["runtime"]["gpus"], 0);
+#endif
+  EXPECT_FALSE(c["runtime"]["blas"]["library"].get<std::string>().empty());
+  EXPECT_EQ(c["runtime"]["blas"]["threads"], 1);
+  EXPECT_TRUE(contains(r.output, "BLAS: ")) << r.output;
   EXPECT_EQ(c["corpus"]["source"], "built-in");
   EXPECT_EQ(parsed.iterations.size(), 1u);
   EXPECT_TRUE(contains(r.output, "offload modules: core_attn, tensors of at least 64 elements"))

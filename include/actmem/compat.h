@@ -5,6 +5,8 @@
 // here, so the rest of the code never tests TORCH_VERSION itself.
 #pragma once
 
+#include <string>
+
 #include <c10/core/Allocator.h>
 #include <c10/util/intrusive_ptr.h>
 #include <torch/version.h>
@@ -63,6 +65,10 @@ struct CudaMemoryStats {
 
 /// True when this build has the CUDA paths compiled in and a CUDA device is visible.
 bool cuda_available();
+/// The CUDA devices visible to this process (0 without the CUDA paths or without a GPU).
+int cuda_device_count();
+/// The CUDA runtime version the CUDA paths were compiled against ("13.0"); empty without them.
+std::string cuda_compiled_version();
 /// Reads the caching allocator's allocated-bytes statistics. Throws without CUDA.
 CudaMemoryStats cuda_memory_stats(int device);
 /// Resets the caching allocator's peak statistics for `device`. Throws without CUDA.

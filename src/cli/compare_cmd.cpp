@@ -171,6 +171,7 @@ int run(CompareOptions& o) {
             << (m.bf16 || m.fp16 ? std::string(", ") + m.precision() : std::string())
             << "; " << o.warmup << " warm-up + " << o.iters << " timed steps each, same seed, "
             << at::get_num_threads() << " threads\n"
+            << runtime_summary() << "\n"
             << blas_report().summary() << "\n\n"
             << std::left << std::setw(36) << "strategy" << std::right << std::setw(13)
             << "activations" << std::setw(13) << "predicted" << std::setw(9) << "error"

@@ -3,6 +3,7 @@
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
 #include "actmem/activation_plan.h"
 #include "actmem/blas.h"
+#include "actmem/environment.h"
 #include "actmem/distributed.h"
 #include "actmem/ledger.h"
 #include "actmem/memory_model.h"
@@ -105,6 +106,7 @@ int run(InspectOptions& o) {
             << " a=" << c.num_attention_heads << ", " << c.precision()
             << "; sbh = " << static_cast<int64_t>(sbh)
             << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n"
+            << runtime_summary() << "\n"
             << blas_report().summary() << "\n\n";
   std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"
             << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)

@@ -165,6 +165,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << t.device << " | " << at::get_num_threads() << " threads\n"
       << mla_summary(m) << moe_summary(m)
       << memory_settings(model.plan(), t) << "\n"
+      << "  " << actmem::runtime_summary() << "\n"
       << "  " << blas_report().summary() << "\n";
   if (m.tensor_model_parallel_size > 1) {
     out << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
