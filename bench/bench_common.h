@@ -2,11 +2,11 @@
 // how they report an error.
 #pragma once
 
-#include "actmem/blas.h"
-#include "actmem/config.h"
-#include "actmem/report.h"
-#include "actmem/step_rounds.h"
-#include "actmem/trainer.h"
+#include "actmem/base/blas.h"
+#include "actmem/config/config.h"
+#include "actmem/base/report.h"
+#include "actmem/train/step_rounds.h"
+#include "actmem/train/trainer.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

@@ -4,8 +4,8 @@
 // YaRN); every strategy steps in one round-robin with the plain run, must stay bitwise equal to
 // it at every step (the program fails otherwise), and is reported as step-time ratio and
 // activation bytes against the plain run of the same process, with the exact predictor's bytes.
-#include "actmem/memory_model.h"
-#include "actmem/train_options.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/flags/train_options.h"
 #include "bench_common.h"
 
 #include <CLI/CLI.hpp>

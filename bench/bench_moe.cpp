@@ -7,10 +7,10 @@
 // against the plain run of the same process.
 // Part 2: the same model trained from the same initialisation with and without the Switch
 // load-balancing loss; the busiest expert's share of the routed tokens over the mean, per step.
-#include "actmem/activation_offloader.h"
-#include "actmem/report.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/base/report.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 #include "bench_common.h"
 
 #include <CLI/CLI.hpp>

@@ -7,8 +7,8 @@
 // CPU copy engine (docs/offload.md, "Copy engine"): a copy of n bytes takes at least
 // n / bandwidth.
 #include "bench_common.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>

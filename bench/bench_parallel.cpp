@@ -11,7 +11,7 @@
 // step-time ratios compare the same cores; Gloo's loopback collectives are the overhead measured.
 #include "bench_common.h"
 
-#include "actmem/trainer.h"
+#include "actmem/train/trainer.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>

@@ -5,8 +5,8 @@
 // bf16 rounds parameters to 8 significant bits after every step (the fp32 main parameters keep
 // the rest), so the two runs part ways bit by bit from the first step; what must hold is that
 // they learn the same.
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 #include "bench_common.h"
 
 #include <CLI/CLI.hpp>

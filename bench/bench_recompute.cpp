@@ -7,10 +7,10 @@
 // recompute replays the whole forward once, so its ideal ratio is (step + forward) / step;
 // selective core_attn replays the core-attention forward, so its ideal is
 // (step + L * core-attention forward) / step.
-#include "actmem/model.h"
+#include "actmem/model/model.h"
 #include "bench_common.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>

@@ -6,8 +6,8 @@
 // --iters steps after --warmup steps, measured by the Trainer around forward, backward and the
 // optimizer step only.
 #include "bench_common.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>

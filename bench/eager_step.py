@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """eager_step.py — the reference for bench_step: actmem's plain GPT step written in PyTorch eager.
 
-Same shapes, [s, b, h] layout, ops and optimizer as src/model.cpp and src/trainer.cpp (fused qkv,
+Same shapes, [s, b, h] layout, ops and optimizer as src/model/model.cpp and src/train/trainer.cpp (fused qkv,
 bmm attention with in-place scale and mask, softmax, native_dropout, bias-dropout-add, GeLU MLP,
 tied output layer, cross-entropy, AdamW with gradients kept allocated, global-norm clip), so the
 ratio against bench_step measures what actmem adds on top of libtorch's kernels.

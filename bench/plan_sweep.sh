@@ -4,17 +4,17 @@
 # between its front's smallest and largest peak (20%, 50%, 85% of the way). Prints one markdown
 # row per budget: the chosen plan, its measured and predicted peak, its measured step ratio
 # against the one the planner stated (the choice timed again against the plain step, Note
-# [Confirming the choice] in src/planner.cpp, with its rounds and those of the verify), the
+# [Confirming the choice] in src/plan/planner.cpp, with its rounds and those of the verify), the
 # finalist measurement it was chosen by (Note [Plan finalists]) and the model's prediction, the fastest
 # Megatron standard setting that fits (measured in the same rounds), the plain step's median in
 # the profile and in the verify rounds (a machine whose speed changed between the two predicts
-# worse: Note [Machine speed check] in src/planner.cpp; a reuse of the costs that finds the
+# worse: Note [Machine speed check] in src/plan/planner.cpp; a reuse of the costs that finds the
 # plain step moved by over 10% profiles again), and whether every verified run was bitwise the
 # plain run. Needs python3 for the table.
 # Usage: [PROFILE_STEPS=5] [VERIFY_STEPS=10] bench/plan_sweep.sh [OUT_DIR]
 #   (OUT_DIR default: a new temporary directory; JSON and SVG kept; the step counts are the
 #   fewest timed rounds of the profile and of each --verify, which then go on until sure: Note
-#   [Rounds until sure] in src/planner.cpp)
+#   [Rounds until sure] in src/plan/planner.cpp)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 actmem="${ACTMEM_BUILD_DIR:-$root/build}/actmem"

@@ -3,9 +3,9 @@
 // the last ones offloaded to host memory (actmem::ActivationOffloader, one OffloadRegion per
 // block). Three SGD steps with dropout on must give bitwise the same losses and gradients as the
 // plain run, with fewer activation bytes held between forward and backward. Exits 1 otherwise.
-#include <actmem/activation_offloader.h>
-#include <actmem/memory_tracker.h>
-#include <actmem/recompute.h>
+#include <actmem/offload/activation_offloader.h>
+#include <actmem/memory/memory_tracker.h>
+#include <actmem/recompute/recompute.h>
 
 #include <torch/torch.h>
 

@@ -1,11 +1,11 @@
 // exactness.h — the project's exactness check: a strategy trains bitwise like the plain run.
 #pragma once
 
-#include "actmem/compat.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_model.h"
-#include "actmem/mixed_precision.h"
-#include "actmem/trainer.h"
+#include "actmem/base/compat.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/train/mixed_precision.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

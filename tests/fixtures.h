@@ -2,7 +2,7 @@
 // names the model it means instead of building its own config field by field.
 #pragma once
 
-#include "actmem/config.h"
+#include "actmem/config/config.h"
 
 #include <cstdint>
 #include <string>

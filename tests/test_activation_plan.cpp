@@ -1,12 +1,12 @@
 // test_activation_plan.cpp — the plan is resolved once and read by both the model and the
 // predictor: for a sweep of plans (from flags, and per-layer plans no flag can express) the
 // bytes each layer saves, measured by the ledger, equal the predictor's for that layer.
-#include "actmem/activation_plan.h"
-#include "actmem/compat.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_model.h"
-#include "actmem/model.h"
-#include "actmem/rng.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/compat.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/model/model.h"
+#include "actmem/recompute/rng.h"
 #include "fixtures.h"
 #include "test_util.h"
 

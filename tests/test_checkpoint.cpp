@@ -2,10 +2,10 @@
 // strategy, at fp32, bf16 and fp16, and under tensor parallelism), the crash-safe save protocol,
 // refusals of checkpoints that do not fit, the load options, the exit-signal handler, and
 // Python's torch.load reading what libtorch wrote.
-#include "actmem/checkpoint.h"
-#include "actmem/digest.h"
-#include "actmem/mixed_precision.h"
-#include "actmem/trainer.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/base/digest.h"
+#include "actmem/train/mixed_precision.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

@@ -1,7 +1,7 @@
 // test_config.cpp — one test per TransformerConfig / TrainingConfig validation message.
-#include "actmem/activation_plan.h"
-#include "actmem/config.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/config.h"
+#include "actmem/train/trainer.h"
 #include "test_util.h"
 
 #include <functional>

@@ -1,5 +1,5 @@
 // test_data.cpp — tokenizer, built-in corpus, file loading, split and sampler edge cases.
-#include "actmem/data.h"
+#include "actmem/data/data.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -2,10 +2,10 @@
 // independent writer, damaged files), GPTDataset's indices (numpy's shuffle, samples that run
 // across documents, the split, the cache), blends, bounded memory on a large file, and the
 // `preprocess` command with the byte-level and SentencePiece tokenizers.
-#include "actmem/gpt_dataset.h"
-#include "actmem/indexed_dataset.h"
-#include "actmem/tokenizer.h"
-#include "actmem/trainer.h"
+#include "actmem/data/gpt_dataset.h"
+#include "actmem/data/indexed_dataset.h"
+#include "actmem/data/tokenizer.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

@@ -1,9 +1,9 @@
 // test_generate.cpp — the KV cache computes the model's logits, sampling does what its options
 // say, and `actmem generate` continues a prompt from a saved checkpoint.
-#include "actmem/checkpoint.h"
-#include "actmem/generate.h"
-#include "actmem/model.h"
-#include "actmem/trainer.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/train/generate.h"
+#include "actmem/model/model.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

@@ -1,8 +1,8 @@
 // test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, two launchers as
 // two nodes, the workers' thread count, a failing worker fails the launch with its message, and
 // no worker outlives the launcher (SIGTERM or SIGKILL).
-#include "actmem/distributed.h"
-#include "actmem/environment.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/base/environment.h"
 #include "test_util.h"
 
 #include <dirent.h>

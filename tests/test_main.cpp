@@ -1,5 +1,5 @@
 // test_main.cpp — installs the tracking allocator before any test allocates.
-#include "actmem/memory_tracker.h"
+#include "actmem/memory/memory_tracker.h"
 
 #include <gtest/gtest.h>
 

@@ -1,12 +1,12 @@
 // test_memory_model.cpp — the activation ledger against the tracker, the exact predictor within
 // 3% of measured over a sweep of shapes and every strategy, the hook stack, the paper's numbers
 // for the 7B worked example (docs/memory-model.md), and the SVG plot.
-#include "actmem/compat.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_tracker.h"
-#include "actmem/memory_model.h"
-#include "actmem/plot.h"
-#include "actmem/trainer.h"
+#include "actmem/base/compat.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/train/plot.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

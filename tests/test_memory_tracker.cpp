@@ -1,5 +1,5 @@
 // test_memory_tracker.cpp — the tracking allocator's accounting is exact.
-#include "actmem/memory_tracker.h"
+#include "actmem/memory/memory_tracker.h"
 #include "test_util.h"
 
 #include <c10/core/CPUAllocator.h>

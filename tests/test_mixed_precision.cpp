@@ -1,12 +1,12 @@
 // test_mixed_precision.cpp — bf16/fp16 training as Megatron runs it: loss scalers, main
 // parameters and main grads, skipped steps, the fp16 refusal on CPU, and the memory truth at
 // 16 bits (ledger vs Korthikanti per module, the predictor to the byte).
-#include "actmem/digest.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_model.h"
-#include "actmem/mixed_precision.h"
-#include "actmem/model.h"
-#include "actmem/trainer.h"
+#include "actmem/base/digest.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/train/mixed_precision.h"
+#include "actmem/model/model.h"
+#include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
 #include "test_util.h"

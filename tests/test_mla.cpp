@@ -2,14 +2,14 @@
 // attention against an independent per-token reference (decoupled RoPE, YaRN tables and softmax
 // scale from their formulas), every recompute and offload strategy bitwise equal to the plain run,
 // and the exact predictor and the estimate's terms against the tracker and the ledger.
-#include "actmem/activation_plan.h"
-#include "actmem/checkpoint.h"
-#include "actmem/compat.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_model.h"
-#include "actmem/model.h"
-#include "actmem/recompute.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/base/compat.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/model/model.h"
+#include "actmem/recompute/recompute.h"
+#include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
 #include "test_util.h"

@@ -1,6 +1,6 @@
 // test_model.cpp — GPTModel against an independent composition of libtorch ops, finite-difference
 // gradient checks in double, Megatron's parameter names, causality and dropout behaviour.
-#include "actmem/model.h"
+#include "actmem/model/model.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,9 +1,9 @@
 // test_offload.cpp — copy engine, host pool, the offload state machine under random delays, and
 // layer-level offload: bitwise exactness, memory drop, host pool reuse.
-#include "actmem/compat.h"
-#include "actmem/memory_tracker.h"
-#include "actmem/activation_offloader.h"
-#include "actmem/trainer.h"
+#include "actmem/base/compat.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
 #include "test_util.h"

@@ -1,10 +1,10 @@
 // test_parallel_layout.cpp — Megatron's rank groups: its documented examples, the explicit
 // ("past code") formulas its own unit test compares RankGenerator with, its errors, and the
 // groups built on c10d by a launch of four processes.
-#include "actmem/compat.h"
-#include "actmem/distributed.h"
-#include "actmem/distributed_optimizer.h"
-#include "actmem/parallel_layout.h"
+#include "actmem/base/compat.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/parallel/distributed_optimizer.h"
+#include "actmem/parallel/parallel_layout.h"
 #include "test_util.h"
 
 #include <ATen/ATen.h>

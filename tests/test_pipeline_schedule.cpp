@@ -2,7 +2,7 @@
 // processes: Megatron's documented schedule tables, its warmup and orders, every rank's steps run
 // together against a rendezvous model of the point-to-point messages (no deadlock, every tensor
 // reaches the step that consumes it), and the memory count against Korthikanti's first stage.
-#include "actmem/pipeline.h"
+#include "actmem/parallel/pipeline.h"
 
 #include "test_util.h"
 

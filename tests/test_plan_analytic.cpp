@@ -1,10 +1,10 @@
 // Tests for the analytic planner (plan_analytic.h, docs/planner.md "Paper presets"): its memory
 // terms against the paper's formulas and percentages, its step ratios against the papers' FLOP
 // counts, the offload cost, the front and the choice, and `actmem plan --preset`.
-#include "actmem/activation_plan.h"
-#include "actmem/memory_model.h"
-#include "actmem/plan_analytic.h"
-#include "actmem/planner.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/plan/plan_analytic.h"
+#include "actmem/plan/planner.h"
 #include "test_util.h"
 
 #include <gtest/gtest.h>

@@ -1,8 +1,8 @@
 // Tests for the planner (planner.h, docs/planner.md): the legal strategies, budgets, the peak
 // prediction against the tracker, the front and the choice, and `actmem plan --verify`.
-#include "actmem/activation_plan.h"
-#include "actmem/planner.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/plan/planner.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

@@ -1,12 +1,12 @@
 // test_recompute.cpp — checkpoint and CheckpointWithoutOutput mechanisms, and every recompute
 // strategy of the model: bitwise exactness against the plain run over several optimizer steps,
 // re-execution counts, chunk layouts and the memory each strategy saves.
-#include "actmem/memory_tracker.h"
-#include "actmem/model.h"
-#include "actmem/memory_model.h"
-#include "actmem/recompute.h"
-#include "actmem/rng.h"
-#include "actmem/trainer.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/model/model.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/recompute/recompute.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
 #include "test_util.h"

@@ -1,6 +1,6 @@
 // test_rng.cpp — the RNG tracker (Megatron's tests/unit_tests/tensor_parallel/test_random.py),
 // seed formulas, deep snapshots and ForkRng.
-#include "actmem/rng.h"
+#include "actmem/recompute/rng.h"
 #include "test_util.h"
 
 #include <ATen/CPUGeneratorImpl.h>

@@ -2,13 +2,13 @@
 // write is checked and whole, corpora load in bounded memory, divergence stops the run, silent
 // no-ops are refused or warned about, outputs are opened before the work, repeated flags take
 // their last value, and the JSON log starts with the run's configuration.
-#include "actmem/activation_plan.h"
-#include "actmem/compat.h"
-#include "actmem/data.h"
-#include "actmem/memory_model.h"
-#include "actmem/output_file.h"
-#include "actmem/step_rounds.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/compat.h"
+#include "actmem/data/data.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/base/output_file.h"
+#include "actmem/train/step_rounds.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

@@ -3,10 +3,10 @@
 // wrote. TP = 2 against TP = 1 without dropout, every recompute and offload strategy bitwise
 // against the TP = 2 plain run with dropout, dropout masks across ranks, and per-rank memory
 // against the predictor.
-#include "actmem/distributed.h"
-#include "actmem/rng.h"
-#include "actmem/tensor_parallel.h"
-#include "actmem/trainer.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/train/trainer.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>

@@ -1,8 +1,8 @@
 // test_trainer.cpp — the training loop: loss falls, runs are reproducible, measurements are
 // consistent, JSON round-trips, and bad input from the command line is one clear line on stderr.
-#include "actmem/digest.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/base/digest.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 

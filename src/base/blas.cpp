@@ -1,5 +1,5 @@
 // blas.cpp — the BLAS this process runs (blas.h).
-#include "actmem/blas.h"
+#include "actmem/base/blas.h"
 
 #include <ATen/Context.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
-// compat.cpp — version-dependent calls behind include/actmem/compat.h.
-#include "actmem/compat.h"
+// compat.cpp — version-dependent calls behind include/actmem/base/compat.h.
+#include "actmem/base/compat.h"
 
 #include <c10/util/Exception.h>
 

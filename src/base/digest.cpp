@@ -1,7 +1,5 @@
 // digest.cpp — Digest.
-#include "actmem/digest.h"
-
-#include "actmem/data.h"
+#include "actmem/base/digest.h"
 
 #include <ATen/ATen.h>
 

@@ -1,8 +1,8 @@
 // environment.cpp — available_cores and runtime_info.
-#include "actmem/environment.h"
+#include "actmem/base/environment.h"
 
-#include "actmem/blas.h"
-#include "actmem/compat.h"
+#include "actmem/base/blas.h"
+#include "actmem/base/compat.h"
 
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>

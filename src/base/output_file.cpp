@@ -1,6 +1,6 @@
 // output_file.cpp — check_distinct_files and OutputFile (POSIX file descriptors, so that every
 // write, flush and close reports its own error).
-#include "actmem/output_file.h"
+#include "actmem/base/output_file.h"
 
 #include <c10/util/Exception.h>
 

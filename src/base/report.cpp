@@ -1,5 +1,5 @@
 // report.cpp — formatting of bytes, medians and the offload summary.
-#include "actmem/report.h"
+#include "actmem/base/report.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,7 +1,7 @@
 // trace.cpp — TraceRecorder.
-#include "actmem/trace.h"
+#include "actmem/base/trace.h"
 
-#include "actmem/output_file.h"
+#include "actmem/base/output_file.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

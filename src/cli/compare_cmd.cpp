@@ -1,14 +1,14 @@
 // compare_cmd.cpp — `actmem compare`: run several recompute strategies from the same seed and
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
-#include "actmem/activation_plan.h"
-#include "actmem/blas.h"
-#include "actmem/environment.h"
-#include "actmem/output_file.h"
-#include "actmem/plot.h"
-#include "actmem/train_options.h"
-#include "actmem/step_rounds.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/blas.h"
+#include "actmem/base/environment.h"
+#include "actmem/base/output_file.h"
+#include "actmem/train/plot.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/step_rounds.h"
+#include "actmem/train/trainer.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

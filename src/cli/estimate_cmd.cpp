@@ -1,9 +1,9 @@
 // estimate_cmd.cpp — `actmem estimate`: the paper's activation-memory model for a named preset or
 // explicit sizes, per layer and per pipeline stage, with Megatron's theoretical terms and the
 // offload transfer time.
-#include "actmem/memory_model.h"
-#include "actmem/report.h"
-#include "actmem/train_options.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/base/report.h"
+#include "actmem/flags/train_options.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

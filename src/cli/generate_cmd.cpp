@@ -1,11 +1,11 @@
 // generate_cmd.cpp — `actmem generate`: text from a saved checkpoint, with a KV cache.
-#include "actmem/checkpoint.h"
-#include "actmem/generate.h"
-#include "actmem/model.h"
-#include "actmem/output_file.h"
-#include "actmem/report.h"
-#include "actmem/tokenizer.h"
-#include "actmem/train_options.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/train/generate.h"
+#include "actmem/model/model.h"
+#include "actmem/base/output_file.h"
+#include "actmem/base/report.h"
+#include "actmem/data/tokenizer.h"
+#include "actmem/flags/train_options.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

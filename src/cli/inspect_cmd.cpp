@@ -1,15 +1,15 @@
 // inspect_cmd.cpp — `actmem inspect`: run one training step and print the activation ledger per
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
-#include "actmem/activation_plan.h"
-#include "actmem/blas.h"
-#include "actmem/environment.h"
-#include "actmem/distributed.h"
-#include "actmem/ledger.h"
-#include "actmem/memory_model.h"
-#include "actmem/tensor_parallel.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/blas.h"
+#include "actmem/base/environment.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

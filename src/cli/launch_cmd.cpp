@@ -1,8 +1,8 @@
 // launch_cmd.cpp — `actmem launch` (start N workers of a subcommand) and `actmem dist-check`
 // (each worker joins the process group and all-reduces its rank: a quick health check).
-#include "actmem/distributed.h"
-#include "actmem/parallel_layout.h"
-#include "actmem/train_options.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/parallel/parallel_layout.h"
+#include "actmem/flags/train_options.h"
 #include "commands.h"
 
 #include <ATen/ATen.h>

@@ -2,15 +2,15 @@
 // strategy's device peak and step time, print the Pareto front and the fastest strategy that fits
 // --memory-budget as Megatron flags; --verify runs it and its neighbours on the front
 // (docs/planner.md).
-#include "actmem/environment.h"
-#include "actmem/output_file.h"
-#include "actmem/plan_analytic.h"
-#include "actmem/planner.h"
-#include "actmem/plot.h"
-#include "actmem/report.h"
-#include "actmem/step_rounds.h"
-#include "actmem/train_options.h"
-#include "actmem/trainer.h"
+#include "actmem/base/environment.h"
+#include "actmem/base/output_file.h"
+#include "actmem/plan/plan_analytic.h"
+#include "actmem/plan/planner.h"
+#include "actmem/train/plot.h"
+#include "actmem/base/report.h"
+#include "actmem/train/step_rounds.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/train/trainer.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

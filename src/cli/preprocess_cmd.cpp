@@ -1,10 +1,10 @@
 // preprocess_cmd.cpp — `actmem preprocess`: JSON lines to Megatron's indexed dataset, as
 // Megatron-LM's tools/preprocess_data.py (one document per line, PREFIX_KEY_document.bin/.idx),
 // optionally training a SentencePiece model on the input first.
-#include "actmem/data.h"
-#include "actmem/indexed_dataset.h"
-#include "actmem/report.h"
-#include "actmem/tokenizer.h"
+#include "actmem/data/data.h"
+#include "actmem/data/indexed_dataset.h"
+#include "actmem/base/report.h"
+#include "actmem/data/tokenizer.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>

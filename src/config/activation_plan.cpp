@@ -1,6 +1,6 @@
 // activation_plan.cpp — make_activation_plan(): Megatron's recompute and offload rules, then the
 // per-layer decisions (Note [One plan] in activation_plan.h).
-#include "actmem/activation_plan.h"
+#include "actmem/config/activation_plan.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

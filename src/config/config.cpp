@@ -1,7 +1,7 @@
 // config.cpp — TransformerConfig and TrainingConfig: validation and JSON.
-#include "actmem/config.h"
+#include "actmem/config/config.h"
 
-#include "actmem/activation_plan.h"
+#include "actmem/config/activation_plan.h"
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>

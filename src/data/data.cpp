@@ -1,5 +1,5 @@
 // data.cpp — tokenizer, built-in corpus, split and sampling.
-#include "actmem/data.h"
+#include "actmem/data/data.h"
 
 #include <ATen/ATen.h>
 

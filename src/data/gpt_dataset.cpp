@@ -1,7 +1,7 @@
 // gpt_dataset.cpp — Megatron's GPTDataset, BlendedDataset and their builder (gpt_dataset.h).
-#include "actmem/gpt_dataset.h"
+#include "actmem/data/gpt_dataset.h"
 
-#include "actmem/digest.h"
+#include "actmem/base/digest.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,7 +1,7 @@
 // indexed_dataset.cpp — the MMIDIDX reader and writer (format in indexed_dataset.h).
-#include "actmem/indexed_dataset.h"
+#include "actmem/data/indexed_dataset.h"
 
-#include "actmem/output_file.h"
+#include "actmem/base/output_file.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

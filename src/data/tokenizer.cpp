@@ -1,7 +1,7 @@
 // tokenizer.cpp — the byte-level and SentencePiece tokenizers (tokenizer.h).
-#include "actmem/tokenizer.h"
+#include "actmem/data/tokenizer.h"
 
-#include "actmem/output_file.h"
+#include "actmem/base/output_file.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,10 +1,10 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
-#include "actmem/train_options.h"
+#include "actmem/flags/train_options.h"
 
-#include "actmem/activation_plan.h"
-#include "actmem/blas.h"
-#include "actmem/environment.h"
-#include "actmem/tokenizer.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/blas.h"
+#include "actmem/base/environment.h"
+#include "actmem/data/tokenizer.h"
 
 #include <CLI/CLI.hpp>
 

@@ -1,7 +1,7 @@
 // ledger.cpp — ModuleScope, ActivationLedger, LedgerScope.
-#include "actmem/ledger.h"
+#include "actmem/memory/ledger.h"
 
-#include "actmem/recompute.h"
+#include "actmem/recompute/recompute.h"
 
 #include <ATen/record_function.h>
 #include <c10/core/ScalarType.h>

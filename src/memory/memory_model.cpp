@@ -1,7 +1,7 @@
 // memory_model.cpp — the paper's formulas, Megatron's theoretical terms and the exact predictor.
-#include "actmem/memory_model.h"
+#include "actmem/memory/memory_model.h"
 
-#include "actmem/rng.h"
+#include "actmem/recompute/rng.h"
 
 #include <c10/util/Exception.h>
 

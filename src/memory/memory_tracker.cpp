@@ -1,7 +1,7 @@
 // memory_tracker.cpp — the tracking CPU allocator and the CUDA statistics reader.
-#include "actmem/memory_tracker.h"
+#include "actmem/memory/memory_tracker.h"
 
-#include "actmem/compat.h"
+#include "actmem/base/compat.h"
 
 #include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>

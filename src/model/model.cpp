@@ -1,13 +1,13 @@
 // model.cpp — GPTModel and its modules. Shapes: s = sequence, b = micro-batch, h = hidden,
 // a = heads, d = head dim, f = ffn hidden, v = vocab.
-#include "actmem/model.h"
+#include "actmem/model/model.h"
 
-#include "actmem/ledger.h"
-#include "actmem/memory_tracker.h"
-#include "actmem/activation_offloader.h"
-#include "actmem/recompute.h"
-#include "actmem/rng.h"
-#include "actmem/tensor_parallel.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/recompute/recompute.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

@@ -1,14 +1,14 @@
 // moe.cpp — the MoE layer (moe.h). Shapes: T tokens (s * b), E experts, k = topk, N rows the
 // experts compute (T * k dropless), h hidden, f each expert's hidden size.
-#include "actmem/moe.h"
+#include "actmem/model/moe.h"
 
-#include "actmem/activation_offloader.h"
-#include "actmem/ledger.h"
-#include "actmem/model.h"
-#include "actmem/moe_dispatch.h"
-#include "actmem/recompute.h"
-#include "actmem/rng.h"
-#include "actmem/tensor_parallel.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/model/model.h"
+#include "actmem/parallel/moe_dispatch.h"
+#include "actmem/recompute/recompute.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>

@@ -1,6 +1,6 @@
 // activation_offloader.cpp — ActivationOffloader (entries and their state machine, groups, the
 // saved-tensor hook), OffloadRegion and the group start/commit autograd functions.
-#include "actmem/activation_offloader.h"
+#include "actmem/offload/activation_offloader.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

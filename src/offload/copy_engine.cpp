@@ -1,8 +1,8 @@
 // copy_engine.cpp — CopyEvent, CopyStream (CPU worker threads; CUDA streams) and HostPool.
-#include "actmem/copy_engine.h"
+#include "actmem/offload/copy_engine.h"
 
-#include "actmem/memory_tracker.h"
-#include "actmem/trace.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/base/trace.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,5 +1,5 @@
 // offload_schedule.cpp — warmup and margin, the in-flight cap, the prefetch order.
-#include "actmem/offload_schedule.h"
+#include "actmem/offload/offload_schedule.h"
 
 namespace actmem {
 

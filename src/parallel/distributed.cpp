@@ -1,7 +1,7 @@
 // distributed.cpp — environment parsing, process-group creation and the worker launcher.
-#include "actmem/distributed.h"
+#include "actmem/parallel/distributed.h"
 
-#include "actmem/environment.h"
+#include "actmem/base/environment.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

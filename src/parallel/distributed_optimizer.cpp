@@ -1,6 +1,6 @@
 // distributed_optimizer.cpp — OptimizerShards: Megatron's buffer layout with the distributed
 // optimizer and the all-gather of the updated pieces (Note [Distributed optimizer]).
-#include "actmem/distributed_optimizer.h"
+#include "actmem/parallel/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,7 +1,7 @@
 // grad_norm.cpp — the global gradient norm (grad_norm.h).
-#include "actmem/grad_norm.h"
+#include "actmem/parallel/grad_norm.h"
 
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

@@ -1,6 +1,6 @@
 // grad_reducer.cpp — GradReducer: buckets, the hooks after the gradient accumulators, the
 // asynchronous all-reduces (Note [Overlapped gradient reduction] in grad_reducer.h).
-#include "actmem/grad_reducer.h"
+#include "actmem/parallel/grad_reducer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>

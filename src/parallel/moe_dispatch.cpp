@@ -1,7 +1,7 @@
 // moe_dispatch.cpp — the all-to-all token dispatcher (Note [All-to-all dispatch]).
-#include "actmem/moe_dispatch.h"
+#include "actmem/parallel/moe_dispatch.h"
 
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

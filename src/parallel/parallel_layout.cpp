@@ -1,5 +1,5 @@
 // parallel_layout.cpp — Megatron's rank groups (Note [Megatron's rank order]).
-#include "actmem/parallel_layout.h"
+#include "actmem/parallel/parallel_layout.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,5 +1,5 @@
 // pipeline.cpp — point-to-point communication between pipeline stages and the 1F1B schedule.
-#include "actmem/pipeline.h"
+#include "actmem/parallel/pipeline.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

@@ -9,10 +9,10 @@
 // libtorch 1.13's Gloo had no reduce-scatter; 2.x's has one, but under two names across the
 // supported range (_reduce_scatter_base in 2.11, reduce_scatter_single in 2.15, where the old
 // name is deprecated), and on CPU the traffic is a memory copy, so the all-reduce stays.
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/tensor_parallel.h"
 
-#include "actmem/distributed.h"
-#include "actmem/parallel_layout.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/parallel/parallel_layout.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

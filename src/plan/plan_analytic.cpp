@@ -1,9 +1,9 @@
 // plan_analytic.cpp — the planner for models that cannot run here: the paper's per-module
 // activation terms, Megatron's weight terms and a roofline step time (Note [Analytic plan] in
 // plan_analytic.h).
-#include "actmem/plan_analytic.h"
+#include "actmem/plan/plan_analytic.h"
 
-#include "actmem/activation_plan.h"
+#include "actmem/config/activation_plan.h"
 
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>

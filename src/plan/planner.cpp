@@ -1,15 +1,15 @@
 // planner.cpp — legal strategies, the profiling run, the per-strategy prediction and the search
 // (Note [Planner] in planner.h).
-#include "actmem/planner.h"
+#include "actmem/plan/planner.h"
 
-#include "actmem/activation_offloader.h"
-#include "actmem/activation_plan.h"
-#include "actmem/environment.h"
-#include "actmem/memory_model.h"
-#include "actmem/output_file.h"
-#include "actmem/report.h"
-#include "actmem/step_rounds.h"
-#include "actmem/trainer.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/base/environment.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/base/output_file.h"
+#include "actmem/base/report.h"
+#include "actmem/train/step_rounds.h"
+#include "actmem/train/trainer.h"
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -1,9 +1,9 @@
 // recompute.cpp — CheckpointFunction and CheckpointWithoutOutput on libtorch's C++ autograd.
-#include "actmem/recompute.h"
+#include "actmem/recompute/recompute.h"
 
-#include "actmem/compat.h"
-#include "actmem/rng.h"
-#include "actmem/tensor_parallel.h"
+#include "actmem/base/compat.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>

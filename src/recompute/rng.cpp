@@ -1,7 +1,7 @@
 // rng.cpp — RngStatesTracker, snapshots and forks.
-#include "actmem/rng.h"
+#include "actmem/recompute/rng.h"
 
-#include "actmem/compat.h"
+#include "actmem/base/compat.h"
 
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Context.h>

@@ -1,5 +1,5 @@
 // saved_tensor_hooks.cpp — the engine subclass that feeds autograd our saved-tensor hooks.
-#include "actmem/saved_tensor_hooks.h"
+#include "actmem/recompute/saved_tensor_hooks.h"
 
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/engine.h>

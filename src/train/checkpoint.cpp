@@ -1,14 +1,14 @@
 // checkpoint.cpp — Megatron-layout checkpoints: the files, the save protocol, and what a Trainer
 // writes into and restores from them.
-#include "actmem/checkpoint.h"
+#include "actmem/train/checkpoint.h"
 
-#include "actmem/distributed_optimizer.h"
+#include "actmem/parallel/distributed_optimizer.h"
 
-#include "actmem/mixed_precision.h"
-#include "actmem/model.h"
-#include "actmem/output_file.h"
-#include "actmem/tensor_parallel.h"
-#include "actmem/trainer.h"
+#include "actmem/train/mixed_precision.h"
+#include "actmem/model/model.h"
+#include "actmem/base/output_file.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/train/trainer.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>

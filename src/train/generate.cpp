@@ -1,7 +1,7 @@
 // generate.cpp — the KV cache and sampling (generate.h).
-#include "actmem/generate.h"
+#include "actmem/train/generate.h"
 
-#include "actmem/model.h"
+#include "actmem/model/model.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

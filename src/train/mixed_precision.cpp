@@ -1,7 +1,7 @@
 // mixed_precision.cpp — main parameters, main-grad hooks and loss scaling (Megatron's semantics).
-#include "actmem/mixed_precision.h"
+#include "actmem/train/mixed_precision.h"
 
-#include "actmem/distributed_optimizer.h"
+#include "actmem/parallel/distributed_optimizer.h"
 
 #include <ATen/ATen.h>
 #include <torch/csrc/autograd/function.h>

@@ -1,7 +1,7 @@
 // plot.cpp — memory_timeline_svg, plan_front_svg and pipeline_schedule_svg.
-#include "actmem/plot.h"
+#include "actmem/train/plot.h"
 
-#include "actmem/report.h"
+#include "actmem/base/report.h"
 
 #include <algorithm>
 #include <cmath>

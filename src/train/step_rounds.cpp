@@ -1,8 +1,8 @@
 // step_rounds.cpp — rounds of training steps, in a new order each round (Note [Honest step ratios]
 // and Note [Step round order] in step_rounds.h).
-#include "actmem/step_rounds.h"
+#include "actmem/train/step_rounds.h"
 
-#include "actmem/memory_tracker.h"
+#include "actmem/memory/memory_tracker.h"
 
 #include <c10/util/Exception.h>
 

@@ -1,19 +1,19 @@
 // trainer.cpp — Trainer and the IterationStats JSON.
-#include "actmem/trainer.h"
+#include "actmem/train/trainer.h"
 
-#include "actmem/digest.h"
-#include "actmem/gpt_dataset.h"
-#include "actmem/ledger.h"
-#include "actmem/activation_offloader.h"
-#include "actmem/distributed_optimizer.h"
-#include "actmem/grad_reducer.h"
-#include "actmem/memory_model.h"
-#include "actmem/mixed_precision.h"
-#include "actmem/output_file.h"
-#include "actmem/pipeline.h"
-#include "actmem/rng.h"
-#include "actmem/tensor_parallel.h"
-#include "actmem/trace.h"
+#include "actmem/base/digest.h"
+#include "actmem/data/gpt_dataset.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/offload/activation_offloader.h"
+#include "actmem/parallel/distributed_optimizer.h"
+#include "actmem/parallel/grad_reducer.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/train/mixed_precision.h"
+#include "actmem/base/output_file.h"
+#include "actmem/parallel/pipeline.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/base/trace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>

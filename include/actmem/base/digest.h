@@ -9,6 +9,14 @@
 
 namespace actmem {
 
+/// SplitMix64: a small, fast, well-mixed deterministic generator.
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
 /// Incremental 128-bit hash over byte ranges (four 64-bit multiply-rotate lanes over 8-byte words,
 /// then a SplitMix64 finaliser). Not cryptographic; equal input bytes give equal digests, and
 /// the byte count and boundaries between updates are mixed in.

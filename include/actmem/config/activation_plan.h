@@ -13,7 +13,7 @@
 // two tables below and nowhere else.
 #pragma once
 
-#include "actmem/config.h"
+#include "actmem/config/config.h"
 
 #include <nlohmann/json_fwd.hpp>
 

@@ -13,6 +13,8 @@
 // character device such as /dev/zero) is read up to kMaxStreamBytes and refused beyond.
 #pragma once
 
+#include "actmem/base/digest.h"
+
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
@@ -107,13 +109,5 @@ class BatchSampler : public BatchSource {
   int64_t seq_, batch_;
   uint64_t seed_;
 };
-
-/// SplitMix64: a small, fast, well-mixed deterministic generator.
-inline uint64_t splitmix64(uint64_t x) {
-  x += 0x9E3779B97F4A7C15ull;
-  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
-  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
-  return x ^ (x >> 31);
-}
 
 }  // namespace actmem

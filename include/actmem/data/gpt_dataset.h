@@ -15,8 +15,8 @@
 // files, split, sizes and seed. The indices are cached as .npy files beside the data.
 #pragma once
 
-#include "actmem/data.h"
-#include "actmem/indexed_dataset.h"
+#include "actmem/data/data.h"
+#include "actmem/data/indexed_dataset.h"
 
 #include <cstdint>
 #include <memory>

@@ -2,8 +2,8 @@
 // (Megatron's names), bound to TransformerConfig and TrainingConfig.
 #pragma once
 
-#include "actmem/config.h"
-#include "actmem/trainer.h"
+#include "actmem/config/config.h"
+#include "actmem/train/trainer.h"
 
 #include <string>
 

@@ -8,7 +8,7 @@
 // are not activations of the forward and are not recorded.
 #pragma once
 
-#include "actmem/saved_tensor_hooks.h"
+#include "actmem/recompute/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>

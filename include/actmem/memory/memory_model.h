@@ -6,8 +6,8 @@
 // docs/memory-model.md), and is checked against the tracker within 3% by the tests.
 #pragma once
 
-#include "actmem/activation_plan.h"
-#include "actmem/config.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/config.h"
 
 #include <cstdint>
 #include <optional>

@@ -14,9 +14,9 @@
 // activation_offloader.h) at the places Megatron calls them.
 #pragma once
 
-#include "actmem/activation_plan.h"
-#include "actmem/config.h"
-#include "actmem/moe.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/config.h"
+#include "actmem/model/moe.h"
 
 #include <torch/nn/module.h>
 

@@ -17,9 +17,9 @@
 // LayerPlan (activation_plan.h).
 #pragma once
 
-#include "actmem/activation_plan.h"
-#include "actmem/config.h"
-#include "actmem/memory_model.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/config.h"
+#include "actmem/memory/memory_model.h"
 
 #include <torch/nn/module.h>
 

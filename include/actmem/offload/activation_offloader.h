@@ -16,10 +16,10 @@
 // offload_schedule.h for which groups offload at all).
 #pragma once
 
-#include "actmem/copy_engine.h"
-#include "actmem/offload_schedule.h"
-#include "actmem/report.h"
-#include "actmem/saved_tensor_hooks.h"
+#include "actmem/offload/copy_engine.h"
+#include "actmem/offload/offload_schedule.h"
+#include "actmem/base/report.h"
+#include "actmem/recompute/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>

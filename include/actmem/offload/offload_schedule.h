@@ -5,7 +5,7 @@
 // names, kinds and positions.
 #pragma once
 
-#include "actmem/copy_engine.h"
+#include "actmem/offload/copy_engine.h"
 
 #include <cstdint>
 #include <deque>

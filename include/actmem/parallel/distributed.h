@@ -5,7 +5,7 @@
 // and talk through ProcessGroupGloo on CPU. Tensor and sequence parallelism build on this.
 #pragma once
 
-#include "actmem/compat.h"
+#include "actmem/base/compat.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>

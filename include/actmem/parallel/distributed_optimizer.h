@@ -4,7 +4,7 @@
 // docs/parallelism.md, "Distributed optimizer".
 #pragma once
 
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/core/Tensor.h>
 

@@ -4,8 +4,8 @@
 // parallelism".
 #pragma once
 
-#include "actmem/compat.h"
-#include "actmem/tensor_parallel.h"
+#include "actmem/base/compat.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/core/Tensor.h>
 

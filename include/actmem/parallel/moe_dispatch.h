@@ -22,8 +22,8 @@
 // counts travel as one all-gather of E int64 per rank.
 #pragma once
 
-#include "actmem/distributed.h"
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/core/Tensor.h>
 

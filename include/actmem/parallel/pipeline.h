@@ -6,7 +6,7 @@
 // forward and backward and moves what they return (docs/parallelism.md, "Pipeline parallelism").
 #pragma once
 
-#include "actmem/tensor_parallel.h"
+#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/core/Tensor.h>
 

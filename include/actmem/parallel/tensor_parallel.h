@@ -14,7 +14,7 @@
 //   reduce_scatter_to_sequence_parallel    reduce-scatter dim 0 all-gather dim 0
 #pragma once
 
-#include "actmem/distributed.h"
+#include "actmem/parallel/distributed.h"
 
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>

@@ -22,8 +22,8 @@
 // 39% where the FLOPs say 33%).
 #pragma once
 
-#include "actmem/memory_model.h"
-#include "actmem/planner.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/plan/planner.h"
 
 #include <nlohmann/json_fwd.hpp>
 

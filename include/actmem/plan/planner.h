@@ -28,7 +28,7 @@
 // whole (its layers route by their inputs; a shorter copy routes differently).
 #pragma once
 
-#include "actmem/config.h"
+#include "actmem/config/config.h"
 
 #include <nlohmann/json_fwd.hpp>
 

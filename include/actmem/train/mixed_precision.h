@@ -10,7 +10,7 @@
 // parameters and copies them back, rounded, into the model.
 #pragma once
 
-#include "actmem/compat.h"
+#include "actmem/base/compat.h"
 
 #include <ATen/core/Tensor.h>
 

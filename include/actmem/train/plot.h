@@ -3,8 +3,8 @@
 // and the pipeline schedule (each stage's forwards and backwards on one time axis).
 #pragma once
 
-#include "actmem/memory_tracker.h"
-#include "actmem/pipeline_event.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/base/pipeline_event.h"
 
 #include <string>
 #include <vector>

@@ -12,7 +12,7 @@
 // cannot carry the digits.
 #pragma once
 
-#include "actmem/trainer.h"
+#include "actmem/train/trainer.h"
 
 #include <functional>
 #include <vector>

@@ -5,15 +5,15 @@
 // construction, so activation measurements never include first-touch gradient allocations.
 #pragma once
 
-#include "actmem/checkpoint.h"
-#include "actmem/config.h"
-#include "actmem/data.h"
-#include "actmem/grad_norm.h"
-#include "actmem/memory_tracker.h"
-#include "actmem/model.h"
-#include "actmem/pipeline_event.h"
-#include "actmem/report.h"
-#include "actmem/rng.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/config/config.h"
+#include "actmem/data/data.h"
+#include "actmem/parallel/grad_norm.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/model/model.h"
+#include "actmem/base/pipeline_event.h"
+#include "actmem/base/report.h"
+#include "actmem/recompute/rng.h"
 
 #include <nlohmann/json_fwd.hpp>
 
