@@ -4,7 +4,7 @@
 
 #include "actmem/offload/activation_offloader.h"
 #include "actmem/memory/ledger.h"
-#include "actmem/model/model.h"
+#include "actmem/model/layers.h"
 #include "actmem/parallel/moe_dispatch.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"

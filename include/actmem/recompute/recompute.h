@@ -2,7 +2,7 @@
 //
 // One mechanism: a forward that runs without building a graph and remembers its inputs and the
 // random state, and a backward (or a gradient hook) that replays it under that random state with
-// grad enabled. Full and selective recompute are thin uses of it in the model (model.cpp).
+// grad enabled. Full and selective recompute are thin uses of it in the model (src/model/).
 // Nothing here knows about transformers: a checkpoint takes a function of tensors.
 #pragma once
 

@@ -1,0 +1,106 @@
+// layers.h — the building blocks of the model layer: norms, tensor-parallel linears, dropout, the
+// MLP, the precision helpers and the forward counters. Attention (attention.h), mixture of
+// experts (moe.h) and the GPT model (model.h) are built from these; none of them is included here.
+#pragma once
+
+#include "actmem/config/config.h"
+
+#include <torch/nn/module.h>
+
+#include <atomic>
+#include <optional>
+#include <string>
+#include <utility>
+
+namespace actmem {
+
+class RngFork;
+
+class ActivationOffloader;
+
+/// How many times each module's forward ran since reset() (recompute replays included), so
+/// tests can count re-executions per strategy.
+struct ForwardCounters {
+  std::atomic<int64_t> layer{0}, core_attention{0}, mlp{0}, norm{0}, moe{0}, experts{0};
+  void reset() { layer = core_attention = mlp = norm = moe = experts = 0; }
+};
+ForwardCounters& forward_counters();
+
+/// True for bfloat16 and float16.
+inline bool is_16bit(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+/// The type 16-bit tensors are computed in where Megatron upcasts (norm statistics, the fp32
+/// softmax, the loss): float for 16-bit types, the type itself otherwise.
+inline at::ScalarType compute_dtype(at::ScalarType t) { return is_16bit(t) ? at::kFloat : t; }
+/// The parameter (and activation) type of `config`'s precision: float, bfloat16 or half.
+at::ScalarType params_dtype(const TransformerConfig& config);
+
+/// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm] in layers.cpp).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+/// LayerNorm or RMSNorm over the last dimension, per config.normalization.
+class Norm : public torch::nn::Module {
+ public:
+  /// Over `size` features (0: the hidden size).
+  Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size = 0);
+  at::Tensor forward(const at::Tensor& x);  // [..., h] -> [..., h]
+  at::Tensor weight;
+  at::Tensor bias;  // undefined for RMSNorm
+
+ private:
+  bool rms_;
+  double eps_;
+};
+
+/// How a Linear's weight is split across the tensor-parallel ranks (tensor_parallel.h).
+enum class LinearParallel {
+  kNone,    // replicated
+  kColumn,  // ColumnParallelLinear: this rank holds out/t output rows (and bias entries)
+  kRow,     // RowParallelLinear: this rank holds in/t input columns; output reduced across ranks
+};
+
+/// y = x W^T (+ b). With skip_bias_add the bias is returned separately for bias-dropout-add,
+/// as Megatron's RowParallelLinear does for linear_proj and linear_fc2. `in` and `out` are this
+/// rank's sizes. With sequence_parallel a column-parallel layer takes the [s/t, b, in] shard and
+/// a row-parallel one returns it (all-gather / reduce-scatter at the boundary).
+class Linear : public torch::nn::Module {
+ public:
+  Linear(int64_t in, int64_t out, bool bias, bool skip_bias_add, at::ScalarType dtype,
+         LinearParallel parallel = LinearParallel::kNone, bool sequence_parallel = false);
+  /// Returns the output and, when skip_bias_add, the bias to add later (else undefined).
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  at::Tensor weight;  // [out, in]
+  at::Tensor bias;    // [out] or undefined
+
+ private:
+  bool skip_bias_add_;
+  LinearParallel parallel_;
+  bool sequence_parallel_;
+};
+
+class MLP : public torch::nn::Module {
+ public:
+  MLP(const TransformerConfig& config, at::ScalarType dtype);
+  /// x: [s, b, h] -> (output [s, b, h], linear_fc2 bias or undefined)
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  std::shared_ptr<Linear> linear_fc1;
+  std::shared_ptr<Linear> linear_fc2;
+
+ private:
+  bool gated_;
+};
+
+/// residual + apply_dropout(x + bias), Megatron's bias-dropout-add.
+at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                            double p, bool training);
+
+/// Dropout that saves a 1-byte mask, as the GPU kernel does (at::native_dropout);
+/// identity when p == 0 or not training.
+at::Tensor apply_dropout(const at::Tensor& x, double p, bool training);
+
+
+/// Forks the model-parallel random stream for a module's dropout (Megatron's
+/// get_cuda_rng_tracker().fork()); nullopt when that stream is already current, or when it was
+/// never added and is not `required` (then it throws, naming `api`).
+std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api);
+
+}  // namespace actmem

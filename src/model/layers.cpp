@@ -1,0 +1,165 @@
+// layers.cpp — the model layer's building blocks (layers.h): norms, linears, dropout, the MLP.
+#include "actmem/model/layers.h"
+
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
+
+#include <ATen/ATen.h>
+#include <ATen/record_function.h>
+#include <torch/autograd.h>
+
+namespace actmem {
+
+std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
+  auto& tracker = get_rng_tracker();
+  if (tracker.current_state_name() == kModelParallelRng) return std::nullopt;
+  if (!tracker.has(kModelParallelRng)) {
+    TORCH_CHECK(!required, api, " needs the model-parallel random stream (call "
+                "model_parallel_manual_seed first)");
+    return std::nullopt;
+  }
+  return tracker.fork(kModelParallelRng);
+}
+
+ForwardCounters& forward_counters() {
+  static ForwardCounters counters;
+  return counters;
+}
+
+// ---- Norm -------------------------------------------------------------------------------------
+
+Norm::Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size)
+    : rms_(config.use_rmsnorm()), eps_(config.layernorm_epsilon) {
+  const auto opts = at::TensorOptions().dtype(dtype);
+  const int64_t n = size > 0 ? size : config.hidden_size;
+  weight = register_parameter("weight", at::ones({n}, opts));
+  if (!rms_) bias = register_parameter("bias", at::zeros({n}, opts));
+}
+
+namespace {
+// Note [Fused RMSNorm]
+// RMSNorm written as x * rsqrt(mean(x^2) + eps) * w uses x twice, so x's gradient arrives as two
+// contributions that autograd adds to the residual's contribution in whatever order the graph
+// produces them. Output-discarding recompute of the norm sums the two norm contributions first,
+// which rounds differently. One node with an explicit backward (as fused GPU kernels have) gives
+// x a single contribution, so every strategy sums the same two terms and stays bitwise exact.
+// At 16 bits the norm computes in fp32 and keeps rstd in fp32 (sb * 4 bytes), as the fused
+// kernels Megatron uses do; the input and output stay 16-bit.
+struct RMSNormFunction : torch::autograd::Function<RMSNormFunction> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
+                            const at::Tensor& weight, double eps) {
+    const at::ScalarType acc = compute_dtype(x.scalar_type());
+    const at::Tensor xa = x.to(acc);
+    const at::Tensor rstd = at::rsqrt(xa.pow(2).mean({-1}, /*keepdim=*/true) + eps);  // [..., 1]
+    ctx->save_for_backward({x, weight, rstd});
+    return (xa * rstd * weight.to(acc)).to(x.scalar_type());
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &x16 = saved[0], &weight16 = saved[1], &rstd = saved[2];
+    const at::ScalarType acc = rstd.scalar_type();
+    const at::Tensor x = x16.to(acc), weight = weight16.to(acc), g = grads[0].to(acc);
+    const at::Tensor gw = g * weight;
+    // d/dx_j: rstd * gw_j - x_j * rstd^3 * mean_i(gw_i * x_i)
+    const at::Tensor dx = rstd * gw - x * rstd.pow(3) * (gw * x).mean({-1}, /*keepdim=*/true);
+    const at::Tensor dw = (g * x * rstd).reshape({-1, x.size(-1)}).sum(0);
+    return {dx.to(x16.scalar_type()), dw.to(weight16.scalar_type()), at::Tensor()};
+  }
+};
+
+}  // namespace
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  RECORD_FUNCTION("actmem::rms_norm", std::vector<c10::IValue>());
+  return RMSNormFunction::apply(x, weight, eps);
+}
+
+at::Tensor Norm::forward(const at::Tensor& x) {
+  forward_counters().norm.fetch_add(1, std::memory_order_relaxed);
+  if (!rms_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
+  return rms_norm(x, weight, eps_);
+}
+
+// ---- Linear -----------------------------------------------------------------------------------
+
+Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::ScalarType dtype,
+               LinearParallel parallel, bool sequence_parallel)
+    : skip_bias_add_(skip_bias_add), parallel_(parallel), sequence_parallel_(sequence_parallel) {
+  // The caller re-initialises weight with the right std; zeros here keep construction cheap.
+  weight = register_parameter("weight", at::zeros({out, in}, at::TensorOptions().dtype(dtype)));
+  if (bias_on) bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
+}
+
+std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
+  switch (parallel_) {
+    case LinearParallel::kColumn:
+      if (skip_bias_add_) return {column_parallel_linear(x, weight, at::Tensor(), sequence_parallel_), bias};
+      return {column_parallel_linear(x, weight, bias, sequence_parallel_), at::Tensor()};
+    case LinearParallel::kRow: {
+      // The bias is added after the reduction (once, not once per rank).
+      at::Tensor out = row_parallel_linear(x, weight, sequence_parallel_);
+      if (skip_bias_add_) return {out, bias};
+      return {bias.defined() ? out + bias : out, at::Tensor()};
+    }
+    case LinearParallel::kNone:
+      break;
+  }
+  if (skip_bias_add_) return {at::linear(x, weight), bias};
+  return {at::linear(x, weight, bias), at::Tensor()};
+}
+
+// ---- dropout helpers --------------------------------------------------------------------------
+
+at::Tensor apply_dropout(const at::Tensor& x, double p, bool training) {
+  if (!training || p == 0.0) return x;
+  // native_dropout saves a bool mask (1 byte per element) like the CUDA kernel; at::dropout on
+  // CPU would save a float noise tensor instead.
+  return std::get<0>(at::native_dropout(x, p, /*train=*/true));
+}
+
+at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const at::Tensor& residual,
+                            double p, bool training) {
+  const at::Tensor biased = bias.defined() ? x + bias : x;
+  return residual + apply_dropout(biased, p, training);
+}
+
+// ---- MLP --------------------------------------------------------------------------------------
+
+MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.gated_linear_unit) {
+  const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
+  const int64_t f = config.ffn() / t;  // this rank's share of the MLP's hidden columns
+  const bool sp = config.sequence_parallel;
+  linear_fc1 = register_module(
+      "linear_fc1", std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false,
+                                             dtype, LinearParallel::kColumn, sp));
+  linear_fc2 = register_module(
+      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype,
+                                             LinearParallel::kRow, sp));
+}
+
+std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
+  forward_counters().mlp.fetch_add(1, std::memory_order_relaxed);
+  at::Tensor fc1, act;
+  {
+    ModuleScope scope("linear_fc1");
+    fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
+  }
+  {
+    ModuleScope scope("activation_func");
+    if (gated_) {
+      const auto halves = fc1.chunk(2, -1);
+      act = at::silu(halves[0]) * halves[1];
+    } else {
+      act = at::gelu(fc1);
+    }
+  }
+  ModuleScope scope("linear_fc2");
+  return linear_fc2->forward(act);
+}
+
+at::ScalarType params_dtype(const TransformerConfig& config) {
+  return config.bf16 ? at::kBFloat16 : config.fp16 ? at::kHalf : at::kFloat;
+}
+
+}  // namespace actmem
