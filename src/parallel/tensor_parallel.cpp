@@ -222,7 +222,6 @@ PendingAllReduce& PendingAllReduce::operator=(PendingAllReduce&&) noexcept = def
 
 PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup& g, const at::Tensor& x) {
   PendingAllReduce r;
-  r.type_ = x.scalar_type();
   if (g.size == 1) {
     r.buffer_ = x;
     return r;

@@ -99,7 +99,6 @@ class PendingAllReduce {
   friend PendingAllReduce start_group_all_reduce_sum(const TensorParallelGroup&, const at::Tensor&);
   c10::intrusive_ptr<c10d::Work> work_;
   at::Tensor buffer_;
-  at::ScalarType type_ = at::kFloat;
 };
 /// group_all_reduce_sum without waiting: the collective runs on the process group's own thread
 /// (Gloo) or stream (NCCL) while the caller goes on; x is copied first, so the caller may change
