@@ -522,10 +522,17 @@ TEST(Compare, WritesAValidSvgWithPeaksInOrder) {
 TEST(Compare, RejectsUnknownStrategies) {
   const auto r = actmem::testing::run_actmem("compare --strategies plain full-diagonal-2 --svg ''");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("strategy 'full-diagonal-2' cannot run: "), std::string::npos)
+  EXPECT_NE(r.stderr_text.find("'full-diagonal-2' in strategy 'full-diagonal-2': full recompute "
+                               "is full-uniform-N or full-block-N"),
+            std::string::npos)
       << r.stderr_text;
-  EXPECT_NE(r.stderr_text.find("diagonal must be \"block\" or \"uniform\""), std::string::npos)
-      << r.stderr_text;
+  // An unknown module is named, with the modules there are (from activation_plan.h's table).
+  const auto m = actmem::testing::run_actmem("compare --strategies selective-core_attn+attn --svg ''");
+  EXPECT_NE(m.exit_code, 0);
+  EXPECT_NE(m.stderr_text.find("unknown recompute module 'attn'"), std::string::npos)
+      << m.stderr_text;
+  EXPECT_NE(m.stderr_text.find(actmem::recompute_module_list(", ")), std::string::npos)
+      << m.stderr_text;
   // A well-formed strategy the model cannot run is named as such, with the config's reason.
   const auto big = actmem::testing::run_actmem(
       "compare --num-layers 2 --strategies plain full-block-5 --svg ''");

@@ -136,7 +136,7 @@ TEST(PlanAnalytic, OffloadMovesItsTensorsAndCostsTheCopyItsLayerCannotHide) {
   for (size_t i = 0; i < c2c.size(); ++i) {
     if (c2c[i].strategy.offload_modules.empty()) continue;
     EXPECT_LE(c2c[i].step_ratio, pcie[i].step_ratio) << c2c[i].strategy.name();
-    if (c2c[i].strategy.offload_modules == std::vector<std::string>{"core_attn"}) {
+    if (c2c[i].strategy.offload_modules == std::vector<OffloadModule>{OffloadModule::kCoreAttn}) {
       EXPECT_LT(c2c[i].step_ratio, pcie[i].step_ratio);  // q, k, v and the scores: exposed on PCIe
     }
   }

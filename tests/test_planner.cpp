@@ -58,7 +58,8 @@ TEST(Planner, LegalStrategiesAreTheOnesTheTrainerAcceptsEachOnce) {
   EXPECT_FALSE(has("selective moe"));
   EXPECT_FALSE(has("layer offload 4"));
   for (const auto& s : all) {
-    EXPECT_TRUE(s.offload_layers == 0 || (s.recompute_modules.empty() && s.full_method.empty() &&
+    EXPECT_TRUE(s.offload_layers == 0 || (s.recompute_modules.empty() &&
+                                          s.full_method == RecomputeMethod::kNone &&
                                           s.offload_modules.empty()))
         << s.name();
   }
@@ -96,7 +97,7 @@ TEST(Planner, MemoryBudgetsParseWithUnitsAndRefuseNonsense) {
 TEST(Planner, FinalistsAreTheFastestPredictedStrategiesThatFit) {
   auto estimate = [](std::vector<std::string> modules, int64_t peak, double ratio) {
     PlanEstimate e;
-    e.strategy.recompute_modules = std::move(modules);
+    for (const auto& name : modules) e.strategy.recompute_modules.push_back(*parse_recompute_module(name));
     e.peak_bytes = peak;
     e.step_ratio = ratio;
     return e;
@@ -131,7 +132,7 @@ TEST(Planner, TimedRoundsGoOnUntilTheRatiosAreSure) {
   const TransformerConfig c = testing::offload_model();
   TrainingConfig t = testing::tiny_training();
   Strategy core_attn;
-  core_attn.recompute_modules = {"core_attn"};
+  core_attn.recompute_modules = {RecomputeModule::kCoreAttn};
   const std::vector<Strategy> runs = {Strategy{}, core_attn};
   MeasuredRatios m = measure_step_ratios(c, t, runs, TimedRounds::fixed(3));
   EXPECT_EQ(m.rounds, 3);
@@ -157,8 +158,8 @@ TEST(Planner, WarnsWhenAnOffloadPlanLetsCopiesStayInFlight) {
   TransformerConfig c = testing::offload_model();  // the default cap: -1, copies in flight
   Strategy layer, groups, recompute;
   layer.offload_layers = 2;
-  groups.offload_modules = {"core_attn"};
-  recompute.recompute_modules = {"core_attn"};
+  groups.offload_modules = {OffloadModule::kCoreAttn};
+  recompute.recompute_modules = {RecomputeModule::kCoreAttn};
   for (const Strategy& s : {layer, groups}) {
     EXPECT_NE(copies_in_flight_note(c, s).find("--fine-grained-offloading-max-inflight-offloads 0"),
               std::string::npos) << s.name();
@@ -203,7 +204,7 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   std::vector<Strategy> checked;
   for (const auto& f : front) checked.push_back(f.strategy);
   for (const auto& e : estimates) {
-    if (e.strategy.full_method == "uniform" || e.strategy.offload_modules.size() >= 3 ||
+    if (e.strategy.full_method == RecomputeMethod::kUniform || e.strategy.offload_modules.size() >= 3 ||
         e.strategy.offload_layers > 0) {
       checked.push_back(e.strategy);
     }
@@ -233,11 +234,11 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   spread.spread["recompute:layernorm"] = 0.04;
   spread.spread["full-layer"] = 0.01;
   for (const auto& e : estimate_plans(c, all, spread)) {
-    const auto& m = e.strategy.recompute_modules;
-    const bool core = std::find(m.begin(), m.end(), "core_attn") != m.end();
-    const bool norm = std::find(m.begin(), m.end(), "layernorm") != m.end();
-    const double full = e.strategy.full_method == "uniform" ? static_cast<double>(c.num_layers)
-                        : e.strategy.full_method == "block"
+    const bool core = e.strategy.recomputes(RecomputeModule::kCoreAttn);
+    const bool norm = e.strategy.recomputes(RecomputeModule::kLayernorm);
+    const double full = e.strategy.full_method == RecomputeMethod::kUniform
+                            ? static_cast<double>(c.num_layers)
+                        : e.strategy.full_method == RecomputeMethod::kBlock
                             ? static_cast<double>(std::min(e.strategy.full_layers, c.num_layers))
                             : 0.0;
     const double expected = core && norm ? 0.05 : core ? 0.03 : norm ? 0.04 : 0.01 * full;
@@ -265,8 +266,8 @@ TEST(Planner, PredictedPeaksMatchTheTrackerAndEveryBudgetsChoiceFits) {
   c.fine_grained_offloading_max_inflight_offloads = 0;
   c.min_offloaded_tensor_size = 4096;
   Strategy idle, busy;
-  idle.offload_modules = {"core_attn", "attn_norm", "mlp_norm"};
-  busy.offload_modules = {"core_attn"};
+  idle.offload_modules = {OffloadModule::kCoreAttn, OffloadModule::kAttnNorm, OffloadModule::kMlpNorm};
+  busy.offload_modules = {OffloadModule::kCoreAttn};
   EXPECT_EQ(measured_peak(idle.apply(c)), measured_peak(busy.apply(c)));
   EXPECT_LT(measured_peak(busy.apply(c)), measured_peak(Strategy{}.apply(c)));  // scores moved
 }
@@ -501,3 +502,45 @@ TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
 
 }  // namespace
 }  // namespace actmem
+
+namespace actmem {
+namespace {
+// The typed strategy (strategy.h): compare's grammar parses into it, and every strategy the
+// planner enumerates prints back in that grammar and parses to itself.
+TEST(Strategy, CompareGrammarRoundTripsEveryPlannedStrategy) {
+  const Strategy s = parse_strategy("selective-core_attn+mlp,offload-mlp_norm");
+  EXPECT_EQ(s.recompute_modules,
+            (std::vector<RecomputeModule>{RecomputeModule::kCoreAttn, RecomputeModule::kMlp}));
+  EXPECT_EQ(s.offload_modules, std::vector<OffloadModule>{OffloadModule::kMlpNorm});
+  EXPECT_EQ(s.flags(), "--recompute-granularity selective --recompute-modules core_attn mlp "
+                       "--fine-grained-activation-offloading --offload-modules mlp_norm");
+  const Strategy block = parse_strategy("full-block-2");
+  EXPECT_EQ(block.full_method, RecomputeMethod::kBlock);
+  EXPECT_EQ(block.full_layers, 2);
+  EXPECT_EQ(block.name(), "full block 2");
+  EXPECT_EQ(parse_strategy("layer-offload-3").offload_layers, 3);
+  EXPECT_EQ(parse_strategy("selective").recompute_modules,
+            std::vector<RecomputeModule>{RecomputeModule::kCoreAttn});  // Megatron's default
+  EXPECT_TRUE(parse_strategy("plain").plain());
+  TransformerConfig c;
+  c.num_layers = 3;
+  c.hidden_size = 64;
+  c.num_attention_heads = 4;
+  c.seq_length = 32;
+  const std::vector<Strategy> all = enumerate_strategies(c, /*layer_offload=*/true);
+  ASSERT_GT(all.size(), 20u);
+  for (const Strategy& e : all) {
+    EXPECT_EQ(parse_strategy(e.spec()), e) << e.spec();
+    // What it applies is what make_activation_plan resolves back to the same modules.
+    const ActivationPlan plan = make_activation_plan(e.apply(c));
+    EXPECT_EQ(plan.recompute_modules.size(), e.recompute_modules.size()) << e.spec();
+  }
+  for (const char* bad : {"full-diagonal-2", "selective-attn", "layer-offload-0", "selective-",
+                          "offload-", "offload-mlp", "plain,", "full-block-x", "fast"}) {
+    testing::expect_error_containing([bad] { parse_strategy(bad); },
+                                     std::string("'") + bad);
+  }
+}
+}  // namespace
+}  // namespace actmem
+

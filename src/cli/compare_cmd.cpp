@@ -2,6 +2,7 @@
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
 #include "actmem/config/activation_plan.h"
+#include "actmem/config/strategy.h"
 #include "actmem/base/blas.h"
 #include "actmem/base/environment.h"
 #include "actmem/base/output_file.h"
@@ -44,49 +45,18 @@ struct CompareOptions {
   std::string json;
 };
 
-// "plain", "full-METHOD-N", "selective" or "selective-m1+m2+...": the recompute flags of one
-// strategy, by Megatron's names; make_activation_plan() validates them like any other flags.
-TransformerConfig apply_strategy(TransformerConfig c, const std::string& name) {
-  auto bad = [&name] {
-    TORCH_CHECK(false, "actmem compare: unknown strategy '", name, "'; expected plain, "
-                "full-uniform-N, full-block-N, selective or selective-MOD[+MOD...] with MOD a "
-                "recompute module (", recompute_module_list(", "), ")");
-  };
-  auto after = [&name](const std::string& prefix) -> std::optional<std::string> {
-    if (name.rfind(prefix, 0) != 0) return std::nullopt;
-    return name.substr(prefix.size());
-  };
-  if (name == "plain") return c;
-  if (name == "selective") {
-    c.recompute_granularity = "selective";
-  } else if (const auto modules = after("selective-")) {
-    c.recompute_granularity = "selective";
-    std::vector<std::string> list;
-    std::stringstream ss(*modules);
-    std::string m;
-    while (std::getline(ss, m, '+')) list.push_back(m);
-    c.recompute_modules = list;
-  } else if (const auto rest = after("full-")) {
-    const auto dash = rest->find('-');
-    if (dash == std::string::npos) bad();
-    c.recompute_granularity = "full";
-    c.recompute_method = rest->substr(0, dash);
-    int64_t n = 0;
-    const std::string count = rest->substr(dash + 1);
-    const auto [end, ec] = std::from_chars(count.data(), count.data() + count.size(), n);
-    if (ec != std::errc() || end != count.data() + count.size()) bad();
-    c.recompute_num_layers = n;
-  } else {
-    bad();
-  }
+// One strategy of --strategies (parse_strategy's grammar, strategy.h) applied to the run's flags;
+// make_activation_plan() validates the result like any other flags.
+TransformerConfig apply_strategy(const TransformerConfig& c, const std::string& name) {
+  const TransformerConfig applied = parse_strategy(name).apply(c);
   try {
-    make_activation_plan(c);
+    make_activation_plan(applied);
   } catch (const c10::Error& e) {
     const std::string why = e.msg();
     TORCH_CHECK(false, "actmem compare: strategy '", name, "' cannot run: ",
                 why.substr(0, why.find('\n')));
   }
-  return c;
+  return applied;
 }
 
 // Timing follows Note [Honest step ratios] in step_rounds.h: --warmup untimed rounds, then
@@ -260,7 +230,10 @@ Runner add_compare_command(CLI::App& app) {
   // Only what compare uses: the strategies set recompute, so its flags are not accepted here.
   add_flags(*cmd, o->train, kShapeFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--strategies", o->strategies,
-                  "plain, full-uniform-N, full-block-N, selective, selective-MOD[+MOD...]")
+                  "Each of parts joined by ',': plain, selective, selective-MOD[+MOD...] (MOD: " +
+                      recompute_module_list(", ") + "), full-uniform-N, full-block-N, "
+                      "offload-GROUP[+GROUP...] (GROUP: " + offload_module_list(", ") +
+                      "), layer-offload-K")
       ->capture_default_str()
       ->expected(1, -1);
   cmd->add_option("--iters", o->iters, "timed steps per strategy (after the warm-up)")

@@ -65,9 +65,9 @@ struct PlanOptions {
 bool standard_setting(const Strategy& s, int64_t num_layers) {
   if (s.plain()) return true;
   if (!s.offload_modules.empty() || s.offload_layers > 0) return false;
-  if (s.recompute_modules == std::vector<std::string>{"core_attn"}) return true;
-  if (s.full_method == "uniform") return s.full_layers == 1;
-  if (s.full_method == "block") return s.full_layers == 1 || s.full_layers == std::max<int64_t>(1, num_layers / 2);
+  if (s.recompute_modules == std::vector<RecomputeModule>{RecomputeModule::kCoreAttn}) return true;
+  if (s.full_method == RecomputeMethod::kUniform) return s.full_layers == 1;
+  if (s.full_method == RecomputeMethod::kBlock) return s.full_layers == 1 || s.full_layers == std::max<int64_t>(1, num_layers / 2);
   return false;
 }
 

@@ -650,7 +650,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
 // and the output layer (or the tied embedding's copy) only on the last, and keeps
 // `microbatches_in_flight` micro-batches of its activations plus the tensors crossing its
 // boundaries (the received input's leaf and the output before it is sent, one of each at most
-// beyond the micro-batches' own: Note [Pipeline step] in trainer.cpp). Checked against each
+// beyond the micro-batches' own: Note [Pipeline step] in schedules.cpp). Checked against each
 // stage's measured peak in Pipeline.EveryRecomputeStrategyBitwiseEqualsPlainAndThePredictorHolds-
 // PerStage (tests/test_tensor_parallel.cpp).
 double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,

@@ -29,11 +29,18 @@ ForwardCounters& forward_counters() {
 // ---- Norm -------------------------------------------------------------------------------------
 
 Norm::Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size)
-    : rms_(config.use_rmsnorm()), eps_(config.layernorm_epsilon) {
+    : rms_(config.use_rmsnorm()),
+      eps_(config.layernorm_epsilon),
+      sequence_parallel_(config.sequence_parallel) {
   const auto opts = at::TensorOptions().dtype(dtype);
   const int64_t n = size > 0 ? size : config.hidden_size;
   weight = register_parameter("weight", at::ones({n}, opts));
   if (!rms_) bias = register_parameter("bias", at::zeros({n}, opts));
+}
+
+std::optional<ParameterAttributes> Norm::parameter_attributes(const std::string& name) const {
+  if (name != "weight" && name != "bias") return std::nullopt;
+  return ParameterAttributes{false, sequence_parallel_, false};
 }
 
 namespace {
@@ -91,6 +98,15 @@ Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::Sc
   if (bias_on) bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
 }
 
+std::optional<ParameterAttributes> Linear::parameter_attributes(const std::string& name) const {
+  if (name == "weight") return ParameterAttributes{parallel_ != LinearParallel::kNone, false, false};
+  if (name == "bias") {
+    return ParameterAttributes{parallel_ == LinearParallel::kColumn,
+                               parallel_ == LinearParallel::kRow && sequence_parallel_, false};
+  }
+  return std::nullopt;
+}
+
 std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
   switch (parallel_) {
     case LinearParallel::kColumn:
@@ -126,7 +142,8 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
 
 // ---- MLP --------------------------------------------------------------------------------------
 
-MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.gated_linear_unit) {
+MLP::MLP(const TransformerConfig& config, at::ScalarType dtype)
+    : gated_(config.gated_linear_unit), sequence_parallel_(config.sequence_parallel) {
   const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
   const int64_t f = config.ffn() / t;  // this rank's share of the MLP's hidden columns
   const bool sp = config.sequence_parallel;
@@ -136,6 +153,11 @@ MLP::MLP(const TransformerConfig& config, at::ScalarType dtype) : gated_(config.
   linear_fc2 = register_module(
       "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype,
                                              LinearParallel::kRow, sp));
+}
+
+std::optional<ParameterAttributes> MLP::parameter_attributes(const std::string& name) const {
+  if (name != "gate_weight") return std::nullopt;
+  return ParameterAttributes{false, sequence_parallel_, false};
 }
 
 std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {

@@ -18,15 +18,22 @@
 #include <algorithm>
 #include <cmath>
 #include <optional>
+#include <unordered_map>
 
 namespace actmem {
 
 namespace {
 
 // A module whose only parameter is "weight", so names read embedding.word_embeddings.weight.
-class WeightHolder : public torch::nn::Module {
+// Replicated on every tensor-parallel rank (the embeddings and the output layer are not
+// vocabulary-parallel here).
+class WeightHolder : public torch::nn::Module, public DeclaresParameters {
  public:
   explicit WeightHolder(at::Tensor w) { weight = register_parameter("weight", std::move(w)); }
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override {
+    if (name != "weight") return std::nullopt;
+    return ParameterAttributes{};
+  }
   at::Tensor weight;
 };
 
@@ -587,46 +594,45 @@ void GPTModel::to_device(const at::Device& device) {
 
 std::vector<at::Tensor> GPTModel::ordered_parameters() const { return parameters(); }
 
-namespace {
-bool ends_with(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-}  // namespace
-
-std::vector<bool> GPTModel::tensor_parallel_flags() const {
-  std::vector<bool> flags;
-  for (const auto& item : named_parameters()) {
-    const std::string& n = item.key();
-    // The grouped experts' fc2 weights are named linear_fc2.weight0, .weight1, ...
-    flags.push_back(config_.tensor_model_parallel_size > 1 &&
-                    (n.find("linear_qkv.") != std::string::npos ||
-                     n.find("linear_fc1.") != std::string::npos ||
-                     ends_with(n, "linear_proj.weight") || ends_with(n, "linear_fc2.weight") ||
-                     n.find("linear_fc2.weight") != std::string::npos));
+// Note [Parameter attributes]
+// Which gradients are summed over which ranks, and which count once in the gradient norm, is a
+// property of each parameter, recorded where the parameter is made: Megatron sets attributes on
+// the parameter tensors (tensor_model_parallel, sequence_parallel, allreduce) and its DDP,
+// finalize_model_grads and get_grad_norm_fp32 read them. Here every module that registers a
+// parameter implements DeclaresParameters, and this function asks, for each parameter, its owner
+// first and then the owner's ancestors (a module may register parameters on a plain child, as the
+// MoE layer registers the shared experts' gate); a parameter nobody declares is refused, so a new
+// module cannot silently get its gradients reduced as a replicated weight. actmem once found these
+// by matching parameter names ("linear_qkv.", "layernorm.", ".mlp.experts."), which a module with
+// another name would have escaped.
+std::vector<ParameterAttributes> GPTModel::parameter_attributes() const {
+  std::unordered_map<std::string, const torch::nn::Module*> modules;
+  for (const auto& item : named_modules("", /*include_self=*/true)) {
+    modules[item.key()] = item.value().get();
   }
-  return flags;
-}
-
-std::vector<bool> GPTModel::expert_parallel_flags() const {
-  std::vector<bool> flags;
-  for (const auto& item : named_parameters()) {
-    flags.push_back(item.key().find(".mlp.experts.") != std::string::npos);
-  }
-  return flags;
-}
-
-std::vector<at::Tensor> GPTModel::sequence_parallel_parameters() const {
-  std::vector<at::Tensor> out;
-  if (!config_.sequence_parallel) return out;
-  for (const auto& item : named_parameters()) {
-    const std::string& n = item.key();
-    // The MoE router's weight and bias and the shared experts' gate read this rank's tokens
-    // only; the routed experts' fc2 biases are added by tensor rank 0 only (moe.h).
-    if (n.find("layernorm.") != std::string::npos || ends_with(n, "linear_proj.bias") ||
-        ends_with(n, "linear_fc2.bias") || n.find(".experts.linear_fc2.bias") != std::string::npos ||
-        n.find(".mlp.router.") != std::string::npos || ends_with(n, "shared_experts.gate_weight")) {
-      out.push_back(item.value());
+  std::vector<ParameterAttributes> out;
+  for (const auto& item : named_parameters(/*recurse=*/true)) {
+    const std::string& name = item.key();
+    std::optional<ParameterAttributes> declared;
+    bool expert = false;
+    // From the owner (the name up to its last dot) to the model itself ("").
+    for (size_t dot = name.rfind('.');; dot = name.rfind('.', dot - 1)) {
+      const std::string owner = dot == std::string::npos ? std::string() : name.substr(0, dot);
+      const torch::nn::Module* m = modules.at(owner);
+      if (const auto* d = dynamic_cast<const DeclaresParameters*>(m); d != nullptr && !declared) {
+        declared = d->parameter_attributes(dot == std::string::npos ? name : name.substr(dot + 1));
+      }
+      expert = expert || dynamic_cast<const Experts*>(m) != nullptr;
+      if (dot == std::string::npos || dot == 0) break;
     }
+    TORCH_CHECK(declared.has_value(), "actmem::GPTModel::parameter_attributes: no module declares "
+                "how parameter ", name, " is held across ranks (implement DeclaresParameters in "
+                "the module that registers it)");
+    ParameterAttributes a = *declared;
+    a.tensor_parallel = a.tensor_parallel && config_.tensor_model_parallel_size > 1;
+    a.sequence_parallel = a.sequence_parallel && config_.sequence_parallel;
+    a.expert_parallel = expert;
+    out.push_back(a);
   }
   return out;
 }

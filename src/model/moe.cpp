@@ -242,6 +242,19 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
 
 // ---- experts ----------------------------------------------------------------------------------
 
+std::optional<ParameterAttributes> TopKRouter::parameter_attributes(const std::string& name) const {
+  if (name != "weight" && name != "bias") return std::nullopt;
+  return ParameterAttributes{false, config_.sequence_parallel, false};
+}
+
+std::optional<ParameterAttributes> ExpertMLP::parameter_attributes(const std::string& name) const {
+  if (name == "linear_fc1.weight" || name == "linear_fc1.bias" || name == "linear_fc2.weight") {
+    return ParameterAttributes{true, false, false};
+  }
+  if (name == "linear_fc2.bias") return ParameterAttributes{false, true, false};
+  return std::nullopt;
+}
+
 ExpertMLP::ExpertMLP(int64_t hidden, int64_t ffn, bool gated, bool bias, at::ScalarType dtype) {
   const auto opts = at::TensorOptions().dtype(dtype);
   const int64_t fc1_out = gated ? 2 * ffn : ffn;
@@ -254,7 +267,8 @@ ExpertMLP::ExpertMLP(int64_t hidden, int64_t ffn, bool gated, bool bias, at::Sca
 }
 
 GroupedLinear::GroupedLinear(int64_t experts, int64_t in, int64_t out, bool bias,
-                             at::ScalarType dtype) {
+                             at::ScalarType dtype, LinearParallel parallel)
+    : parallel_(parallel) {
   const auto opts = at::TensorOptions().dtype(dtype);
   for (int64_t j = 0; j < experts; ++j) {
     weights.push_back(register_parameter("weight" + std::to_string(j), at::zeros({out, in}, opts)));
@@ -264,6 +278,14 @@ GroupedLinear::GroupedLinear(int64_t experts, int64_t in, int64_t out, bool bias
       biases.push_back(register_parameter("bias" + std::to_string(j), at::zeros({out}, opts)));
     }
   }
+}
+
+std::optional<ParameterAttributes> GroupedLinear::parameter_attributes(
+    const std::string& name) const {
+  const bool column = parallel_ == LinearParallel::kColumn;
+  if (name.rfind("weight", 0) == 0) return ParameterAttributes{true, false, false};
+  if (name.rfind("bias", 0) == 0) return ParameterAttributes{column, !column, false};
+  return std::nullopt;
 }
 
 at::Tensor GroupedLinear::forward(const at::Tensor& x, const std::vector<int64_t>& counts,
@@ -300,8 +322,9 @@ Experts::Experts(const TransformerConfig& c, const LayerPlan& plan, at::ScalarTy
   fc2_bias_here_ = tensor_parallel_group().rank == 0;
   if (grouped_) {
     linear_fc1 = register_module("linear_fc1",
-                                 std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype));
-    linear_fc2 = register_module("linear_fc2", std::make_shared<GroupedLinear>(E, f, h, bias_, dtype));
+                                 std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype,
+                                                                 LinearParallel::kColumn));
+    linear_fc2 = register_module("linear_fc2", std::make_shared<GroupedLinear>(E, f, h, bias_, dtype, LinearParallel::kRow));
   } else {
     auto list = register_module("local_experts", std::make_shared<torch::nn::Module>());
     for (int64_t j = 0; j < E; ++j) {

@@ -81,28 +81,29 @@ LayerTensors layer_tensors(const PaperShape& m) {
   return x;
 }
 
-bool has(const std::vector<std::string>& names, const char* name) {
+template <typename T>
+bool has(const std::vector<T>& names, T name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
 // What one layer keeps under a selective set, and what its fine-grained groups then move.
 double selective_kept(const LayerTensors& x, const Strategy& s) {
   double dropped = 0;
-  if (has(s.recompute_modules, "core_attn")) dropped += x.scores;
-  if (has(s.recompute_modules, "layernorm")) dropped += x.qkv_in + x.fc1_in;
-  if (has(s.recompute_modules, "mlp")) dropped += x.act_in + x.fc2_in;
+  if (has(s.recompute_modules, RecomputeModule::kCoreAttn)) dropped += x.scores;
+  if (has(s.recompute_modules, RecomputeModule::kLayernorm)) dropped += x.qkv_in + x.fc1_in;
+  if (has(s.recompute_modules, RecomputeModule::kMlp)) dropped += x.act_in + x.fc2_in;
   return x.total() - dropped;
 }
 
 double offloaded_per_layer(const LayerTensors& x, const Strategy& s) {
   double moved = 0;
-  if (has(s.offload_modules, "attn_norm")) moved += x.attn_norm_in;
-  if (has(s.offload_modules, "qkv_linear") && !has(s.recompute_modules, "layernorm")) {
+  if (has(s.offload_modules, OffloadModule::kAttnNorm)) moved += x.attn_norm_in;
+  if (has(s.offload_modules, OffloadModule::kQkvLinear) && !has(s.recompute_modules, RecomputeModule::kLayernorm)) {
     moved += x.qkv_in;  // with layernorm recompute the norm's output is not kept to move
   }
-  if (has(s.offload_modules, "core_attn")) moved += x.qkv_out + x.scores;
-  if (has(s.offload_modules, "attn_proj")) moved += x.proj_in;
-  if (has(s.offload_modules, "mlp_norm")) moved += x.mlp_norm_in;
+  if (has(s.offload_modules, OffloadModule::kCoreAttn)) moved += x.qkv_out + x.scores;
+  if (has(s.offload_modules, OffloadModule::kAttnProj)) moved += x.proj_in;
+  if (has(s.offload_modules, OffloadModule::kMlpNorm)) moved += x.mlp_norm_in;
   return moved;
 }
 
@@ -254,12 +255,12 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
     double extra_s = 0;         // per micro-batch
     double moved = 0;           // offloaded bytes in all
     const double layer = selective_kept(x, s);
-    if (s.full_method == "uniform") {
+    if (s.full_method == RecomputeMethod::kUniform) {
       const double n = std::min<double>(static_cast<double>(s.full_layers), Lc);
       per_microbatch = v * std::ceil(Lc / n) * x.input;
       transient = n * x.total() - x.input;  // the last chunk rebuilt, its input already held
       extra_s = Ls * lt.forward;
-    } else if (s.full_method == "block") {
+    } else if (s.full_method == RecomputeMethod::kBlock) {
       const double n = std::min<double>(static_cast<double>(s.full_layers), Lc);
       per_microbatch = v * (n * x.input + (Lc - n) * x.total());
       // With plain layers after the block, rebuilding one layer comes after they are freed.
@@ -267,15 +268,15 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
       extra_s = v * n * lt.forward;
     } else {
       per_microbatch = Ls * layer;
-      const bool ln = has(s.recompute_modules, "layernorm");
-      const double mlp_part = (has(s.recompute_modules, "mlp") ? x.act_in + x.fc2_in : 0.0) +
+      const bool ln = has(s.recompute_modules, RecomputeModule::kLayernorm);
+      const double mlp_part = (has(s.recompute_modules, RecomputeModule::kMlp) ? x.act_in + x.fc2_in : 0.0) +
                               (ln ? x.fc1_in : 0.0);
-      const double attn_part = (has(s.recompute_modules, "core_attn") ? x.scores : 0.0) +
+      const double attn_part = (has(s.recompute_modules, RecomputeModule::kCoreAttn) ? x.scores : 0.0) +
                                (ln ? x.qkv_in : 0.0);
       transient = std::max(mlp_part, attn_part);
-      extra_s = Ls * ((has(s.recompute_modules, "core_attn") ? lt.core_attn : 0.0) +
+      extra_s = Ls * ((has(s.recompute_modules, RecomputeModule::kCoreAttn) ? lt.core_attn : 0.0) +
                       (ln ? lt.norms : 0.0) +
-                      (has(s.recompute_modules, "mlp") ? lt.mlp : 0.0));
+                      (has(s.recompute_modules, RecomputeModule::kMlp) ? lt.mlp : 0.0));
       if (!s.offload_modules.empty()) {
         // Every layer of every forward in flight but the margin (the last layer before the
         // backward, Note [Offload warmup and margin] in offload_schedule.h); the backward

@@ -44,11 +44,12 @@ bool accepted(const TransformerConfig& c) {
 }
 
 // Every subset of `names` (in their order), the empty one first.
-std::vector<std::vector<std::string>> subsets(const std::vector<std::string>& names) {
-  std::vector<std::vector<std::string>> out;
+template <typename T>
+std::vector<std::vector<T>> subsets(const std::vector<T>& names) {
+  std::vector<std::vector<T>> out;
   const size_t n = names.size();
   for (uint64_t mask = 0; mask < (uint64_t{1} << n); ++mask) {
-    std::vector<std::string> s;
+    std::vector<T> s;
     for (size_t i = 0; i < n; ++i) {
       if (mask & (uint64_t{1} << i)) s.push_back(names[i]);
     }
@@ -60,7 +61,7 @@ std::vector<std::vector<std::string>> subsets(const std::vector<std::string>& na
 // How many mechanisms a strategy uses: among equally good ones the simplest is listed.
 int complexity(const Strategy& s) {
   return static_cast<int>(s.recompute_modules.size() + s.offload_modules.size()) +
-         (s.full_method.empty() ? 0 : 1) + (s.offload_layers > 0 ? 1 : 0);
+         (s.full_method == RecomputeMethod::kNone ? 0 : 1) + (s.offload_layers > 0 ? 1 : 0);
 }
 
 // The model a strategy's backward transient is measured on, and the key of that measurement
@@ -85,14 +86,15 @@ Tail tail_of(const TransformerConfig& base, const Strategy& s) {
   const int64_t probe_layers_default = std::min<int64_t>(L, 3);
   Strategy t = s;
   int64_t layers = probe_layers_default;
-  if (s.full_method == "uniform" || (s.full_method == "block" && s.full_layers >= L)) {
+  const bool uniform = s.full_method == RecomputeMethod::kUniform;
+  if (uniform || (s.full_method == RecomputeMethod::kBlock && s.full_layers >= L)) {
     // A chunk is rebuilt while every earlier chunk's input is held: the last two chunks (the
     // last may be shorter, and then the one before it holds the peak), cut as the model cuts
     // them.
-    layers = s.full_method == "uniform" ? std::min(L, s.full_layers + L % s.full_layers) : 1;
-    t.full_method = "uniform";
-    t.full_layers = s.full_method == "uniform" ? std::min(s.full_layers, L) : 1;
-  } else if (s.full_method == "block") {
+    layers = uniform ? std::min(L, s.full_layers + L % s.full_layers) : 1;
+    t.full_method = RecomputeMethod::kUniform;
+    t.full_layers = uniform ? std::min(s.full_layers, L) : 1;
+  } else if (s.full_method == RecomputeMethod::kBlock) {
     // The last layers run plainly: the backward starts as the plain one does, and rebuilding one
     // checkpointed layer later holds less (the plain layers after it are freed by then).
     t = Strategy{};
@@ -123,9 +125,12 @@ Tail tail_of(const TransformerConfig& base, const Strategy& s) {
 // model: per selective set, one step with every offload group that set allows, read per group
 // name from the offloader's summary (the bytes of one forward after the margin rule); a
 // strategy's offloaded bytes are the sum over its groups (the groups are disjoint modules).
-std::string offload_key(const std::vector<std::string>& recompute, const std::string& group) {
-  return "selective " + (recompute.empty() ? std::string("none") : c10::Join("+", recompute)) +
+std::string offload_key(const std::vector<RecomputeModule>& recompute, const std::string& group) {
+  return "selective " + (recompute.empty() ? std::string("none") : join_names(recompute, "+")) +
          ": offload " + group;
+}
+std::string offload_key(const std::vector<RecomputeModule>& recompute, OffloadModule group) {
+  return offload_key(recompute, to_string(group));
 }
 // Layer-level offload of the first K layers moves everything they save of at least the
 // threshold (no margin: every one of the K groups offloads), measured per K on the whole model.
@@ -174,85 +179,28 @@ SecondStep second_step(const TransformerConfig& model, const TrainingConfig& two
 // its selective set (a group that moves nothing there costs nothing).
 std::vector<std::string> mixed_mechanisms(const Strategy& s, const PlanCosts& costs) {
   std::vector<std::string> out;
-  for (const auto& m : s.recompute_modules) out.push_back("recompute:" + m);
-  for (const auto& g : s.offload_modules) {
+  for (const auto m : s.recompute_modules) out.push_back(std::string("recompute:") + to_string(m));
+  for (const auto g : s.offload_modules) {
     const auto it = costs.offloaded.find(offload_key(s.recompute_modules, g));
-    if (it == costs.offloaded.end() || it->second != 0) out.push_back("offload:" + g);
+    if (it == costs.offloaded.end() || it->second != 0) {
+      out.push_back(std::string("offload:") + to_string(g));
+    }
   }
   return out;
 }
 
 }  // namespace
 
-std::string Strategy::name() const {
-  std::vector<std::string> parts;
-  if (!recompute_modules.empty()) parts.push_back("selective " + c10::Join("+", recompute_modules));
-  if (!full_method.empty()) parts.push_back("full " + full_method + " " + std::to_string(full_layers));
-  if (!offload_modules.empty()) parts.push_back("offload " + c10::Join("+", offload_modules));
-  if (offload_layers > 0) parts.push_back("layer offload " + std::to_string(offload_layers));
-  return parts.empty() ? "plain" : c10::Join(", ", parts);
-}
-
-std::string Strategy::flags() const {
-  std::vector<std::string> f;
-  if (!recompute_modules.empty()) {
-    f.push_back("--recompute-granularity selective --recompute-modules " +
-                c10::Join(" ", recompute_modules));
-  }
-  if (!full_method.empty()) {
-    f.push_back("--recompute-granularity full --recompute-method " + full_method +
-                " --recompute-num-layers " + std::to_string(full_layers));
-  }
-  if (!offload_modules.empty()) {
-    f.push_back("--fine-grained-activation-offloading --offload-modules " +
-                c10::Join(" ", offload_modules));
-  }
-  if (offload_layers > 0) f.push_back("--cpu-offloading-num-layers " + std::to_string(offload_layers));
-  return c10::Join(" ", f);
-}
-
-TransformerConfig Strategy::apply(const TransformerConfig& base) const {
-  TransformerConfig c = base;
-  c.recompute_granularity.clear();
-  c.recompute_method.clear();
-  c.recompute_num_layers.reset();
-  c.recompute_modules.reset();
-  c.distribute_saved_activations = false;
-  c.moe_layer_recompute = false;
-  c.cpu_offloading_num_layers = 0;
-  c.fine_grained_activation_offloading = false;
-  c.offload_modules.clear();
-  if (!recompute_modules.empty()) {
-    c.recompute_granularity = "selective";
-    c.recompute_modules = recompute_modules;
-  }
-  if (!full_method.empty()) {
-    c.recompute_granularity = "full";
-    c.recompute_method = full_method;
-    c.recompute_num_layers = full_layers;
-  }
-  if (!offload_modules.empty()) {
-    c.fine_grained_activation_offloading = true;
-    c.offload_modules = offload_modules;
-  }
-  c.cpu_offloading_num_layers = offload_layers;
-  return c;
-}
-
-bool Strategy::operator==(const Strategy& o) const {
-  return recompute_modules == o.recompute_modules && full_method == o.full_method &&
-         full_layers == o.full_layers && offload_modules == o.offload_modules &&
-         offload_layers == o.offload_layers;
-}
-
 std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool layer_offload) {
   base.validate_shape();
-  std::vector<std::string> modules, groups;
+  std::vector<RecomputeModule> modules;
+  std::vector<OffloadModule> groups;
   for (const auto& [m, name] : kRecomputeModuleNames) {
-    if (m != RecomputeModule::kGdnNormOut) modules.emplace_back(name);
+    if (m != RecomputeModule::kGdnNormOut) modules.push_back(m);
   }
-  for (const auto& [g, name] : kOffloadModuleNames) groups.emplace_back(name);
-  std::vector<std::vector<std::string>> selective, offload;
+  for (const auto& [g, name] : kOffloadModuleNames) groups.push_back(g);
+  std::vector<std::vector<RecomputeModule>> selective;
+  std::vector<std::vector<OffloadModule>> offload;
   for (auto& set : subsets(modules)) {
     Strategy s;
     s.recompute_modules = set;
@@ -276,7 +224,7 @@ std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool l
   // N beyond one model chunk's layers is the same plan as N equal to them.
   const int64_t chunk_layers =
       base.num_layers / base.pipeline_model_parallel_size / base.virtual_pipeline_size();
-  for (const char* method : {"uniform", "block"}) {
+  for (const RecomputeMethod method : {RecomputeMethod::kUniform, RecomputeMethod::kBlock}) {
     for (int64_t n = 1; n <= chunk_layers; ++n) {
       Strategy s;
       s.full_method = method;
@@ -730,7 +678,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     // Per selective set, its widest offload set measures every group that set allows.
     const Strategy* widest = &s;
     for (const auto& o : all) {
-      if (o.recompute_modules == s.recompute_modules && o.full_method.empty() &&
+      if (o.recompute_modules == s.recompute_modules && o.full_method == RecomputeMethod::kNone &&
           o.offload_modules.size() > widest->offload_modules.size()) {
         widest = &o;
       }
@@ -771,14 +719,14 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   std::vector<std::pair<std::string, Strategy>> basis = {{"plain", Strategy{}}};
   // A group that cannot offload alone (attn_proj needs core_attn) is measured in the smallest
   // legal set holding it, less the others' measured extra.
-  std::map<std::string, std::vector<std::string>> measured_with;
+  std::map<std::string, std::vector<OffloadModule>> measured_with;  // by group name
   for (const auto& s : all) {
     if (s.recompute_modules.size() == 1 && s.offload_modules.empty()) {
-      basis.push_back({"recompute:" + s.recompute_modules[0], s});
+      basis.push_back({std::string("recompute:") + to_string(s.recompute_modules[0]), s});
     }
-    if (s.recompute_modules.empty() && s.full_method.empty()) {
-      for (const auto& g : s.offload_modules) {
-        auto& best = measured_with[g];
+    if (s.recompute_modules.empty() && s.full_method == RecomputeMethod::kNone) {
+      for (const auto g : s.offload_modules) {
+        auto& best = measured_with[to_string(g)];
         if (best.empty() || s.offload_modules.size() < best.size()) best = s.offload_modules;
       }
     }
@@ -786,10 +734,12 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   for (const auto& [g, set] : measured_with) {
     Strategy s;
     s.offload_modules = set;
-    basis.push_back({"offload-set:" + c10::Join("+", set), s});
+    basis.push_back({"offload-set:" + join_names(set, "+"), s});
   }
   for (const auto& s : all) {
-    if (s.full_method == "uniform" && s.full_layers == 1) basis.push_back({"full-layer", s});
+    if (s.full_method == RecomputeMethod::kUniform && s.full_layers == 1) {
+      basis.push_back({"full-layer", s});
+    }
     // Layer-level offload of every layer it may take (L - 1), charged per layer.
     if (s.offload_layers == base.num_layers - 1) basis.push_back({"layer-offload", s});
   }
@@ -814,7 +764,7 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
     if (basis[i].first == "full-layer") extra /= L, spread /= L;
     if (basis[i].first == "layer-offload") extra /= L - 1, spread /= L - 1;
     if (basis[i].first.rfind("offload-set:", 0) == 0) {
-      const std::string set = c10::Join("+", basis[i].second.offload_modules);
+      const std::string set = join_names(basis[i].second.offload_modules, "+");
       set_extra[set] = extra;
       set_spread[set] = spread;
     } else {
@@ -831,9 +781,10 @@ PlanCosts profile_costs(const TransformerConfig& base, const TrainingConfig& tra
   }
   for (const auto& [g, set] : measured_with) {
     if (set.size() == 1) continue;
-    double extra = set_extra.at(c10::Join("+", set));
-    double variance = std::pow(set_spread.at(c10::Join("+", set)), 2);
-    for (const auto& other : set) {
+    double extra = set_extra.at(join_names(set, "+"));
+    double variance = std::pow(set_spread.at(join_names(set, "+")), 2);
+    for (const auto o : set) {
+      const std::string other = to_string(o);
       if (other == g) continue;
       const auto it = costs.extra.find("offload:" + other);
       TORCH_CHECK(it != costs.extra.end(), "actmem::profile_costs: offload group ", g,
@@ -883,8 +834,8 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
       if (it != costs.spread.end()) variance += std::pow(times * it->second, 2);
     };
     for (const auto& key : mixed_mechanisms(s, costs)) add(key, 1.0);
-    if (s.full_method == "uniform") add("full-layer", L);
-    if (s.full_method == "block") {
+    if (s.full_method == RecomputeMethod::kUniform) add("full-layer", L);
+    if (s.full_method == RecomputeMethod::kBlock) {
       add("full-layer", static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
     }
     if (s.offload_layers > 0) add("layer-offload", static_cast<double>(s.offload_layers));

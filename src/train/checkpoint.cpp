@@ -8,7 +8,9 @@
 #include "actmem/model/model.h"
 #include "actmem/base/output_file.h"
 #include "actmem/parallel/tensor_parallel.h"
-#include "actmem/train/trainer.h"
+#include "actmem/train/optimizer.h"
+#include "actmem/data/data.h"
+#include "actmem/recompute/rng.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/irange.h>
@@ -644,44 +646,53 @@ LoadedModel load_model_for_inference(const std::string& dir) {
   return out;
 }
 
-int64_t Trainer::consumed_train_samples() const {
-  return train_sampler_->batches_drawn() * model_config_.micro_batch_size;
+namespace {
+int64_t consumed_samples(const TrainState& s) {
+  return s.train_data.batches_drawn() * s.model_config.micro_batch_size;
 }
 
-c10::impl::GenericDict Trainer::checkpoint_state(bool write) const {
+// Every replica's random states, one list entry per expert-data-parallel rank (a collective).
+c10::impl::GenericList replica_rng_states(const TrainState& s);
+
+// The checkpoint file's dict; a collective over the data-parallel replicas, each calling it, only
+// the writers (`write`) building the dict.
+c10::impl::GenericDict checkpoint_state(const TrainState& s, bool write) {
   // The collectives first, on every replica (save_checkpoint): each replica's random streams, and
   // with the distributed optimizer every data-parallel rank's pieces of the optimizer state.
-  const c10::impl::GenericList rng_list = replica_rng_states();
-  torch::optim::AdamW& adamw = mixed_ ? mixed_->adamw() : *optimizer_;
-  AdamWMoments moments = adamw_moments(adamw, mixed_ ? mixed_->main_params() : optimizer_params_);
+  const c10::impl::GenericList rng_list = replica_rng_states(s);
+  MixedPrecisionOptimizer* mixed = s.optimizer.mixed();
+  const OptimizerShards* shards = s.optimizer.shards();
+  const std::vector<at::Tensor>& params = s.optimizer.params();
+  torch::optim::AdamW& adamw = s.optimizer.adamw();
+  AdamWMoments moments = adamw_moments(adamw, s.optimizer.adamw_params());
   std::vector<at::Tensor> mains;
-  if (mixed_) mains = mixed_->main_params();
-  if (shards_) {
-    moments = unshard(*shards_, params_, std::move(moments));
-    if (mixed_) mains = unshard(*shards_, params_, mains);
+  if (mixed) mains = mixed->main_params();
+  if (shards) {
+    moments = unshard(*shards, params, std::move(moments));
+    if (mixed) mains = unshard(*shards, params, mains);
   }
   auto top = string_dict();
   if (!write) return top;
-  nlohmann::json args = to_json(model_config_);
-  const nlohmann::json training = to_json(config_);
+  nlohmann::json args = to_json(s.model_config);
+  const nlohmann::json training = to_json(s.config);
   for (const auto& [k, v] : training.items()) args[k] = v;
-  args["iteration"] = iteration_;
-  args["consumed_train_samples"] = consumed_train_samples();
+  args["iteration"] = s.iteration;
+  args["consumed_train_samples"] = consumed_samples(s);
   top.insert("args", json_to_ivalue(args));
   top.insert("checkpoint_version", kCheckpointVersion);
-  top.insert("iteration", iteration_);
+  top.insert("iteration", s.iteration);
 
   c10::impl::GenericDict model(c10::StringType::get(), c10::TensorType::get());
-  for (const auto& item : model_->named_parameters(/*recurse=*/true)) {
+  for (const auto& item : s.model.named_parameters(/*recurse=*/true)) {
     model.insert(item.key(), host_copy(item.value()));
   }
   top.insert("model", model);
 
-  if (mixed_) {
+  if (mixed) {
     // Megatron's Float16OptimizerWithFloat16Params.state_dict().
     auto opt = string_dict();
     opt.insert("optimizer", adamw_state_dict(adamw, moments));
-    if (const auto& scaler = mixed_->scaler()) {
+    if (const auto& scaler = mixed->scaler()) {
       auto gs = string_dict();
       gs.insert("scale", static_cast<double>(scaler->scale()));
       gs.insert("growth_tracker", scaler->growth_tracker());
@@ -701,43 +712,44 @@ c10::impl::GenericDict Trainer::checkpoint_state(bool write) const {
   }
 
   // Megatron's OptimizerParamScheduler.state_dict(): its steps count samples.
-  const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
+  const TrainingConfig& c = s.config;
+  const int64_t gbs = c.global_batch(s.model_config.micro_batch_size);
   auto sched = string_dict();
-  sched.insert("max_lr", config_.lr);
-  sched.insert("min_lr", config_.min_lr);
-  sched.insert("lr_warmup_steps", config_.lr_warmup_iters * gbs);
-  sched.insert("lr_decay_steps", config_.train_iters * gbs);
-  sched.insert("lr_decay_style", config_.lr_decay_style);
-  sched.insert("num_steps", scheduler_steps_ * gbs);
+  sched.insert("max_lr", c.lr);
+  sched.insert("min_lr", c.min_lr);
+  sched.insert("lr_warmup_steps", c.lr_warmup_iters * gbs);
+  sched.insert("lr_decay_steps", c.train_iters * gbs);
+  sched.insert("lr_decay_style", c.lr_decay_style);
+  sched.insert("num_steps", s.scheduler.num_steps() * gbs);
   top.insert("opt_param_scheduler", sched);
 
   top.insert("rng_state", rng_list);
   return top;
 }
 
-c10::impl::GenericList Trainer::replica_rng_states() const {
+c10::impl::GenericList replica_rng_states(const TrainState& s) {
   // Megatron's rng_state with data_parallel_random_init: one entry per data-parallel replica (of
   // the ranks that write this file: the expert-data-parallel group), since the replicas' streams
   // can differ: expert dropout draws per token routed to the rank's experts, and those counts
   // follow each replica's own data. Every state is gathered in one order on every replica.
   const TensorParallelGroup& replicas = expert_data_parallel_group();
-  std::vector<std::pair<std::string, at::Tensor>> states = {{"torch_rng_state", rng_state_[0]}};
-  if (rng_state_.size() > 1) states.emplace_back("cuda_rng_state", rng_state_[1]);
-  const auto streams = tracker_.get_states();  // a std::map: the same order everywhere
+  std::vector<std::pair<std::string, at::Tensor>> states = {{"torch_rng_state", s.rng_state[0]}};
+  if (s.rng_state.size() > 1) states.emplace_back("cuda_rng_state", s.rng_state[1]);
+  const auto streams = s.rng_tracker.get_states();  // a std::map: the same order everywhere
   for (const auto& [name, state] : streams) states.emplace_back(name, state);
   std::vector<at::Tensor> gathered;  // per state: [replicas, bytes] on the host
   for (const auto& [name, state] : states) {
     const at::Tensor bytes = state.to(at::kCPU).contiguous().view({1, -1});
     gathered.push_back(replicas.size == 1
                            ? bytes
-                           : group_all_gather_dim0(replicas, bytes.to(device_)).to(at::kCPU));
+                           : group_all_gather_dim0(replicas, bytes.to(s.device)).to(at::kCPU));
   }
   c10::impl::GenericList list(c10::AnyType::get());
   for (int r = 0; r < replicas.size; ++r) {
     auto rng = string_dict();
     size_t k = 0;
     rng.insert("torch_rng_state", gathered[k++][r].clone());
-    if (rng_state_.size() > 1) rng.insert("cuda_rng_state", gathered[k++][r].clone());
+    if (s.rng_state.size() > 1) rng.insert("cuda_rng_state", gathered[k++][r].clone());
     c10::impl::GenericDict tracker(c10::StringType::get(), c10::TensorType::get());
     for (const auto& item : streams) tracker.insert(item.first, gathered[k++][r].clone());
     rng.insert("rng_tracker_states", tracker);
@@ -746,10 +758,15 @@ c10::impl::GenericList Trainer::replica_rng_states() const {
   return list;
 }
 
-std::string Trainer::save_checkpoint(const std::string& dir) {
+void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, const std::string& path);
+}  // namespace
+
+std::string save_checkpoint(const std::string& dir, const TrainState& s) {
   TORCH_CHECK(!dir.empty(), "actmem::Trainer::save_checkpoint: empty directory");
   const auto& tp = tensor_parallel_group();
-  const std::string final_dir = checkpoint_iteration_dir(dir, iteration_);
+  const int64_t iteration = s.iteration;
+  const at::Device& device = s.device;
+  const std::string final_dir = checkpoint_iteration_dir(dir, iteration);
   // Data-parallel replicas hold the same weights, optimizer state and random states: the first
   // replica's tensor-parallel ranks write (as Megatron's data-parallel rank 0 does without the
   // distributed optimizer). With expert parallelism the replicas are those of the experts
@@ -758,14 +775,14 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // first gathered from every data-parallel rank (a collective), so that the files are the same
   // as without it.
   const TensorParallelGroup& replicas = expert_data_parallel_group();
-  const c10::impl::GenericDict state = checkpoint_state(/*write=*/replicas.rank == 0);
+  const c10::impl::GenericDict state = checkpoint_state(s, /*write=*/replicas.rank == 0);
   const bool leader =
       tp.rank == 0 && expert_parallel_group().rank == 0 && pipeline_parallel_group().rank == 0;
   const std::string tmp_dir = final_dir + ".tmp";
   std::exception_ptr error;
   if (replicas.rank == 0) {
     try {
-      on_all_ranks(device_, "to prepare the checkpoint directory", [&] {
+      on_all_ranks(device, "to prepare the checkpoint directory", [&] {
         if (!leader) return;
         std::error_code ec;
         fs::create_directories(dir, ec);
@@ -779,7 +796,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
                     ec.message());
       });
       // Move 1: every rank's file, durable.
-      on_all_ranks(device_, "to write its file", [&] {
+      on_all_ranks(device, "to write its file", [&] {
         const fs::path rank_dir =
             fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank(), file_pp_rank());
         std::error_code ec;
@@ -788,19 +805,19 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
                     ec.message());
         const std::vector<char> bytes = save_untagged(state);
         const std::string path = (rank_dir / "model_optim_rng.pt").string();
-        write_durably(path, bytes.data(), bytes.size(), iteration_);
+        write_durably(path, bytes.data(), bytes.size(), iteration);
         fsync_path(rank_dir.string(), true);
       });
       // Moves 2 and 3, on rank 0.
-      on_all_ranks(device_, "to publish the checkpoint", [&] {
+      on_all_ranks(device, "to publish the checkpoint", [&] {
         if (!leader) return;
         fsync_path(tmp_dir, true);
-        maybe_fault("before-publish", iteration_);
+        maybe_fault("before-publish", iteration);
         publish_directory(tmp_dir, final_dir);
         fsync_path(dir, true);
-        maybe_fault("before-latest", iteration_);
+        maybe_fault("before-latest", iteration);
         const std::string latest = (fs::path(dir) / kLatestCheckpointFile).string();
-        const std::string text = std::to_string(iteration_);
+        const std::string text = std::to_string(iteration);
         write_durably(latest + ".tmp", text.data(), text.size());
         TORCH_CHECK(::rename((latest + ".tmp").c_str(), latest.c_str()) == 0,
                     "actmem::Trainer::save_checkpoint: cannot rename ", latest, ".tmp: ", errno_text());
@@ -814,7 +831,7 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   // published (a load right after it finds it), or learns that its writer failed.
   if (replicas.size > 1) {
     const at::Tensor failed = at::full({1}, error ? 1.0f : 0.0f,
-                                       at::TensorOptions().dtype(at::kFloat).device(device_));
+                                       at::TensorOptions().dtype(at::kFloat).device(device));
     const bool ok = group_all_reduce_sum(replicas, failed).item<float>() == 0.0f;
     if (error) std::rethrow_exception(error);
     TORCH_CHECK(ok, "actmem::Trainer::save_checkpoint: the data-parallel replica that writes ",
@@ -825,15 +842,16 @@ std::string Trainer::save_checkpoint(const std::string& dir) {
   return final_dir;
 }
 
-void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::string& path) const {
-  const nlohmann::json mine = to_json(model_config_);
+namespace {
+void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, const std::string& path) {
+  const nlohmann::json mine = to_json(s.model_config);
   std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
-  if (!model_config_.use_rope()) fields.emplace_back("max_position_embeddings");
+  if (!s.model_config.use_rope()) fields.emplace_back("max_position_embeddings");
   // MLA fields (checkpoints saved before MLA existed do not record them: standard attention).
   const bool ckpt_mla = args.contains("multi_latent_attention") && args["multi_latent_attention"].get<bool>();
-  TORCH_CHECK(ckpt_mla == model_config_.multi_latent_attention, "actmem::Trainer::load_checkpoint: "
+  TORCH_CHECK(ckpt_mla == s.model_config.multi_latent_attention, "actmem::Trainer::load_checkpoint: "
               "the checkpoint has ", ckpt_mla ? "multi-latent" : "standard", " attention but this "
-              "run has ", model_config_.multi_latent_attention ? "multi-latent" : "standard",
+              "run has ", s.model_config.multi_latent_attention ? "multi-latent" : "standard",
               " attention (", path, ")");
   if (ckpt_mla) {
     for (const char* f : {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
@@ -844,8 +862,8 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
   }
   // MoE fields (checkpoints of dense models saved before MoE existed do not record them: null).
   const bool ckpt_moe = args.contains("num_moe_experts") && !args["num_moe_experts"].is_null();
-  if (ckpt_moe || model_config_.is_moe()) {
-    TORCH_CHECK(ckpt_moe == model_config_.is_moe(), "actmem::Trainer::load_checkpoint: the "
+  if (ckpt_moe || s.model_config.is_moe()) {
+    TORCH_CHECK(ckpt_moe == s.model_config.is_moe(), "actmem::Trainer::load_checkpoint: the "
                 "checkpoint has num_moe_experts = ", ckpt_moe ? args["num_moe_experts"].dump() : "null",
                 " but this run has num_moe_experts = ", mine["num_moe_experts"].dump(), " (", path, ")");
     for (const char* f : {"num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
@@ -859,7 +877,7 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
   const auto ckpt_p = args.contains("pipeline_model_parallel_size")
                           ? args["pipeline_model_parallel_size"].get<int64_t>()
                           : int64_t{1};
-  if (ckpt_p > 1 || model_config_.pipeline_model_parallel_size > 1) {
+  if (ckpt_p > 1 || s.model_config.pipeline_model_parallel_size > 1) {
     for (const char* f : {"pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
                           "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size"}) {
       fields.emplace_back(f);
@@ -875,8 +893,118 @@ void Trainer::check_checkpoint_args(const nlohmann::json& args, const std::strin
   }
 }
 
-std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
-                                                const CheckpointLoadOptions& options) {
+}  // namespace
+
+namespace {
+// Megatron's OptimizerParamScheduler.load_state_dict with _check_and_set.
+void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
+                    const std::string& path, const CheckpointLoadOptions& options) {
+  const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
+  const int64_t gbs = s.config.global_batch(s.model_config.micro_batch_size);
+  // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
+  // checkpoint's unless --override-opt_param-scheduler.
+  auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
+    return v.isString() ? v.toStringRef() : ivalue_to_json(v).dump();
+  };
+  auto check = [&](const c10::IValue& mine, const char* key, const char* name,
+                   bool in_samples) {
+    const c10::IValue& theirs = entry(sched, key, path);
+    TORCH_CHECK(options.override_scheduler || mine == theirs,
+                "OptimizerParamScheduler: class input value ", text(mine),
+                " and checkpoint value ", text(theirs), " for ", name, " do not match",
+                in_samples ? " (counted in samples: iterations x global batch size " +
+                                 std::to_string(gbs) + ")"
+                           : std::string(),
+                " (", path, "; pass --override-opt_param-scheduler to use this run's value)");
+  };
+  check(s.config.lr, "max_lr", "learning rate", false);
+  check(s.config.min_lr, "min_lr", "minimum learning rate", false);
+  check(s.config.lr_warmup_iters * gbs, "lr_warmup_steps", "warmup iterations", true);
+  check(s.config.train_iters * gbs, "lr_decay_steps", "total number of iterations", true);
+  check(s.config.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
+  const int64_t num_steps = entry(sched, "num_steps", path).toInt();
+  TORCH_CHECK(num_steps % gbs == 0, "actmem::Trainer::load_checkpoint: ", path, ": the schedule "
+              "is at sample ", num_steps, ", not a whole number of this run's global batches (",
+              gbs, " samples)");
+  s.scheduler.set_num_steps(num_steps / gbs);
+
+}
+
+// The optimizer's state: AdamW's moments, and at 16 bits the fp32 main parameters and the loss
+// scaler (Megatron's Float16OptimizerWithFloat16Params.load_state_dict).
+void load_optimizer(const TrainState& s, const c10::impl::GenericDict& ckpt,
+                    const std::string& path) {
+  const c10::impl::GenericDict opt = dict_entry(ckpt, "optimizer", path);
+  const OptimizerShards* shards = s.optimizer.shards();
+  const std::vector<at::Tensor>& params = s.optimizer.params();
+  if (MixedPrecisionOptimizer* mixed = s.optimizer.mixed()) {
+    TORCH_CHECK(opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
+                " has no fp32 main parameters (saved by an fp32 run)");
+    load_adamw_state(mixed->adamw(), mixed->main_params(), dict_entry(opt, "optimizer", path),
+                     path, shards, params);
+    const auto groups = entry(opt, "fp32_from_fp16_params", path).toListRef();
+    TORCH_CHECK(groups.size() == 1 && groups[0].isList(), "actmem::Trainer::load_checkpoint: ",
+                path, ": fp32_from_fp16_params should hold one parameter group");
+    const auto mains = groups[0].toListRef();
+    const auto& mine = mixed->main_params();
+    TORCH_CHECK(mains.size() == mine.size(), "actmem::Trainer::load_checkpoint: ", path, " has ",
+                mains.size(), " fp32 main parameters, this model ", mine.size());
+    at::NoGradGuard no_grad;
+    for (const auto i : c10::irange(mine.size())) {
+      const at::Tensor t = mains[i].toTensor();
+      TORCH_CHECK(t.sizes() == params[i].sizes() && t.scalar_type() == at::kFloat,
+                  "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i,
+                  " is ", t.sizes(), " ", t.scalar_type(), ", expected ", params[i].sizes(),
+                  " Float");
+      mine[i].copy_(shards ? shards->shard(t.contiguous(), i) : t);
+    }
+    const c10::IValue& gs = entry(opt, "grad_scaler", path);
+    if (auto& scaler = mixed->scaler(); scaler && gs.isGenericDict()) {
+      const auto d = gs.toGenericDict();
+      scaler->load_state(static_cast<float>(entry(d, "scale", path).toDouble()),
+                         entry(d, "growth_tracker", path).toInt(),
+                         entry(d, "hysteresis_tracker", path).toInt());
+    }
+  } else {
+    TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ",
+                path, " holds a 16-bit run's optimizer");
+    load_adamw_state(s.optimizer.adamw(), s.optimizer.adamw_params(), opt, path, shards, params);
+  }
+}
+
+// The random states: the default generators' and the tracker's named streams.
+void load_rng(const TrainState& s, const c10::impl::GenericDict& ckpt, const std::string& path) {
+  // One entry per replica of the saving run (replica_rng_states): this replica's when the run
+  // has as many, else the first (another data-parallel size: the streams cannot continue as
+  // they were anyway; a checkpoint of one replica has one).
+  const auto list = entry(ckpt, "rng_state", path).toListRef();
+  const auto replicas = static_cast<size_t>(expert_data_parallel_group().size);
+  const size_t mine = list.size() == replicas ? static_cast<size_t>(expert_data_parallel_group().rank) : 0;
+  TORCH_CHECK(!list.empty() && list[mine].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
+              path, ": rng_state should hold one dict per data-parallel replica, has ",
+              list.size(), " entries");
+  const auto rng = list[mine].toGenericDict();
+  s.rng_state[0] = entry(rng, "torch_rng_state", path).toTensor().clone();
+  if (s.rng_state.size() > 1) {
+    TORCH_CHECK(rng.contains("cuda_rng_state"), "actmem::Trainer::load_checkpoint: ", path,
+                " was saved without a device generator state (a CPU run); pass --no-load-rng");
+    s.rng_state[1] = entry(rng, "cuda_rng_state", path).toTensor().clone();
+  }
+  std::map<std::string, at::Tensor> streams;
+  for (const auto& e : dict_entry(rng, "rng_tracker_states", path)) {
+    streams[e.key().toStringRef()] = e.value().toTensor().clone();
+  }
+  for (const auto& [name, state] : s.rng_tracker.get_states()) {
+    TORCH_CHECK(streams.count(name), "actmem::Trainer::load_checkpoint: ", path,
+                " has no state for the random stream ", name);
+    (void)state;
+  }
+  s.rng_tracker.set_states(streams);
+}
+}  // namespace
+
+std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState& s,
+                                       const CheckpointLoadOptions& options) {
   const std::optional<int64_t> latest = read_latest_checkpointed_iteration(dir);
   if (!latest) return std::nullopt;
   const auto& tp = tensor_parallel_group();
@@ -889,7 +1017,7 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
       for (const int64_t ep_rank : {int64_t{-1}, int64_t{0}}) {
         const std::string first = checkpoint_file(dir, *latest, 0, ep_rank, pp_rank);
         if (fs::exists(first, ec)) {
-          check_checkpoint_args(ivalue_to_json(entry(read_checkpoint_file(first), "args", first)),
+          check_checkpoint_args(s, ivalue_to_json(entry(read_checkpoint_file(first), "args", first)),
                                 first);
         }
       }
@@ -899,131 +1027,43 @@ std::optional<int64_t> Trainer::load_checkpoint(const std::string& dir,
   }
   const c10::impl::GenericDict ckpt = read_checkpoint_file(path);
   const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", path));
-  check_checkpoint_args(args, path);
+  check_checkpoint_args(s, args, path);
   const c10::IValue& version = entry(ckpt, "checkpoint_version", path);
   TORCH_CHECK(version.isDouble() && version.toDouble() >= 3.0, "actmem::Trainer::load_checkpoint: ",
               path, " has checkpoint_version ", version, "; actmem reads version 3.0 and later");
 
-  load_model_state(*model_, ckpt, path);
+  load_model_state(s.model, ckpt, path);
 
   const bool optimizer = options.optimizer && !options.finetune;
   if (options.finetune) {
-    iteration_ = 0;
-    scheduler_steps_ = 0;
-    train_sampler_->seek(0);
+    s.iteration = 0;
+    s.scheduler.set_num_steps(0);
+    s.train_data.seek(0);
   } else {
-    iteration_ = entry(ckpt, "iteration", path).toInt();
+    s.iteration = entry(ckpt, "iteration", path).toInt();
     const int64_t consumed = args.value("consumed_train_samples", int64_t{-1});
-    TORCH_CHECK(consumed >= 0 && consumed % model_config_.micro_batch_size == 0,
+    TORCH_CHECK(consumed >= 0 && consumed % s.model_config.micro_batch_size == 0,
                 "actmem::Trainer::load_checkpoint: ", path, " records consumed_train_samples ",
                 consumed, ", which is not a whole number of this run's micro-batches (",
-                model_config_.micro_batch_size, " samples)");
-    train_sampler_->seek(consumed / model_config_.micro_batch_size);
+                s.model_config.micro_batch_size, " samples)");
+    s.train_data.seek(consumed / s.model_config.micro_batch_size);
   }
 
   if (optimizer) {
-    const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
-    const int64_t gbs = config_.global_batch(model_config_.micro_batch_size);
-    // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
-    // checkpoint's unless --override-opt_param-scheduler.
-    auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
-      return v.isString() ? v.toStringRef() : ivalue_to_json(v).dump();
-    };
-    auto check = [&](const c10::IValue& mine, const char* key, const char* name,
-                     bool in_samples) {
-      const c10::IValue& theirs = entry(sched, key, path);
-      TORCH_CHECK(options.override_scheduler || mine == theirs,
-                  "OptimizerParamScheduler: class input value ", text(mine),
-                  " and checkpoint value ", text(theirs), " for ", name, " do not match",
-                  in_samples ? " (counted in samples: iterations x global batch size " +
-                                   std::to_string(gbs) + ")"
-                             : std::string(),
-                  " (", path, "; pass --override-opt_param-scheduler to use this run's value)");
-    };
-    check(config_.lr, "max_lr", "learning rate", false);
-    check(config_.min_lr, "min_lr", "minimum learning rate", false);
-    check(config_.lr_warmup_iters * gbs, "lr_warmup_steps", "warmup iterations", true);
-    check(config_.train_iters * gbs, "lr_decay_steps", "total number of iterations", true);
-    check(config_.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
-    const int64_t num_steps = entry(sched, "num_steps", path).toInt();
-    TORCH_CHECK(num_steps % gbs == 0, "actmem::Trainer::load_checkpoint: ", path, ": the schedule "
-                "is at sample ", num_steps, ", not a whole number of this run's global batches (",
-                gbs, " samples)");
-    scheduler_steps_ = num_steps / gbs;
-
-    const c10::impl::GenericDict opt = dict_entry(ckpt, "optimizer", path);
-    if (mixed_) {
-      TORCH_CHECK(opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
-                  " has no fp32 main parameters (saved by an fp32 run)");
-      load_adamw_state(mixed_->adamw(), mixed_->main_params(), dict_entry(opt, "optimizer", path),
-                       path, shards_.get(), params_);
-      const auto groups = entry(opt, "fp32_from_fp16_params", path).toListRef();
-      TORCH_CHECK(groups.size() == 1 && groups[0].isList(), "actmem::Trainer::load_checkpoint: ",
-                  path, ": fp32_from_fp16_params should hold one parameter group");
-      const auto mains = groups[0].toListRef();
-      const auto& mine = mixed_->main_params();
-      TORCH_CHECK(mains.size() == mine.size(), "actmem::Trainer::load_checkpoint: ", path, " has ",
-                  mains.size(), " fp32 main parameters, this model ", mine.size());
-      at::NoGradGuard no_grad;
-      for (const auto i : c10::irange(mine.size())) {
-        const at::Tensor t = mains[i].toTensor();
-        TORCH_CHECK(t.sizes() == params_[i].sizes() && t.scalar_type() == at::kFloat,
-                    "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i,
-                    " is ", t.sizes(), " ", t.scalar_type(), ", expected ", params_[i].sizes(),
-                    " Float");
-        mine[i].copy_(shards_ ? shards_->shard(t.contiguous(), i) : t);
-      }
-      const c10::IValue& gs = entry(opt, "grad_scaler", path);
-      if (auto& scaler = mixed_->scaler(); scaler && gs.isGenericDict()) {
-        const auto d = gs.toGenericDict();
-        scaler->load_state(static_cast<float>(entry(d, "scale", path).toDouble()),
-                           entry(d, "growth_tracker", path).toInt(),
-                           entry(d, "hysteresis_tracker", path).toInt());
-      }
-    } else {
-      TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ",
-                  path, " holds a 16-bit run's optimizer");
-      load_adamw_state(*optimizer_, optimizer_params_, opt, path, shards_.get(), params_);
-    }
+    load_scheduler(s, ckpt, path, options);
+    load_optimizer(s, ckpt, path);
   } else {
     // Megatron's reload_model_params: the fp32 main parameters start from the loaded model.
     // Without the optimizer state the schedule starts again from its first step.
-    scheduler_steps_ = 0;
-    if (mixed_) {
+    s.scheduler.set_num_steps(0);
+    if (MixedPrecisionOptimizer* mixed = s.optimizer.mixed()) {
       at::NoGradGuard no_grad;
-      mixed_->reload_main_params();
+      mixed->reload_main_params();
     }
   }
 
-  if (options.rng && !options.finetune) {
-    // One entry per replica of the saving run (replica_rng_states): this replica's when the run
-    // has as many, else the first (another data-parallel size: the streams cannot continue as
-    // they were anyway; a checkpoint of one replica has one).
-    const auto list = entry(ckpt, "rng_state", path).toListRef();
-    const auto replicas = static_cast<size_t>(expert_data_parallel_group().size);
-    const size_t mine = list.size() == replicas ? static_cast<size_t>(expert_data_parallel_group().rank) : 0;
-    TORCH_CHECK(!list.empty() && list[mine].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
-                path, ": rng_state should hold one dict per data-parallel replica, has ",
-                list.size(), " entries");
-    const auto rng = list[mine].toGenericDict();
-    rng_state_[0] = entry(rng, "torch_rng_state", path).toTensor().clone();
-    if (rng_state_.size() > 1) {
-      TORCH_CHECK(rng.contains("cuda_rng_state"), "actmem::Trainer::load_checkpoint: ", path,
-                  " was saved without a device generator state (a CPU run); pass --no-load-rng");
-      rng_state_[1] = entry(rng, "cuda_rng_state", path).toTensor().clone();
-    }
-    std::map<std::string, at::Tensor> streams;
-    for (const auto& e : dict_entry(rng, "rng_tracker_states", path)) {
-      streams[e.key().toStringRef()] = e.value().toTensor().clone();
-    }
-    for (const auto& [name, state] : tracker_.get_states()) {
-      TORCH_CHECK(streams.count(name), "actmem::Trainer::load_checkpoint: ", path,
-                  " has no state for the random stream ", name);
-      (void)state;
-    }
-    tracker_.set_states(streams);
-  }
-  return iteration_;
+  if (options.rng && !options.finetune) load_rng(s, ckpt, path);
+  return s.iteration;
 }
 
 }  // namespace actmem

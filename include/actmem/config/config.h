@@ -324,7 +324,7 @@ struct TrainingConfig {
   /// Megatron's --num-microbatches-with-partial-activation-checkpoints N (pipeline schedules,
   /// full block recompute): in each window of W = warmup + 1 forwards of a stage the first N
   /// checkpoint the block method's first recompute_num_layers layers, the others every layer
-  /// (Note [Partial activation checkpoints] in trainer.cpp).
+  /// (Note [Partial activation checkpoints] in schedules.cpp).
   std::optional<int64_t> num_microbatches_with_partial_activation_checkpoints;
 
   /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.

@@ -214,7 +214,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t
                                         const MoERouting* routing = nullptr);
 /// With pipeline parallelism, `pipeline_stage`'s bytes per micro-batch: its layers, the
 /// embedding on the first stage, the head and loss on the last (what crosses the stage
-/// boundaries is the schedule's: Note [Pipeline step] in trainer.cpp). Under the interleaved
+/// boundaries is the schedule's: Note [Pipeline step] in schedules.cpp). Under the interleaved
 /// schedule, model chunk `model_chunk`'s of that stage.
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, const ActivationPlan& plan,
                                         int64_t dtype_bytes = 0, bool snapshots_on_device = true,

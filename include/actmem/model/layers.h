@@ -37,18 +37,48 @@ at::ScalarType params_dtype(const TransformerConfig& config);
 /// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm] in layers.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
+/// How a parameter is held across ranks, as Megatron records it on the parameter itself
+/// (tensor_model_parallel by set_tensor_model_parallel_attributes in
+/// megatron/core/tensor_parallel/layers.py, sequence_parallel on norms and row-parallel biases,
+/// allreduce=False on routed experts). Note [Parameter attributes] in model.cpp.
+struct ParameterAttributes {
+  /// Each tensor-parallel rank holds a different slice (column- or row-parallel weights, the
+  /// column-parallel biases); only tensor rank 0's counts in the gradient norm.
+  bool tensor_parallel = false;
+  /// Replicated, but with sequence parallelism its gradient saw this rank's tokens only: summed
+  /// over the tensor-parallel ranks after backward (norms, row-parallel biases, the router).
+  bool sequence_parallel = false;
+  /// A routed expert's: reduced over the expert-data-parallel group (set by GPTModel for every
+  /// parameter below an Experts module).
+  bool expert_parallel = false;
+};
+
+/// A module that registers parameters says how each is held (Note [Parameter attributes] in
+/// model.cpp): GPTModel::parameter_attributes() refuses a parameter no module declares.
+class DeclaresParameters {
+ public:
+  virtual ~DeclaresParameters() = default;
+  /// The attributes of parameter `name`, relative to this module: one it registered ("weight"),
+  /// or one it registered on a plain child module ("linear_fc1.weight"); nullopt when the
+  /// parameter is not this module's to declare.
+  virtual std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const = 0;
+};
+
 /// LayerNorm or RMSNorm over the last dimension, per config.normalization.
-class Norm : public torch::nn::Module {
+class Norm : public torch::nn::Module, public DeclaresParameters {
  public:
   /// Over `size` features (0: the hidden size).
   Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size = 0);
   at::Tensor forward(const at::Tensor& x);  // [..., h] -> [..., h]
+  /// Replicated; with sequence parallelism each rank normalises its own tokens.
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;
   at::Tensor bias;  // undefined for RMSNorm
 
  private:
   bool rms_;
   double eps_;
+  bool sequence_parallel_;
 };
 
 /// How a Linear's weight is split across the tensor-parallel ranks (tensor_parallel.h).
@@ -62,12 +92,16 @@ enum class LinearParallel {
 /// as Megatron's RowParallelLinear does for linear_proj and linear_fc2. `in` and `out` are this
 /// rank's sizes. With sequence_parallel a column-parallel layer takes the [s/t, b, in] shard and
 /// a row-parallel one returns it (all-gather / reduce-scatter at the boundary).
-class Linear : public torch::nn::Module {
+class Linear : public torch::nn::Module, public DeclaresParameters {
  public:
   Linear(int64_t in, int64_t out, bool bias, bool skip_bias_add, at::ScalarType dtype,
          LinearParallel parallel = LinearParallel::kNone, bool sequence_parallel = false);
   /// Returns the output and, when skip_bias_add, the bias to add later (else undefined).
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  /// The weight is split unless replicated; a column-parallel bias is split, a row-parallel one
+  /// replicated (added after the reduction) and, with sequence parallelism, sees this rank's
+  /// tokens only.
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
 
@@ -77,16 +111,21 @@ class Linear : public torch::nn::Module {
   bool sequence_parallel_;
 };
 
-class MLP : public torch::nn::Module {
+class MLP : public torch::nn::Module, public DeclaresParameters {
  public:
   MLP(const TransformerConfig& config, at::ScalarType dtype);
   /// x: [s, b, h] -> (output [s, b, h], linear_fc2 bias or undefined)
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
+  /// Its linears declare their own; the MoE layer registers the shared experts' gate_weight
+  /// here (Megatron's name mlp.shared_experts.gate_weight): replicated, reading this rank's
+  /// tokens.
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   std::shared_ptr<Linear> linear_fc1;
   std::shared_ptr<Linear> linear_fc2;
 
  private:
   bool gated_;
+  bool sequence_parallel_;
 };
 
 /// residual + apply_dropout(x + bias), Megatron's bias-dropout-add.

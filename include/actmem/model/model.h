@@ -167,19 +167,11 @@ class GPTModel : public torch::nn::Module {
   const RotaryEmbedding* rope() const { return rope_.get(); }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;
-  /// Per ordered parameter: true when each tensor-parallel rank holds a different slice
-  /// (linear_qkv, linear_fc1 weights and biases, linear_proj and linear_fc2 weights); the
-  /// others are replicated.
-  std::vector<bool> tensor_parallel_flags() const;
-  /// Per ordered parameter: true for the routed experts' weights (mlp.experts.*), which each
-  /// expert-parallel rank holds for its own experts; their gradients are reduced over the
-  /// expert-data-parallel group, the others' over the data-parallel group.
-  std::vector<bool> expert_parallel_flags() const;
-  /// Replicated parameters that, with sequence parallelism, see only this rank's tokens (norms
-  /// and the row-parallel biases): their gradients must be summed over the tensor-parallel
-  /// ranks after backward (Megatron's allreduce of sequence-parallel gradients). Empty without
-  /// sequence parallelism.
-  std::vector<at::Tensor> sequence_parallel_parameters() const;
+  /// Per ordered parameter, how it is held across ranks (Note [Parameter attributes] in
+  /// model.cpp): as its module declares it, tensor_parallel only with t > 1, sequence_parallel
+  /// only with --sequence-parallel, expert_parallel below an Experts module. Throws for a
+  /// parameter no module declares.
+  std::vector<ParameterAttributes> parameter_attributes() const;
   int64_t num_parameters() const;
 
   // The first pipeline stage's (undefined on the others):

@@ -20,6 +20,7 @@
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/layers.h"
 
 #include <torch/nn/module.h>
 
@@ -91,13 +92,15 @@ struct Routing {
 
 /// Megatron's TopKRouter (moe/router.py, moe/moe_utils.py): mlp.router.weight [E, h] (and
 /// mlp.router.bias [E] with add_bias_linear).
-class TopKRouter : public torch::nn::Module {
+class TopKRouter : public torch::nn::Module, public DeclaresParameters {
  public:
   TopKRouter(const TransformerConfig& config, at::ScalarType dtype);
   /// h: [T, h]. The z-loss and the load-balancing loss are attached (attach_aux_loss) only in
   /// training with grad enabled, as in Megatron; `aux_scale` is their backward scale and `stats`
   /// (may be null) receives their unscaled values.
   Routing forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats);
+  /// Replicated; with sequence parallelism each rank routes its own tokens.
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;
   at::Tensor bias;  // undefined without add_bias_linear
 
@@ -106,21 +109,31 @@ class TopKRouter : public torch::nn::Module {
 };
 
 /// One expert of SequentialMLP (mlp.experts.local_experts.j): linear_fc1 and linear_fc2.
-class ExpertMLP : public torch::nn::Module {
+class ExpertMLP : public torch::nn::Module, public DeclaresParameters {
  public:
   ExpertMLP(int64_t hidden, int64_t ffn, bool gated, bool bias, at::ScalarType dtype);
+  /// As an MLP's: fc1 column-parallel, fc2's weight row-parallel, its bias replicated (added by
+  /// tensor rank 0 only, so a sequence-parallel sum).
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases undefined without add_bias_linear
 };
 
 /// TE's GroupedLinear naming (mlp.experts.linear_fc1.weight0, .weight1, ...): one weight (and
 /// bias) per expert, applied to consecutive row segments of one input.
-class GroupedLinear : public torch::nn::Module {
+class GroupedLinear : public torch::nn::Module, public DeclaresParameters {
  public:
-  GroupedLinear(int64_t experts, int64_t in, int64_t out, bool bias, at::ScalarType dtype);
+  /// `parallel`: column (fc1) or row (fc2), as the experts' linears split over the tensor ranks.
+  GroupedLinear(int64_t experts, int64_t in, int64_t out, bool bias, at::ScalarType dtype,
+                LinearParallel parallel);
+  /// weightJ as a Linear's weight, biasJ as its bias (Linear::parameter_attributes).
+  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   /// x: [N, in], rows grouped by expert (counts[j] rows for expert j) -> [N, out]; biases added
   /// when `with_bias`.
   at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts, bool with_bias);
   std::vector<at::Tensor> weights, biases;
+
+ private:
+  LinearParallel parallel_;
 };
 
 /// The experts of one MoE layer: SequentialMLP (one MLP per expert) or, with moe_grouped_gemm,

@@ -29,6 +29,7 @@
 #pragma once
 
 #include "actmem/config/config.h"
+#include "actmem/config/strategy.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -39,28 +40,6 @@
 #include <vector>
 
 namespace actmem {
-
-/// One activation strategy as Megatron's flags.
-struct Strategy {
-  std::vector<std::string> recompute_modules;  // selective recompute (empty: none)
-  std::string full_method;                     // "uniform" or "block" (empty: no full recompute)
-  int64_t full_layers = 0;                     // full recompute's --recompute-num-layers
-  std::vector<std::string> offload_modules;    // fine-grained offload groups (empty: none)
-  int64_t offload_layers = 0;                  // layer-level offload of the first K layers
-
-  bool plain() const {
-    return recompute_modules.empty() && full_method.empty() && offload_modules.empty() &&
-           offload_layers == 0;
-  }
-  /// Short name: "plain", "selective core_attn+mlp", "full block 2", "offload attn_norm",
-  /// "selective core_attn, offload mlp_norm", "layer offload 1".
-  std::string name() const;
-  /// Megatron's command-line flags, ready to paste ("" for plain).
-  std::string flags() const;
-  /// `base` with its recompute and offload flags replaced by this strategy's.
-  TransformerConfig apply(const TransformerConfig& base) const;
-  bool operator==(const Strategy& o) const;
-};
 
 /// Every strategy make_activation_plan() accepts for `base`'s shape: plain; every non-empty set
 /// of the applicable recompute modules; full uniform and block recompute with every N; every

@@ -19,6 +19,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 namespace actmem {
 
@@ -86,6 +87,38 @@ struct CheckpointLoadOptions {
   /// Use this run's learning-rate settings where the checkpoint's differ (otherwise refused).
   bool override_scheduler = false;
 };
+
+class BatchSource;
+class Optimizer;
+class OptimizerParamScheduler;
+class RngStatesTracker;
+struct TrainingConfig;
+
+/// What a checkpoint saves of a run and restores into it: Megatron's save_checkpoint(iteration,
+/// model, optimizer, opt_param_scheduler) with the data position and the random streams. The
+/// training run's parts, by reference (Trainer::train_state()).
+struct TrainState {
+  const TransformerConfig& model_config;
+  const TrainingConfig& config;
+  const at::Device& device;
+  GPTModel& model;
+  Optimizer& optimizer;
+  OptimizerParamScheduler& scheduler;
+  BatchSource& train_data;  // its position: the samples consumed
+  int64_t& iteration;
+  std::vector<at::Tensor>& rng_state;  // the default generators' (CPU, then the device's)
+  RngStatesTracker& rng_tracker;       // the named streams
+};
+
+/// Writes the checkpoint of state.iteration into `dir` in Megatron's layout (Note [Checkpoint
+/// protocol]); collective over every rank. Returns the iteration directory.
+std::string save_checkpoint(const std::string& dir, const TrainState& state);
+/// Loads `dir`'s latest checkpoint into `state` (collective). Returns the iteration it holds, or
+/// nullopt when `dir` has no latest_checkpointed_iteration.txt (nothing is loaded, as in
+/// Megatron). Refuses, naming the field, a checkpoint of another model shape, parallel layout or
+/// precision.
+std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState& state,
+                                       const CheckpointLoadOptions& options = {});
 
 /// Catches SIGTERM and SIGINT while it lives (Megatron's --exit-signal-handler): the first one
 /// is recorded for the training loop to act on after its current step (save, then exit); the

@@ -1,14 +1,21 @@
-// trainer.h — the training loop: AdamW, micro-batches with gradient accumulation, validation,
-// and the per-iteration measurements every later mechanism is judged by.
+// trainer.h — the training loop: micro-batches with gradient accumulation under the pipeline
+// schedules, the optimizer step, validation, checkpoints, and the per-iteration measurements
+// every later mechanism is judged by.
 //
-// Memory is measured with the device tracker (memory_tracker.h). Gradients are allocated once at
-// construction, so activation measurements never include first-touch gradient allocations.
+// The Trainer assembles parts that each do one job, as Megatron-LM's train_step calls them:
+// the data (training_setup.h), the model (model.h), the parameters' groups and the gradient
+// reductions (gradients.h), the optimizer and its schedule (optimizer.h), the checkpoint over a
+// TrainState (checkpoint.h), the statistics (iteration_stats.cpp) and the loop with its log
+// (run_loop.cpp). Memory is measured with the device tracker (memory_tracker.h). Gradients are
+// allocated once at construction, so activation measurements never include first-touch gradient
+// allocations.
 #pragma once
 
 #include "actmem/train/checkpoint.h"
 #include "actmem/config/config.h"
 #include "actmem/data/data.h"
-#include "actmem/parallel/grad_norm.h"
+#include "actmem/train/gradients.h"
+#include "actmem/train/optimizer.h"
 #include "actmem/memory/memory_tracker.h"
 #include "actmem/model/model.h"
 #include "actmem/base/pipeline_event.h"
@@ -23,10 +30,6 @@
 #include <optional>
 #include <string>
 
-namespace torch::optim {
-class AdamW;
-}
-
 namespace actmem {
 
 class ActivationLedger;
@@ -37,6 +40,8 @@ class MixedPrecisionOptimizer;
 class ActivationOffloader;
 class GradReducer;
 class OptimizerShards;
+struct ScheduleSpec;
+struct ActivationPrediction;
 class OutputFile;
 class TraceRecorder;
 
@@ -69,7 +74,7 @@ struct IterationStats {
   int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (memory_model.h)
   /// The most activation bytes held at once (at the end of a forward, every micro-batch in
   /// flight counted): activation_bytes without pipeline parallelism; under 1F1B up to
-  /// min(p - stage, micro-batches) micro-batches (Note [Pipeline step] in trainer.cpp).
+  /// min(p - stage, micro-batches) micro-batches (Note [Pipeline step] in schedules.cpp).
   int64_t inflight_activation_bytes = 0;
   int64_t predicted_inflight_activation_bytes = 0;
   int64_t offloaded_bytes = 0;   // device bytes copied to host this step (offload)
@@ -87,7 +92,7 @@ struct IterationStats {
   std::vector<int64_t> predicted_inflight_activation_bytes_per_stage;
   std::vector<int64_t> peak_device_bytes_per_stage;
   /// Every stage's forwards and backwards in the order it ran them (stage order; times from the
-  /// earliest stage's start of the schedule; Note [Pipeline step] in trainer.cpp).
+  /// earliest stage's start of the schedule; Note [Pipeline step] in schedules.cpp).
   std::vector<std::vector<PipelineEvent>> pipeline_schedule_per_stage;
   std::optional<double> val_loss;     // when validation ran after this step
   /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
@@ -137,17 +142,15 @@ class Trainer {
   /// train_step()).
   /// Steps run from iteration() + 1 (after a load) to train_iters. With --save it saves every
   /// save_interval iterations and at the end. Returns the signal that stopped it early, or 0.
+  /// (run_loop.cpp)
   int run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
           bool compute_digest = true);
 
-  /// Writes the checkpoint of the current iteration into `dir` in Megatron's layout
-  /// (checkpoint.h, Note [Checkpoint protocol]); collective over the tensor-parallel ranks.
-  /// Returns the iteration directory.
+  /// Writes the checkpoint of the current iteration into `dir` (save_checkpoint in
+  /// checkpoint.h); collective. Returns the iteration directory.
   std::string save_checkpoint(const std::string& dir);
-  /// Loads `dir`'s latest checkpoint (collective). Returns the iteration it holds, or nullopt
-  /// when `dir` has no latest_checkpointed_iteration.txt (nothing is loaded, as in Megatron).
-  /// Refuses, naming the field, a checkpoint of another model shape, tensor-parallel size or
-  /// precision.
+  /// Loads `dir`'s latest checkpoint (load_checkpoint in checkpoint.h; collective). Returns the
+  /// iteration it holds, or nullopt when `dir` has none.
   std::optional<int64_t> load_checkpoint(const std::string& dir,
                                          const CheckpointLoadOptions& options = {});
   /// Samples the training data has consumed (Megatron's consumed_train_samples).
@@ -166,9 +169,9 @@ class Trainer {
   void set_trace(TraceRecorder* recorder) { trace_ = recorder; }
   /// The gradients each step reduces, clips and digests, one per ordered parameter: the
   /// parameters' own gradients in fp32, the fp32 (or 16-bit) main-grad buffers at 16 bits.
-  const std::vector<at::Tensor>& gradients() const { return grads_; }
+  const std::vector<at::Tensor>& gradients() const { return optimizer_->gradients(); }
   /// The mixed-precision optimizer (null in fp32 training).
-  MixedPrecisionOptimizer* mixed_precision() { return mixed_.get(); }
+  MixedPrecisionOptimizer* mixed_precision() { return optimizer_->mixed(); }
   /// This trainer's dropout stream: the default generators' states between its steps.
   const std::vector<at::Tensor>& rng_state() const { return rng_state_; }
   /// The layer-level offloader (null without cpu_offloading_num_layers).
@@ -176,56 +179,49 @@ class Trainer {
   /// The overlapped data-parallel reduction (--overlap-grad-reduce with d > 1), else null.
   const GradReducer* grad_reducer() const { return grad_reducer_.get(); }
   /// The distributed optimizer's layout (--use-distributed-optimizer), else null.
-  const OptimizerShards* optimizer_shards() const { return shards_.get(); }
+  const OptimizerShards* optimizer_shards() const { return optimizer_->shards(); }
   /// The timeline of the last step's first micro-batch when record_timeline(true) was set.
   void record_timeline(bool on) { record_timeline_ = on; }
   const MemoryTimeline& last_timeline() const { return *timeline_; }
 
  private:
-  double lr_at(int64_t iteration) const;
+  // The dropout streams (Note [Trainer RNG stream]) and the named ones, seeded as Megatron seeds.
+  void seed_random_streams();
   // Elements per gradient bucket (grad_reducer.h, distributed_optimizer.h); nullopt: one bucket.
   std::optional<int64_t> ddp_bucket_size() const;
-  // The checkpoint file's dict (checkpoint.cpp); a collective over the data-parallel replicas,
-  // each calling it, only the writers (`write`) building the dict.
-  c10::impl::GenericDict checkpoint_state(bool write) const;
-  // Every replica's random states, one list entry per expert-data-parallel rank (a collective).
-  c10::impl::GenericList replica_rng_states() const;
-  void check_checkpoint_args(const nlohmann::json& args, const std::string& path) const;
+  // run()'s pieces (run_loop.cpp): the offload summary and warning after the first step, and the
+  // exit signal every rank agrees on (0: none).
+  void report_first_step(const RunOutput& out, const IterationStats& st);
+  int exit_signal(const RunOutput& out) const;
+  // The run's parts a checkpoint saves and restores.
+  TrainState train_state();
   // The steps of train_step() (Note [The steps of a training step] in trainer.cpp).
   struct StepClock {
     double busy_s = 0.0;  // forward, backward and optimizer time
     int64_t peak = 0;     // device peak of the step
   };
   void forward_backward(IterationStats& st, StepClock& clock);
+  // Unscale and check for inf/NaN at 16 bits; true when the step is skipped.
+  bool found_inf();
   // This rank's next micro-batch (tokens, labels) on the device.
   std::pair<at::Tensor, at::Tensor> next_microbatch();
-  // One micro-batch after the other (no pipeline), or this stage's share of the 1F1B schedule
-  // (Note [Pipeline step]); each returns the sum of its micro-batches' losses / n_micro.
-  double forward_backward_microbatches(IterationStats& st, StepClock& clock, int64_t n_micro);
-  double forward_backward_pipelined(IterationStats& st, StepClock& clock, int64_t n_micro);
-  // The loss and the MoE statistics over the ranks, for the log.
+  // What a step measures around the schedule's computations (trainer.cpp).
+  class StepObserver;
+  // This stage's share of a pipeline schedule (Note [Pipeline step] in schedules.cpp) with the
+  // stage's memory predicted for it; returns the mean loss (the last stage's, on every stage).
+  double forward_backward_pipelined(IterationStats& st, StepClock& clock, const ScheduleSpec& spec);
+  // Backward from `loss` (times the loss scale when a scaler is set: Megatron's grad_scale_func).
+  void backward_from_loss(const at::Tensor& loss);
+  // The loss and the MoE statistics over the ranks, for the log (iteration_stats.cpp).
   void finish_forward_backward(IterationStats& st, double loss_sum);
   // Sends and receives between this rank's pipeline neighbours.
   PipelineP2P pipeline_p2p() const;
-  // The bytes one micro-batch keeps on this stage in model chunk `chunk` (Note [Pipeline step]):
-  // predicted once, or, when they depend on the routing, from the chunk's latest forward.
-  // `every_layer`: a micro-batch that checkpoints every layer (Note [Partial activation
-  // checkpoints] in trainer.cpp).
-  int64_t predicted_chunk_bytes(int64_t chunk, int64_t boundary_bytes, bool every_layer) const;
-  // The MoE statistics of every stage's layers, on every stage (the log reports the model's).
-  MoEStats gather_moe_stats_over_stages(const MoEStats& local) const;
   // The ledger's record of one forward (null without a ledger).
   std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
-  // The tied embedding's gradient summed over the embedding group (first and last stage).
-  void reduce_embedding_gradients();
   // The last pipeline stage's `value` on every stage (the value itself without a pipeline).
   double from_last_stage(double value) const;
   // Every stage's schedule_ into st.pipeline_schedule_per_stage (on every stage).
   void gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const;
-  void reduce_sequence_parallel_gradients();
-  // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
-  // over the data-parallel group (one flat all-reduce after backward; no overlap yet).
-  void reduce_data_parallel_gradients();
   void gather_rank_stats(IterationStats& st, bool compute_digest);
   /// The global gradient norm (NaN-checked), after which the gradients are clipped.
   double clip_gradients(const IterationStats& st);
@@ -235,40 +231,24 @@ class Trainer {
   at::Device device_;
   DeviceMemory& memory_;
   Corpus corpus_;
-  std::shared_ptr<GPTModel> model_;
-  std::vector<at::Tensor> params_;
-  // --use-distributed-optimizer: this rank's piece of each parameter (distributed_optimizer.h);
-  // declared before the optimizers, which use it.
-  std::unique_ptr<OptimizerShards> shards_;
-  std::vector<at::Tensor> optimizer_params_;             // what optimizer_ steps (see ctor)
-  std::unique_ptr<torch::optim::AdamW> optimizer_;       // fp32 training
-  std::unique_ptr<MixedPrecisionOptimizer> mixed_;       // --bf16 / --fp16
-  std::vector<at::Tensor> grads_;                        // see gradients()
-  int64_t scheduler_steps_ = 0;  // optimizer steps taken (skipped ones do not advance the lr)
   std::unique_ptr<BatchSource> train_sampler_;
   std::unique_ptr<BatchSource> valid_sampler_;
+  std::shared_ptr<GPTModel> model_;
+  std::unique_ptr<ParameterGroups> groups_;
+  std::unique_ptr<Optimizer> optimizer_;
+  OptimizerParamScheduler scheduler_;
+  std::unique_ptr<GradReducer> grad_reducer_;  // --overlap-grad-reduce with d > 1
   std::unique_ptr<MemoryTimeline> timeline_;
   std::unique_ptr<ActivationOffloader> offloader_;
-  std::unique_ptr<GradReducer> grad_reducer_;  // --overlap-grad-reduce with d > 1
   bool record_timeline_ = false;
-  int64_t predicted_activation_bytes_ = 0;  // per micro-batch (model chunk 0's)
-  std::vector<int64_t> chunk_activation_bytes_;  // per model chunk (interleaved schedule)
-  bool routing_dependent_prediction_ = false;  // MoE capacity without padding: predicted per step
-  // With --num-microbatches-with-partial-activation-checkpoints: the plan of a micro-batch that
-  // checkpoints every layer, and its bytes per model chunk (unless routing-dependent).
-  std::unique_ptr<ActivationPlan> every_layer_plan_;
-  std::vector<int64_t> every_layer_chunk_bytes_;
+  // What each micro-batch is predicted to keep (training_setup.h).
+  std::unique_ptr<ActivationPrediction> prediction_;
   ActivationLedger* ledger_ = nullptr;
   TraceRecorder* trace_ = nullptr;
   // Note [Trainer RNG stream]: see trainer.cpp.
   std::vector<at::Generator> generators_;  // CPU default, plus the device's default on CUDA
   std::vector<at::Tensor> rng_state_;
   RngStatesTracker tracker_;  // this trainer's named streams (swapped in per step)
-  std::vector<bool> tensor_parallel_flags_;           // per params_ entry
-  std::vector<bool> expert_parallel_flags_;           // per params_ entry: routed experts' weights
-  std::vector<at::Tensor> sequence_parallel_grads_;  // entries of grads_ summed over TP ranks
-  at::Tensor embedding_grad_;       // the tied embedding's (first and last pipeline stage)
-  std::vector<GradNormRole> grad_norm_roles_;  // per params_ entry (grad_norm.h)
   // This stage's share of the last pipelined step, times in seconds of the wall clock
   // (system_clock since its epoch); finish_stats gathers every stage's.
   std::vector<PipelineEvent> schedule_;

@@ -1,0 +1,98 @@
+// optimizer.h — the optimizer behind one interface, and the learning-rate schedule beside it.
+//
+// As Megatron-LM's train_step calls optimizer.step() and opt_param_scheduler.step() without
+// knowing which optimizer it holds (megatron/core/optimizer/: FP32Optimizer,
+// Float16OptimizerWithFloat16Params, DistributedOptimizer; megatron/core/
+// optimizer_param_scheduler.py), the Trainer steps an Optimizer that is AdamW in fp32 training,
+// the mixed-precision optimizer at 16 bits (mixed_precision.h), either over this rank's shards with
+// --use-distributed-optimizer (distributed_optimizer.h).
+#pragma once
+
+#include "actmem/config/config.h"
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <vector>
+
+namespace torch::optim {
+class AdamW;
+}
+
+namespace actmem {
+
+class MixedPrecisionOptimizer;
+class OptimizerShards;
+
+/// Megatron's OptimizerParamScheduler for the learning rate: linear warmup from lr/warmup to lr
+/// over lr_warmup_iters steps, then constant, linear or cosine decay to min_lr at train_iters.
+/// It counts optimizer steps taken: a skipped step (loss-scale overflow) does not advance it.
+class OptimizerParamScheduler {
+ public:
+  explicit OptimizerParamScheduler(const TrainingConfig& config) : config_(config) {}
+  /// The learning rate of optimizer step `step` (1-based).
+  double lr_at(int64_t step) const;
+  /// The learning rate of the next step.
+  double next_lr() const { return lr_at(num_steps_ + 1); }
+  void step() { ++num_steps_; }
+  /// Optimizer steps taken (a checkpoint records it in samples: times the global batch).
+  int64_t num_steps() const { return num_steps_; }
+  void set_num_steps(int64_t steps) { num_steps_ = steps; }
+  const TrainingConfig& config() const { return config_; }
+
+ private:
+  TrainingConfig config_;
+  int64_t num_steps_ = 0;
+};
+
+class Optimizer {
+ public:
+  /// `params`: the model's parameters in order (their gradients are allocated here, once, for
+  /// the whole run). `shards`: the distributed optimizer's layout, or null.
+  Optimizer(const std::vector<at::Tensor>& params, const TransformerConfig& model,
+            const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards);
+  ~Optimizer();
+  Optimizer(const Optimizer&) = delete;
+  Optimizer& operator=(const Optimizer&) = delete;
+
+  /// One gradient per parameter: the parameters' own in fp32, the main-grad buffers at 16 bits
+  /// (what reductions, the norm, the clip and the digest work on).
+  const std::vector<at::Tensor>& gradients() const { return grads_; }
+  /// Sets the learning rate of the coming step and zeroes the gradients.
+  void begin_step(double lr);
+  /// The loss multiplier for backward: the loss scaler's scale, or 1.
+  double loss_scale() const;
+  /// True when backward runs from loss * loss_scale() (a loss scaler is set).
+  bool scales_loss() const;
+  /// At 16 bits with a loss scaler: unscales the gradients and returns whether any is inf or NaN
+  /// on any rank (`found_inf_any_rank` reduces the local flag); false otherwise.
+  bool unscale_and_check(const std::function<bool(bool)>& found_inf_any_rank);
+  /// AdamW on this rank's (main) parameters, then the copy into the model and, with the
+  /// distributed optimizer, the all-gather of every rank's updated elements.
+  void step();
+
+  /// The parameters it was built over.
+  const std::vector<at::Tensor>& params() const { return params_; }
+  /// The AdamW that steps `adamw_params()` (its state is what a checkpoint keeps).
+  torch::optim::AdamW& adamw();
+  /// What AdamW steps: the parameters (or this rank's views of them) in fp32, the fp32 main
+  /// parameters at 16 bits.
+  const std::vector<at::Tensor>& adamw_params() const;
+  /// The mixed-precision optimizer (null in fp32 training).
+  MixedPrecisionOptimizer* mixed() const { return mixed_.get(); }
+  /// The distributed optimizer's layout (null without --use-distributed-optimizer).
+  const OptimizerShards* shards() const { return shards_.get(); }
+
+ private:
+  std::vector<at::Tensor> params_;
+  // Declared before the optimizers, which use it.
+  std::unique_ptr<OptimizerShards> shards_;
+  std::vector<at::Tensor> adamw_params_;            // fp32 training: what adamw_ steps
+  std::unique_ptr<torch::optim::AdamW> adamw_;      // fp32 training
+  std::unique_ptr<MixedPrecisionOptimizer> mixed_;  // --bf16 / --fp16
+  std::vector<at::Tensor> grads_;
+};
+
+}  // namespace actmem

@@ -1,0 +1,110 @@
+// optimizer.cpp — Optimizer and OptimizerParamScheduler (optimizer.h).
+#include "actmem/train/optimizer.h"
+
+#include "actmem/model/layers.h"
+#include "actmem/parallel/distributed_optimizer.h"
+#include "actmem/train/mixed_precision.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim/adamw.h>
+
+#include <cmath>
+
+namespace actmem {
+
+double OptimizerParamScheduler::lr_at(int64_t step) const {
+  // Warmup is linear from lr/warmup to lr; then decay to min_lr at train_iters.
+  const auto& c = config_;
+  if (c.lr_warmup_iters > 0 && step <= c.lr_warmup_iters) {
+    return c.lr * static_cast<double>(step) / static_cast<double>(c.lr_warmup_iters);
+  }
+  if (c.lr_decay_style == "constant" || c.train_iters <= c.lr_warmup_iters) return c.lr;
+  const double progress = static_cast<double>(step - c.lr_warmup_iters) /
+                          static_cast<double>(c.train_iters - c.lr_warmup_iters);
+  const double coeff = c.lr_decay_style == "linear" ? 1.0 - progress
+                                                    : 0.5 * (std::cos(M_PI * progress) + 1.0);
+  return c.min_lr + coeff * (c.lr - c.min_lr);
+}
+
+Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerConfig& model,
+                     const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards)
+    : params_(params), shards_(std::move(shards)) {
+  const at::ScalarType dtype = params_dtype(model);
+  if (is_16bit(dtype)) {
+    // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
+    std::optional<GradScaler> scaler;
+    if (training.loss_scale) {
+      scaler = GradScaler::constant(*training.loss_scale);
+    } else if (training.dynamic_loss_scale(model)) {
+      scaler = GradScaler::dynamic(training.initial_loss_scale, training.min_loss_scale,
+                                   training.loss_scale_window, training.hysteresis);
+    }
+    mixed_ = std::make_unique<MixedPrecisionOptimizer>(
+        params_,
+        AdamWSettings{training.lr, training.adam_beta1, training.adam_beta2, training.adam_eps,
+                      training.weight_decay},
+        training.fp32_main_grads(model) ? at::kFloat : dtype, scaler, shards_.get());
+    grads_ = mixed_->main_grads();
+    return;
+  }
+  {
+    // Gradients live for the whole run: allocated once here, zeroed in place each step.
+    at::NoGradGuard no_grad;
+    for (auto p : params_) p.mutable_grad() = at::zeros_like(p);
+  }
+  for (const auto& p : params_) grads_.push_back(p.grad());
+  // With the distributed optimizer AdamW steps views of this rank's elements of each parameter
+  // (Megatron's fp32 shards are views of the parameters too), their gradients views of the
+  // gradients' same elements; the step writes straight into the parameters.
+  adamw_params_ = params_;
+  if (shards_) {
+    for (size_t i = 0; i < params_.size(); ++i) {
+      adamw_params_[i] = shards_->shard(params_[i].detach(), i);
+      adamw_params_[i].mutable_grad() = shards_->shard(grads_[i], i);
+    }
+  }
+  adamw_ = std::make_unique<torch::optim::AdamW>(
+      adamw_params_, torch::optim::AdamWOptions(training.lr)
+                         .betas({training.adam_beta1, training.adam_beta2})
+                         .eps(training.adam_eps)
+                         .weight_decay(training.weight_decay));
+}
+
+Optimizer::~Optimizer() = default;
+
+void Optimizer::begin_step(double lr) {
+  if (mixed_) {
+    mixed_->set_lr(lr);
+    mixed_->zero_grad();
+    return;
+  }
+  for (auto& group : adamw_->param_groups()) {
+    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+  }
+  for (auto& g : grads_) g.zero_();
+}
+
+double Optimizer::loss_scale() const { return mixed_ ? mixed_->loss_scale() : 1.0; }
+
+bool Optimizer::scales_loss() const { return mixed_ && mixed_->scaler(); }
+
+bool Optimizer::unscale_and_check(const std::function<bool(bool)>& found_inf_any_rank) {
+  return mixed_ ? mixed_->unscale_and_check(found_inf_any_rank) : false;
+}
+
+void Optimizer::step() {
+  if (mixed_) {
+    mixed_->step();  // its all-gather included
+    return;
+  }
+  adamw_->step();
+  if (shards_) shards_->all_gather(params_);
+}
+
+torch::optim::AdamW& Optimizer::adamw() { return mixed_ ? mixed_->adamw() : *adamw_; }
+
+const std::vector<at::Tensor>& Optimizer::adamw_params() const {
+  return mixed_ ? mixed_->main_params() : adamw_params_;
+}
+
+}  // namespace actmem
