@@ -1,0 +1,237 @@
+// test_data_parallel.cpp — data parallelism across real processes: ranks split the global batch
+// and train bitwise like one process, the overlapped bucketed reduction, the distributed
+// optimizer, dropout, and the launch and batch rules.
+#include "actmem/parallel/distributed.h"
+#include "actmem/recompute/rng.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/train/trainer.h"
+#include "parallel_workers.h"
+#include "test_util.h"
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <map>
+#include <regex>
+#include <set>
+#include <sstream>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace actmem {
+namespace {
+
+using actmem::testing::expect_error_containing;
+using actmem::testing::run_workers;
+using nlohmann::json;
+using actmem::testing::rel;
+
+// The steps of a data-parallel launch against a reference launch of the same global batch.
+void expect_same_steps(const json& a, const json& b, const std::string& what) {
+  ASSERT_EQ(a["steps"].size(), b["steps"].size());
+  for (size_t i = 0; i < a["steps"].size(); ++i) {
+    EXPECT_EQ(a["steps"][i]["loss"].get<double>(), b["steps"][i]["loss"].get<double>()) << what << " step " << i;
+    EXPECT_EQ(a["steps"][i]["grad_norm"].get<double>(), b["steps"][i]["grad_norm"].get<double>())
+        << what << " step " << i;
+    EXPECT_EQ(a["steps"][i]["grad_digest"], b["steps"][i]["grad_digest"]) << what << " step " << i;
+    EXPECT_EQ(a["steps"][i]["consumed"], b["steps"][i]["consumed"]) << what << " step " << i;
+  }
+}
+
+TEST(DataParallel, RanksSplitTheGlobalBatchAndTrainBitwiseLikeOneProcess) {
+  // Without dropout (data-parallel ranks draw the same dropout masks, as Megatron's do, where
+  // one process advances its stream from micro-batch to micro-batch), two data-parallel ranks
+  // with one micro-batch each train bitwise like one process with two micro-batches: the loss of
+  // each is scaled by 1/2 before backward or the gradients after it, exactly (a power of two),
+  // and the two-term sum commutes.
+  const auto one = run_workers(1, {"data", "--no-dropout", "--tp", "1", "--global-batch", "8"});
+  const auto two = run_workers(2, {"data", "--no-dropout", "--tp", "1", "--global-batch", "8"});
+  ASSERT_EQ(one.size(), 1u);
+  ASSERT_EQ(two.size(), 2u);
+  EXPECT_EQ(two[1]["data"]["dp_rank"], 1);
+  EXPECT_EQ(two[1]["data"]["dp_size"], 2);
+  for (const auto& r : two) expect_same_steps(r["data"], one[0]["data"], "dp 2 rank " + r["rank"].dump());
+  // Tensor 2 x data 2 (four processes) against tensor 2: each tensor-parallel rank's gradient
+  // shard is the same in both, on both data-parallel ranks (ranks 0, 2 hold tp rank 0).
+  const auto tp = run_workers(2, {"data", "--no-dropout", "--tp", "2", "--global-batch", "8"});
+  const auto tp_dp = run_workers(4, {"data", "--no-dropout", "--tp", "2", "--global-batch", "8"});
+  ASSERT_EQ(tp_dp.size(), 4u);
+  for (const auto& r : tp_dp) {
+    const int tp_rank = r["data"]["tp_rank"].get<int>();
+    expect_same_steps(r["data"], tp[static_cast<size_t>(tp_rank)]["data"],
+                      "tp 2 x dp 2 rank " + r["rank"].dump());
+  }
+  EXPECT_EQ(tp_dp[2]["data"]["tp_rank"], 0);  // Megatron's order: tensor-parallel peers adjacent
+  EXPECT_EQ(tp_dp[2]["data"]["dp_rank"], 1);
+}
+
+TEST(DataParallel, OverlappedBucketedReductionIsBitwiseTheSameAndStartsDuringBackward) {
+  // --overlap-grad-reduce with small buckets (20000 elements: several per layer), dropout on,
+  // two micro-batches per data-parallel rank: d = 2, pipeline 2 x d 2 (1F1B) and pipeline 2 x
+  // virtual 2 x d 2 (interleaved). Every rank's losses, gradient norms and gradient digests over
+  // three steps and its final parameters are bitwise those of the same layout reducing in one
+  // all-reduce after backward (each element sums the same two values). The first step only
+  // counts when each parameter becomes ready (Megatron's golden counts); from the second, every
+  // bucket starts during backward.
+  struct Case {
+    int nproc;
+    std::vector<std::string> args;
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--pp", "1", "--layers", "4"}, "d 2"},
+      {4, {"--pp", "2", "--layers", "4"}, "p 2 x d 2"},
+      {4, {"--pp", "2", "--vp", "2", "--layers", "8"}, "p 2 x v 2 x d 2"},
+  };
+  for (const auto& k : cases) {
+    std::vector<std::string> args = {"overlap", "--tp", "1", "--global-batch", "16", "--bucket", "20000"};
+    args.insert(args.end(), k.args.begin(), k.args.end());
+    const auto ranks = run_workers(k.nproc, args);
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
+    for (const auto& r : ranks) {
+      const json& o = r["overlap"];
+      const std::string what = std::string(k.what) + " rank " + r["rank"].dump();
+      EXPECT_EQ(o["dp_size"], 2) << what;
+      const json& plain = o["plain"]["steps"];
+      const json& overlap = o["overlap"]["steps"];
+      ASSERT_EQ(overlap.size(), 3u) << what;
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(overlap[i]["loss"], plain[i]["loss"]) << what << " step " << i;
+        EXPECT_EQ(overlap[i]["grad_norm"], plain[i]["grad_norm"]) << what << " step " << i;
+        EXPECT_EQ(overlap[i]["grad_digest"], plain[i]["grad_digest"]) << what << " step " << i;
+        const int64_t buckets = overlap[i]["buckets"].get<int64_t>();
+        EXPECT_GT(buckets, 2) << what;
+        EXPECT_EQ(overlap[i]["started_in_backward"].get<int64_t>(), i == 0 ? 0 : buckets)
+            << what << " step " << i;
+      }
+      EXPECT_EQ(o["overlap"]["param_digest"], o["plain"]["param_digest"]) << what;
+    }
+  }
+}
+
+TEST(DataParallel, DistributedOptimizerIsBitwiseTheReplicatedOneWithItsStateSharded) {
+  // --use-distributed-optimizer against the replicated optimizer on the same layout, dropout
+  // on, gradients clipped, three steps: every rank's losses, gradient norms, gradient digests
+  // and final parameters are bitwise the same (each element gets the same AdamW arithmetic on the
+  // same values); the data-parallel ranks' pieces cover every element once; the tracker's device
+  // bytes drop by exactly the optimizer state of the elements another rank holds (AdamW's two
+  // fp32 moments, and at 16 bits the fp32 main parameter: 8 or 12 bytes each). With p = 1 a
+  // checkpoint saved by either optimizer resumes bitwise in the other (in the MoE case this also
+  // needs every replica's random streams in the checkpoint: expert dropout draws per routed token,
+  // so the two expert-data-parallel replicas' streams differ).
+  struct Case {
+    int nproc;
+    std::vector<std::string> args;
+    int64_t state_bytes;  // per element held
+    const char* what;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--tp", "1", "--layers", "2", "--bucket", "0"}, 8, "d 2 fp32"},
+      {2, {"--tp", "1", "--layers", "2", "--bucket", "20000", "--variant", "bf16"}, 12,
+       "d 2 bf16, overlapped 20000-element buckets"},
+      {4, {"--tp", "1", "--pp", "2", "--layers", "4", "--bucket", "20000"}, 8,
+       "p 2 x d 2 fp32, overlapped"},
+      {4, {"--tp", "2", "--layers", "2", "--bucket", "0", "--variant", "bf16"}, 12, "t 2 x d 2 bf16"},
+      // Dense weights over d = 4, the experts over their expert-data-parallel group of 2.
+      {4, {"--tp", "1", "--ep", "2", "--layers", "2", "--bucket", "0", "--variant", "moe"}, 8,
+       "MoE e 2 x d 4"},
+  };
+  for (const auto& k : cases) {
+    std::vector<std::string> args = {"distopt", "--global-batch", "16"};
+    args.insert(args.end(), k.args.begin(), k.args.end());
+    const auto ranks = run_workers(k.nproc, args);
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
+    std::map<std::pair<int, int>, int64_t> owned;  // summed over the data-parallel ranks
+    for (const auto& r : ranks) {
+      const json& o = r["distopt"];
+      const std::string what = std::string(k.what) + " rank " + r["rank"].dump();
+      const bool moe = k.args.back() == "moe";
+      ASSERT_EQ(o["dp_size"], moe ? 4 : 2) << what;
+      const json& plain = o["plain"];
+      const json& dist = o["distributed"];
+      ASSERT_EQ(dist["steps"].size(), 3u) << what;
+      for (size_t i = 0; i < 3; ++i) {
+        EXPECT_EQ(dist["steps"][i]["loss"], plain["steps"][i]["loss"]) << what << " step " << i;
+        EXPECT_EQ(dist["steps"][i]["grad_norm"], plain["steps"][i]["grad_norm"]) << what << " step " << i;
+        EXPECT_EQ(dist["steps"][i]["grad_digest"], plain["steps"][i]["grad_digest"])
+            << what << " step " << i;
+      }
+      EXPECT_EQ(dist["param_digest"], plain["param_digest"]) << what;
+      const int64_t mine = dist["owned"].get<int64_t>(), total = dist["total"].get<int64_t>();
+      EXPECT_GT(mine, 0) << what;
+      EXPECT_LT(mine, total) << what;
+      owned[{o["tp_rank"].get<int>(), o["pp_rank"].get<int>()}] += mine;
+      EXPECT_EQ(plain["device_bytes"].get<int64_t>() - dist["device_bytes"].get<int64_t>(),
+                (total - mine) * k.state_bytes)
+          << what;
+      if (dist.contains("peak_bound")) {
+        // The trainer's memory pre-check stays a bound with the state split, and a tighter one.
+        EXPECT_GE(dist["peak_bound"].get<double>(), dist["peak"].get<double>()) << what;
+        EXPECT_LT(dist["peak_bound"].get<double>(), plain["peak_bound"].get<double>()) << what;
+        EXPECT_GE(plain["peak_bound"].get<double>(), plain["peak"].get<double>()) << what;
+      }
+      if (o.contains("resumed_from_plain")) {
+        for (const char* from : {"resumed_from_plain", "resumed_from_distributed"}) {
+          EXPECT_EQ(o[from]["loss"], plain["steps"][2]["loss"]) << what << " " << from;
+          EXPECT_EQ(o[from]["param_digest"], plain["param_digest"]) << what << " " << from;
+        }
+      }
+    }
+    if (k.args.back() == "moe") continue;  // each expert-parallel rank holds other experts
+    for (const auto& r : ranks) {
+      const json& o = r["distopt"];
+      const std::pair<int, int> place(o["tp_rank"].get<int>(), o["pp_rank"].get<int>());
+      EXPECT_EQ(owned[place], o["distributed"]["total"].get<int64_t>())
+          << k.what << ": the pieces do not cover every element once";
+    }
+  }
+}
+
+TEST(DataParallel, WithDropoutTheLossStaysWithinTheMaskNoise) {
+  // With dropout the data-parallel ranks' masks differ from one process's (see above): the
+  // losses agree to within the noise dropout adds (here under 1%), not bitwise.
+  const auto one = run_workers(1, {"data", "--tp", "1", "--global-batch", "8"});
+  const auto two = run_workers(2, {"data", "--tp", "1", "--global-batch", "8"});
+  ASSERT_EQ(two.size(), 2u);
+  for (size_t i = 0; i < 3; ++i) {
+    const double a = one[0]["data"]["steps"][i]["loss"].get<double>();
+    const double b = two[0]["data"]["steps"][i]["loss"].get<double>();
+    EXPECT_LT(std::abs(a - b) / a, 0.01) << "step " << i;
+    EXPECT_EQ(b, two[1]["data"]["steps"][i]["loss"].get<double>());  // one reported mean
+  }
+}
+
+TEST(DataParallel, LaunchSizeAndBatchRules) {
+  const auto odd = actmem::testing::run_actmem(
+      "launch --nproc-per-node 3 -- train --tensor-model-parallel-size 2 --train-iters 1");
+  EXPECT_NE(odd.exit_code, 0);
+  EXPECT_NE(odd.output.find("the launch must be a multiple of it"), std::string::npos) << odd.output;
+  const auto batch = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 1");
+  EXPECT_NE(batch.exit_code, 0);
+  EXPECT_NE(batch.output.find("global batch size (2) is not divisible by micro batch size (2) "
+                              "times data parallel size (2)"),
+            std::string::npos)
+      << batch.output;
+  // A run that fits: the split of the batch, and the overlapped reduction says how many buckets
+  // it made (a bucket closes at 2000 elements or more).
+  const auto overlap = actmem::testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --train-iters 2 --overlap-grad-reduce "
+      "--ddp-bucket-size 2000");
+  EXPECT_EQ(overlap.exit_code, 0) << overlap.output;
+  EXPECT_NE(overlap.output.find("micro-batch 2 x 1 micro-batches on each of 2 data-parallel ranks"),
+            std::string::npos)
+      << overlap.output;
+  EXPECT_NE(overlap.output.find("buckets overlapping the last backward)"), std::string::npos)
+      << overlap.output;
+}
+
+// ---- pipeline parallelism -------------------------------------------------------------------
+
+}  // namespace
+}  // namespace actmem
