@@ -25,6 +25,10 @@
 namespace {
 
 using actmem::GPTModel;
+using actmem::GroupedLinear;
+using actmem::Linear;
+using actmem::LinearParallel;
+using actmem::ParameterAttributes;
 using actmem::MoELayer;
 using actmem::TrainingConfig;
 using actmem::Trainer;
@@ -187,6 +191,61 @@ TEST(MoEConfig, LayerFrequencyIntegerAndPatterns) {
   EXPECT_TRUE(router0);
   EXPECT_FALSE(router1);
   EXPECT_TRUE(dense1);
+}
+
+// Note [Parameter attributes] in model.cpp: each module that registers a parameter declares how
+// it is held; the model refuses a parameter nobody declares. Checked here against the rules
+// Megatron's names imply (the routed experts are mlp.experts.*), and per module against
+// Megatron's layers (column-parallel weights and biases split; a row-parallel bias replicated and,
+// with sequence parallelism, summed over the ranks).
+TEST(MoEModel, ParameterAttributesAreDeclaredByTheModulesThatHoldThem) {
+  TransformerConfig c = moe_model();
+  c.add_bias_linear = false;  // Megatron's rule with shared experts; the biases are checked below
+  c.moe_shared_expert_intermediate_size = 16;
+  c.moe_shared_expert_gate = true;
+  for (const bool grouped : {true, false}) {
+    c.moe_grouped_gemm = grouped;
+    GPTModel model(c);
+    const std::vector<ParameterAttributes> attrs = model.parameter_attributes();
+    const auto named = model.named_parameters();
+    ASSERT_EQ(attrs.size(), named.size());
+    size_t i = 0, experts = 0;
+    for (const auto& item : named) {
+      const bool routed = item.key().find(".mlp.experts.") != std::string::npos;
+      EXPECT_EQ(attrs[i].expert_parallel, routed) << item.key();
+      // One process: nothing is split, no sequence parallelism.
+      EXPECT_FALSE(attrs[i].tensor_parallel) << item.key();
+      EXPECT_FALSE(attrs[i].sequence_parallel) << item.key();
+      experts += routed;
+      ++i;
+    }
+    EXPECT_GT(experts, 0u);
+  }
+  // The declarations themselves, before the model masks them by its layout.
+  Linear column(8, 4, true, false, at::kFloat, LinearParallel::kColumn, /*sequence_parallel=*/true);
+  Linear row(4, 8, true, true, at::kFloat, LinearParallel::kRow, /*sequence_parallel=*/true);
+  Linear replicated(8, 8, true, false, at::kFloat);
+  auto is = [](std::optional<ParameterAttributes> a, bool tp, bool sp) {
+    return a.has_value() && a->tensor_parallel == tp && a->sequence_parallel == sp &&
+           !a->expert_parallel;
+  };
+  EXPECT_TRUE(is(column.parameter_attributes("weight"), true, false));
+  EXPECT_TRUE(is(column.parameter_attributes("bias"), true, false));
+  EXPECT_TRUE(is(row.parameter_attributes("weight"), true, false));
+  EXPECT_TRUE(is(row.parameter_attributes("bias"), false, true));
+  EXPECT_TRUE(is(replicated.parameter_attributes("weight"), false, false));
+  EXPECT_FALSE(replicated.parameter_attributes("gate").has_value());
+  GroupedLinear fc1(2, 8, 4, true, at::kFloat, LinearParallel::kColumn);
+  GroupedLinear fc2(2, 4, 8, true, at::kFloat, LinearParallel::kRow);
+  EXPECT_TRUE(is(fc1.parameter_attributes("weight1"), true, false));
+  EXPECT_TRUE(is(fc1.parameter_attributes("bias0"), true, false));
+  EXPECT_TRUE(is(fc2.parameter_attributes("weight0"), true, false));
+  EXPECT_TRUE(is(fc2.parameter_attributes("bias1"), false, true));
+  // A parameter no module declares is refused, by name.
+  GPTModel model(c);
+  model.decoder->layers[0]->register_parameter("extra", at::zeros({2}));
+  expect_error_containing([&] { model.parameter_attributes(); },
+                          "parameter decoder.layers.0.extra");
 }
 
 TEST(MoEModel, MegatronsParameterNames) {

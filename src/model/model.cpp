@@ -606,8 +606,9 @@ std::vector<at::Tensor> GPTModel::ordered_parameters() const { return parameters
 // by matching parameter names ("linear_qkv.", "layernorm.", ".mlp.experts."), which a module with
 // another name would have escaped.
 std::vector<ParameterAttributes> GPTModel::parameter_attributes() const {
-  std::unordered_map<std::string, const torch::nn::Module*> modules;
-  for (const auto& item : named_modules("", /*include_self=*/true)) {
+  // The model itself as "" (include_self would need it held by a shared_ptr).
+  std::unordered_map<std::string, const torch::nn::Module*> modules = {{"", this}};
+  for (const auto& item : named_modules("", /*include_self=*/false)) {
     modules[item.key()] = item.value().get();
   }
   std::vector<ParameterAttributes> out;
