@@ -515,7 +515,7 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
                    latents + qkv + context - 10 * sbh);
   const auto bad = actmem::testing::run_actmem("estimate --q-lora-rank 64");
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.stderr_text.find("need --multi-latent-attention"), std::string::npos) << bad.stderr_text;
+  EXPECT_NE(bad.stderr_text.find("q_lora_rank needs --multi-latent-attention"), std::string::npos) << bad.stderr_text;
 }
 
 TEST(MLAEstimate, WeightCountEqualsTheModelsParameters) {
@@ -589,7 +589,8 @@ TEST(MLAEstimate, DeepSeekV3CountsItsPublishedParameters) {
       "--moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-shared-expert-intermediate-size 2048 "
       "--moe-layer-freq '([0]*3+[1]*58)' --multi-latent-attention --q-lora-rank 1536 "
       "--kv-lora-rank 512 --qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 "
-      "--qk-layernorm --expert-model-parallel-size 64 --data-parallel-size 64");
+      "--qk-layernorm --expert-model-parallel-size 64 --data-parallel-size 64 "
+      "--disable-bias-linear");  // Megatron's shared experts have no biases
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto w = nlohmann::json::parse(r.output)["weights_and_optimizer"];
   EXPECT_NEAR(w["parameters"].get<double>() / 1e9, 671.0, 0.5);

@@ -2,6 +2,7 @@
 // terms against the paper's formulas and percentages, its step ratios against the papers' FLOP
 // counts, the offload cost, the front and the choice, and `actmem plan --preset`.
 #include "actmem/config/activation_plan.h"
+#include "actmem/flags/presets.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/plan/plan_analytic.h"
 #include "actmem/plan/planner.h"

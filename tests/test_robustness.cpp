@@ -548,7 +548,8 @@ TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
   const auto& c = parsed.config;
   EXPECT_EQ(c["command"], "train");
   EXPECT_EQ(c["model"]["hidden_size"], 32);
-  EXPECT_EQ(c["model"]["ffn_hidden_size"], 128);  // 4h resolved
+  // --swiglu without --ffn-hidden-size: Megatron's validate_args, int((4h x 2/3) / 64) x 64.
+  EXPECT_EQ(c["model"]["ffn_hidden_size"], 64);
   EXPECT_EQ(c["model"]["max_position_embeddings"], 16);
   EXPECT_EQ(c["model"]["gated_linear_unit"], true);
   EXPECT_EQ(c["model"]["offload_modules"], nlohmann::json(std::vector<std::string>{"core_attn"}));

@@ -1,6 +1,7 @@
 // main.cpp — the `actmem` command line. Library code throws; only this file turns errors into
 // messages on stderr and exit codes.
 #include "commands.h"
+#include "actmem/flags/presets.h"
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -24,8 +25,7 @@ std::string first_line(const std::string& text) {
 // repeated list, so before parsing, every earlier occurrence of a long option is dropped with its
 // values (the tokens up to the next "--name"). Parsing stops at a bare "--": what follows belongs
 // to the command `actmem launch` starts, which applies the same rule itself.
-std::vector<std::string> last_occurrence_wins(int argc, char** argv) {
-  std::vector<std::string> args(argv + 1, argv + argc);
+std::vector<std::string> last_occurrence_wins(std::vector<std::string> args) {
   const auto is_option = [](const std::string& a) { return a.size() > 2 && a.rfind("--", 0) == 0; };
   const auto name_of = [](const std::string& a) { return a.substr(0, a.find('=')); };
   const size_t end = std::find(args.begin(), args.end(), "--") - args.begin();
@@ -65,7 +65,10 @@ int main(int argc, char** argv) {
   };
   for (CLI::App* sub : app.get_subcommands([](CLI::App*) { return true; })) sub->fallthrough();
   try {
-    std::vector<std::string> args = last_occurrence_wins(argc, argv);
+    // A preset stands for its flags, ahead of the command's own (Note [Presets are command lines]
+    // in flags/presets.h), before the last of each flag is kept.
+    std::vector<std::string> args =
+        last_occurrence_wins(actmem::expand_model_preset({argv + 1, argv + argc}));
     std::reverse(args.begin(), args.end());  // CLI11 takes its argument list reversed
     app.parse(args);
   } catch (const CLI::ParseError& e) {

@@ -9,6 +9,7 @@
 #include "actmem/train/plot.h"
 #include "actmem/base/report.h"
 #include "actmem/train/step_rounds.h"
+#include "actmem/flags/presets.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
@@ -55,8 +56,7 @@ struct PlanOptions {
   // A paper preset planned analytically (Note [Analytic plan] in plan_analytic.h).
   std::string preset;
   std::string gpu = "h100";
-  int64_t data_parallel_size = 1;
-  bool no_sequence_parallel = false;
+  DescribedLayout layout;  // with --preset: d, the micro-batches, the expert tensor size
 };
 
 // Megatron's usual settings, marked on the plot and run beside the chosen plan by --verify: no
@@ -203,80 +203,29 @@ Verification verify(const TransformerConfig& base, const TrainingConfig& trainin
 
 // Note [Plan a preset]
 // `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
-// plan_analytic.h): the preset's shape, changed by the shape and layout flags given, planned per
-// GPU of its first pipeline stage on --gpu, the budget defaulting to that GPU's memory. Flags
-// that only mean something to a run here (data, runtime, profiling, --verify) are refused rather
-// than ignored.
-int run_preset(const PlanOptions& o, const CLI::App& cmd) {
-  const std::set<std::string> allowed = {
-      "--preset", "--gpu", "--memory-budget", "--json", "--svg", "--data-parallel-size",
-      "--no-sequence-parallel", "--num-layers", "--hidden-size", "--num-attention-heads",
-      "--ffn-hidden-size", "--seq-length", "--micro-batch-size", "--vocab-size", "--swiglu",
-      "--untie-embeddings-and-output-weights", "--tensor-model-parallel-size",
-      "--sequence-parallel", "--pipeline-model-parallel-size", "--use-distributed-optimizer",
-      "--global-batch-size", "--num-virtual-stages-per-pipeline-rank",
-      "--num-layers-per-virtual-pipeline-stage"};
+// plan_analytic.h): the preset's flags (Note [Presets are command lines] in flags/presets.h),
+// changed by the model and layout flags given, planned per GPU of its first pipeline stage on
+// --gpu, the budget defaulting to that GPU's memory. Flags that only mean something to a run here
+// (data, runtime, the optimizer's settings, profiling, --verify) are refused rather than ignored.
+int run_preset(PlanOptions& o, const CLI::App& cmd) {
+  std::set<std::string> allowed = {"--preset", "--gpu", "--memory-budget", "--json", "--svg",
+                                   "--global-batch-size", "--use-distributed-optimizer"};
+  {
+    TrainOptions scratch;
+    DescribedLayout layout;
+    CLI::App described;
+    add_flags(described, scratch, kShapeFlags | kParallelFlags | kMoEFlags);
+    add_described_layout_flags(described, scratch, layout, /*optimizer_flags_registered=*/false);
+    for (const CLI::Option* opt : described.get_options()) allowed.insert(opt->get_name());
+  }
   std::vector<std::string> refused;
   for (const CLI::Option* opt : cmd.get_options()) {
     if (opt->count() > 0 && !allowed.count(opt->get_name())) refused.push_back(opt->get_name());
   }
   TORCH_CHECK(refused.empty(), "actmem plan --preset: ", c10::Join(", ", refused), " not used: "
-              "a preset is planned analytically, nothing runs (it takes the shape and layout "
+              "a preset is planned analytically, nothing runs (it takes the model and layout "
               "flags, --gpu, --data-parallel-size, --memory-budget, --json and --svg)");
-  const TransformerConfig& given = o.train.model;
-  PaperShape m = paper_preset(o.preset);
-  auto set = [&cmd](const char* flag, double& field, int64_t value) {
-    if (cmd.count(flag) > 0) field = static_cast<double>(value);
-  };
-  set("--num-layers", m.L, given.num_layers);
-  set("--hidden-size", m.h, given.hidden_size);
-  set("--num-attention-heads", m.a, given.num_attention_heads);
-  set("--seq-length", m.s, given.seq_length);
-  set("--micro-batch-size", m.b, given.micro_batch_size);
-  set("--vocab-size", m.v, given.vocab_size);
-  set("--tensor-model-parallel-size", m.t, given.tensor_model_parallel_size);
-  set("--pipeline-model-parallel-size", m.p, given.pipeline_model_parallel_size);
-  if (cmd.count("--ffn-hidden-size") > 0) {
-    m.ffn = static_cast<double>(given.ffn_hidden_size);
-  } else if (cmd.count("--hidden-size") > 0) {
-    m.ffn = 4 * m.h;  // a new hidden size without a new ffn: Megatron's 4h
-  }
-  if (cmd.count("--swiglu") > 0) m.swiglu = true;  // train's flag for gated_linear_unit
-  if (cmd.count("--untie-embeddings-and-output-weights") > 0) m.untied = true;
-  if (cmd.count("--sequence-parallel") > 0) m.sp = true;
-  TORCH_CHECK(!(m.sp && o.no_sequence_parallel && cmd.count("--sequence-parallel") > 0),
-              "actmem plan --preset: --sequence-parallel and --no-sequence-parallel together");
-  if (o.no_sequence_parallel || m.t == 1) m.sp = false;
-  m.d = static_cast<double>(o.data_parallel_size);
-  if (cmd.count("--use-distributed-optimizer") > 0) m.distributed_optimizer = true;
-  const bool chunks = cmd.count("--num-virtual-stages-per-pipeline-rank") > 0;
-  const bool chunk_layers = cmd.count("--num-layers-per-virtual-pipeline-stage") > 0;
-  TORCH_CHECK(!(chunks && chunk_layers), "actmem plan --preset: No more than one of the following "
-              "arguments can be set at the same time: --num-layers-per-virtual-pipeline-stage, "
-              "--num-virtual-stages-per-pipeline-rank");
-  TORCH_CHECK(!(chunks || chunk_layers) || m.p > 1, "actmem plan --preset: the interleaved "
-              "schedule needs --pipeline-model-parallel-size > 1");
-  if (chunks) m.vpp = static_cast<double>(*given.num_virtual_stages_per_pipeline_rank);
-  if (chunk_layers) {
-    const double per_chunk = static_cast<double>(*given.num_layers_per_virtual_pipeline_stage);
-    TORCH_CHECK(std::fmod(m.L / m.p, per_chunk) == 0, "actmem plan --preset: number of layers "
-                "per pipeline stage (", m.L / m.p, ") must be divisible by the number of layers "
-                "per virtual pipeline stage (", per_chunk, ")");
-    m.vpp = m.L / m.p / per_chunk;
-  }
-  if (m.p == 1 || (m.vpp && *m.vpp == 1)) m.vpp.reset();  // no interleaving
-  if (o.train.training.global_batch_size > 0) {
-    const double per_step = m.b * m.d;
-    TORCH_CHECK(std::fmod(static_cast<double>(o.train.training.global_batch_size), per_step) == 0,
-                "actmem plan --preset: --global-batch-size (", o.train.training.global_batch_size,
-                ") must be a multiple of micro-batch size x data-parallel size (", per_step, ")");
-    m.num_microbatches = static_cast<double>(o.train.training.global_batch_size) / per_step;
-  }
-  if (m.vpp) {
-    TORCH_CHECK(std::fmod(m.L, m.p) == 0 && std::fmod(m.L / m.p, *m.vpp) == 0,
-                "actmem plan --preset: ", *m.vpp, " virtual stages per pipeline rank must divide "
-                "the ", m.L / m.p, " layers per stage");
-  }
+  const PaperShape m = describe_model(o.train, o.layout, "actmem plan --preset");
   const DeviceSpec gpu = device_spec(o.gpu);
   const int64_t budget = o.budget.empty() ? static_cast<int64_t>(gpu.memory_bytes)
                                           : parse_memory_budget(o.budget);
@@ -364,7 +313,8 @@ int run_preset(const PlanOptions& o, const CLI::App& cmd) {
 
 int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.preset.empty()) return run_preset(o, cmd);
-  for (const char* flag : {"--gpu", "--data-parallel-size", "--no-sequence-parallel"}) {
+  for (const char* flag : {"--gpu", "--data-parallel-size", "--num-microbatches",
+                           "--expert-tensor-parallel-size"}) {
     TORCH_CHECK(cmd.count(flag) == 0, "actmem plan: ", flag, " applies with --preset (a paper "
                 "model planned analytically); without it the model is measured here, in one "
                 "process");
@@ -631,18 +581,14 @@ Runner add_plan_command(CLI::App& app) {
       ->capture_default_str()->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");
   cmd->add_option("--svg", o->svg, "plot every strategy and the front (peak against step time)");
-  cmd->add_option("--preset", o->preset,
-                  "plan a paper model analytically instead of measuring one here: " +
-                      c10::Join(", ", paper_preset_names()) + " (docs/planner.md)");
+  add_preset_option(*cmd, o->preset,
+                    "plan a named model analytically instead of measuring one here, with the "
+                    "model flags given replacing its own (docs/planner.md)");
   cmd->add_option("--gpu", o->gpu, "with --preset: the GPU costed (" +
                       c10::Join(", ", device_spec_names()) + ")")
       ->capture_default_str()
       ->check(CLI::IsMember(device_spec_names()));
-  cmd->add_option("--data-parallel-size", o->data_parallel_size,
-                  "with --preset: d (divides the optimizer state with --use-distributed-optimizer)")
-      ->capture_default_str()->check(integer_in_range(1, int64_t{1} << 40));
-  cmd->add_flag("--no-sequence-parallel", o->no_sequence_parallel,
-                "with --preset: sequence parallelism off");
+  add_described_layout_flags(*cmd, o->train, o->layout, /*optimizer_flags_registered=*/true);
   cmd->add_option("--costs", o->costs,
                   "keep the measured costs in this file and reuse them while the model, device, "
                   "threads and libraries are the same");

@@ -96,13 +96,17 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
   app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")
       ->capture_default_str()->check(kPositive);
-  app.add_flag("--swiglu", o.swiglu, "Gated linear unit with SiLU (SwiGLU) instead of GeLU");
+  // The negations turn off what a preset (flags/presets.h) or an earlier flag turned on: the
+  // last of a flag and its negation wins, as with argparse.
+  app.add_flag("--swiglu,!--no-swiglu", o.swiglu,
+               "Gated linear unit with SiLU (SwiGLU) instead of GeLU (default ffn: Megatron's "
+               "int(8h/3/64) x 64)");
   app.add_flag("--disable-bias-linear", o.disable_bias_linear, "Linear layers without biases");
   app.add_flag("--use-rotary-position-embeddings", o.use_rope,
                "RoPE instead of learned absolute positions");
   app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str()->check(kPositive);
-  app.add_flag("--untie-embeddings-and-output-weights", o.untie,
-               "Separate output layer instead of the tied word embedding");
+  app.add_flag("--untie-embeddings-and-output-weights,!--tie-embeddings-and-output-weights",
+               o.untie, "Separate output layer instead of the tied word embedding");
   app.add_option("--init-method-std", m.init_method_std, "Std of the normal initialisation")
       ->capture_default_str()->check(kPositive);
   // Precision (docs/mixed-precision.md).
@@ -123,8 +127,9 @@ void add_parallel_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--tensor-model-parallel-size", m.tensor_model_parallel_size,
                  "Tensor-parallel ranks t (= the launch's --nproc-per-node)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_flag("--sequence-parallel", m.sequence_parallel,
-               "Shard norms and dropouts along the sequence across the t ranks");
+  app.add_flag("--sequence-parallel,!--no-sequence-parallel", m.sequence_parallel,
+               "Shard norms and dropouts along the sequence across the t ranks (turned off with "
+               "a warning when t = 1, as Megatron does)");
   app.add_option("--pipeline-model-parallel-size", m.pipeline_model_parallel_size,
                  "Pipeline stages p (1F1B schedule; the launch has t x p x d processes)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
@@ -491,6 +496,19 @@ void TrainOptions::finalize() {
   if (recompute_activations) model.recompute_granularity = "selective";
   model.normalization = normalization_flag;
   model.gated_linear_unit = swiglu;
+  if (swiglu && model.ffn_hidden_size == 0) {
+    // Megatron's validate_args: SwiGLU's two fc1 halves keep the parameters of a 4h GeLU MLP,
+    // rounded down to a multiple of 64 (its TransformerConfig alone would take 4h).
+    model.ffn_hidden_size = 4 * model.hidden_size * 2 / 3 / 64 * 64;
+    TORCH_CHECK(model.ffn_hidden_size > 0, "--swiglu without --ffn-hidden-size takes Megatron's "
+                "int(8h/3/64) x 64, which is 0 for --hidden-size ", model.hidden_size,
+                "; give --ffn-hidden-size");
+  }
+  if (model.sequence_parallel && model.tensor_model_parallel_size == 1) {
+    // Megatron's validate_args: sequence parallelism without tensor parallelism is switched off.
+    TORCH_WARN("Disabling sequence parallelism because tensor model parallelism is disabled");
+    model.sequence_parallel = false;
+  }
   model.add_bias_linear = !disable_bias_linear;
   model.untie_embeddings_and_output_weights = untie;
   model.position_embedding_type = use_rope ? "rope" : "learned_absolute";

@@ -8,42 +8,11 @@
 #include <algorithm>
 #include <limits>
 #include <cmath>
-#include <map>
 #include <numeric>
 
 namespace actmem {
 
 namespace {
-PaperShape shape(double s, double b, double h, double a, double L, double ffn, double v, double t,
-                 double p, bool sp, std::optional<double> vpp = std::nullopt) {
-  PaperShape m;
-  m.s = s, m.b = b, m.h = h, m.a = a, m.L = L, m.ffn = ffn, m.v = v, m.t = t, m.p = p, m.sp = sp;
-  m.vpp = vpp;
-  return m;
-}
-
-// SwiGLU with untied embeddings, as the Llama-style models of that size.
-PaperShape seven_b() {
-  PaperShape m = shape(4096, 2, 4096, 32, 32, 14336, 32000, 2, 2, true);
-  m.swiglu = true;
-  m.untied = true;
-  return m;
-}
-
-const std::map<std::string, PaperShape>& presets() {
-  static const std::map<std::string, PaperShape> table = {
-      // A 7B worked example (docs/memory-model.md): s=4096, b=2, h=4096, a=32, L=32,
-      // ffn=14336 (SwiGLU), TP=2 with SP, PP=2 (16 layers per stage). Vocabulary 32000.
-      {"7b", seven_b()},
-      // Korthikanti et al. Table 3 (s = 2048, v = 51200, ffn = 4h), with SP as in the paper.
-      {"22b", shape(2048, 4, 6144, 64, 48, 4 * 6144, 51200, 8, 1, true)},
-      {"175b", shape(2048, 1, 12288, 96, 96, 4 * 12288, 51200, 8, 8, true, 3.0)},
-      {"530b", shape(2048, 1, 20480, 128, 105, 4 * 20480, 51200, 8, 35, true, 3.0)},
-      {"1t", shape(2048, 1, 25600, 160, 128, 4 * 25600, 51200, 8, 64, true)},
-  };
-  return table;
-}
-
 // Megatron's interleave and in-flight factors, shared by both of its formulas.
 double pipeline_factor(const PaperShape& m) {
   if (m.vpp) return 1.0 + (m.p - 1.0) / (m.p * *m.vpp);
@@ -52,20 +21,43 @@ double pipeline_factor(const PaperShape& m) {
 }
 }  // namespace
 
-std::vector<std::string> paper_preset_names() {
-  std::vector<std::string> names;
-  for (const auto& [name, _] : presets()) names.push_back(name);
-  return names;
-}
-
-PaperShape paper_preset(const std::string& name) {
-  const auto it = presets().find(name);
-  if (it == presets().end()) {
-    std::string known;
-    for (const auto& n : paper_preset_names()) known += (known.empty() ? "" : ", ") + n;
-    TORCH_CHECK(false, "actmem::paper_preset: unknown preset '", name, "'; known: ", known);
+// Note [One model description]
+// A model is described once, by TransformerConfig (Megatron's TransformerConfig), whose flags
+// train, estimate and plan share (flags/train_options.h) and whose validate() states each of
+// Megatron's rules once. The paper's formulas want the same model as doubles (a 1T model's
+// s^2 terms overflow nothing), so PaperShape is derived from the config here, never bound to
+// flags of its own.
+PaperShape paper_shape(const TransformerConfig& c) {
+  auto d = [](int64_t v) { return static_cast<double>(v); };
+  PaperShape m;
+  m.s = d(c.seq_length), m.b = d(c.micro_batch_size), m.h = d(c.hidden_size);
+  m.a = d(c.num_attention_heads), m.L = d(c.num_layers), m.ffn = d(c.ffn()), m.v = d(c.vocab_size);
+  m.t = d(c.tensor_model_parallel_size), m.p = d(c.pipeline_model_parallel_size);
+  m.sp = c.sequence_parallel;
+  if (c.virtual_pipeline_size() > 1) m.vpp = d(c.virtual_pipeline_size());
+  m.swiglu = c.gated_linear_unit;
+  m.untied = c.untie_embeddings_and_output_weights;
+  m.rmsnorm = c.use_rmsnorm();
+  if (c.is_moe()) {
+    MoEPaperShape& e = m.moe;
+    e.experts = d(c.num_moe_experts), e.topk = d(c.moe_router_topk), e.ffn = d(c.moe_ffn());
+    e.shared_ffn = d(c.moe_shared_expert_intermediate_size.value_or(0));
+    e.capacity_factor = c.moe_expert_capacity_factor.value_or(0.0);
+    e.pad_to_capacity = c.moe_pad_expert_input_to_capacity;
+    // The router keeps the load-balancing scores only when the loss is computed.
+    e.aux_loss = c.moe_router_load_balancing_type == "aux_loss" && c.moe_aux_loss_coeff > 0.0;
+    e.z_loss = c.moe_z_loss_coeff.value_or(0.0) > 0.0;
+    e.shared_gate = c.moe_shared_expert_gate;
+    e.ep = d(c.expert_model_parallel_size);
+    for (const bool moe : c.moe_layers()) e.layers += moe ? 1.0 : 0.0;
   }
-  return it->second;
+  if (c.multi_latent_attention) {
+    MLAPaperShape& x = m.mla;
+    x.q_lora = d(c.q_lora_rank.value_or(0)), x.kv_lora = d(c.kv_lora_rank);
+    x.qk = d(c.qk_head_dim), x.pos = d(c.qk_pos_emb_head_dim), x.v = d(c.v_head_dim);
+    x.qk_layernorm = c.qk_layernorm;
+  }
+  return m;
 }
 
 LayerBytes paper_layer_bytes(const PaperShape& m) {

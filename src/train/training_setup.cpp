@@ -17,8 +17,13 @@
 namespace actmem {
 
 void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training) {
+  check_batch_layout(model, training, data_parallel_group().size);
+}
+
+void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training,
+                        int64_t d) {
   // Megatron's validate_args: each data-parallel rank runs whole micro-batches.
-  const int64_t mbs = model.micro_batch_size, d = data_parallel_group().size;
+  const int64_t mbs = model.micro_batch_size;
   const int64_t gbs = training.global_batch(mbs, d);
   TORCH_CHECK(gbs % (mbs * d) == 0, "actmem::Trainer: global batch size (", gbs,
               ") is not divisible by micro batch size (", mbs, ") times data parallel size (", d,

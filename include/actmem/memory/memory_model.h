@@ -56,11 +56,12 @@ struct PaperShape {
   bool is_moe() const { return moe.experts > 0; }
 };
 
-/// A named model: "7b" (a 7B worked example: s 4096, b 2, h 4096, a 32, L 32, ffn 14336, TP 2
-/// with SP, PP 2; docs/memory-model.md) or Korthikanti Table 3 ("22b", "175b", "530b", "1t").
-/// Throws for an unknown name, listing the known ones.
-PaperShape paper_preset(const std::string& name);
-std::vector<std::string> paper_preset_names();
+/// The paper's view of a model (Note [One model description] in memory_model.cpp): its sizes,
+/// layout, MoE and MLA read off the config, in doubles. What the config does not say is left at
+/// its default for the caller to set: d = 1, no distributed optimizer, the number of
+/// micro-batches unset, the expert tensor size t. The presets (actmem estimate --preset) are
+/// command lines in flags/presets.h, described through this.
+PaperShape paper_shape(const TransformerConfig& config);
 
 /// Activation bytes of one transformer layer for one micro-batch (Korthikanti Table 2, 16-bit):
 /// none: sbh(34 + 5as/h) (eq. 1), or with t > 1 sbh(10 + 24/t + 5as/(ht)) (eq. 2) and with SP

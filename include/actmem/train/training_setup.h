@@ -18,6 +18,9 @@ class GPTModel;
 /// Megatron's validate_args on the batch: each data-parallel rank runs whole micro-batches, and
 /// the interleaved schedule's rules on their number. Throws with Megatron's message.
 void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training);
+/// The same for `data_parallel_size` ranks (a layout described, not launched: flags/presets.h).
+void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training,
+                        int64_t data_parallel_size);
 
 /// The corpus summary and the training and validation batches: the byte-level corpus of
 /// --data-path FILE, or Megatron's GPTDataset and BlendedDataset over memory-mapped indexed

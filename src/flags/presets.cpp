@@ -1,0 +1,195 @@
+// presets.cpp — named models as command lines, and the paper's view of the model the flags
+// describe.
+#include "actmem/flags/presets.h"
+
+#include "actmem/parallel/pipeline.h"
+#include "actmem/train/training_setup.h"
+
+#include <CLI/CLI.hpp>
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <algorithm>
+#include <limits>
+#include <map>
+#include <sstream>
+
+namespace actmem {
+
+namespace {
+// Korthikanti et al. 2022, Table 3: s = 2048, V = 51200, ffn = 4h (Megatron's default), TP 8 with
+// sequence parallelism; 175B and 530B with the interleaved schedule's 3 chunks per stage.
+std::string table3(int64_t b, int64_t h, int64_t a, int64_t L, int64_t p, int64_t chunks) {
+  std::ostringstream os;
+  os << "--seq-length 2048 --micro-batch-size " << b << " --hidden-size " << h
+     << " --num-attention-heads " << a << " --num-layers " << L << " --vocab-size 51200 "
+     << "--tensor-model-parallel-size 8 --sequence-parallel --pipeline-model-parallel-size " << p;
+  if (chunks > 1) os << " --num-virtual-stages-per-pipeline-rank " << chunks;
+  return os.str();
+}
+
+const std::map<std::string, std::string>& presets() {
+  static const std::map<std::string, std::string> table = {
+      // The 7B worked example of docs/memory-model.md (Llama-style: SwiGLU with ffn 14336,
+      // untied embeddings, vocabulary 32000), TP 2 with SP, PP 2: 16 layers per stage.
+      {"7b", "--seq-length 4096 --micro-batch-size 2 --hidden-size 4096 --num-attention-heads 32 "
+             "--num-layers 32 --ffn-hidden-size 14336 --vocab-size 32000 --swiglu "
+             "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 "
+             "--sequence-parallel --pipeline-model-parallel-size 2"},
+      {"22b", table3(4, 6144, 64, 48, 1, 1)},
+      {"175b", table3(1, 12288, 96, 96, 8, 3)},
+      {"530b", table3(1, 20480, 128, 105, 35, 3)},
+      {"1t", table3(1, 25600, 160, 128, 64, 1)},
+  };
+  return table;
+}
+
+std::vector<std::string> words(const std::string& text) {
+  std::istringstream in(text);
+  std::vector<std::string> out;
+  for (std::string w; in >> w;) out.push_back(w);
+  return out;
+}
+
+const char* const kSizeFlags[] = {"--num-layers", "--hidden-size", "--num-attention-heads",
+                                  "--seq-length", "--micro-batch-size", "--vocab-size"};
+}  // namespace
+
+std::vector<std::string> model_preset_names() {
+  std::vector<std::string> names;
+  for (const auto& [name, _] : presets()) names.push_back(name);
+  return names;
+}
+
+std::vector<std::string> model_preset_arguments(const std::string& name) {
+  const auto it = presets().find(name);
+  TORCH_CHECK(it != presets().end(), "actmem::model_preset_arguments: unknown preset '", name,
+              "'; known: ", c10::Join(", ", model_preset_names()));
+  return words(it->second);
+}
+
+std::vector<std::string> expand_model_preset(std::vector<std::string> args) {
+  if (args.empty() || (args[0] != "estimate" && args[0] != "plan")) return args;
+  const auto end = std::find(args.begin(), args.end(), "--");
+  std::optional<std::string> name;
+  bool size_given = false;
+  for (auto it = args.begin() + 1; it != end; ++it) {
+    if (*it == "--preset" && it + 1 != end) name = *(it + 1);
+    if (it->rfind("--preset=", 0) == 0) name = it->substr(9);
+    for (const char* flag : kSizeFlags) {
+      if (*it == flag || it->rfind(std::string(flag) + "=", 0) == 0) size_given = true;
+    }
+  }
+  if (!name && args[0] == "estimate" && !size_given) {
+    name = "7b";
+    args.insert(end, {"--preset", "7b"});  // `end` is invalid from here on
+  }
+  if (!name || !presets().count(*name)) return args;
+  const auto given_end = std::find(args.begin(), args.end(), "--");
+  std::vector<std::string> flags = model_preset_arguments(*name);
+  // Two spellings of one setting: one given replaces the preset's other (Megatron refuses both).
+  const std::vector<std::string> chunks = {"--num-layers-per-virtual-pipeline-stage",
+                                           "--num-virtual-stages-per-pipeline-rank"};
+  const bool chunks_given = std::any_of(args.begin() + 1, given_end, [&](const std::string& a) {
+    return std::any_of(chunks.begin(), chunks.end(), [&](const std::string& c) {
+      return a == c || a.rfind(c + "=", 0) == 0;
+    });
+  });
+  for (size_t i = 0; chunks_given && i < flags.size();) {
+    if (std::find(chunks.begin(), chunks.end(), flags[i]) != chunks.end()) {
+      flags.erase(flags.begin() + i, flags.begin() + i + 2);
+    } else {
+      ++i;
+    }
+  }
+  args.insert(args.begin() + 1, flags.begin(), flags.end());
+  return args;
+}
+
+CLI::Option* add_preset_option(CLI::App& app, std::string& preset, const std::string& help) {
+  return app.add_option("--preset", preset, help + ": " + c10::Join(", ", model_preset_names()))
+      ->check(CLI::Validator(
+          [](std::string& name) -> std::string {
+            if (presets().count(name)) return {};
+            return "unknown preset '" + name + "'; known: " + c10::Join(", ", model_preset_names());
+          },
+          "PRESET"));
+}
+
+void add_described_layout_flags(CLI::App& app, TrainOptions& o, DescribedLayout& layout,
+                                bool optimizer_flags_registered) {
+  constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
+  app.add_option("--data-parallel-size", layout.data_parallel_size,
+                 "d: data-parallel ranks (the launch's in train; divides the optimizer state "
+                 "with --use-distributed-optimizer)")
+      ->capture_default_str()->check(integer_in_range(1, int64_t{1} << 40));
+  app.add_option_function<int64_t>(
+         "--num-microbatches", [&layout](const int64_t& m) { layout.num_microbatches = m; },
+         "micro-batches per step (or --global-batch-size; default: as many as the schedule "
+         "keeps in flight)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option_function<int64_t>(
+         "--expert-tensor-parallel-size",
+         [&layout](const int64_t& n) { layout.expert_tensor_parallel_size = n; },
+         "MoE: each expert split this many ways (default t; train does not implement it)")
+      ->check(integer_in_range(1, 1 << 20));
+  if (optimizer_flags_registered) return;
+  app.add_option("--global-batch-size", o.training.global_batch_size,
+                 "samples per optimizer step (a multiple of micro-batch size x d)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--use-distributed-optimizer", o.training.use_distributed_optimizer,
+               "optimizer state sharded over the data-parallel ranks (6 + 12/d bytes/param)");
+}
+
+PaperShape describe_model(TrainOptions& o, const DescribedLayout& layout, const char* api) {
+  TransformerConfig& c = o.model;
+  TrainingConfig& t = o.training;
+  const int64_t d = layout.data_parallel_size;
+  TORCH_CHECK(!(layout.num_microbatches && t.global_batch_size > 0), api, ": give "
+              "--num-microbatches or --global-batch-size, not both");
+  if (layout.num_microbatches) t.global_batch_size = *layout.num_microbatches * c.micro_batch_size * d;
+  o.finalize();
+  // What the paper's formulas describe: stages of equal layers, Megatron's default groups.
+  TORCH_CHECK(!c.decoder_first_pipeline_num_layers && !c.decoder_last_pipeline_num_layers, api,
+              ": the paper's formulas describe pipeline stages of equal layers; "
+              "--decoder-first/last-pipeline-num-layers are not modelled");
+  TORCH_CHECK(!c.microbatch_group_size_per_vp_stage, api, ": the interleaved schedule is "
+              "modelled with Megatron's default groups of p micro-batches; "
+              "--microbatch-group-size-per-virtual-pipeline-stage is not");
+  if (t.global_batch_size > 0) check_batch_layout(c, t, d);
+  PaperShape m = paper_shape(c);
+  m.d = static_cast<double>(d);
+  m.distributed_optimizer = t.use_distributed_optimizer;
+  if (t.global_batch_size > 0) {
+    m.num_microbatches = static_cast<double>(t.num_microbatches(c.micro_batch_size, d));
+  }
+  if (m.is_moe()) {
+    const int64_t etp = layout.expert_tensor_parallel_size.value_or(c.tensor_model_parallel_size);
+    m.moe.etp = static_cast<double>(etp);
+    // Megatron's expert layout: etp x ep ranks carve each t x d group of a pipeline stage.
+    TORCH_CHECK((c.tensor_model_parallel_size * d) % (etp * c.expert_model_parallel_size) == 0,
+                api, ": world_size (t x d x p = ", c.tensor_model_parallel_size * d *
+                c.pipeline_model_parallel_size, ") is not divisible by "
+                "expert_tensor_model_pipeline_parallel size (", etp * c.expert_model_parallel_size *
+                c.pipeline_model_parallel_size, ")");
+  } else {
+    TORCH_CHECK(!layout.expert_tensor_parallel_size, api, ": --expert-tensor-parallel-size needs "
+                "--num-experts");
+  }
+  return m;
+}
+
+TrainOptions preset_options(const std::string& name) {
+  TrainOptions o;
+  CLI::App app;
+  add_flags(app, o, kShapeFlags | kParallelFlags | kMoEFlags);
+  std::vector<std::string> args = model_preset_arguments(name);
+  std::reverse(args.begin(), args.end());  // CLI11 takes its argument list reversed
+  app.parse(args);
+  o.finalize();
+  return o;
+}
+
+PaperShape paper_preset(const std::string& name) { return paper_shape(preset_options(name).model); }
+
+}  // namespace actmem
