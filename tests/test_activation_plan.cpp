@@ -131,9 +131,9 @@ TEST(ActivationPlan, APerLayerPlanNoFlagCanExpressRunsAndIsPredicted) {
   // agrees layer by layer. (The flags can only give every layer the same selective modules.)
   const TransformerConfig c = actmem::testing::small_model();
   ActivationPlan plan = make_activation_plan(c);
-  plan.layers[0].recompute_core_attn = true;
-  plan.layers[1].recompute_mlp = true;
-  plan.layers[2].discard_norm_outputs = true;
+  plan.layers[0].recompute_module[static_cast<size_t>(RecomputeModule::kCoreAttn)] = true;
+  plan.layers[1].recompute_module[static_cast<size_t>(RecomputeModule::kMlp)] = true;
+  plan.layers[2].recompute_module[static_cast<size_t>(RecomputeModule::kLayernorm)] = true;
   GPTModel model(c, plan, at::kDouble);
   expect_layers_agree(model, "per-layer selective plan");
   // And it differs from keeping everything in exactly the layers whose plan says so. (Not
@@ -154,7 +154,7 @@ TEST(ActivationPlan, ResolvesMegatronsDefaultsOnce) {
   EXPECT_EQ(p.granularity, RecomputeGranularity::kSelective);
   EXPECT_EQ(p.recompute_modules, std::vector<RecomputeModule>{RecomputeModule::kCoreAttn});
   for (const auto& l : p.layers) {
-    EXPECT_TRUE(l.recompute_core_attn);
+    EXPECT_TRUE(l.recomputes(RecomputeModule::kCoreAttn));
     EXPECT_FALSE(l.in_chunk());
   }
   c = actmem::testing::small_model();
@@ -196,10 +196,10 @@ TEST(ActivationPlan, AnInconsistentPlanIsRefused) {
   p.chunks = {{0, 2}};
   p.layers[0].chunk = p.layers[1].chunk = 0;
   p.layers[0].starts_chunk = true;
-  p.layers[1].recompute_mlp = true;
+  p.layers[1].recompute_module[static_cast<size_t>(RecomputeModule::kMlp)] = true;
   expect_error_containing([&] { check_activation_plan(c, p); },
                           "layer 1 runs in a full-recompute chunk and cannot also recompute");
-  p.layers[1].recompute_mlp = false;
+  p.layers[1].recompute_module[static_cast<size_t>(RecomputeModule::kMlp)] = false;
   p.layers[1].starts_chunk = true;
   expect_error_containing([&] { check_activation_plan(c, p); },
                           "layer 1 does not say it runs in chunk 0");

@@ -154,7 +154,7 @@ TEST(MoEConfig, LayerRecomputeIsMegatronsAlias) {
   ASSERT_EQ(plan.recompute_modules.size(), 2u);
   EXPECT_TRUE(plan.recomputes(actmem::RecomputeModule::kCoreAttn));
   EXPECT_TRUE(plan.recomputes(actmem::RecomputeModule::kMoe));
-  EXPECT_TRUE(plan.layers[0].recompute_moe);
+  EXPECT_TRUE(plan.layers[0].recomputes(actmem::RecomputeModule::kMoe));
 }
 
 TEST(MoEConfig, LayerFrequencyIntegerAndPatterns) {

@@ -338,6 +338,10 @@ bool ActivationPlan::recomputes(RecomputeModule m) const {
          recompute_modules.end();
 }
 
+bool LayerPlan::recomputes_any() const {
+  return std::any_of(recompute_module.begin(), recompute_module.end(), [](bool on) { return on; });
+}
+
 bool ActivationPlan::offloads(OffloadModule m) const {
   return std::find(offload_modules.begin(), offload_modules.end(), m) != offload_modules.end();
 }
@@ -360,15 +364,12 @@ ActivationPlan make_activation_plan(const TransformerConfig& c) {
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     LayerPlan& layer = plan.layers[i];
     layer.moe = moe[i];
-    layer.recompute_core_attn = plan.recomputes(RecomputeModule::kCoreAttn);
-    // Megatron's "mlp" applies to dense layers only; "moe", "moe_act" and "shared_experts" to MoE
-    // layers (megatron/core/transformer/transformer_layer.py, moe/moe_layer.py, moe/experts.py).
-    layer.recompute_mlp = !layer.moe && plan.recomputes(RecomputeModule::kMlp);
-    layer.recompute_moe = layer.moe && plan.recomputes(RecomputeModule::kMoe);
-    layer.recompute_moe_act = layer.moe && plan.recomputes(RecomputeModule::kMoeAct);
-    layer.recompute_shared_experts = layer.moe && plan.recomputes(RecomputeModule::kSharedExperts);
-    layer.recompute_mla_up_proj = plan.recomputes(RecomputeModule::kMlaUpProj);
-    layer.discard_norm_outputs = plan.recomputes(RecomputeModule::kLayernorm);
+    for (const RecomputeModule m : plan.recompute_modules) {
+      const RecomputeScope scope = recompute_scope(m);
+      layer.recompute_module[static_cast<size_t>(m)] =
+          scope == RecomputeScope::kEveryLayer ||
+          (scope == RecomputeScope::kMoELayers) == layer.moe;
+    }
     for (const auto m : plan.offload_modules) {
       const bool expert = m == OffloadModule::kExpertFc1 || m == OffloadModule::kMoeAct;
       layer.offload_module[static_cast<size_t>(m)] = !expert || layer.moe;
@@ -406,25 +407,31 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
   const std::vector<bool> moe = c.moe_layers();
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& l = plan.layers[i];
-    const bool selective = l.recompute_core_attn || l.recompute_mlp || l.discard_norm_outputs ||
-                           l.recompute_moe || l.recompute_moe_act || l.recompute_shared_experts ||
-                           l.recompute_mla_up_proj;
-    TORCH_CHECK(!l.recompute_mla_up_proj || c.multi_latent_attention, api, "layer ", i,
-                ": mla_up_proj recompute needs multi_latent_attention");
+    const bool selective = l.recomputes_any();
+    TORCH_CHECK(!l.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention, api,
+                "layer ", i, ": mla_up_proj recompute needs multi_latent_attention");
     TORCH_CHECK(l.moe == moe[i], api, "layer ", i, " is ", moe[i] ? "an MoE" : "a dense",
                 " layer but its plan says otherwise");
-    TORCH_CHECK(l.moe || (!l.recompute_moe && !l.recompute_moe_act && !l.recompute_shared_experts &&
-                          !l.offloads(OffloadModule::kExpertFc1) && !l.offloads(OffloadModule::kMoeAct)),
-                api, "layer ", i, " is dense and cannot recompute or offload MoE modules");
-    TORCH_CHECK(!l.moe || !l.recompute_mlp, api, "layer ", i, " is an MoE layer: recompute it with "
-                "moe, not mlp");
-    TORCH_CHECK(!l.recompute_moe_act || c.moe_grouped_gemm, api, "layer ", i,
+    for (const auto& [m, name] : kRecomputeModuleNames) {
+      if (!l.recomputes(m)) continue;
+      const RecomputeScope scope = recompute_scope(m);
+      TORCH_CHECK(scope != RecomputeScope::kMoELayers || l.moe, api, "layer ", i,
+                  " is dense and cannot recompute ", name);
+      TORCH_CHECK(scope != RecomputeScope::kDenseLayers || !l.moe, api, "layer ", i,
+                  " is an MoE layer: recompute it with moe, not ", name);
+    }
+    TORCH_CHECK(
+        l.moe || (!l.offloads(OffloadModule::kExpertFc1) && !l.offloads(OffloadModule::kMoeAct)),
+        api, "layer ", i, " is dense and cannot offload MoE modules");
+    TORCH_CHECK(!l.recomputes(RecomputeModule::kMoeAct) || c.moe_grouped_gemm, api, "layer ", i,
                 ": moe_act recompute needs moe_grouped_gemm");
-    TORCH_CHECK(!l.recompute_shared_experts || c.moe_shared_expert_intermediate_size, api, "layer ",
-                i, " has no shared experts to recompute");
-    TORCH_CHECK(!(l.recompute_moe && (l.offloads(OffloadModule::kExpertFc1) ||
-                                      l.offloads(OffloadModule::kMoeAct))),
-                api, "layer ", i, ": expert groups cannot be offloaded inside a recomputed MoE layer");
+    TORCH_CHECK(
+        !l.recomputes(RecomputeModule::kSharedExperts) || c.moe_shared_expert_intermediate_size,
+        api, "layer ", i, " has no shared experts to recompute");
+    TORCH_CHECK(!(l.recomputes(RecomputeModule::kMoe) &&
+                  (l.offloads(OffloadModule::kExpertFc1) || l.offloads(OffloadModule::kMoeAct))),
+                api, "layer ", i,
+                ": expert groups cannot be offloaded inside a recomputed MoE layer");
     TORCH_CHECK(c.moe_grouped_gemm || (!l.offloads(OffloadModule::kExpertFc1) &&
                                        !l.offloads(OffloadModule::kMoeAct)),
                 api, "layer ", i, ": the expert offload groups need moe_grouped_gemm");
@@ -439,8 +446,8 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
                 " offloads the whole layer and module groups at once");
     TORCH_CHECK(!l.offload_layer || l.layer_group, api, "layer ", i,
                 " offloads the whole layer but opens no layer group");
-    TORCH_CHECK(!(l.offloads(OffloadModule::kCoreAttn) && l.recompute_core_attn), api, "layer ",
-                i, ": core_attn cannot be both offloaded and recomputed");
+    TORCH_CHECK(!(l.offloads(OffloadModule::kCoreAttn) && l.recomputes(RecomputeModule::kCoreAttn)),
+                api, "layer ", i, ": core_attn cannot be both offloaded and recomputed");
   }
   TORCH_CHECK(!plan.distribute_saved_activations ||
                   (!plan.chunks.empty() && c.tensor_model_parallel_size > 1),
@@ -499,16 +506,13 @@ nlohmann::json ActivationPlan::to_json() const {
   j["layers"] = nlohmann::json::array();
   for (const auto& l : layers) {
     nlohmann::json lj = {{"chunk", l.chunk},
-                         {"recompute_core_attn", l.recompute_core_attn},
-                         {"recompute_mlp", l.recompute_mlp},
                          {"moe", l.moe},
-                         {"recompute_moe", l.recompute_moe},
-                         {"recompute_moe_act", l.recompute_moe_act},
-                         {"recompute_shared_experts", l.recompute_shared_experts},
-                         {"recompute_mla_up_proj", l.recompute_mla_up_proj},
-                         {"discard_norm_outputs", l.discard_norm_outputs},
+                         {"recompute_modules", nlohmann::json::array()},
                          {"offload_layer", l.offload_layer},
                          {"offload_modules", nlohmann::json::array()}};
+    for (const auto& [m, name] : kRecomputeModuleNames) {
+      if (l.recomputes(m)) lj["recompute_modules"].push_back(std::string(name));
+    }
     for (const auto& [m, name] : kOffloadModuleNames) {
       if (l.offloads(m)) lj["offload_modules"].push_back(std::string(name));
     }
@@ -531,13 +535,9 @@ void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
                                                                        : ": keeps its input")
                                   : "");
     } else {
-      if (l.recompute_core_attn) recompute += "core_attn ";
-      if (l.recompute_mlp) recompute += "mlp ";
-      if (l.recompute_moe) recompute += "moe ";
-      if (l.recompute_moe_act) recompute += "moe_act ";
-      if (l.recompute_shared_experts) recompute += "shared_experts ";
-      if (l.recompute_mla_up_proj) recompute += "mla_up_proj ";
-      if (l.discard_norm_outputs) recompute += "layernorm ";
+      for (const auto& [m, name] : kRecomputeModuleNames) {
+        if (l.recomputes(m)) recompute += std::string(name) + " ";
+      }
       if (recompute.empty()) recompute = "keep";
     }
     std::string offload;

@@ -457,7 +457,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   // counts it.
   auto add_moe_layer = [&](const std::string& mlp, const LayerPlan& lp, int64_t norm_out,
                            size_t index) {
-    if (lp.recompute_moe) {
+    if (lp.recomputes(RecomputeModule::kMoe)) {
       add(mlp, norm_out + snapshot);
       return;
     }
@@ -476,7 +476,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       // columns (with sequence parallelism fc1 keeps the s/t shard, the norm output).
       const int64_t fs = *c.moe_shared_expert_intermediate_size / t, Tf = s * b;
       const std::string se = mlp + ".shared_experts";
-      if (lp.recompute_shared_experts) {
+      if (lp.recomputes(RecomputeModule::kSharedExperts)) {
         add(se, norm_out + snapshot);
       } else {
         add(se + ".linear_fc1", norm_out);
@@ -514,7 +514,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     };
     if (c.moe_grouped_gemm) {
       add(mlp + ".experts.linear_fc1", N * h * e);
-      if (lp.recompute_moe_act) {
+      if (lp.recomputes(RecomputeModule::kMoeAct)) {
         add(mlp + ".experts.activation_func", N * fc1w * e + N * e + snapshot);
       } else {
         add(mlp + ".experts.activation_func", act_bytes(N) + N * e);
@@ -558,15 +558,17 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       kv_in = T * rkv * e;
     }
     const std::string q_up = attn + (c.q_lora_rank ? ".linear_q_up_proj" : ".linear_q_proj");
-    if (lp.recompute_mla_up_proj) {
+    if (lp.recomputes(RecomputeModule::kMlaUpProj)) {
       add(q_up, q_in + kv_in + snapshot);  // the checkpoint's inputs
     } else {
       add(q_up, q_in);
       add(attn + ".linear_kv_up_proj", kv_in);
     }
     // q, k, v after RoPE (freed by mla_up_proj recompute); the scores' tensors.
-    add(attn + ".core_attention",
-        (lp.recompute_mla_up_proj ? 0 : T * c.num_attention_heads * (2 * dq + dv) * e) + scores);
+    add(attn + ".core_attention", (lp.recomputes(RecomputeModule::kMlaUpProj)
+                                       ? 0
+                                       : T * c.num_attention_heads * (2 * dq + dv) * e) +
+                                      scores);
     add(attn + ".linear_proj", T * c.num_attention_heads * dv * e);
   };
   if (first_stage) add("embedding", hidden_drop ? sbh : 0);
@@ -586,12 +588,13 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     // A norm keeps its input (the residual stream) either way; output-discarding recompute keeps
     // it through the checkpoint with a snapshot, instead of the norm statistics.
-    const bool sel_norm = lp.discard_norm_outputs;
+    const bool sel_norm = lp.recomputes(RecomputeModule::kLayernorm);
     const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
-    const int64_t scores = lp.recompute_core_attn ? snapshot
-                                                  : as2b * e + (attn_drop ? as2b + as2b * e : 0);
+    const int64_t scores = lp.recomputes(RecomputeModule::kCoreAttn)
+                               ? snapshot
+                               : as2b * e + (attn_drop ? as2b + as2b * e : 0);
     if (c.multi_latent_attention) {
       add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
@@ -604,7 +607,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     add(layer + ".pre_mlp_layernorm", norm);
     if (lp.moe) {
       add_moe_layer(layer + ".mlp", lp, norm_out, moe_index);
-    } else if (lp.recompute_mlp) {
+    } else if (lp.recomputes(RecomputeModule::kMlp)) {
       // The MLP checkpoint keeps its input (the norm output) and a snapshot.
       add(layer + ".mlp", (sel_norm ? 0 : sbh * e) + snapshot);
     } else {

@@ -241,7 +241,8 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
     k = ctx.rope->apply(k);
   }
   const at::Tensor context =  // [s, b, h]
-      run_core_attention(core_attention, plan_.recompute_core_attn && is_training(),
+      run_core_attention(core_attention,
+                         plan_.recomputes(RecomputeModule::kCoreAttn) && is_training(),
                          group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
@@ -360,7 +361,7 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
   // Selective "mla_up_proj" (Megatron's recompute_up_proj): output-discarding recompute of the
   // up-projections and RoPE; q, k and v are freed once core attention saved them and rebuilt
   // from the gradient hook of the core-attention output.
-  const bool recompute_up = plan_.recompute_mla_up_proj && train;
+  const bool recompute_up = plan_.recomputes(RecomputeModule::kMlaUpProj) && train;
   CheckpointWithoutOutput up_ckpt;
   at::Tensor q, k, v;
   {
@@ -387,7 +388,7 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
     v = qkv[2];
   }
   const at::Tensor context =  // [s, b, a * v_head_dim]
-      run_core_attention(core_attention, plan_.recompute_core_attn && train,
+      run_core_attention(core_attention, plan_.recomputes(RecomputeModule::kCoreAttn) && train,
                          group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
   if (recompute_up) up_ckpt.discard_output_and_register_recompute(context);
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);

@@ -162,7 +162,7 @@ class LayerNormStep {
 std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x,
                                                             const LayerContext& ctx) {
   if (moe) return moe->forward(x, ctx.offloader);
-  if (plan_.recompute_mlp && is_training()) {
+  if (plan_.recomputes(RecomputeModule::kMlp) && is_training()) {
     // Selective "mlp": the whole MLP in one checkpoint; fc2's bias is a parameter, not an
     // activation, so it is returned beside the checkpoint as Megatron does.
     const at::Tensor out = checkpoint(
@@ -182,7 +182,7 @@ at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const Lay
   const bool train = is_training();
   ActivationOffloader* off = train ? ctx.offloader : nullptr;
   OffloadRegion region(plan_.offloads(half.group) ? off : nullptr, to_string(half.group));
-  LayerNormStep norm(half.norm, plan_.discard_norm_outputs && train, off);
+  LayerNormStep norm(half.norm, plan_.recomputes(RecomputeModule::kLayernorm) && train, off);
   at::Tensor ln;
   {
     ModuleScope scope(half.norm_name);

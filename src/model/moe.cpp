@@ -406,7 +406,7 @@ at::Tensor Experts::forward_grouped(const at::Tensor& x, const std::vector<int64
     fc1 = region.commit(linear_fc1->forward(region.enter(x), counts, true), {x});
   }
   OffloadRegion region(group(OffloadModule::kMoeAct), to_string(OffloadModule::kMoeAct));
-  const bool discard = plan_.recompute_moe_act && is_training();
+  const bool discard = plan_.recomputes(RecomputeModule::kMoeAct) && is_training();
   CheckpointWithoutOutput ckpt;
   at::Tensor act;
   {
@@ -474,7 +474,8 @@ at::Tensor MoELayer::run_shared_experts(const at::Tensor& x) {
     if (shared_expert_gate.defined()) out = out * at::sigmoid(at::linear(x, shared_expert_gate));
     return TensorList{out};
   };
-  if (plan_.recompute_shared_experts && is_training()) return checkpoint(fn, false, {x})[0];
+  if (plan_.recomputes(RecomputeModule::kSharedExperts) && is_training())
+    return checkpoint(fn, false, {x})[0];
   return fn({x})[0];
 }
 
@@ -581,7 +582,7 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
 
 std::pair<at::Tensor, at::Tensor> MoELayer::forward(const at::Tensor& x,
                                                     ActivationOffloader* offloader) {
-  if (plan_.recompute_moe && is_training()) {
+  if (plan_.recomputes(RecomputeModule::kMoe) && is_training()) {
     // Selective "moe": router, dispatch, experts, combine and shared experts replayed in
     // backward from the layer's input.
     return {checkpoint([this, offloader](const TensorList& in) {

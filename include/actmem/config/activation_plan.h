@@ -71,6 +71,23 @@ inline constexpr std::array<std::pair<OffloadModule, std::string_view>, 7> kOffl
     {OffloadModule::kQkvLinear, "qkv_linear"},
 }};  // in Megatron's order
 
+/// The layers a selective module applies to (Megatron's: "mlp" recomputes dense layers' MLPs
+/// only; "moe", "moe_act" and "shared_experts" MoE layers only — transformer_layer.py,
+/// moe/moe_layer.py, moe/experts.py).
+enum class RecomputeScope : uint8_t { kEveryLayer, kDenseLayers, kMoELayers };
+constexpr RecomputeScope recompute_scope(RecomputeModule m) {
+  switch (m) {
+    case RecomputeModule::kMlp:
+      return RecomputeScope::kDenseLayers;
+    case RecomputeModule::kMoe:
+    case RecomputeModule::kMoeAct:
+    case RecomputeModule::kSharedExperts:
+      return RecomputeScope::kMoELayers;
+    default:
+      return RecomputeScope::kEveryLayer;
+  }
+}
+
 const char* to_string(RecomputeModule m);
 const char* to_string(OffloadModule m);
 /// The module names actmem implements, from the tables above, joined by `sep` (help texts and
@@ -97,17 +114,16 @@ struct LayerPlan {
   /// it runs outside any checkpoint.
   int chunk = -1;
   bool starts_chunk = false;  // the chunk's first layer: the chunk's kept input is attributed here
-  // Selective recompute inside the layer (never together with a chunk).
-  bool recompute_core_attn = false;   // core attention in a checkpoint: q, k, v kept
-  bool recompute_mlp = false;         // the whole MLP in a checkpoint: its input kept
-  bool discard_norm_outputs = false;  // both norms' outputs freed and rebuilt in backward
   /// An MoE layer (config.moe_layers()): its MLP is a router, experts and shared experts.
   bool moe = false;
-  bool recompute_moe = false;             // the whole MoE layer in a checkpoint: its input kept
-  bool recompute_moe_act = false;         // the experts' activation output freed, rebuilt from fc2's hook
-  bool recompute_shared_experts = false;  // the shared experts in a checkpoint
-  /// MLA: the up-projections and RoPE's q, k, v freed, rebuilt from core attention's output hook.
-  bool recompute_mla_up_proj = false;
+  /// Selective recompute inside the layer (never together with a chunk), per module of
+  /// kRecomputeModuleNames where its scope (recompute_scope) includes this layer: core_attn
+  /// keeps q, k, v; mlp, moe and shared_experts keep their input; layernorm frees both norms'
+  /// outputs and rebuilds them in backward; moe_act and mla_up_proj free their outputs and
+  /// rebuild them from the next module's hook.
+  std::array<bool, kRecomputeModuleNames.size()> recompute_module{};
+  bool recomputes(RecomputeModule m) const { return recompute_module[static_cast<size_t>(m)]; }
+  bool recomputes_any() const;
   // Offload.
   bool offload_layer = false;  // layer-level: everything the layer saves goes to the host
   /// Layer-level offload is on for the model: the layer opens a layer group even when it does
