@@ -61,18 +61,9 @@ TransformerConfig apply_strategy(const TransformerConfig& c, const std::string& 
 
 // Timing follows Note [Honest step ratios] in step_rounds.h: --warmup untimed rounds, then
 // rotated rounds, each ratio against the plain step of its round.
-int run(CompareOptions& o) {
-  o.train.finalize();
-  apply_thread_count(o.train.threads);
-  TORCH_CHECK(o.iters > 0, "actmem compare: --iters must be positive, got ", o.iters);
-  TORCH_CHECK(o.warmup >= 0, "actmem compare: --warmup must be >= 0, got ", o.warmup);
-  TORCH_CHECK(!o.strategies.empty(), "actmem compare: --strategies needs at least one strategy");
-  check_distinct_files({{"--data", o.train.training.data_path}},
-                       {{"--svg", o.svg}, {"--json", o.json}});
-  // Opened before any work (an unwritable path fails now, not after the work).
-  OutputFile svg_file, json_file;
-  if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
-  if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
+// The strategies run: those given, the default set fitted to the model (block recompute of at
+// most its layers; MoE and MLA modules where it has them), and plain first if not named.
+std::vector<std::string> strategy_names(const CompareOptions& o) {
   std::vector<std::string> names = o.strategies;
   if (o.strategies == CompareOptions().strategies && o.train.model.num_layers < 2) {
     // The default set's block recompute of two layers needs two: a one-layer model gets one.
@@ -97,6 +88,21 @@ int run(CompareOptions& o) {
   if (std::find(names.begin(), names.end(), "plain") == names.end()) {
     names.insert(names.begin(), "plain");  // the reference every ratio and equality refers to
   }
+  return names;
+}
+
+// Every strategy's trainer, run in shuffled rounds (run_shuffled_rounds): per strategy the
+// timed step times and their ratios to plain, the last step's statistics, and whether every
+// step's loss and gradients equalled plain's bitwise.
+struct CompareRuns {
+  std::vector<std::vector<double>> times, ratios;
+  std::vector<IterationStats> last;
+  std::vector<bool> equal;
+  std::vector<TimelineSeries> series;
+  size_t ref = 0;
+};
+
+CompareRuns run_strategies(const CompareOptions& o, const std::vector<std::string>& names) {
   std::vector<TransformerConfig> configs;
   for (const auto& n : names) configs.push_back(apply_strategy(o.train.model, n));
   TrainingConfig t = o.train.training;
@@ -134,6 +140,13 @@ int run(CompareOptions& o) {
   for (size_t i = 0; i < n; ++i) {
     series[i] = {names[i], trainers[i]->last_timeline().entries(), last[i].activation_peak_bytes};
   }
+  return {times, ratios, last, equal, series, ref};
+}
+
+nlohmann::json print_table(const CompareOptions& o, const std::vector<std::string>& names,
+                           const CompareRuns& r) {
+  const auto& [times, ratios, last, equal, series, ref] = r;
+  const size_t n = names.size();
   const auto& m = o.train.model;
   std::cout << "actmem compare: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
             << m.num_attention_heads << " heads, seq " << m.seq_length << ", micro-batch "
@@ -179,9 +192,14 @@ int run(CompareOptions& o) {
                                  {"step_time_ratio_max", *hi},
                                  {"bitwise_equal_to_plain", static_cast<bool>(equal[i])}});
   }
-  // Note [Honest step ratios]: say when the numbers above cannot carry their digits.
-  const double plain_median = median(times[ref]);
-  const auto [plain_lo, plain_hi] = std::minmax_element(times[ref].begin(), times[ref].end());
+  return out;
+}
+
+// Note [Honest step ratios]: say when the numbers above cannot carry their digits.
+std::vector<std::string> ratio_warnings(const CompareOptions& o,
+                                        const std::vector<double>& plain_times) {
+  const double plain_median = median(plain_times);
+  const auto [plain_lo, plain_hi] = std::minmax_element(plain_times.begin(), plain_times.end());
   const double plain_spread = (*plain_hi - *plain_lo) / plain_median;
   std::vector<std::string> warnings;
   if (o.iters < kMinTrustedSteps) {
@@ -197,10 +215,29 @@ int run(CompareOptions& o) {
          "noisy (more --iters, or a larger model)";
     warnings.push_back(w.str());
   }
+  return warnings;
+}
+
+int run(CompareOptions& o) {
+  o.train.finalize();
+  apply_thread_count(o.train.threads);
+  TORCH_CHECK(o.iters > 0, "actmem compare: --iters must be positive, got ", o.iters);
+  TORCH_CHECK(o.warmup >= 0, "actmem compare: --warmup must be >= 0, got ", o.warmup);
+  TORCH_CHECK(!o.strategies.empty(), "actmem compare: --strategies needs at least one strategy");
+  check_distinct_files({{"--data", o.train.training.data_path}},
+                       {{"--svg", o.svg}, {"--json", o.json}});
+  // Opened before any work (an unwritable path fails now, not after the work).
+  OutputFile svg_file, json_file;
+  if (!o.svg.empty()) svg_file = OutputFile({"--svg", o.svg});
+  if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
+  const std::vector<std::string> names = strategy_names(o);
+  const CompareRuns runs = run_strategies(o, names);
+  nlohmann::json out = print_table(o, names, runs);
+  const std::vector<std::string> warnings = ratio_warnings(o, runs.times[runs.ref]);
   out["warnings"] = warnings;
   for (const auto& w : warnings) std::cout << "\nwarning: " << w << "\n";
   if (svg_file.is_open()) {
-    svg_file.write(memory_timeline_svg(series, "Device memory through one training step"),
+    svg_file.write(memory_timeline_svg(runs.series, "Device memory through one training step"),
                    "the plot");
     svg_file.close();
     std::cout << "\nmemory timeline: " << o.svg << "\n";
@@ -209,7 +246,8 @@ int run(CompareOptions& o) {
     json_file.write(out.dump(2) + "\n", "the table");
     json_file.close();
   }
-  const bool all_equal = std::all_of(equal.begin(), equal.end(), [](bool b) { return b; });
+  const bool all_equal =
+      std::all_of(runs.equal.begin(), runs.equal.end(), [](bool b) { return b; });
   if (!all_equal) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
   return all_equal ? 0 : 3;
 }

@@ -31,19 +31,16 @@ struct InspectOptions {
   bool plan = false;
 };
 
-int run(InspectOptions& o) {
-  o.train.finalize();
-  if (o.plan) {
-    // The activation plan alone (Note [One plan]): no step runs.
-    const ActivationPlan plan = make_activation_plan(o.train.model);
-    if (o.json) {
-      std::cout << plan.to_json().dump(2) << std::endl;
-    } else {
-      std::cout << "actmem inspect --plan: " << o.train.model.num_layers << " layers\n";
-      print_activation_plan(std::cout, plan);
-    }
-    return 0;
-  }
+// One training step with the ledger on: what it saved, measured and predicted.
+struct Inspection {
+  std::unique_ptr<ActivationLedger> ledger = std::make_unique<ActivationLedger>();
+  IterationStats stats;
+  PredictedBytes predicted;
+  bool cpu = true;
+  int rank = 0;
+};
+
+Inspection inspect_one_step(const InspectOptions& o) {
   apply_thread_count(o.train.threads);
   TrainingConfig t = o.train.training;
   t.eval_interval = 0;
@@ -63,44 +60,57 @@ int run(InspectOptions& o) {
         c.micro_batch_size * c.microbatch_group_size() * data_parallel_group().size;
   }
   Trainer trainer(c, t);
-  ActivationLedger ledger;
-  trainer.set_ledger(&ledger);
-  const IterationStats st = trainer.train_step(false);
+  Inspection in;
+  trainer.set_ledger(in.ledger.get());
+  in.stats = trainer.train_step(false);
   trainer.set_ledger(nullptr);
-  const bool cpu = c10::Device(t.device).is_cpu();
+  in.cpu = c10::Device(t.device).is_cpu();
   const MoERouting routing = trainer.model().moe_stats().routing();
-  const PredictedBytes predicted = predict_activation_bytes(c, 0, cpu, &routing);
-  const int64_t e = c.element_bytes();
-  if (dist.rank != 0) return 0;
+  in.predicted = predict_activation_bytes(c, 0, in.cpu, &routing);
+  in.rank = dist.rank;
+  return in;
+}
 
+// --json: the totals, the modules with the paper's terms, and every saved tensor.
+void print_json(const TransformerConfig& c, const Inspection& in) {
+  const ActivationLedger& ledger = *in.ledger;
+  const int64_t e = c.element_bytes();
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
-  const double as2b = static_cast<double>(c.num_attention_heads * c.seq_length * c.seq_length *
-                                          c.micro_batch_size);
-  if (o.json) {
-    nlohmann::json j = {{"precision", c.precision()},
-                        {"activation_bytes", st.activation_bytes},
-                        {"ledger_bytes", ledger.total_bytes()},
-                        {"predicted_bytes", predicted.total},
-                        {"modules", nlohmann::json::array()},
-                        {"records", nlohmann::json::array()}};
-    for (const auto& [module, bytes] : ledger.bytes_by_module()) {
-      const double paper = korthikanti_module_bytes(module, c, e);
-      j["modules"].push_back({{"module", module}, {"bytes", bytes}, {"sbh", bytes / sbh}});
-      if (paper >= 0) {
-        j["modules"].back()["korthikanti_bytes"] = paper;
-        const ModuleExtra extra = module_bytes_beyond_paper(module, c, cpu);
-        j["modules"].back()["beyond_paper_bytes"] = extra.bytes;
-        j["modules"].back()["beyond_paper"] = extra.what;
-      }
+  nlohmann::json j = {
+      {"precision", c.precision()},           {"activation_bytes", in.stats.activation_bytes},
+      {"ledger_bytes", ledger.total_bytes()}, {"predicted_bytes", in.predicted.total},
+      {"modules", nlohmann::json::array()},   {"records", nlohmann::json::array()}};
+  for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+    const double paper = korthikanti_module_bytes(module, c, e);
+    j["modules"].push_back({{"module", module}, {"bytes", bytes}, {"sbh", bytes / sbh}});
+    if (paper >= 0) {
+      j["modules"].back()["korthikanti_bytes"] = paper;
+      const ModuleExtra extra = module_bytes_beyond_paper(module, c, in.cpu);
+      j["modules"].back()["beyond_paper_bytes"] = extra.bytes;
+      j["modules"].back()["beyond_paper"] = extra.what;
     }
-    for (const auto& r : ledger.records()) {
-      j["records"].push_back({{"module", r.module}, {"op", r.op}, {"shape", r.shape},
-                              {"dtype", r.dtype}, {"storage_bytes", r.storage_bytes},
-                              {"counted", r.counted}});
-    }
-    std::cout << j.dump(2) << std::endl;
-    return 0;
   }
+  for (const auto& r : ledger.records()) {
+    j["records"].push_back({{"module", r.module},
+                            {"op", r.op},
+                            {"shape", r.shape},
+                            {"dtype", r.dtype},
+                            {"storage_bytes", r.storage_bytes},
+                            {"counted", r.counted}});
+  }
+  std::cout << j.dump(2) << std::endl;
+}
+
+// The table: each module's bytes in units of sbh and as^2b beside the paper's term.
+void print_table(const InspectOptions& o, const TransformerConfig& c, const Inspection& in) {
+  const ActivationLedger& ledger = *in.ledger;
+  const IterationStats& st = in.stats;
+  const PredictedBytes& predicted = in.predicted;
+  const bool cpu = in.cpu;
+  const int64_t e = c.element_bytes();
+  const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
+  const double as2b =
+      static_cast<double>(c.num_attention_heads * c.seq_length * c.seq_length * c.micro_batch_size);
   std::cout << "actmem inspect: activations saved by one forward (s=" << c.seq_length
             << " b=" << c.micro_batch_size << " h=" << c.hidden_size
             << " a=" << c.num_attention_heads << ", " << c.precision()
@@ -161,6 +171,28 @@ int run(InspectOptions& o) {
       for (size_t i = 0; i < r.shape.size(); ++i) std::cout << (i ? "," : "") << r.shape[i];
       std::cout << "] " << r.dtype << " " << r.storage_bytes << (r.counted ? "" : " (shared)") << "\n";
     }
+  }
+}
+
+int run(InspectOptions& o) {
+  o.train.finalize();
+  if (o.plan) {
+    // The activation plan alone (Note [One plan]): no step runs.
+    const ActivationPlan plan = make_activation_plan(o.train.model);
+    if (o.json) {
+      std::cout << plan.to_json().dump(2) << std::endl;
+    } else {
+      std::cout << "actmem inspect --plan: " << o.train.model.num_layers << " layers\n";
+      print_activation_plan(std::cout, plan);
+    }
+    return 0;
+  }
+  const Inspection in = inspect_one_step(o);
+  if (in.rank != 0) return 0;  // under `actmem launch`, rank 0 prints
+  if (o.json) {
+    print_json(o.train.model, in);
+  } else {
+    print_table(o, o.train.model, in);
   }
   return 0;
 }

@@ -311,6 +311,169 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   return 0;
 }
 
+void print_measured_header(const TransformerConfig& base, const MeasuredPlan& plan) {
+  const PlanCosts& costs = plan.costs;
+  std::cout << "actmem plan: " << base.num_layers << " layers, hidden " << base.hidden_size << ", "
+            << base.num_attention_heads << " heads, seq " << base.seq_length << ", micro-batch "
+            << base.micro_batch_size << ", " << base.precision() << (base.is_moe() ? ", MoE" : "")
+            << "; " << plan.strategies.size() << " legal strategies; profiled here with "
+            << costs.threads << " threads, " << costs.steps << " timed rounds"
+            << (plan.costs_note.empty() ? "" : " (" + plan.costs_note + ")") << "\n\n"
+            << "measured: plain step " << std::fixed << std::setprecision(1)
+            << costs.plain_step_s * 1e3 << " ms; parameters, gradients and optimizer state "
+            << format_bytes(static_cast<double>(costs.static_bytes)) << "; optimizer-step peak "
+            << format_bytes(static_cast<double>(costs.optimizer_peak_bytes))
+            << "\nextra step time of each mechanism (Note [Planner cost basis]):";
+  for (const auto& [name, extra] : costs.extra) {
+    std::cout << "  " << name << " " << (extra >= 0 ? "+" : "") << percent(extra) << " ±"
+              << percent(costs.spread.count(name) ? costs.spread.at(name) : 0.0);
+  }
+  std::cout << "\n";
+}
+
+// The finalists' table (Note [Plan finalists] in planner.cpp), and their JSON rows.
+nlohmann::json print_finalists(const std::vector<PlanEstimate>& finalists,
+                               const PlanEstimate* chosen, int rounds) {
+  std::cout << "\nfinalists (the " << finalists.size() << " fastest predicted that fit, timed "
+            << "side by side with the plain run, " << rounds << " rounds):\n"
+            << std::right << std::setw(14) << "peak" << std::setw(16) << "predicted"
+            << std::setw(16) << "measured"
+            << "  " << std::left << "strategy\n";
+  nlohmann::json rows = nlohmann::json::array();
+  for (const auto& f : finalists) {
+    std::ostringstream measured;
+    measured << std::fixed << std::setprecision(3) << f.finalist_ratio << " ±"
+             << f.finalist_ratio_spread;
+    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(f.peak_bytes))
+              << std::setw(16) << ratio_text(f) << std::setw(16) << measured.str() << "  "
+              << std::left << f.strategy.name() << (&f == chosen ? "   <- chosen" : "") << "\n";
+    rows.push_back(f.to_json());
+  }
+  const PlanEstimate& c = finalists.front();
+  if (c.confirmed_ratio > 0) {
+    std::cout << std::fixed << std::setprecision(3) << "confirmed (Note [Confirming the choice] "
+              << "in planner.cpp): " << c.strategy.name() << " timed again against the plain "
+              << "step alone, " << c.confirmed_rounds << " rounds: " << c.confirmed_ratio
+              << ", standard error " << c.confirmed_ratio_error << "\n";
+  }
+  return rows;
+}
+
+// What --verify runs: the plain run first (the reference), then the chosen plan and the
+// finalists (without them, its front neighbours), then the standard settings predicted to fit.
+std::vector<PlanEstimate> verify_runs(const MeasuredPlan& plan, const PlanEstimate& chosen,
+                                      const std::vector<PlanEstimate>& finalists, int64_t budget,
+                                      int64_t num_layers) {
+  std::vector<PlanEstimate> runs;
+  const auto plain = std::find_if(plan.estimates.begin(), plan.estimates.end(),
+                                  [](const PlanEstimate& e) { return e.strategy.plain(); });
+  runs.push_back(*plain);
+  auto add = [&runs](const PlanEstimate& e) {
+    const bool listed = std::any_of(
+        runs.begin(), runs.end(), [&e](const PlanEstimate& r) { return r.strategy == e.strategy; });
+    if (!listed) runs.push_back(e);
+  };
+  add(chosen);
+  const std::vector<PlanEstimate>& front = plan.front;
+  if (!finalists.empty()) {
+    for (const auto& f : finalists) add(f);  // the ones it was chosen against
+  } else {
+    const auto on = std::find_if(front.begin(), front.end(), [&chosen](const PlanEstimate& e) {
+      return e.strategy == chosen.strategy;
+    });
+    const size_t at = static_cast<size_t>(on - front.begin());
+    for (size_t i = at == 0 ? 0 : at - 1; i <= std::min(at + 1, front.size() - 1); ++i) {
+      add(front[i]);
+    }
+  }
+  for (const auto& e : plan.estimates) {
+    if (e.peak_bytes <= budget && standard_setting(e.strategy, num_layers)) add(e);
+  }
+  return runs;
+}
+
+// --verify: each run's measured peak and step ratio beside the prediction; 3 when a strategy is
+// not bitwise equal to plain.
+int print_verification(const PlanOptions& o, const TransformerConfig& base,
+                       const MeasuredPlan& plan, const PlanEstimate& chosen,
+                       const std::vector<PlanEstimate>& finalists, int64_t budget,
+                       nlohmann::json& out) {
+  const std::vector<PlanEstimate> runs =
+      verify_runs(plan, chosen, finalists, budget, base.num_layers);
+  // Rounds until the chosen plan's ratio is as sure as its confirmation (runs[1] is the chosen
+  // one unless the plain run is).
+  TimedRounds rounds = TimedRounds::until_sure(
+      o.verify_steps, o.max_timed_rounds, chosen.strategy.plain() ? 0.0 : o.ratio_precision / 100);
+  rounds.watch = {chosen.strategy.plain() ? size_t{0} : size_t{1}};
+  const Verification v = verify(base, o.train.training, runs, rounds);
+  const MeasuredRatios& measured = v.time;
+  std::cout << "\nverified (" << measured.rounds << " timed rounds after "
+            << measured.warm_up_rounds << " warm-up rounds, same seed):\n"
+            << std::left << std::setw(58) << "strategy" << std::right << std::setw(13) << "peak"
+            << std::setw(13) << "predicted" << std::setw(9) << "error" << std::setw(8) << "ratio"
+            << std::setw(16) << "predicted" << std::setw(9) << "error" << std::setw(10) << "stated"
+            << std::setw(9) << "error" << std::setw(6) << "fits" << std::setw(9) << "bitwise\n";
+  out["verify_warm_up_rounds"] = measured.warm_up_rounds;
+  out["verify_rounds"] = measured.rounds;
+  out["verified"] = nlohmann::json::array();
+  int rc = 0;
+  for (size_t i = 0; i < runs.size(); ++i) {
+    const PlanEstimate& e = runs[i];
+    const int64_t peak = v.peak[i];
+    const double ratio = measured.ratio[i];
+    const bool bitwise = measured.bitwise[i];
+    const double peak_err = static_cast<double>(e.peak_bytes - peak) / static_cast<double>(peak);
+    const double ratio_err = (e.step_ratio - ratio) / ratio;
+    // What the planner stated for a finalist (its confirmation, for the choice) from rounds of
+    // its own, set against these.
+    const double stated = e.planned_ratio();
+    std::ostringstream stated_text, stated_err;
+    if (e.finalist_ratio > 0) {
+      stated_text << std::fixed << std::setprecision(3) << stated;
+      stated_err << percent((stated - ratio) / ratio);
+    }
+    const bool fits = peak <= budget;
+    std::cout << std::left << std::setw(58) << e.strategy.name() << std::right << std::setw(13)
+              << format_bytes(static_cast<double>(peak)) << std::setw(13)
+              << format_bytes(static_cast<double>(e.peak_bytes)) << std::setw(9)
+              << percent(peak_err) << std::setw(8) << std::setprecision(3) << ratio << std::setw(16)
+              << ratio_text(e) << std::setw(9) << percent(ratio_err) << std::setw(10)
+              << stated_text.str() << std::setw(9) << stated_err.str() << std::setw(6)
+              << (fits ? "yes" : "no") << std::setw(8) << (bitwise ? "yes" : "NO") << "\n";
+    nlohmann::json row = {{"strategy", e.strategy.name()},
+                          {"measured_peak_bytes", peak},
+                          {"predicted_peak_bytes", e.peak_bytes},
+                          {"measured_step_ratio", ratio},
+                          {"measured_step_ratio_standard_error", measured.standard_error[i]},
+                          {"predicted_step_ratio", e.step_ratio},
+                          {"predicted_step_ratio_spread", e.step_ratio_spread},
+                          {"planned_step_ratio", stated},
+                          {"fits_budget", fits},
+                          {"bitwise_equal_to_plain", bitwise},
+                          {"step_times_s", measured.step_s[i]}};
+    if (e.finalist_ratio > 0) row["finalist_step_ratio"] = e.finalist_ratio;
+    if (e.confirmed_ratio > 0) row["confirmed_step_ratio"] = e.confirmed_ratio;
+    out["verified"].push_back(std::move(row));
+    if (!bitwise) rc = 3;
+  }
+  if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
+  // Note [Machine speed check] in planner.cpp: a speed change after the profile (or its check).
+  const double verify_plain = median(measured.step_s[0]);
+  const double plain_s = plan.costs.plain_step_s;
+  const double change = verify_plain / plain_s - 1;
+  out["profile_plain_step_s"] = plain_s;
+  out["verify_plain_step_s"] = verify_plain;
+  if (o.costs_speed_tolerance > 0 && std::abs(change) * 100 > o.costs_speed_tolerance) {
+    std::cout << std::fixed << std::setprecision(1) << "\nWARNING: the plain step took "
+              << verify_plain * 1e3 << " ms in these rounds and " << plain_s * 1e3
+              << " ms in the profile (" << std::showpos << change * 100 << std::noshowpos
+              << "%): the machine's speed changed since the costs were measured, and the "
+                 "predicted ratios may be off by more than their spread. Profile again (a "
+                 "new --costs file, or none) to plan for the machine as it is now.\n";
+  }
+  return rc;
+}
+
 int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.preset.empty()) return run_preset(o, cmd);
   for (const char* flag : {"--gpu", "--data-parallel-size", "--num-microbatches",
@@ -340,73 +503,30 @@ int run(PlanOptions& o, const CLI::App& cmd) {
       },
       o.costs_speed_tolerance / 100);
   if (profiled) std::cerr << "\n";
-  const std::vector<Strategy>& strategies = plan.strategies;
-  const PlanCosts& costs = plan.costs;
-  const std::string& cache_note = plan.costs_note;
-  const std::vector<PlanEstimate>& estimates = plan.estimates;
-  const std::vector<PlanEstimate>& front = plan.front;
-
-  std::cout << "actmem plan: " << base.num_layers << " layers, hidden " << base.hidden_size << ", "
-            << base.num_attention_heads << " heads, seq " << base.seq_length << ", micro-batch "
-            << base.micro_batch_size << ", " << base.precision() << (base.is_moe() ? ", MoE" : "")
-            << "; " << strategies.size() << " legal strategies; profiled here with "
-            << costs.threads << " threads, " << costs.steps << " timed rounds"
-            << (cache_note.empty() ? "" : " (" + cache_note + ")") << "\n\n"
-            << "measured: plain step " << std::fixed << std::setprecision(1)
-            << costs.plain_step_s * 1e3 << " ms; parameters, gradients and optimizer state "
-            << format_bytes(static_cast<double>(costs.static_bytes))
-            << "; optimizer-step peak " << format_bytes(static_cast<double>(costs.optimizer_peak_bytes))
-            << "\nextra step time of each mechanism (Note [Planner cost basis]):";
-  for (const auto& [name, extra] : costs.extra) {
-    std::cout << "  " << name << " " << (extra >= 0 ? "+" : "") << percent(extra) << " ±"
-              << percent(costs.spread.count(name) ? costs.spread.at(name) : 0.0);
-  }
-  std::cout << "\n";
-  const PlanEstimate* chosen = budget > 0 ? &choose_plan(front, budget) : nullptr;
+  print_measured_header(base, plan);
+  const PlanEstimate* chosen = budget > 0 ? &choose_plan(plan.front, budget) : nullptr;
   // Note [Plan finalists] in planner.cpp: the few fastest-predicted that fit, timed side by side.
   std::vector<PlanEstimate> finalists;
   if (chosen != nullptr && o.finalists > 0) {
-    finalists = timed_finalists(base, o.train.training, estimates, budget, o.finalists,
-                                o.finalist_steps,
-                                TimedRounds::until_sure(o.finalist_steps, o.max_timed_rounds,
-                                                        o.ratio_precision / 100),
-                                [](const std::string& line) {
-                                  std::cerr << "\rplan: timing the finalists, " << line
-                                            << "            " << std::flush;
-                                });
+    finalists = timed_finalists(
+        base, o.train.training, plan.estimates, budget, o.finalists, o.finalist_steps,
+        TimedRounds::until_sure(o.finalist_steps, o.max_timed_rounds, o.ratio_precision / 100),
+        [](const std::string& line) {
+          std::cerr << "\rplan: timing the finalists, " << line << "            " << std::flush;
+        });
     if (!finalists.empty()) {
       std::cerr << "\n";
       chosen = &finalists.front();
     }
   }
-  print_front(front, chosen);
-  nlohmann::json out = {{"model", to_json(base)}, {"legal_strategies", strategies.size()},
-                        {"costs", costs.to_json()}, {"front", nlohmann::json::array()},
+  print_front(plan.front, chosen);
+  nlohmann::json out = {{"model", to_json(base)},
+                        {"legal_strategies", plan.strategies.size()},
+                        {"costs", plan.costs.to_json()},
+                        {"front", nlohmann::json::array()},
                         {"runtime", runtime_info()}};
-  for (const auto& e : front) out["front"].push_back(e.to_json());
-  if (!finalists.empty()) {
-    std::cout << "\nfinalists (the " << finalists.size() << " fastest predicted that fit, timed "
-              << "side by side with the plain run, " << o.finalist_steps << " rounds):\n"
-              << std::right << std::setw(14) << "peak" << std::setw(16) << "predicted"
-              << std::setw(16) << "measured" << "  " << std::left << "strategy\n";
-    out["finalists"] = nlohmann::json::array();
-    for (const auto& f : finalists) {
-      std::ostringstream measured;
-      measured << std::fixed << std::setprecision(3) << f.finalist_ratio << " ±"
-               << f.finalist_ratio_spread;
-      std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(f.peak_bytes))
-                << std::setw(16) << ratio_text(f) << std::setw(16) << measured.str() << "  "
-                << std::left << f.strategy.name() << (&f == chosen ? "   <- chosen" : "") << "\n";
-      out["finalists"].push_back(f.to_json());
-    }
-    const PlanEstimate& c = finalists.front();
-    if (c.confirmed_ratio > 0) {
-      std::cout << std::fixed << std::setprecision(3) << "confirmed (Note [Confirming the choice] "
-                << "in planner.cpp): " << c.strategy.name() << " timed again against the plain "
-                << "step alone, " << c.confirmed_rounds << " rounds: " << c.confirmed_ratio
-                << ", standard error " << c.confirmed_ratio_error << "\n";
-    }
-  }
+  for (const auto& e : plan.front) out["front"].push_back(e.to_json());
+  if (!finalists.empty()) out["finalists"] = print_finalists(finalists, chosen, o.finalist_steps);
   if (chosen) {
     out["memory_budget_bytes"] = budget;
     out["chosen"] = chosen->to_json();
@@ -417,111 +537,14 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   int rc = 0;
   if (o.verify) {
     TORCH_CHECK(chosen != nullptr, "actmem plan: --verify needs --memory-budget");
-    // The plain run first (the reference), then the chosen plan and the finalists (without
-    // them, its front neighbours).
-    std::vector<PlanEstimate> runs;
-    const auto plain = std::find_if(estimates.begin(), estimates.end(),
-                                    [](const PlanEstimate& e) { return e.strategy.plain(); });
-    runs.push_back(*plain);
-    auto add = [&runs](const PlanEstimate& e) {
-      const bool listed = std::any_of(runs.begin(), runs.end(), [&e](const PlanEstimate& r) {
-        return r.strategy == e.strategy;
-      });
-      if (!listed) runs.push_back(e);
-    };
-    add(*chosen);
-    if (!finalists.empty()) {
-      for (const auto& f : finalists) add(f);  // the ones it was chosen against
-    } else {
-      const auto on = std::find_if(front.begin(), front.end(), [chosen](const PlanEstimate& e) {
-        return e.strategy == chosen->strategy;
-      });
-      const size_t at = static_cast<size_t>(on - front.begin());
-      for (size_t i = at == 0 ? 0 : at - 1; i <= std::min(at + 1, front.size() - 1); ++i) {
-        add(front[i]);
-      }
-    }
-    // And the standard settings predicted to fit: what the plan is measured against.
-    for (const auto& e : estimates) {
-      if (e.peak_bytes <= budget && standard_setting(e.strategy, base.num_layers)) add(e);
-    }
-    // Rounds until the chosen plan's ratio is as sure as its confirmation (runs[1] is the chosen
-    // one unless the plain run is).
-    TimedRounds rounds = TimedRounds::until_sure(
-        o.verify_steps, o.max_timed_rounds, chosen->strategy.plain() ? 0.0 : o.ratio_precision / 100);
-    rounds.watch = {chosen->strategy.plain() ? size_t{0} : size_t{1}};
-    const Verification v = verify(base, o.train.training, runs, rounds);
-    const MeasuredRatios& measured = v.time;
-    std::cout << "\nverified (" << measured.rounds << " timed rounds after "
-              << measured.warm_up_rounds << " warm-up rounds, same seed):\n"
-              << std::left << std::setw(58) << "strategy" << std::right << std::setw(13)
-              << "peak" << std::setw(13) << "predicted" << std::setw(9) << "error"
-              << std::setw(8) << "ratio" << std::setw(16) << "predicted" << std::setw(9)
-              << "error" << std::setw(10) << "stated" << std::setw(9) << "error"
-              << std::setw(6) << "fits" << std::setw(9) << "bitwise\n";
-    out["verify_warm_up_rounds"] = measured.warm_up_rounds;
-    out["verify_rounds"] = measured.rounds;
-    out["verified"] = nlohmann::json::array();
-    for (size_t i = 0; i < runs.size(); ++i) {
-      const PlanEstimate& e = runs[i];
-      const int64_t peak = v.peak[i];
-      const double ratio = measured.ratio[i];
-      const bool bitwise = measured.bitwise[i];
-      const double peak_err = static_cast<double>(e.peak_bytes - peak) / static_cast<double>(peak);
-      const double ratio_err = (e.step_ratio - ratio) / ratio;
-      // What the planner stated for a finalist (its confirmation, for the choice) from rounds of
-      // its own, set against these.
-      const double stated = e.planned_ratio();
-      std::ostringstream stated_text, stated_err;
-      if (e.finalist_ratio > 0) {
-        stated_text << std::fixed << std::setprecision(3) << stated;
-        stated_err << percent((stated - ratio) / ratio);
-      }
-      const bool fits = peak <= budget;
-      std::cout << std::left << std::setw(58) << e.strategy.name() << std::right
-                << std::setw(13) << format_bytes(static_cast<double>(peak)) << std::setw(13)
-                << format_bytes(static_cast<double>(e.peak_bytes)) << std::setw(9)
-                << percent(peak_err) << std::setw(8) << std::setprecision(3) << ratio
-                << std::setw(16) << ratio_text(e) << std::setw(9) << percent(ratio_err)
-                << std::setw(10) << stated_text.str() << std::setw(9) << stated_err.str()
-                << std::setw(6) << (fits ? "yes" : "no") << std::setw(8)
-                << (bitwise ? "yes" : "NO") << "\n";
-      nlohmann::json row = {{"strategy", e.strategy.name()},
-                            {"measured_peak_bytes", peak},
-                            {"predicted_peak_bytes", e.peak_bytes},
-                            {"measured_step_ratio", ratio},
-                            {"measured_step_ratio_standard_error", measured.standard_error[i]},
-                            {"predicted_step_ratio", e.step_ratio},
-                            {"predicted_step_ratio_spread", e.step_ratio_spread},
-                            {"planned_step_ratio", stated},
-                            {"fits_budget", fits},
-                            {"bitwise_equal_to_plain", bitwise},
-                            {"step_times_s", measured.step_s[i]}};
-      if (e.finalist_ratio > 0) row["finalist_step_ratio"] = e.finalist_ratio;
-      if (e.confirmed_ratio > 0) row["confirmed_step_ratio"] = e.confirmed_ratio;
-      out["verified"].push_back(std::move(row));
-      if (!bitwise) rc = 3;
-    }
-    if (rc) std::cout << "\nWARNING: some strategies are not bitwise equal to plain\n";
-    // Note [Machine speed check] in planner.cpp: a speed change after the profile (or its check).
-    const double verify_plain = median(measured.step_s[0]);
-    const double change = verify_plain / costs.plain_step_s - 1;
-    out["profile_plain_step_s"] = costs.plain_step_s;
-    out["verify_plain_step_s"] = verify_plain;
-    if (o.costs_speed_tolerance > 0 && std::abs(change) * 100 > o.costs_speed_tolerance) {
-      std::cout << std::fixed << std::setprecision(1) << "\nWARNING: the plain step took "
-                << verify_plain * 1e3 << " ms in these rounds and " << costs.plain_step_s * 1e3
-                << " ms in the profile (" << std::showpos << change * 100 << std::noshowpos
-                << "%): the machine's speed changed since the costs were measured, and the "
-                   "predicted ratios may be off by more than their spread. Profile again (a "
-                   "new --costs file, or none) to plan for the machine as it is now.\n";
-    }
+    rc = print_verification(o, base, plan, *chosen, finalists, budget, out);
   }
   if (svg_file.is_open()) {
     std::ostringstream title;
     title << "Activation strategies of a " << base.num_layers << "-layer h " << base.hidden_size
           << " model: predicted device peak and step time";
-    write_front_svg(svg_file, o.svg, estimates, front, chosen, budget, base.num_layers, title.str());
+    write_front_svg(svg_file, o.svg, plan.estimates, plan.front, chosen, budget, base.num_layers,
+                    title.str());
   }
   if (json_file.is_open()) {
     json_file.write(out.dump(2) + "\n", "the plan");

@@ -15,6 +15,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
@@ -123,6 +124,57 @@ void progress_line(std::ostream& err, const DocumentReader& reader, int64_t docs
   err << (final ? "\n" : "   ") << std::flush;
 }
 
+// --vocab-size: a SentencePiece model trained on the input's text (every key of every document,
+// as lines); the tokenizer the rest of the run uses.
+void train_tokenizer_model(PreprocessOptions& o, const std::function<double()>& seconds) {
+  TORCH_CHECK(o.tokenizer_type == "SentencePieceTokenizer" && o.tokenizer_model.empty(),
+              "actmem preprocess: --vocab-size trains a SentencePiece model on the input; it "
+              "needs --tokenizer-type SentencePieceTokenizer and no --tokenizer-model");
+  // The training text: every key's text of every document, as lines.
+  const std::string text_path = o.output_prefix + ".sp_train.txt";
+  {
+    std::ofstream text(text_path, std::ios::binary | std::ios::trunc);
+    TORCH_CHECK(text, "actmem preprocess: cannot write ", text_path);
+    DocumentReader reader(o);
+    std::vector<std::string> texts;
+    while (reader.next(texts)) {
+      for (const auto& t : texts) text << t << "\n";
+    }
+  }
+  std::cerr << "preprocess: training a SentencePiece model of " << o.vocab_size
+            << " pieces on the input ... " << std::flush;
+  train_sentencepiece(text_path, o.output_prefix, o.vocab_size, o.workers);
+  std::remove(text_path.c_str());
+  o.tokenizer_model = o.output_prefix + ".model";
+  std::cerr << "wrote " << o.tokenizer_model << " (" << std::fixed << std::setprecision(1)
+            << seconds() << " s)\n";
+}
+
+// Each document's token ids per key, tokenized by the workers (one tokenizer each: a
+// SentencePiece tokenizer is a helper process, so workers that shared one would wait for each
+// other), in the documents' order.
+std::vector<std::vector<std::vector<int64_t>>> tokenize_in_parallel(
+    const std::vector<std::vector<std::string>>& chunk,
+    const std::vector<std::unique_ptr<Tokenizer>>& tokenizers, bool append_eod) {
+  std::vector<std::vector<std::vector<int64_t>>> ids(chunk.size());
+  const int64_t eod = tokenizers[0]->eod();
+  auto work = [&](size_t worker, size_t begin, size_t end) {
+    for (size_t i = begin; i < end; ++i) {
+      for (const auto& t : chunk[i]) {
+        std::vector<int64_t> v = tokenizers[worker]->tokenize(t);
+        if (!v.empty() && append_eod) v.push_back(eod);
+        ids[i].push_back(std::move(v));
+      }
+    }
+  };
+  const size_t n = chunk.size(), w = tokenizers.size();
+  std::vector<std::thread> threads;
+  for (size_t k = 1; k < w && k < n; ++k) threads.emplace_back(work, k, n * k / w, n * (k + 1) / w);
+  work(0, 0, w > 1 && n > 1 ? n / w : n);
+  for (auto& t : threads) t.join();
+  return ids;
+}
+
 int run_preprocess(PreprocessOptions& o) {
   TORCH_CHECK(o.builtin != !o.input.empty(), "actmem preprocess: give --input FILE.jsonl or "
               "--builtin-corpus (one of them)");
@@ -136,29 +188,7 @@ int run_preprocess(PreprocessOptions& o) {
   const auto parent = std::filesystem::path(o.output_prefix).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
 
-  if (o.vocab_size > 0) {
-    TORCH_CHECK(o.tokenizer_type == "SentencePieceTokenizer" && o.tokenizer_model.empty(),
-                "actmem preprocess: --vocab-size trains a SentencePiece model on the input; it "
-                "needs --tokenizer-type SentencePieceTokenizer and no --tokenizer-model");
-    // The training text: every key's text of every document, as lines.
-    const std::string text_path = o.output_prefix + ".sp_train.txt";
-    {
-      std::ofstream text(text_path, std::ios::binary | std::ios::trunc);
-      TORCH_CHECK(text, "actmem preprocess: cannot write ", text_path);
-      DocumentReader reader(o);
-      std::vector<std::string> texts;
-      while (reader.next(texts)) {
-        for (const auto& t : texts) text << t << "\n";
-      }
-    }
-    std::cerr << "preprocess: training a SentencePiece model of " << o.vocab_size
-              << " pieces on the input ... " << std::flush;
-    train_sentencepiece(text_path, o.output_prefix, o.vocab_size, o.workers);
-    std::remove(text_path.c_str());
-    o.tokenizer_model = o.output_prefix + ".model";
-    std::cerr << "wrote " << o.tokenizer_model << " (" << std::fixed << std::setprecision(1)
-              << seconds() << " s)\n";
-  }
+  if (o.vocab_size > 0) train_tokenizer_model(o, seconds);
   TORCH_CHECK(!o.tokenizer_type.empty(), "actmem preprocess: --tokenizer-type is required "
               "(ByteTokenizer or SentencePieceTokenizer)");
   // One tokenizer per worker: a SentencePiece tokenizer is a helper process, so workers that
@@ -188,21 +218,8 @@ int run_preprocess(PreprocessOptions& o) {
     chunk.clear();
     std::vector<std::string> texts;
     while (chunk.size() < kChunk && (more = reader.next(texts))) chunk.push_back(texts);
-    ids.assign(chunk.size(), {});
-    auto work = [&](size_t worker, size_t begin, size_t end) {
-      for (size_t i = begin; i < end; ++i) {
-        for (const auto& t : chunk[i]) {
-          std::vector<int64_t> v = tokenizers[worker]->tokenize(t);
-          if (!v.empty() && o.append_eod) v.push_back(tok->eod());
-          ids[i].push_back(std::move(v));
-        }
-      }
-    };
-    const size_t n = chunk.size(), w = static_cast<size_t>(o.workers);
-    std::vector<std::thread> threads;
-    for (size_t k = 1; k < w && k < n; ++k) threads.emplace_back(work, k, n * k / w, n * (k + 1) / w);
-    work(0, 0, w > 1 && n > 1 ? n / w : n);
-    for (auto& t : threads) t.join();
+    ids = tokenize_in_parallel(chunk, tokenizers, o.append_eod);
+    const size_t n = chunk.size();
     for (size_t i = 0; i < n; ++i) {
       for (size_t k = 0; k < builders.size(); ++k) {
         // An empty document is written as Megatron's preprocess_data.py writes it: a document

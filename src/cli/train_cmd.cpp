@@ -114,7 +114,7 @@ int64_t optimizer_bytes_per_element(const actmem::TransformerConfig& m) {
 }
 
 void print_header(std::ostream& out, const actmem::Trainer& trainer, const actmem::TrainOptions& o,
-                  actmem::GPTModel& model) {
+                  actmem::GPTModel& model, std::optional<int64_t> resumed) {
   const auto& m = o.model;
   const auto& t = o.training;
   const auto& corpus = trainer.corpus();
@@ -172,6 +172,14 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << (m.sequence_parallel ? " with sequence parallelism" : "")
         << " | parameters per rank " << model.num_parameters() << " | numbers below are "
         << "rank 0's; the JSON log has every rank's memory\n";
+  }
+  if (resumed) {
+    out << "  loaded " << actmem::checkpoint_iteration_dir(t.load, *resumed)
+        << (t.finetune ? " (weights only: --finetune)" : "")
+        << (t.no_load_optim && !t.finetune ? " (without the optimizer)" : "")
+        << (t.no_load_rng && !t.finetune ? " (without random states)" : "")
+        << "; continuing at iteration " << trainer.iteration() + 1 << ", "
+        << trainer.consumed_train_samples() << " samples consumed\n";
   }
 }
 
@@ -275,6 +283,87 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   o.model.validate();
 }
 
+// The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
+// data-parallel size, is implied, as in Megatron.
+void check_launch_layout(const actmem::TransformerConfig& m, int world_size) {
+  const int t = static_cast<int>(m.tensor_model_parallel_size);
+  const int e = static_cast<int>(m.expert_model_parallel_size);
+  const int p = static_cast<int>(m.pipeline_model_parallel_size);
+  TORCH_CHECK(world_size % t == 0, "actmem train: ", world_size,
+              " process(es) but "
+              "--tensor-model-parallel-size ",
+              t,
+              "; the launch must be a multiple of it (t x the "
+              "data-parallel size): use `actmem launch --nproc-per-node ",
+              t,
+              " -- train ...` or a "
+              "multiple");
+  TORCH_CHECK(world_size % (t * p) == 0, "actmem train: ", world_size,
+              " process(es) "
+              "but --tensor-model-parallel-size ",
+              t, " x --pipeline-model-parallel-size ", p, " = ", t * p,
+              "; the launch must be a multiple of it (t x p x the data-parallel "
+              "size): use `actmem launch --nproc-per-node ",
+              t * p, " -- train ...` or a multiple");
+  // Expert parallelism is carved out of the data-parallel ranks (parallel_layout.h).
+  TORCH_CHECK(world_size % (t * e) == 0, "actmem train: ", world_size,
+              " process(es) "
+              "but --tensor-model-parallel-size ",
+              t, " x --expert-model-parallel-size ", e, " = ", t * e,
+              "; the launch must be a multiple of it: use `actmem launch "
+              "--nproc-per-node ",
+              t * e, " -- train ...` or a multiple");
+}
+
+// --load: the latest checkpoint's iteration, or none (a warning when the directory has none).
+std::optional<int64_t> load_if_asked(Trainer& trainer, const actmem::TrainingConfig& t,
+                                     bool writer) {
+  if (t.load.empty()) return std::nullopt;
+  const std::optional<int64_t> resumed = trainer.load_checkpoint(
+      t.load, {!t.no_load_optim, !t.no_load_rng, t.finetune, t.override_opt_param_scheduler});
+  if (!resumed && writer) {
+    std::cerr << "warning: " << t.load << " has no " << actmem::kLatestCheckpointFile
+              << "; no checkpoint loaded, training from scratch\n";
+  }
+  return resumed;
+}
+
+// The closing lines: the losses, the time, each stage's activations and the schedule plot.
+void print_summary(std::ostream& human, const actmem::TrainOptions& o, double first_loss,
+                   double last_loss, std::optional<double> last_val, double total_time,
+                   int64_t steps, const actmem::IterationStats& last_stats,
+                   OutputFile& schedule_plot) {
+  human << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> " << last_loss;
+  if (last_val) human << " | validation loss " << *last_val;
+  human << std::setprecision(1) << " | " << total_time << " s in steps ("
+        << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
+  const auto& held = last_stats.inflight_activation_bytes_per_stage;
+  if (!held.empty()) {
+    // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight, the interleaved schedule
+    // more on the first stages (docs/parallelism.md).
+    // The predictor counts no offload: offloaded bytes are what separates the two then.
+    human << "activations in flight per pipeline stage (measured / predicted"
+          << (o.model.fine_grained_activation_offloading ? " without offload" : "") << "):";
+    for (size_t i = 0; i < held.size(); ++i) {
+      human << (i ? "," : "") << " stage " << i << " "
+            << actmem::format_bytes(static_cast<double>(held[i])) << " / "
+            << actmem::format_bytes(static_cast<double>(
+                   last_stats.predicted_inflight_activation_bytes_per_stage[i]));
+    }
+    human << "\n";
+  }
+  if (schedule_plot.is_open()) {
+    schedule_plot.write(
+        actmem::pipeline_schedule_svg(
+            last_stats.pipeline_schedule_per_stage,
+            "1F1B schedule of iteration " + std::to_string(last_stats.iteration) + ", " +
+                std::to_string(o.model.pipeline_model_parallel_size) + " stages"),
+        "the schedule plot");
+    schedule_plot.close();
+    human << "pipeline schedule: " << o.pipeline_plot << "\n";
+  }
+}
+
 int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   // With --memory-budget (or --costs, which asks for it) the planner chooses the offload the
   // offload settings apply to; a --costs without the budget is refused below with its reason.
@@ -298,24 +387,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   TORCH_CHECK(!budget.costs_speed_tolerance_given || !budget.costs.empty(),
               "actmem train: --costs-speed-tolerance checks the costs kept in --costs; give both");
   if (!budget.budget.empty()) plan_for_budget(o, budget, dist.world_size);
-  // The launch is t x d ranks (Megatron's order: tensor-parallel peers adjacent); d, the
-  // data-parallel size, is implied, as in Megatron.
-  const int t = static_cast<int>(o.model.tensor_model_parallel_size);
-  const int e = static_cast<int>(o.model.expert_model_parallel_size);
-  const int p = static_cast<int>(o.model.pipeline_model_parallel_size);
-  TORCH_CHECK(dist.world_size % t == 0, "actmem train: ", dist.world_size, " process(es) but "
-              "--tensor-model-parallel-size ", t, "; the launch must be a multiple of it (t x the "
-              "data-parallel size): use `actmem launch --nproc-per-node ", t, " -- train ...` or a "
-              "multiple");
-  TORCH_CHECK(dist.world_size % (t * p) == 0, "actmem train: ", dist.world_size, " process(es) "
-              "but --tensor-model-parallel-size ", t, " x --pipeline-model-parallel-size ", p,
-              " = ", t * p, "; the launch must be a multiple of it (t x p x the data-parallel "
-              "size): use `actmem launch --nproc-per-node ", t * p, " -- train ...` or a multiple");
-  // Expert parallelism is carved out of the data-parallel ranks (parallel_layout.h).
-  TORCH_CHECK(dist.world_size % (t * e) == 0, "actmem train: ", dist.world_size, " process(es) "
-              "but --tensor-model-parallel-size ", t, " x --expert-model-parallel-size ", e,
-              " = ", t * e, "; the launch must be a multiple of it: use `actmem launch "
-              "--nproc-per-node ", t * e, " -- train ...` or a multiple");
+  check_launch_layout(o.model, dist.world_size);
   o.training.device = actmem::device_for_rank(o.training.device, dist);
   // Opened before anything else runs, so an unwritable path fails now, not after the work (and,
   // under launch, before rank 0 joins its peers).
@@ -326,33 +398,18 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   if (writer && !o.pipeline_plot.empty()) {
     schedule_plot = OutputFile({"--pipeline-plot", o.pipeline_plot});
   }
-  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device), t, e, p);
+  const auto& m = o.model;
+  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device),
+                                                 static_cast<int>(m.tensor_model_parallel_size),
+                                                 static_cast<int>(m.expert_model_parallel_size),
+                                                 static_cast<int>(m.pipeline_model_parallel_size));
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   actmem::Trainer trainer(o.model, o.training);
   // With the JSON log on standard output, everything meant for people goes to stderr.
   std::ostream& human = log.is_stdout() ? std::cerr : std::cout;
-  std::optional<int64_t> resumed;
-  if (!o.training.load.empty()) {
-    const auto& t = o.training;
-    resumed = trainer.load_checkpoint(
-        t.load, {!t.no_load_optim, !t.no_load_rng, t.finetune, t.override_opt_param_scheduler});
-    if (!resumed && writer) {
-      std::cerr << "warning: " << t.load << " has no " << actmem::kLatestCheckpointFile
-                << "; no checkpoint loaded, training from scratch\n";
-    }
-  }
-  if (writer) {
-    print_header(human, trainer, o, trainer.model());
-    if (resumed) {
-      human << "  loaded " << actmem::checkpoint_iteration_dir(o.training.load, *resumed)
-            << (o.training.finetune ? " (weights only: --finetune)" : "")
-            << (o.training.no_load_optim && !o.training.finetune ? " (without the optimizer)" : "")
-            << (o.training.no_load_rng && !o.training.finetune ? " (without random states)" : "")
-            << "; continuing at iteration " << trainer.iteration() + 1 << ", "
-            << trainer.consumed_train_samples() << " samples consumed\n";
-    }
-  }
+  const std::optional<int64_t> resumed = load_if_asked(trainer, o.training, writer);
+  if (writer) print_header(human, trainer, o, trainer.model(), resumed);
   if (log.is_open()) {
     log.write(config_record(o, trainer, dist.world_size).dump() + "\n", "the config record");
   }
@@ -395,36 +452,8 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
           << o.training.train_iters << ")\n";
     return 0;
   }
-  human << std::fixed << std::setprecision(4) << "done: loss " << first_loss << " -> "
-        << last_loss;
-  if (last_val) human << " | validation loss " << *last_val;
-  human << std::setprecision(1) << " | " << total_time << " s in steps ("
-        << 1e3 * total_time / static_cast<double>(steps) << " ms/step)\n";
-  const auto& held = last_stats.inflight_activation_bytes_per_stage;
-  if (!held.empty()) {
-    // 1F1B keeps min(p - stage, micro-batches) micro-batches in flight, the interleaved schedule
-    // more on the first stages (docs/parallelism.md).
-    // The predictor counts no offload: offloaded bytes are what separates the two then.
-    human << "activations in flight per pipeline stage (measured / predicted"
-          << (o.model.fine_grained_activation_offloading ? " without offload" : "") << "):";
-    for (size_t i = 0; i < held.size(); ++i) {
-      human << (i ? "," : "") << " stage " << i << " "
-            << actmem::format_bytes(static_cast<double>(held[i])) << " / "
-            << actmem::format_bytes(
-                   static_cast<double>(last_stats.predicted_inflight_activation_bytes_per_stage[i]));
-    }
-    human << "\n";
-  }
-  if (schedule_plot.is_open()) {
-    schedule_plot.write(
-        actmem::pipeline_schedule_svg(
-            last_stats.pipeline_schedule_per_stage,
-            "1F1B schedule of iteration " + std::to_string(last_stats.iteration) + ", " +
-                std::to_string(o.model.pipeline_model_parallel_size) + " stages"),
-        "the schedule plot");
-    schedule_plot.close();
-    human << "pipeline schedule: " << o.pipeline_plot << "\n";
-  }
+  print_summary(human, o, first_loss, last_loss, last_val, total_time, steps, last_stats,
+                schedule_plot);
   if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
 }
