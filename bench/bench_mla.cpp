@@ -4,8 +4,9 @@
 // YaRN); every strategy steps in one round-robin with the plain run, must stay bitwise equal to
 // it at every step (the program fails otherwise), and is reported as step-time ratio and
 // activation bytes against the plain run of the same process, with the exact predictor's bytes.
-#include "actmem/memory/memory_model.h"
+#include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/memory/memory_model.h"
 #include "bench_common.h"
 
 #include <CLI/CLI.hpp>
@@ -37,6 +38,7 @@ std::vector<Strategy> strategies() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_mla: multi-latent attention recompute and offload strategies"};
   actmem::TrainOptions o;
   auto& m = o.model;

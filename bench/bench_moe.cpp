@@ -7,9 +7,10 @@
 // against the plain run of the same process.
 // Part 2: the same model trained from the same initialisation with and without the Switch
 // load-balancing loss; the busiest expert's share of the routed tokens over the mean, per step.
-#include "actmem/offload/activation_offloader.h"
+#include "actmem/base/blas.h"
 #include "actmem/base/report.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/offload/activation_offloader.h"
 #include "actmem/train/trainer.h"
 #include "bench_common.h"
 
@@ -43,6 +44,7 @@ std::vector<Strategy> strategies() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_moe: MoE recompute and offload strategies, and load balancing"};
   actmem::TrainOptions o;
   auto& m = o.model;

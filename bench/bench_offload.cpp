@@ -6,9 +6,10 @@
 // loss and gradient digest must equal the plain run's at every step. Bandwidth is emulated by the
 // CPU copy engine (docs/offload.md, "Copy engine"): a copy of n bytes takes at least
 // n / bandwidth.
-#include "bench_common.h"
+#include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
+#include "bench_common.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -19,6 +20,7 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_offload: step-time overhead and overlap of CPU offload"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);

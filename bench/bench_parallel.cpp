@@ -11,6 +11,7 @@
 // step-time ratios compare the same cores; Gloo's loopback collectives are the overhead measured.
 #include "bench_common.h"
 
+#include "actmem/base/blas.h"
 #include "actmem/train/trainer.h"
 
 #include <CLI/CLI.hpp>
@@ -82,6 +83,7 @@ std::string per_rank(const std::vector<int64_t>& v) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"Per-rank activation memory and step time of tensor and sequence parallelism"};
   int steps = 3;
   bool small = false;

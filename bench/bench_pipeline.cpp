@@ -78,6 +78,7 @@ void run_case(const Case& c, const std::string& model_flags, int steps, const st
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"Step time, per-stage activation memory and idle share of 1F1B pipelines"};
   int steps = 4, rounds = 2, micro = 8;
   std::string plot_dir, json_path;

@@ -5,6 +5,7 @@
 // bf16 rounds parameters to 8 significant bits after every step (the fp32 main parameters keep
 // the rest), so the two runs part ways bit by bit from the first step; what must hold is that
 // they learn the same.
+#include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
 #include "bench_common.h"
@@ -18,6 +19,7 @@
 #include <iostream>
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_precision: validation loss of the default model, fp32 against bf16"};
   int64_t iters = 200, eval_interval = 50;
   double tolerance = 0.05;

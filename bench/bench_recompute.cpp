@@ -7,10 +7,11 @@
 // recompute replays the whole forward once, so its ideal ratio is (step + forward) / step;
 // selective core_attn replays the core-attention forward, so its ideal is
 // (step + L * core-attention forward) / step.
-#include "actmem/model/model.h"
-#include "bench_common.h"
+#include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/model/model.h"
 #include "actmem/train/trainer.h"
+#include "bench_common.h"
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
@@ -88,6 +89,7 @@ double time_core_attention(const actmem::TransformerConfig& c, int iters) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_recompute: step time and activation memory of every recompute strategy"};
   actmem::TrainOptions o;
   actmem::bench::use_reference_model(o.model);

@@ -5,9 +5,10 @@
 // with bench/compare_eager.sh). Validation: every step's loss must be finite. Timing: median of
 // --iters steps after --warmup steps, measured by the Trainer around forward, backward and the
 // optimizer step only.
-#include "bench_common.h"
+#include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
+#include "bench_common.h"
 
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
@@ -36,6 +37,7 @@ std::vector<Preset> presets() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // as the actmem program (Note [Reproducible products])
   CLI::App app{"bench_step: plain training-step time of actmem's GPT model"};
   std::string which = "all", json_path, precision = "fp32";
   int iters = 5, warmup = 2, threads = 0;

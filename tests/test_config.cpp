@@ -58,6 +58,12 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"distribute_selective", [](auto& c) { c.tensor_model_parallel_size = 2; c.recompute_granularity = "selective"; c.distribute_saved_activations = true; }, "distribute_saved_activations requires recompute_granularity full with a recompute_method"},
         ConfigCase{"pp", [](auto& c) { c.num_layers = 4; c.pipeline_model_parallel_size = 3; }, "Number of layers should be divisible by the pipeline-model-parallel size (num_layers 4, pipeline size 3)"},
         ConfigCase{"sp", [](auto& c) { c.sequence_parallel = true; }, "sequence_parallel requires tensor_model_parallel_size > 1"},
+        // Grouped-query attention: whole groups of heads, Megatron's tensor-parallel rule (its
+        // message), and its other half (fewer groups than ranks) refused as not implemented.
+        ConfigCase{"gqa_groups", [](auto& c) { c.num_query_groups = 3; }, "num_query_groups (3) must divide num_attention_heads (4)"},
+        ConfigCase{"gqa_tp", [](auto& c) { c.num_attention_heads = 12; c.hidden_size = 132; c.num_query_groups = 6; c.tensor_model_parallel_size = 4; }, "num_query_groups (6) must be a multiple or divisor of tensor_model_parallel_size (4)."},
+        ConfigCase{"gqa_tp_divisor", [](auto& c) { c.num_query_groups = 1; c.tensor_model_parallel_size = 2; }, "num_query_groups (1) smaller than tensor_model_parallel_size (2) is not implemented"},
+        ConfigCase{"gqa_mla", [](auto& c) { c.num_query_groups = 2; c.multi_latent_attention = true; }, "Group query attention is mutually exclusive with multi latent attention."},
         // Megatron's recompute rules (TransformerConfig.__post_init__), one message each.
         ConfigCase{"granularity", [](auto& c) { c.recompute_granularity = "partial"; }, "recompute_granularity: partial must be \"full\" or \"selective\"."},
         ConfigCase{"method", [](auto& c) { c.recompute_granularity = "full"; c.recompute_method = "random"; c.recompute_num_layers = 1; }, "recompute_method: random must be \"block\" or \"uniform\"."},

@@ -35,7 +35,8 @@ struct Variant {
 };
 const Variant kVariants[] = {
     {"gpt_fp32", [](TransformerConfig&) {}},
-    {"llama_fp32", [](TransformerConfig& c) {
+    {"llama_fp32",
+     [](TransformerConfig& c) {
        c.normalization = "RMSNorm";
        c.gated_linear_unit = true;
        c.position_embedding_type = "rope";
@@ -43,7 +44,16 @@ const Variant kVariants[] = {
        c.add_bias_linear = false;
      }},
     {"gpt_bf16", [](TransformerConfig& c) { testing::set_precision(c, "bf16"); }},
-    {"mla_yarn_fp32", [](TransformerConfig& c) {
+    // Grouped-query attention: the cache keeps the 2 key/value groups, not the 4 heads.
+    {"llama_gqa_fp32",
+     [](TransformerConfig& c) {
+       c.normalization = "RMSNorm";
+       c.gated_linear_unit = true;
+       c.position_embedding_type = "rope";
+       c.num_query_groups = 2;
+     }},
+    {"mla_yarn_fp32",
+     [](TransformerConfig& c) {
        // DeepSeek-style attention: compressed queries, normed latents, YaRN with a factor > 1.
        c.multi_latent_attention = true;
        c.q_lora_rank = 12;
@@ -81,6 +91,11 @@ TEST_P(KVCacheTest, IncrementalLogitsEqualTheFullForward) {
   ASSERT_EQ(incremental.sizes(), full.sizes());
   EXPECT_EQ(cache.length(), 24);
   EXPECT_EQ(cache.bytes(), KVCache::bytes_for(model));  // the size `generate` reports
+  if (c.grouped_query_attention()) {
+    // [positions, groups, head dim] of keys and values per layer, 4-byte elements.
+    EXPECT_EQ(cache.bytes(),
+              c.num_layers * c.max_positions() * c.query_groups() * 2 * c.kv_channels() * 4);
+  }
   // Different summation order (a row at a time vs the whole square): close, not bitwise.
   const double tol = c.bf16 ? 5e-2 : 1e-4;
   EXPECT_TRUE(at::allclose(incremental, full, tol, tol))

@@ -1,11 +1,13 @@
 // test_main.cpp — installs the tracking allocator before any test allocates, and fixes the
 // intra-op thread count as the programs do.
+#include "actmem/base/blas.h"
 #include "actmem/memory/memory_tracker.h"
 
 #include <ATen/Parallel.h>
 #include <gtest/gtest.h>
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // Note [Reproducible products] in blas.h, as the programs
   actmem::install_memory_tracker();
   // The programs call at::set_num_threads (apply_thread_count); so do the tests. Besides
   // OpenMP's team size it sets MKL's thread count and turns MKL's dynamic mode off: in that mode,

@@ -131,14 +131,16 @@ inline void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }
 
 const Shape kShapes[] = {
     {"Base", [](TransformerConfig&) {}},
-    {"OddSizes", [](TransformerConfig& c) {
+    {"OddSizes",
+     [](TransformerConfig& c) {
        c.hidden_size = 35;
        c.num_attention_heads = 5;
        c.ffn_hidden_size = 57;
        c.seq_length = 19;
        c.micro_batch_size = 1;
      }},
-    {"ManyHeadsLongSeq", [](TransformerConfig& c) {
+    {"ManyHeadsLongSeq",
+     [](TransformerConfig& c) {
        c.hidden_size = 64;
        c.num_attention_heads = 16;
        c.seq_length = 96;
@@ -146,7 +148,16 @@ const Shape kShapes[] = {
        c.num_layers = 2;
      }},
     {"NoDropout", [](TransformerConfig& c) { c.attention_dropout = c.hidden_dropout = 0.0; }},
-    {"RmsSwigluRopeUntied", [](TransformerConfig& c) {
+    // Grouped-query attention (Note [What grouped-query attention keeps] in memory_model.cpp):
+    // 2 groups of 2 heads with learned positions, and one group (multi-query) with RoPE.
+    {"GroupedQuery", [](TransformerConfig& c) { c.num_query_groups = 2; }},
+    {"MultiQueryRope",
+     [](TransformerConfig& c) {
+       c.num_query_groups = 1;
+       c.position_embedding_type = "rope";
+     }},
+    {"RmsSwigluRopeUntied",
+     [](TransformerConfig& c) {
        c.normalization = "RMSNorm";
        c.gated_linear_unit = true;
        c.position_embedding_type = "rope";
@@ -418,6 +429,60 @@ TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
     ASSERT_EQ(both.exit_code, 0) << both.stderr_text;
     EXPECT_EQ(nlohmann::json::parse(both.output)["model"]["swiglu"].get<bool>(), swiglu) << flags;
   }
+}
+
+TEST(Estimate, GroupedQueryAttentionCountsMegatronsParameters) {
+  // Llama 3 8B's shape (grouped-query attention with 8 key/value groups of the 32 heads). The
+  // expected values are Megatron-LM's own compute_weight_and_optimizer_memory
+  // (megatron/training/theoretical_memory_usage.py, run on these args with t = p = d = 1):
+  // 8,030,261,248 parameters (Meta's published 8.03B) and 144,544,702,464 bytes at 18 B/param.
+  const auto r = actmem::testing::run_actmem(
+      "estimate --json --num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+      "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 --seq-length 8192 "
+      "--micro-batch-size 1 --vocab-size 128256 --swiglu --untie-embeddings-and-output-weights "
+      "--normalization RMSNorm --disable-bias-linear --use-rotary-position-embeddings");
+  ASSERT_EQ(r.exit_code, 0) << r.stderr_text;
+  const auto j = nlohmann::json::parse(r.output);
+  EXPECT_EQ(j["model"]["num_query_groups"].get<double>(), 8);
+  EXPECT_DOUBLE_EQ(j["weights_and_optimizer"]["parameters"].get<double>(), 8030261248.0);
+  EXPECT_DOUBLE_EQ(j["weights_and_optimizer"]["total_bytes"].get<double>(), 144544702464.0);
+  // The groups must divide the heads, and --num-query-groups needs the switch.
+  const auto bad =
+      actmem::testing::run_actmem("estimate --group-query-attention --num-query-groups 6");
+  EXPECT_NE(bad.stderr_text.find("num_query_groups (6) must divide num_attention_heads (32)"),
+            std::string::npos)
+      << bad.stderr_text;
+  const auto unswitched = actmem::testing::run_actmem("estimate --num-query-groups 8");
+  EXPECT_NE(unswitched.stderr_text.find("--num-query-groups needs --group-query-attention"),
+            std::string::npos)
+      << unswitched.stderr_text;
+}
+
+TEST(Estimate, OpenModelPresetsCountMegatronsParameters) {
+  // Expected values from Megatron-LM's compute_weight_and_optimizer_memory
+  // (megatron/training/theoretical_memory_usage.py) run on each model's arguments: Llama 3 70B
+  // 70,553,706,496 parameters (Meta: 70.6B); Mixtral 8x7B 46,702,792,704 (Mistral: 46.7B, 12.9B
+  // active), at one rank 18 bytes each.
+  auto run = [](const std::string& flags) {
+    const auto r = actmem::testing::run_actmem("estimate --json " + flags);
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.stderr_text;
+    return nlohmann::json::parse(r.output)["weights_and_optimizer"];
+  };
+  const auto llama = run("--preset llama3-70b");
+  EXPECT_DOUBLE_EQ(llama["parameters"].get<double>(), 70553706496.0);
+  EXPECT_DOUBLE_EQ(llama["total_bytes"].get<double>(), 18 * 70553706496.0);
+  const auto mixtral = run("--preset mixtral-8x7b");
+  EXPECT_DOUBLE_EQ(mixtral["parameters"].get<double>(), 46702792704.0);
+  EXPECT_DOUBLE_EQ(mixtral["total_bytes"].get<double>(), 840650268672.0);
+  EXPECT_NEAR(mixtral["active_parameters"].get<double>() / 1e9, 12.88, 0.005);
+  // On the t 8, p 4 layout Megatron's most loaded shard holds 2,270,758,912 parameters (the
+  // norms replicated on every tensor-parallel rank, in both).
+  const auto split =
+      run("--preset llama3-70b --tensor-model-parallel-size 8 --sequence-parallel "
+          "--pipeline-model-parallel-size 4");
+  EXPECT_DOUBLE_EQ(split["parameters_on_rank"].get<double>(), 2270758912.0);
+  const auto deepseek = run("--preset deepseek-v3");
+  EXPECT_NEAR(deepseek["parameters"].get<double>() / 1e9, 671.0, 0.5);
 }
 
 TEST(Estimate, PresetInterleavingFollowsTheFlags) {

@@ -225,6 +225,42 @@ TEST(GPTModel, ParameterCountMatchesFormula) {
   EXPECT_EQ(model.num_parameters(), v * h + s * h + c.num_layers * per_layer + 2 * h);
 }
 
+TEST(GPTModel, GroupedQueryAttentionHasMegatronsFusedQkvShape) {
+  // Megatron's linear_qkv for G groups: (a + 2G) d output rows, laid out per group as its a/G
+  // query heads, then its key and its value head (Attention.get_query_key_value_tensors).
+  TransformerConfig c = small_config();
+  c.num_attention_heads = 4;  // head dim 6
+  c.num_query_groups = 2;
+  const int64_t a = c.num_attention_heads, d = c.kv_channels(), h = c.hidden_size;
+  GPTModel model(c);
+  const auto params = model.named_parameters();
+  EXPECT_EQ(params["decoder.layers.0.self_attention.linear_qkv.weight"].sizes(),
+            (std::vector<int64_t>{(a + 2 * 2) * d, h}));
+  EXPECT_EQ(params["decoder.layers.0.self_attention.linear_qkv.bias"].sizes(),
+            (std::vector<int64_t>{(a + 2 * 2) * d}));
+  EXPECT_EQ(params["decoder.layers.0.self_attention.linear_proj.weight"].sizes(),
+            (std::vector<int64_t>{h, h}));
+  // The split: group g's query heads are rows [g (a/G + 2) d, g (a/G + 2) d + (a/G) d) of the
+  // output, its key and value the next d rows each.
+  const at::Tensor qkv = at::arange(1 * 1 * (a + 4) * d, at::kFloat).view({1, 1, (a + 4) * d});
+  const auto [q, k, v] = split_qkv(qkv, a, 2, d);
+  const int64_t per = (a / 2 + 2) * d;
+  EXPECT_EQ(q.sizes(), (std::vector<int64_t>{1, 1, a, d}));
+  EXPECT_EQ(k.sizes(), (std::vector<int64_t>{1, 1, 2, d}));
+  EXPECT_EQ(q[0][0][a / 2][0].item<float>(), static_cast<float>(per));    // group 1's first q
+  EXPECT_EQ(k[0][0][0][0].item<float>(), static_cast<float>(a / 2 * d));  // group 0's key
+  EXPECT_EQ(v[0][0][1][0].item<float>(), static_cast<float>(per + (a / 2 + 1) * d));
+  // Expanded for the products: head j reads group j / (a/G).
+  const at::Tensor ke = expand_kv_heads(k, a);
+  for (int64_t j = 0; j < a; ++j) EXPECT_TRUE(ke[0][0][j].equal(k[0][0][j / (a / 2)])) << j;
+  // Fewer parameters than multi-head attention: 2 (a - G) d h weights and 2 (a - G) d biases
+  // per layer.
+  TransformerConfig mha = small_config();
+  mha.num_attention_heads = 4;
+  EXPECT_EQ(GPTModel(mha).num_parameters() - model.num_parameters(),
+            c.num_layers * 2 * (a - 2) * d * (h + 1));
+}
+
 TEST(GPTModel, InitialisationIsAPureFunctionOfTheSeed) {
   TransformerConfig c = small_config();
   at::manual_seed(1);

@@ -260,11 +260,23 @@ const Strategy kStrategies[] = {
     {"SelectiveCoreAttn", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
     {"SelectiveMlp", [](TransformerConfig& c) { selective(c, {"mlp"}); }},
     {"SelectiveLayernorm", [](TransformerConfig& c) { selective(c, {"layernorm"}); }},
-    {"SelectiveAll", [](TransformerConfig& c) { selective(c, {"core_attn", "mlp", "layernorm"}); }},
-    {"SelectiveAllRmsSwigluRope", [](TransformerConfig& c) {
+    {"SelectiveAll",
+     [](TransformerConfig& c) {
+       selective(c, {"core_attn", "mlp", "layernorm"});
+     }},
+    {"SelectiveAllRmsSwigluRope",
+     [](TransformerConfig& c) {
        c.normalization = "RMSNorm";
        c.gated_linear_unit = true;
        c.position_embedding_type = "rope";
+       selective(c, {"core_attn", "mlp", "layernorm"});
+     }},
+    // Grouped-query attention: 2 key/value groups of the 4 heads ("Gqa"; with RoPE in "Rope").
+    {"FullUniform1Gqa", [](TransformerConfig& c) { full(c, "uniform", 1); }},
+    {"FullBlock2Gqa", [](TransformerConfig& c) { full(c, "block", 2); }},
+    {"SelectiveCoreAttnGqa", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
+    {"SelectiveAllGqaRope",
+     [](TransformerConfig& c) {
        selective(c, {"core_attn", "mlp", "layernorm"});
      }},
 };
@@ -282,6 +294,7 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
     base.gated_linear_unit = true;
     base.position_embedding_type = "rope";
   }
+  if (std::string(strategy.name).find("Gqa") != std::string::npos) base.num_query_groups = 2;
   TransformerConfig strat = base;
   strategy.apply(strat);
   t.global_batch_size = 4;  // two micro-batches per step

@@ -59,7 +59,8 @@ TEST_P(TwoRanksMatchOneRank, WithoutDropoutWithAndWithoutSequenceParallel) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank, ::testing::Values("base", "swiglu"));
+INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank,
+                         ::testing::Values("base", "swiglu", "gqa"));
 
 void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& variant = "base") {
   std::vector<std::string> args = {"strategies", "--variant", variant};
@@ -96,6 +97,11 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithSequenceParallelAndDropo
 
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainRmsSwigluRopeUntiedNoBias) {
   expect_strategies_bitwise_equal_to_plain(true, "swiglu");
+}
+
+// Grouped-query attention: each rank holds one of the 2 key/value groups and its 2 query heads.
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithGroupedQueryAttention) {
+  expect_strategies_bitwise_equal_to_plain(true, "gqa");
 }
 
 // bf16 parameters and activations: the collectives carry bf16 (Note [16-bit collectives]), the

@@ -26,19 +26,20 @@
 //     each stage reports its steps and its parameters' digests under their global names)
 //   actmem_tp_worker pipeline_fault OUT_DIR --tp 1 --pp P --die STAGE   (1F1B on small
 //     tensors; stage STAGE kills itself with SIGKILL in the forward of micro-batch 2)
+#include "actmem/base/blas.h"
 #include "actmem/base/digest.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/model/moe.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/parallel/grad_reducer.h"
-#include "actmem/memory/ledger.h"
-#include "actmem/memory/memory_model.h"
-#include "actmem/config/activation_plan.h"
-#include "actmem/model/moe.h"
 #include "actmem/parallel/moe_dispatch.h"
 #include "actmem/parallel/pipeline.h"
+#include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
 #include "actmem/recompute/saved_tensor_hooks.h"
-#include "actmem/parallel/tensor_parallel.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
 
@@ -83,6 +84,11 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     c.position_embedding_type = "rope";
     c.untie_embeddings_and_output_weights = true;
     c.add_bias_linear = false;
+  } else if (variant == "gqa") {
+    // Grouped-query attention: 2 key/value groups of the 4 heads, one per tensor-parallel rank,
+    // with RoPE rotating the grouped keys.
+    c.num_query_groups = 2;
+    c.position_embedding_type = "rope";
   } else {
     TORCH_CHECK(variant == "base", "actmem_tp_worker: unknown variant ", variant);
   }
@@ -761,6 +767,7 @@ nlohmann::json run_expert_masks() {
 }
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // Note [Reproducible products] in blas.h
   try {
     TORCH_CHECK(argc >= 3, "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
                 "[--no-dropout] [--only NAME]");

@@ -22,6 +22,10 @@ std::string library_of(void* symbol) {
 }
 }  // namespace
 
+void set_reproducible_blas() {
+  setenv("MKL_CBWR", "AUTO,STRICT", /*overwrite=*/0);
+}
+
 BlasReport blas_report() {
   BlasReport r;
   r.mkl = at::hasMKL();

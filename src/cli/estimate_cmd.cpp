@@ -128,32 +128,49 @@ nlohmann::json to_json(const Estimate& e) {
   const char* schedule = e.schedule();
   auto total = [&e](double per_layer) { return e.device_total(per_layer); };
   nlohmann::json j = {
-      {"model", {{"seq_length", m.s}, {"micro_batch_size", m.b}, {"hidden_size", m.h},
-                 {"num_attention_heads", m.a}, {"num_layers", m.L}, {"ffn_hidden_size", m.ffn},
-                 {"vocab_size", m.v}, {"tensor_model_parallel_size", m.t},
-                 {"pipeline_model_parallel_size", m.p}, {"sequence_parallel", m.sp},
-                 {"swiglu", m.swiglu}, {"untied", m.untied},
-                 {"normalization", m.rmsnorm ? "RMSNorm" : "LayerNorm"},
-                 {"base", e.preset.empty() ? nlohmann::json(nullptr) : nlohmann::json(e.preset)}}},
-      {"per_layer_bytes", {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
-      {"per_stage_bytes", {{"none", layer.none * per_stage},
-                           {"selective", selective_stage},
-                           {"full", layer.full * per_stage}}},
+      {"model",
+       {{"seq_length", m.s},
+        {"micro_batch_size", m.b},
+        {"hidden_size", m.h},
+        {"num_attention_heads", m.a},
+        {"num_query_groups", m.g > 0 ? m.g : m.a},
+        {"num_layers", m.L},
+        {"ffn_hidden_size", m.ffn},
+        {"vocab_size", m.v},
+        {"tensor_model_parallel_size", m.t},
+        {"pipeline_model_parallel_size", m.p},
+        {"sequence_parallel", m.sp},
+        {"swiglu", m.swiglu},
+        {"untied", m.untied},
+        {"normalization", m.rmsnorm ? "RMSNorm" : "LayerNorm"},
+        {"base", e.preset.empty() ? nlohmann::json(nullptr) : nlohmann::json(e.preset)}}},
+      {"per_layer_bytes",
+       {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
+      {"per_stage_bytes",
+       {{"none", layer.none * per_stage},
+        {"selective", selective_stage},
+        {"full", layer.full * per_stage}}},
       {"s2_fraction", layer.s2_fraction},
       {"layers_per_stage", per_stage},
       {"megatron_theoretical_activation_bytes", meg},
       {"weights_and_optimizer",
-       {{"parameters", w.parameters}, {"parameters_on_rank", w.parameters_on_rank},
+       {{"parameters", w.parameters},
+        {"parameters_on_rank", w.parameters_on_rank},
         {"active_parameters", w.active_parameters},
         {"expert_parameters_on_rank", w.expert_parameters_on_rank},
-        {"bytes_per_parameter", w.bytes_per_parameter}, {"weight_bytes", w.weight_bytes},
-        {"gradient_bytes", w.gradient_bytes}, {"optimizer_bytes", w.optimizer_bytes},
-        {"total_bytes", w.total()}, {"data_parallel_size", m.d},
-        {"distributed_optimizer", m.distributed_optimizer}, {"swiglu", m.swiglu},
+        {"bytes_per_parameter", w.bytes_per_parameter},
+        {"weight_bytes", w.weight_bytes},
+        {"gradient_bytes", w.gradient_bytes},
+        {"optimizer_bytes", w.optimizer_bytes},
+        {"total_bytes", w.total()},
+        {"data_parallel_size", m.d},
+        {"distributed_optimizer", m.distributed_optimizer},
+        {"swiglu", m.swiglu},
         {"untied", m.untied}}},
       {"schedule", schedule},
       {"virtual_pipeline_size", m.vpp ? nlohmann::json(*m.vpp) : nlohmann::json(nullptr)},
-      {"per_pipeline_stage", [&] {
+      {"per_pipeline_stage",
+       [&] {
          nlohmann::json rows = nlohmann::json::array();
          for (size_t r = 0; r < stage_in_flight.size(); ++r) {
            const double n = stage_in_flight[r] * per_stage;
@@ -164,13 +181,15 @@ nlohmann::json to_json(const Estimate& e) {
          }
          return rows;
        }()},
-      {"device_bytes_per_rank", {{"none", total(layer.none)},
-                                 {"selective", total(layer.selective)},
-                                 {"full", total(layer.full)},
-                                 {"megatron_theoretical", w.total() + meg}}},
-      {"offload", {{"bytes_each_way", selective_stage},
-                   {"bandwidth_gbps", e.bandwidth_gbps},
-                   {"round_trip_s", offload_s}}}};
+      {"device_bytes_per_rank",
+       {{"none", total(layer.none)},
+        {"selective", total(layer.selective)},
+        {"full", total(layer.full)},
+        {"megatron_theoretical", w.total() + meg}}},
+      {"offload",
+       {{"bytes_each_way", selective_stage},
+        {"bandwidth_gbps", e.bandwidth_gbps},
+        {"round_trip_s", offload_s}}}};
   if (m.is_moe()) {
     j["moe"] = {{"num_experts", m.moe.experts}, {"topk", m.moe.topk}, {"ffn", m.moe.ffn},
                 {"shared_ffn", m.moe.shared_ffn}, {"capacity_factor", m.moe.capacity_factor},
@@ -219,15 +238,18 @@ void print_table(const Estimate& e) {
     os << std::setprecision(4) << x;
     return os.str();
   };
-  std::cout << "actmem estimate: " << base_name << " — s=" << m.s
-            << " b=" << m.b << " h=" << m.h << " a=" << m.a << " L=" << m.L << " ffn=" << m.ffn
-            << " V=" << m.v << " t=" << m.t << (m.sp ? " (SP)" : "") << " p=" << m.p << " ("
-            << per_stage << " layers per stage)" << (m.vpp ? ", v=" + c10::str(*m.vpp) : "")
-            << "; " << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
-            << " embeddings, " << (m.rmsnorm ? "RMSNorm" : "LayerNorm") << "\n"
-            << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
-            << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
-            << std::setw(14) << "per stage" << "   formula\n";
+  std::cout
+      << "actmem estimate: " << base_name << " — s=" << m.s << " b=" << m.b << " h=" << m.h
+      << " a=" << m.a << (m.g > 0 && m.g != m.a ? " G=" + c10::str(m.g) : std::string())
+      << " L=" << m.L << " ffn=" << m.ffn << " V=" << m.v << " t=" << m.t << (m.sp ? " (SP)" : "")
+      << " p=" << m.p << " (" << per_stage << " layers per stage)"
+      << (m.vpp ? ", v=" + c10::str(*m.vpp) : "") << "; " << (m.swiglu ? "SwiGLU" : "GeLU") << ", "
+      << (m.untied ? "untied" : "tied") << " embeddings, " << (m.rmsnorm ? "RMSNorm" : "LayerNorm")
+      << "\n"
+      << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
+      << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
+      << std::setw(14) << "per stage"
+      << "   formula\n";
   // The formulas paper_layer_bytes computes: with t = 1 or SP every term divided by t (eq. 1/4);
   // without SP the norms and dropouts (10 sbh) replicated (eq. 2).
   const bool split_all = m.t == 1 || m.sp;

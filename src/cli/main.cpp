@@ -1,7 +1,8 @@
 // main.cpp — the `actmem` command line. Library code throws; only this file turns errors into
 // messages on stderr and exit codes.
-#include "commands.h"
+#include "actmem/base/blas.h"
 #include "actmem/flags/presets.h"
+#include "commands.h"
 
 #include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
@@ -46,6 +47,7 @@ std::vector<std::string> last_occurrence_wins(std::vector<std::string> args) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  actmem::set_reproducible_blas();  // before any product (Note [Reproducible products])
   CLI::App app{"actmem: train transformers on libtorch with managed activation memory"};
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "Show help for every subcommand");

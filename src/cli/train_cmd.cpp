@@ -119,9 +119,11 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   const auto& t = o.training;
   const auto& corpus = trainer.corpus();
   out << "actmem train: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
-      << m.num_attention_heads << " heads, ffn " << m.ffn() << ", seq " << m.seq_length
-      << ", micro-batch " << m.micro_batch_size << " x "
-      << t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)
+      << m.num_attention_heads << " heads"
+      << (m.grouped_query_attention() ? " in " + std::to_string(m.query_groups()) + " query groups"
+                                      : std::string())
+      << ", ffn " << m.ffn() << ", seq " << m.seq_length << ", micro-batch " << m.micro_batch_size
+      << " x " << t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)
       << " micro-batches"
       << (actmem::data_parallel_group().size > 1
               ? " on each of " + std::to_string(actmem::data_parallel_group().size) +
@@ -131,8 +133,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
               ? " (gradients in " + std::to_string(trainer.grad_reducer()->buckets()) +
                     " buckets overlapping the last backward)"
               : std::string())
-      << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", "
-      << m.normalization << ", " << (m.use_rope() ? "RoPE" : "learned positions")
+      << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", " << m.normalization << ", "
+      << (m.use_rope() ? "RoPE" : "learned positions")
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  precision " << precision_summary(m, t) << "\n";
   if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {

@@ -467,6 +467,24 @@ void TransformerConfig::validate_shape() const {
   check_positive(t, "tensor_model_parallel_size");
   TORCH_CHECK(num_attention_heads % t == 0, "actmem::TransformerConfig: num_attention_heads (",
               num_attention_heads, ") must be divisible by tensor_model_parallel_size (", t, ")");
+  // Grouped-query attention: Megatron's TransformerConfig.__post_init__ (its message) and the
+  // fused QKV layout (whole groups of num_attention_heads / num_query_groups query heads).
+  const int64_t g = query_groups();
+  TORCH_CHECK(g >= 1 && num_attention_heads % g == 0,
+              "actmem::TransformerConfig: "
+              "num_query_groups (",
+              g, ") must divide num_attention_heads (", num_attention_heads, ")");
+  TORCH_CHECK(g % t == 0 || t % g == 0, "actmem::TransformerConfig: num_query_groups (", g,
+              ") must be a multiple or divisor of tensor_model_parallel_size (", t, ").");
+  TORCH_CHECK(g % t == 0, "actmem::TransformerConfig: num_query_groups (", g,
+              ") smaller than "
+              "tensor_model_parallel_size (",
+              t,
+              ") is not implemented (Megatron all-gathers the "
+              "fused QKV output then); give a multiple of the tensor-parallel size");
+  TORCH_CHECK(!multi_latent_attention || num_query_groups == 0,
+              "actmem::TransformerConfig: "
+              "Group query attention is mutually exclusive with multi latent attention.");
   TORCH_CHECK(ffn() % t == 0, "actmem::TransformerConfig: ffn_hidden_size (", ffn(),
               ") must be divisible by tensor_model_parallel_size (", t, ")");
   validate_pipeline(*this);
@@ -485,6 +503,9 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"num_layers", c.num_layers},
       {"hidden_size", c.hidden_size},
       {"num_attention_heads", c.num_attention_heads},
+      {"group_query_attention", c.grouped_query_attention()},
+      {"num_query_groups",
+       c.multi_latent_attention ? nlohmann::json(nullptr) : nlohmann::json(c.query_groups())},
       {"ffn_hidden_size", c.ffn()},
       {"seq_length", c.seq_length},
       {"max_position_embeddings", c.max_positions()},
@@ -511,10 +532,10 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"recompute_granularity", c.recompute_granularity.empty()
                                     ? nlohmann::json(nullptr)
                                     : nlohmann::json(c.recompute_granularity)},
-      {"recompute_method", c.recompute_method.empty() ? nlohmann::json(nullptr)
-                                                      : nlohmann::json(c.recompute_method)},
-      {"recompute_num_layers", c.recompute_num_layers ? nlohmann::json(*c.recompute_num_layers)
-                                                      : nlohmann::json(nullptr)},
+      {"recompute_method",
+       c.recompute_method.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.recompute_method)},
+      {"recompute_num_layers",
+       c.recompute_num_layers ? nlohmann::json(*c.recompute_num_layers) : nlohmann::json(nullptr)},
       {"recompute_modules", c.recompute_granularity == "selective"
                                 ? make_activation_plan(c).to_json()["recompute_modules"]
                                 : nlohmann::json(nullptr)},

@@ -28,18 +28,58 @@ std::string table3(int64_t b, int64_t h, int64_t a, int64_t L, int64_t p, int64_
   return os.str();
 }
 
+#define LLAMA_STYLE                                                                         \
+  "--normalization RMSNorm --swiglu --use-rotary-position-embeddings --rotary-base 500000 " \
+  "--untie-embeddings-and-output-weights --disable-bias-linear"
+
 const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> table = {
       // The 7B worked example of docs/memory-model.md (Llama-style: SwiGLU with ffn 14336,
       // untied embeddings, vocabulary 32000), TP 2 with SP, PP 2: 16 layers per stage.
-      {"7b", "--seq-length 4096 --micro-batch-size 2 --hidden-size 4096 --num-attention-heads 32 "
-             "--num-layers 32 --ffn-hidden-size 14336 --vocab-size 32000 --swiglu "
-             "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 "
-             "--sequence-parallel --pipeline-model-parallel-size 2"},
+      {"7b",
+       "--seq-length 4096 --micro-batch-size 2 --hidden-size 4096 --num-attention-heads 32 "
+       "--num-layers 32 --ffn-hidden-size 14336 --vocab-size 32000 --swiglu "
+       "--untie-embeddings-and-output-weights --tensor-model-parallel-size 2 "
+       "--sequence-parallel --pipeline-model-parallel-size 2"},
       {"22b", table3(4, 6144, 64, 48, 1, 1)},
       {"175b", table3(1, 12288, 96, 96, 8, 3)},
       {"530b", table3(1, 20480, 128, 105, 35, 3)},
       {"1t", table3(1, 25600, 160, 128, 64, 1)},
+      // Open models at their published shapes, one rank (give the layout: --tensor-model-
+      // parallel-size --sequence-parallel --pipeline-model-parallel-size ...).
+      // Llama 3 8B and 70B (Meta's model cards and config.json: RMSNorm, SwiGLU, RoPE base
+      // 500000, untied, no biases, grouped-query attention with 8 key/value heads, vocabulary
+      // 128256, 8192-token context).
+      {"llama3-8b",
+       "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+       "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+       "--vocab-size 128256 " LLAMA_STYLE " --seq-length 8192 --micro-batch-size 1"},
+      {"llama3-70b",
+       "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 "
+       "--group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 "
+       "--vocab-size 128256 " LLAMA_STYLE " --seq-length 8192 --micro-batch-size 1"},
+      // Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088, and its config.json): the Mistral 7B
+      // shape with 8 experts of ffn 14336 on every layer, top-2, RoPE base 1e6, vocabulary 32000.
+      {"mixtral-8x7b",
+       "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
+       "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
+       "--num-experts 8 --moe-router-topk 2 --vocab-size 32000 --normalization "
+       "RMSNorm --swiglu --use-rotary-position-embeddings --rotary-base 1000000 "
+       "--untie-embeddings-and-output-weights --disable-bias-linear "
+       "--seq-length 4096 --micro-batch-size 1"},
+      // DeepSeek-V3 (arXiv 2412.19437, Table and §4.2): 61 layers, the first 3 dense, MLA
+      // (query rank 1536, key/value rank 512, heads of 128 + 64 RoPE and 128 values), 256
+      // routed experts of ffn 2048 top-8 and one shared, vocabulary 129280 (the multi-token
+      // prediction module apart).
+      {"deepseek-v3",
+       "--num-layers 61 --hidden-size 7168 --num-attention-heads 128 "
+       "--ffn-hidden-size 18432 --vocab-size 129280 --normalization RMSNorm "
+       "--swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
+       "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
+       "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
+       "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+       "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq "
+       "([0]*3+[1]*58) --seq-length 4096 --micro-batch-size 1"},
   };
   return table;
 }

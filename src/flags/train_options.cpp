@@ -77,6 +77,12 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(positive);
   app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4h)")
       ->check(positive);
+  app.add_flag("--group-query-attention", o.group_query_attention,
+               "Grouped-query attention: keys and values of --num-query-groups heads");
+  app.add_option("--num-query-groups", m.num_query_groups,
+                 "With --group-query-attention: key/value heads G, each shared by heads / G query "
+                 "heads (Megatron's default 1)")
+      ->check(positive);
   app.add_option("--seq-length", m.seq_length, "Sequence length s")
       ->capture_default_str()->check(positive);
   app.add_option("--max-position-embeddings", m.max_position_embeddings,
@@ -496,6 +502,15 @@ void TrainOptions::finalize() {
   if (recompute_activations) model.recompute_granularity = "selective";
   model.normalization = normalization_flag;
   model.gated_linear_unit = swiglu;
+  if (group_query_attention) {
+    // Megatron's --num-query-groups defaults to 1 (multi-query attention) under the switch.
+    if (model.num_query_groups == 0) model.num_query_groups = 1;
+  } else {
+    TORCH_CHECK(model.num_query_groups == 0,
+                "--num-query-groups needs --group-query-attention "
+                "(Megatron ignores it without the switch; here it is refused rather than "
+                "ignored)");
+  }
   if (swiglu && model.ffn_hidden_size == 0) {
     // Megatron's validate_args: SwiGLU's two fc1 halves keep the parameters of a 4h GeLU MLP,
     // rounded down to a multiple of 64 (its TransformerConfig alone would take 4h).

@@ -31,7 +31,8 @@ PaperShape paper_shape(const TransformerConfig& c) {
   auto d = [](int64_t v) { return static_cast<double>(v); };
   PaperShape m;
   m.s = d(c.seq_length), m.b = d(c.micro_batch_size), m.h = d(c.hidden_size);
-  m.a = d(c.num_attention_heads), m.L = d(c.num_layers), m.ffn = d(c.ffn()), m.v = d(c.vocab_size);
+  m.a = d(c.num_attention_heads), m.g = d(c.query_groups()), m.L = d(c.num_layers),
+  m.ffn = d(c.ffn()), m.v = d(c.vocab_size);
   m.t = d(c.tensor_model_parallel_size), m.p = d(c.pipeline_model_parallel_size);
   m.sp = c.sequence_parallel;
   if (c.virtual_pipeline_size() > 1) m.vpp = d(c.virtual_pipeline_size());
@@ -151,7 +152,10 @@ WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   TORCH_CHECK(m.h > 0 && m.L > 0 && m.v > 0 && m.ffn > 0 && m.t >= 1 && m.p >= 1 && m.d >= 1,
               "actmem::megatron_weight_and_optimizer_memory: sizes must be positive, t, p, d >= 1");
   const double h = m.h, gated = m.swiglu ? 1.5 : 1.0, norm = m.rmsnorm ? 1.0 : 2.0;
-  double attention = 4.0 * h * h;  // query groups = heads, projection = h
+  // Megatron's self_attn_term: 2h^2 (1 + G/a) (query projection a d = h here): linear_qkv's
+  // h (a + 2G) d and linear_proj's h^2.
+  const double groups = m.g > 0 ? m.g : m.a;
+  double attention = 2.0 * h * h * (1.0 + groups / m.a);
   if (m.is_mla()) {
     const MLAPaperShape& x = m.mla;
     const double q = x.q_lora > 0 ? x.q_lora * (h + m.a * (x.qk + x.pos) + norm)
@@ -257,7 +261,10 @@ ModuleExtra module_bytes_beyond_paper(const std::string& path, const Transformer
                              (stat == e ? c.precision() : "fp32"));
     }
   } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention) {
-    if (c.model_rope()) add(2 * sbh_t * e, "RoPE's rotated q and k");
+    // With grouped-query attention the kept q, k and v are q's copy (or RoPE's output) and the
+    // keys and values repeated to every head: the paper's 3 sbh exactly.
+    if (c.model_rope() && !c.grouped_query_attention())
+      add(2 * sbh_t * e, "RoPE's rotated q and k");
     if (c.attention_dropout == 0.0) {
       add(-(as2b_t + as2b_t * e), "no attention dropout: no mask, no dropped probabilities");
     }
@@ -396,6 +403,26 @@ std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_in
   }
   return std::nullopt;
 }
+
+namespace {
+// Note [What grouped-query attention keeps]
+// What the core attention's q, k and v keep for backward, per rank (heads a/t, groups G/t, head
+// dim d, so one head of the whole sequence is sbd). One group per head: q, k and v are views of
+// linear_qkv's output, whose 3 sbh/t storage the products keep, plus RoPE's rotated q and k
+// (2 sbh/t). With G < a groups, q is a copy (Megatron's reshape of the grouped layout) or RoPE's
+// output, and the products read the keys and values repeated to every head (expand_kv_heads):
+// 3 sbh/t, with or without RoPE. Under selective core_attn recompute the checkpoint keeps its
+// inputs instead: q (sbh/t), RoPE's rotated k of G heads (G sbd/t), and linear_qkv's output,
+// (a + 2G) sbd/t, which v (and without RoPE k) is a view of.
+int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e) {
+  const int64_t t = c.tensor_model_parallel_size;
+  const int64_t heads = c.num_attention_heads / t, groups = c.query_groups() / t;
+  const int64_t head = c.seq_length * c.micro_batch_size * c.kv_channels();  // sbd
+  if (!c.grouped_query_attention()) return (c.model_rope() ? 5 : 3) * heads * head * e;
+  if (!lp.recomputes(RecomputeModule::kCoreAttn)) return 3 * heads * head * e;
+  return (heads + (c.model_rope() ? groups : 0) + heads + 2 * groups) * head * e;
+}
+}  // namespace
 
 PredictedBytes predict_activation_bytes(const TransformerConfig& c, int64_t e,
                                         bool snapshots_on_device, const MoERouting* routing) {
@@ -599,8 +626,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
       add(layer + ".self_attention.linear_qkv", norm_out);
-      add(layer + ".self_attention.core_attention",
-          3 * sbh_t * e + (c.model_rope() ? 2 * sbh_t * e : 0) + scores);
+      add(layer + ".self_attention.core_attention", core_attention_qkv_bytes(c, lp, e) + scores);
       add(layer + ".self_attention.linear_proj", sbh_t * e);
     }
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);

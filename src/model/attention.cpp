@@ -53,10 +53,29 @@ at::Tensor make_causal_mask(int64_t s, const at::Device& device) {
       .view({1, 1, s, s});
 }
 
-at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                  const at::Tensor& mask) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, int64_t heads,
+                                                         int64_t groups, int64_t head_dim) {
+  const int64_t s = qkv.size(0), b = qkv.size(1), per_group = heads / groups;
+  const auto parts = qkv.view({s, b, groups, (per_group + 2) * head_dim})
+                         .split_with_sizes({per_group * head_dim, head_dim, head_dim}, -1);
+  // [s, b, G, a/G d] -> [s, b, a, d]: a copy with several heads per group, as Megatron's reshape.
+  return {parts[0].reshape({s, b, heads, head_dim}), parts[1], parts[2]};
+}
+
+at::Tensor expand_kv_heads(const at::Tensor& x, int64_t heads) {
+  const int64_t groups = x.size(2);
+  if (groups == heads) return x;
+  TORCH_CHECK(heads % groups == 0, "actmem::expand_kv_heads: ", groups,
+              " key/value heads do not divide ", heads, " query heads");
+  const int64_t s = x.size(0), b = x.size(1), d = x.size(3);
+  return x.unsqueeze(3).expand({s, b, groups, heads / groups, d}).reshape({s, b, heads, d});
+}
+
+at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k_in,
+                                  const at::Tensor& v_in, const at::Tensor& mask) {
   forward_counters().core_attention.fetch_add(1, std::memory_order_relaxed);
-  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3), dv = v.size(3);
+  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3), dv = v_in.size(3);
+  const at::Tensor k = expand_kv_heads(k_in, a), v = expand_kv_heads(v_in, a);
   // [s, b, a, d] -> [b*a, s, d]; a view when q, k, v are slices of the fused qkv output.
   const at::Tensor q3 = q.reshape({s, b * a, d}).transpose(0, 1);
   const at::Tensor k3t = k.reshape({s, b * a, d}).permute({1, 2, 0});  // [b*a, d, s]
@@ -200,13 +219,16 @@ std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloa
 SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& plan,
                              at::ScalarType dtype)
     : heads_(config.num_attention_heads / config.tensor_model_parallel_size),
+      groups_(config.query_groups() / config.tensor_model_parallel_size),
       head_dim_(config.kv_channels()),
       plan_(plan) {
   const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
   const bool sp = config.sequence_parallel;
-  // Each tensor-parallel rank holds a/t heads: 3h/t rows of linear_qkv, h/t columns of linear_proj.
+  // Each tensor-parallel rank holds a/t heads in G/t whole groups: (a + 2G) d / t rows of
+  // linear_qkv (3h/t without grouping), h/t columns of linear_proj.
+  const int64_t qkv_rows = (config.num_attention_heads + 2 * config.query_groups()) * head_dim_;
   linear_qkv = register_module(
-      "linear_qkv", std::make_shared<Linear>(h, 3 * h / t, config.add_bias_linear, false, dtype,
+      "linear_qkv", std::make_shared<Linear>(h, qkv_rows / t, config.add_bias_linear, false, dtype,
                                              LinearParallel::kColumn, sp));
   core_attention = register_module("core_attention", std::make_shared<CoreAttention>(config));
   linear_proj = register_module(
@@ -217,7 +239,6 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& p
 std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
                                                          const LayerContext& ctx) {
   // With sequence parallelism x is the [s/t, b, h] shard; linear_qkv's output covers all s.
-  const int64_t b = x.size(1);
   // Fine-grained offload (Megatron's
   // megatron/core/pipeline_parallel/fine_grained_activation_offload.py; docs/offload.md): a
   // module's group starts at its input and commits at its output; what it saves in between goes
@@ -225,16 +246,13 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   auto group = [&](OffloadModule m) {
     return plan_.offloads(m) && is_training() ? ctx.offloader : nullptr;
   };
-  // Megatron's layout: [s, b, a, 3d], split per head into q, k, v.
   at::Tensor qkv;
   {
     ModuleScope scope("linear_qkv");
     OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
     qkv = region.commit(linear_qkv->forward(region.enter(x)).first);
-    qkv = qkv.view({qkv.size(0), b, heads_, 3 * head_dim_});
   }
-  auto parts = qkv.split(head_dim_, -1);
-  at::Tensor q = parts[0], k = parts[1], v = parts[2];
+  auto [q, k, v] = split_qkv(qkv, heads_, groups_, head_dim_);
   if (ctx.rope != nullptr) {
     ModuleScope scope("rotary_pos_emb");
     q = ctx.rope->apply(q);

@@ -429,7 +429,10 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
         draw(*mla->linear_kv_down_proj, std);
         draw(*mla->linear_kv_up_proj, std);
       } else {
-        layer->self_attention->linear_qkv->weight.copy_(rows(init_normal({3 * h, h}, std, dtype)));
+        const int64_t qkv_rows =
+            (config.num_attention_heads + 2 * config.query_groups()) * config.kv_channels();
+        layer->self_attention->linear_qkv->weight.copy_(
+            rows(init_normal({qkv_rows, h}, std, dtype)));
         layer->self_attention->linear_proj->weight.copy_(
             cols(init_normal({h, h}, scaled_std, dtype)));
       }

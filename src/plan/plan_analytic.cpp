@@ -116,7 +116,8 @@ struct LayerTimes {
 LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu) {
   const double sb = m.s * m.b, sbh = m.sbh(), t = m.t, r = m.sp ? m.t : 1.0, h = m.h;
   const double gated = m.swiglu ? 2.0 : 1.0, F = gpu.matmul_flops, B = gpu.memory_bandwidth;
-  const double qkv = 2 * sbh * 3 * h / t, proj = 2 * sbh * h / t;
+  const double groups = m.g > 0 ? m.g : m.a;  // grouped-query attention: (a + 2G) d = h (1 + 2G/a)
+  const double qkv = 2 * sbh * h * (1 + 2 * groups / m.a) / t, proj = 2 * sbh * h / t;
   const double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
   const double fc1 = 2 * sbh * m.ffn * gated / t, fc2 = 2 * sbh * m.ffn / t;
   const double norms = 2 * (2 * sbh + 2 * sbh) / r;              // two norms, read and write
@@ -191,6 +192,7 @@ TransformerConfig analytic_config(const PaperShape& m) {
   c.num_layers = whole(m.L, "num_layers");
   c.hidden_size = whole(m.h, "hidden_size");
   c.num_attention_heads = whole(m.a, "num_attention_heads");
+  if (m.g > 0 && m.g != m.a) c.num_query_groups = whole(m.g, "num_query_groups");
   c.ffn_hidden_size = whole(m.ffn, "ffn_hidden_size");
   c.seq_length = whole(m.s, "seq_length");
   c.micro_batch_size = whole(m.b, "micro_batch_size");

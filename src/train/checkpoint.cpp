@@ -550,6 +550,8 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("num_layers", c.num_layers);
   get("hidden_size", c.hidden_size);
   get("num_attention_heads", c.num_attention_heads);
+  get("num_query_groups", c.num_query_groups);
+  if (c.num_query_groups == c.num_attention_heads) c.num_query_groups = 0;  // one per head
   get("ffn_hidden_size", c.ffn_hidden_size);
   get("seq_length", c.seq_length);
   get("max_position_embeddings", c.max_position_embeddings);
@@ -859,6 +861,21 @@ void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, cons
                           "mscale", "mscale_all_dim"}) {
       fields.emplace_back(f);
     }
+  }
+  // Grouped-query attention (checkpoints saved before it existed do not record the groups: one
+  // group per head).
+  if (!s.model_config.multi_latent_attention) {
+    const nlohmann::json ckpt_groups =
+        args.contains("num_query_groups") && !args["num_query_groups"].is_null()
+            ? args["num_query_groups"]
+            : args["num_attention_heads"];
+    TORCH_CHECK(ckpt_groups == mine["num_query_groups"],
+                "actmem::Trainer::load_checkpoint: the "
+                "checkpoint has num_query_groups = ",
+                ckpt_groups.dump(),
+                " but this run has "
+                "num_query_groups = ",
+                mine["num_query_groups"].dump(), " (", path, ")");
   }
   // MoE fields (checkpoints of dense models saved before MoE existed do not record them: null).
   const bool ckpt_moe = args.contains("num_moe_experts") && !args["num_moe_experts"].is_null();

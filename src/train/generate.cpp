@@ -24,6 +24,8 @@ KVCache::KVCache(GPTModel& model)
     : model_(model),
       capacity_(model.config().max_positions()),
       heads_(model.config().num_attention_heads),
+      kv_heads_(model.config().multi_latent_attention ? model.config().num_attention_heads
+                                                      : model.config().query_groups()),
       key_dim_(cached_head_dims(model.config()).first),
       value_dim_(cached_head_dims(model.config()).second) {
   TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
@@ -31,8 +33,8 @@ KVCache::KVCache(GPTModel& model)
               model.config().tensor_model_parallel_size);
   const auto opts = model.word_embeddings.options().requires_grad(false);
   for (size_t i = 0; i < model.decoder->layers.size(); ++i) {
-    keys_.push_back(at::empty({capacity_, heads_, key_dim_}, opts));
-    values_.push_back(at::empty({capacity_, heads_, value_dim_}, opts));
+    keys_.push_back(at::empty({capacity_, kv_heads_, key_dim_}, opts));
+    values_.push_back(at::empty({capacity_, kv_heads_, value_dim_}, opts));
   }
 }
 
@@ -44,11 +46,11 @@ int64_t KVCache::bytes() const {
 
 int64_t KVCache::bytes_for(const GPTModel& model) {
   const auto& c = model.config();
-  // Keys and values of every layer: [max_positions, heads, key / value head dim].
+  // Keys and values of every layer: [max_positions, key/value heads, key / value head dim].
   const auto [key, value] = cached_head_dims(c);
-  return static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() *
-         c.num_attention_heads * (key + value) *
-         static_cast<int64_t>(model.word_embeddings.element_size());
+  const int64_t kv_heads = c.multi_latent_attention ? c.num_attention_heads : c.query_groups();
+  return static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() * kv_heads *
+         (key + value) * static_cast<int64_t>(model.word_embeddings.element_size());
 }
 
 at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
@@ -89,10 +91,8 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
       std::tie(q, k, v) = layer.mla_attention->project(ln, *model_.rope(), p0);
       scale = layer.mla_attention->softmax_scale();
     } else {
-      at::Tensor qkv = layer.self_attention->linear_qkv->forward(ln).first;
-      qkv = qkv.view({n, 1, heads_, 3 * key_dim_});  // Megatron's per-head [q, k, v]
-      auto parts = qkv.split(key_dim_, -1);
-      q = parts[0], k = parts[1], v = parts[2];
+      const at::Tensor qkv = layer.self_attention->linear_qkv->forward(ln).first;
+      std::tie(q, k, v) = split_qkv(qkv, heads_, kv_heads_, key_dim_);  // Megatron's layout
       if (const RotaryEmbedding* rope = model_.rope()) {
         q = rope->apply(q, p0);
         k = rope->apply(k, p0);
@@ -100,8 +100,13 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
     }
     keys_[l].narrow(0, p0, n).copy_(k.squeeze(1));
     values_[l].narrow(0, p0, n).copy_(v.squeeze(1));
-    const at::Tensor kk = keys_[l].narrow(0, 0, total).permute({1, 2, 0});    // [a, d, T]
-    const at::Tensor vv = values_[l].narrow(0, 0, total).transpose(0, 1);     // [a, T, d]
+    // The cache keeps G key/value heads; each serves its group's a/G query heads.
+    const at::Tensor kk = expand_kv_heads(keys_[l].narrow(0, 0, total).unsqueeze(1), heads_)
+                              .squeeze(1)
+                              .permute({1, 2, 0});  // [a, d, T]
+    const at::Tensor vv = expand_kv_heads(values_[l].narrow(0, 0, total).unsqueeze(1), heads_)
+                              .squeeze(1)
+                              .transpose(0, 1);                              // [a, T, d]
     at::Tensor scores = at::bmm(q.squeeze(1).transpose(0, 1), kk);           // [a, n, T]
     scores.mul_(scale);
     scores.masked_fill_(masked.unsqueeze(0), -10000.0);  // Megatron's attention_mask_func value

@@ -28,4 +28,15 @@ struct BlasReport {
 /// own version string where it has one.
 BlasReport blas_report();
 
+/// Note [Reproducible products]
+/// A recomputed forward must round as the original did, and the tensors it multiplies are new
+/// allocations: MKL's default kernels may take a different path for a buffer of another
+/// alignment, so two equal products can differ in the last bits. MKL's conditional numerical
+/// reproducibility in strict mode (MKL_CBWR=AUTO,STRICT: the fastest code path for the CPU,
+/// independent of alignment, for a fixed thread count) makes them agree. Sets it unless the
+/// environment already names a mode, and must run before the first product (the start of
+/// main). Observed without it: about 1 run in 60 of a bitwise comparison under a loaded
+/// `ctest -j2` (the losses equal, a step's gradients a few ulps apart); none in 80 with it.
+void set_reproducible_blas();
+
 }  // namespace actmem

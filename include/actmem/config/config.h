@@ -23,6 +23,10 @@ struct TransformerConfig {
   int64_t num_layers = 2;
   int64_t hidden_size = 128;
   int64_t num_attention_heads = 4;
+  /// Grouped-query attention (Megatron's --group-query-attention --num-query-groups G): the keys
+  /// and values have G heads, each shared by num_attention_heads / G query heads. 0 means one
+  /// group per head (multi-head attention; Megatron's None).
+  int64_t num_query_groups = 0;
   /// 0 means 4 * hidden_size (Megatron's default).
   int64_t ffn_hidden_size = 0;
   int64_t seq_length = 128;
@@ -181,6 +185,12 @@ struct TransformerConfig {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
   int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+  /// num_query_groups with the default (one group per head) resolved.
+  int64_t query_groups() const {
+    return num_query_groups > 0 ? num_query_groups : num_attention_heads;
+  }
+  /// Grouped-query attention proper: fewer key/value heads than query heads.
+  bool grouped_query_attention() const { return query_groups() < num_attention_heads; }
   /// Whether the model has MoE layers at all.
   bool is_moe() const { return num_moe_experts > 0; }
   /// moe_ffn_hidden_size with its default (ffn()) resolved.

@@ -19,8 +19,9 @@ class Option;
 namespace actmem {
 
 /// The named models: "7b" (a 7B worked example: s 4096, b 2, h 4096, a 32, L 32, ffn 14336
-/// (SwiGLU), untied, TP 2 with SP, PP 2; docs/memory-model.md) and Korthikanti et al. 2022's
-/// Table 3 ("22b", "175b", "530b", "1t").
+/// (SwiGLU), untied, TP 2 with SP, PP 2; docs/memory-model.md), Korthikanti et al. 2022's
+/// Table 3 ("22b", "175b", "530b", "1t"), and open models at their published shapes on one
+/// rank ("llama3-8b", "llama3-70b", "mixtral-8x7b", "deepseek-v3"; sources in presets.cpp).
 std::vector<std::string> model_preset_names();
 /// A preset as the flags that describe it (Megatron's names). Throws for an unknown name,
 /// listing the known ones.

@@ -26,6 +26,8 @@ struct TrainOptions {
   bool disable_bias_linear = false;
   bool untie = false;
   bool use_rope = false;
+  bool group_query_attention =
+      false;  // --group-query-attention; the groups: model.num_query_groups
   bool recompute_activations = false;   // legacy: = --recompute-granularity selective
   bool checkpoint_activations = false;  // removed flag: refused with Megatron's message
   double device_memory_limit_gib = 0.0;

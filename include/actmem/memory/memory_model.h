@@ -38,6 +38,7 @@ struct MLAPaperShape {
 /// Sizes of a (possibly very large) model for the analytic formulas. Doubles: no overflow.
 struct PaperShape {
   double s = 0, b = 0, h = 0, a = 0, L = 0, ffn = 0, v = 0;
+  double g = 0;  // key/value groups of grouped-query attention; 0 = a (one per head)
   double t = 1;  // tensor-parallel size
   double p = 1;  // pipeline-parallel size
   bool sp = false;

@@ -19,6 +19,18 @@ namespace actmem {
 /// [1, 1, s, s] bool, true above the diagonal (the positions a query may not attend to).
 at::Tensor make_causal_mask(int64_t s, const at::Device& device = at::kCPU);
 
+/// Megatron's fused QKV layout (Attention.get_query_key_value_tensors): linear_qkv's output
+/// [s, b, G (a/G + 2) d] holds, per key/value group, its a/G query heads, then its key and its
+/// value head. Returns q [s, b, a, d] and k, v [s, b, G, d] (a and G: this rank's heads and
+/// groups). With one group per head it is the per-head [q, k, v] layout, and q a view.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, int64_t heads,
+                                                         int64_t groups, int64_t head_dim);
+
+/// Keys or values of G heads [s, b, G, d] repeated for the a/G query heads of each group
+/// [s, b, a, d] (Megatron's unfused attention: repeat_interleave over the head dimension); x
+/// itself when G = a.
+at::Tensor expand_kv_heads(const at::Tensor& x, int64_t heads);
+
 /// Unfused scaled-dot-product attention with a causal mask and attention dropout.
 class CoreAttention : public torch::nn::Module {
  public:
@@ -26,7 +38,9 @@ class CoreAttention : public torch::nn::Module {
   /// its own heads differently); under sequence parallelism the whole block already runs in it.
   /// softmax_scale 0 means 1/sqrt(d) (d = the query's head dim).
   explicit CoreAttention(const TransformerConfig& config, double softmax_scale = 0.0);
-  /// q, k: [s, b, a, d]; v: [s, b, a, dv]; mask: [1, 1, >=s, >=s] bool -> context [s, b, a*dv]
+  /// q: [s, b, a, d]; k: [s, b, G, d]; v: [s, b, G, dv] (G divides a: grouped-query attention,
+  /// the keys and values repeated per group inside, so a checkpoint keeps them at G heads);
+  /// mask: [1, 1, >=s, >=s] bool -> context [s, b, a*dv]
   at::Tensor forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                      const at::Tensor& mask);
 
@@ -74,7 +88,7 @@ class SelfAttention : public torch::nn::Module {
   std::shared_ptr<Linear> linear_proj;
 
  private:
-  int64_t heads_, head_dim_;
+  int64_t heads_, groups_, head_dim_;  // this rank's query heads and key/value groups
   LayerPlan plan_;
 };
 

@@ -33,7 +33,9 @@ class KVCache {
 
  private:
   GPTModel& model_;
-  int64_t capacity_, heads_, key_dim_, value_dim_;  // per-head widths of cached keys, values
+  // Query heads, cached key/value heads (the groups of grouped-query attention; MLA caches its
+  // up-projected per-head keys), and the per-head widths of cached keys and values.
+  int64_t capacity_, heads_, kv_heads_, key_dim_, value_dim_;
   std::vector<at::Tensor> keys_, values_;  // per layer [capacity, a, d]
   int64_t length_ = 0;
 };
