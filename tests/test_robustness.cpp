@@ -579,6 +579,11 @@ TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
   EXPECT_FALSE(c["runtime"]["blas"]["library"].get<std::string>().empty());
   EXPECT_EQ(c["runtime"]["blas"]["threads"], 1);
   EXPECT_TRUE(contains(r.output, "BLAS: ")) << r.output;
+  if (c["runtime"]["blas"]["mkl"].get<bool>()) {
+    // The program set MKL's strict reproducibility before its first product (Note
+    // [Reproducible products] in blas.h), and MKL reports it in force.
+    EXPECT_EQ(c["runtime"]["blas"]["reproducibility"], "AUTO,STRICT") << c["runtime"]["blas"];
+  }
   EXPECT_EQ(c["corpus"]["source"], "built-in");
   EXPECT_EQ(parsed.iterations.size(), 1u);
   EXPECT_TRUE(contains(r.output, "offload modules: core_attn, tensors of at least 64 elements"))

@@ -22,6 +22,24 @@ std::string library_of(void* symbol) {
 }
 }  // namespace
 
+namespace {
+// MKL's conditional numerical reproducibility mode as it is in force (mkl_cbwr_get(MKL_CBWR_ALL),
+// exported by the wheel's libtorch_cpu as mkl_serv_cbwr_get): its code branch, then ",STRICT"
+// for the strict flag (0x10000); "" without MKL.
+std::string mkl_reproducibility() {
+  using Get = int (*)(int);
+  void* get = dlsym(RTLD_DEFAULT, "mkl_serv_cbwr_get");
+  if (get == nullptr) return "";
+  const int mode = reinterpret_cast<Get>(get)(-1);
+  const int branch = mode & 0xffff;
+  std::string name = branch == 1   ? "OFF"
+                     : branch == 2 ? "AUTO"
+                     : branch == 3 ? "COMPATIBLE"
+                                   : "branch " + std::to_string(branch);
+  return (mode & 0x10000) != 0 ? name + ",STRICT" : name;
+}
+}  // namespace
+
 void set_reproducible_blas() {
   setenv("MKL_CBWR", "AUTO,STRICT", /*overwrite=*/0);
 }
@@ -44,17 +62,23 @@ BlasReport blas_report() {
   } else {
     r.library = "no BLAS library (libtorch's own kernels)";
   }
+  if (r.mkl) r.reproducibility = mkl_reproducibility();
   return r;
 }
 
 std::string BlasReport::summary() const {
   std::ostringstream os;
   os << "BLAS: " << library << ", " << threads << (threads == 1 ? " thread" : " threads");
+  if (!reproducibility.empty()) os << ", reproducibility " << reproducibility;
   return os.str();
 }
 
 nlohmann::json BlasReport::to_json() const {
-  return {{"library", library}, {"mkl", mkl}, {"threads", threads}};
+  return {{"library", library},
+          {"mkl", mkl},
+          {"threads", threads},
+          {"reproducibility",
+           reproducibility.empty() ? nlohmann::json(nullptr) : nlohmann::json(reproducibility)}};
 }
 
 }  // namespace actmem

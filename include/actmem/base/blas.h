@@ -20,6 +20,9 @@ struct BlasReport {
   std::string library;
   bool mkl = false;   // at::hasMKL()
   int threads = 1;    // the threads a product may use (MKL: libtorch's intra-op threads)
+  /// MKL's conditional numerical reproducibility in force ("AUTO,STRICT" after
+  /// set_reproducible_blas(), "OFF" by default); empty without MKL.
+  std::string reproducibility;
   std::string summary() const;  // "BLAS: MKL, linked into ..., 2 threads"
   nlohmann::json to_json() const;
 };
