@@ -63,6 +63,10 @@ INSTANTIATE_TEST_SUITE_P(
         ConfigCase{"gqa_groups", [](auto& c) { c.num_query_groups = 3; }, "num_query_groups (3) must divide num_attention_heads (4)"},
         ConfigCase{"gqa_tp", [](auto& c) { c.num_attention_heads = 12; c.hidden_size = 132; c.num_query_groups = 6; c.tensor_model_parallel_size = 4; }, "num_query_groups (6) must be a multiple or divisor of tensor_model_parallel_size (4)."},
         ConfigCase{"gqa_tp_divisor", [](auto& c) { c.num_query_groups = 1; c.tensor_model_parallel_size = 2; }, "num_query_groups (1) smaller than tensor_model_parallel_size (2) is not implemented"},
+        ConfigCase{"attn_backend", [](auto& c) { c.attention_backend = "sdpa"; }, "attention_backend must be one of flash, fused, unfused, local, auto (Megatron's AttnBackend), got \"sdpa\""},
+        ConfigCase{"attn_backend_fused", [](auto& c) { c.attention_backend = "fused"; }, "attention_backend fused is TransformerEngine's cuDNN attention in Megatron"},
+        ConfigCase{"flash_attn_dropout", [](auto& c) { c.attention_backend = "flash"; }, "attention_backend flash: the flash kernel cannot drop attention probabilities (attention_dropout 0.1); set --attention-dropout 0"},
+        ConfigCase{"flash_mla", [](auto& c) { c.attention_backend = "flash"; c.attention_dropout = 0.0; c.multi_latent_attention = true; }, "attention_backend flash: multi-latent attention runs on the unfused path only"},
         ConfigCase{"gqa_mla", [](auto& c) { c.num_query_groups = 2; c.multi_latent_attention = true; }, "Group query attention is mutually exclusive with multi latent attention."},
         // Megatron's recompute rules (TransformerConfig.__post_init__), one message each.
         ConfigCase{"granularity", [](auto& c) { c.recompute_granularity = "partial"; }, "recompute_granularity: partial must be \"full\" or \"selective\"."},

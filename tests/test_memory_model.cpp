@@ -147,10 +147,40 @@ const Shape kShapes[] = {
        c.micro_batch_size = 2;
        c.num_layers = 2;
      }},
-    {"NoDropout", [](TransformerConfig& c) { c.attention_dropout = c.hidden_dropout = 0.0; }},
+    {"NoDropout",
+     [](TransformerConfig& c) {
+       c.attention_dropout = c.hidden_dropout = 0.0;
+       c.attention_backend = "unfused";  // auto would run flash without attention dropout
+     }},
+    // The flash kernel (Note [The flash kernel's layout] in attention.cpp): auto picks it when
+    // the attention dropout is 0; with grouped-query attention its k and v stay at G heads.
+    {"FlashAuto", [](TransformerConfig& c) { c.attention_dropout = 0.0; }},
+    {"FlashOddSizesMultiQuery",
+     [](TransformerConfig& c) {
+       c.hidden_size = 35;
+       c.num_attention_heads = 5;
+       c.num_query_groups = 1;
+       c.seq_length = 19;
+       c.attention_dropout = 0.0;
+       c.attention_backend = "flash";
+     }},
+    {"FlashGroupedQueryRope",
+     [](TransformerConfig& c) {
+       c.num_query_groups = 2;
+       c.position_embedding_type = "rope";
+       c.attention_dropout = 0.0;
+       c.attention_backend = "flash";
+     }},
+    {"FlashRope",
+     [](TransformerConfig& c) {
+       c.position_embedding_type = "rope";
+       c.attention_dropout = 0.0;
+       c.attention_backend = "flash";
+     }},
     // Grouped-query attention (Note [What grouped-query attention keeps] in memory_model.cpp):
     // 2 groups of 2 heads with learned positions, and one group (multi-query) with RoPE.
     {"GroupedQuery", [](TransformerConfig& c) { c.num_query_groups = 2; }},
+    {"MultiQuery", [](TransformerConfig& c) { c.num_query_groups = 1; }},  // q stays a view
     {"MultiQueryRope",
      [](TransformerConfig& c) {
        c.num_query_groups = 1;
@@ -183,6 +213,8 @@ TEST_P(PredictorSweep, ExactToTheByteForEveryStrategy) {
     trainer.set_ledger(&ledger);
     const auto st = trainer.train_step(false);
     const auto predicted = predict_activation_bytes(c);
+    EXPECT_EQ(c.flash_attention(),
+              std::string(std::get<0>(GetParam()).name).rfind("Flash", 0) == 0);
     EXPECT_EQ(st.predicted_activation_bytes, predicted.total);
     ASSERT_FALSE(ledger.records().empty()) << policy;
     EXPECT_EQ(predicted.total, st.activation_bytes) << policy;
@@ -483,6 +515,31 @@ TEST(Estimate, OpenModelPresetsCountMegatronsParameters) {
   EXPECT_DOUBLE_EQ(split["parameters_on_rank"].get<double>(), 2270758912.0);
   const auto deepseek = run("--preset deepseek-v3");
   EXPECT_NEAR(deepseek["parameters"].get<double>() / 1e9, 671.0, 0.5);
+}
+
+TEST(Estimate, FlashReplacesTheSquaredTermByTheLogsumexp) {
+  // Llama 3 8B trains without dropout, so auto estimates it with the flash kernel: per layer
+  // sbh(34 + 4a/h) instead of the paper's sbh(34 + 5as/h) (docs/memory-model.md, "Attention
+  // backends"); s 8192, b 1, h 4096, a 32. Selective and full are the paper's either way.
+  auto run = [](const std::string& flags) {
+    const auto r = actmem::testing::run_actmem("estimate --json --preset llama3-8b " + flags);
+    EXPECT_EQ(r.exit_code, 0) << flags << "\n" << r.stderr_text;
+    return nlohmann::json::parse(r.output);
+  };
+  const double sbh = 8192.0 * 4096.0;
+  const auto flash = run("");
+  EXPECT_EQ(flash["model"]["attention_kernel"], "flash");
+  EXPECT_DOUBLE_EQ(flash["per_layer_bytes"]["none"].get<double>(), sbh * (34.0 + 4.0 * 32 / 4096));
+  EXPECT_DOUBLE_EQ(flash["per_layer_bytes"]["selective"].get<double>(),
+                   sbh * (18.0 + 4.0 * 14336 / 4096));
+  const auto unfused = run("--attention-backend unfused");
+  EXPECT_EQ(unfused["model"]["attention_kernel"], "unfused");
+  EXPECT_DOUBLE_EQ(unfused["per_layer_bytes"]["none"].get<double>(),
+                   sbh * (34.0 + 5.0 * 32 * 8192 / 4096));
+  EXPECT_DOUBLE_EQ(unfused["per_layer_bytes"]["selective"].get<double>(),
+                   flash["per_layer_bytes"]["selective"].get<double>());
+  // With dropout back on, auto cannot run flash (the CPU kernel has no attention dropout).
+  EXPECT_EQ(run("--attention-dropout 0.1")["model"]["attention_kernel"], "unfused");
 }
 
 TEST(Estimate, PresetInterleavingFollowsTheFlags) {

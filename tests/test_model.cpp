@@ -81,11 +81,17 @@ at::Tensor reference_logits(const GPTModel& model, const at::Tensor& tokens) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
     const at::Tensor ln1 = ref_norm(x, p, pre + "input_layernorm", c.use_rmsnorm(), c.layernorm_epsilon);
     const at::Tensor qkv = ref_linear(ln1, p, pre + "self_attention.linear_qkv", bias);  // [s, b, 3h]
-    // Megatron's per-head interleaving: [s, b, a, 3d] -> q, k, v each [s, b, a, d]
-    const at::Tensor qkv4 = qkv.reshape({s, b, a, 3 * d});
-    at::Tensor q = qkv4.slice(-1, 0, d).permute({1, 2, 0, 3});  // [b, a, s, d]
-    at::Tensor k = qkv4.slice(-1, d, 2 * d).permute({1, 2, 0, 3});
-    const at::Tensor v = qkv4.slice(-1, 2 * d, 3 * d).permute({1, 2, 0, 3});
+    // Megatron's interleaving per key/value group: [s, b, G, (a/G + 2) d] -> the group's a/G
+    // query heads, its key, its value; the key and value serve each of the group's query heads.
+    const int64_t G = c.query_groups(), per = a / G;
+    const at::Tensor qkv4 = qkv.reshape({s, b, G, (per + 2) * d});
+    at::Tensor q = qkv4.slice(-1, 0, per * d).reshape({s, b, a, d}).permute({1, 2, 0, 3});
+    at::Tensor k = qkv4.slice(-1, per * d, (per + 1) * d)
+                       .repeat_interleave(per, 2)
+                       .permute({1, 2, 0, 3});  // [b, a, s, d]
+    const at::Tensor v = qkv4.slice(-1, (per + 1) * d, (per + 2) * d)
+                             .repeat_interleave(per, 2)
+                             .permute({1, 2, 0, 3});
     if (c.use_rope()) {
       q = ref_rope(q, c.rotary_base);
       k = ref_rope(k, c.rotary_base);
@@ -167,17 +173,34 @@ TEST_P(ModelNumerics, GradientsMatchReferenceInDouble) {
 INSTANTIATE_TEST_SUITE_P(
     Variants, ModelNumerics,
     ::testing::Values(
+        // Without attention dropout, auto runs the flash kernel; "Unfused" the unfused path.
         Variant{"LayerNormGeLULearned", [](TransformerConfig&) {}},
-        Variant{"RMSNormSwiGLURope", [](TransformerConfig& c) {
+        Variant{"LayerNormGeLULearnedUnfused",
+                [](TransformerConfig& c) { c.attention_backend = "unfused"; }},
+        Variant{"MultiQueryRope",
+                [](TransformerConfig& c) {
+                  c.num_query_groups = 1;
+                  c.position_embedding_type = "rope";
+                }},
+        Variant{"MultiQueryRopeUnfused",
+                [](TransformerConfig& c) {
+                  c.num_query_groups = 1;
+                  c.position_embedding_type = "rope";
+                  c.attention_backend = "unfused";
+                }},
+        Variant{"RMSNormSwiGLURope",
+                [](TransformerConfig& c) {
                   c.normalization = "RMSNorm";
                   c.gated_linear_unit = true;
                   c.position_embedding_type = "rope";
                 }},
-        Variant{"UntiedNoBias", [](TransformerConfig& c) {
+        Variant{"UntiedNoBias",
+                [](TransformerConfig& c) {
                   c.untie_embeddings_and_output_weights = true;
                   c.add_bias_linear = false;
                 }},
-        Variant{"OddShapes", [](TransformerConfig& c) {
+        Variant{"OddShapes",
+                [](TransformerConfig& c) {
                   c.hidden_size = 15;
                   c.num_attention_heads = 5;
                   c.ffn_hidden_size = 17;
@@ -349,12 +372,59 @@ TEST(GradCheck, FusedRMSNormFunctionInputAndWeight) {
 }
 
 TEST(GradCheck, CoreAttention) {
+  for (const char* backend : {"unfused", "flash"}) {
+    SCOPED_TRACE(backend);
+    TransformerConfig c = small_config();
+    c.attention_dropout = 0.0;
+    c.attention_backend = backend;
+    CoreAttention attn(c);
+    gradcheck(
+        [&](const std::vector<at::Tensor>& in) {
+          return attn.forward(in[0], in[1], in[2], make_causal_mask(5));
+        },
+        {at::randn({5, 2, 3, 4}, at::kDouble), at::randn({5, 2, 3, 4}, at::kDouble),
+         at::randn({5, 2, 3, 4}, at::kDouble)});
+    // Grouped-query attention: 3 query heads sharing one key/value head.
+    gradcheck(
+        [&](const std::vector<at::Tensor>& in) {
+          return attn.forward(in[0], in[1], in[2], make_causal_mask(5));
+        },
+        {at::randn({5, 2, 3, 4}, at::kDouble), at::randn({5, 2, 1, 4}, at::kDouble),
+         at::randn({5, 2, 1, 4}, at::kDouble)});
+  }
+}
+
+// The two kernels compute one function: flash's output and gradients equal the unfused path's
+// to rounding, with the query heads of a group reading the group's key and value in both.
+TEST(CoreAttention, FlashEqualsUnfusedWithGroupedQueries) {
   TransformerConfig c = small_config();
   c.attention_dropout = 0.0;
-  CoreAttention attn(c);
-  gradcheck([&](const std::vector<at::Tensor>& in) { return attn.forward(in[0], in[1], in[2], make_causal_mask(5)); },
-            {at::randn({5, 2, 3, 4}, at::kDouble), at::randn({5, 2, 3, 4}, at::kDouble),
-             at::randn({5, 2, 3, 4}, at::kDouble)});
+  c.attention_backend = "unfused";
+  CoreAttention unfused(c);
+  c.attention_backend = "flash";
+  CoreAttention flash(c);
+  at::manual_seed(3);
+  const int64_t s = 33, b = 2, a = 6, G = 2, d = 8;
+  const at::Tensor q = at::randn({s, b, a, d}).requires_grad_();
+  const at::Tensor k = at::randn({s, b, G, d}).requires_grad_();
+  const at::Tensor v = at::randn({s, b, G, d}).requires_grad_();
+  const at::Tensor w = at::randn({s, b, a * d});
+  auto run = [&](CoreAttention& attn) {
+    const at::Tensor out = attn.forward(q, k, v, make_causal_mask(s));
+    auto grads = torch::autograd::grad({(out * w).sum()}, {q, k, v});
+    return std::make_pair(out.detach(), grads);
+  };
+  const auto [out_u, grad_u] = run(unfused);
+  const auto [out_f, grad_f] = run(flash);
+  ASSERT_EQ(out_f.sizes(), (at::IntArrayRef{s, b, a * d}));
+  EXPECT_TRUE(at::allclose(out_f, out_u, 1e-5, 1e-5)) << (out_f - out_u).abs().max().item<double>();
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_TRUE(at::allclose(grad_f[i], grad_u[i], 1e-4, 1e-5))
+        << "input " << i << ": " << (grad_f[i] - grad_u[i]).abs().max().item<double>();
+  }
+  // Swapping the two key/value groups changes flash's answer: the grouping is not ignored.
+  const at::Tensor swapped = flash.forward(q, k.flip(2), v.flip(2), make_causal_mask(s));
+  EXPECT_FALSE(at::allclose(swapped, out_f, 1e-3, 1e-3));
 }
 
 TEST(GradCheck, MLPGeLUAndSwiGLU) {

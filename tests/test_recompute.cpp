@@ -279,6 +279,16 @@ const Strategy kStrategies[] = {
      [](TransformerConfig& c) {
        selective(c, {"core_attn", "mlp", "layernorm"});
      }},
+    // The flash kernel ("Flash": --attention-backend flash, no attention dropout, hidden dropout
+    // on), also with grouped-query attention and RoPE.
+    {"FullUniform1Flash", [](TransformerConfig& c) { full(c, "uniform", 1); }},
+    {"FullBlock2Flash", [](TransformerConfig& c) { full(c, "block", 2); }},
+    {"SelectiveCoreAttnFlash", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
+    {"SelectiveCoreAttnFlashGqa", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
+    {"SelectiveAllFlashGqaRope",
+     [](TransformerConfig& c) {
+       selective(c, {"core_attn", "mlp", "layernorm"});
+     }},
 };
 
 class RecomputeExactness
@@ -295,6 +305,11 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
     base.position_embedding_type = "rope";
   }
   if (std::string(strategy.name).find("Gqa") != std::string::npos) base.num_query_groups = 2;
+  if (std::string(strategy.name).find("Flash") != std::string::npos) {
+    base.attention_dropout = 0.0;
+    base.attention_backend = "flash";
+    ASSERT_GT(base.hidden_dropout, 0.0);
+  }
   TransformerConfig strat = base;
   strategy.apply(strat);
   t.global_batch_size = 4;  // two micro-batches per step

@@ -504,6 +504,57 @@ TEST(LateChecks, LaunchReportsTheWorkerThatFailedFirstWithItsMessage) {
   EXPECT_FALSE(contains(r.stderr_text, "worker 1 failed")) << r.stderr_text;
 }
 
+// ---- --attention-backend: which kernel ran and why, the seed's 4.3 warning, refusals --------
+
+TEST(AttentionBackend, TheHeaderSaysWhichKernelRanAndWhyAndFlashWarnsAboutCoreAttnRecompute) {
+  const std::string run = "train" + kTiny + "--train-iters 1 --eval-interval 0 ";
+  const std::string warning =
+      "For fused attention, you have no need to set 'core_attn' to recompute";
+  // Megatron's default attention dropout (0.1): auto stays on the unfused path, and says why.
+  auto r = run_actmem(run + "--recompute-activations");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output,
+                       "attention unfused (auto: unfused, because the flash kernel "
+                       "cannot drop attention probabilities (attention_dropout 0.1))"))
+      << r.output;
+  EXPECT_FALSE(contains(r.output, warning)) << r.output;
+  // Without attention dropout auto runs flash; core_attn recompute then draws Megatron's warning.
+  const std::string log = temp_path("flash.jsonl");
+  r = run_actmem(run + "--attention-dropout 0 --recompute-activations --log-json " + log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "attention flash (auto: flash, since the attention dropout is 0)"))
+      << r.output;
+  EXPECT_TRUE(contains(r.stderr_text, warning)) << r.stderr_text;
+  const auto parsed = read_json_log(log);
+  EXPECT_EQ(parsed.config["model"]["attention_backend"], "auto");
+  EXPECT_EQ(parsed.config["model"]["attention_kernel"], "flash");
+  // Asked for by name: unfused (no warning), local (unfused), flash.
+  r = run_actmem(run + "--attention-dropout 0 --recompute-activations --attention-backend unfused");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "attention unfused (requested)")) << r.output;
+  EXPECT_FALSE(contains(r.output, warning)) << r.output;
+  r = run_actmem(run + "--attention-backend local");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "attention unfused (requested (local")) << r.output;
+  r = run_actmem(run + "--attention-dropout 0 --attention-backend flash");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "attention flash (requested)")) << r.output;
+  // What cannot run is refused with the reason, before anything is built.
+  r = run_actmem(run + "--attention-backend flash");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.stderr_text,
+                       "attention_backend flash: the flash kernel cannot drop "
+                       "attention probabilities (attention_dropout 0.1)"))
+      << r.stderr_text;
+  r = run_actmem(run + "--attention-backend fused");
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_TRUE(contains(r.stderr_text, "attention_backend fused is TransformerEngine's cuDNN"))
+      << r.stderr_text;
+  r = run_actmem(run + "--attention-backend sdpa");
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.stderr_text, "--attention-backend")) << r.stderr_text;
+}
+
 // ---- Megatron habits: last value wins, --log-json -, the config record -------------------------
 
 TEST(MegatronHabits, ARepeatedFlagTakesItsLastValue) {

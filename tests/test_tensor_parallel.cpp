@@ -60,7 +60,9 @@ TEST_P(TwoRanksMatchOneRank, WithoutDropoutWithAndWithoutSequenceParallel) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank,
-                         ::testing::Values("base", "swiglu", "gqa"));
+                         // Without dropout auto runs the flash kernel ("base", "swiglu",
+                         // "gqa"); "unfused" asks for the unfused path.
+                         ::testing::Values("base", "unfused", "swiglu", "gqa"));
 
 void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& variant = "base") {
   std::vector<std::string> args = {"strategies", "--variant", variant};
@@ -102,6 +104,11 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainRmsSwigluRopeUntiedNoBias) {
 // Grouped-query attention: each rank holds one of the 2 key/value groups and its 2 query heads.
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithGroupedQueryAttention) {
   expect_strategies_bitwise_equal_to_plain(true, "gqa");
+}
+
+// The flash kernel under TP + SP with grouped-query attention (hidden dropout on).
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithFlashAttention) {
+  expect_strategies_bitwise_equal_to_plain(true, "flash_gqa");
 }
 
 // bf16 parameters and activations: the collectives carry bf16 (Note [16-bit collectives]), the

@@ -89,6 +89,15 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     // with RoPE rotating the grouped keys.
     c.num_query_groups = 2;
     c.position_embedding_type = "rope";
+  } else if (variant == "unfused") {
+    c.attention_backend = "unfused";  // without attention dropout auto would run flash
+  } else if (variant == "flash_gqa") {
+    // The flash kernel (no attention dropout; hidden dropout as asked) with 2 key/value groups,
+    // one per rank, read at their G heads by the kernel, and RoPE.
+    c.attention_dropout = 0.0;
+    c.attention_backend = "flash";
+    c.num_query_groups = 2;
+    c.position_embedding_type = "rope";
   } else {
     TORCH_CHECK(variant == "base", "actmem_tp_worker: unknown variant ", variant);
   }

@@ -34,6 +34,7 @@ struct EstimateOptions {
 struct Estimate {
   PaperShape m;
   std::string preset, base_name;
+  std::string attention_why;  // TransformerConfig::attention_choice().why
   double bandwidth_gbps = 0;
   MLAAttentionBytes mla;
   LayerBytes dense_layer, layer;  // `layer`: the first stage's mean with MoE layers in it
@@ -71,6 +72,7 @@ std::vector<double> stages_in_flight(const PaperShape& m) {
 Estimate compute(const PaperShape& shape, const TransformerConfig& config, double bandwidth_gbps) {
   Estimate e;
   e.m = shape;
+  e.attention_why = config.attention_choice().why;
   const PaperShape& m = e.m;
   e.bandwidth_gbps = bandwidth_gbps;
   if (m.is_mla()) {
@@ -143,6 +145,7 @@ nlohmann::json to_json(const Estimate& e) {
         {"swiglu", m.swiglu},
         {"untied", m.untied},
         {"normalization", m.rmsnorm ? "RMSNorm" : "LayerNorm"},
+        {"attention_kernel", m.flash ? "flash" : "unfused"},
         {"base", e.preset.empty() ? nlohmann::json(nullptr) : nlohmann::json(e.preset)}}},
       {"per_layer_bytes",
        {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
@@ -245,7 +248,7 @@ void print_table(const Estimate& e) {
       << " p=" << m.p << " (" << per_stage << " layers per stage)"
       << (m.vpp ? ", v=" + c10::str(*m.vpp) : "") << "; " << (m.swiglu ? "SwiGLU" : "GeLU") << ", "
       << (m.untied ? "untied" : "tied") << " embeddings, " << (m.rmsnorm ? "RMSNorm" : "LayerNorm")
-      << "\n"
+      << ", attention " << (m.flash ? "flash" : "unfused") << " (" << e.attention_why << ")\n"
       << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
       << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
       << std::setw(14) << "per stage"
@@ -253,19 +256,28 @@ void print_table(const Estimate& e) {
   // The formulas paper_layer_bytes computes: with t = 1 or SP every term divided by t (eq. 1/4);
   // without SP the norms and dropouts (10 sbh) replicated (eq. 2).
   const bool split_all = m.t == 1 || m.sp;
-  const std::string none_formula = split_all ? "sbh(34 + 5as/h)" : "sbh(10 + 24/t + 5as/ht)";
+  // Flash: the s^2 term 5as/h becomes the logsumexp's 4a/h.
+  const std::string sq_term = m.flash ? "4a/h" : "5as/h";
+  const std::string none_formula =
+      split_all ? "sbh(34 + " + sq_term + ")" : "sbh(10 + 24/t + " + sq_term + "t)";
   const std::string selective_formula =
       split_all ? "sbh(18 + 4 ffn/h)" : "sbh(10 + (8 + 4 ffn/h)/t)";
   const std::string div = m.sp ? "/t" : "";
   const std::string full_formula = m.sp ? "2sbh/t" : "2sbh";
-  std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14) << format_bytes_3sig(layer.none)
-            << std::setw(14) << format_bytes_3sig(layer.none * per_stage) << "   " << none_formula << div << "\n"
+  std::cout << std::left << std::setw(18) << "none" << std::right << std::setw(14)
+            << format_bytes_3sig(layer.none) << std::setw(14)
+            << format_bytes_3sig(layer.none * per_stage) << "   " << none_formula << div << "\n"
             << std::left << std::setw(18) << "selective" << std::right << std::setw(14)
-            << format_bytes_3sig(layer.selective) << std::setw(14) << format_bytes_3sig(selective_stage) << "   "
-            << selective_formula << (split_all ? div : "") << "\n"
-            << std::left << std::setw(18) << "full" << std::right << std::setw(14) << format_bytes_3sig(layer.full)
-            << std::setw(14) << format_bytes_3sig(layer.full * per_stage) << "   " << full_formula << "\n\n"
-            << std::fixed << std::setprecision(1) << "s^2 share of a layer without recompute: "
+            << format_bytes_3sig(layer.selective) << std::setw(14)
+            << format_bytes_3sig(selective_stage) << "   " << selective_formula
+            << (split_all ? div : "") << "\n"
+            << std::left << std::setw(18) << "full" << std::right << std::setw(14)
+            << format_bytes_3sig(layer.full) << std::setw(14)
+            << format_bytes_3sig(layer.full * per_stage) << "   " << full_formula << "\n\n"
+            << std::fixed << std::setprecision(1)
+            << (m.flash ? "logsumexp share of a layer without recompute (the flash kernel keeps "
+                          "no s^2 term): "
+                        : "s^2 share of a layer without recompute: ")
             << 100.0 * layer.s2_fraction << "%\n"
             << schedule << " first stage holds " << count(in_flight)
             << " micro-batches in flight: no recompute "
@@ -275,9 +287,9 @@ void print_table(const Estimate& e) {
             << (m.sp ? "compute_activation_memory" : "compute_activation_memory_without_sp")
             << "): " << format_bytes_3sig(meg) << "\n"
             << std::setprecision(2) << "offloading the selective activations of one stage: "
-            << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat << e.bandwidth_gbps
-            << std::fixed << " GB/s = "
-            << offload_s << " s per micro-batch (not overlapped)\n";
+            << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat
+            << e.bandwidth_gbps << std::fixed << " GB/s = " << offload_s
+            << " s per micro-batch (not overlapped)\n";
   if (m.p > 1) {
     std::cout << "\nactivations per pipeline stage at the " << schedule << " peak (micro-batches of "
               << "the stage's " << std::defaultfloat << per_stage << " layers"

@@ -495,7 +495,70 @@ void TransformerConfig::validate_shape() const {
               "tensor_model_parallel_size (", t, ")");
   validate_moe(*this);
   validate_mla(*this);
+  attention_choice();  // a backend this configuration cannot run is refused here
   // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
+}
+
+const char* to_string(AttentionKernel kernel) {
+  return kernel == AttentionKernel::kFlash ? "flash" : "unfused";
+}
+
+// Note [Attention backends]
+// Megatron's --attention-backend picks among TransformerEngine's kernels (flash, fused = cuDNN,
+// unfused), or the local (non-TE) spec, whose core attention is unfused too; auto lets TE choose
+// flash, then fused, then unfused by what each supports. actmem's kernels are libtorch's: the
+// unfused path (attention.cpp: scores, mask, softmax, dropout and the product with V, each kept
+// for backward as Korthikanti et al. count them) and scaled-dot-product attention's flash kernel
+// (at::_scaled_dot_product_flash_attention_for_cpu): online softmax, backward recomputes the
+// probabilities inside the kernel, so it keeps only q, k, v, its output and the logsumexp per row
+// (4 a s b bytes in fp32) -- the paper's 5as^2b term is gone (docs/memory-model.md, "Attention
+// backends"). That kernel has no attention dropout (it refuses dropout_p > 0) and needs one head
+// dimension for q, k and v; it takes fewer key/value heads than query heads as they are (GQA
+// without repeating K and V). So auto, Megatron's default and actmem's, runs flash when the
+// attention dropout is 0 and the head dims agree, and the unfused path otherwise, saying why.
+// fused (cuDNN) and CUDA's flash and memory-efficient SDPA kernels are not wired: no GPU has been
+// lent to check them, so an explicit fused is refused and a CUDA run of flash is refused at the
+// trainer.
+TransformerConfig::AttentionChoice TransformerConfig::attention_choice() const {
+  const std::string& b = attention_backend;
+  TORCH_CHECK(b == "auto" || b == "flash" || b == "fused" || b == "unfused" || b == "local",
+              "actmem::TransformerConfig: attention_backend must be one of flash, fused, unfused, "
+              "local, auto (Megatron's AttnBackend), got \"",
+              b, "\"");
+  TORCH_CHECK(b != "fused",
+              "actmem::TransformerConfig: attention_backend fused is TransformerEngine's "
+              "cuDNN attention in Megatron; its counterpart here would be a CUDA kernel of "
+              "scaled-dot-product attention, which actmem does not run yet (no GPU to check it "
+              "on). Use flash (no s x s tensors kept) or unfused");
+  if (b == "unfused" || b == "local") {
+    return {AttentionKernel::kUnfused,
+            b == "local" ? "requested (local: Megatron's non-TE spec, whose core attention is "
+                           "unfused)"
+                         : "requested"};
+  }
+  // What keeps the flash kernel out, if anything.
+  std::string blocker;
+  if (multi_latent_attention) {
+    std::ostringstream os;
+    os << "multi-latent attention runs on the unfused path only (its query/key head dim "
+       << mla_q_head_dim() << " and value head dim " << v_head_dim
+       << "; the flash kernel needs one head dim, and MLA is not wired to it)";
+    blocker = os.str();
+  } else if (attention_dropout > 0.0) {
+    std::ostringstream os;
+    os << "the flash kernel cannot drop attention probabilities (attention_dropout "
+       << attention_dropout << ")";
+    blocker = os.str();
+  }
+  if (b == "flash") {
+    TORCH_CHECK(blocker.empty(), "actmem::TransformerConfig: attention_backend flash: ", blocker,
+                blocker.rfind("the flash", 0) == 0 ? "; set --attention-dropout 0, or use "
+                                                     "--attention-backend unfused or auto"
+                                                   : "; use --attention-backend unfused or auto");
+    return {AttentionKernel::kFlash, "requested"};
+  }
+  if (!blocker.empty()) return {AttentionKernel::kUnfused, "auto: unfused, because " + blocker};
+  return {AttentionKernel::kFlash, "auto: flash, since the attention dropout is 0"};
 }
 
 nlohmann::json to_json(const TransformerConfig& c) {
@@ -513,6 +576,8 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"vocab_size", c.vocab_size},
       {"attention_dropout", c.attention_dropout},
       {"hidden_dropout", c.hidden_dropout},
+      {"attention_backend", c.attention_backend},
+      {"attention_kernel", to_string(c.attention_kernel())},
       {"normalization", c.normalization},
       {"layernorm_epsilon", c.layernorm_epsilon},
       {"gated_linear_unit", c.gated_linear_unit},

@@ -32,6 +32,11 @@ std::string table3(int64_t b, int64_t h, int64_t a, int64_t L, int64_t p, int64_
   "--normalization RMSNorm --swiglu --use-rotary-position-embeddings --rotary-base 500000 " \
   "--untie-embeddings-and-output-weights --disable-bias-linear"
 
+// Llama 3 and Mixtral train without dropout (Megatron's examples/llama/train_llama3_8b_h100_fp8.sh
+// and examples/mixtral/train_mixtral_8x7b_distributed.sh pass these two flags), so auto runs
+// the flash kernel for them (Note [Attention backends] in config.cpp).
+#define NO_DROPOUT "--attention-dropout 0 --hidden-dropout 0"
+
 const std::map<std::string, std::string>& presets() {
   static const std::map<std::string, std::string> table = {
       // The 7B worked example of docs/memory-model.md (Llama-style: SwiGLU with ffn 14336,
@@ -53,11 +58,11 @@ const std::map<std::string, std::string>& presets() {
       {"llama3-8b",
        "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
-       "--vocab-size 128256 " LLAMA_STYLE " --seq-length 8192 --micro-batch-size 1"},
+       "--vocab-size 128256 " LLAMA_STYLE " " NO_DROPOUT " --seq-length 8192 --micro-batch-size 1"},
       {"llama3-70b",
        "--num-layers 80 --hidden-size 8192 --num-attention-heads 64 "
        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 28672 "
-       "--vocab-size 128256 " LLAMA_STYLE " --seq-length 8192 --micro-batch-size 1"},
+       "--vocab-size 128256 " LLAMA_STYLE " " NO_DROPOUT " --seq-length 8192 --micro-batch-size 1"},
       // Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088, and its config.json): the Mistral 7B
       // shape with 8 experts of ffn 14336 on every layer, top-2, RoPE base 1e6, vocabulary 32000.
       {"mixtral-8x7b",
@@ -65,7 +70,7 @@ const std::map<std::string, std::string>& presets() {
        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
        "--num-experts 8 --moe-router-topk 2 --vocab-size 32000 --normalization "
        "RMSNorm --swiglu --use-rotary-position-embeddings --rotary-base 1000000 "
-       "--untie-embeddings-and-output-weights --disable-bias-linear "
+       "--untie-embeddings-and-output-weights --disable-bias-linear " NO_DROPOUT " "
        "--seq-length 4096 --micro-batch-size 1"},
       // DeepSeek-V3 (arXiv 2412.19437, Table and §4.2): 61 layers, the first 3 dense, MLA
       // (query rank 1536, key/value rank 512, heads of 128 + 64 RoPE and 128 values), 256

@@ -98,6 +98,13 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
   app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout in bias-dropout-add and embedding")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  app.add_option("--attention-backend", m.attention_backend,
+                 "Core attention kernel (Megatron's names): flash (no s x s tensors kept; no "
+                 "attention dropout), unfused (every s x s tensor kept, as Korthikanti et al. "
+                 "count), local (= unfused), fused (not on CPU), auto (flash where it can run, "
+                 "else unfused, and the header says why)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"flash", "fused", "unfused", "local", "auto"}));
   app.add_option("--normalization", o.normalization_flag, "LayerNorm or RMSNorm")
       ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
   app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")
@@ -495,6 +502,29 @@ int apply_thread_count(int threads) {
   return n;
 }
 
+namespace {
+// The seed's rule for core_attn recompute under a fused kernel (Megatron's warning in
+// TransformerConfig.__post_init__, megatron/core/transformer/transformer_config.py, its words).
+// Megatron warns whenever core_attn is recomputed, whatever the backend; actmem warns only when
+// the kernel is flash, since on the unfused path core_attn recompute is what removes the s x s
+// tensors (docs/memory-model.md, "Attention backends", measures what it buys under each).
+void warn_core_attn_recompute_with_flash(const TransformerConfig& model) {
+  if (!model.flash_attention()) return;
+  const ActivationPlan plan = make_activation_plan(model);
+  const bool core_attn =
+      std::any_of(plan.layers.begin(), plan.layers.end(),
+                  [](const LayerPlan& l) { return l.recomputes(RecomputeModule::kCoreAttn); });
+  if (!core_attn) return;
+  TORCH_WARN(
+      "If you are using transformer_engine as the transformer implementation, the "
+      "core_attn is from transformer_engine and may be the fused version. For fused "
+      "attention, you have no need to set 'core_attn' to recompute. Please check that the "
+      "core_attn recompute is really needed. (actmem: the attention kernel is flash, which "
+      "keeps no s x s tensors; core_attn recompute saves only its logsumexp, 4 a s b "
+      "bytes per layer)");
+}
+}  // namespace
+
 void TrainOptions::finalize() {
   TORCH_CHECK(!checkpoint_activations, "--checkpoint-activations is no longer valid, use "
               "--recompute-activations, or, for more control, --recompute-granularity and "
@@ -553,6 +583,7 @@ void TrainOptions::finalize() {
   }
   model.validate();
   training.validate(model);
+  warn_core_attn_recompute_with_flash(model);
   // A setting that would do nothing is refused, as --offload-modules without the switch is
   // (after the values' own checks, whose messages say more).
   TORCH_CHECK(offload_setting_flag.empty() || offload_planned_later ||

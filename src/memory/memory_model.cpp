@@ -39,6 +39,7 @@ PaperShape paper_shape(const TransformerConfig& c) {
   m.swiglu = c.gated_linear_unit;
   m.untied = c.untie_embeddings_and_output_weights;
   m.rmsnorm = c.use_rmsnorm();
+  m.flash = c.flash_attention();
   if (c.is_moe()) {
     MoEPaperShape& e = m.moe;
     e.experts = d(c.num_moe_experts), e.topk = d(c.moe_router_topk), e.ffn = d(c.moe_ffn());
@@ -65,7 +66,8 @@ LayerBytes paper_layer_bytes(const PaperShape& m) {
   TORCH_CHECK(m.s > 0 && m.b > 0 && m.h > 0 && m.a > 0 && m.t >= 1 && m.ffn > 0,
               "actmem::paper_layer_bytes: sizes must be positive and t >= 1");
   const double sbh = m.sbh(), t = m.t;
-  const double sq = 5.0 * m.a * m.s / m.h;          // the s^2 term, in units of sbh
+  // The s^2 term in units of sbh; the flash kernel's logsumexp [b, a, s] in fp32 instead.
+  const double sq = m.flash ? 4.0 * m.a / m.h : 5.0 * m.a * m.s / m.h;
   const double lin_sel = 18.0 + 4.0 * m.ffn / m.h;  // Megatron's selective term (34 at ffn = 4h)
   LayerBytes r;
   if (t == 1.0 || m.sp) {
@@ -105,12 +107,13 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
   r.dispatch = 16 * rows + 2 * rows + 2 * rows * h;
   r.experts = (m.swiglu ? 10 : 6) * rows * e.ffn / t;
   r.shared = (m.swiglu ? 8 : 4) * sb * e.shared_ffn / t;
-  const double attention = m.sbh() * (13.0 + 5.0 * m.a * m.s / m.h) / t;
+  const double sq = m.flash ? 4.0 * m.a / m.h : 5.0 * m.a * m.s / m.h;  // as paper_layer_bytes
+  const double attention = m.sbh() * (13.0 + sq) / t;
   const double norm_and_mask = 3 * m.sbh() / t;
   r.layer.none = attention + norm_and_mask + r.mlp();
   r.layer.selective = 13.0 * m.sbh() / t + norm_and_mask + r.mlp();
   r.layer.full = 2.0 * m.sbh() / t;
-  r.layer.s2_fraction = (5.0 * m.a * m.s / m.h) * m.sbh() / t / r.layer.none;
+  r.layer.s2_fraction = sq * m.sbh() / t / r.layer.none;
   return r;
 }
 
@@ -236,6 +239,11 @@ double korthikanti_module_bytes(const std::string& path, const TransformerConfig
   return -1.0;
 }
 
+namespace {
+int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e);
+int64_t flash_output_and_logsumexp_bytes(const TransformerConfig& c, int64_t e);
+}  // namespace
+
 ModuleExtra module_bytes_beyond_paper(const std::string& path, const TransformerConfig& c,
                                       bool cpu) {
   auto ends_with = [&path](const char* suffix) { return is_module(path, suffix); };
@@ -260,6 +268,20 @@ ModuleExtra module_bytes_beyond_paper(const std::string& path, const Transformer
       add(2 * sb * stat, std::string("LayerNorm's mean and rstd [s, b, 1] in ") +
                              (stat == e ? c.precision() : "fp32"));
     }
+  } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention &&
+             c.flash_attention()) {
+    // Note [The flash kernel's layout]: q, k, v as they come (k and v at G heads, v a view of
+    // linear_qkv's output), the output and the logsumexp; no s x s tensor.
+    const int64_t qkv = core_attention_qkv_bytes(c, LayerPlan{}, e) - 3 * sbh_t * e;
+    if (qkv != 0) {
+      add(qkv, c.grouped_query_attention() ? "q's copy or rotated q, and linear_qkv's output kept "
+                                             "by the view v"
+                                           : "RoPE's rotated q and k");
+    }
+    add(flash_output_and_logsumexp_bytes(c, e) - (2 * as2b_t * e + as2b_t),
+        "flash: no s x s tensors (the paper's 5as^2b), its output sbh and logsumexp 4asb instead");
+  } else if (ends_with("self_attention.linear_proj") && c.flash_attention()) {
+    add(-sbh_t * e, "flash: its input is the kernel's output, counted on core_attention");
   } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention) {
     // With grouped-query attention the kept q, k and v are q's copy (or RoPE's output) and the
     // keys and values repeated to every head: the paper's 3 sbh exactly.
@@ -409,18 +431,36 @@ namespace {
 // What the core attention's q, k and v keep for backward, per rank (heads a/t, groups G/t, head
 // dim d, so one head of the whole sequence is sbd). One group per head: q, k and v are views of
 // linear_qkv's output, whose 3 sbh/t storage the products keep, plus RoPE's rotated q and k
-// (2 sbh/t). With G < a groups, q is a copy (Megatron's reshape of the grouped layout) or RoPE's
+// (2 sbh/t). With G < a groups, q is a copy (Megatron's reshape of the grouped layout; a view
+// when the rank holds a single group, whose query heads are adjacent) or RoPE's
 // output, and the products read the keys and values repeated to every head (expand_kv_heads):
 // 3 sbh/t, with or without RoPE. Under selective core_attn recompute the checkpoint keeps its
 // inputs instead: q (sbh/t), RoPE's rotated k of G heads (G sbd/t), and linear_qkv's output,
 // (a + 2G) sbd/t, which v (and without RoPE k) is a view of.
+//
+// The flash kernel (Note [The flash kernel's layout] in attention.cpp) reads k and v at G heads,
+// so it keeps what the checkpoint keeps: q's copy or RoPE's output, RoPE's k, and linear_qkv's
+// output through the view v.
 int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e) {
   const int64_t t = c.tensor_model_parallel_size;
   const int64_t heads = c.num_attention_heads / t, groups = c.query_groups() / t;
   const int64_t head = c.seq_length * c.micro_batch_size * c.kv_channels();  // sbd
   if (!c.grouped_query_attention()) return (c.model_rope() ? 5 : 3) * heads * head * e;
-  if (!lp.recomputes(RecomputeModule::kCoreAttn)) return 3 * heads * head * e;
-  return (heads + (c.model_rope() ? groups : 0) + heads + 2 * groups) * head * e;
+  if (!lp.recomputes(RecomputeModule::kCoreAttn) && !c.flash_attention()) {
+    return 3 * heads * head * e;
+  }
+  // q is a copy unless this rank holds one group, whose query heads are contiguous (a view).
+  const int64_t q = c.model_rope() || groups > 1 ? heads : 0;
+  return (q + (c.model_rope() ? groups : 0) + heads + 2 * groups) * head * e;
+}
+
+// What the flash kernel keeps beyond q, k and v, per rank: its output [b, a/t, s, d] (which
+// linear_proj's input is a view of) and the logsumexp [b, a/t, s] in fp32 (the dtype at 64 bits).
+int64_t flash_output_and_logsumexp_bytes(const TransformerConfig& c, int64_t e) {
+  const int64_t t = c.tensor_model_parallel_size;
+  const int64_t sbh_t = c.seq_length * c.micro_batch_size * c.hidden_size / t;
+  const int64_t asb_t = c.num_attention_heads / t * c.seq_length * c.micro_batch_size;
+  return sbh_t * e + asb_t * (e == 8 ? 8 : 4);
 }
 }  // namespace
 
@@ -464,6 +504,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   const int64_t sbh = sb * h;
   const int64_t sbh_t = sbh_full / t, sbf = s * b * f / t, as2b = a * s * s * b / t;
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
+  const bool flash = c.flash_attention();
   const int64_t snapshot = checkpoint_snapshot_bytes(snapshots_on_device);
   const int64_t norm_stats = c.use_rmsnorm() ? sb * up : 2 * sb * ln_stat;
 
@@ -619,15 +660,17 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
-    const int64_t scores = lp.recomputes(RecomputeModule::kCoreAttn)
-                               ? snapshot
-                               : as2b * e + (attn_drop ? as2b + as2b * e : 0);
+    const bool recompute_attn = lp.recomputes(RecomputeModule::kCoreAttn);
+    const int64_t scores = recompute_attn ? snapshot
+                           : flash        ? flash_output_and_logsumexp_bytes(c, e)
+                                          : as2b * e + (attn_drop ? as2b + as2b * e : 0);
     if (c.multi_latent_attention) {
       add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
       add(layer + ".self_attention.linear_qkv", norm_out);
       add(layer + ".self_attention.core_attention", core_attention_qkv_bytes(c, lp, e) + scores);
-      add(layer + ".self_attention.linear_proj", sbh_t * e);
+      // Under flash the context is a view of the kernel's output, counted above.
+      add(layer + ".self_attention.linear_proj", flash && !recompute_attn ? 0 : sbh_t * e);
     }
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);

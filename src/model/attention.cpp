@@ -43,6 +43,7 @@ struct Fp32SoftmaxFunction : torch::autograd::Function<Fp32SoftmaxFunction> {
 
 CoreAttention::CoreAttention(const TransformerConfig& config, double softmax_scale)
     : softmax_scale_(softmax_scale),
+      kernel_(config.attention_kernel()),
       dropout_(config.attention_dropout),
       sequence_parallel_(config.sequence_parallel),
       softmax_in_fp32_(config.attention_softmax_in_fp32) {}
@@ -74,6 +75,7 @@ at::Tensor expand_kv_heads(const at::Tensor& x, int64_t heads) {
 at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k_in,
                                   const at::Tensor& v_in, const at::Tensor& mask) {
   forward_counters().core_attention.fetch_add(1, std::memory_order_relaxed);
+  if (kernel_ == AttentionKernel::kFlash) return flash_forward(q, k_in, v_in);
   const int64_t s = q.size(0), b = q.size(1), a = q.size(2), d = q.size(3), dv = v_in.size(3);
   const at::Tensor k = expand_kv_heads(k_in, a), v = expand_kv_heads(v_in, a);
   // [s, b, a, d] -> [b*a, s, d]; a view when q, k, v are slices of the fused qkv output.
@@ -102,6 +104,30 @@ at::Tensor CoreAttention::forward(const at::Tensor& q, const at::Tensor& k_in,
   }
   const at::Tensor context = at::bmm(probs.view({b * a, s, s}), v3);  // [b*a, s, dv]
   return context.view({b, a, s, dv}).permute({2, 0, 1, 3}).reshape({s, b, a * dv});
+}
+
+// Note [The flash kernel's layout]
+// The kernel takes [b, a, s, d] and accepts any strides, so q, k and v enter as permuted views
+// of [s, b, heads, d] (no copy; k and v at their G heads: the kernel maps query head i to
+// key/value head i / (a/G), Megatron's grouping). Its output follows the query's memory order,
+// [s, b, a, d] in memory, so the context [s, b, a d] that linear_proj reads is a view of the
+// output the kernel keeps: one storage, counted once (on core_attention, which saves it first).
+// Backward keeps q, k, v, the output and the logsumexp [b, a, s] in fp32 (fp64 for double). The
+// mask is the causal one (is_causal): the model's mask is always causal (make_causal_mask).
+at::Tensor CoreAttention::flash_forward(const at::Tensor& q, const at::Tensor& k,
+                                        const at::Tensor& v) {
+  TORCH_CHECK(q.device().is_cpu(),
+              "actmem::CoreAttention: the flash kernel runs on CPU here; "
+              "CUDA's is not wired yet (use --attention-backend unfused on ",
+              q.device(), ")");
+  const int64_t s = q.size(0), b = q.size(1), a = q.size(2), dv = v.size(3);
+  const std::optional<double> scale =
+      softmax_scale_ > 0.0 ? std::optional<double>(softmax_scale_) : std::nullopt;
+  auto result = at::_scaled_dot_product_flash_attention_for_cpu(
+      q.permute({1, 2, 0, 3}), k.permute({1, 2, 0, 3}), v.permute({1, 2, 0, 3}),
+      /*dropout_p=*/0.0, /*is_causal=*/true, /*attn_mask=*/std::nullopt, scale);
+  // [b, a, s, dv] -> [s, b, a dv]: a view when the output is [s, b, a, dv] in memory.
+  return std::get<0>(result).permute({2, 0, 1, 3}).reshape({s, b, a * dv});
 }
 
 // ---- RotaryEmbedding --------------------------------------------------------------------------

@@ -92,7 +92,13 @@ class SwapTracker {
 at::Device validated_device(const TransformerConfig& model, const TrainingConfig& training) {
   model.validate();
   training.validate(model);
-  return at::Device(training.device);
+  const at::Device device(training.device);
+  TORCH_CHECK(device.is_cpu() || !model.flash_attention(),
+              "actmem::Trainer: the flash attention "
+              "kernel is wired on CPU only (CUDA's SDPA kernels are not yet: no GPU to check "
+              "them on); on ",
+              device, " use --attention-backend unfused (", model.attention_choice().why, ")");
+  return device;
 }
 }  // namespace
 

@@ -18,6 +18,13 @@ namespace actmem {
 /// wrap around.
 constexpr uint64_t kMaxSeed = uint64_t{1} << 62;
 
+/// The core-attention kernels (config.attention_kernel()): the unfused path (scores, mask,
+/// softmax, dropout and the product with V as separate ops, every [b, a, s, s] tensor kept) or
+/// the flash kernel (online softmax; keeps its inputs, output and the row logsumexp only).
+enum class AttentionKernel { kUnfused, kFlash };
+/// "unfused" or "flash".
+const char* to_string(AttentionKernel kernel);
+
 /// Shape and numerics of a GPT model, named as in Megatron-LM's TransformerConfig.
 struct TransformerConfig {
   int64_t num_layers = 2;
@@ -38,6 +45,10 @@ struct TransformerConfig {
 
   double attention_dropout = 0.1;
   double hidden_dropout = 0.1;
+  /// Megatron's --attention-backend (AttnBackend in megatron/core/transformer/enums.py): "auto"
+  /// (its default), "flash", "fused", "unfused" or "local"; attention_kernel() says which kernel
+  /// runs (Note [Attention backends] in config.cpp).
+  std::string attention_backend = "auto";
 
   /// "LayerNorm" or "RMSNorm".
   std::string normalization = "LayerNorm";
@@ -228,6 +239,15 @@ struct TransformerConfig {
     return !rope_type.empty() ? rope_type : multi_latent_attention ? "yarn" : "rope";
   }
   bool use_rmsnorm() const { return normalization == "RMSNorm"; }
+  /// The core-attention kernel attention_backend selects, with auto resolved, and why (throws
+  /// for a backend this configuration cannot run; Note [Attention backends] in config.cpp).
+  struct AttentionChoice {
+    AttentionKernel kernel = AttentionKernel::kUnfused;
+    std::string why;  // "auto: flash (no attention dropout)", "requested", ...
+  };
+  AttentionChoice attention_choice() const;
+  AttentionKernel attention_kernel() const { return attention_choice().kernel; }
+  bool flash_attention() const { return attention_kernel() == AttentionKernel::kFlash; }
   /// "fp32", "bf16" or "fp16".
   const char* precision() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }
   /// Bytes of one parameter or activation element: 2 with --bf16 / --fp16, else 4.

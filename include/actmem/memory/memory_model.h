@@ -51,6 +51,8 @@ struct PaperShape {
   MoEPaperShape moe;    // experts == 0: dense
   MLAPaperShape mla;    // kv_lora == 0: standard attention
   bool rmsnorm = false;  // norms without bias (Megatron's norm_size 1)
+  /// The flash attention kernel: no s^2 term; its logsumexp, 4asb bytes (fp32), instead.
+  bool flash = false;
   double sbh() const { return s * b * h; }
   bool is_mla() const { return mla.kv_lora > 0; }
   double layers_per_stage() const { return L / p; }
@@ -68,10 +70,11 @@ PaperShape paper_shape(const TransformerConfig& config);
 /// none: sbh(34 + 5as/h) (eq. 1), or with t > 1 sbh(10 + 24/t + 5as/(ht)) (eq. 2) and with SP
 /// sbh(34 + 5as/h)/t (eq. 4); selective: Megatron's generalisation sbh(18 + 4 ffn/h), divided by
 /// t with SP, else sbh(10 + 24/t) for ffn = 4h ... generalised as (10 + (8 + 4 ffn/h)/t);
-/// full: 2sbh, divided by t with SP (the kept input is sequence-sharded).
+/// full: 2sbh, divided by t with SP (the kept input is sequence-sharded). With the flash kernel
+/// the s^2 term 5as/h becomes the logsumexp's 4a/h (docs/memory-model.md, "Attention backends").
 struct LayerBytes {
   double none = 0, selective = 0, full = 0;
-  double s2_fraction = 0;  // share of the s^2 term in `none`
+  double s2_fraction = 0;  // share of the s^2 term (flash: the logsumexp) in `none`
 };
 LayerBytes paper_layer_bytes(const PaperShape& m);
 

@@ -31,7 +31,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, 
 /// itself when G = a.
 at::Tensor expand_kv_heads(const at::Tensor& x, int64_t heads);
 
-/// Unfused scaled-dot-product attention with a causal mask and attention dropout.
+/// Causal scaled-dot-product attention: the unfused path (scores, mask, softmax, attention
+/// dropout, x V) or the flash kernel, as config.attention_kernel() says (Note [Attention
+/// backends] in config.cpp).
 class CoreAttention : public torch::nn::Module {
  public:
   /// Attention dropout draws from the model-parallel stream (each tensor-parallel rank drops
@@ -45,7 +47,9 @@ class CoreAttention : public torch::nn::Module {
                      const at::Tensor& mask);
 
  private:
+  at::Tensor flash_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v);
   double softmax_scale_;
+  AttentionKernel kernel_;
   double dropout_;
   bool sequence_parallel_;
   bool softmax_in_fp32_;
