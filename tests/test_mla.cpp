@@ -78,8 +78,10 @@ TEST(MLAConfig, MegatronsRulesWithItsMessages) {
   refused([](TransformerConfig& c) { c.qk_pos_emb_head_dim = 3; }, "qk_pos_emb_head_dim must be even");
   refused([](TransformerConfig& c) { c.rotary_scaling_factor = 0.0; },
           "rotary_scaling_factor must be a positive number");
-  refused([](TransformerConfig& c) { c.tensor_model_parallel_size = 2; },
-          "multi_latent_attention with tensor_model_parallel_size > 1 is not implemented yet");
+  // Tensor parallelism splits the heads (Note [MLA under tensor parallelism]); the heads must
+  // divide among the ranks.
+  refused([](TransformerConfig& c) { c.tensor_model_parallel_size = 3; },
+          "num_attention_heads (4) must be divisible by tensor_model_parallel_size (3)");
   // MLA sizes its heads itself: h need not be a multiple of the heads.
   TransformerConfig odd = mla_model();
   odd.num_attention_heads = 3;

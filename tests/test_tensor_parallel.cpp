@@ -62,7 +62,8 @@ TEST_P(TwoRanksMatchOneRank, WithoutDropoutWithAndWithoutSequenceParallel) {
 INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank,
                          // Without dropout auto runs the flash kernel ("base", "swiglu",
                          // "gqa"); "unfused" asks for the unfused path.
-                         ::testing::Values("base", "unfused", "swiglu", "gqa"));
+                         ::testing::Values("base", "unfused", "swiglu", "gqa", "mla",
+                                           "mla_no_q_lora"));
 
 void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& variant = "base") {
   std::vector<std::string> args = {"strategies", "--variant", variant};
@@ -81,6 +82,12 @@ void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& varian
         EXPECT_EQ(got["grad_norm"][i], plain["grad_norm"][i]) << name;
       }
       EXPECT_EQ(got["param_digest"], plain["param_digest"]) << name;
+    }
+    // The predictor is exact per rank for what each strategy saves (offload moves part of it).
+    for (const auto& [name, got] : all.items()) {
+      if (name.rfind("offload", 0) == 0) continue;
+      EXPECT_EQ(got["predicted_activation_bytes"], got["activation_bytes"][0])
+          << variant << " " << name << " rank " << rank["rank"];
     }
   }
   // The ranks hold different slices: their gradients differ, their losses agree.
@@ -104,6 +111,12 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainRmsSwigluRopeUntiedNoBias) {
 // Grouped-query attention: each rank holds one of the 2 key/value groups and its 2 query heads.
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithGroupedQueryAttention) {
   expect_strategies_bitwise_equal_to_plain(true, "gqa");
+}
+
+// Multi-latent attention: each rank holds 2 of the 4 heads; the latents are replicated.
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithMultiLatentAttention) {
+  expect_strategies_bitwise_equal_to_plain(true, "mla");
+  expect_strategies_bitwise_equal_to_plain(false, "mla_no_q_lora");
 }
 
 // The flash kernel under TP + SP with grouped-query attention (hidden dropout on).

@@ -89,6 +89,21 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     // with RoPE rotating the grouped keys.
     c.num_query_groups = 2;
     c.position_embedding_type = "rope";
+  } else if (variant == "mla" || variant == "mla_no_q_lora") {
+    // Multi-latent attention, each rank holding 2 of the 4 heads (Note [MLA under tensor
+    // parallelism] in attention.cpp): compressed queries (or one linear_q_proj), normed latents,
+    // YaRN with a factor > 1.
+    c.multi_latent_attention = true;
+    if (variant == "mla") c.q_lora_rank = 24;
+    c.kv_lora_rank = 20;
+    c.qk_head_dim = 12;
+    c.qk_pos_emb_head_dim = 8;
+    c.v_head_dim = 10;
+    c.qk_layernorm = variant == "mla";
+    c.normalization = "RMSNorm";
+    c.position_embedding_type = "rope";
+    c.rotary_scaling_factor = 4.0;
+    c.mscale_all_dim = 0.5;
   } else if (variant == "unfused") {
     c.attention_backend = "unfused";  // without attention dropout auto would run flash
   } else if (variant == "flash_gqa") {
@@ -104,7 +119,7 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
   return c;
 }
 
-std::vector<std::pair<std::string, Mutator>> strategies(bool sp) {
+std::vector<std::pair<std::string, Mutator>> strategies(bool sp, bool mla) {
   auto full = [](const char* method, int64_t n, bool distribute) {
     return [=](TransformerConfig& c) {
       c.recompute_granularity = "full";
@@ -140,6 +155,11 @@ std::vector<std::pair<std::string, Mutator>> strategies(bool sp) {
          c.min_offloaded_tensor_size = 0;
        }},
   };
+  if (mla) {
+    s.emplace_back("selective_mla_up_proj", selective({"mla_up_proj"}));
+    s.emplace_back("selective_mla_up_proj_core_attn_layernorm",
+                   selective({"mla_up_proj", "core_attn", "layernorm"}));
+  }
   if (!sp) {
     // Refused with sequence parallelism (Megatron's rule).
     s.emplace_back("distribute_uniform_1", full("uniform", 1, true));
@@ -157,7 +177,7 @@ std::string param_digest(actmem::GPTModel& model) {
 nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& only,
                               const std::string& variant) {
   nlohmann::json out;
-  for (const auto& [name, mutate] : strategies(sp)) {
+  for (const auto& [name, mutate] : strategies(sp, variant.rfind("mla", 0) == 0)) {
     if (!only.empty() && name != only) continue;
     TransformerConfig c = base_config(t, sp, dropout, variant);
     mutate(c);
@@ -363,7 +383,7 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
                             int64_t layers, int64_t vp) {
   nlohmann::json out;
   const bool moe = variant.rfind("moe", 0) == 0;
-  auto all = moe ? moe_strategies() : strategies(false);
+  auto all = moe ? moe_strategies() : strategies(false, variant.rfind("mla", 0) == 0);
   // With 3 layers per stage: uniform chunks [0, 2) [2, 3) on every stage (a clamped tail).
   all.emplace_back("full_uniform_2", [](TransformerConfig& c) {
     c.recompute_granularity = "full";

@@ -75,16 +75,15 @@ Estimate compute(const PaperShape& shape, const TransformerConfig& config, doubl
   e.attention_why = config.attention_choice().why;
   const PaperShape& m = e.m;
   e.bandwidth_gbps = bandwidth_gbps;
-  if (m.is_mla()) {
-    TORCH_CHECK(m.t == 1 || m.sp, "actmem estimate: multi-latent attention with tensor "
-                "parallelism is estimated with --sequence-parallel only");
-    e.mla = paper_mla_attention_bytes(m);
-  }
+  if (m.is_mla()) e.mla = paper_mla_attention_bytes(m);
   // MLA replaces the paper's attention terms (q, k, v inputs and outputs, the scores, the
-  // context: (10 sbh + 5as^2b)/t without recompute, 10 sbh/t with selective core_attn) by its own.
+  // context: (10 sbh + 5as^2b)/t without recompute, 10 sbh/t with selective core_attn; without
+  // sequence parallelism the qkv input's 2 sbh is replicated) by its own.
   auto with_mla = [&](LayerBytes l) {
     if (!m.is_mla()) return l;
-    const double sq = 5.0 * m.a * m.s * m.s * m.b / m.t, lin = 10.0 * m.sbh() / m.t;
+    const double sq = 5.0 * m.a * m.s * m.s * m.b / m.t;
+    const double lin =
+        m.sp || m.t == 1.0 ? 10.0 * m.sbh() / m.t : 2.0 * m.sbh() + 8.0 * m.sbh() / m.t;
     l.none += e.mla.none() - (lin + sq);
     l.selective += e.mla.kept(true, false) - lin;
     l.s2_fraction = e.mla.scores / l.none;

@@ -415,9 +415,8 @@ void validate_mla(const TransformerConfig& c) {
   TORCH_CHECK(std::isfinite(c.rotary_scaling_factor) && c.rotary_scaling_factor > 0.0, api,
               "rotary_scaling_factor must be a positive number, got ", c.rotary_scaling_factor);
   TORCH_CHECK(std::isfinite(c.mscale) && std::isfinite(c.mscale_all_dim), api,
-              "mscale and mscale_all_dim must be finite, got ", c.mscale, " and ", c.mscale_all_dim);
-  TORCH_CHECK(c.tensor_model_parallel_size == 1, api, "multi_latent_attention with "
-              "tensor_model_parallel_size > 1 is not implemented yet");
+              "mscale and mscale_all_dim must be finite, got ", c.mscale, " and ",
+              c.mscale_all_dim);
 }
 }  // namespace
 

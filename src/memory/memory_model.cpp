@@ -608,36 +608,39 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   // Note [What MLA saves]; tensor parallelism is refused with MLA, so every size is the full one.
   auto add_mla_attention = [&](const std::string& attn, const LayerPlan& lp, int64_t norm_out,
                                int64_t scores) {
-    const int64_t T = s * b, dq = c.mla_q_head_dim(), dv = c.v_head_dim;
+    // Per rank (Note [MLA under tensor parallelism] in attention.cpp): the latents are
+    // replicated over this rank's tokens Tr (s/t of them with sequence parallelism), the per-head
+    // tensors cover the whole sequence T for the rank's a/t heads.
+    const int64_t T = s * b, Tr = sb, dq = c.mla_q_head_dim(), dv = c.v_head_dim;
     const int64_t rkv = c.kv_lora_rank, dr = c.qk_pos_emb_head_dim;
+    const int64_t heads = c.num_attention_heads / t;
     // The down projections' input (the input norm's output), counted where it is first saved.
     add(attn + (c.q_lora_rank ? ".linear_q_down_proj" : ".linear_kv_down_proj"), norm_out);
     int64_t q_in = 0;  // the query up-projection's input, when it is not the norm output
     if (c.q_lora_rank) {
       const int64_t rq = *c.q_lora_rank;
-      if (c.qk_layernorm) add(attn + ".q_layernorm", T * rq * e + norm_stats);
-      q_in = T * rq * e;  // the latent (or its normed copy)
+      if (c.qk_layernorm) add(attn + ".q_layernorm", Tr * rq * e + norm_stats);
+      q_in = Tr * rq * e;  // the latent (or its normed copy)
     }
     // Without kv_layernorm the up-projection reads a view of the whole down-projection output
-    // [T, kv_lora_rank + pos], which then stays.
-    int64_t kv_in = T * (rkv + dr) * e;
+    // [Tr, kv_lora_rank + pos], which then stays.
+    int64_t kv_in = Tr * (rkv + dr) * e;
     if (c.qk_layernorm) {
       add(attn + ".kv_layernorm", kv_in + norm_stats);
-      kv_in = T * rkv * e;
+      kv_in = Tr * rkv * e;
     }
     const std::string q_up = attn + (c.q_lora_rank ? ".linear_q_up_proj" : ".linear_q_proj");
     if (lp.recomputes(RecomputeModule::kMlaUpProj)) {
-      add(q_up, q_in + kv_in + snapshot);  // the checkpoint's inputs
+      // The checkpoint's inputs; under sequence parallelism k_pos is the gathered copy [T, pos].
+      add(q_up, q_in + kv_in + (sp && t > 1 ? T * dr * e : 0) + snapshot);
     } else {
       add(q_up, q_in);
       add(attn + ".linear_kv_up_proj", kv_in);
     }
     // q, k, v after RoPE (freed by mla_up_proj recompute); the scores' tensors.
-    add(attn + ".core_attention", (lp.recomputes(RecomputeModule::kMlaUpProj)
-                                       ? 0
-                                       : T * c.num_attention_heads * (2 * dq + dv) * e) +
-                                      scores);
-    add(attn + ".linear_proj", T * c.num_attention_heads * dv * e);
+    add(attn + ".core_attention",
+        (lp.recomputes(RecomputeModule::kMlaUpProj) ? 0 : T * heads * (2 * dq + dv) * e) + scores);
+    add(attn + ".linear_proj", T * heads * dv * e);
   };
   if (first_stage) add("embedding", hidden_drop ? sbh : 0);
   size_t moe_layers_before = 0;  // MoE layers before layer i, chunked or not

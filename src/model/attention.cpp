@@ -295,13 +295,28 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
 
 MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerPlan& plan,
                                    at::ScalarType dtype)
-    : heads_(c.num_attention_heads),
+    : heads_(c.num_attention_heads / c.tensor_model_parallel_size),
       qk_head_dim_(c.qk_head_dim),
       pos_dim_(c.qk_pos_emb_head_dim),
       v_head_dim_(c.v_head_dim),
       kv_lora_rank_(c.kv_lora_rank),
+      sequence_parallel_(c.sequence_parallel),
       plan_(plan) {
+  // Note [MLA under tensor parallelism]
+  // As Megatron's MLASelfAttention with its TE spec: the down projections and the latent norms
+  // are replicated on every tensor-parallel rank (TELinear parallel_mode "duplicated"; with
+  // sequence parallelism each reads its s/t tokens, so their gradients are summed over the ranks
+  // like the norms': sequence_parallel set on them), the up projections are column-parallel
+  // (a/t heads per rank, gathering the sequence under SP), linear_proj row-parallel. The RoPE key
+  // part k_pos, one per token shared by every head, is used by each rank's heads: under SP it is
+  // gathered (all-gather forward, reduce-scatter backward, Megatron's
+  // gather_from_sequence_parallel_region); without SP its gradient must still be summed over the
+  // ranks, which Megatron does not do (its duplicated kv down projection then gets each rank's
+  // own partial gradient for the RoPE columns, and the ranks' weights drift apart); actmem copies
+  // it into the tensor-parallel region (identity forward, all-reduce backward), on purpose.
   const int64_t h = c.hidden_size, a = c.num_attention_heads, dq = c.mla_q_head_dim();
+  const int64_t t = c.tensor_model_parallel_size;
+  const bool sp = c.sequence_parallel;
   // MultiLatentAttention.__init__: mscale = get_mscale(rotary_scaling_factor, mscale_all_dim),
   // whatever the rope type.
   const double m = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
@@ -311,26 +326,28 @@ MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerPlan& 
   core_attention =
       register_module("core_attention", std::make_shared<CoreAttention>(c, softmax_scale_));
   linear_proj = register_module(
-      "linear_proj", std::make_shared<Linear>(a * c.v_head_dim, h, c.add_bias_linear, true, dtype,
-                                              LinearParallel::kRow));
+      "linear_proj", std::make_shared<Linear>(a * c.v_head_dim / t, h, c.add_bias_linear, true,
+                                              dtype, LinearParallel::kRow, sp));
   if (c.q_lora_rank) {
     linear_q_down_proj = register_module(
-        "linear_q_down_proj", std::make_shared<Linear>(h, *c.q_lora_rank, false, false, dtype));
+        "linear_q_down_proj", std::make_shared<Linear>(h, *c.q_lora_rank, false, false, dtype,
+                                                       LinearParallel::kNone, sp));
     linear_q_up_proj = register_module(
-        "linear_q_up_proj", std::make_shared<Linear>(*c.q_lora_rank, a * dq, false, false, dtype,
-                                                     LinearParallel::kColumn));
+        "linear_q_up_proj", std::make_shared<Linear>(*c.q_lora_rank, a * dq / t, false, false,
+                                                     dtype, LinearParallel::kColumn, sp));
   } else {
     linear_q_proj = register_module(
         "linear_q_proj",
-        std::make_shared<Linear>(h, a * dq, false, false, dtype, LinearParallel::kColumn));
+        std::make_shared<Linear>(h, a * dq / t, false, false, dtype, LinearParallel::kColumn, sp));
   }
-  linear_kv_down_proj = register_module(
-      "linear_kv_down_proj",
-      std::make_shared<Linear>(h, c.kv_lora_rank + c.qk_pos_emb_head_dim, false, false, dtype));
+  linear_kv_down_proj =
+      register_module("linear_kv_down_proj",
+                      std::make_shared<Linear>(h, c.kv_lora_rank + c.qk_pos_emb_head_dim, false,
+                                               false, dtype, LinearParallel::kNone, sp));
   linear_kv_up_proj = register_module(
       "linear_kv_up_proj",
-      std::make_shared<Linear>(c.kv_lora_rank, a * (c.qk_head_dim + c.v_head_dim), false, false,
-                               dtype, LinearParallel::kColumn));
+      std::make_shared<Linear>(c.kv_lora_rank, a * (c.qk_head_dim + c.v_head_dim) / t, false, false,
+                               dtype, LinearParallel::kColumn, sp));
   if (c.qk_layernorm) {
     if (c.q_lora_rank) {
       q_layernorm = register_module("q_layernorm", std::make_shared<Norm>(c, dtype, *c.q_lora_rank));
@@ -353,6 +370,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::down(const at::
   }
   const auto parts = kv_combined.split_with_sizes({kv_lora_rank_, pos_dim_}, -1);
   at::Tensor kv_c = parts[0];
+  // Note [MLA under tensor parallelism]: every rank's heads use the whole k_pos.
+  at::Tensor k_pos = parts[1];
+  if (tensor_parallel_group().size > 1) {
+    k_pos = sequence_parallel_ ? gather_from_sequence_parallel_region(k_pos)
+                               : copy_to_tensor_parallel_region(k_pos);
+  }
   if (q_layernorm) {
     ModuleScope scope("q_layernorm");
     q_c = q_layernorm->forward(q_c);
@@ -361,13 +384,14 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::down(const at::
     ModuleScope scope("kv_layernorm");
     kv_c = kv_layernorm->forward(kv_c);
   }
-  return {q_c, kv_c, parts[1]};
+  return {q_c, kv_c, k_pos};
 }
 
 std::vector<at::Tensor> MLASelfAttention::up_and_rope(const std::vector<at::Tensor>& in,
                                                       const RotaryEmbedding& rope, int64_t offset) {
   const at::Tensor &q_c = in[0], &kv_c = in[1], &k_pos = in[2];
-  const int64_t s = q_c.size(0), b = q_c.size(1);
+  // The whole sequence (the up projections gather it under sequence parallelism, as k_pos is).
+  const int64_t s = k_pos.size(0), b = k_pos.size(1);
   at::Tensor q, kv;
   {
     ModuleScope scope(q_up_name());

@@ -99,7 +99,12 @@ Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::Sc
 }
 
 std::optional<ParameterAttributes> Linear::parameter_attributes(const std::string& name) const {
-  if (name == "weight") return ParameterAttributes{parallel_ != LinearParallel::kNone, false, false};
+  // A replicated weight reading a sequence-parallel input (MLA's down projections, Megatron's
+  // duplicated TELinear) saw this rank's tokens only.
+  if (name == "weight") {
+    return ParameterAttributes{parallel_ != LinearParallel::kNone,
+                               parallel_ == LinearParallel::kNone && sequence_parallel_, false};
+  }
   if (name == "bias") {
     return ParameterAttributes{parallel_ == LinearParallel::kColumn,
                                parallel_ == LinearParallel::kRow && sequence_parallel_, false};

@@ -416,18 +416,24 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     auto init_layer = [&](TransformerLayer* layer) {
       if (MLASelfAttention* mla = layer->mla_attention.get()) {
         // Megatron's construction order: linear_proj, the query projection(s), kv down and up.
+        // The whole weights are drawn; a rank keeps its heads (Note [MLA under tensor
+        // parallelism] in attention.cpp): rows of the up projections, columns of linear_proj.
         auto draw = [&](Linear& l, double sd) {
           l.weight.copy_(init_normal(l.weight.sizes(), sd, dtype));
         };
-        draw(*mla->linear_proj, scaled_std);
+        auto draw_rows = [&](Linear& l, double sd) {
+          l.weight.copy_(rows(init_normal({l.weight.size(0) * t, l.weight.size(1)}, sd, dtype)));
+        };
+        mla->linear_proj->weight.copy_(
+            cols(init_normal({h, mla->linear_proj->weight.size(1) * t}, scaled_std, dtype)));
         if (mla->linear_q_proj) {
-          draw(*mla->linear_q_proj, std);
+          draw_rows(*mla->linear_q_proj, std);
         } else {
           draw(*mla->linear_q_down_proj, std);
-          draw(*mla->linear_q_up_proj, std);
+          draw_rows(*mla->linear_q_up_proj, std);
         }
         draw(*mla->linear_kv_down_proj, std);
-        draw(*mla->linear_kv_up_proj, std);
+        draw_rows(*mla->linear_kv_up_proj, std);
       } else {
         const int64_t qkv_rows =
             (config.num_attention_heads + 2 * config.query_groups()) * config.kv_channels();

@@ -133,7 +133,8 @@ class MLASelfAttention : public torch::nn::Module {
   const char* q_up_name() const { return linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj"; }
   // Megatron's qkv_up_proj_and_rope_apply: q, k, v [s, b, a, d] (contiguous).
   std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in, const RotaryEmbedding& rope, int64_t offset);
-  int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;
+  int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;  // heads_: this rank's
+  bool sequence_parallel_;
   double softmax_scale_;
   LayerPlan plan_;
 };
