@@ -191,6 +191,34 @@ TEST(Launch, WorkersShareTheCoresUnlessOmpNumThreadsIsSet) {
             std::string::npos) << r.output;
 }
 
+// The workers get each word after -- as given: a list-looking value ([0,1]) is not split at its
+// commas on the way (CLI11 would), and a preset expands in each worker (train --preset: the
+// published shape's flags, the sizes given replacing them).
+TEST(Launch, PassesWordsAsGivenAndPresetsExpandInTheWorkers) {
+  const std::string log = ::testing::TempDir() + "launch_words.jsonl";
+  auto r = run_actmem(
+      "launch --nproc-per-node 2 -- train --preset mixtral-8x7b --num-layers 2 "
+      "--hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+      "--ffn-hidden-size 128 --num-experts 2 --moe-layer-freq '[0,1]' "
+      "--seq-length 16 --micro-batch-size 2 --vocab-size 256 "
+      "--tensor-model-parallel-size 2 --sequence-parallel --train-iters 1 "
+      "--eval-interval 0 --threads 1 --log-json " +
+      log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("4 heads in 2 query groups"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| MoE layers 1\n"), std::string::npos) << r.output;
+  const auto parsed = actmem::testing::read_json_log(log);
+  // From the preset: RMSNorm, SwiGLU, RoPE base 1e6, untied, no dropout (so flash), top-2.
+  EXPECT_EQ(parsed.config["model"]["normalization"], "RMSNorm");
+  EXPECT_EQ(parsed.config["model"]["rotary_base"], 1000000.0);
+  EXPECT_EQ(parsed.config["model"]["moe_router_topk"], 2);
+  EXPECT_EQ(parsed.config["model"]["attention_kernel"], "flash");
+  r = run_actmem("train --preset no-such-model --train-iters 1");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("unknown preset 'no-such-model'"), std::string::npos)
+      << r.stderr_text;
+}
+
 TEST(Launch, BadInputIsAClearError) {
   auto r = run_actmem("launch --nproc-per-node 0 -- dist-check");
   EXPECT_NE(r.exit_code, 0);

@@ -3,6 +3,8 @@
 #pragma once
 
 #include <functional>
+#include <string>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -25,6 +27,9 @@ Runner add_inspect_command(CLI::App& app);
 Runner add_compare_command(CLI::App& app);
 Runner add_plan_command(CLI::App& app);
 Runner add_launch_command(CLI::App& app);
+/// The words after launch's "--", exactly as given: main takes them out of the command line
+/// before CLI11 parses it, which would split a list-looking word such as [0,1,1] at its commas.
+std::vector<std::string>& launch_worker_command();
 Runner add_dist_check_command(CLI::App& app);
 Runner add_preprocess_command(CLI::App& app);
 Runner add_generate_command(CLI::App& app);

@@ -80,6 +80,11 @@ int run_check(const CheckOptions& o) {
 }
 }  // namespace
 
+std::vector<std::string>& launch_worker_command() {
+  static std::vector<std::string> words;
+  return words;
+}
+
 Runner add_launch_command(CLI::App& app) {
   auto o = std::make_shared<LaunchOptions>();
   CLI::App* cmd = app.add_subcommand(
@@ -100,11 +105,15 @@ Runner add_launch_command(CLI::App& app) {
   cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free "
                   "one on one node, 29500 across nodes)")
       ->check(integer_in_range(1, 65535));
-  cmd->add_option("command", o->command, "The subcommand and its flags, after --")->required();
+  cmd->add_option("command", o->command, "The subcommand and its flags, after --");
   return [o, cmd]() {
-    return cmd->parsed() ? launch_workers(o->nproc, o->command, o->master_port,
-                                          std::chrono::seconds(5), o->nodes)
-                         : -1;
+    if (!cmd->parsed()) return -1;
+    std::vector<std::string> command = o->command;
+    command.insert(command.end(), launch_worker_command().begin(), launch_worker_command().end());
+    TORCH_CHECK(!command.empty(),
+                "actmem launch: give the command the workers run after --, "
+                "e.g. actmem launch --nproc-per-node 2 -- train");
+    return launch_workers(o->nproc, command, o->master_port, std::chrono::seconds(5), o->nodes);
   };
 }
 

@@ -69,8 +69,15 @@ int main(int argc, char** argv) {
   try {
     // A preset stands for its flags, ahead of the command's own (Note [Presets are command lines]
     // in flags/presets.h), before the last of each flag is kept.
-    std::vector<std::string> args =
-        last_occurrence_wins(actmem::expand_model_preset({argv + 1, argv + argc}));
+    std::vector<std::string> given(argv + 1, argv + argc);
+    if (!given.empty() && given[0] == "launch") {
+      const auto dashes = std::find(given.begin(), given.end(), "--");
+      if (dashes != given.end()) {
+        actmem::cli::launch_worker_command().assign(dashes + 1, given.end());
+        given.erase(dashes, given.end());
+      }
+    }
+    std::vector<std::string> args = last_occurrence_wins(actmem::expand_model_preset(given));
     std::reverse(args.begin(), args.end());  // CLI11 takes its argument list reversed
     app.parse(args);
   } catch (const CLI::ParseError& e) {

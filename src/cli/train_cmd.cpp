@@ -1,15 +1,16 @@
 // train_cmd.cpp — `actmem train`: train a GPT model and log each iteration.
 #include "actmem/base/blas.h"
-#include "actmem/parallel/distributed.h"
 #include "actmem/base/environment.h"
 #include "actmem/base/output_file.h"
+#include "actmem/base/report.h"
+#include "actmem/flags/presets.h"
+#include "actmem/flags/train_options.h"
+#include "actmem/parallel/distributed.h"
+#include "actmem/parallel/distributed_optimizer.h"
+#include "actmem/parallel/grad_reducer.h"
+#include "actmem/parallel/tensor_parallel.h"
 #include "actmem/plan/planner.h"
 #include "actmem/train/plot.h"
-#include "actmem/base/report.h"
-#include "actmem/parallel/tensor_parallel.h"
-#include "actmem/flags/train_options.h"
-#include "actmem/parallel/grad_reducer.h"
-#include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
 
@@ -467,6 +468,11 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
 Runner add_train_command(CLI::App& app) {
   auto options = std::make_shared<TrainOptions>();
   CLI::App* cmd = app.add_subcommand("train", "Train a GPT model and log each iteration");
+  // Expanded into its flags before parsing (src/cli/main.cpp); the option documents and checks
+  // the name. The published shapes do not train on a CPU: give smaller sizes after it.
+  add_preset_option(*cmd, options->preset,
+                    "the flags of a named model (Megatron's flags of its published shape), which "
+                    "the flags given replace (e.g. smaller sizes for a CPU run)");
   add_model_flags(*cmd, *options);
   add_training_flags(*cmd, *options);
   auto budget = std::make_shared<BudgetOptions>();

@@ -114,7 +114,9 @@ std::vector<std::string> model_preset_arguments(const std::string& name) {
 }
 
 std::vector<std::string> expand_model_preset(std::vector<std::string> args) {
-  if (args.empty() || (args[0] != "estimate" && args[0] != "plan")) return args;
+  if (args.empty() || (args[0] != "estimate" && args[0] != "plan" && args[0] != "train")) {
+    return args;
+  }
   const auto end = std::find(args.begin(), args.end(), "--");
   std::optional<std::string> name;
   bool size_given = false;

@@ -35,7 +35,7 @@ std::vector<std::string> model_preset_arguments(const std::string& name);
 /// the preset's. For
 /// `estimate`, which has a default model, a command line naming no preset and no size stands for
 /// `--preset 7b`. `args` is a command line without the program name, the subcommand first;
-/// commands other than estimate and plan, and unknown names (refused by the --preset option
+/// commands other than estimate, plan and train, and unknown names (refused by the --preset option
 /// itself), are returned unchanged.
 std::vector<std::string> expand_model_preset(std::vector<std::string> args);
 

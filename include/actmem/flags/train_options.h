@@ -18,6 +18,7 @@ namespace actmem {
 struct TrainOptions {
   TransformerConfig model;
   TrainingConfig training;
+  std::string preset;            // --preset NAME (expanded into its flags before parsing)
   std::string log_json;          // --log-json FILE ("" = none)
   std::string trace;             // --trace FILE ("" = none): Chrome trace of one iteration
   std::string pipeline_plot;     // --pipeline-plot FILE ("" = none): SVG of the last step's schedule
