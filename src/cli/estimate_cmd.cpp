@@ -34,7 +34,7 @@ struct EstimateOptions {
 struct Estimate {
   PaperShape m;
   std::string preset, base_name;
-  std::string attention_why;  // TransformerConfig::attention_choice().why
+  std::string attention;  // TransformerConfig::attention_summary()
   double bandwidth_gbps = 0;
   MLAAttentionBytes mla;
   LayerBytes dense_layer, layer;  // `layer`: the first stage's mean with MoE layers in it
@@ -72,7 +72,7 @@ std::vector<double> stages_in_flight(const PaperShape& m) {
 Estimate compute(const PaperShape& shape, const TransformerConfig& config, double bandwidth_gbps) {
   Estimate e;
   e.m = shape;
-  e.attention_why = config.attention_choice().why;
+  e.attention = config.attention_summary();
   const PaperShape& m = e.m;
   e.bandwidth_gbps = bandwidth_gbps;
   if (m.is_mla()) e.mla = paper_mla_attention_bytes(m);
@@ -247,7 +247,7 @@ void print_table(const Estimate& e) {
       << " p=" << m.p << " (" << per_stage << " layers per stage)"
       << (m.vpp ? ", v=" + c10::str(*m.vpp) : "") << "; " << (m.swiglu ? "SwiGLU" : "GeLU") << ", "
       << (m.untied ? "untied" : "tied") << " embeddings, " << (m.rmsnorm ? "RMSNorm" : "LayerNorm")
-      << ", attention " << (m.flash ? "flash" : "unfused") << " (" << e.attention_why << ")\n"
+      << ", attention " << e.attention << "\n"
       << "activation memory of one micro-batch, 16-bit activations (Korthikanti et al. 2022)\n\n"
       << std::left << std::setw(18) << "recompute" << std::right << std::setw(14) << "per layer"
       << std::setw(14) << "per stage"

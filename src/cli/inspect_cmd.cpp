@@ -116,8 +116,7 @@ void print_table(const InspectOptions& o, const TransformerConfig& c, const Insp
             << " a=" << c.num_attention_heads << ", " << c.precision()
             << "; sbh = " << static_cast<int64_t>(sbh)
             << " elements, as^2b = " << static_cast<int64_t>(as2b) << ")\n"
-            << "attention " << to_string(c.attention_kernel()) << " (" << c.attention_choice().why
-            << ")\n"
+            << "attention " << c.attention_summary() << "\n"
             << runtime_summary() << "\n"
             << blas_report().summary() << "\n\n";
   std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"

@@ -137,8 +137,7 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", " << m.normalization << ", "
       << (m.use_rope() ? "RoPE" : "learned positions")
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
-      << "  attention " << actmem::to_string(m.attention_kernel()) << " ("
-      << m.attention_choice().why << ")\n"
+      << "  attention " << m.attention_summary() << "\n"
       << "  precision " << precision_summary(m, t) << "\n";
   if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {
     const int64_t per_element = optimizer_bytes_per_element(m);

@@ -560,6 +560,11 @@ TransformerConfig::AttentionChoice TransformerConfig::attention_choice() const {
   return {AttentionKernel::kFlash, "auto: flash, since the attention dropout is 0"};
 }
 
+std::string TransformerConfig::attention_summary() const {
+  const AttentionChoice choice = attention_choice();
+  return std::string(to_string(choice.kernel)) + " (" + choice.why + ")";
+}
+
 nlohmann::json to_json(const TransformerConfig& c) {
   nlohmann::json j = {
       {"num_layers", c.num_layers},

@@ -13,6 +13,12 @@
 namespace actmem {
 
 namespace {
+// The paper's s^2 term 5as/h in units of sbh; with the flash kernel its logsumexp [b, a, s] in
+// fp32, 4a/h, instead (docs/memory-model.md, "Attention backends").
+double squared_term(const PaperShape& m) {
+  return m.flash ? 4.0 * m.a / m.h : 5.0 * m.a * m.s / m.h;
+}
+
 // Megatron's interleave and in-flight factors, shared by both of its formulas.
 double pipeline_factor(const PaperShape& m) {
   if (m.vpp) return 1.0 + (m.p - 1.0) / (m.p * *m.vpp);
@@ -66,8 +72,7 @@ LayerBytes paper_layer_bytes(const PaperShape& m) {
   TORCH_CHECK(m.s > 0 && m.b > 0 && m.h > 0 && m.a > 0 && m.t >= 1 && m.ffn > 0,
               "actmem::paper_layer_bytes: sizes must be positive and t >= 1");
   const double sbh = m.sbh(), t = m.t;
-  // The s^2 term in units of sbh; the flash kernel's logsumexp [b, a, s] in fp32 instead.
-  const double sq = m.flash ? 4.0 * m.a / m.h : 5.0 * m.a * m.s / m.h;
+  const double sq = squared_term(m);
   const double lin_sel = 18.0 + 4.0 * m.ffn / m.h;  // Megatron's selective term (34 at ffn = 4h)
   LayerBytes r;
   if (t == 1.0 || m.sp) {
@@ -107,7 +112,7 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
   r.dispatch = 16 * rows + 2 * rows + 2 * rows * h;
   r.experts = (m.swiglu ? 10 : 6) * rows * e.ffn / t;
   r.shared = (m.swiglu ? 8 : 4) * sb * e.shared_ffn / t;
-  const double sq = m.flash ? 4.0 * m.a / m.h : 5.0 * m.a * m.s / m.h;  // as paper_layer_bytes
+  const double sq = squared_term(m);
   const double attention = m.sbh() * (13.0 + sq) / t;
   const double norm_and_mask = 3 * m.sbh() / t;
   r.layer.none = attention + norm_and_mask + r.mlp();

@@ -248,6 +248,9 @@ struct TransformerConfig {
   AttentionChoice attention_choice() const;
   AttentionKernel attention_kernel() const { return attention_choice().kernel; }
   bool flash_attention() const { return attention_kernel() == AttentionKernel::kFlash; }
+  /// "flash (auto: flash, since the attention dropout is 0)": the kernel and why, as the
+  /// headers of train, inspect and estimate print it.
+  std::string attention_summary() const;
   /// "fp32", "bf16" or "fp16".
   const char* precision() const { return bf16 ? "bf16" : fp16 ? "fp16" : "fp32"; }
   /// Bytes of one parameter or activation element: 2 with --bf16 / --fp16, else 4.
