@@ -106,6 +106,41 @@ TEST(PlanAnalytic, StepRatiosAreTheFlopCountsWhenOnlyGemmsCost) {
   EXPECT_NEAR(find(staged, "full uniform 1").step_ratio, 4.0 / 3.0, 1e-12);
 }
 
+// Seed §4.3 under the analytic planner: with the flash kernel a layer keeps its fp32 logsumexp,
+// 4asb/t, where the unfused kernel keeps 5as^2b/t of scores; core_attn recompute then frees only
+// that, and the backward computes Q K^T again (2bs^2h/t more GEMM work per layer).
+TEST(PlanAnalytic, FlashKeepsTheLogsumexpAndItsBackwardRecomputesTheScores) {
+  PaperShape m = paper_preset("175b");
+  m.p = 1;
+  m.vpp.reset();
+  PaperShape flash = m;
+  flash.flash = true;
+  const DeviceSpec gpu = gemms_only();
+  const auto unfused_all = estimate_plans_analytic(m, analytic_strategies(m), gpu);
+  const auto flash_all = estimate_plans_analytic(flash, analytic_strategies(flash), gpu);
+  const double sb = m.s * m.b, t = m.t, L = m.L;
+  auto kept = [](const std::vector<PlanEstimate>& all, const char* name) {
+    return static_cast<double>(find(all, name).kept_bytes);
+  };
+  // Plain: the scores replaced by the logsumexp in every layer; core_attn recompute frees it.
+  EXPECT_NEAR(kept(unfused_all, "plain") - kept(flash_all, "plain"),
+              L * (5 * m.a * m.s * sb - 4 * m.a * sb) / t, 8.0);
+  EXPECT_NEAR(kept(flash_all, "plain") - kept(flash_all, "selective core_attn"),
+              L * 4 * m.a * sb / t, 8.0);
+  // Without the scores the two kernels keep the same: core_attn recompute's result is the same.
+  EXPECT_NEAR(kept(flash_all, "selective core_attn"), kept(unfused_all, "selective core_attn"),
+              8.0);
+  // Only GEMMs cost: the flash step is the unfused one plus Q K^T again in every backward.
+  const double plain_unfused = analytic_basis(m, gpu).plain_step_s;
+  const double plain_flash = analytic_basis(flash, gpu).plain_step_s;
+  EXPECT_NEAR((plain_flash - plain_unfused) * gpu.matmul_flops, L * 2 * m.b * m.s * m.s * m.h / t,
+              1e-6 * L * 2 * m.b * m.s * m.s * m.h / t);
+  // core_attn recompute repeats both s^2 GEMMs (4bs^2h/t) under either kernel.
+  EXPECT_NEAR(
+      (find(flash_all, "selective core_attn").step_ratio - 1) * plain_flash * gpu.matmul_flops,
+      L * 4 * m.b * m.s * m.s * m.h / t, 1e-6 * L * 4 * m.b * m.s * m.s * m.h / t);
+}
+
 TEST(PlanAnalytic, OffloadMovesItsTensorsAndCostsTheCopyItsLayerCannotHide) {
   const PaperShape m = paper_preset("7b");  // t 2 with SP, p 2, SwiGLU
   DeviceSpec gpu = device_spec("h100");
@@ -249,6 +284,27 @@ TEST(PlanCli, PlansAPresetAnalytically) {
   EXPECT_EQ(q["shape"]["s"].get<double>(), 8192.0);
   EXPECT_EQ(q["shape"]["p"].get<double>(), 1.0);
   EXPECT_EQ(q["memory_budget_bytes"].get<int64_t>(), int64_t{120} << 30);
+  // Seed §4.3 for a published shape: Llama 3 8B (L 32, a 32, s 8192, b 1) at t 8 with SP. The
+  // flags choose flash (no dropout); core_attn recompute frees its logsumexp only, 4asb/t per
+  // layer, where under the unfused kernel it frees the scores, 5as^2b/t.
+  r = testing::run_actmem(
+      "plan --preset llama3-8b --tensor-model-parallel-size 8 "
+      "--sequence-parallel --json " +
+      dir + "/k.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("attention flash (auto"), std::string::npos) << r.output;
+  const auto k = nlohmann::json::parse(std::ifstream(dir + "/k.json"));
+  ASSERT_EQ(k["attention_kernels"].size(), 2u);
+  const auto& unfused = k["attention_kernels"][0];
+  const auto& flash = k["attention_kernels"][1];
+  EXPECT_EQ(unfused["kernel"], "unfused");
+  EXPECT_FALSE(unfused["chosen_by_the_flags"].get<bool>());
+  EXPECT_TRUE(flash["chosen_by_the_flags"].get<bool>());
+  const int64_t L = 32, a = 32, s = 8192, t = 8;
+  EXPECT_EQ(flash["core_attn_freed_bytes"].get<int64_t>(), L * 4 * a * s / t);
+  EXPECT_EQ(unfused["core_attn_freed_bytes"].get<int64_t>(), L * 5 * a * s * s / t);
+  EXPECT_LT(flash["plain"]["peak_bytes"].get<int64_t>(),
+            unfused["plain"]["peak_bytes"].get<int64_t>());
   // Below the minimum and unknown presets: clear errors (flags that need a run, unknown GPUs
   // and the preset-only flags without --preset: Refused/BadValues in test_robustness.cpp).
   r = testing::run_actmem("plan --preset 7b --memory-budget 1GiB");

@@ -201,6 +201,72 @@ Verification verify(const TransformerConfig& base, const TrainingConfig& trainin
   return out;
 }
 
+// Note [Plan a preset under each kernel]
+// The seed's §4.3 question, answered for a preset: what selective core_attn recompute buys under
+// each attention kernel, and what each kernel's fastest plan under the budget is. The unfused
+// kernel keeps the 5as^2b/t scores that core_attn recompute removes; flash keeps a 4asb/t
+// logsumexp, so the same recompute frees almost nothing and costs the two s^2 GEMMs again. Step
+// times are absolute (ms per micro-batch of the roofline) since each kernel has its own plain
+// step. The plan above uses the kernel the flags choose (auto: flash where it can run); flash
+// cannot drop attention probabilities, so with attention dropout its row is what
+// --attention-dropout 0 would give.
+nlohmann::json print_kernels(const PaperShape& shape, const TransformerConfig& config,
+                             const DeviceSpec& gpu, int64_t budget) {
+  std::cout << "\nunder each attention kernel (Note [Plan a preset under each kernel]):\n"
+            << std::left << std::setw(10) << "kernel" << std::right << std::setw(14) << "plain peak"
+            << std::setw(12) << "plain ms" << std::setw(16) << "core_attn peak" << std::setw(16)
+            << "core_attn ms" << std::setw(13) << "freed"
+            << "  " << std::left << "fastest that fits\n";
+  nlohmann::json rows = nlohmann::json::array();
+  for (const bool flash : {false, true}) {
+    PaperShape m = shape;
+    m.flash = flash;
+    const std::vector<Strategy> strategies = analytic_strategies(m);
+    const std::vector<PlanEstimate> all = estimate_plans_analytic(m, strategies, gpu);
+    const double plain_ms = analytic_basis(m, gpu).plain_step_s * 1e3;
+    const auto named = [&all](const std::string& name) {
+      return *std::find_if(all.begin(), all.end(),
+                           [&name](const PlanEstimate& e) { return e.strategy.name() == name; });
+    };
+    const PlanEstimate plain = named("plain"), core = named("selective core_attn");
+    const std::vector<PlanEstimate> front = pareto_front(all);
+    const PlanEstimate* fits = nullptr;
+    for (const auto& e : front) {
+      if (e.peak_bytes <= budget) fits = &e;  // the front is sorted by peak: the last fastest
+    }
+    const bool used = flash == config.flash_attention();
+    std::ostringstream name, best;
+    name << (flash ? "flash" : "unfused") << (used ? "*" : "");
+    if (fits != nullptr) {
+      best << fits->strategy.name() << " (" << format_bytes(static_cast<double>(fits->peak_bytes))
+           << ", " << std::fixed << std::setprecision(1) << plain_ms * fits->step_ratio << " ms)";
+    } else {
+      best << "none";
+    }
+    std::cout << std::left << std::setw(10) << name.str() << std::right << std::setw(14)
+              << format_bytes(static_cast<double>(plain.peak_bytes)) << std::setw(12) << std::fixed
+              << std::setprecision(1) << plain_ms << std::setw(16)
+              << format_bytes(static_cast<double>(core.peak_bytes)) << std::setw(16)
+              << plain_ms * core.step_ratio << std::setw(13)
+              << format_bytes(static_cast<double>(plain.kept_bytes - core.kept_bytes)) << "  "
+              << std::left << best.str() << "\n";
+    nlohmann::json row = {{"kernel", flash ? "flash" : "unfused"},
+                          {"chosen_by_the_flags", used},
+                          {"plain_step_s", plain_ms / 1e3},
+                          {"plain", plain.to_json()},
+                          {"core_attn", core.to_json()},
+                          {"core_attn_freed_bytes", plain.kept_bytes - core.kept_bytes}};
+    row["fastest_that_fits"] = fits != nullptr ? fits->to_json() : nlohmann::json(nullptr);
+    rows.push_back(std::move(row));
+  }
+  std::cout << "  * the kernel of these flags ("
+            << (config.flash_attention() || config.attention_dropout == 0
+                    ? "--attention-backend chooses the other"
+                    : "flash needs --attention-dropout 0")
+            << ")\n";
+  return rows;
+}
+
 // Note [Plan a preset]
 // `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
 // plan_analytic.h): the preset's flags (Note [Presets are command lines] in flags/presets.h),
@@ -250,17 +316,18 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
             << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p " << m.p;
   if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
   std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
-            << "; bf16; " << strategies.size() << " legal strategies\n"
+            << "; bf16; attention " << o.train.model.attention_summary() << "; "
+            << strategies.size() << " legal strategies\n"
             << "GPU " << gpu.name << ": " << gpu.source << "; costed at " << std::setprecision(3)
-            << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, "
-            << gpu.memory_bandwidth / 1e12 << " TB/s for element-wise ops, "
-            << gpu.d2h_bandwidth / 1e9 << "/" << gpu.h2d_bandwidth / 1e9
-            << " GB/s device-to-host/host-to-device\n"
+            << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, " << gpu.memory_bandwidth / 1e12
+            << " TB/s for element-wise ops, " << gpu.d2h_bandwidth / 1e9 << "/"
+            << gpu.h2d_bandwidth / 1e9 << " GB/s device-to-host/host-to-device\n"
             << "per GPU of the first pipeline stage: " << basis.layers_per_stage
             << " layers, weights, gradients and optimizer state "
-            << format_bytes(basis.static_bytes) << ", " << "micro-batches in flight "
-            << basis.microbatches_in_flight << ", plain step " << std::fixed << std::setprecision(1)
-            << basis.plain_step_s * 1e3 << " ms per micro-batch (roofline)\n";
+            << format_bytes(basis.static_bytes) << ", "
+            << "micro-batches in flight " << basis.microbatches_in_flight << ", plain step "
+            << std::fixed << std::setprecision(1) << basis.plain_step_s * 1e3
+            << " ms per micro-batch (roofline)\n";
   const PlanEstimate* chosen = &choose_plan(
       front, budget,
       "more tensor parallelism (--tensor-model-parallel-size; with --sequence-parallel it splits "
@@ -283,6 +350,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
               << (e.peak_bytes <= budget ? "fits" : "does not fit") << "\n";
   }
   print_choice(*chosen, budget, o.budget.empty() ? " (the " + gpu.name + "'s memory)" : "", "");
+  const nlohmann::json kernels = print_kernels(m, o.train.model, gpu, budget);
   std::cout << "\nplanned " << estimates.size() << " strategies in " << std::setprecision(3)
             << planning_s << " s\n";
   if (svg_file.is_open()) {
@@ -293,14 +361,29 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
                     title.str());
   }
   if (json_file.is_open()) {
-    nlohmann::json out = {{"preset", o.preset}, {"analytic", true}, {"gpu", gpu.to_json()},
+    nlohmann::json out = {{"preset", o.preset},
+                          {"analytic", true},
+                          {"gpu", gpu.to_json()},
                           {"basis", basis.to_json()},
-                          {"shape", {{"s", m.s}, {"b", m.b}, {"h", m.h}, {"a", m.a}, {"L", m.L},
-                                     {"ffn", m.ffn}, {"v", m.v}, {"t", m.t}, {"p", m.p},
-                                     {"d", m.d}, {"sequence_parallel", m.sp},
-                                     {"swiglu", m.swiglu}}},
-                          {"legal_strategies", strategies.size()}, {"planning_s", planning_s},
-                          {"memory_budget_bytes", budget}, {"chosen", chosen->to_json()},
+                          {"shape",
+                           {{"s", m.s},
+                            {"b", m.b},
+                            {"h", m.h},
+                            {"a", m.a},
+                            {"L", m.L},
+                            {"ffn", m.ffn},
+                            {"v", m.v},
+                            {"t", m.t},
+                            {"p", m.p},
+                            {"d", m.d},
+                            {"sequence_parallel", m.sp},
+                            {"swiglu", m.swiglu}}},
+                          {"legal_strategies", strategies.size()},
+                          {"planning_s", planning_s},
+                          {"attention", o.train.model.attention_summary()},
+                          {"attention_kernels", kernels},
+                          {"memory_budget_bytes", budget},
+                          {"chosen", chosen->to_json()},
                           {"front", nlohmann::json::array()}};
     for (const auto& e : front) out["front"].push_back(e.to_json());
     out["standard_settings"] = nlohmann::json::array();

@@ -47,7 +47,8 @@ struct LayerTensors {
   double attn_norm_in = 0;  // input_layernorm's input (offload group attn_norm)
   double qkv_in = 0;        // its output, linear_qkv's input (qkv_linear; layernorm recompute)
   double qkv_out = 0;       // q, k, v kept by the core attention (core_attn)
-  double scores = 0;        // softmax output, dropout mask, dropped scores (core_attn)
+  double scores = 0;        // softmax output, dropout mask, dropped scores (core_attn); with
+                            // the flash kernel its fp32 logsumexp [b, a, s] instead
   double proj_in = 0;       // linear_proj's input (attn_proj)
   double attn_mask = 0;     // self_attn_bda's dropout mask
   double mlp_norm_in = 0;   // pre_mlp_layernorm's input (mlp_norm)
@@ -69,7 +70,9 @@ LayerTensors layer_tensors(const PaperShape& m) {
   x.attn_norm_in = 2 * sbh / r;
   x.qkv_in = 2 * sbh / r;
   x.qkv_out = 6 * sbh / t;
-  x.scores = 5 * m.a * m.s * sb / t;
+  // The flash kernel keeps no s x s tensor: its logsumexp, 4 bytes per head and token (its
+  // output is linear_proj's input, proj_in below; docs/memory-model.md, "Attention backends").
+  x.scores = (m.flash ? 4 * m.a * sb : 5 * m.a * m.s * sb) / t;
   x.proj_in = 2 * sbh / t;
   x.attn_mask = sbh / r;
   x.mlp_norm_in = 2 * sbh / r;
@@ -111,6 +114,9 @@ double offloaded_per_layer(const LayerTensors& x, const Strategy& s) {
 // matmul rate, element-wise ops at the achieved memory bandwidth (bytes read and written).
 struct LayerTimes {
   double forward = 0, core_attn = 0, norms = 0, mlp = 0;
+  // What the backward adds beyond twice the forward: the flash kernel's backward computes
+  // Q K^T again inside the kernel (it kept no scores), one of the two s^2 GEMMs.
+  double backward_extra = 0;
 };
 
 LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu) {
@@ -121,7 +127,8 @@ LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu) {
   const double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
   const double fc1 = 2 * sbh * m.ffn * gated / t, fc2 = 2 * sbh * m.ffn / t;
   const double norms = 2 * (2 * sbh + 2 * sbh) / r;              // two norms, read and write
-  const double softmax_dropout = 9 * m.a * m.s * sb / t;         // 2+2 softmax, 2+2+1 dropout
+  // 2+2 softmax, 2+2+1 dropout; the flash kernel keeps the scores on chip (online softmax).
+  const double softmax_dropout = m.flash ? 0.0 : 9 * m.a * m.s * sb / t;
   const double activation = (2 * gated + 2) * sb * m.ffn / t;    // read fc1's output, write
   const double bias_dropout_add = 2 * (2 * sbh + 2 * sbh + 2 * sbh + sbh) / r;
   LayerTimes lt;
@@ -130,6 +137,7 @@ LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu) {
   lt.core_attn = scores / F + softmax_dropout / B;
   lt.norms = norms / B;
   lt.mlp = (fc1 + fc2) / F + activation / B;
+  lt.backward_extra = m.flash ? scores / 2 / F : 0.0;
   return lt;
 }
 
@@ -230,8 +238,9 @@ AnalyticBasis analytic_basis(const PaperShape& m, const DeviceSpec& gpu) {
   basis.static_bytes = megatron_weight_and_optimizer_memory(m).total();
   basis.microbatches_in_flight = in_flight(m);
   basis.layers_per_stage = m.layers_per_stage();
-  basis.layer_forward_s = layer_times(m, gpu).forward;
-  basis.plain_step_s = 3 * basis.layers_per_stage * basis.layer_forward_s +
+  const LayerTimes lt = layer_times(m, gpu);
+  basis.layer_forward_s = lt.forward;
+  basis.plain_step_s = basis.layers_per_stage * (3 * lt.forward + lt.backward_extra) +
                        (m.p == 1 ? 3 * head_forward_s(m, gpu) : 0.0);
   return basis;
 }
