@@ -454,6 +454,46 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   std::filesystem::remove_all(dir);
 }
 
+// Note [Plan under the other kernel] in plan_cmd.cpp: when auto chose flash the unfused kernel
+// is profiled too (cached beside --costs) and the two set side by side; with attention dropout
+// flash cannot run and nothing is compared.
+TEST(PlanCli, ComparesTheKernelsWhenAutoChoseFlash) {
+  const std::string dir = testing::fresh_temp_dir("plan-kernels");
+  const std::string flags =
+      " --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 48 --seq-length 64 --micro-batch-size 2 "
+      "--threads 1 --profile-steps 2 --profile-precision 0 --finalists 0 "
+      "--memory-budget 100MiB";
+  auto r = testing::run_actmem("plan" + flags + " --attention-dropout 0 --costs " + dir +
+                               "/c.json --json " + dir + "/p.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("under each attention kernel"), std::string::npos) << r.output;
+  EXPECT_TRUE(std::filesystem::exists(dir + "/c.json.unfused"));
+  const auto plan = nlohmann::json::parse(std::ifstream(dir + "/p.json"));
+  ASSERT_EQ(plan["attention_kernels"].size(), 2u);
+  const auto& flash = plan["attention_kernels"][0];
+  const auto& unfused = plan["attention_kernels"][1];
+  EXPECT_EQ(flash["kernel"], "flash");
+  EXPECT_TRUE(flash["chosen_by_the_flags"].get<bool>());
+  EXPECT_EQ(unfused["kernel"], "unfused");
+  // No attention dropout: the unfused kernel keeps the softmax output, a*s*s*b fp32 elements
+  // per layer, where flash keeps its logsumexp, a*s*b fp32 (both keep q, k, v and the context).
+  const int64_t L = 2, a = 4, s = 64, b = 2;
+  const int64_t probs = a * s * s * b * 4, logsumexp = a * s * b * 4;
+  EXPECT_EQ(
+      unfused["plain"]["kept_bytes"].get<int64_t>() - flash["plain"]["kept_bytes"].get<int64_t>(),
+      L * (probs - logsumexp));
+  // Under core_attn recompute neither kernel's tensors are kept: the two models keep the same.
+  EXPECT_EQ(unfused["core_attn"]["kept_bytes"], flash["core_attn"]["kept_bytes"]);
+  // The chosen plan is the flags' kernel's: the one printed under "chosen".
+  EXPECT_EQ(plan["chosen"]["strategy"], flash["fastest_that_fits"]["strategy"]);
+  // With attention dropout auto runs unfused: flash cannot, nothing to compare.
+  r = testing::run_actmem("plan" + flags + " --json " + dir + "/q.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_FALSE(nlohmann::json::parse(std::ifstream(dir + "/q.json")).contains("attention_kernels"));
+  std::filesystem::remove_all(dir);
+}
+
 // Note [Machine speed check] in planner.cpp: a cost file is reused only while the plain step
 // alone takes what it took when profiled; --verify warns when its rounds' plain step moved.
 TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {

@@ -557,6 +557,78 @@ int print_verification(const PlanOptions& o, const TransformerConfig& base,
   return rc;
 }
 
+// Note [Plan under the other kernel]
+// The seed's §4.3 question for a model measured here. When --attention-backend auto chose flash,
+// the unfused kernel could run too: it is profiled as well (its own costs, cached beside --costs
+// as FILE.unfused), and the two kernels are set side by side — the plain step, what core_attn
+// recompute frees and costs under each, and each kernel's fastest plan that fits. The plan itself
+// keeps the kernel the flags chose: the two kernels agree only to rounding, so switching is the
+// user's decision (--attention-backend), not the planner's. When auto chose unfused (attention
+// dropout or MLA), flash cannot run and there is nothing to compare.
+nlohmann::json print_measured_kernels(const PlanOptions& o, const TransformerConfig& base,
+                                      const MeasuredPlan& plan, int64_t budget) {
+  TransformerConfig unfused = base;
+  unfused.attention_backend = "unfused";
+  const MeasuredPlan other = measured_plan(
+      unfused, o.train.training,
+      TimedRounds::until_sure(o.profile_steps, kMaxProfileRounds, o.profile_precision / 100),
+      o.costs.empty() ? "" : o.costs + ".unfused",
+      [](const std::string& line) {
+        std::cerr << "\rplan: the unfused kernel, " << line << "            " << std::flush;
+      },
+      o.costs_speed_tolerance / 100);
+  std::cerr << "\n";
+  std::cout << "\nunder each attention kernel (Note [Plan under the other kernel]):\n"
+            << std::left << std::setw(10) << "kernel" << std::right << std::setw(12) << "plain ms"
+            << std::setw(14) << "plain kept" << std::setw(18) << "core_attn extra" << std::setw(14)
+            << "freed"
+            << "  " << std::left << "fastest that fits\n";
+  nlohmann::json rows = nlohmann::json::array();
+  for (const MeasuredPlan* p : {&plan, &other}) {
+    const bool flash = p == &plan;
+    const auto named = [p](const std::string& name) {
+      return *std::find_if(p->estimates.begin(), p->estimates.end(),
+                           [&name](const PlanEstimate& e) { return e.strategy.name() == name; });
+    };
+    const PlanEstimate plain = named("plain"), core = named("selective core_attn");
+    const PlanEstimate* fits = nullptr;
+    for (const auto& e : p->front) {
+      if (budget > 0 && e.peak_bytes <= budget) fits = &e;  // sorted by peak: the last is fastest
+    }
+    const double plain_ms = p->costs.plain_step_s * 1e3;
+    const double extra = p->costs.extra.count("recompute:core_attn")
+                             ? p->costs.extra.at("recompute:core_attn")
+                             : 0.0;
+    std::ostringstream best;
+    if (budget <= 0) {
+      best << "(no --memory-budget)";
+    } else if (fits == nullptr) {
+      best << "none";
+    } else {
+      best << fits->strategy.name() << " (" << format_bytes(static_cast<double>(fits->peak_bytes))
+           << ", " << std::fixed << std::setprecision(1) << plain_ms * fits->step_ratio << " ms)";
+    }
+    std::cout << std::left << std::setw(10) << (flash ? "flash*" : "unfused") << std::right
+              << std::fixed << std::setprecision(1) << std::setw(12) << plain_ms << std::setw(14)
+              << format_bytes(static_cast<double>(plain.kept_bytes)) << std::setw(18)
+              << ((extra >= 0 ? "+" : "") + percent(extra)) << std::setw(14)
+              << format_bytes(static_cast<double>(plain.kept_bytes - core.kept_bytes)) << "  "
+              << std::left << best.str() << "\n";
+    nlohmann::json row = {{"kernel", flash ? "flash" : "unfused"},
+                          {"chosen_by_the_flags", flash},
+                          {"plain_step_s", p->costs.plain_step_s},
+                          {"core_attn_extra", extra},
+                          {"plain", plain.to_json()},
+                          {"core_attn", core.to_json()},
+                          {"core_attn_freed_bytes", plain.kept_bytes - core.kept_bytes}};
+    row["fastest_that_fits"] = fits != nullptr ? fits->to_json() : nlohmann::json(nullptr);
+    rows.push_back(std::move(row));
+  }
+  std::cout
+      << "  * the kernel of these flags (auto); --attention-backend unfused plans the other\n";
+  return rows;
+}
+
 int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.preset.empty()) return run_preset(o, cmd);
   for (const char* flag : {"--gpu", "--data-parallel-size", "--num-microbatches",
@@ -610,6 +682,9 @@ int run(PlanOptions& o, const CLI::App& cmd) {
                         {"runtime", runtime_info()}};
   for (const auto& e : plan.front) out["front"].push_back(e.to_json());
   if (!finalists.empty()) out["finalists"] = print_finalists(finalists, chosen, o.finalist_steps);
+  if (base.attention_backend == "auto" && base.flash_attention()) {
+    out["attention_kernels"] = print_measured_kernels(o, base, plan, budget);
+  }
   if (chosen) {
     out["memory_budget_bytes"] = budget;
     out["chosen"] = chosen->to_json();
