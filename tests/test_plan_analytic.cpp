@@ -11,6 +11,7 @@
 #include <gtest/gtest.h>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <fstream>
 #include <limits>
@@ -246,15 +247,106 @@ TEST(PlanAnalytic, PlansAHundredLayerModelAndRefusesWhatItDoesNotModel) {
     EXPECT_GT(e.peak_bytes, e.kept_bytes);
     EXPECT_GE(e.step_ratio, 1.0);
   }
+  // An MoE shape needs its configuration (which layers are MoE), and one that agrees with it.
   PaperShape moe = paper_preset("7b");
   moe.moe.experts = 8;
   moe.moe.ffn = 1024;
   moe.moe.layers = 32;
+  EXPECT_THROW(analytic_strategies(moe), c10::Error);  // the 7b configuration is dense
+  moe.config.reset();
   EXPECT_THROW(analytic_strategies(moe), c10::Error);
   EXPECT_THROW(device_spec("tpu"), c10::Error);
   PaperShape odd = paper_preset("7b");
   odd.a = 30;  // 4096 is not a multiple of 30 heads
   EXPECT_THROW(analytic_strategies(odd), c10::Error);
+}
+
+// Note [Analytic MoE and MLA layers] in plan_analytic.cpp, with every expected byte written from
+// the published shape here: Mixtral 8x7B at t 2 with SP (N = s*b*topk rows on each rank, SwiGLU
+// experts of f columns over t, no load-balancing loss in the preset, flash attention).
+TEST(PlanAnalytic, MoELayersKeepTheirRouterDispatchAndExperts) {
+  PaperShape m = paper_preset("mixtral-8x7b");
+  m.t = 2;
+  m.sp = true;
+  ASSERT_TRUE(m.flash);
+  const DeviceSpec gpu = gemms_only();
+  const auto all = estimate_plans_analytic(m, analytic_strategies(m), gpu);
+  const double s = 4096, b = 1, h = 4096, a = 32, g = 8, f = 14336, E = 8, k = 2, t = 2, L = 32;
+  const double sb = s * b, N = sb * k;
+  auto freed = [&all](const char* name) {
+    return static_cast<double>(find(all, "plain").kept_bytes - find(all, name).kept_bytes);
+  };
+  // moe: the router's top-k indices (8) and fp32 softmax (4) per routed pair, the dispatcher's
+  // two int64 index vectors and 16-bit probabilities per row, the permuted tokens, and the
+  // experts' fc1 output (2f), SiLU output, gated product and fc2 input (f each) at 16 bits.
+  EXPECT_NEAR(freed("selective moe"), L * (12 * sb * k / t + 18 * N + 2 * N * h + 10 * N * f / t),
+              8.0);
+  // moe_act keeps fc1's output (its checkpoint's input) and drops the rest.
+  EXPECT_NEAR(freed("selective moe_act"), L * 6 * N * f / t, 8.0);
+  // The expert offload groups move the permuted tokens and fc1's output, all layers but the
+  // margin; core_attn moves q at a heads, k and v at G, and the flash kernel's logsumexp.
+  EXPECT_NEAR(freed("offload expert_fc1"), (L - 1) * 2 * N * h, 8.0);
+  EXPECT_NEAR(freed("offload moe_act"), (L - 1) * 4 * N * f / t, 8.0);
+  EXPECT_NEAR(freed("offload core_attn"), (L - 1) * (2 * sb * h * (1 + 2 * g / a) + 4 * a * sb) / t,
+              8.0);
+  // Layernorm recompute drops both norms' outputs (the router reads the second).
+  EXPECT_NEAR(freed("selective layernorm"), L * 4 * sb * h / t, 8.0);
+  std::set<std::string> names;
+  for (const auto& e : all) names.insert(e.strategy.name());
+  EXPECT_EQ(names.count("selective mlp"), 0u);  // every layer is MoE
+  EXPECT_EQ(names.count("selective shared_experts"), 0u);
+  // Only GEMMs cost: moe recompute repeats the router's (over the rank's s/t tokens) and the
+  // experts' three GEMMs over N rows, f/t columns; moe_act repeats no GEMM.
+  const double plain = analytic_basis(m, gpu).plain_step_s;
+  const double moe_flops = L * (2 * sb / t * h * E + 2 * N * h * f * 3 / t);
+  EXPECT_NEAR((find(all, "selective moe").step_ratio - 1) * plain * gpu.matmul_flops, moe_flops,
+              1e-6 * moe_flops);
+  EXPECT_NEAR(find(all, "selective moe_act").step_ratio, 1.0, 1e-12);
+}
+
+// DeepSeek-V3 at t 8 with SP: MLA on every layer, the first 3 layers dense (ffn 18432), 58 MoE
+// layers with a shared expert of 2048; the unfused kernel (MLA's head sizes differ).
+TEST(PlanAnalytic, MlaAndTheDenseLayersOfAnMoEModel) {
+  PaperShape m = paper_preset("deepseek-v3");
+  m.t = 8;
+  m.sp = true;
+  ASSERT_FALSE(m.flash);
+  const DeviceSpec gpu = gemms_only();
+  const auto all = estimate_plans_analytic(m, analytic_strategies(m), gpu);
+  const double s = 4096, b = 1, a = 128, ffn = 18432, fs = 2048, t = 8, L = 61;
+  const double rq = 1536, rkv = 512, qk = 128, pos = 64, dv = 128, sb = s * b;
+  auto freed = [&all](const char* name) {
+    return static_cast<double>(find(all, "plain").kept_bytes - find(all, name).kept_bytes);
+  };
+  // mla_up_proj drops q, k (heads of qk + pos) and v (dv), a/t heads per rank, every layer.
+  EXPECT_NEAR(freed("selective mla_up_proj"), L * 2 * sb * a * (2 * (qk + pos) + dv) / t, 8.0);
+  EXPECT_NEAR(freed("selective core_attn"), L * 5 * a * s * s * b / t, 8.0);
+  // mlp: the 3 dense layers' SwiGLU fc1 output (2 ffn) and fc2 input (ffn) at 16 bits.
+  EXPECT_NEAR(freed("selective mlp"), 3 * 6 * sb * ffn / t, 8.0);
+  // shared_experts: the 58 MoE layers' shared MLP, fc1 output 2fs, SiLU output and product.
+  EXPECT_NEAR(freed("selective shared_experts"), 58 * 8 * sb * fs / t, 8.0);
+  // Only GEMMs cost: mla_up_proj repeats the query and key/value up-projections.
+  const double plain = analytic_basis(m, gpu).plain_step_s;
+  const double up = L * 2 * sb * (rq * a * (qk + pos) + rkv * a * (qk + dv)) / t;
+  EXPECT_NEAR((find(all, "selective mla_up_proj").step_ratio - 1) * plain * gpu.matmul_flops, up,
+              1e-6 * up);
+  // The first of two pipeline stages of a 64-layer variant holds the 3 dense layers and 29 MoE
+  // layers, for 2 micro-batches in flight.
+  TransformerConfig c = preset_options("deepseek-v3").model;
+  c.num_layers = 64;
+  c.moe_layer_freq = "([0]*3+[1]*61)";
+  c.pipeline_model_parallel_size = 2;
+  c.tensor_model_parallel_size = 8;
+  c.sequence_parallel = true;
+  const PaperShape staged = paper_shape(c);
+  const auto stage = estimate_plans_analytic(staged, analytic_strategies(staged), gpu);
+  EXPECT_EQ(analytic_basis(staged, gpu).microbatches_in_flight, 2.0);
+  EXPECT_NEAR(static_cast<double>(find(stage, "plain").kept_bytes -
+                                  find(stage, "selective mlp").kept_bytes),
+              2 * 3 * 6 * sb * ffn / t, 8.0);
+  EXPECT_NEAR(static_cast<double>(find(stage, "plain").kept_bytes -
+                                  find(stage, "selective shared_experts").kept_bytes),
+              2 * 29 * 8 * sb * fs / t, 8.0);
 }
 
 TEST(PlanCli, PlansAPresetAnalytically) {
@@ -311,6 +403,28 @@ TEST(PlanCli, PlansAPresetAnalytically) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("smallest predicted peak"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("--gpu"), std::string::npos) << r.output;  // what else would lower it
+  // MoE and MLA presets are planned with their own modules.
+  // Megatron's Mixtral example layout (examples/mixtral/train_mixtral_8x7b_distributed.sh:
+  // PP 4, EP 8) on 32 GPUs with the distributed optimizer.
+  r = testing::run_actmem(
+      "plan --preset mixtral-8x7b --pipeline-model-parallel-size 4 "
+      "--expert-model-parallel-size 8 --data-parallel-size 8 "
+      "--use-distributed-optimizer --json " +
+      dir + "/m.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("32 MoE layers of 8 experts top-2"), std::string::npos) << r.output;
+  std::set<std::string> moe_names;
+  const auto moe_plan = nlohmann::json::parse(std::ifstream(dir + "/m.json"));
+  for (const auto& e : moe_plan["front"]) {
+    moe_names.insert(e["strategy"].get<std::string>());
+  }
+  EXPECT_TRUE(std::any_of(moe_names.begin(), moe_names.end(), [](const std::string& n) {
+    return n.find("moe") != std::string::npos;
+  })) << r.output;
+  r = testing::run_actmem(
+      "plan --preset deepseek-v3 --tensor-model-parallel-size 8 "
+      "--sequence-parallel --memory-budget 4TiB");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
   r = testing::run_actmem("plan --preset 9b");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown preset"), std::string::npos) << r.output;

@@ -267,6 +267,22 @@ nlohmann::json print_kernels(const PaperShape& shape, const TransformerConfig& c
   return rows;
 }
 
+// The MoE and MLA sizes of a preset's header line ("" for a dense model).
+std::string moe_summary(const PaperShape& m) {
+  std::ostringstream out;
+  if (m.is_moe()) {
+    out << "; " << m.moe.layers << " MoE layers of " << m.moe.experts << " experts top-"
+        << m.moe.topk << " (ffn " << m.moe.ffn << ")";
+    if (m.moe.shared_ffn > 0) out << " and a shared expert (ffn " << m.moe.shared_ffn << ")";
+    if (m.moe.ep > 1) out << ", expert parallel " << m.moe.ep;
+  }
+  if (m.is_mla()) {
+    out << "; multi-latent attention (query rank " << m.mla.q_lora << ", key/value rank "
+        << m.mla.kv_lora << ")";
+  }
+  return out.str();
+}
+
 // Note [Plan a preset]
 // `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
 // plan_analytic.h): the preset's flags (Note [Presets are command lines] in flags/presets.h),
@@ -309,11 +325,12 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
   const WeightMemory w = megatron_weight_and_optimizer_memory(m);
-  std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — "
-            << m.L << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
-            << (m.swiglu ? " (SwiGLU)" : "") << ", seq " << m.s << ", micro-batch " << m.b
-            << ", vocab " << m.v << ", " << std::setprecision(4) << w.parameters / 1e9
-            << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p " << m.p;
+  std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — " << m.L
+            << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
+            << (m.swiglu ? " (SwiGLU)" : "") << moe_summary(m) << ", seq " << m.s
+            << ", micro-batch " << m.b << ", vocab " << m.v << ", " << std::setprecision(4)
+            << w.parameters / 1e9 << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p "
+            << m.p;
   if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
   std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
             << "; bf16; attention " << o.train.model.attention_summary() << "; "

@@ -65,24 +65,26 @@ const std::map<std::string, std::string>& presets() {
        "--vocab-size 128256 " LLAMA_STYLE " " NO_DROPOUT " --seq-length 8192 --micro-batch-size 1"},
       // Mixtral 8x7B (Jiang et al. 2024, arXiv 2401.04088, and its config.json): the Mistral 7B
       // shape with 8 experts of ffn 14336 on every layer, top-2, RoPE base 1e6, vocabulary 32000.
+      // Grouped experts as Megatron's examples/mixtral/train_mixtral_8x7b_distributed.sh runs
+      // them (--moe-grouped-gemm; moe_act recompute and the expert offload groups need it).
       {"mixtral-8x7b",
        "--num-layers 32 --hidden-size 4096 --num-attention-heads 32 "
        "--group-query-attention --num-query-groups 8 --ffn-hidden-size 14336 "
-       "--num-experts 8 --moe-router-topk 2 --vocab-size 32000 --normalization "
+       "--num-experts 8 --moe-router-topk 2 --moe-grouped-gemm --vocab-size 32000 --normalization "
        "RMSNorm --swiglu --use-rotary-position-embeddings --rotary-base 1000000 "
        "--untie-embeddings-and-output-weights --disable-bias-linear " NO_DROPOUT " "
        "--seq-length 4096 --micro-batch-size 1"},
       // DeepSeek-V3 (arXiv 2412.19437, Table and §4.2): 61 layers, the first 3 dense, MLA
       // (query rank 1536, key/value rank 512, heads of 128 + 64 RoPE and 128 values), 256
       // routed experts of ffn 2048 top-8 and one shared, vocabulary 129280 (the multi-token
-      // prediction module apart).
+      // prediction module apart); grouped experts, as for Mixtral.
       {"deepseek-v3",
        "--num-layers 61 --hidden-size 7168 --num-attention-heads 128 "
        "--ffn-hidden-size 18432 --vocab-size 129280 --normalization RMSNorm "
        "--swiglu --untie-embeddings-and-output-weights --disable-bias-linear "
        "--multi-latent-attention --q-lora-rank 1536 --kv-lora-rank 512 "
        "--qk-head-dim 128 --qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm "
-       "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 "
+       "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-grouped-gemm "
        "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq "
        "([0]*3+[1]*58) --seq-length 4096 --micro-batch-size 1"},
   };

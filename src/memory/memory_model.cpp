@@ -46,6 +46,7 @@ PaperShape paper_shape(const TransformerConfig& c) {
   m.untied = c.untie_embeddings_and_output_weights;
   m.rmsnorm = c.use_rmsnorm();
   m.flash = c.flash_attention();
+  m.config = std::make_shared<const TransformerConfig>(c);
   if (c.is_moe()) {
     MoEPaperShape& e = m.moe;
     e.experts = d(c.num_moe_experts), e.topk = d(c.moe_router_topk), e.ffn = d(c.moe_ffn());

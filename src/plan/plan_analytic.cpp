@@ -42,45 +42,93 @@ const std::map<std::string, DeviceSpec>& devices() {
 // One transformer layer's saved tensors for one micro-batch on one rank, in bytes: the paper's
 // 16-bit terms (Korthikanti et al. 2022, §4.1) split as Megatron's modules save them. With
 // sequence parallelism everything is split t ways; without it the norms' inputs and outputs and
-// the dropout masks are replicated (the paper's eq. (2): 10sbh of them).
+// the dropout masks are replicated (the paper's eq. (2): 10sbh of them). Multi-latent attention
+// and MoE layers take the terms of paper_mla_attention_bytes() and paper_moe_layer_bytes()
+// (memory_model.h), split the same way (Note [Analytic MoE and MLA layers]).
 struct LayerTensors {
   double attn_norm_in = 0;  // input_layernorm's input (offload group attn_norm)
   double qkv_in = 0;        // its output, linear_qkv's input (qkv_linear; layernorm recompute)
-  double qkv_out = 0;       // q, k, v kept by the core attention (core_attn)
+  double mla_latents = 0;   // MLA: the latents the up-projections and their norms keep
+  double qkv_out = 0;       // q, k, v kept by the core attention (core_attn; MLA: mla_up_proj)
   double scores = 0;        // softmax output, dropout mask, dropped scores (core_attn); with
                             // the flash kernel its fp32 logsumexp [b, a, s] instead
   double proj_in = 0;       // linear_proj's input (attn_proj)
   double attn_mask = 0;     // self_attn_bda's dropout mask
   double mlp_norm_in = 0;   // pre_mlp_layernorm's input (mlp_norm)
-  double fc1_in = 0;        // its output, linear_fc1's input (layernorm recompute)
+  double fc1_in = 0;        // its output, linear_fc1's (MoE: the router's) input (layernorm)
   double act_in = 0;        // fc1's output (both halves with SwiGLU) (mlp recompute)
   double fc2_in = 0;        // the activation's output (mlp recompute)
   double mlp_mask = 0;      // mlp_bda's dropout mask
+  // An MoE layer's MLP (all 0 in a dense layer; act_in and fc2_in are 0 in an MoE layer):
+  double router = 0;          // the router's fp32 scores, indices and losses' terms
+  double dispatch = 0;        // the dispatcher's index vectors and permuted probabilities
+  double expert_in = 0;       // the permuted tokens, the experts' fc1 input (expert_fc1)
+  double expert_act_in = 0;   // the experts' fc1 output, the activation's input (moe_act offload)
+  double expert_act_out = 0;  // what the activation keeps beyond its input and fc2's input
+                              // (moe_act recompute drops both)
+  double shared = 0;          // the shared experts' tensors beyond their input (shared_experts)
   double input = 0;         // what full recompute keeps of a layer: its input
+  double moe() const {      // what moe recompute drops
+    return router + dispatch + expert_in + expert_act_in + expert_act_out + shared;
+  }
   double total() const {
-    return attn_norm_in + qkv_in + qkv_out + scores + proj_in + attn_mask + mlp_norm_in + fc1_in +
-           act_in + fc2_in + mlp_mask;
+    return attn_norm_in + qkv_in + mla_latents + qkv_out + scores + proj_in + attn_mask +
+           mlp_norm_in + fc1_in + act_in + fc2_in + mlp_mask + moe();
   }
 };
 
-LayerTensors layer_tensors(const PaperShape& m) {
+// Note [Analytic MoE and MLA layers]
+// An MoE layer keeps the paper_moe_layer_bytes() terms: the router's input is the pre-MLP norm's
+// output (fc1_in above, dropped by layernorm recompute), the rest of `router` its own; of the
+// dispatch the 2Nh permuted tokens are the experts' fc1 input (expert_fc1 offload), the index
+// vectors and probabilities stay; the experts' fc1 output (SwiGLU 4Nf/t, GeLU 2Nf/t) is the
+// activation's input (moe_act offload moves it; moe_act recompute keeps it as its checkpoint's
+// input and drops what the activation made from it: SwiGLU's SiLU output, gated product and
+// fc2's input 6Nf/t, GeLU's output and fc2's input 4Nf/t); shared_experts recompute drops the
+// shared experts' tensors, moe recompute everything of the MoE layer but its input. An MLA
+// attention keeps paper_mla_attention_bytes(): the down projections' input is the input norm's
+// output (qkv_in), the latents beyond it stay under every selective set, mla_up_proj drops
+// q, k, v. Per rank the routing is taken as balanced (N = s*b*topk rows, Megatron's dropless
+// dispatch; the capacity bound otherwise). A stage's layers are counted by kind (dense or MoE)
+// from the configuration's moe_layer_freq.
+LayerTensors layer_tensors(const PaperShape& m, bool moe_layer) {
   const double sb = m.s * m.b, sbh = m.sbh(), t = m.t, r = m.sp ? m.t : 1.0;
   const double gated = m.swiglu ? 2.0 : 1.0;
+  // Grouped-query attention keeps k and v at G heads: q sbh, k and v sbh G/a each.
+  const double groups = m.g > 0 ? m.g : m.a;
   LayerTensors x;
   x.attn_norm_in = 2 * sbh / r;
   x.qkv_in = 2 * sbh / r;
-  x.qkv_out = 6 * sbh / t;
+  x.qkv_out = 2 * sbh * (1 + 2 * groups / m.a) / t;
   // The flash kernel keeps no s x s tensor: its logsumexp, 4 bytes per head and token (its
   // output is linear_proj's input, proj_in below; docs/memory-model.md, "Attention backends").
   x.scores = (m.flash ? 4 * m.a * sb : 5 * m.a * m.s * sb) / t;
   x.proj_in = 2 * sbh / t;
+  if (m.is_mla()) {
+    const MLAAttentionBytes mla = paper_mla_attention_bytes(m);
+    x.mla_latents = mla.latents - x.qkv_in;
+    x.qkv_out = mla.qkv;
+    if (!m.flash) x.scores = mla.scores;
+    x.proj_in = mla.context;
+  }
   x.attn_mask = sbh / r;
   x.mlp_norm_in = 2 * sbh / r;
   x.fc1_in = 2 * sbh / r;
-  x.act_in = 2 * gated * sb * m.ffn / t;
-  x.fc2_in = 2 * sb * m.ffn / t;
   x.mlp_mask = sbh / r;
   x.input = 2 * sbh / r;
+  if (!moe_layer) {
+    x.act_in = 2 * gated * sb * m.ffn / t;
+    x.fc2_in = 2 * sb * m.ffn / t;
+    return x;
+  }
+  const MoELayerBytes e = paper_moe_layer_bytes(m);
+  const double N = e.rows, f = m.moe.ffn;
+  x.router = e.router - x.fc1_in;
+  x.expert_in = 2 * N * m.h;
+  x.dispatch = e.dispatch - x.expert_in;
+  x.expert_act_in = 2 * gated * N * f / t;
+  x.expert_act_out = e.experts - x.expert_act_in;
+  x.shared = e.shared;
   return x;
 }
 
@@ -89,24 +137,48 @@ bool has(const std::vector<T>& names, T name) {
   return std::find(names.begin(), names.end(), name) != names.end();
 }
 
-// What one layer keeps under a selective set, and what its fine-grained groups then move.
-double selective_kept(const LayerTensors& x, const Strategy& s) {
-  double dropped = 0;
-  if (has(s.recompute_modules, RecomputeModule::kCoreAttn)) dropped += x.scores;
-  if (has(s.recompute_modules, RecomputeModule::kLayernorm)) dropped += x.qkv_in + x.fc1_in;
-  if (has(s.recompute_modules, RecomputeModule::kMlp)) dropped += x.act_in + x.fc2_in;
-  return x.total() - dropped;
+// Whether selective set `s` recomputes module `r` in a layer of this kind (recompute_scope).
+bool recomputes(const Strategy& s, RecomputeModule r, bool moe_layer) {
+  const RecomputeScope scope = recompute_scope(r);
+  return has(s.recompute_modules, r) && (scope == RecomputeScope::kEveryLayer ||
+                                         (scope == RecomputeScope::kMoELayers) == moe_layer);
 }
 
-double offloaded_per_layer(const LayerTensors& x, const Strategy& s) {
+// What one layer's selective recompute drops, and its rebuild at once in the backward (the MLP
+// half's and the attention half's, the larger of them).
+struct Dropped {
+  double bytes = 0, transient = 0;
+};
+
+Dropped selective_dropped(const LayerTensors& x, const Strategy& s, bool moe_layer) {
+  const bool ln = recomputes(s, RecomputeModule::kLayernorm, moe_layer);
+  double attn = ln ? x.qkv_in : 0.0, mlp = ln ? x.fc1_in : 0.0;
+  if (recomputes(s, RecomputeModule::kCoreAttn, moe_layer)) attn += x.scores;
+  if (recomputes(s, RecomputeModule::kMlaUpProj, moe_layer)) attn += x.qkv_out;
+  if (recomputes(s, RecomputeModule::kMlp, moe_layer)) mlp += x.act_in + x.fc2_in;
+  if (recomputes(s, RecomputeModule::kMoe, moe_layer)) {
+    mlp += x.moe();
+  } else {
+    if (recomputes(s, RecomputeModule::kMoeAct, moe_layer)) mlp += x.expert_act_out;
+    if (recomputes(s, RecomputeModule::kSharedExperts, moe_layer)) mlp += x.shared;
+  }
+  return {attn + mlp, std::max(attn, mlp)};
+}
+
+double offloaded_per_layer(const LayerTensors& x, const Strategy& s, bool moe_layer) {
   double moved = 0;
   if (has(s.offload_modules, OffloadModule::kAttnNorm)) moved += x.attn_norm_in;
-  if (has(s.offload_modules, OffloadModule::kQkvLinear) && !has(s.recompute_modules, RecomputeModule::kLayernorm)) {
+  if (has(s.offload_modules, OffloadModule::kQkvLinear) &&
+      !recomputes(s, RecomputeModule::kLayernorm, moe_layer)) {
     moved += x.qkv_in;  // with layernorm recompute the norm's output is not kept to move
   }
-  if (has(s.offload_modules, OffloadModule::kCoreAttn)) moved += x.qkv_out + x.scores;
+  if (has(s.offload_modules, OffloadModule::kCoreAttn)) {
+    moved += x.scores + (recomputes(s, RecomputeModule::kMlaUpProj, moe_layer) ? 0.0 : x.qkv_out);
+  }
   if (has(s.offload_modules, OffloadModule::kAttnProj)) moved += x.proj_in;
   if (has(s.offload_modules, OffloadModule::kMlpNorm)) moved += x.mlp_norm_in;
+  if (moe_layer && has(s.offload_modules, OffloadModule::kExpertFc1)) moved += x.expert_in;
+  if (moe_layer && has(s.offload_modules, OffloadModule::kMoeAct)) moved += x.expert_act_in;
   return moved;
 }
 
@@ -114,31 +186,110 @@ double offloaded_per_layer(const LayerTensors& x, const Strategy& s) {
 // matmul rate, element-wise ops at the achieved memory bandwidth (bytes read and written).
 struct LayerTimes {
   double forward = 0, core_attn = 0, norms = 0, mlp = 0;
+  double mla_up_proj = 0;                   // MLA's up-projections
+  double moe = 0, moe_act = 0, shared = 0;  // an MoE layer's MLP, its experts' activation, its
+                                            // shared experts
   // What the backward adds beyond twice the forward: the flash kernel's backward computes
   // Q K^T again inside the kernel (it kept no scores), one of the two s^2 GEMMs.
   double backward_extra = 0;
 };
 
-LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu) {
+LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu, bool moe_layer) {
   const double sb = m.s * m.b, sbh = m.sbh(), t = m.t, r = m.sp ? m.t : 1.0, h = m.h;
   const double gated = m.swiglu ? 2.0 : 1.0, F = gpu.matmul_flops, B = gpu.memory_bandwidth;
   const double groups = m.g > 0 ? m.g : m.a;  // grouped-query attention: (a + 2G) d = h (1 + 2G/a)
-  const double qkv = 2 * sbh * h * (1 + 2 * groups / m.a) / t, proj = 2 * sbh * h / t;
-  const double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
-  const double fc1 = 2 * sbh * m.ffn * gated / t, fc2 = 2 * sbh * m.ffn / t;
+  double qkv = 2 * sbh * h * (1 + 2 * groups / m.a) / t, proj = 2 * sbh * h / t;
+  double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
+  double qk = scores / 2, up = 0, latent_norms = 0;
+  if (m.is_mla()) {
+    // Down projections on every tensor-parallel rank (the duplicated linears, over the sequence
+    // shard with SP), up projections and heads split t ways; heads of dq = qk + pos for q and k.
+    const MLAPaperShape& x = m.mla;
+    const double dq = x.qk + x.pos;
+    const double down = 2 * sb * h * (x.q_lora + x.kv_lora + x.pos) / r;
+    const double q_proj = x.q_lora > 0 ? 0.0 : 2 * sb * h * m.a * dq / t;
+    up = ((x.q_lora > 0 ? 2 * sb * x.q_lora * m.a * dq : 0.0) +
+          2 * sb * x.kv_lora * m.a * (x.qk + x.v)) /
+         t;
+    qkv = down + q_proj + up;
+    qk = 2 * m.b * m.s * m.s * m.a * dq / t;
+    scores = qk + 2 * m.b * m.s * m.s * m.a * x.v / t;
+    proj = 2 * sb * m.a * x.v * h / t;
+    if (x.qk_layernorm) latent_norms = 2 * (2 * sb * x.q_lora + 2 * sb * x.kv_lora) / r;
+  }
   const double norms = 2 * (2 * sbh + 2 * sbh) / r;              // two norms, read and write
   // 2+2 softmax, 2+2+1 dropout; the flash kernel keeps the scores on chip (online softmax).
   const double softmax_dropout = m.flash ? 0.0 : 9 * m.a * m.s * sb / t;
-  const double activation = (2 * gated + 2) * sb * m.ffn / t;    // read fc1's output, write
   const double bias_dropout_add = 2 * (2 * sbh + 2 * sbh + 2 * sbh + sbh) / r;
   LayerTimes lt;
-  lt.forward = (qkv + proj + scores + fc1 + fc2) / F +
-               (norms + softmax_dropout + activation + bias_dropout_add) / B;
   lt.core_attn = scores / F + softmax_dropout / B;
   lt.norms = norms / B;
-  lt.mlp = (fc1 + fc2) / F + activation / B;
-  lt.backward_extra = m.flash ? scores / 2 / F : 0.0;
+  lt.mla_up_proj = up / F;
+  lt.backward_extra = m.flash ? qk / F : 0.0;
+  const double attention = (qkv + proj + scores) / F + (softmax_dropout + latent_norms) / B;
+  const double rest = (norms + bias_dropout_add) / B;
+  if (!moe_layer) {
+    const double fc1 = 2 * sbh * m.ffn * gated / t, fc2 = 2 * sbh * m.ffn / t;
+    const double activation = (2 * gated + 2) * sb * m.ffn / t;  // read fc1's output, write
+    lt.mlp = (fc1 + fc2) / F + activation / B;
+    lt.forward = attention + rest + lt.mlp;
+    return lt;
+  }
+  // The router's GEMM over the rank's tokens; the experts' GEMMs over N rows (all of the tensor-
+  // parallel group's, their columns split t ways), the activation and the probabilities'
+  // product read and written, the tokens permuted and unpermuted; the shared experts' dense MLP.
+  const MoEPaperShape& e = m.moe;
+  const double N = paper_moe_layer_bytes(m).rows, f = e.ffn, fs = e.shared_ffn;
+  const double router = 2 * sb / r * h * e.experts;
+  const double experts = 2 * N * h * f * (gated + 1) / t;
+  lt.moe_act = ((2 * gated + 2) + 4) * N * f / t / B;
+  const double permute = 2 * 2 * (2 * N * h + 2 * sbh / r) / B;
+  lt.shared = 2 * sbh * fs * (gated + 1) / t / F + (2 * gated + 2) * sb * fs / t / B;
+  lt.moe = (router + experts) / F + lt.moe_act + permute + lt.shared;
+  lt.forward = attention + rest + lt.moe;
   return lt;
+}
+
+// The first pipeline stage's layers by kind: its v model chunks hold layers
+// [j p Lc, j p Lc + Lc) for j < v (Megatron's interleaved assignment; v = 1 without it).
+struct StageLayers {
+  double dense = 0, moe = 0;
+  // Per model chunk, the layers of each kind among its first n (block recompute's), n = 1..Lc.
+  std::vector<std::vector<std::pair<double, double>>> chunk_prefix;
+};
+
+double virtual_stages(const PaperShape& m) {
+  return m.p > 1 && m.vpp ? *m.vpp : 1.0;
+}
+
+StageLayers stage_layers(const PaperShape& m) {
+  const int64_t v = static_cast<int64_t>(virtual_stages(m));
+  const int64_t Lc = static_cast<int64_t>(m.layers_per_stage() / static_cast<double>(v));
+  const int64_t p = static_cast<int64_t>(m.p);
+  std::vector<bool> moe(static_cast<size_t>(m.L), false);
+  if (m.is_moe()) {
+    TORCH_CHECK(m.config != nullptr,
+                "actmem::estimate_plans_analytic: an MoE shape needs the "
+                "configuration it was read from (paper_shape) for its layer pattern");
+    moe = m.config->moe_layers();
+    TORCH_CHECK(moe.size() == static_cast<size_t>(m.L),
+                "actmem::estimate_plans_analytic: the "
+                "configuration has ",
+                moe.size(), " layers, the shape ", m.L);
+  }
+  StageLayers out;
+  for (int64_t j = 0; j < v; ++j) {
+    std::vector<std::pair<double, double>> prefix;
+    double d = 0, e = 0;
+    for (int64_t i = 0; i < Lc; ++i) {
+      (moe[static_cast<size_t>(j * p * Lc + i)] ? e : d) += 1;
+      prefix.emplace_back(d, e);
+    }
+    out.dense += d;
+    out.moe += e;
+    out.chunk_prefix.push_back(std::move(prefix));
+  }
+  return out;
 }
 
 // The output layer and the loss on one micro-batch (forward): the logits GEMM and the fp32
@@ -147,8 +298,6 @@ double head_forward_s(const PaperShape& m, const DeviceSpec& gpu) {
   const double sbv = m.s * m.b * m.v;
   return 2 * sbv * m.h / m.t / gpu.matmul_flops + 8 * sbv / m.t / gpu.memory_bandwidth;
 }
-
-double virtual_stages(const PaperShape& m) { return m.p > 1 && m.vpp ? *m.vpp : 1.0; }
 
 // Micro-batches in flight on the first stage in units of the stage's layers: p under 1F1B
 // (fewer when there are fewer micro-batches), times Megatron's interleave factor 1 + (p-1)/(pv).
@@ -189,18 +338,27 @@ DeviceSpec device_spec(const std::string& name) {
 }
 
 TransformerConfig analytic_config(const PaperShape& m) {
-  TORCH_CHECK(!m.is_moe() && !m.is_mla(), "actmem::analytic_config: MoE and multi-latent "
-              "attention shapes are not planned analytically yet (dense models only)");
+  TORCH_CHECK(m.config != nullptr || (!m.is_moe() && !m.is_mla()),
+              "actmem::analytic_config: "
+              "an MoE or multi-latent attention shape needs the configuration it was read from "
+              "(paper_shape): the doubles do not say which layers are MoE");
   auto whole = [](double x, const char* what) {
     TORCH_CHECK(x >= 1 && x <= 9.0e15 && std::floor(x) == x, "actmem::analytic_config: ", what,
                 " must be a positive integer (got ", x, ")");
     return static_cast<int64_t>(x);
   };
-  TransformerConfig c;
+  // The configuration's MoE and MLA switches and layer pattern, the shape's sizes and layout
+  // (a shape may be changed after paper_shape(): the tests plan one stage of a preset).
+  TransformerConfig c = m.config != nullptr ? *m.config : TransformerConfig{};
+  TORCH_CHECK(c.is_moe() == m.is_moe() && c.multi_latent_attention == m.is_mla(),
+              "actmem::analytic_config: the shape ", m.is_moe() ? "has" : "has no", " experts and ",
+              m.is_mla() ? "" : "no ", "multi-latent attention, its configuration ",
+              c.is_moe() ? "has" : "has no", " experts and ", c.multi_latent_attention ? "" : "no ",
+              "multi-latent attention");
   c.num_layers = whole(m.L, "num_layers");
   c.hidden_size = whole(m.h, "hidden_size");
   c.num_attention_heads = whole(m.a, "num_attention_heads");
-  if (m.g > 0 && m.g != m.a) c.num_query_groups = whole(m.g, "num_query_groups");
+  c.num_query_groups = m.g > 0 && m.g != m.a && !m.is_mla() ? whole(m.g, "num_query_groups") : 0;
   c.ffn_hidden_size = whole(m.ffn, "ffn_hidden_size");
   c.seq_length = whole(m.s, "seq_length");
   c.micro_batch_size = whole(m.b, "micro_batch_size");
@@ -211,6 +369,8 @@ TransformerConfig analytic_config(const PaperShape& m) {
   c.gated_linear_unit = m.swiglu;
   c.untie_embeddings_and_output_weights = m.untied;
   c.bf16 = true;
+  c.fp16 = false;
+  c.num_virtual_stages_per_pipeline_rank.reset();
   if (m.p > 1 && m.vpp && *m.vpp > 1) {
     c.num_virtual_stages_per_pipeline_rank = whole(*m.vpp, "virtual pipeline stages");
   }
@@ -230,6 +390,26 @@ nlohmann::json AnalyticBasis::to_json() const {
           {"plain_step_s", plain_step_s}};
 }
 
+namespace {
+// A stage's layers of each kind with their terms: dense layers first, then MoE layers.
+struct Kind {
+  double count = 0;
+  bool moe = false;
+  LayerTensors x;
+  LayerTimes lt;
+};
+
+std::vector<Kind> stage_kinds(const PaperShape& m, const StageLayers& stage,
+                              const DeviceSpec& gpu) {
+  std::vector<Kind> kinds;
+  for (const bool moe : {false, true}) {
+    const double n = moe ? stage.moe : stage.dense;
+    if (n > 0) kinds.push_back({n, moe, layer_tensors(m, moe), layer_times(m, gpu, moe)});
+  }
+  return kinds;
+}
+}  // namespace
+
 AnalyticBasis analytic_basis(const PaperShape& m, const DeviceSpec& gpu) {
   TORCH_CHECK(gpu.matmul_flops > 0 && gpu.memory_bandwidth > 0 && gpu.d2h_bandwidth > 0 &&
                   gpu.h2d_bandwidth > 0,
@@ -238,10 +418,13 @@ AnalyticBasis analytic_basis(const PaperShape& m, const DeviceSpec& gpu) {
   basis.static_bytes = megatron_weight_and_optimizer_memory(m).total();
   basis.microbatches_in_flight = in_flight(m);
   basis.layers_per_stage = m.layers_per_stage();
-  const LayerTimes lt = layer_times(m, gpu);
-  basis.layer_forward_s = lt.forward;
-  basis.plain_step_s = basis.layers_per_stage * (3 * lt.forward + lt.backward_extra) +
-                       (m.p == 1 ? 3 * head_forward_s(m, gpu) : 0.0);
+  double forward = 0, step = 0;
+  for (const Kind& k : stage_kinds(m, stage_layers(m), gpu)) {
+    forward += k.count * k.lt.forward;
+    step += k.count * (3 * k.lt.forward + k.lt.backward_extra);
+  }
+  basis.layer_forward_s = forward / basis.layers_per_stage;
+  basis.plain_step_s = step + (m.p == 1 ? 3 * head_forward_s(m, gpu) : 0.0);
   return basis;
 }
 
@@ -249,60 +432,92 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
                                                   const std::vector<Strategy>& strategies,
                                                   const DeviceSpec& gpu) {
   const AnalyticBasis basis = analytic_basis(m, gpu);
-  const LayerTensors x = layer_tensors(m);
-  const LayerTimes lt = layer_times(m, gpu);
+  const StageLayers stage = stage_layers(m);
+  const std::vector<Kind> kinds = stage_kinds(m, stage, gpu);
   const double Ls = basis.layers_per_stage, v = virtual_stages(m), Lc = Ls / v;
   const double flight = basis.microbatches_in_flight;
+  const double input = kinds.front().x.input;  // the same for every kind
+  double largest = 0;                          // the largest layer's bytes
+  for (const Kind& k : kinds) largest = std::max(largest, k.x.total());
   // The first stage's embedding (int64 input ids and its dropout mask, Megatron's terms) per
   // micro-batch in flight; the output layer's input and fp32 logits once without pipelining.
   const double embedding = (8 * m.s * m.b + m.sbh()) / m.t;
   const double head = m.p == 1 ? m.sbh() * 4 * (1 + m.v / m.h) / m.t : 0.0;
   // What the backward starts from: the fp32 logits' gradient, or the received output gradient.
-  const double backward_start = m.p == 1 ? 4 * m.s * m.b * m.v / m.t : x.input;
+  const double backward_start = m.p == 1 ? 4 * m.s * m.b * m.v / m.t : input;
+  // Layer-level offload moves the model's first K layers (no pipeline stages: the stage is the
+  // model); their kinds, K = 1..L.
+  std::vector<std::pair<double, double>> first_layers;
+  if (!stage.chunk_prefix.empty()) first_layers = stage.chunk_prefix.front();
   std::vector<PlanEstimate> out;
   for (const Strategy& s : strategies) {
     double per_microbatch = 0;  // the stage's layers' kept bytes for one micro-batch
     double transient = 0;       // rebuilt or reloaded at once at the backward's start
     double extra_s = 0;         // per micro-batch
     double moved = 0;           // offloaded bytes in all
-    const double layer = selective_kept(x, s);
     if (s.full_method == RecomputeMethod::kUniform) {
       const double n = std::min<double>(static_cast<double>(s.full_layers), Lc);
-      per_microbatch = v * std::ceil(Lc / n) * x.input;
-      transient = n * x.total() - x.input;  // the last chunk rebuilt, its input already held
-      extra_s = Ls * lt.forward;
+      per_microbatch = v * std::ceil(Lc / n) * input;
+      transient = n * largest - input;  // the last chunk rebuilt, its input already held
+      for (const Kind& k : kinds) extra_s += k.count * k.lt.forward;
     } else if (s.full_method == RecomputeMethod::kBlock) {
-      const double n = std::min<double>(static_cast<double>(s.full_layers), Lc);
-      per_microbatch = v * (n * x.input + (Lc - n) * x.total());
+      const size_t n =
+          static_cast<size_t>(std::min<double>(static_cast<double>(s.full_layers), Lc));
+      // Each model chunk's first n layers keep their input, the others everything.
+      for (const auto& prefix : stage.chunk_prefix) {
+        const auto [rd, rm] = prefix[n - 1];
+        const auto [cd, cm] = prefix.back();
+        per_microbatch += static_cast<double>(n) * input;
+        for (const Kind& k : kinds) {
+          const double rebuilt = k.moe ? rm : rd, all = k.moe ? cm : cd;
+          per_microbatch += (all - rebuilt) * k.x.total();
+          extra_s += rebuilt * k.lt.forward;
+        }
+      }
       // With plain layers after the block, rebuilding one layer comes after they are freed.
-      transient = n == Lc ? x.total() - x.input : 0.0;
-      extra_s = v * n * lt.forward;
+      transient = static_cast<double>(n) == Lc ? largest - input : 0.0;
     } else {
-      per_microbatch = Ls * layer;
-      const bool ln = has(s.recompute_modules, RecomputeModule::kLayernorm);
-      const double mlp_part = (has(s.recompute_modules, RecomputeModule::kMlp) ? x.act_in + x.fc2_in : 0.0) +
-                              (ln ? x.fc1_in : 0.0);
-      const double attn_part = (has(s.recompute_modules, RecomputeModule::kCoreAttn) ? x.scores : 0.0) +
-                               (ln ? x.qkv_in : 0.0);
-      transient = std::max(mlp_part, attn_part);
-      extra_s = Ls * ((has(s.recompute_modules, RecomputeModule::kCoreAttn) ? lt.core_attn : 0.0) +
-                      (ln ? lt.norms : 0.0) +
-                      (has(s.recompute_modules, RecomputeModule::kMlp) ? lt.mlp : 0.0));
+      double per_layer_moved = 0, exposed = 0;
+      for (const Kind& k : kinds) {
+        const Dropped dropped = selective_dropped(k.x, s, k.moe);
+        per_microbatch += k.count * (k.x.total() - dropped.bytes);
+        transient = std::max(transient, dropped.transient);
+        const auto rebuilt = [&](RecomputeModule r, double cost) {
+          return recomputes(s, r, k.moe) ? cost : 0.0;
+        };
+        extra_s += k.count * (rebuilt(RecomputeModule::kCoreAttn, k.lt.core_attn) +
+                              rebuilt(RecomputeModule::kLayernorm, k.lt.norms) +
+                              rebuilt(RecomputeModule::kMlp, k.lt.mlp) +
+                              rebuilt(RecomputeModule::kMlaUpProj, k.lt.mla_up_proj) +
+                              (recomputes(s, RecomputeModule::kMoe, k.moe)
+                                   ? k.lt.moe
+                                   : rebuilt(RecomputeModule::kMoeAct, k.lt.moe_act) +
+                                         rebuilt(RecomputeModule::kSharedExperts, k.lt.shared)));
+        const double layer_moved = offloaded_per_layer(k.x, s, k.moe);
+        per_layer_moved = std::max(per_layer_moved, layer_moved);
+        moved += k.count / Ls * layer_moved;
+        exposed += k.count / Ls * exposed_copy_s(layer_moved, k.lt.forward, gpu);
+      }
       if (!s.offload_modules.empty()) {
         // Every layer of every forward in flight but the margin (the last layer before the
-        // backward, Note [Offload warmup and margin] in offload_schedule.h); the backward
-        // reloads one layer ahead.
-        const double per_layer = offloaded_per_layer(x, s);
+        // backward, Note [Offload warmup and margin] in offload_schedule.h), the stage's kinds
+        // in proportion; the backward reloads one layer ahead.
         const double layers_moved = std::max(0.0, flight * Ls - 1);
-        moved = layers_moved * per_layer;
-        transient += per_layer;
-        extra_s += layers_moved / flight * exposed_copy_s(per_layer, lt.forward, gpu);
+        moved *= layers_moved;
+        transient += per_layer_moved;
+        extra_s += layers_moved / flight * exposed;
+      } else {
+        moved = 0;
       }
       if (s.offload_layers > 0) {
         // The first K layers' saved tensors; their reload comes after later layers are freed.
-        const double k = static_cast<double>(s.offload_layers);
-        moved = k * layer;
-        extra_s += k * exposed_copy_s(layer, lt.forward, gpu);
+        const auto [kd, km] = first_layers[static_cast<size_t>(s.offload_layers) - 1];
+        for (const Kind& k : kinds) {
+          const double layer = k.x.total() - selective_dropped(k.x, s, k.moe).bytes;
+          const double count = k.moe ? km : kd;
+          moved += count * layer;
+          extra_s += count * exposed_copy_s(layer, k.lt.forward, gpu);
+        }
       }
     }
     const double kept = flight * (per_microbatch + embedding) + head - moved;

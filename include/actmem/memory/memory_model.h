@@ -10,6 +10,7 @@
 #include "actmem/config/config.h"
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -53,6 +54,10 @@ struct PaperShape {
   bool rmsnorm = false;  // norms without bias (Megatron's norm_size 1)
   /// The flash attention kernel: no s^2 term; its logsumexp, 4asb bytes (fp32), instead.
   bool flash = false;
+  /// The configuration paper_shape() read this from: what the doubles leave out (which layers
+  /// are MoE, the MoE and MLA switches), for the analytic planner's strategies and layer terms.
+  /// Null for a shape written by hand (a dense one describes itself).
+  std::shared_ptr<const TransformerConfig> config;
   double sbh() const { return s * b * h; }
   bool is_mla() const { return mla.kv_lora > 0; }
   double layers_per_stage() const { return L / p; }

@@ -53,9 +53,11 @@ std::vector<std::string> device_spec_names();
 /// throws with the configuration's message for a shape Megatron refuses.
 TransformerConfig analytic_config(const PaperShape& m);
 
-/// Every strategy make_activation_plan() accepts for a dense `m` (planner.h's set, full
-/// recompute's N up to one model chunk's layers, plus layer-level offload of K layers where
-/// Megatron allows it: no pipeline parallelism). Throws for MoE and MLA shapes (not modelled).
+/// Every strategy make_activation_plan() accepts for `m` (planner.h's set, full recompute's N up
+/// to one model chunk's layers, plus layer-level offload of K layers where Megatron allows it:
+/// no pipeline parallelism). MoE and MLA shapes need the configuration paper_shape() keeps
+/// (PaperShape::config): their modules (moe, moe_act, shared_experts, mla_up_proj, the expert
+/// offload groups) apply as the configuration allows.
 std::vector<Strategy> analytic_strategies(const PaperShape& m);
 
 /// What every strategy's prediction for `m` on `gpu` shares (Note [Analytic plan]).
