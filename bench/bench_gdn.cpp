@@ -12,6 +12,7 @@
 #include "actmem/memory/ledger.h"
 #include "actmem/model/attention.h"
 #include "actmem/model/gated_delta_rule.h"
+#include "actmem/train/trainer.h"
 #include "bench_common.h"
 
 #include <torch/autograd.h>
@@ -118,6 +119,106 @@ nlohmann::json kernels_at(int64_t s, at::ScalarType dtype, int64_t b, int64_t H,
   return row;
 }
 
+// A model of `layers` GatedDeltaNet layers against the same model with attention layers (the
+// flash kernel: no attention dropout), at width h: Qwen3-Next's proportions scaled down (value
+// width 2h in heads of 128, key heads half the value heads; attention in heads of 64). Steps
+// alternate between the two; median step times, the activation bytes each step kept (tracker)
+// and the predictor's.
+nlohmann::json layer_comparison(int64_t h, int64_t s, int64_t layers, int warmup, int iters) {
+  actmem::TransformerConfig attn;
+  attn.num_layers = layers;
+  attn.hidden_size = h;
+  attn.num_attention_heads = h / 64;
+  attn.seq_length = s;
+  attn.micro_batch_size = 1;
+  attn.vocab_size = 1024;
+  attn.gated_linear_unit = true;
+  attn.normalization = "RMSNorm";
+  attn.position_embedding_type = "rope";
+  attn.add_bias_linear = false;
+  attn.attention_dropout = 0.0;
+  actmem::TransformerConfig gdn = attn;
+  gdn.experimental_attention_variant = "gdn";
+  gdn.linear_attention_freq = "([1]*" + std::to_string(layers) + ")";  // every layer GDN
+  gdn.linear_key_head_dim = gdn.linear_value_head_dim = 128;
+  gdn.linear_num_value_heads = 2 * h / 128;
+  gdn.linear_num_key_heads = h / 128;
+  actmem::TrainingConfig t;
+  t.eval_interval = 0;
+  t.train_iters = warmup + iters;
+  actmem::Trainer a(attn, t), g(gdn, t);
+  std::vector<double> ta, tg;
+  actmem::IterationStats sa, sg;
+  for (int it = 0; it < warmup + iters; ++it) {
+    // Alternate which runs first.
+    if (it % 2 == 0) {
+      sa = a.train_step(false);
+      sg = g.train_step(false);
+    } else {
+      sg = g.train_step(false);
+      sa = a.train_step(false);
+    }
+    if (it >= warmup) {
+      ta.push_back(sa.step_time_s);
+      tg.push_back(sg.step_time_s);
+    }
+  }
+  const double ma = actmem::median(ta), mg = actmem::median(tg);
+  std::cout << std::left << std::setw(6) << s << std::setw(22) << "attention (flash)" << std::right
+            << std::fixed << std::setprecision(1) << std::setw(10) << ma * 1e3 << std::setw(8)
+            << "1.00" << std::setw(14)
+            << actmem::format_bytes(static_cast<double>(sa.activation_bytes)) << std::setw(14)
+            << actmem::format_bytes(static_cast<double>(sa.predicted_activation_bytes)) << "\n"
+            << std::left << std::setw(6) << s << std::setw(22) << "GatedDeltaNet" << std::right
+            << std::setw(10) << mg * 1e3 << std::setw(8) << std::setprecision(2) << mg / ma
+            << std::setw(14) << actmem::format_bytes(static_cast<double>(sg.activation_bytes))
+            << std::setw(14)
+            << actmem::format_bytes(static_cast<double>(sg.predicted_activation_bytes)) << "\n";
+  auto row = [](double ms, const actmem::IterationStats& st) {
+    return nlohmann::json{{"step_ms", ms},
+                          {"activation_bytes", st.activation_bytes},
+                          {"predicted_activation_bytes", st.predicted_activation_bytes},
+                          {"parameters", nullptr}};
+  };
+  nlohmann::json out = {{"seq_length", s},
+                        {"hidden_size", h},
+                        {"layers", layers},
+                        {"attention", row(ma * 1e3, sa)},
+                        {"gdn", row(mg * 1e3, sg)}};
+  out["attention"]["parameters"] = a.model().num_parameters();
+  out["gdn"]["parameters"] = g.model().num_parameters();
+  out["gdn_step_ratio"] = mg / ma;
+  return out;
+}
+
+// gdn_norm_out on a 3:1 hybrid of `layers` layers: plain against output-discarding recompute
+// of the gated norm (round-robin, checked bitwise equal every step).
+nlohmann::json norm_out_recompute(int64_t h, int64_t s, int64_t layers, int warmup, int iters) {
+  actmem::TransformerConfig c;
+  c.num_layers = layers;
+  c.hidden_size = h;
+  c.num_attention_heads = h / 64;
+  c.seq_length = s;
+  c.micro_batch_size = 1;
+  c.vocab_size = 1024;
+  c.gated_linear_unit = true;
+  c.normalization = "RMSNorm";
+  c.position_embedding_type = "rope";
+  c.add_bias_linear = false;
+  c.experimental_attention_variant = "gdn";
+  c.linear_attention_freq = "4";
+  c.linear_key_head_dim = c.linear_value_head_dim = 128;
+  c.linear_num_value_heads = 2 * h / 128;
+  c.linear_num_key_heads = h / 128;
+  const std::vector<actmem::bench::Strategy> list = {
+      {"plain", [](actmem::TransformerConfig&) {}},
+      {"selective gdn_norm_out", actmem::bench::selective({"gdn_norm_out"})},
+      {"selective gdn_norm_out+core_attn", actmem::bench::selective({"gdn_norm_out", "core_attn"})},
+  };
+  const auto run = actmem::bench::step_round_robin("bench_gdn", c, list, warmup, iters);
+  return actmem::bench::print_strategy_table(std::cout, list, run);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -153,6 +254,21 @@ int main(int argc, char** argv) {
         out["kernels"].push_back(kernels_at(s, dtype, b, heads, head_dim, chunk, warmup, iters));
       }
     }
+    const int64_t h = 256, layers = 4;
+    std::cout << "\nA layer: " << layers << " GatedDeltaNet layers against " << layers
+              << " attention layers, h " << h << ", b 1; training step, median of " << iters
+              << "\n\n"
+              << std::left << std::setw(6) << "s" << std::setw(22) << "layers" << std::right
+              << std::setw(10) << "step ms" << std::setw(8) << "ratio" << std::setw(14)
+              << "activations" << std::setw(14) << "predicted"
+              << "\n";
+    out["layers"] = nlohmann::json::array();
+    for (const int64_t s : lengths) {
+      out["layers"].push_back(layer_comparison(h, s, layers, warmup, iters));
+    }
+    std::cout << "\ngdn_norm_out on a 3:1 hybrid (layers 0-2 GatedDeltaNet, 3 attention), h " << h
+              << ", s " << lengths.front() << ", b 1\n\n";
+    out["gdn_norm_out"] = norm_out_recompute(h, lengths.front(), layers, warmup, iters);
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
   } catch (const c10::Error& e) {
     return actmem::bench::report(e);

@@ -413,7 +413,6 @@ TEST(HelpTexts, ModuleListsComeFromTheOneTable) {
   const auto bad = run_actmem("compare --strategies selective-nonsense");
   EXPECT_NE(bad.exit_code, 0);
   for (const auto& [module, name] : kRecomputeModuleNames) {
-    if (module == RecomputeModule::kGdnNormOut) continue;  // known by name, not implemented
     EXPECT_TRUE(contains(help.output, std::string(name))) << name;
     EXPECT_TRUE(contains(bad.stderr_text, std::string(name))) << name << ": " << bad.stderr_text;
   }

@@ -48,6 +48,10 @@ TEST_P(TwoRanksMatchOneRank, WithoutDropoutWithAndWithoutSequenceParallel) {
     const auto two = run_workers(2, args);
     ASSERT_EQ(two.size(), 2u);
     const json& ref = one[0]["strategies"]["plain"];
+    // Replicated parameters stay bitwise equal across the ranks.
+    EXPECT_EQ(two[0]["strategies"]["plain"]["replicated_digest"],
+              two[1]["strategies"]["plain"]["replicated_digest"])
+        << "sp " << sp;
     for (const auto& rank : two) {
       const json& got = rank["strategies"]["plain"];
       for (int i = 0; i < 3; ++i) {
@@ -63,7 +67,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank,
                          // Without dropout auto runs the flash kernel ("base", "swiglu",
                          // "gqa"); "unfused" asks for the unfused path.
                          ::testing::Values("base", "unfused", "swiglu", "gqa", "mla",
-                                           "mla_no_q_lora"));
+                                           "mla_no_q_lora", "gdn"));
 
 void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& variant = "base") {
   std::vector<std::string> args = {"strategies", "--variant", variant};

@@ -104,6 +104,20 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     c.position_embedding_type = "rope";
     c.rotary_scaling_factor = 4.0;
     c.mscale_all_dim = 0.5;
+  } else if (variant == "gdn") {
+    // A 3:1 GatedDeltaNet hybrid (layers 0-2 GDN, 3 attention), SwiGLU/RMSNorm/RoPE: 2 key heads
+    // serving 4 value heads, one key head and two value heads per rank.
+    c.normalization = "RMSNorm";
+    c.gated_linear_unit = true;
+    c.position_embedding_type = "rope";
+    c.untie_embeddings_and_output_weights = true;
+    c.add_bias_linear = false;
+    c.experimental_attention_variant = "gdn";
+    c.linear_attention_freq = "4";
+    c.linear_num_key_heads = 2;
+    c.linear_num_value_heads = 4;
+    c.linear_key_head_dim = 16;
+    c.linear_value_head_dim = 12;
   } else if (variant == "unfused") {
     c.attention_backend = "unfused";  // without attention dropout auto would run flash
   } else if (variant == "flash_gqa") {
@@ -197,6 +211,15 @@ nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& o
       r["predicted_activation_bytes"] = st.predicted_activation_bytes;
     }
     r["param_digest"] = param_digest(trainer.model());
+    // The parameters every tensor-parallel rank holds whole: equal on every rank unless a
+    // partial gradient went unreduced (GatedDeltaNet's out_norm without sequence parallelism).
+    actmem::Digest replicated;
+    const auto attributes = trainer.model().parameter_attributes();
+    const auto params = trainer.model().ordered_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!attributes[i].tensor_parallel) replicated.update(params[i]);
+    }
+    r["replicated_digest"] = replicated.hex();
     out[name] = r;
   }
   return out;

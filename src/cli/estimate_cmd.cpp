@@ -388,6 +388,10 @@ int run(EstimateOptions& o, const CLI::App& cmd) {
                 "--vocab-size (missing: ", c10::Join(", ", missing), "); or name a --preset (",
                 c10::Join(", ", model_preset_names()), ") for the flags to modify");
   }
+  TORCH_CHECK(!o.model.model.gated_delta_net(),
+              "actmem estimate: the paper's formulas and "
+              "Megatron's cover attention layers only, not GatedDeltaNet layers; `actmem inspect` "
+              "measures and predicts a hybrid model per module, `actmem plan` plans it");
   const PaperShape shape = describe_model(o.model, o.layout, "actmem estimate");
   Estimate e = compute(shape, o.model.model, o.bandwidth_gbps);
   e.preset = o.preset;

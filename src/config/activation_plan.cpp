@@ -156,9 +156,9 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention,
                 "actmem::TransformerConfig: mla_up_proj in recompute_modules is only supported "
                 "with multi_latent_attention.");
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut), "actmem::TransformerConfig: "
-                "gdn_norm_out in recompute_modules is only supported with the gated_delta_net "
-                "attention variant.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut) || c.gated_delta_net(),
+                "actmem::TransformerConfig: gdn_norm_out in recompute_modules is only supported "
+                "with experimental_attention_variant='gdn' or 'gdn2'.");
   } else {
     TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
                 "only applies to recompute_granularity selective (got granularity \"", g, "\")");
@@ -192,6 +192,18 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
   TORCH_CHECK(any_dense || !plan.recomputes(RecomputeModule::kMlp), "actmem::TransformerConfig: "
               "mlp in recompute_modules applies to dense layers and every layer of this model is "
               "MoE; recompute the MoE layer with moe (or its parts with moe_act, shared_experts)");
+  // Likewise a hybrid model whose every layer is GatedDeltaNet has no core attention (fixed).
+  const std::vector<bool> gdn = c.gdn_layers();
+  TORCH_CHECK(!c.gated_delta_net() || std::find(gdn.begin(), gdn.end(), true) != gdn.end() ||
+                  !plan.recomputes(RecomputeModule::kGdnNormOut),
+              "actmem::TransformerConfig: gdn_norm_out in recompute_modules applies to "
+              "GatedDeltaNet layers and this model has none (linear_attention_freq ",
+              c.linear_attention_freq, ")");
+  TORCH_CHECK(std::find(gdn.begin(), gdn.end(), false) != gdn.end() ||
+                  !plan.recomputes(RecomputeModule::kCoreAttn),
+              "actmem::TransformerConfig: core_attn in recompute_modules applies to standard "
+              "attention layers and every layer of this model is GatedDeltaNet; recompute its "
+              "output norm with gdn_norm_out");
 }
 
 // The in-flight cap of offload copies (Megatron's fine_grained_offloading_max_inflight_offloads),
@@ -301,8 +313,7 @@ std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan,
 const char* to_string(RecomputeModule m) { return name_in(kRecomputeModuleNames, m); }
 
 std::string recompute_module_list(std::string_view sep) {
-  return names_joined(kRecomputeModuleNames, sep,
-                      [](RecomputeModule m) { return m != RecomputeModule::kGdnNormOut; });
+  return names_joined(kRecomputeModuleNames, sep, [](RecomputeModule) { return true; });
 }
 std::string offload_module_list(std::string_view sep) {
   return names_joined(kOffloadModuleNames, sep, [](OffloadModule) { return true; });
@@ -360,19 +371,23 @@ ActivationPlan make_activation_plan(const TransformerConfig& c) {
     }
     plan.layers[static_cast<size_t>(plan.chunks[k].start)].starts_chunk = true;
   }
-  const std::vector<bool> moe = c.moe_layers();
+  const std::vector<bool> moe = c.moe_layers(), gdn = c.gdn_layers();
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     LayerPlan& layer = plan.layers[i];
     layer.moe = moe[i];
+    layer.gdn = gdn[i];
     for (const RecomputeModule m : plan.recompute_modules) {
-      const RecomputeScope scope = recompute_scope(m);
       layer.recompute_module[static_cast<size_t>(m)] =
-          scope == RecomputeScope::kEveryLayer ||
-          (scope == RecomputeScope::kMoELayers) == layer.moe;
+          scope_includes(recompute_scope(m), layer.moe, layer.gdn);
     }
     for (const auto m : plan.offload_modules) {
       const bool expert = m == OffloadModule::kExpertFc1 || m == OffloadModule::kMoeAct;
-      layer.offload_module[static_cast<size_t>(m)] = !expert || layer.moe;
+      // qkv_linear, core_attn and attn_proj are self-attention's groups (Megatron's
+      // attention.py); a GatedDeltaNet layer has only the norms' groups.
+      const bool attention = m == OffloadModule::kQkvLinear || m == OffloadModule::kCoreAttn ||
+                             m == OffloadModule::kAttnProj;
+      layer.offload_module[static_cast<size_t>(m)] =
+          (!expert || layer.moe) && (!attention || !layer.gdn);
     }
     layer.layer_group = plan.layer_offload();
     layer.offload_layer = static_cast<int64_t>(i) < plan.cpu_offloading_num_layers;
@@ -404,10 +419,24 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
     }
     next = chunk.end;
   }
-  const std::vector<bool> moe = c.moe_layers();
+  const std::vector<bool> moe = c.moe_layers(), gdn = c.gdn_layers();
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& l = plan.layers[i];
     const bool selective = l.recomputes_any();
+    TORCH_CHECK(l.gdn == gdn[i], api, "layer ", i, " is ",
+                gdn[i] ? "a GatedDeltaNet"
+                       : "an "
+                         "attention",
+                " layer but its plan says otherwise");
+    TORCH_CHECK(
+        !l.gdn ||
+            (!l.recomputes(RecomputeModule::kCoreAttn) && !l.offloads(OffloadModule::kQkvLinear) &&
+             !l.offloads(OffloadModule::kCoreAttn) && !l.offloads(OffloadModule::kAttnProj)),
+        api, "layer ", i,
+        " is a GatedDeltaNet layer: it has no core_attn, qkv_linear or "
+        "attn_proj");
+    TORCH_CHECK(l.gdn || !l.recomputes(RecomputeModule::kGdnNormOut), api, "layer ", i,
+                " is an attention layer and cannot recompute gdn_norm_out");
     TORCH_CHECK(!l.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention, api,
                 "layer ", i, ": mla_up_proj recompute needs multi_latent_attention");
     TORCH_CHECK(l.moe == moe[i], api, "layer ", i, " is ", moe[i] ? "an MoE" : "a dense",

@@ -298,6 +298,46 @@ std::vector<bool> TransformerConfig::moe_layers() const {
   return out;
 }
 
+// Megatron's get_linear_attention_pattern
+// (megatron/core/models/gpt/experimental_attention_variant_module_specs.py): an integer N makes
+// layer i standard attention when (i + 1) % N == 0 and GatedDeltaNet otherwise; a list is the
+// pattern itself (1 = GDN).
+std::vector<bool> TransformerConfig::gdn_layers() const {
+  std::vector<bool> out(static_cast<size_t>(std::max<int64_t>(num_layers, 0)), false);
+  if (!gated_delta_net()) return out;
+  const std::string& f = linear_attention_freq;
+  TORCH_CHECK(!f.empty(),
+              "actmem::TransformerConfig: linear_attention_freq must be set for "
+              "linear gdn.");
+  const bool is_int = std::all_of(
+      f.begin(), f.end(), [](char ch) { return std::isdigit(static_cast<unsigned char>(ch)); });
+  if (is_int) {
+    TORCH_CHECK(f.size() <= 9 && std::stoll(f) >= 1,
+                "actmem::TransformerConfig: "
+                "linear_attention_freq must be a positive integer or a list pattern, got ",
+                f);
+    const int64_t n = std::stoll(f);
+    for (size_t i = 0; i < out.size(); ++i) out[i] = (static_cast<int64_t>(i) + 1) % n != 0;
+    return out;
+  }
+  TORCH_CHECK(f.find('[') != std::string::npos &&
+                  f.find_first_not_of("0123456789,[]()+* ") == std::string::npos,
+              "actmem::TransformerConfig: Invalid linear_attention_freq: ", f);
+  const std::vector<int64_t> pattern = PatternParser(f).parse();
+  TORCH_CHECK(static_cast<int64_t>(pattern.size()) == num_layers,
+              "actmem::TransformerConfig: "
+              "Invalid length of linear_attention_pattern: ",
+              pattern.size(), ", expected ", num_layers, ", current linear attention pattern: ", f);
+  for (size_t i = 0; i < pattern.size(); ++i) {
+    TORCH_CHECK(pattern[i] == 0 || pattern[i] == 1,
+                "actmem::TransformerConfig: Invalid "
+                "linear_attention_freq: ",
+                f, " (entries must be 0 or 1)");
+    out[i] = pattern[i] == 1;
+  }
+  return out;
+}
+
 namespace {
 // Megatron's MoE rules (TransformerConfig.__post_init__ in
 // megatron/core/transformer/transformer_config.py, validate_args in
@@ -391,6 +431,72 @@ void validate_moe(const TransformerConfig& c) {
 // megatron/core/transformer/transformer_config.py, core_transformer_config_from_args in
 // megatron/training/argument_utils.py), with its messages; the positivity checks are actmem's
 // (Megatron builds the layers and fails later).
+// Megatron's gated-delta-net rules (TransformerConfig.__post_init__ in
+// megatron/core/transformer/transformer_config.py), its messages; context parallelism is not in
+// actmem, so Megatron's t * cp is t here.
+void validate_gdn(const TransformerConfig& c) {
+  const char* api = "actmem::TransformerConfig: ";
+  const std::string& v = c.experimental_attention_variant;
+  TORCH_CHECK(v.empty() || c.gated_delta_net() || v == "gdn2" || v == "dsa", api,
+              "experimental_attention_variant must be one of gdn, gdn2, dsa, gated_delta_net "
+              "(Megatron's choices), got \"",
+              v, "\"");
+  TORCH_CHECK(v != "gdn2" && v != "dsa", api, "experimental_attention_variant ", v,
+              " is not implemented in actmem (gdn is)");
+  if (!c.gated_delta_net()) {
+    // Megatron ignores them then; a user setting them expects linear-attention layers (fixed).
+    TORCH_CHECK(c.linear_attention_freq.empty(), api,
+                "linear_attention_freq needs "
+                "--experimental-attention-variant gdn");
+    return;
+  }
+  TORCH_CHECK(c.linear_conv_kernel_dim >= 1, api,
+              "linear_conv_kernel_dim must be set for gated "
+              "delta net (a positive kernel width), got ",
+              c.linear_conv_kernel_dim);
+  TORCH_CHECK(c.linear_key_head_dim >= 1, api,
+              "linear_key_head_dim must be set for gated delta "
+              "net (positive), got ",
+              c.linear_key_head_dim);
+  TORCH_CHECK(c.linear_value_head_dim >= 1, api,
+              "linear_value_head_dim must be set for gated "
+              "delta net (positive), got ",
+              c.linear_value_head_dim);
+  TORCH_CHECK(c.linear_num_key_heads >= 1, api,
+              "linear_num_key_heads must be set for gated "
+              "delta net (positive), got ",
+              c.linear_num_key_heads);
+  TORCH_CHECK(c.linear_num_value_heads >= 1, api,
+              "linear_num_value_heads must be set for gated "
+              "delta net (positive), got ",
+              c.linear_num_value_heads);
+  TORCH_CHECK(c.linear_num_value_heads % c.linear_num_key_heads == 0, api,
+              "linear_num_value_heads (", c.linear_num_value_heads,
+              ") must be a multiple of "
+              "linear_num_key_heads (",
+              c.linear_num_key_heads, ").");
+  const int64_t t = c.tensor_model_parallel_size;
+  TORCH_CHECK(c.linear_num_key_heads % t == 0, api,
+              "self.linear_num_key_heads=", c.linear_num_key_heads,
+              " must be a multiple of (self.tensor_model_parallel_size=", t,
+              " * self.context_parallel_size=1).");
+  TORCH_CHECK(c.linear_num_value_heads % t == 0, api,
+              "self.linear_num_value_heads=", c.linear_num_value_heads,
+              " must be a multiple of "
+              "(self.tensor_model_parallel_size=",
+              t, " * self.context_parallel_size=1).");
+  // GatedDeltaNet's causal convolution and output gate use activation_func; Megatron's FLA
+  // path (gdn.py) asserts it is silu, which actmem's models have with SwiGLU.
+  TORCH_CHECK(c.gated_linear_unit, api,
+              "the gated delta net's convolution and output gate "
+              "run activation_func, which must be silu (Megatron's GatedDeltaNet asserts "
+              "activation in ['silu', 'swish']): use --swiglu");
+  TORCH_CHECK(!c.multi_latent_attention, api,
+              "multi-latent attention with the gated delta net "
+              "variant (MLA on the attention layers of a hybrid model) is not implemented");
+  c.gdn_layers();  // the pattern's own errors
+}
+
 void validate_mla(const TransformerConfig& c) {
   const char* api = "actmem::TransformerConfig: ";
   const std::string rope = c.resolved_rope_type();
@@ -494,6 +600,7 @@ void TransformerConfig::validate_shape() const {
               "tensor_model_parallel_size (", t, ")");
   validate_moe(*this);
   validate_mla(*this);
+  validate_gdn(*this);
   attention_choice();  // a backend this configuration cannot run is refused here
   // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
 }
@@ -624,6 +731,16 @@ nlohmann::json to_json(const TransformerConfig& c) {
       c.virtual_pipeline_size() > 1 ? nlohmann::json(c.virtual_pipeline_size()) : nlohmann::json(nullptr);
   if (c.virtual_pipeline_size() > 1) {
     j["microbatch_group_size_per_vp_stage"] = c.microbatch_group_size();
+  }
+  j["experimental_attention_variant"] =
+      c.gated_delta_net() ? nlohmann::json("gdn") : nlohmann::json(nullptr);
+  if (c.gated_delta_net()) {
+    j["linear_attention_freq"] = c.linear_attention_freq;
+    j["linear_conv_kernel_dim"] = c.linear_conv_kernel_dim;
+    j["linear_key_head_dim"] = c.linear_key_head_dim;
+    j["linear_value_head_dim"] = c.linear_value_head_dim;
+    j["linear_num_key_heads"] = c.linear_num_key_heads;
+    j["linear_num_value_heads"] = c.linear_num_value_heads;
   }
   j["multi_latent_attention"] = c.multi_latent_attention;
   if (c.multi_latent_attention) {

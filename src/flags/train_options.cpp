@@ -239,6 +239,34 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
                  "actmem: dropout on the experts' activation, from the expert-parallel random "
                  "stream (Megatron has none; default 0)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+  // Gated DeltaNet hybrid models (docs/gdn.md), Megatron's flags and defaults.
+  app.add_option("--experimental-attention-variant", m.experimental_attention_variant,
+                 "gdn: GatedDeltaNet (linear attention by the gated delta rule) on the layers "
+                 "--linear-attention-freq marks (gated_delta_net: Megatron's deprecated spelling)")
+      ->check(CLI::IsMember({"gdn", "gated_delta_net", "gdn2", "dsa"}));
+  app.add_option("--linear-attention-freq", m.linear_attention_freq,
+                 "N: every N-th layer is standard attention, the others GatedDeltaNet; or a 0/1 "
+                 "pattern per layer (1 = GDN), e.g. \"([1]*3+[0])*2\"");
+  app.add_option("--linear-conv-kernel-dim", m.linear_conv_kernel_dim,
+                 "GatedDeltaNet's causal convolution kernel")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-key-head-dim", m.linear_key_head_dim,
+                 "GatedDeltaNet's query and key head dimension")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-value-head-dim", m.linear_value_head_dim,
+                 "GatedDeltaNet's value and gate head dimension")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-num-key-heads", m.linear_num_key_heads,
+                 "GatedDeltaNet's query and key heads")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-num-value-heads", m.linear_num_value_heads,
+                 "GatedDeltaNet's value and gate heads (a multiple of the key heads)")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
   // Multi-latent attention (docs/mla.md), Megatron's flags and CLI defaults.
   app.add_flag("--multi-latent-attention", m.multi_latent_attention,
                "Attention through low-rank query and key/value latents (Megatron's MLA)");

@@ -648,6 +648,40 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
         (lp.recomputes(RecomputeModule::kMlaUpProj) ? 0 : T * heads * (2 * dq + dv) * e) + scores);
     add(attn + ".linear_proj", T * heads * dv * e);
   };
+  // Note [What a GatedDeltaNet layer saves] (per rank: T = s*b tokens, the rank's Hk key heads
+  // of dk, Hv value heads of dv, qk = Hk dk, v = Hv dv, C = 2 qk + v; `actmem inspect --records`):
+  //   in_proj      its input, the input norm's output (as linear_qkv's)
+  //   conv1d       the convolution's input [b, C, s] and, for silu, the convolution's whole
+  //                output [b, C, s + K - 1] (silu reads its first s positions, a view)
+  //   prepare      l2norm's output [T, 2 Hk, dk] and 1/norm [T, 2 Hk] (upcast); softplus's input
+  //                and output [T, Hv] (upcast); exp(A_log) and its negation [Hv]; sigmoid's
+  //                output beta [T, Hv]
+  //   rule         q and k at Hv heads when Hk < Hv (the repeated copies; views of l2norm's
+  //                output otherwise), v [T, v], g [T, Hv] (upcast); beta counted above
+  //   out_norm     the rule's output [T, v] and the norm's statistics over T Hv rows; silu's
+  //                input, the upcast gate [T, v]; the product's operands, the norm output [T, v]
+  //                and silu's output (upcast)
+  //   out_proj     its input [T, v] (the gated norm's output, transposed to [s, b, v])
+  // gdn_norm_out recompute: the checkpoint keeps the rule's output and the gate [T, v] each (and
+  // a snapshot); out_proj's input is freed.
+  auto add_gdn_attention = [&](const std::string& attn, const LayerPlan& lp, int64_t norm_out) {
+    const int64_t T = s * b, Hk = c.linear_num_key_heads / t, Hv = c.linear_num_value_heads / t;
+    const int64_t dk = c.linear_key_head_dim, dvh = c.linear_value_head_dim;
+    const int64_t qk = Hk * dk, vd = Hv * dvh, C = 2 * qk + vd, K = c.linear_conv_kernel_dim;
+    add(attn + ".in_proj", norm_out);
+    add(attn + ".conv1d", T * C * e + b * C * (s + K - 1) * e);
+    add(attn + ".prepare_input_for_gated_delta_rule",
+        T * 2 * qk * e + T * 2 * Hk * up + 2 * T * Hv * up + 2 * Hv * e + T * Hv * e);
+    add(attn + ".gated_delta_rule", (Hv > Hk ? 2 * T * Hv * dk * e : 0) + T * vd * e + T * Hv * up);
+    if (lp.recomputes(RecomputeModule::kGdnNormOut)) {
+      add(attn + ".out_norm", 2 * T * vd * e + snapshot);
+      return;
+    }
+    const int64_t rows = T * Hv;
+    const int64_t stats = c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat;
+    add(attn + ".out_norm", 2 * T * vd * e + 2 * T * vd * up + stats);
+    add(attn + ".out_proj", T * vd * e);
+  };
   if (first_stage) add("embedding", hidden_drop ? sbh : 0);
   size_t moe_layers_before = 0;  // MoE layers before layer i, chunked or not
   for (int64_t i = stage.offset; i < stage.offset + stage.count; ++i) {
@@ -673,7 +707,9 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     const int64_t scores = recompute_attn ? snapshot
                            : flash        ? flash_output_and_logsumexp_bytes(c, e)
                                           : as2b * e + (attn_drop ? as2b + as2b * e : 0);
-    if (c.multi_latent_attention) {
+    if (lp.gdn) {
+      add_gdn_attention(layer + ".self_attention", lp, norm_out);
+    } else if (c.multi_latent_attention) {
       add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
       add(layer + ".self_attention.linear_qkv", norm_out);

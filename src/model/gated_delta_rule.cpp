@@ -53,7 +53,7 @@ at::Tensor gated_delta_rule_recurrent(const at::Tensor& q, const at::Tensor& k, 
     S = S + k_t.unsqueeze(-1) * u.unsqueeze(-2);
     outputs.push_back(at::matmul(q_t.unsqueeze(-2), S).squeeze(-2));
   }
-  return at::stack(outputs, 2).transpose(1, 2).to(v.scalar_type());
+  return at::stack(outputs, 2).transpose(1, 2).to(v.scalar_type()).contiguous();
 }
 
 at::Tensor gated_delta_rule_chunked(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -114,7 +114,9 @@ at::Tensor gated_delta_rule_chunked(const at::Tensor& q, const at::Tensor& k, co
   }
   at::Tensor o = at::stack(outputs, 2).view({b, H, n * C, dv});
   if (pad > 0) o = o.narrow(2, 0, s);
-  return o.transpose(1, 2).to(v.scalar_type());
+  // [b, s, H, dv] on storage of its own: contiguous, without the padding (a checkpoint keeping
+  // it keeps T H dv elements; a consumer reshaping it to rows keeps a view).
+  return o.transpose(1, 2).to(v.scalar_type()).contiguous();
 }
 
 namespace {

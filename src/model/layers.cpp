@@ -40,7 +40,7 @@ Norm::Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size)
 
 std::optional<ParameterAttributes> Norm::parameter_attributes(const std::string& name) const {
   if (name != "weight" && name != "bias") return std::nullopt;
-  return ParameterAttributes{false, sequence_parallel_, false};
+  return ParameterAttributes{false, sequence_parallel_, false, partial_over_heads};
 }
 
 namespace {

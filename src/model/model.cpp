@@ -50,6 +50,14 @@ at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) 
   return at::empty(shape, at::TensorOptions().dtype(draw)).normal_(0.0, std, *t_init_gen).to(dtype);
 }
 
+// The same for uniform(lo, hi) draws (GatedDeltaNet's convolution and decay rates).
+at::Tensor init_uniform(at::IntArrayRef shape, double lo, double hi, at::ScalarType dtype) {
+  TORCH_INTERNAL_ASSERT(t_init_gen != nullptr, "init_uniform outside GPTModel construction");
+  at::NoGradGuard no_grad;
+  const at::ScalarType draw = is_16bit(dtype) ? at::kFloat : dtype;
+  return at::empty(shape, at::TensorOptions().dtype(draw)).uniform_(lo, hi, *t_init_gen).to(dtype);
+}
+
 // Forks model-parallel-rng unless it is already the current stream (the tensor-parallel dropout
 // stream of Megatron's model_parallel_cuda_manual_seed; docs/parallelism.md). Without that
 // stream: an error naming `api` when `required`, else no fork (a bare single-process model).
@@ -113,7 +121,10 @@ TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerP
                                    int64_t layer_number, at::ScalarType dtype)
     : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
-  if (config.multi_latent_attention) {
+  if (plan.gdn) {
+    gdn_attention =
+        register_module("self_attention", std::make_shared<GatedDeltaNet>(config, plan, dtype));
+  } else if (config.multi_latent_attention) {
     mla_attention = register_module("self_attention",
                                     std::make_shared<MLASelfAttention>(config, plan, dtype));
   } else {
@@ -200,12 +211,14 @@ at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const Lay
 }
 
 at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const LayerContext& ctx) {
-  return norm_module_bda(
-      hidden, ctx, {input_layernorm, OffloadModule::kAttnNorm, "input_layernorm", "self_attention",
-                    "self_attn_bda"},
-      [&](const at::Tensor& ln) {
-        return mla_attention ? mla_attention->forward(ln, ctx) : self_attention->forward(ln, ctx);
-      });
+  return norm_module_bda(hidden, ctx,
+                         {input_layernorm, OffloadModule::kAttnNorm, "input_layernorm",
+                          "self_attention", "self_attn_bda"},
+                         [&](const at::Tensor& ln) {
+                           if (gdn_attention) return gdn_attention->forward(ln, ctx);
+                           return mla_attention ? mla_attention->forward(ln, ctx)
+                                                : self_attention->forward(ln, ctx);
+                         });
 }
 
 at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
@@ -413,8 +426,35 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     const int64_t f = config.ffn();
     auto rows = [&](const at::Tensor& full) { return full.chunk(t, 0)[r]; };
     auto cols = [&](const at::Tensor& full) { return full.chunk(t, 1)[r]; };
+    // A tensor rank's slice of a weight whose rows are sections, each split over the ranks
+    // (GatedDeltaNet's in_proj and conv1d: Megatron's per-rank [q | k | v | z | beta | alpha]).
+    auto section_rows = [&](const at::Tensor& full, const std::vector<int64_t>& sections) {
+      if (t == 1) return full;
+      std::vector<at::Tensor> mine;
+      for (const at::Tensor& part : full.split_with_sizes(sections, 0)) mine.push_back(rows(part));
+      return at::cat(mine, 0);
+    };
     auto init_layer = [&](TransformerLayer* layer) {
-      if (MLASelfAttention* mla = layer->mla_attention.get()) {
+      if (GatedDeltaNet* gdn = layer->gdn_attention.get()) {
+        // Megatron's order: in_proj, conv1d (nn.Conv1d's default: uniform +-1/sqrt(K)), A_log =
+        // log(uniform(1, 16)) (A_init_range), out_proj; dt_bias ones and out_norm's weight ones
+        // as constructed.
+        std::vector<int64_t> sections;
+        for (const int64_t n : gdn->in_proj_sections()) sections.push_back(n * t);
+        gdn->in_proj->weight.copy_(
+            section_rows(init_normal({gdn->in_proj->weight.size(0) * t, h}, std, dtype), sections));
+        const int64_t K = gdn->conv1d_weight.size(2);
+        const double bound = 1.0 / std::sqrt(static_cast<double>(K));
+        gdn->conv1d_weight.copy_(
+            section_rows(init_uniform({gdn->conv1d_weight.size(0) * t, 1, K}, -bound, bound, dtype),
+                         {sections[0], sections[1], sections[2]}));
+        gdn->A_log.copy_(
+            rows(init_uniform({gdn->A_log.size(0) * t}, 1.0, 16.0, compute_dtype(dtype))
+                     .log()
+                     .to(dtype)));
+        gdn->out_proj->weight.copy_(
+            cols(init_normal({h, gdn->out_proj->weight.size(1) * t}, scaled_std, dtype)));
+      } else if (MLASelfAttention* mla = layer->mla_attention.get()) {
         // Megatron's construction order: linear_proj, the query projection(s), kv down and up.
         // The whole weights are drawn; a rank keeps its heads (Note [MLA under tensor
         // parallelism] in attention.cpp): rows of the up projections, columns of linear_proj.
@@ -640,7 +680,9 @@ std::vector<ParameterAttributes> GPTModel::parameter_attributes() const {
                 "the module that registers it)");
     ParameterAttributes a = *declared;
     a.tensor_parallel = a.tensor_parallel && config_.tensor_model_parallel_size > 1;
-    a.sequence_parallel = a.sequence_parallel && config_.sequence_parallel;
+    // Both kinds of partial gradient are summed over the tensor-parallel ranks (gradients.cpp).
+    a.sequence_parallel = (a.sequence_parallel && config_.sequence_parallel) ||
+                          (a.partial_over_heads && config_.tensor_model_parallel_size > 1);
     a.expert_parallel = expert;
     out.push_back(a);
   }

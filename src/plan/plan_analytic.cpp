@@ -139,9 +139,8 @@ bool has(const std::vector<T>& names, T name) {
 
 // Whether selective set `s` recomputes module `r` in a layer of this kind (recompute_scope).
 bool recomputes(const Strategy& s, RecomputeModule r, bool moe_layer) {
-  const RecomputeScope scope = recompute_scope(r);
-  return has(s.recompute_modules, r) && (scope == RecomputeScope::kEveryLayer ||
-                                         (scope == RecomputeScope::kMoELayers) == moe_layer);
+  // The analytic planner's models have no GatedDeltaNet layers (analytic_config refuses them).
+  return has(s.recompute_modules, r) && scope_includes(recompute_scope(r), moe_layer, false);
 }
 
 // What one layer's selective recompute drops, and its rebuild at once in the backward (the MLP
@@ -350,6 +349,10 @@ TransformerConfig analytic_config(const PaperShape& m) {
   // The configuration's MoE and MLA switches and layer pattern, the shape's sizes and layout
   // (a shape may be changed after paper_shape(): the tests plan one stage of a preset).
   TransformerConfig c = m.config != nullptr ? *m.config : TransformerConfig{};
+  TORCH_CHECK(!c.gated_delta_net(),
+              "actmem::analytic_config: the analytic planner does not "
+              "model GatedDeltaNet layers yet; plan a hybrid model by measuring it (actmem plan "
+              "without --preset)");
   TORCH_CHECK(c.is_moe() == m.is_moe() && c.multi_latent_attention == m.is_mla(),
               "actmem::analytic_config: the shape ", m.is_moe() ? "has" : "has no", " experts and ",
               m.is_mla() ? "" : "no ", "multi-latent attention, its configuration ",

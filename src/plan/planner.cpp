@@ -195,9 +195,7 @@ std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool l
   base.validate_shape();
   std::vector<RecomputeModule> modules;
   std::vector<OffloadModule> groups;
-  for (const auto& [m, name] : kRecomputeModuleNames) {
-    if (m != RecomputeModule::kGdnNormOut) modules.push_back(m);
-  }
+  for (const auto& [m, name] : kRecomputeModuleNames) modules.push_back(m);
   for (const auto& [g, name] : kOffloadModuleNames) groups.push_back(g);
   std::vector<std::vector<RecomputeModule>> selective;
   std::vector<std::vector<OffloadModule>> offload;

@@ -31,6 +31,10 @@ KVCache::KVCache(GPTModel& model)
   TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
               "on one process; the model has tensor_model_parallel_size ",
               model.config().tensor_model_parallel_size);
+  TORCH_CHECK(!model.config().gated_delta_net(),
+              "actmem::KVCache: generation with "
+              "GatedDeltaNet layers (their recurrent state instead of a key/value cache) is not "
+              "implemented");
   const auto opts = model.word_embeddings.options().requires_grad(false);
   for (size_t i = 0; i < model.decoder->layers.size(); ++i) {
     keys_.push_back(at::empty({capacity_, kv_heads_, key_dim_}, opts));

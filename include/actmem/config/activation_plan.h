@@ -73,8 +73,16 @@ inline constexpr std::array<std::pair<OffloadModule, std::string_view>, 7> kOffl
 
 /// The layers a selective module applies to (Megatron's: "mlp" recomputes dense layers' MLPs
 /// only; "moe", "moe_act" and "shared_experts" MoE layers only — transformer_layer.py,
-/// moe/moe_layer.py, moe/experts.py).
-enum class RecomputeScope : uint8_t { kEveryLayer, kDenseLayers, kMoELayers };
+/// moe/moe_layer.py, moe/experts.py; core_attn and mla_up_proj live in the self-attention
+/// modules, so a GatedDeltaNet layer has neither; gdn_norm_out lives in GatedDeltaNet —
+/// ssm/gated_delta_net/common.py).
+enum class RecomputeScope : uint8_t {
+  kEveryLayer,
+  kDenseLayers,
+  kMoELayers,
+  kAttentionLayers,
+  kGdnLayers
+};
 constexpr RecomputeScope recompute_scope(RecomputeModule m) {
   switch (m) {
     case RecomputeModule::kMlp:
@@ -83,15 +91,34 @@ constexpr RecomputeScope recompute_scope(RecomputeModule m) {
     case RecomputeModule::kMoeAct:
     case RecomputeModule::kSharedExperts:
       return RecomputeScope::kMoELayers;
+    case RecomputeModule::kCoreAttn:
+    case RecomputeModule::kMlaUpProj:
+      return RecomputeScope::kAttentionLayers;
+    case RecomputeModule::kGdnNormOut:
+      return RecomputeScope::kGdnLayers;
     default:
       return RecomputeScope::kEveryLayer;
+  }
+}
+/// Whether `scope` includes a layer that is MoE (or dense) and GatedDeltaNet (or attention).
+constexpr bool scope_includes(RecomputeScope scope, bool moe_layer, bool gdn_layer) {
+  switch (scope) {
+    case RecomputeScope::kDenseLayers:
+      return !moe_layer;
+    case RecomputeScope::kMoELayers:
+      return moe_layer;
+    case RecomputeScope::kAttentionLayers:
+      return !gdn_layer;
+    case RecomputeScope::kGdnLayers:
+      return gdn_layer;
+    default:
+      return true;
   }
 }
 
 const char* to_string(RecomputeModule m);
 const char* to_string(OffloadModule m);
-/// The module names actmem implements, from the tables above, joined by `sep` (help texts and
-/// error messages use these; gdn_norm_out, known by name only, is left out).
+/// The module names, from the tables above, joined by `sep` (help texts and error messages).
 std::string recompute_module_list(std::string_view sep);
 std::string offload_module_list(std::string_view sep);
 std::optional<RecomputeModule> parse_recompute_module(std::string_view name);
@@ -116,11 +143,14 @@ struct LayerPlan {
   bool starts_chunk = false;  // the chunk's first layer: the chunk's kept input is attributed here
   /// An MoE layer (config.moe_layers()): its MLP is a router, experts and shared experts.
   bool moe = false;
+  /// A GatedDeltaNet layer (config.gdn_layers()): its self_attention is a GatedDeltaNet, which
+  /// has no core_attn, qkv_linear or attn_proj to recompute or offload.
+  bool gdn = false;
   /// Selective recompute inside the layer (never together with a chunk), per module of
   /// kRecomputeModuleNames where its scope (recompute_scope) includes this layer: core_attn
   /// keeps q, k, v; mlp, moe and shared_experts keep their input; layernorm frees both norms'
-  /// outputs and rebuilds them in backward; moe_act and mla_up_proj free their outputs and
-  /// rebuild them from the next module's hook.
+  /// outputs and rebuilds them in backward; moe_act, mla_up_proj and gdn_norm_out free their
+  /// outputs and rebuild them from the next module's hook.
   std::array<bool, kRecomputeModuleNames.size()> recompute_module{};
   bool recomputes(RecomputeModule m) const { return recompute_module[static_cast<size_t>(m)]; }
   bool recomputes_any() const;

@@ -159,6 +159,24 @@ struct TransformerConfig {
   double mscale = 1.0;
   double mscale_all_dim = 0.0;
 
+  // ---- Gated DeltaNet hybrid models (docs/gdn.md), Megatron's names and defaults ----
+  /// Megatron's --experimental-attention-variant: "" (none) or "gdn" (its deprecated spelling
+  /// "gated_delta_net" is accepted and means the same): the layers linear_attention_freq marks
+  /// run GatedDeltaNet (linear attention by the gated delta rule) instead of self-attention.
+  std::string experimental_attention_variant;
+  /// Which layers are GatedDeltaNet (--linear-attention-freq): "N" makes every N-th layer
+  /// (i + 1 divisible by N) standard attention and the rest GDN; or a 0/1 pattern per layer
+  /// (1 = GDN), "[1,1,1,0]" or "([1]*3+[0])*2". Required with the gdn variant.
+  std::string linear_attention_freq;
+  /// The causal depthwise convolution's kernel over q, k and v.
+  int64_t linear_conv_kernel_dim = 4;
+  /// Query/key and value/gate head dims, and the head counts (value heads a multiple of key
+  /// heads: each key head serves num_value_heads / num_key_heads value heads).
+  int64_t linear_key_head_dim = 128;
+  int64_t linear_value_head_dim = 128;
+  int64_t linear_num_key_heads = 16;
+  int64_t linear_num_value_heads = 32;
+
   // ---- activation recompute (Megatron's fields; see docs/recompute.md) ----
   /// "" (none), "full" or "selective".
   std::string recompute_granularity;
@@ -209,6 +227,14 @@ struct TransformerConfig {
   /// Per layer, whether it is an MoE layer (all false for a dense model); throws for a malformed
   /// moe_layer_freq.
   std::vector<bool> moe_layers() const;
+  /// The GatedDeltaNet variant is on (experimental_attention_variant gdn or gated_delta_net).
+  bool gated_delta_net() const {
+    return experimental_attention_variant == "gdn" ||
+           experimental_attention_variant == "gated_delta_net";
+  }
+  /// Per layer, whether it is a GatedDeltaNet layer (all false without the variant); throws for
+  /// a malformed linear_attention_freq (Megatron's get_linear_attention_pattern).
+  std::vector<bool> gdn_layers() const;
   /// The transformer layers of pipeline stage `stage` (0-based): the first layer's index and the
   /// count (Megatron's get_transformer_layer_offset and get_num_layers_to_build).
   struct StageLayers {

@@ -51,6 +51,10 @@ struct ParameterAttributes {
   /// A routed expert's: reduced over the expert-data-parallel group (set by GPTModel for every
   /// parameter below an Experts module).
   bool expert_parallel = false;
+  /// Replicated, but each tensor-parallel rank's gradient covers its own heads only
+  /// (GatedDeltaNet's out_norm): summed over the tensor-parallel ranks after backward, with or
+  /// without sequence parallelism.
+  bool partial_over_heads = false;
 };
 
 /// A module that registers parameters says how each is held (Note [Parameter attributes] in
@@ -74,6 +78,8 @@ class Norm : public torch::nn::Module, public DeclaresParameters {
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;
   at::Tensor bias;  // undefined for RMSNorm
+  /// Normalises per-head slices on each tensor-parallel rank (ParameterAttributes).
+  bool partial_over_heads = false;
 
  private:
   bool rms_;

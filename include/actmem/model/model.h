@@ -17,6 +17,7 @@
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
 #include "actmem/model/attention.h"
+#include "actmem/model/gated_delta_net.h"
 #include "actmem/model/layers.h"
 #include "actmem/model/moe.h"
 
@@ -43,6 +44,7 @@ class TransformerLayer : public torch::nn::Module {
   std::shared_ptr<Norm> input_layernorm;
   std::shared_ptr<SelfAttention> self_attention;   // standard attention
   std::shared_ptr<MLASelfAttention> mla_attention;  // MLA (registered as "self_attention")
+  std::shared_ptr<GatedDeltaNet> gdn_attention;     // GDN layers (registered as "self_attention")
   std::shared_ptr<Norm> pre_mlp_layernorm;
   std::shared_ptr<MLP> mlp;      // dense layers
   std::shared_ptr<MoELayer> moe;  // MoE layers (registered as "mlp", as in Megatron)
