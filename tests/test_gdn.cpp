@@ -363,6 +363,29 @@ INSTANTIATE_TEST_SUITE_P(Variants, GDNPredictor,
                                   std::get<1>(info.param);
                          });
 
+// The trainer's memory pre-check (Note [Memory pre-check]) bounds a hybrid's measured step peak:
+// its GatedDeltaNet weights and widest tensors counted. An all-GDN model with wide value heads,
+// where in_proj outweighs linear_qkv, at fp32 and bf16.
+TEST(GDNPredictor, StepPeakBoundCoversHybridModels) {
+  for (const char* precision : {"fp32", "bf16"}) {
+    for (const char* pattern : {"4", "([1]*4)"}) {
+      TransformerConfig c = gdn_model();
+      actmem::testing::set_precision(c, precision);
+      c.linear_attention_freq = pattern;
+      c.linear_value_head_dim = 32;  // value width 128 = 4h
+      TrainingConfig t;
+      t.eval_interval = 0;
+      Trainer trainer(c, t);
+      int64_t peak = 0;
+      for (int step = 0; step < 2; ++step) {
+        peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
+      }
+      EXPECT_GE(actmem::predict_step_peak_bound(c), static_cast<double>(peak))
+          << precision << " " << pattern;
+    }
+  }
+}
+
 // What gdn_norm_out frees per GatedDeltaNet layer, measured, against the shapes (T = s b tokens,
 // v = Hv dv, fp32). Without it the gated norm keeps the rule's output o and the gate z (silu's
 // input), RMSNorm's 1/rms per row (T Hv), the norm output y and silu(z) (the product's operands),

@@ -123,11 +123,14 @@ void print_table(const InspectOptions& o, const TransformerConfig& c, const Insp
             << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)
             << "Korthikanti" << std::setw(10) << "beyond" << "  what\n";
   for (const auto& [module, bytes] : ledger.bytes_by_module()) {
-    // The s x s share of this module: records whose last two dims are both s.
+    // The s x s share of this module: records of 3 or more dims whose last two are both s (the
+    // scores [b, a, s, s] or [b a, s, s]; a 2-D [s b, width] matrix whose width happens to
+    // equal s is not one).
     int64_t square = 0;
     for (const auto& r : ledger.records()) {
-      if (r.counted && r.module == module && r.shape.size() >= 2 &&
-          r.shape[r.shape.size() - 1] == c.seq_length && r.shape[r.shape.size() - 2] == c.seq_length) {
+      if (r.counted && r.module == module && r.shape.size() >= 3 &&
+          r.shape[r.shape.size() - 1] == c.seq_length &&
+          r.shape[r.shape.size() - 2] == c.seq_length) {
         square += r.storage_bytes;
       }
     }

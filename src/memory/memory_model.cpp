@@ -827,12 +827,30 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                                    : h * a_ * dq;
     attention = q + h * (rkv + pos) + rkv * a_ * (c.qk_head_dim + dv) + 2.0 * rkv + a_ * dv * h;
   }
+  // A hybrid's GatedDeltaNet layers (docs/gdn.md): in_proj, conv1d, A_log, dt_bias, out_norm,
+  // out_proj; every layer is counted at the larger of the two kinds (an upper bound).
+  double gdn_in = 0.0, gdn_conv = 0.0;  // in_proj's output and conv1d's input widths (full)
+  if (c.gated_delta_net()) {
+    const double qk = static_cast<double>(c.linear_num_key_heads * c.linear_key_head_dim);
+    const double vd = static_cast<double>(c.linear_num_value_heads * c.linear_value_head_dim);
+    const double hv = static_cast<double>(c.linear_num_value_heads);
+    const double dv = static_cast<double>(c.linear_value_head_dim);
+    const double K = static_cast<double>(c.linear_conv_kernel_dim);
+    gdn_in = 2.0 * qk + 2.0 * vd + 2.0 * hv;
+    gdn_conv = 2.0 * qk + vd;
+    attention = std::max(attention, h * gdn_in + gdn_conv * K + 2.0 * hv + 2.0 * dv + vd * h);
+  }
   const double params = L * ((attention + h * fc1 + f * h + fc1 + 3.0 * h) / t + 6.0 * h) +
                         (first_stage ? v * h + static_cast<double>(c.max_positions()) * h : 0.0) +
                         (last_stage ? v * h + 2.0 * h : 0.0);
   double largest_param = std::max(first_stage || last_stage ? v * h : 0.0, h * fc1 / t) * e;
   double largest_tensor =
       std::max({last_stage ? s * b * v : 0.0, a * s * s * b / t, s * b * fc1 / t, s * b * h}) * e;
+  if (c.gated_delta_net()) {  // in_proj's output [s, b, P/t], the convolution's [b, C/t, s + K - 1]
+    largest_tensor =
+        std::max({largest_tensor, s * b * gdn_in / t * e,
+                  b * gdn_conv / t * (s + static_cast<double>(c.linear_conv_kernel_dim)) * e});
+  }
   if (c.multi_latent_attention) {  // the kv up-projection's output [s, b, a (qk + v)] is widest
     const double widest = static_cast<double>(std::max(c.mla_q_head_dim(), c.qk_head_dim + c.v_head_dim));
     largest_tensor = std::max(largest_tensor, s * b * a * widest * e);
@@ -872,9 +890,10 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   keep_all.distribute_saved_activations = false;
   keep_all.chunks.clear();
   for (LayerPlan& lp : keep_all.layers) {
-    const bool moe = lp.moe;
+    const bool moe = lp.moe, gdn = lp.gdn;
     lp = LayerPlan{};
-    lp.moe = moe;  // the layer's kind stays: an MoE layer keeps what an MoE layer keeps
+    lp.moe = moe;  // the layer's kinds stay: an MoE layer keeps what an MoE layer keeps
+    lp.gdn = gdn;
   }
   // What crosses a stage boundary: [s, b, h] ([s/t, b, h] with sequence parallelism).
   const double boundary =
@@ -889,8 +908,22 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   // The logits' fp32 copy and its log-softmax at 16 bits are counted by the predictor (the
   // kept output) and by largest_tensor (the transient), at twice the 16-bit size.
   const double upcast = e == 2.0 ? 2.0 : 1.0;
-  return per_param * (params + moe_params) + padding + 2.0 * largest_param * upcast +
-         activations + 3.0 * largest_tensor * upcast;
+  // A GatedDeltaNet layer's backward runs the chunked rule again under autograd (Note [One node
+  // for the gated delta rule]): for the duration of one layer's backward its chunk
+  // intermediates and their gradients exist, per (batch row, value head) and padded token at most
+  // ~12 dk + 8 dv + 6 C + 8 compute-type elements each (the prepared inputs, the decay, system,
+  // solution and within-chunk matrices, the chunk outputs and states), twice over.
+  double gdn_backward = 0.0;
+  if (c.gated_delta_net()) {
+    const double C = 64.0, spad = std::ceil(s / C) * C, u = e == 2.0 ? 4.0 : e;
+    const double dk = static_cast<double>(c.linear_key_head_dim);
+    const double dv = static_cast<double>(c.linear_value_head_dim);
+    const double hv = static_cast<double>(c.linear_num_value_heads) / t;
+    gdn_backward = 2.0 * b * hv *
+                   (spad * (12.0 * dk + 8.0 * dv + 6.0 * C + 8.0) + spad / C * 2.0 * dk * dv) * u;
+  }
+  return per_param * (params + moe_params) + padding + 2.0 * largest_param * upcast + activations +
+         3.0 * largest_tensor * upcast + gdn_backward;
 }
 
 }  // namespace actmem
