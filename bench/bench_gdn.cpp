@@ -119,30 +119,40 @@ nlohmann::json kernels_at(int64_t s, at::ScalarType dtype, int64_t b, int64_t H,
   return row;
 }
 
+// The benchmark's models at width h, Qwen3-Next's proportions scaled down: attention in heads
+// of 64; with a linear_attention_freq `pattern`, GatedDeltaNet layers of value width 2h in heads
+// of 128 and half as many key heads.
+actmem::TransformerConfig bench_model(int64_t h, int64_t s, int64_t layers,
+                                      const std::string& pattern) {
+  actmem::TransformerConfig c;
+  c.num_layers = layers;
+  c.hidden_size = h;
+  c.num_attention_heads = h / 64;
+  c.seq_length = s;
+  c.micro_batch_size = 1;
+  c.vocab_size = 1024;
+  c.gated_linear_unit = true;
+  c.normalization = "RMSNorm";
+  c.position_embedding_type = "rope";
+  c.add_bias_linear = false;
+  if (!pattern.empty()) {
+    c.experimental_attention_variant = "gdn";
+    c.linear_attention_freq = pattern;
+    c.linear_key_head_dim = c.linear_value_head_dim = 128;
+    c.linear_num_value_heads = 2 * h / 128;
+    c.linear_num_key_heads = h / 128;
+  }
+  return c;
+}
+
 // A model of `layers` GatedDeltaNet layers against the same model with attention layers (the
-// flash kernel: no attention dropout), at width h: Qwen3-Next's proportions scaled down (value
-// width 2h in heads of 128, key heads half the value heads; attention in heads of 64). Steps
-// alternate between the two; median step times, the activation bytes each step kept (tracker)
-// and the predictor's.
+// flash kernel: no attention dropout). Steps alternate between the two; median step times, the
+// activation bytes each step kept (tracker) and the predictor's.
 nlohmann::json layer_comparison(int64_t h, int64_t s, int64_t layers, int warmup, int iters) {
-  actmem::TransformerConfig attn;
-  attn.num_layers = layers;
-  attn.hidden_size = h;
-  attn.num_attention_heads = h / 64;
-  attn.seq_length = s;
-  attn.micro_batch_size = 1;
-  attn.vocab_size = 1024;
-  attn.gated_linear_unit = true;
-  attn.normalization = "RMSNorm";
-  attn.position_embedding_type = "rope";
-  attn.add_bias_linear = false;
-  attn.attention_dropout = 0.0;
-  actmem::TransformerConfig gdn = attn;
-  gdn.experimental_attention_variant = "gdn";
-  gdn.linear_attention_freq = "([1]*" + std::to_string(layers) + ")";  // every layer GDN
-  gdn.linear_key_head_dim = gdn.linear_value_head_dim = 128;
-  gdn.linear_num_value_heads = 2 * h / 128;
-  gdn.linear_num_key_heads = h / 128;
+  actmem::TransformerConfig attn = bench_model(h, s, layers, "");
+  actmem::TransformerConfig gdn =
+      bench_model(h, s, layers, "([1]*" + std::to_string(layers) + ")");  // every layer GDN
+  attn.attention_dropout = gdn.attention_dropout = 0.0;
   actmem::TrainingConfig t;
   t.eval_interval = 0;
   t.train_iters = warmup + iters;
@@ -194,22 +204,7 @@ nlohmann::json layer_comparison(int64_t h, int64_t s, int64_t layers, int warmup
 // gdn_norm_out on a 3:1 hybrid of `layers` layers: plain against output-discarding recompute
 // of the gated norm (round-robin, checked bitwise equal every step).
 nlohmann::json norm_out_recompute(int64_t h, int64_t s, int64_t layers, int warmup, int iters) {
-  actmem::TransformerConfig c;
-  c.num_layers = layers;
-  c.hidden_size = h;
-  c.num_attention_heads = h / 64;
-  c.seq_length = s;
-  c.micro_batch_size = 1;
-  c.vocab_size = 1024;
-  c.gated_linear_unit = true;
-  c.normalization = "RMSNorm";
-  c.position_embedding_type = "rope";
-  c.add_bias_linear = false;
-  c.experimental_attention_variant = "gdn";
-  c.linear_attention_freq = "4";
-  c.linear_key_head_dim = c.linear_value_head_dim = 128;
-  c.linear_num_value_heads = 2 * h / 128;
-  c.linear_num_key_heads = h / 128;
+  const actmem::TransformerConfig c = bench_model(h, s, layers, "4");
   const std::vector<actmem::bench::Strategy> list = {
       {"plain", [](actmem::TransformerConfig&) {}},
       {"selective gdn_norm_out", actmem::bench::selective({"gdn_norm_out"})},

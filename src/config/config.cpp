@@ -450,26 +450,16 @@ void validate_gdn(const TransformerConfig& c) {
                 "--experimental-attention-variant gdn");
     return;
   }
-  TORCH_CHECK(c.linear_conv_kernel_dim >= 1, api,
-              "linear_conv_kernel_dim must be set for gated "
-              "delta net (a positive kernel width), got ",
-              c.linear_conv_kernel_dim);
-  TORCH_CHECK(c.linear_key_head_dim >= 1, api,
-              "linear_key_head_dim must be set for gated delta "
-              "net (positive), got ",
-              c.linear_key_head_dim);
-  TORCH_CHECK(c.linear_value_head_dim >= 1, api,
-              "linear_value_head_dim must be set for gated "
-              "delta net (positive), got ",
-              c.linear_value_head_dim);
-  TORCH_CHECK(c.linear_num_key_heads >= 1, api,
-              "linear_num_key_heads must be set for gated "
-              "delta net (positive), got ",
-              c.linear_num_key_heads);
-  TORCH_CHECK(c.linear_num_value_heads >= 1, api,
-              "linear_num_value_heads must be set for gated "
-              "delta net (positive), got ",
-              c.linear_num_value_heads);
+  const std::pair<const char*, int64_t> sizes[] = {
+      {"linear_conv_kernel_dim", c.linear_conv_kernel_dim},
+      {"linear_key_head_dim", c.linear_key_head_dim},
+      {"linear_value_head_dim", c.linear_value_head_dim},
+      {"linear_num_key_heads", c.linear_num_key_heads},
+      {"linear_num_value_heads", c.linear_num_value_heads},
+  };
+  for (const auto& [name, value] : sizes) {
+    TORCH_CHECK(value >= 1, api, name, " must be set for gated delta net (positive), got ", value);
+  }
   TORCH_CHECK(c.linear_num_value_heads % c.linear_num_key_heads == 0, api,
               "linear_num_value_heads (", c.linear_num_value_heads,
               ") must be a multiple of "
