@@ -52,6 +52,20 @@ const Variant kVariants[] = {
        c.position_embedding_type = "rope";
        c.num_query_groups = 2;
      }},
+    // Qwen3-Next's attention: heads wider than h / a, q/k norms, the output gate, partial RoPE,
+    // zero-centred RMSNorm (SelfAttention::project and apply_output_gate at each position).
+    {"qwen3_next_attention_fp32",
+     [](TransformerConfig& c) {
+       c.normalization = "RMSNorm";
+       c.gated_linear_unit = true;
+       c.position_embedding_type = "rope";
+       c.num_query_groups = 2;
+       c.kv_channels_arg = 2 * c.hidden_size / c.num_attention_heads;
+       c.qk_layernorm = true;
+       c.attention_output_gate = true;
+       c.rotary_percent = 0.5;
+       c.layernorm_zero_centered_gamma = true;
+     }},
     {"mla_yarn_fp32",
      [](TransformerConfig& c) {
        // DeepSeek-style attention: compressed queries, normed latents, YaRN with a factor > 1.

@@ -177,7 +177,7 @@ const Shape kShapes[] = {
        c.attention_dropout = 0.0;
        c.attention_backend = "flash";
      }},
-    // Grouped-query attention (Note [What grouped-query attention keeps] in memory_model.cpp):
+    // Grouped-query attention (Note [What standard attention keeps] in memory_model.cpp):
     // 2 groups of 2 heads with learned positions, and one group (multi-query) with RoPE.
     {"GroupedQuery", [](TransformerConfig& c) { c.num_query_groups = 2; }},
     {"MultiQuery", [](TransformerConfig& c) { c.num_query_groups = 1; }},  // q stays a view

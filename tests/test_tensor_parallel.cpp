@@ -67,7 +67,7 @@ INSTANTIATE_TEST_SUITE_P(Variants, TwoRanksMatchOneRank,
                          // Without dropout auto runs the flash kernel ("base", "swiglu",
                          // "gqa"); "unfused" asks for the unfused path.
                          ::testing::Values("base", "unfused", "swiglu", "gqa", "mla",
-                                           "mla_no_q_lora", "gdn"));
+                                           "mla_no_q_lora", "gdn", "gated"));
 
 void expect_strategies_bitwise_equal_to_plain(bool sp, const std::string& variant = "base") {
   std::vector<std::string> args = {"strategies", "--variant", variant};
@@ -121,6 +121,13 @@ TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithGroupedQueryAttention) {
 TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithMultiLatentAttention) {
   expect_strategies_bitwise_equal_to_plain(true, "mla");
   expect_strategies_bitwise_equal_to_plain(false, "mla_no_q_lora");
+}
+
+// Qwen3-Next's attention (wider heads, q/k norms, output gate, partial RoPE, zero-centred norms):
+// each rank holds one group, its 2 query heads and their gates; the strategies' predicted bytes
+// per rank equal the measured ones.
+TEST(TensorParallel, EveryStrategyBitwiseEqualsPlainWithGatedAttention) {
+  expect_strategies_bitwise_equal_to_plain(false, "gated");
 }
 
 // The flash kernel under TP + SP with grouped-query attention (hidden dropout on).

@@ -118,6 +118,20 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     c.linear_num_value_heads = 4;
     c.linear_key_head_dim = 16;
     c.linear_value_head_dim = 12;
+  } else if (variant == "gated") {
+    // Qwen3-Next's attention: heads of 24 (a d = 96, not h), 2 groups (one per rank), q/k norms
+    // (each rank normalising its own heads: their gradients summed over the ranks), the output
+    // gate, RoPE on half of each head, zero-centred RMSNorm, SwiGLU.
+    c.kv_channels_arg = 24;
+    c.num_query_groups = 2;
+    c.qk_layernorm = true;
+    c.attention_output_gate = true;
+    c.position_embedding_type = "rope";
+    c.rotary_percent = 0.5;
+    c.layernorm_zero_centered_gamma = true;
+    c.normalization = "RMSNorm";
+    c.gated_linear_unit = true;
+    c.add_bias_linear = false;
   } else if (variant == "unfused") {
     c.attention_backend = "unfused";  // without attention dropout auto would run flash
   } else if (variant == "flash_gqa") {

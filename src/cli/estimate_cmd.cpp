@@ -1,10 +1,12 @@
 // estimate_cmd.cpp — `actmem estimate`: the paper's activation-memory model for a named preset or
 // the model train's flags describe, per layer and per pipeline stage, with Megatron's theoretical
 // terms and the offload transfer time.
-#include "actmem/memory/memory_model.h"
 #include "actmem/base/report.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/config.h"
 #include "actmem/flags/presets.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/memory/memory_model.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>
@@ -12,8 +14,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <functional>
 #include <iomanip>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <sstream>
 #include <vector>
@@ -375,6 +379,225 @@ void print_table(const Estimate& e) {
             << std::setw(12) << format_bytes_3sig(w.total() + meg) << "\n";
 }
 
+// Note [Estimating what the paper does not describe]
+// Korthikanti et al.'s formulas and Megatron's theoretical_memory_usage.py describe layers of
+// standard attention a x d = h wide; Megatron's counts every layer so, including a hybrid's
+// GatedDeltaNet layers, and has no term for the output gate or the q/k norms. For such models
+// estimate prints the project's exact predictor instead (predict_activation_bytes, the one
+// `inspect` and the tests check against the tracker to the byte), from the configuration alone:
+// one micro-batch on one rank of the first pipeline stage (each of its model chunks), at 16 bits
+// with the GPU's conventions (norm statistics in fp32, random-state snapshots on the host), the
+// routed experts' rows at a balanced routing (each expert k T / E of the T tokens a router
+// sees, from every rank that routes to it). Per layer kind and strategy; weights, gradients and
+// optimizer from count_parameters at Megatron's 18 bytes per parameter (6 + 12/d with the
+// distributed optimizer).
+struct ExactEstimate {
+  struct Strategy {
+    std::string name;
+    double gdn_layer = 0, attention_layer = 0;  // one layer of each kind (first of the stage)
+    double stage = 0;                           // the first stage's layers, embedding, ...
+  };
+  std::vector<Strategy> strategies;
+  std::vector<std::pair<std::string, std::pair<double, double>>> modules;  // plain, per kind
+  int64_t gdn_layers = 0, attention_layers = 0, gdn_index = -1, attention_index = -1;
+  double in_flight = 1;
+  ParameterCount params;
+  double weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
+};
+
+bool paper_describes(const TransformerConfig& c) {
+  return !c.gated_delta_net() &&
+         (c.multi_latent_attention || (c.query_projection_size() == c.hidden_size &&
+                                       !c.attention_output_gate && !c.qk_layernorm));
+}
+
+ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
+  TORCH_CHECK(!c.multi_latent_attention,
+              "actmem estimate: multi-latent attention on a hybrid "
+              "model is not implemented");
+  ExactEstimate x;
+  const std::vector<bool> linear = c.gdn_layers();
+  const TransformerConfig::StageLayers first = c.pipeline_stage_layers(0);
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const bool gdn = linear[static_cast<size_t>(i)];
+    (gdn ? x.gdn_layers : x.attention_layers) += 1;
+    if (first.contains(i) || c.virtual_pipeline_size() > 1) {
+      int64_t& index = gdn ? x.gdn_index : x.attention_index;
+      if (index < 0) index = i;
+    }
+  }
+  // A balanced routing for every MoE layer (Note [Estimating what the paper does not describe]).
+  MoERouting routing;
+  if (c.is_moe()) {
+    const int64_t t = c.tensor_model_parallel_size, e = c.expert_model_parallel_size;
+    const int64_t T = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
+                                          : c.seq_length * c.micro_batch_size;
+    const int64_t k = c.moe_router_topk, E = c.num_moe_experts;
+    const int64_t rows = (e * t * T * k + E - 1) / E;  // per local expert, rounded up
+    for (const bool is_moe : c.moe_layers()) {
+      if (is_moe)
+        routing.emplace_back(std::vector<int64_t>(static_cast<size_t>(E / e), rows), T * k);
+    }
+  }
+  auto strategy = [&](const std::string& name, const std::function<void(TransformerConfig&)>& set) {
+    TransformerConfig cc = c;
+    set(cc);
+    const ActivationPlan plan = make_activation_plan(cc);
+    ExactEstimate::Strategy s{name};
+    std::map<int64_t, double> per_layer;
+    for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
+      const PredictedBytes p =
+          predict_activation_bytes(cc, plan, 2, /*snapshots_on_device=*/false, &routing, 0, chunk);
+      s.stage += static_cast<double>(p.total);
+      for (const auto& [module, bytes] : p.by_module) {
+        const std::string prefix = "decoder.layers.";
+        if (module.rfind(prefix, 0) != 0) continue;
+        const int64_t layer = std::stoll(module.substr(prefix.size()));
+        per_layer[layer] += static_cast<double>(bytes);
+        if (name == "none") {
+          const bool gdn = layer == x.gdn_index;
+          if (!gdn && layer != x.attention_index) continue;
+          // "decoder.layers.3.self_attention.linear_qkv" -> "self_attention.linear_qkv"
+          const std::string rest = module.substr(module.find('.', prefix.size()) + 1);
+          auto it = std::find_if(x.modules.begin(), x.modules.end(),
+                                 [&](const auto& r) { return r.first == rest; });
+          if (it == x.modules.end()) it = x.modules.insert(x.modules.end(), {rest, {0.0, 0.0}});
+          (gdn ? it->second.first : it->second.second) += static_cast<double>(bytes);
+        }
+      }
+    }
+    s.gdn_layer = x.gdn_index >= 0 ? per_layer[x.gdn_index] : 0.0;
+    s.attention_layer = x.attention_index >= 0 ? per_layer[x.attention_index] : 0.0;
+    x.strategies.push_back(s);
+  };
+  auto selective = [](std::vector<std::string> modules) {
+    return [modules](TransformerConfig& cc) {
+      cc.recompute_granularity = "selective";
+      cc.recompute_modules = modules;
+    };
+  };
+  strategy("none", [](TransformerConfig&) {});
+  std::vector<std::string> modules;
+  if (x.attention_layers > 0) {
+    modules.emplace_back("core_attn");
+    strategy("selective core_attn", selective(modules));
+  }
+  if (x.gdn_layers > 0) {
+    modules.emplace_back("gdn_norm_out");
+    strategy("selective " + c10::Join("+", modules), selective(modules));
+  }
+  modules.emplace_back("layernorm");
+  if (c.is_moe() && c.moe_grouped_gemm) modules.emplace_back("moe_act");
+  if (c.moe_shared_expert_intermediate_size) modules.emplace_back("shared_experts");
+  const std::vector<bool> moe = c.is_moe() ? c.moe_layers() : std::vector<bool>();
+  if (!c.is_moe() || std::find(moe.begin(), moe.end(), false) != moe.end())
+    modules.emplace_back("mlp");
+  strategy("selective " + c10::Join("+", modules), selective(modules));
+  strategy("full uniform 1", [](TransformerConfig& cc) {
+    cc.recompute_granularity = "full";
+    cc.recompute_method = "uniform";
+    cc.recompute_num_layers = 1;
+  });
+  x.in_flight = stages_in_flight(m).front();
+  x.params = count_parameters(c);
+  const double expert_dp =
+      std::max(1.0, m.t * m.d / (m.t * static_cast<double>(c.expert_model_parallel_size)));
+  auto optimizer = [&](double dp) { return m.distributed_optimizer ? 12.0 / dp : 12.0; };
+  x.weight_bytes = 2.0 * x.params.on_rank;
+  x.gradient_bytes = 4.0 * x.params.on_rank;
+  x.optimizer_bytes = optimizer(m.d) * (x.params.on_rank - x.params.experts_on_rank) +
+                      optimizer(expert_dp) * x.params.experts_on_rank;
+  return x;
+}
+
+nlohmann::json to_json(const ExactEstimate& x, const TransformerConfig& c,
+                       const std::string& base) {
+  nlohmann::json strategies = nlohmann::json::array();
+  for (const auto& s : x.strategies) {
+    strategies.push_back({{"name", s.name},
+                          {"gdn_layer_bytes", s.gdn_layer},
+                          {"attention_layer_bytes", s.attention_layer},
+                          {"first_stage_bytes", s.stage},
+                          {"first_stage_in_flight_bytes", s.stage * x.in_flight}});
+  }
+  nlohmann::json modules = nlohmann::json::object();
+  for (const auto& [name, bytes] : x.modules) {
+    modules[name] = {{"gdn_layer", bytes.first}, {"attention_layer", bytes.second}};
+  }
+  const double states = x.weight_bytes + x.gradient_bytes + x.optimizer_bytes;
+  return {{"model", to_json(c)},
+          {"base", base},
+          {"method", "exact predictor (the paper's formulas do not describe this model)"},
+          {"dtype_bytes", 2},
+          {"gdn_layers", x.gdn_layers},
+          {"attention_layers", x.attention_layers},
+          {"microbatches_in_flight_first_stage", x.in_flight},
+          {"strategies", strategies},
+          {"plain_bytes_per_module", modules},
+          {"parameters",
+           {{"total", x.params.total},
+            {"active", x.params.active},
+            {"on_rank", x.params.on_rank},
+            {"experts_on_rank", x.params.experts_on_rank}}},
+          {"weights_and_optimizer",
+           {{"weight_bytes", x.weight_bytes},
+            {"gradient_bytes", x.gradient_bytes},
+            {"optimizer_bytes", x.optimizer_bytes},
+            {"total_bytes", states}}}};
+}
+
+void print_exact(const ExactEstimate& x, const TransformerConfig& c, const std::string& base) {
+  std::cout << "actmem estimate: " << base << " — " << c.num_layers << " layers (" << x.gdn_layers
+            << " Gated DeltaNet, " << x.attention_layers << " attention), h " << c.hidden_size
+            << ", s " << c.seq_length << ", b " << c.micro_batch_size << ", t "
+            << c.tensor_model_parallel_size << (c.sequence_parallel ? " (SP)" : "") << ", p "
+            << c.pipeline_model_parallel_size
+            << (c.is_moe() ? ", e " + std::to_string(c.expert_model_parallel_size) : "")
+            << "\n  the paper's formulas and Megatron's theoretical memory do not describe this "
+               "model (GDN layers, or attention not h wide, gated or normed per head): the\n"
+               "  project's exact predictor instead, 16-bit, one micro-batch on one rank of the "
+               "first stage"
+            << (c.is_moe() ? ", experts at a balanced routing" : "") << "\n\n";
+  const int w = 68;
+  std::cout << std::left << std::setw(w) << "module (no recompute)" << std::right << std::setw(14)
+            << (x.gdn_index >= 0 ? "GDN layer" : "") << std::setw(16)
+            << (x.attention_index >= 0 ? "attention layer" : "") << "\n";
+  for (const auto& [name, bytes] : x.modules) {
+    auto cell = [](bool shown, double v) {
+      return shown && v > 0 ? format_bytes_3sig(v) : std::string(shown ? "-" : "");
+    };
+    std::cout << std::left << std::setw(w) << ("  " + name) << std::right << std::setw(14)
+              << cell(x.gdn_index >= 0, bytes.first) << std::setw(16)
+              << cell(x.attention_index >= 0, bytes.second) << "\n";
+  }
+  std::cout << "\n"
+            << std::left << std::setw(w) << "strategy" << std::right << std::setw(14) << "GDN layer"
+            << std::setw(16) << "attention layer" << std::setw(14) << "first stage" << std::setw(16)
+            << "x in flight"
+            << "\n";
+  for (const auto& s : x.strategies) {
+    std::cout << std::left << std::setw(w) << ("  " + s.name) << std::right << std::setw(14)
+              << (x.gdn_index >= 0 ? format_bytes_3sig(s.gdn_layer) : "-") << std::setw(16)
+              << (x.attention_index >= 0 ? format_bytes_3sig(s.attention_layer) : "-")
+              << std::setw(14) << format_bytes_3sig(s.stage) << std::setw(16)
+              << format_bytes_3sig(s.stage * x.in_flight) << "\n";
+  }
+  const double states = x.weight_bytes + x.gradient_bytes + x.optimizer_bytes;
+  std::cout << "\nfirst stage in flight: " << x.in_flight << " micro-batch(es) (1F1B)\n"
+            << "parameters: " << std::fixed << std::setprecision(2)
+            << static_cast<double>(x.params.total) / 1e9 << " B total, "
+            << static_cast<double>(x.params.active) / 1e9 << " B active, " << x.params.on_rank / 1e9
+            << " B on a rank of the first stage\n"
+            << std::defaultfloat
+            << "weights + gradients + optimizer per rank: " << format_bytes_3sig(states) << " ("
+            << format_bytes_3sig(x.weight_bytes) << " + " << format_bytes_3sig(x.gradient_bytes)
+            << " + " << format_bytes_3sig(x.optimizer_bytes) << ")\n";
+  for (const auto& s : x.strategies) {
+    std::cout << std::left << std::setw(w) << ("  device total, " + s.name) << std::right
+              << std::setw(14) << format_bytes_3sig(states + s.stage * x.in_flight) << "\n";
+  }
+}
+
 int run(EstimateOptions& o, const CLI::App& cmd) {
   if (o.preset.empty()) {
     // Sizes without a preset describe a model of their own: all of them, nothing inherited.
@@ -388,17 +611,24 @@ int run(EstimateOptions& o, const CLI::App& cmd) {
                 "--vocab-size (missing: ", c10::Join(", ", missing), "); or name a --preset (",
                 c10::Join(", ", model_preset_names()), ") for the flags to modify");
   }
-  TORCH_CHECK(!o.model.model.gated_delta_net(),
-              "actmem estimate: the paper's formulas and "
-              "Megatron's cover attention layers only, not GatedDeltaNet layers; `actmem inspect` "
-              "measures and predicts a hybrid model per module, `actmem plan` plans it");
   const PaperShape shape = describe_model(o.model, o.layout, "actmem estimate");
+  const std::string base = o.preset.empty() ? "custom"
+                           : to_json(preset_options(o.preset).model) == to_json(o.model.model)
+                               ? o.preset
+                               : o.preset + " (with the flags given)";
+  if (!paper_describes(o.model.model)) {
+    // Note [Estimating what the paper does not describe].
+    const ExactEstimate x = compute_exact(o.model.model, shape);
+    if (o.json) {
+      std::cout << to_json(x, o.model.model, base).dump(2) << std::endl;
+    } else {
+      print_exact(x, o.model.model, base);
+    }
+    return 0;
+  }
   Estimate e = compute(shape, o.model.model, o.bandwidth_gbps);
   e.preset = o.preset;
-  e.base_name = o.preset.empty() ? "custom"
-                : to_json(preset_options(o.preset).model) == to_json(o.model.model)
-                    ? o.preset
-                    : o.preset + " (with the flags given)";
+  e.base_name = base;
   if (o.json) {
     std::cout << to_json(e).dump(2) << std::endl;
   } else {

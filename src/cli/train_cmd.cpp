@@ -98,7 +98,20 @@ std::string moe_summary(const actmem::TransformerConfig& m) {
 
 // "  MLA: q_lora_rank 512, kv_lora_rank 512, ...\n", or "" for standard attention.
 std::string mla_summary(const actmem::TransformerConfig& m) {
-  if (!m.multi_latent_attention) return "";
+  if (!m.multi_latent_attention) {
+    // Standard attention's shape switches (Qwen3, Qwen3-Next), when any is on.
+    std::vector<std::string> parts;
+    if (m.kv_channels_arg) parts.push_back("heads of " + std::to_string(m.kv_channels()));
+    if (m.qk_layernorm) parts.push_back("q/k norms");
+    if (m.attention_output_gate) parts.push_back("output gate");
+    if (m.model_rope() && m.rotary_percent < 1.0) {
+      parts.push_back("RoPE on " + std::to_string(m.rotary_dim()) + " of " +
+                      std::to_string(m.kv_channels()) + " features");
+    }
+    if (m.layernorm_zero_centered_gamma) parts.push_back("zero-centred norms");
+    if (parts.empty()) return "";
+    return "  attention: " + c10::Join(", ", parts) + "\n";
+  }
   std::ostringstream os;
   os << "  MLA: q_lora_rank " << (m.q_lora_rank ? c10::str(*m.q_lora_rank) : std::string("none"))
      << ", kv_lora_rank " << m.kv_lora_rank << ", head dims qk " << m.qk_head_dim << " + rope "

@@ -208,6 +208,12 @@ void validate_pipeline(const TransformerConfig& c) {
 }
 }  // namespace
 
+int64_t TransformerConfig::rotary_dim() const {
+  // Megatron's RotaryEmbedding: dim = kv_channels, then int(dim * rotary_percent) when < 1.
+  const int64_t d = kv_channels();
+  return rotary_percent < 1.0 ? static_cast<int64_t>(static_cast<double>(d) * rotary_percent) : d;
+}
+
 int64_t TransformerConfig::virtual_pipeline_size() const {
   if (num_virtual_stages_per_pipeline_rank) return *num_virtual_stages_per_pipeline_rank;
   if (num_layers_per_virtual_pipeline_stage && *num_layers_per_virtual_pipeline_stage > 0 &&
@@ -496,10 +502,14 @@ void validate_mla(const TransformerConfig& c) {
     TORCH_CHECK(rope == "rope", api, "Common attention only support rope_type=\"rope\", but got ",
                 rope, ".");
     TORCH_CHECK(!c.q_lora_rank, api, "q_lora_rank needs --multi-latent-attention");
-    TORCH_CHECK(!c.qk_layernorm, api, "qk_layernorm with standard attention is not implemented "
-                "yet (it applies to --multi-latent-attention)");
     return;
   }
+  // MultiLatentAttention.__init__ (megatron/core/transformer/multi_latent_attention.py).
+  TORCH_CHECK(!c.attention_output_gate, api, "Output gate is not supported for MLA yet.");
+  TORCH_CHECK(c.rotary_percent == 1.0, api, "--rotary-percent ", c.rotary_percent,
+              " with "
+              "multi-latent attention is not implemented (MLA rotates its qk_pos_emb_head_dim "
+              "part whole)");
   TORCH_CHECK(!c.q_lora_rank || *c.q_lora_rank > 0, api, "q_lora_rank must be positive, got ",
               c.q_lora_rank.value_or(0));
   check_positive(c.kv_lora_rank, "kv_lora_rank");
@@ -522,10 +532,18 @@ void TransformerConfig::validate_shape() const {
   check_positive(num_layers, "num_layers");
   check_positive(hidden_size, "hidden_size");
   check_positive(num_attention_heads, "num_attention_heads");
-  // MLA sizes its heads with qk_head_dim, qk_pos_emb_head_dim and v_head_dim instead.
-  TORCH_CHECK(multi_latent_attention || hidden_size % num_attention_heads == 0,
+  // MLA sizes its heads with qk_head_dim, qk_pos_emb_head_dim and v_head_dim instead; with
+  // --kv-channels the heads need not tile h (Megatron's arguments.py asserts the division only
+  // when kv_channels is unset).
+  TORCH_CHECK(!kv_channels_arg || *kv_channels_arg > 0,
+              "actmem::TransformerConfig: kv_channels "
+              "must be positive, got ",
+              kv_channels_arg.value_or(0));
+  TORCH_CHECK(multi_latent_attention || kv_channels_arg || hidden_size % num_attention_heads == 0,
               "actmem::TransformerConfig: num_attention_heads (", num_attention_heads,
-              ") must divide hidden_size (", hidden_size, ")");
+              ") must divide hidden_size (", hidden_size,
+              "), or give the head width with "
+              "--kv-channels");
   TORCH_CHECK(ffn_hidden_size >= 0, "actmem::TransformerConfig: ffn_hidden_size must be positive "
               "(or 0 for 4 * hidden_size), got ", ffn_hidden_size);
   check_positive(seq_length, "seq_length");
@@ -545,8 +563,15 @@ void TransformerConfig::validate_shape() const {
   TORCH_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope",
               "actmem::TransformerConfig: position_embedding_type must be \"learned_absolute\" or "
               "\"rope\", got \"", position_embedding_type, "\"");
-  TORCH_CHECK(!model_rope() || kv_channels() % 2 == 0, "actmem::TransformerConfig: rope needs an even "
-              "head dimension (hidden_size / num_attention_heads), got ", kv_channels());
+  TORCH_CHECK(std::isfinite(rotary_percent) && rotary_percent > 0.0 && rotary_percent <= 1.0,
+              "actmem::TransformerConfig: rotary_percent must be in (0, 1], got ", rotary_percent);
+  TORCH_CHECK(rotary_percent == 1.0 || use_rope(), "actmem::TransformerConfig: --rotary-percent ",
+              rotary_percent, " applies to rotary positions; add --position-embedding-type rope");
+  TORCH_CHECK(!model_rope() || (rotary_dim() > 0 && rotary_dim() % 2 == 0),
+              "actmem::TransformerConfig: rope needs an even head dimension (it rotates pairs "
+              "of features): the rotated part of a head, int(kv_channels ",
+              kv_channels(), " x rotary_percent ", rotary_percent, ") = ", rotary_dim(),
+              ", must be even and positive");
   TORCH_CHECK(rotary_base > 0.0, "actmem::TransformerConfig: rotary_base must be positive, got ",
               rotary_base);
   TORCH_CHECK(init_method_std > 0.0, "actmem::TransformerConfig: init_method_std must be "
@@ -685,6 +710,12 @@ nlohmann::json to_json(const TransformerConfig& c) {
       {"add_bias_linear", c.add_bias_linear},
       {"position_embedding_type", c.position_embedding_type},
       {"rotary_base", c.rotary_base},
+      {"rotary_percent", c.rotary_percent},
+      {"kv_channels",
+       c.multi_latent_attention ? nlohmann::json(nullptr) : nlohmann::json(c.kv_channels())},
+      {"apply_layernorm_1p", c.layernorm_zero_centered_gamma},
+      {"qk_layernorm", c.qk_layernorm},
+      {"attention_output_gate", c.attention_output_gate},
       {"untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights},
       {"init_method_std", c.init_method_std},
       {"seed", c.seed},
@@ -739,7 +770,6 @@ nlohmann::json to_json(const TransformerConfig& c) {
     j["qk_head_dim"] = c.qk_head_dim;
     j["qk_pos_emb_head_dim"] = c.qk_pos_emb_head_dim;
     j["v_head_dim"] = c.v_head_dim;
-    j["qk_layernorm"] = c.qk_layernorm;
     j["rope_type"] = c.resolved_rope_type();
     j["rotary_scaling_factor"] = c.rotary_scaling_factor;
     j["mscale"] = c.mscale;

@@ -87,6 +87,25 @@ const std::map<std::string, std::string>& presets() {
        "--num-experts 256 --moe-router-topk 8 --moe-ffn-hidden-size 2048 --moe-grouped-gemm "
        "--moe-shared-expert-intermediate-size 2048 --moe-layer-freq "
        "([0]*3+[1]*58) --seq-length 4096 --micro-batch-size 1"},
+      // Qwen3-Next-80B-A3B (Qwen team, 2025: its config.json and model card): 48 layers of h
+      // 2048, every 4th full attention (16 heads of 256 in 2 key/value groups, q/k norms, the
+      // output gate, RoPE base 1e7 on a quarter of each head), the other three Gated DeltaNet
+      // (16 key heads and 32 value heads of 128, a kernel-4 convolution); every MLP 512 routed
+      // experts of ffn 512 top-10 and a gated shared expert of 512; zero-centred RMSNorm
+      // (eps 1e-6), untied, vocabulary 151936, no dropout, aux-loss 1e-3.
+      {"qwen3-next-80b-a3b",
+       "--num-layers 48 --hidden-size 2048 --num-attention-heads 16 --kv-channels 256 "
+       "--group-query-attention --num-query-groups 2 --qk-layernorm --attention-output-gate "
+       "--position-embedding-type rope --rotary-base 10000000 --rotary-percent 0.25 "
+       "--experimental-attention-variant gdn --linear-attention-freq 4 "
+       "--linear-conv-kernel-dim 4 --linear-key-head-dim 128 --linear-value-head-dim 128 "
+       "--linear-num-key-heads 16 --linear-num-value-heads 32 "
+       "--num-experts 512 --moe-router-topk 10 --moe-ffn-hidden-size 512 --moe-grouped-gemm "
+       "--moe-shared-expert-intermediate-size 512 --moe-shared-expert-gate "
+       "--moe-aux-loss-coeff 1e-3 --ffn-hidden-size 5120 --normalization RMSNorm "
+       "--apply-layernorm-1p --norm-epsilon 1e-6 --swiglu --untie-embeddings-and-output-weights "
+       "--disable-bias-linear --vocab-size 151936 " NO_DROPOUT " --seq-length 4096 "
+       "--micro-batch-size 1"},
   };
   return table;
 }

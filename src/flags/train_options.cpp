@@ -107,8 +107,12 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
       ->check(CLI::IsMember({"flash", "fused", "unfused", "local", "auto"}));
   app.add_option("--normalization", o.normalization_flag, "LayerNorm or RMSNorm")
       ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
-  app.add_option("--layernorm-epsilon", m.layernorm_epsilon, "Norm epsilon")
-      ->capture_default_str()->check(kPositive);
+  app.add_option("--layernorm-epsilon,--norm-epsilon", m.layernorm_epsilon,
+                 "Norm epsilon (--norm-epsilon: Megatron's current name)")
+      ->capture_default_str()
+      ->check(kPositive);
+  app.add_flag("--apply-layernorm-1p", m.layernorm_zero_centered_gamma,
+               "Zero-centred gamma: every norm multiplies by (1 + weight), weights start at 0");
   // The negations turn off what a preset (flags/presets.h) or an earlier flag turned on: the
   // last of a flag and its negation wins, as with argparse.
   app.add_flag("--swiglu,!--no-swiglu", o.swiglu,
@@ -116,7 +120,19 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
                "int(8h/3/64) x 64)");
   app.add_flag("--disable-bias-linear", o.disable_bias_linear, "Linear layers without biases");
   app.add_flag("--use-rotary-position-embeddings", o.use_rope,
-               "RoPE instead of learned absolute positions");
+               "RoPE instead of learned absolute positions (Megatron's deprecated spelling of "
+               "--position-embedding-type rope)");
+  app.add_option("--position-embedding-type", o.position_embedding_type,
+                 "learned_absolute (default) or rope")
+      ->check(CLI::IsMember({"learned_absolute", "rope"}));
+  app.add_option("--rotary-percent", m.rotary_percent,
+                 "Fraction of each head's features RoPE rotates (partial RoPE; the rest pass)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option_function<int64_t>(
+         "--kv-channels", [&m](const int64_t& v) { m.kv_channels_arg = v; },
+         "Width of each attention head (default hidden-size / num-attention-heads)")
+      ->check(positive);
   app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str()->check(kPositive);
   app.add_flag("--untie-embeddings-and-output-weights,!--tie-embeddings-and-output-weights",
                o.untie, "Separate output layer instead of the tied word embedding");
@@ -284,7 +300,11 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));
   app.add_flag("--qk-layernorm", m.qk_layernorm,
-               "Norms on the query and key/value latents (MLA's q_layernorm, kv_layernorm)");
+               "Norms on each query and key head (q_layernorm, k_layernorm before RoPE); with MLA "
+               "on the query and key/value latents (q_layernorm, kv_layernorm)");
+  app.add_flag("--attention-output-gate", m.attention_output_gate,
+               "Gated attention: linear_qkv also yields a gate per query head; the core "
+               "attention's output is multiplied by sigmoid(gate) before linear_proj");
   app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
       ->check(CLI::IsMember({"rope", "yarn"}));
   app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN's scaling factor")
@@ -584,7 +604,10 @@ void TrainOptions::finalize() {
   }
   model.add_bias_linear = !disable_bias_linear;
   model.untie_embeddings_and_output_weights = untie;
-  model.position_embedding_type = use_rope ? "rope" : "learned_absolute";
+  // --use-rotary-position-embeddings is Megatron's deprecated spelling of the type rope.
+  model.position_embedding_type = use_rope                           ? "rope"
+                                  : !position_embedding_type.empty() ? position_embedding_type
+                                                                     : "learned_absolute";
   if (device_memory_limit_gib > 0.0) {
     training.device_memory_limit =
         static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));

@@ -204,6 +204,80 @@ WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   return w;
 }
 
+ParameterCount count_parameters(const TransformerConfig& c) {
+  TORCH_CHECK(!c.multi_latent_attention,
+              "actmem::count_parameters: multi-latent attention is "
+              "counted by megatron_weight_and_optimizer_memory");
+  const double t = static_cast<double>(c.tensor_model_parallel_size);
+  const double e = static_cast<double>(c.expert_model_parallel_size);
+  const int64_t h = c.hidden_size, bias = c.add_bias_linear ? 1 : 0;
+  const int64_t norm = (c.use_rmsnorm() ? 1 : 2);  // weight (and bias) per feature
+  // Per layer kind: {sharded over tensor ranks, replicated}.
+  struct Part {
+    int64_t sharded = 0, replicated = 0;
+    int64_t total() const { return sharded + replicated; }
+  };
+  Part attention;
+  {
+    const int64_t a = c.num_attention_heads, d = c.kv_channels();
+    const int64_t rows = (a * (c.attention_output_gate ? 2 : 1) + 2 * c.query_groups()) * d;
+    attention.sharded = h * rows + bias * rows + a * d * h;
+    attention.replicated = bias * h + (c.qk_layernorm ? 2 * d * norm : 0) + 2 * h * norm;
+  }
+  Part gdn;
+  if (c.gated_delta_net()) {
+    const int64_t qk = c.linear_num_key_heads * c.linear_key_head_dim;
+    const int64_t vd = c.linear_num_value_heads * c.linear_value_head_dim;
+    const int64_t Hv = c.linear_num_value_heads;
+    gdn.sharded =
+        h * (2 * qk + 2 * vd + 2 * Hv) + (2 * qk + vd) * c.linear_conv_kernel_dim + 2 * Hv + vd * h;
+    gdn.replicated = c.linear_value_head_dim * norm + 2 * h * norm;
+  }
+  auto mlp = [&](int64_t f) {  // Megatron's MLP: fc1 column-parallel, fc2 row-parallel
+    const int64_t fc1 = c.gated_linear_unit ? 2 * f : f;
+    return Part{h * fc1 + bias * fc1 + f * h, bias * h};
+  };
+  const Part dense = mlp(c.ffn());
+  Part moe_shared;     // router, shared experts and their gate
+  int64_t expert = 0;  // one routed expert
+  if (c.is_moe()) {
+    const int64_t fm = c.moe_ffn(), fc1 = c.gated_linear_unit ? 2 * fm : fm;
+    expert = h * fc1 + fm * h + bias * (fc1 + h);
+    moe_shared.replicated = c.num_moe_experts * h + bias * c.num_moe_experts;
+    if (c.moe_shared_expert_intermediate_size) {
+      const Part se = mlp(*c.moe_shared_expert_intermediate_size);
+      moe_shared.sharded += se.sharded;
+      moe_shared.replicated += se.replicated + (c.moe_shared_expert_gate ? h : 0);
+    }
+  }
+  const std::vector<bool> moe = c.moe_layers(), linear = c.gdn_layers();
+  const TransformerConfig::StageLayers first = c.pipeline_stage_layers(0);
+  ParameterCount n;
+  for (int64_t i = 0; i < c.num_layers; ++i) {
+    const Part& mixer = linear[static_cast<size_t>(i)] ? gdn : attention;
+    const bool is_moe = moe[static_cast<size_t>(i)];
+    const int64_t experts = is_moe ? c.num_moe_experts * expert : 0;
+    const Part& ffn = is_moe ? moe_shared : dense;
+    n.total += mixer.total() + ffn.total() + experts;
+    n.active += mixer.total() + ffn.total() + (is_moe ? c.moe_router_topk * expert : 0);
+    if (first.contains(i)) {
+      n.experts_on_rank += static_cast<double>(experts) / (e * t);
+      n.on_rank += static_cast<double>(mixer.sharded + ffn.sharded) / t +
+                   static_cast<double>(mixer.replicated + ffn.replicated);
+    }
+  }
+  n.on_rank += n.experts_on_rank;
+  const int64_t v = c.vocab_size, positions = c.use_rope() ? 0 : c.max_positions() * h;
+  const int64_t output = c.untie_embeddings_and_output_weights ? v * h : 0;
+  n.total += v * h + positions + output + h * norm;
+  n.active += v * h + positions + output + h * norm;
+  n.on_rank += static_cast<double>(v * h) / t + static_cast<double>(positions);
+  if (c.pipeline_model_parallel_size == 1) {
+    n.on_rank += static_cast<double>(output) / t + static_cast<double>(h * norm);
+  }
+  return n;
+}
+
 double offload_round_trip_seconds(double bytes, double gbps) {
   TORCH_CHECK(gbps > 0, "actmem::offload_round_trip_seconds: bandwidth must be positive, got ", gbps);
   return 2.0 * bytes / (gbps * 1e9);
@@ -246,8 +320,14 @@ double korthikanti_module_bytes(const std::string& path, const TransformerConfig
 }
 
 namespace {
+// Per module, what a standard attention layer keeps (Note [What standard attention keeps]).
+struct StandardAttentionBytes {
+  int64_t q_layernorm = 0, k_layernorm = 0, core_qkv = 0, output_gate = 0, linear_proj = 0;
+};
 int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e);
 int64_t flash_output_and_logsumexp_bytes(const TransformerConfig& c, int64_t e);
+StandardAttentionBytes standard_attention_bytes(const TransformerConfig& c, const LayerPlan& lp,
+                                                int64_t e, bool cpu);
 }  // namespace
 
 ModuleExtra module_bytes_beyond_paper(const std::string& path, const TransformerConfig& c,
@@ -267,6 +347,9 @@ ModuleExtra module_bytes_beyond_paper(const std::string& path, const Transformer
     x.what += (x.what.empty() ? "" : "; ") + what;
   };
   if (ends_with("input_layernorm") || ends_with("pre_mlp_layernorm")) {
+    if (c.layernorm_zero_centered_gamma) {
+      add(c.hidden_size * e, "--apply-layernorm-1p: the scale 1 + weight [h]");
+    }
     if (c.use_rmsnorm()) {
       add(sb * up, "RMSNorm's rstd [s, b, 1] in " + std::string(up == 4 ? "fp32" : "the dtype"));
     } else {
@@ -274,27 +357,36 @@ ModuleExtra module_bytes_beyond_paper(const std::string& path, const Transformer
       add(2 * sb * stat, std::string("LayerNorm's mean and rstd [s, b, 1] in ") +
                              (stat == e ? c.precision() : "fp32"));
     }
-  } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention &&
-             c.flash_attention()) {
-    // Note [The flash kernel's layout]: q, k, v as they come (k and v at G heads, v a view of
-    // linear_qkv's output), the output and the logsumexp; no s x s tensor.
+  } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention) {
+    // Note [What standard attention keeps]: the paper's 3 sbh for q, k and v, exactly with
+    // grouped-query attention (q's copy or RoPE's output, k and v repeated to every head).
     const int64_t qkv = core_attention_qkv_bytes(c, LayerPlan{}, e) - 3 * sbh_t * e;
     if (qkv != 0) {
-      add(qkv, c.grouped_query_attention() ? "q's copy or rotated q, and linear_qkv's output kept "
-                                             "by the view v"
-                                           : "RoPE's rotated q and k");
+      std::string why;
+      if (c.query_projection_size() != c.hidden_size)
+        why = "heads a x d = " + std::to_string(c.query_projection_size()) + " wide, not h; ";
+      if (c.attention_output_gate && !c.qk_layernorm && !c.model_rope())
+        why += "linear_qkv's output holds the gates; ";
+      if (c.qk_layernorm)
+        why += "the q/k norms' outputs (their inputs on q_layernorm, k_layernorm); ";
+      if (c.model_rope()) why += "RoPE's rotated q and k; ";
+      if (c.flash_attention())
+        why += "flash takes k and v at G heads, v a view of linear_qkv's output; ";
+      add(qkv, why.empty() ? "q, k and v as the kernel keeps them" : why.substr(0, why.size() - 2));
     }
-    add(flash_output_and_logsumexp_bytes(c, e) - (2 * as2b_t * e + as2b_t),
-        "flash: no s x s tensors (the paper's 5as^2b), its output sbh and logsumexp 4asb instead");
-  } else if (ends_with("self_attention.linear_proj") && c.flash_attention()) {
-    add(-sbh_t * e, "flash: its input is the kernel's output, counted on core_attention");
-  } else if (ends_with("self_attention.core_attention") && !c.multi_latent_attention) {
-    // With grouped-query attention the kept q, k and v are q's copy (or RoPE's output) and the
-    // keys and values repeated to every head: the paper's 3 sbh exactly.
-    if (c.model_rope() && !c.grouped_query_attention())
-      add(2 * sbh_t * e, "RoPE's rotated q and k");
-    if (c.attention_dropout == 0.0) {
+    if (c.flash_attention()) {
+      // Note [The flash kernel's layout]: the output and the logsumexp; no s x s tensor.
+      add(flash_output_and_logsumexp_bytes(c, e) - (2 * as2b_t * e + as2b_t),
+          "flash: no s x s tensors (the paper's 5as^2b), its output and logsumexp 4asb instead");
+    } else if (c.attention_dropout == 0.0) {
       add(-(as2b_t + as2b_t * e), "no attention dropout: no mask, no dropped probabilities");
+    }
+  } else if (ends_with("self_attention.linear_proj") && !c.multi_latent_attention) {
+    const int64_t extra = standard_attention_bytes(c, LayerPlan{}, e, cpu).linear_proj - sbh_t * e;
+    if (extra != 0) {
+      add(extra, c.flash_attention() && !c.attention_output_gate
+                     ? "flash: its input is the kernel's output, counted on core_attention"
+                     : "its input is a x d wide, not h");
     }
   } else if (ends_with("mlp.activation_func")) {
     if (c.gated_linear_unit) add(2 * sbf_t * e, "SwiGLU: fc1's output is 2f wide, plus silu's output");
@@ -433,38 +525,106 @@ std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_in
 }
 
 namespace {
-// Note [What grouped-query attention keeps]
-// What the core attention's q, k and v keep for backward, per rank (heads a/t, groups G/t, head
-// dim d, so one head of the whole sequence is sbd). One group per head: q, k and v are views of
-// linear_qkv's output, whose 3 sbh/t storage the products keep, plus RoPE's rotated q and k
-// (2 sbh/t). With G < a groups, q is a copy (Megatron's reshape of the grouped layout; a view
-// when the rank holds a single group, whose query heads are adjacent) or RoPE's
-// output, and the products read the keys and values repeated to every head (expand_kv_heads):
-// 3 sbh/t, with or without RoPE. Under selective core_attn recompute the checkpoint keeps its
-// inputs instead: q (sbh/t), RoPE's rotated k of G heads (G sbd/t), and linear_qkv's output,
-// (a + 2G) sbd/t, which v (and without RoPE k) is a view of.
-//
-// The flash kernel (Note [The flash kernel's layout] in attention.cpp) reads k and v at G heads,
-// so it keeps what the checkpoint keeps: q's copy or RoPE's output, RoPE's k, and linear_qkv's
-// output through the view v.
-int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e) {
+// Note [What standard attention keeps]
+// Per rank: H = a/t query heads, G = G/t key/value groups, head dim d, so one head of the whole
+// sequence is D = s b d elements. The ledger counts a storage once, on the first module that
+// saves it, so the predictor follows the storages:
+//   QKV   linear_qkv's output, (H + 2G) D (plus H D of gates with --attention-output-gate);
+//         k and v are views of it; q is a view when each group has one query head or the rank
+//         holds one group, else a copy (Megatron's reshape of the grouped layout) — the gate too.
+//   q_layernorm / k_layernorm (--qk-layernorm) keep their input (q's view or copy, k's view),
+//         their statistics over H T (G T) rows, and with --apply-layernorm-1p the [d] scale;
+//         their outputs are new.
+//   RoPE's outputs are new (partial RoPE too: the rotated part and the passed one concatenated).
+//   core_attention keeps what reaches it: q and k as they came (after the norms and RoPE) and v
+//         — the checkpoint (selective core_attn) and the flash kernel take them at G heads; the
+//         unfused products read the keys and values repeated to every head (expand_kv_heads:
+//         copies when G < H) and q through a [s, b H, d] reshape, itself a copy when q is a
+//         view of a grouped QKV.
+//   output_gate (--attention-output-gate) keeps the context and sigmoid(gate) in fp32 (upcast),
+//         linear_proj the gated context; without the gate linear_proj keeps the context, a view
+//         of the flash kernel's output (counted on core_attention) or a new tensor.
+
+StandardAttentionBytes standard_attention_bytes(const TransformerConfig& c, const LayerPlan& lp,
+                                                int64_t e, bool cpu) {
+  const int64_t up = e == 2 ? 4 : e, ln_stat = cpu ? e : up;
   const int64_t t = c.tensor_model_parallel_size;
-  const int64_t heads = c.num_attention_heads / t, groups = c.query_groups() / t;
-  const int64_t head = c.seq_length * c.micro_batch_size * c.kv_channels();  // sbd
-  if (!c.grouped_query_attention()) return (c.model_rope() ? 5 : 3) * heads * head * e;
-  if (!lp.recomputes(RecomputeModule::kCoreAttn) && !c.flash_attention()) {
-    return 3 * heads * head * e;
+  const int64_t H = c.num_attention_heads / t, G = c.query_groups() / t, d = c.kv_channels();
+  const int64_t T = c.seq_length * c.micro_batch_size, D = T * d;
+  const bool grouped = G < H, gate = c.attention_output_gate, rope = c.model_rope();
+  const bool recompute = lp.recomputes(RecomputeModule::kCoreAttn), flash = c.flash_attention();
+  // Storages by name; saving one the first time adds its bytes to the module that saves it.
+  std::vector<std::string> saved;
+  auto save = [&saved](int64_t& module, const std::string& storage, int64_t bytes) {
+    if (std::find(saved.begin(), saved.end(), storage) != saved.end()) return;
+    saved.push_back(storage);
+    module += bytes;
+  };
+  const int64_t qkv_bytes = ((gate ? 2 : 1) * H + 2 * G) * D * e;
+  const bool q_view = !grouped || G == 1;
+  const std::string q0 = q_view ? "qkv" : "q copy";
+  StandardAttentionBytes x;
+  auto save_q0 = [&](int64_t& module) { save(module, q0, q_view ? qkv_bytes : H * D * e); };
+  std::string qn = q0, kn = "qkv";
+  if (c.qk_layernorm) {
+    const int64_t scale = c.layernorm_zero_centered_gamma ? d * e : 0;
+    auto stats = [&](int64_t rows) { return c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat; };
+    save_q0(x.q_layernorm);
+    x.q_layernorm += stats(H * T) + scale;
+    save(x.k_layernorm, "qkv", qkv_bytes);
+    x.k_layernorm += stats(G * T) + scale;
+    qn = "q normed";
+    kn = "k normed";
   }
-  // q is a copy unless this rank holds one group, whose query heads are contiguous (a view).
-  const int64_t q = c.model_rope() || groups > 1 ? heads : 0;
-  return (q + (c.model_rope() ? groups : 0) + heads + 2 * groups) * head * e;
+  const std::string qr = rope ? "q rotated" : qn, kr = rope ? "k rotated" : kn;
+  auto save_named = [&](int64_t& module, const std::string& storage, int64_t heads) {
+    if (storage == "qkv") {
+      save(module, "qkv", qkv_bytes);
+    } else if (storage == "q copy") {
+      save_q0(module);
+    } else {
+      save(module, storage, heads * D * e);
+    }
+  };
+  if (recompute || flash) {
+    save_named(x.core_qkv, qr, H);
+    save_named(x.core_qkv, kr, G);
+    save(x.core_qkv, "qkv", qkv_bytes);  // v
+  } else {
+    // q through the [s, b H, d] reshape: a copy only of q's view into a grouped QKV.
+    if (qr == "qkv" && grouped) {
+      save(x.core_qkv, "q reshaped", H * D * e);
+    } else {
+      save_named(x.core_qkv, qr, H);
+    }
+    if (grouped) {
+      save(x.core_qkv, "k repeated", H * D * e);
+      save(x.core_qkv, "v repeated", H * D * e);
+    } else {
+      save_named(x.core_qkv, kr, H);
+      save(x.core_qkv, "qkv", qkv_bytes);
+    }
+  }
+  // The context [s, b, H d]: a view of the flash kernel's output (counted with it), else new.
+  const int64_t context = flash && !recompute ? 0 : H * D * e;
+  if (gate) {
+    x.output_gate = context + H * D * up;
+    x.linear_proj = H * D * e;
+  } else {
+    x.linear_proj = context;
+  }
+  return x;
+}
+
+int64_t core_attention_qkv_bytes(const TransformerConfig& c, const LayerPlan& lp, int64_t e) {
+  return standard_attention_bytes(c, lp, e, true).core_qkv;
 }
 
 // What the flash kernel keeps beyond q, k and v, per rank: its output [b, a/t, s, d] (which
 // linear_proj's input is a view of) and the logsumexp [b, a/t, s] in fp32 (the dtype at 64 bits).
 int64_t flash_output_and_logsumexp_bytes(const TransformerConfig& c, int64_t e) {
   const int64_t t = c.tensor_model_parallel_size;
-  const int64_t sbh_t = c.seq_length * c.micro_batch_size * c.hidden_size / t;
+  const int64_t sbh_t = c.seq_length * c.micro_batch_size * c.query_projection_size() / t;
   const int64_t asb_t = c.num_attention_heads / t * c.seq_length * c.micro_batch_size;
   return sbh_t * e + asb_t * (e == 8 ? 8 : 4);
 }
@@ -508,11 +668,13 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   const int64_t sbh_full = s * b * h;
   const int64_t sb = sp ? s * b / t : s * b;  // tokens on this rank in the residual stream
   const int64_t sbh = sb * h;
-  const int64_t sbh_t = sbh_full / t, sbf = s * b * f / t, as2b = a * s * s * b / t;
+  const int64_t sbf = s * b * f / t, as2b = a * s * s * b / t;
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
   const bool flash = c.flash_attention();
   const int64_t snapshot = checkpoint_snapshot_bytes(snapshots_on_device);
   const int64_t norm_stats = c.use_rmsnorm() ? sb * up : 2 * sb * ln_stat;
+  // --apply-layernorm-1p: each norm call keeps its scale 1 + weight, n elements (layers.cpp).
+  const int64_t gamma1p = c.layernorm_zero_centered_gamma ? e : 0;
 
   PredictedBytes p;
   auto add = [&p](const std::string& module, int64_t bytes) {
@@ -625,14 +787,14 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     int64_t q_in = 0;  // the query up-projection's input, when it is not the norm output
     if (c.q_lora_rank) {
       const int64_t rq = *c.q_lora_rank;
-      if (c.qk_layernorm) add(attn + ".q_layernorm", Tr * rq * e + norm_stats);
+      if (c.qk_layernorm) add(attn + ".q_layernorm", Tr * rq * e + norm_stats + rq * gamma1p);
       q_in = Tr * rq * e;  // the latent (or its normed copy)
     }
     // Without kv_layernorm the up-projection reads a view of the whole down-projection output
     // [Tr, kv_lora_rank + pos], which then stays.
     int64_t kv_in = Tr * (rkv + dr) * e;
     if (c.qk_layernorm) {
-      add(attn + ".kv_layernorm", kv_in + norm_stats);
+      add(attn + ".kv_layernorm", kv_in + norm_stats + rkv * gamma1p);
       kv_in = Tr * rkv * e;
     }
     const std::string q_up = attn + (c.q_lora_rank ? ".linear_q_up_proj" : ".linear_q_proj");
@@ -679,7 +841,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     }
     const int64_t rows = T * Hv;
     const int64_t stats = c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat;
-    add(attn + ".out_norm", 2 * T * vd * e + 2 * T * vd * up + stats);
+    add(attn + ".out_norm", 2 * T * vd * e + 2 * T * vd * up + stats + dvh * gamma1p);
     add(attn + ".out_proj", T * vd * e);
   };
   if (first_stage) add("embedding", hidden_drop ? sbh : 0);
@@ -700,7 +862,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     // A norm keeps its input (the residual stream) either way; output-discarding recompute keeps
     // it through the checkpoint with a snapshot, instead of the norm statistics.
     const bool sel_norm = lp.recomputes(RecomputeModule::kLayernorm);
-    const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats;
+    const int64_t norm = sel_norm ? sbh * e + snapshot : sbh * e + norm_stats + h * gamma1p;
     const int64_t norm_out = sel_norm ? 0 : sbh * e;  // freed after its consumer saved it
     add(layer + ".input_layernorm", norm);
     const bool recompute_attn = lp.recomputes(RecomputeModule::kCoreAttn);
@@ -712,10 +874,14 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     } else if (c.multi_latent_attention) {
       add_mla_attention(layer + ".self_attention", lp, norm_out, scores);
     } else {
+      // Note [What standard attention keeps].
+      const StandardAttentionBytes sa = standard_attention_bytes(c, lp, e, cpu);
       add(layer + ".self_attention.linear_qkv", norm_out);
-      add(layer + ".self_attention.core_attention", core_attention_qkv_bytes(c, lp, e) + scores);
-      // Under flash the context is a view of the kernel's output, counted above.
-      add(layer + ".self_attention.linear_proj", flash && !recompute_attn ? 0 : sbh_t * e);
+      add(layer + ".self_attention.q_layernorm", sa.q_layernorm);
+      add(layer + ".self_attention.k_layernorm", sa.k_layernorm);
+      add(layer + ".self_attention.core_attention", sa.core_qkv + scores);
+      add(layer + ".self_attention.output_gate", sa.output_gate);
+      add(layer + ".self_attention.linear_proj", sa.linear_proj);
     }
     add(layer + ".self_attn_bda", hidden_drop ? sbh : 0);
     add(layer + ".pre_mlp_layernorm", norm);
@@ -732,7 +898,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
     add(layer + ".mlp_bda", hidden_drop ? sbh : 0);
   }
   if (!last_stage) return p;
-  add("decoder.final_layernorm", sbh * e + norm_stats);
+  add("decoder.final_layernorm", sbh * e + norm_stats + h * gamma1p);
   add("output_layer", sbh_full * e);  // the gathered [s, b, h] input of the replicated layer
   // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.
   // At 16 bits the loss runs on the upcast logits: fp32 log-softmax output and total weight.
@@ -818,7 +984,12 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
   // Replicated per layer: two norms (weight and bias, 4h) and the row-parallel biases (2h); the
   // final norm (2h); the word embedding and an untied output layer (2vh, an upper bound).
   // Attention weights per layer: linear_qkv and linear_proj (4h^2), or MLA's projections.
-  double attention = 4.0 * h * h;
+  // Standard attention: linear_qkv h x (a (1 + gate) + 2G) d, linear_proj a d x h, the q/k norms.
+  const double ad = static_cast<double>(c.query_projection_size());
+  const double qkv_width = static_cast<double>(
+      (c.num_attention_heads * (c.attention_output_gate ? 2 : 1) + 2 * c.query_groups()) *
+      c.kv_channels());
+  double attention = std::max(4.0 * h * h, h * qkv_width + ad * h + 4.0 * c.kv_channels());
   if (c.multi_latent_attention) {
     const double a_ = a, dq = static_cast<double>(c.mla_q_head_dim());
     const double dv = static_cast<double>(c.v_head_dim), rkv = static_cast<double>(c.kv_lora_rank);
@@ -845,7 +1016,11 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                         (last_stage ? v * h + 2.0 * h : 0.0);
   double largest_param = std::max(first_stage || last_stage ? v * h : 0.0, h * fc1 / t) * e;
   double largest_tensor =
-      std::max({last_stage ? s * b * v : 0.0, a * s * s * b / t, s * b * fc1 / t, s * b * h}) * e;
+      std::max({last_stage ? s * b * v : 0.0, a * s * s * b / t, s * b * fc1 / t, s * b * h,
+                s * b * qkv_width / t,
+                // the output gate's fp32 sigmoid at 16 bits
+                s * b * ad / t * (c.attention_output_gate && e == 2.0 ? 2.0 : 1.0)}) *
+      e;
   if (c.gated_delta_net()) {  // in_proj's output [s, b, P/t], the convolution's [b, C/t, s + K - 1]
     largest_tensor =
         std::max({largest_tensor, s * b * gdn_in / t * e,

@@ -12,6 +12,7 @@
 #include <ATen/record_function.h>
 #include <torch/autograd.h>
 
+#include <algorithm>
 #include <cmath>
 
 namespace actmem {
@@ -61,6 +62,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, 
                          .split_with_sizes({per_group * head_dim, head_dim, head_dim}, -1);
   // [s, b, G, a/G d] -> [s, b, a, d]: a copy with several heads per group, as Megatron's reshape.
   return {parts[0].reshape({s, b, heads, head_dim}), parts[1], parts[2]};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_gated_qkv(const at::Tensor& qkv,
+                                                                           int64_t heads,
+                                                                           int64_t groups,
+                                                                           int64_t head_dim) {
+  const int64_t s = qkv.size(0), b = qkv.size(1), per_group = heads / groups;
+  const auto parts =
+      qkv.view({s, b, groups, (2 * per_group + 2) * head_dim})
+          .split_with_sizes({per_group * head_dim, per_group * head_dim, head_dim, head_dim}, -1);
+  return {parts[0].reshape({s, b, heads, head_dim}), parts[1].reshape({s, b, heads, head_dim}),
+          parts[2], parts[3]};
+}
+
+at::Tensor apply_output_gate(const at::Tensor& context, const at::Tensor& gate) {
+  const at::Tensor g = gate.contiguous().view(context.sizes());
+  // gate.float() in Megatron; fp64 runs (the reference tests) stay in fp64.
+  return (context * at::sigmoid(g.to(compute_dtype(g.scalar_type())))).to(context.scalar_type());
 }
 
 at::Tensor expand_kv_heads(const at::Tensor& x, int64_t heads) {
@@ -133,7 +152,9 @@ at::Tensor CoreAttention::flash_forward(const at::Tensor& q, const at::Tensor& k
 // ---- RotaryEmbedding --------------------------------------------------------------------------
 
 RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype) {
-  const int64_t d = config.kv_channels();
+  // Partial RoPE (--rotary-percent): the tables cover the first rotary_dim() features; apply
+  // passes the rest through (Megatron's apply_rotary_pos_emb_bshd: t, t_pass).
+  const int64_t d = config.rotary_dim();
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   const at::Tensor inv_freq = 1.0 / at::pow(config.rotary_base, at::arange(0, d, 2, f64) / d);
   const at::Tensor t = at::arange(config.max_positions(), f64);
@@ -203,6 +224,15 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x_in, int64_t offset) const 
   const at::Tensor x = mla_interleaved_ ? at::cat({x_in.slice(-1, 0, c10::nullopt, 2),
                                                   x_in.slice(-1, 1, c10::nullopt, 2)}, -1)
                                         : x_in;
+  const int64_t rot = cos.size(-1);
+  if (rot < x.size(-1)) {  // partial RoPE: rotate the first rot features, pass the rest
+    return at::cat({rotate(x.narrow(-1, 0, rot), offset), x.narrow(-1, rot, x.size(-1) - rot)}, -1);
+  }
+  return rotate(x, offset);
+}
+
+at::Tensor RotaryEmbedding::rotate(const at::Tensor& x, int64_t offset) const {
+  const int64_t s = x.size(0);
   const auto halves = x.chunk(2, -1);
   const at::Tensor rotated = at::cat({-halves[1], halves[0]}, -1);
   return x * cos.narrow(0, offset, s) + rotated * sin.narrow(0, offset, s);
@@ -216,9 +246,12 @@ namespace {
 // core_attn — only q, k, v (and the random state) kept, the [b, a, s, s] scores, probabilities
 // and dropout mask rebuilt in backward — or inside the core_attn offload group, whose commit
 // releases q, k and v (not read again in forward: their storage goes once copied).
+// `kept_elsewhere`: tensors saved outside the group (the q/k norms' inputs) whose storage q, k or
+// v may share; such a storage is not released at the commit (it is copied, and stays).
 at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool recompute,
                               ActivationOffloader* offload_group, const at::Tensor& q,
-                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask) {
+                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                              const std::vector<at::Tensor>& kept_elsewhere = {}) {
   ModuleScope scope("core_attention");
   if (recompute) {
     return checkpoint(
@@ -229,7 +262,13 @@ at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool r
   }
   OffloadRegion region(offload_group, to_string(OffloadModule::kCoreAttn));
   const at::Tensor qs = region.enter(q);
-  return region.commit(core->forward(qs, k, v, mask), {q, k, v});
+  std::vector<at::Tensor> forced;
+  for (const at::Tensor& x : {q, k, v}) {
+    const bool shared = std::any_of(kept_elsewhere.begin(), kept_elsewhere.end(),
+                                    [&x](const at::Tensor& y) { return y.is_alias_of(x); });
+    if (!shared) forced.push_back(x);
+  }
+  return region.commit(core->forward(qs, k, v, mask), forced);
 }
 
 // linear_proj in the attn_proj offload group, which releases the context at its commit.
@@ -247,19 +286,69 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& p
     : heads_(config.num_attention_heads / config.tensor_model_parallel_size),
       groups_(config.query_groups() / config.tensor_model_parallel_size),
       head_dim_(config.kv_channels()),
+      output_gate_(config.attention_output_gate),
       plan_(plan) {
   const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
   const bool sp = config.sequence_parallel;
   // Each tensor-parallel rank holds a/t heads in G/t whole groups: (a + 2G) d / t rows of
-  // linear_qkv (3h/t without grouping), h/t columns of linear_proj.
-  const int64_t qkv_rows = (config.num_attention_heads + 2 * config.query_groups()) * head_dim_;
+  // linear_qkv (3h/t without grouping; a d / t more with the output gate), a d / t columns of
+  // linear_proj (h/t unless --kv-channels makes a d differ from h).
+  const int64_t a = config.num_attention_heads;
+  const int64_t qkv_rows = (a * (output_gate_ ? 2 : 1) + 2 * config.query_groups()) * head_dim_;
   linear_qkv = register_module(
       "linear_qkv", std::make_shared<Linear>(h, qkv_rows / t, config.add_bias_linear, false, dtype,
                                              LinearParallel::kColumn, sp));
+  if (config.qk_layernorm) {
+    // Megatron's q_layernorm / k_layernorm over hidden_size_per_attention_head: one [d] weight
+    // shared by every head, each tensor rank normalising its own heads, so its gradient is a
+    // partial sum (Megatron sums them over the tensor group in finalize_model_grads).
+    q_layernorm = register_module("q_layernorm", std::make_shared<Norm>(config, dtype, head_dim_));
+    k_layernorm = register_module("k_layernorm", std::make_shared<Norm>(config, dtype, head_dim_));
+    q_layernorm->partial_over_heads = true;
+    k_layernorm->partial_over_heads = true;
+  }
   core_attention = register_module("core_attention", std::make_shared<CoreAttention>(config));
-  linear_proj = register_module(
-      "linear_proj", std::make_shared<Linear>(h / t, h, config.add_bias_linear, true, dtype,
-                                              LinearParallel::kRow, sp));
+  linear_proj =
+      register_module("linear_proj", std::make_shared<Linear>(config.query_projection_size() / t, h,
+                                                              config.add_bias_linear, true, dtype,
+                                                              LinearParallel::kRow, sp));
+}
+
+SelfAttention::Projected SelfAttention::project(const at::Tensor& x, const RotaryEmbedding* rope,
+                                                int64_t offset, ActivationOffloader* qkv_group) {
+  at::Tensor qkv;
+  {
+    ModuleScope scope("linear_qkv");
+    OffloadRegion region(qkv_group, to_string(OffloadModule::kQkvLinear));
+    qkv = region.commit(linear_qkv->forward(region.enter(x)).first);
+  }
+  Projected p;
+  if (output_gate_) {
+    std::tie(p.q, p.gate, p.k, p.v) = split_gated_qkv(qkv, heads_, groups_, head_dim_);
+  } else {
+    std::tie(p.q, p.k, p.v) = split_qkv(qkv, heads_, groups_, head_dim_);
+  }
+  // Megatron's get_query_key_value_tensors: the q and k norms, then (in forward) RoPE.
+  if (q_layernorm) {
+    // Note [Forced release and the q/k norms]: the norms keep their inputs, q's view or copy and
+    // k's view of linear_qkv's output, which v is a view of too. The core_attn offload group
+    // must then not free that storage at its commit, or the k norm's backward reads freed bytes
+    // (Megatron's Attention.forward passes forced_released_tensors = [query, key, value] with or
+    // without the norms). Found by GatedExactness's UngroupedFlashLayerNorm_OffloadEveryGroup.
+    p.kept_elsewhere = {p.q, p.k};
+    {
+      ModuleScope scope("q_layernorm");
+      p.q = q_layernorm->forward(p.q);
+    }
+    ModuleScope scope("k_layernorm");
+    p.k = k_layernorm->forward(p.k);
+  }
+  if (rope != nullptr) {
+    ModuleScope scope("rotary_pos_emb");
+    p.q = rope->apply(p.q, offset);
+    p.k = rope->apply(p.k, offset);
+  }
+  return p;
 }
 
 std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
@@ -272,22 +361,15 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   auto group = [&](OffloadModule m) {
     return plan_.offloads(m) && is_training() ? ctx.offloader : nullptr;
   };
-  at::Tensor qkv;
-  {
-    ModuleScope scope("linear_qkv");
-    OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
-    qkv = region.commit(linear_qkv->forward(region.enter(x)).first);
+  const Projected p = project(x, ctx.rope, 0, group(OffloadModule::kQkvLinear));
+  at::Tensor context =  // [s, b, a d]
+      run_core_attention(
+          core_attention, plan_.recomputes(RecomputeModule::kCoreAttn) && is_training(),
+          group(OffloadModule::kCoreAttn), p.q, p.k, p.v, ctx.attention_mask, p.kept_elsewhere);
+  if (p.gate.defined()) {
+    ModuleScope scope("output_gate");
+    context = apply_output_gate(context, p.gate);
   }
-  auto [q, k, v] = split_qkv(qkv, heads_, groups_, head_dim_);
-  if (ctx.rope != nullptr) {
-    ModuleScope scope("rotary_pos_emb");
-    q = ctx.rope->apply(q);
-    k = ctx.rope->apply(k);
-  }
-  const at::Tensor context =  // [s, b, h]
-      run_core_attention(core_attention,
-                         plan_.recomputes(RecomputeModule::kCoreAttn) && is_training(),
-                         group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
 

@@ -30,11 +30,15 @@ ForwardCounters& forward_counters() {
 
 Norm::Norm(const TransformerConfig& config, at::ScalarType dtype, int64_t size)
     : rms_(config.use_rmsnorm()),
+      zero_centered_gamma_(config.layernorm_zero_centered_gamma),
       eps_(config.layernorm_epsilon),
       sequence_parallel_(config.sequence_parallel) {
   const auto opts = at::TensorOptions().dtype(dtype);
   const int64_t n = size > 0 ? size : config.hidden_size;
-  weight = register_parameter("weight", at::ones({n}, opts));
+  // Zero-centred gamma (--apply-layernorm-1p): the norm multiplies by 1 + weight, so the weight
+  // starts at zero (Megatron's FusedLayerNorm.reset_parameters; TENorm's zero_centered_gamma).
+  weight = register_parameter("weight",
+                              zero_centered_gamma_ ? at::zeros({n}, opts) : at::ones({n}, opts));
   if (!rms_) bias = register_parameter("bias", at::zeros({n}, opts));
 }
 
@@ -84,8 +88,12 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 at::Tensor Norm::forward(const at::Tensor& x) {
   forward_counters().norm.fetch_add(1, std::memory_order_relaxed);
-  if (!rms_) return at::layer_norm(x, {x.size(-1)}, weight, bias, eps_);
-  return rms_norm(x, weight, eps_);
+  // Zero-centred: the scale 1 + weight is a new [n] tensor the norm's backward keeps (n e bytes
+  // per call, Note [What this model saves]), as Megatron's `self.weight + 1` in
+  // FusedLayerNorm.forward.
+  const at::Tensor scale = zero_centered_gamma_ ? weight + 1 : weight;
+  if (!rms_) return at::layer_norm(x, {x.size(-1)}, scale, bias, eps_);
+  return rms_norm(x, scale, eps_);
 }
 
 // ---- Linear -----------------------------------------------------------------------------------

@@ -475,12 +475,16 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
         draw(*mla->linear_kv_down_proj, std);
         draw_rows(*mla->linear_kv_up_proj, std);
       } else {
+        // With the output gate each group's rows also hold its gate heads (split_gated_qkv);
+        // ranks still take whole groups.
         const int64_t qkv_rows =
-            (config.num_attention_heads + 2 * config.query_groups()) * config.kv_channels();
+            (config.num_attention_heads * (config.attention_output_gate ? 2 : 1) +
+             2 * config.query_groups()) *
+            config.kv_channels();
         layer->self_attention->linear_qkv->weight.copy_(
             rows(init_normal({qkv_rows, h}, std, dtype)));
         layer->self_attention->linear_proj->weight.copy_(
-            cols(init_normal({h, h}, scaled_std, dtype)));
+            cols(init_normal({h, config.query_projection_size()}, scaled_std, dtype)));
       }
       if (layer->moe) {
         init_moe_layer(*layer->moe, config, std, scaled_std, dtype);

@@ -353,6 +353,11 @@ TransformerConfig analytic_config(const PaperShape& m) {
               "actmem::analytic_config: the analytic planner does not "
               "model GatedDeltaNet layers yet; plan a hybrid model by measuring it (actmem plan "
               "without --preset)");
+  TORCH_CHECK(c.multi_latent_attention || (c.query_projection_size() == c.hidden_size &&
+                                           !c.attention_output_gate && !c.qk_layernorm),
+              "actmem::analytic_config: the analytic planner models attention a x d = h wide "
+              "without an output gate or q/k norms; plan this model by measuring it (actmem plan "
+              "without --preset)");
   TORCH_CHECK(c.is_moe() == m.is_moe() && c.multi_latent_attention == m.is_mla(),
               "actmem::analytic_config: the shape ", m.is_moe() ? "has" : "has no", " experts and ",
               m.is_mla() ? "" : "no ", "multi-latent attention, its configuration ",

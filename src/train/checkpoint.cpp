@@ -564,6 +564,14 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("add_bias_linear", c.add_bias_linear);
   get("position_embedding_type", c.position_embedding_type);
   get("rotary_base", c.rotary_base);
+  get("rotary_percent", c.rotary_percent);
+  get("apply_layernorm_1p", c.layernorm_zero_centered_gamma);
+  get("qk_layernorm", c.qk_layernorm);
+  get("attention_output_gate", c.attention_output_gate);
+  if (a.contains("kv_channels") && !a["kv_channels"].is_null() && c.num_attention_heads > 0 &&
+      a["kv_channels"].get<int64_t>() * c.num_attention_heads != c.hidden_size) {
+    c.kv_channels_arg = a["kv_channels"].get<int64_t>();
+  }
   get("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   get("init_method_std", c.init_method_std);
   get("seed", c.seed);
@@ -578,7 +586,6 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
     get("qk_head_dim", c.qk_head_dim);
     get("qk_pos_emb_head_dim", c.qk_pos_emb_head_dim);
     get("v_head_dim", c.v_head_dim);
-    get("qk_layernorm", c.qk_layernorm);
     get("rope_type", c.rope_type);
     get("rotary_scaling_factor", c.rotary_scaling_factor);
     get("mscale", c.mscale);
@@ -856,9 +863,9 @@ void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, cons
               "run has ", s.model_config.multi_latent_attention ? "multi-latent" : "standard",
               " attention (", path, ")");
   if (ckpt_mla) {
-    for (const char* f : {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim",
-                          "v_head_dim", "qk_layernorm", "rope_type", "rotary_scaling_factor",
-                          "mscale", "mscale_all_dim"}) {
+    for (const char* f :
+         {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
+          "rope_type", "rotary_scaling_factor", "mscale", "mscale_all_dim"}) {
       fields.emplace_back(f);
     }
   }
@@ -907,6 +914,23 @@ void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, cons
                 " = ", args[f].dump(), " but this run has ", f, " = ", mine[f].dump(), " (", path,
                 "); a checkpoint loads only into the model shape, tensor-, pipeline- and "
                 "expert-parallel layout and precision it was saved with");
+  }
+  // Fields that shape or name parameters, recorded since they existed: an older checkpoint
+  // without one was saved with its default.
+  const nlohmann::json defaults = {{"qk_layernorm", false},
+                                   {"attention_output_gate", false},
+                                   {"apply_layernorm_1p", false},
+                                   {"rotary_percent", 1.0},
+                                   {"kv_channels", nlohmann::json(nullptr)}};
+  for (const auto& [f, fallback] : defaults.items()) {
+    nlohmann::json theirs = args.contains(f) ? args[f] : fallback;
+    if (f == "kv_channels" && !args.contains(f) && !mine[f].is_null() &&
+        args.contains("hidden_size") && args.contains("num_attention_heads")) {
+      theirs = args["hidden_size"].get<int64_t>() / args["num_attention_heads"].get<int64_t>();
+    }
+    TORCH_CHECK(theirs == mine[f], "actmem::Trainer::load_checkpoint: the checkpoint has ", f,
+                " = ", theirs.dump(), " but this run has ", f, " = ", mine[f].dump(), " (", path,
+                "); a checkpoint loads only into the model shape it was saved with");
   }
 }
 

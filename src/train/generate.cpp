@@ -88,19 +88,16 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   for (size_t l = 0; l < model_.decoder->layers.size(); ++l) {
     auto& layer = *model_.decoder->layers[l];
     const at::Tensor ln = layer.input_layernorm->forward(hidden);
-    at::Tensor q, k, v;
+    at::Tensor q, k, v, gate;
     double scale = plain_scale;
     if (layer.mla_attention) {
       // MLA rotates its decoupled part inside the projection.
       std::tie(q, k, v) = layer.mla_attention->project(ln, *model_.rope(), p0);
       scale = layer.mla_attention->softmax_scale();
     } else {
-      const at::Tensor qkv = layer.self_attention->linear_qkv->forward(ln).first;
-      std::tie(q, k, v) = split_qkv(qkv, heads_, kv_heads_, key_dim_);  // Megatron's layout
-      if (const RotaryEmbedding* rope = model_.rope()) {
-        q = rope->apply(q, p0);
-        k = rope->apply(k, p0);
-      }
+      // Megatron's layout, q/k norms, RoPE from position p0.
+      const SelfAttention::Projected p = layer.self_attention->project(ln, model_.rope(), p0);
+      std::tie(q, k, v, gate) = std::tie(p.q, p.k, p.v, p.gate);
     }
     keys_[l].narrow(0, p0, n).copy_(k.squeeze(1));
     values_[l].narrow(0, p0, n).copy_(v.squeeze(1));
@@ -116,8 +113,9 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
     scores.masked_fill_(masked.unsqueeze(0), -10000.0);  // Megatron's attention_mask_func value
     const at::Tensor probs = fp32_softmax ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
                                           : at::softmax(scores, -1);
-    const at::Tensor context =
+    at::Tensor context =
         at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads_ * value_dim_});  // [n, 1, a*dv]
+    if (gate.defined()) context = apply_output_gate(context, gate);
     Linear& proj = layer.mla_attention ? *layer.mla_attention->linear_proj
                                        : *layer.self_attention->linear_proj;
     auto [attn, attn_bias] = proj.forward(context);

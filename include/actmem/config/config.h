@@ -34,6 +34,10 @@ struct TransformerConfig {
   /// and values have G heads, each shared by num_attention_heads / G query heads. 0 means one
   /// group per head (multi-head attention; Megatron's None).
   int64_t num_query_groups = 0;
+  /// Megatron's --kv-channels: each attention head's width d. Unset = hidden_size /
+  /// num_attention_heads (Megatron's default); set, the query projection is a * d wide whatever
+  /// h is (Qwen3-Next: h 2048, 16 heads of 256). kv_channels() resolves it.
+  std::optional<int64_t> kv_channels_arg;
   /// 0 means 4 * hidden_size (Megatron's default).
   int64_t ffn_hidden_size = 0;
   int64_t seq_length = 128;
@@ -53,12 +57,18 @@ struct TransformerConfig {
   /// "LayerNorm" or "RMSNorm".
   std::string normalization = "LayerNorm";
   double layernorm_epsilon = 1e-5;
+  /// Megatron's --apply-layernorm-1p: every norm multiplies by (1 + weight), its weight starting
+  /// at zero (zero-centred gamma; Qwen3-Next's norms).
+  bool layernorm_zero_centered_gamma = false;
   /// SwiGLU when true (fc1 produces 2 * ffn_hidden_size, activation silu(x1) * x2); GeLU otherwise.
   bool gated_linear_unit = false;
   bool add_bias_linear = true;
   /// "learned_absolute" or "rope".
   std::string position_embedding_type = "learned_absolute";
   double rotary_base = 10000.0;
+  /// Megatron's --rotary-percent: RoPE rotates the first int(d * rotary_percent) features of
+  /// each head and passes the rest through (partial RoPE; Qwen3-Next rotates a quarter).
+  double rotary_percent = 1.0;
   bool untie_embeddings_and_output_weights = false;
   double init_method_std = 0.02;
   /// In [1, kMaxSeed] (Megatron requires seed > 0).
@@ -148,10 +158,15 @@ struct TransformerConfig {
   int64_t qk_head_dim = 128;
   int64_t qk_pos_emb_head_dim = 64;
   int64_t v_head_dim = 128;
-  /// Norms on the query and key/value latents (q_layernorm over q_lora_rank when set,
-  /// kv_layernorm over kv_lora_rank), of --normalization's type (Megatron's --qk-layernorm; for
-  /// standard attention actmem does not implement it).
+  /// Megatron's --qk-layernorm, norms of --normalization's type: with multi-latent attention on
+  /// the query and key/value latents (q_layernorm over q_lora_rank when set, kv_layernorm over
+  /// kv_lora_rank); with standard attention on each query and key head (q_layernorm and
+  /// k_layernorm over d, before RoPE; Qwen3's).
   bool qk_layernorm = false;
+  /// Megatron's --attention-output-gate (Qwen3-Next's gated attention): linear_qkv also
+  /// produces a gate per query head, and the core attention's output is multiplied by
+  /// sigmoid(gate) before linear_proj.
+  bool attention_output_gate = false;
   /// "rope" or "yarn"; empty = Megatron's default (yarn for MLA, rope otherwise).
   std::string rope_type;
   /// YaRN's context-extension factor and its attention-scale terms (mscale, mscale_all_dim).
@@ -213,7 +228,13 @@ struct TransformerConfig {
   int64_t max_positions() const {
     return max_position_embeddings > 0 ? max_position_embeddings : seq_length;
   }
-  int64_t kv_channels() const { return hidden_size / num_attention_heads; }
+  int64_t kv_channels() const {
+    return kv_channels_arg.value_or(hidden_size / num_attention_heads);
+  }
+  /// The query projection's width a * d (linear_proj's input); h unless --kv-channels says else.
+  int64_t query_projection_size() const { return num_attention_heads * kv_channels(); }
+  /// The features RoPE rotates per head (Megatron's RotaryEmbedding: int(d * rotary_percent)).
+  int64_t rotary_dim() const;
   /// num_query_groups with the default (one group per head) resolved.
   int64_t query_groups() const {
     return num_query_groups > 0 ? num_query_groups : num_attention_heads;

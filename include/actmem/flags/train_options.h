@@ -27,6 +27,7 @@ struct TrainOptions {
   bool disable_bias_linear = false;
   bool untie = false;
   bool use_rope = false;
+  std::string position_embedding_type;  // --position-embedding-type ("" = not given)
   bool group_query_attention =
       false;  // --group-query-attention; the groups: model.num_query_groups
   bool recompute_activations = false;   // legacy: = --recompute-granularity selective

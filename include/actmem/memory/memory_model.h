@@ -158,6 +158,20 @@ struct WeightMemory {
 };
 WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m);
 
+/// The parameters GPTModel builds for `config`, counted from the configuration alone (no tensor
+/// is made): standard attention (--kv-channels, the output gate, q/k norms), GatedDeltaNet
+/// layers, dense and MoE MLPs (routed experts, shared experts and their gate), embeddings and
+/// norms. Multi-latent attention is not counted (megatron_weight_and_optimizer_memory does).
+struct ParameterCount {
+  int64_t total = 0;   // the whole model
+  int64_t active = 0;  // top-k of the routed experts per MoE layer
+  /// One rank of the first pipeline stage: tensor-parallel weights split t ways, routed experts
+  /// over expert x tensor ranks, norms, routers and the shared experts' gate replicated.
+  double on_rank = 0;
+  double experts_on_rank = 0;  // of which routed experts
+};
+ParameterCount count_parameters(const TransformerConfig& config);
+
 /// Transfer time, in seconds, of `bytes` each way (device->host then host->device) over a link
 /// of `gbps` GB/s (10^9 bytes/s) per direction, not overlapped.
 double offload_round_trip_seconds(double bytes, double gbps);

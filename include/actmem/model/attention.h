@@ -26,6 +26,18 @@ at::Tensor make_causal_mask(int64_t s, const at::Device& device = at::kCPU);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> split_qkv(const at::Tensor& qkv, int64_t heads,
                                                          int64_t groups, int64_t head_dim);
 
+/// The same layout with an output gate (Megatron's --attention-output-gate): per group its a/G
+/// query heads, their a/G gate heads, its key and its value head. Returns q and the gate
+/// [s, b, a, d], k and v [s, b, G, d].
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> split_gated_qkv(const at::Tensor& qkv,
+                                                                           int64_t heads,
+                                                                           int64_t groups,
+                                                                           int64_t head_dim);
+
+/// Megatron's Attention._apply_output_gate: context [s, b, a d] times sigmoid(gate) computed in
+/// fp32, back in the context's type.
+at::Tensor apply_output_gate(const at::Tensor& context, const at::Tensor& gate);
+
 /// Keys or values of G heads [s, b, G, d] repeated for the a/G query heads of each group
 /// [s, b, a, d] (Megatron's unfused attention: repeat_interleave over the head dimension); x
 /// itself when G = a.
@@ -72,6 +84,7 @@ class RotaryEmbedding {
 
  private:
   RotaryEmbedding() = default;
+  at::Tensor rotate(const at::Tensor& x, int64_t offset) const;  // over the tables' width
   bool mla_interleaved_ = false;  // x[..., 0::2] then x[..., 1::2] before rotating
 };
 
@@ -87,12 +100,24 @@ class SelfAttention : public torch::nn::Module {
   SelfAttention(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
   /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined)
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
+  /// What linear_qkv's output becomes before the core attention: q [s, b, a, d], k and v
+  /// [s, b, G, d] (the q/k norms and RoPE from position `offset` applied), and the output gate
+  /// [s, b, a, d] (undefined without --attention-output-gate). `qkv_group` offloads linear_qkv.
+  struct Projected {
+    at::Tensor q, k, v, gate;
+    std::vector<at::Tensor> kept_elsewhere;  // the q/k norms' saved inputs (not to be freed)
+  };
+  Projected project(const at::Tensor& x, const RotaryEmbedding* rope, int64_t offset = 0,
+                    ActivationOffloader* qkv_group = nullptr);
   std::shared_ptr<Linear> linear_qkv;
+  std::shared_ptr<Norm> q_layernorm;  // with --qk-layernorm, over d, shared by every head
+  std::shared_ptr<Norm> k_layernorm;
   std::shared_ptr<CoreAttention> core_attention;
   std::shared_ptr<Linear> linear_proj;
 
  private:
   int64_t heads_, groups_, head_dim_;  // this rank's query heads and key/value groups
+  bool output_gate_;
   LayerPlan plan_;
 };
 

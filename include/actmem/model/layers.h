@@ -83,6 +83,7 @@ class Norm : public torch::nn::Module, public DeclaresParameters {
 
  private:
   bool rms_;
+  bool zero_centered_gamma_;
   double eps_;
   bool sequence_parallel_;
 };
