@@ -10,6 +10,7 @@
 #include "test_util.h"
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
@@ -300,6 +301,35 @@ TEST(CheckpointFiles, DamagedFilesAreClearErrors) {
   expect_error_containing([&] { t.load_checkpoint(dir); }, "is not a readable torch pickle");
   std::ofstream(file, std::ios::trunc) << "not a checkpoint";
   expect_error_containing([&] { t.load_checkpoint(dir); }, "is not a readable torch pickle");
+  fs::remove_all(dir);
+}
+
+// A record cut short inside an intact container (the zip rewritten with data/0 three bytes
+// long): Note [Tensor records cover their tensors] refuses it, where the tensor used to be built
+// over the 3 bytes and read past them.
+TEST(CheckpointFiles, ATruncatedTensorRecordIsRefused) {
+  const std::string dir = saved_tiny(testing::tiny_model(), testing::tiny_training());
+  const std::string file = checkpoint_file(dir, 2, 0);
+  const std::string cut = dir + "/cut.pt";
+  {
+    caffe2::serialize::PyTorchStreamReader reader(file);
+    caffe2::serialize::PyTorchStreamWriter writer(cut);
+    bool truncated = false;
+    for (const std::string& name : reader.getAllRecords()) {
+      if (name.rfind(".data/", 0) == 0 || name == "version" || name == ".format_version") continue;
+      auto [data, size] = reader.getRecord(name);
+      if (name == "data/0") {
+        ASSERT_GT(size, 3u);
+        size = 3;
+        truncated = true;
+      }
+      writer.writeRecord(name, data.get(), size);
+    }
+    ASSERT_TRUE(truncated);
+    writer.writeEndOfFile();
+  }
+  expect_error_containing([&] { read_checkpoint_file(cut); },
+                          "needs 65536 bytes but its record holds 3");
   fs::remove_all(dir);
 }
 

@@ -18,6 +18,7 @@
 #include <torch/csrc/jit/serialization/export.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/optim/adamw.h>
 
 #include <nlohmann/json.hpp>
@@ -31,6 +32,7 @@
 #include <filesystem>
 #include <fstream>
 #include <iomanip>
+#include <map>
 #include <sstream>
 
 #include <fcntl.h>
@@ -414,20 +416,112 @@ std::optional<int64_t> read_latest_checkpointed_iteration(const std::string& dir
   return iteration;
 }
 
+namespace {
+// Note [Tensor records cover their tensors]
+// torch::jit::pickle_load builds each storage with the byte size the pickle states (numel x
+// item size) over the record's buffer (archive/data/N) without comparing the two: a record cut
+// short (a damaged or crafted file) gave a storage larger than its buffer, which loaded without
+// complaint and trained on whatever lay beyond it. read_checkpoint_file unpickles as pickle_load
+// does (readArchiveAndTensors in torch/csrc/jit/serialization/import_read.cpp) but remembers each
+// record's buffer and size, then checks every tensor: its storage within its record, its view
+// (offset, sizes, strides) within its storage.
+using RecordSizes = std::map<const void*, size_t>;
+
+void check_tensor_records(const c10::IValue& v, const RecordSizes& records, const std::string& path,
+                          int depth = 0) {
+  TORCH_CHECK(depth < 64, "actmem::read_checkpoint_file: ", path,
+              " nests containers deeper than 64");
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined() || !t.has_storage()) return;
+    const size_t storage_bytes = t.storage().nbytes();
+    if (storage_bytes > 0) {
+      const auto it = records.find(t.storage().data());
+      TORCH_CHECK(it != records.end(), "actmem::read_checkpoint_file: ", path,
+                  " holds a tensor whose storage is not one of its records");
+      TORCH_CHECK(storage_bytes <= it->second, "actmem::read_checkpoint_file: ", path,
+                  " is damaged: a tensor of shape ", t.sizes(), " (", t.scalar_type(), ") needs ",
+                  storage_bytes, " bytes but its record holds ", it->second,
+                  " (truncated or altered)");
+    }
+    int64_t needed = 0;  // bytes the view reaches: its offset and farthest element, inclusive
+    if (t.numel() > 0) {
+      int64_t last = t.storage_offset();
+      for (int64_t d = 0; d < t.dim(); ++d) {
+        TORCH_CHECK(t.stride(d) >= 0, "actmem::read_checkpoint_file: ", path,
+                    " holds a tensor with a negative stride");
+        last += (t.size(d) - 1) * t.stride(d);
+      }
+      needed = (last + 1) * static_cast<int64_t>(t.element_size());
+    }
+    TORCH_CHECK(t.storage_offset() >= 0 && needed <= static_cast<int64_t>(storage_bytes),
+                "actmem::read_checkpoint_file: ", path, " is damaged: a tensor of shape ",
+                t.sizes(), " reaches byte ", needed, " of its ", storage_bytes, "-byte storage");
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      check_tensor_records(e.key(), records, path, depth + 1);
+      check_tensor_records(e.value(), records, path, depth + 1);
+    }
+  } else if (v.isList()) {
+    for (const c10::IValue& e : v.toListRef()) check_tensor_records(e, records, path, depth + 1);
+  } else if (v.isTuple()) {
+    for (const c10::IValue& e : v.toTupleRef().elements()) {
+      check_tensor_records(e, records, path, depth + 1);
+    }
+  }
+}
+
+// pickle_load of the file, with the records' sizes.
+c10::IValue unpickle_checkpoint(const std::string& path, RecordSizes& records) {
+  caffe2::serialize::PyTorchStreamReader reader(path);
+  auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+  const char* data = static_cast<const char*>(pickle.get());
+  size_t done = 0;
+  auto read = [&](char* buffer, size_t len) -> size_t {
+    if (done >= pickle_size) return 0;
+    len = std::min(pickle_size - done, len);
+    std::memcpy(buffer, data + done, len);
+    done += len;
+    return len;
+  };
+  auto read_record = [&](const std::string& name) {
+    auto [ptr, size] = reader.getRecord("data/" + name);
+    records[ptr.get()] = size;
+    return std::move(ptr);
+  };
+  torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, std::nullopt);
+  unpickler.set_version(reader.version());
+  return unpickler.parse_ivalue();
+}
+}  // namespace
+
 c10::impl::GenericDict read_checkpoint_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  TORCH_CHECK(in, "actmem::read_checkpoint_file: cannot open ", path, ": ", errno_text());
-  std::vector<char> bytes((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  {
+    std::ifstream in(path, std::ios::binary);
+    TORCH_CHECK(in, "actmem::read_checkpoint_file: cannot open ", path, ": ", errno_text());
+  }
+  std::error_code ec;
+  const auto file_bytes = std::filesystem::file_size(path, ec);
+  TORCH_CHECK(!ec, "actmem::read_checkpoint_file: ", path,
+              " is not a readable file: ", ec.message());
   c10::IValue value;
+  RecordSizes records;
   try {
-    value = torch::jit::pickle_load(bytes);
+    value = unpickle_checkpoint(path, records);
   } catch (const c10::Error& e) {
-    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " (", bytes.size(), " bytes) is "
+    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " (", file_bytes,
+                " bytes) is "
                 "not a readable torch pickle (truncated or not a checkpoint): ",
                 e.what_without_backtrace());
+  } catch (const std::exception& e) {
+    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " (", file_bytes,
+                " bytes) is "
+                "not a readable torch pickle (truncated or not a checkpoint): ",
+                e.what());
   }
   TORCH_CHECK(value.isGenericDict(), "actmem::read_checkpoint_file: ", path,
               " holds a ", value.tagKind(), ", not a checkpoint dict");
+  check_tensor_records(value, records, path);  // Note [Tensor records cover their tensors]
   return value.toGenericDict();
 }
 
