@@ -458,6 +458,15 @@ TEST(GatedEstimate, HybridModelEstimateEqualsTheMeasuredStep) {
   const auto st = trainer.train_step(false);
   EXPECT_EQ(none["first_stage_bytes"].get<double>(), static_cast<double>(st.activation_bytes));
   EXPECT_EQ(j["parameters"]["total"].get<int64_t>(), GPTModel(c).num_parameters());
+  // Interleaved stages: the first stage's chunks hold layers 0 and 2, both GatedDeltaNet.
+  const auto vpp = actmem::testing::run_actmem(
+      "estimate --json " + flags +
+      " --pipeline-model-parallel-size 2 --num-layers-per-virtual-pipeline-stage 1");
+  ASSERT_EQ(vpp.exit_code, 0) << vpp.output;
+  const auto jv =
+      nlohmann::json::parse(vpp.output.substr(0, vpp.output.size() - vpp.stderr_text.size()));
+  EXPECT_GT(jv["strategies"][0]["gdn_layer_bytes"].get<double>(), 0.0);
+  EXPECT_EQ(jv["strategies"][0]["attention_layer_bytes"].get<double>(), 0.0);
   // Each strategy keeps less than no recompute, full recompute least.
   double previous = none["first_stage_bytes"].get<double>();
   for (size_t i = 1; i < j["strategies"].size(); ++i) {

@@ -42,6 +42,9 @@ std::string mkl_reproducibility() {
 
 void set_reproducible_blas() {
   setenv("MKL_CBWR", "AUTO,STRICT", /*overwrite=*/0);
+  // Strict reproducibility holds for a fixed thread count; MKL's dynamic adjustment (its
+  // default) may run a product on fewer threads when the machine is busy.
+  setenv("MKL_DYNAMIC", "FALSE", /*overwrite=*/0);
 }
 
 BlasReport blas_report() {

@@ -415,25 +415,37 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
   TORCH_CHECK(!c.multi_latent_attention,
               "actmem estimate: multi-latent attention on a hybrid "
               "model is not implemented");
+  TORCH_CHECK(!c.is_moe() || m.moe.etp == m.t,
+              "actmem estimate: an expert tensor-parallel "
+              "size (",
+              m.moe.etp, ") other than the tensor-parallel size (", m.t,
+              ") is not "
+              "modelled for models the paper's formulas do not describe");
   ExactEstimate x;
   const std::vector<bool> linear = c.gdn_layers();
-  const TransformerConfig::StageLayers first = c.pipeline_stage_layers(0);
   for (int64_t i = 0; i < c.num_layers; ++i) {
-    const bool gdn = linear[static_cast<size_t>(i)];
-    (gdn ? x.gdn_layers : x.attention_layers) += 1;
-    if (first.contains(i) || c.virtual_pipeline_size() > 1) {
-      int64_t& index = gdn ? x.gdn_index : x.attention_index;
+    (linear[static_cast<size_t>(i)] ? x.gdn_layers : x.attention_layers) += 1;
+  }
+  // The first layer of each kind on the first stage (any of its model chunks).
+  for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
+    const TransformerConfig::StageLayers layers = c.model_chunk_layers(0, chunk);
+    for (int64_t i = layers.offset; i < layers.offset + layers.count; ++i) {
+      int64_t& index = linear[static_cast<size_t>(i)] ? x.gdn_index : x.attention_index;
       if (index < 0) index = i;
     }
   }
   // A balanced routing for every MoE layer (Note [Estimating what the paper does not describe]).
+  // Padded to capacity the rows do not depend on the routing (the predictor pads them).
   MoERouting routing;
-  if (c.is_moe()) {
+  if (c.is_moe() && !c.moe_pad_expert_input_to_capacity) {
     const int64_t t = c.tensor_model_parallel_size, e = c.expert_model_parallel_size;
     const int64_t T = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
                                           : c.seq_length * c.micro_batch_size;
     const int64_t k = c.moe_router_topk, E = c.num_moe_experts;
-    const int64_t rows = (e * t * T * k + E - 1) / E;  // per local expert, rounded up
+    int64_t rows = (e * t * T * k + E - 1) / E;  // per local expert, rounded up
+    if (c.moe_expert_capacity_factor) {  // each routing rank sends an expert at most its capacity
+      rows = std::min(rows, e * t * moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor));
+    }
     for (const bool is_moe : c.moe_layers()) {
       if (is_moe)
         routing.emplace_back(std::vector<int64_t>(static_cast<size_t>(E / e), rows), T * k);
@@ -447,7 +459,8 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
     std::map<int64_t, double> per_layer;
     for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
       const PredictedBytes p =
-          predict_activation_bytes(cc, plan, 2, /*snapshots_on_device=*/false, &routing, 0, chunk);
+          predict_activation_bytes(cc, plan, 2, /*snapshots_on_device=*/false,
+                                   routing.empty() ? nullptr : &routing, 0, chunk);
       s.stage += static_cast<double>(p.total);
       for (const auto& [module, bytes] : p.by_module) {
         const std::string prefix = "decoder.layers.";

@@ -111,7 +111,7 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
                  "Norm epsilon (--norm-epsilon: Megatron's current name)")
       ->capture_default_str()
       ->check(kPositive);
-  app.add_flag("--apply-layernorm-1p", m.layernorm_zero_centered_gamma,
+  app.add_flag("--apply-layernorm-1p,!--no-apply-layernorm-1p", m.layernorm_zero_centered_gamma,
                "Zero-centred gamma: every norm multiplies by (1 + weight), weights start at 0");
   // The negations turn off what a preset (flags/presets.h) or an earlier flag turned on: the
   // last of a flag and its negation wins, as with argparse.
@@ -299,10 +299,10 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));
   app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_flag("--qk-layernorm", m.qk_layernorm,
+  app.add_flag("--qk-layernorm,!--no-qk-layernorm", m.qk_layernorm,
                "Norms on each query and key head (q_layernorm, k_layernorm before RoPE); with MLA "
                "on the query and key/value latents (q_layernorm, kv_layernorm)");
-  app.add_flag("--attention-output-gate", m.attention_output_gate,
+  app.add_flag("--attention-output-gate,!--no-attention-output-gate", m.attention_output_gate,
                "Gated attention: linear_qkv also yields a gate per query head; the core "
                "attention's output is multiplied by sigmoid(gate) before linear_proj");
   app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
@@ -604,10 +604,12 @@ void TrainOptions::finalize() {
   }
   model.add_bias_linear = !disable_bias_linear;
   model.untie_embeddings_and_output_weights = untie;
-  // --use-rotary-position-embeddings is Megatron's deprecated spelling of the type rope.
-  model.position_embedding_type = use_rope                           ? "rope"
-                                  : !position_embedding_type.empty() ? position_embedding_type
-                                                                     : "learned_absolute";
+  // --use-rotary-position-embeddings is Megatron's deprecated spelling of the type rope; the
+  // type given by name wins (a preset's RoPE is turned off with
+  // --position-embedding-type learned_absolute).
+  model.position_embedding_type = !position_embedding_type.empty() ? position_embedding_type
+                                  : use_rope                       ? "rope"
+                                                                   : "learned_absolute";
   if (device_memory_limit_gib > 0.0) {
     training.device_memory_limit =
         static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));

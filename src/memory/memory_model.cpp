@@ -251,7 +251,17 @@ ParameterCount count_parameters(const TransformerConfig& c) {
     }
   }
   const std::vector<bool> moe = c.moe_layers(), linear = c.gdn_layers();
-  const TransformerConfig::StageLayers first = c.pipeline_stage_layers(0);
+  auto on_first_stage = [&c](int64_t i) {  // each of the first stage's model chunks
+    for (int64_t k = 0; k < c.virtual_pipeline_size(); ++k) {
+      if (c.model_chunk_layers(0, k).contains(i)) return true;
+    }
+    return false;
+  };
+  // A rank holds E/e routed experts, each split over the t expert-tensor ranks but for fc2's
+  // bias (added after the reduction, replicated).
+  const double expert_on_rank =
+      static_cast<double>(c.num_moe_experts) / e *
+      (static_cast<double>(expert - bias * h) / t + static_cast<double>(bias * h));
   ParameterCount n;
   for (int64_t i = 0; i < c.num_layers; ++i) {
     const Part& mixer = linear[static_cast<size_t>(i)] ? gdn : attention;
@@ -260,8 +270,8 @@ ParameterCount count_parameters(const TransformerConfig& c) {
     const Part& ffn = is_moe ? moe_shared : dense;
     n.total += mixer.total() + ffn.total() + experts;
     n.active += mixer.total() + ffn.total() + (is_moe ? c.moe_router_topk * expert : 0);
-    if (first.contains(i)) {
-      n.experts_on_rank += static_cast<double>(experts) / (e * t);
+    if (on_first_stage(i)) {
+      n.experts_on_rank += is_moe ? expert_on_rank : 0.0;
       n.on_rank += static_cast<double>(mixer.sharded + ffn.sharded) / t +
                    static_cast<double>(mixer.replicated + ffn.replicated);
     }

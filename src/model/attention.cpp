@@ -316,32 +316,44 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& p
 
 SelfAttention::Projected SelfAttention::project(const at::Tensor& x, const RotaryEmbedding* rope,
                                                 int64_t offset, ActivationOffloader* qkv_group) {
-  at::Tensor qkv;
-  {
-    ModuleScope scope("linear_qkv");
-    OffloadRegion region(qkv_group, to_string(OffloadModule::kQkvLinear));
-    qkv = region.commit(linear_qkv->forward(region.enter(x)).first);
-  }
   Projected p;
-  if (output_gate_) {
-    std::tie(p.q, p.gate, p.k, p.v) = split_gated_qkv(qkv, heads_, groups_, head_dim_);
-  } else {
-    std::tie(p.q, p.k, p.v) = split_qkv(qkv, heads_, groups_, head_dim_);
-  }
-  // Megatron's get_query_key_value_tensors: the q and k norms, then (in forward) RoPE.
-  if (q_layernorm) {
-    // Note [Forced release and the q/k norms]: the norms keep their inputs, q's view or copy and
-    // k's view of linear_qkv's output, which v is a view of too. The core_attn offload group
-    // must then not free that storage at its commit, or the k norm's backward reads freed bytes
-    // (Megatron's Attention.forward passes forced_released_tensors = [query, key, value] with or
-    // without the norms). Found by GatedExactness's UngroupedFlashLayerNorm_OffloadEveryGroup.
-    p.kept_elsewhere = {p.q, p.k};
+  {
+    // Megatron's qkv_linear offload group wraps get_query_key_value_tensors: linear_qkv, the
+    // split and the q/k norms, so what the norms keep moves with it; its commit carries the
+    // fused output (without the norms) or the normed q (the others' backward reaches the reload
+    // through their own saved tensors).
+    OffloadRegion region(qkv_group, to_string(OffloadModule::kQkvLinear));
+    at::Tensor qkv;
     {
-      ModuleScope scope("q_layernorm");
-      p.q = q_layernorm->forward(p.q);
+      ModuleScope scope("linear_qkv");
+      qkv = linear_qkv->forward(region.enter(x)).first;
     }
-    ModuleScope scope("k_layernorm");
-    p.k = k_layernorm->forward(p.k);
+    if (!q_layernorm) qkv = region.commit(qkv);
+    if (output_gate_) {
+      std::tie(p.q, p.gate, p.k, p.v) = split_gated_qkv(qkv, heads_, groups_, head_dim_);
+    } else {
+      std::tie(p.q, p.k, p.v) = split_qkv(qkv, heads_, groups_, head_dim_);
+    }
+    // Note [Forced release and the q/k norms]: the norms keep their inputs, q's view or copy and
+    // k's view of linear_qkv's output, which v (and the gate, when a view) is a view of too. The
+    // core_attn offload group must then not free that storage at its commit, or the k norm's
+    // backward (and the gate, still to be read) would read freed bytes; Megatron's
+    // Attention.forward passes forced_released_tensors = [query, key, value] with or without the
+    // norms. Found by GatedExactness's UngroupedFlashLayerNorm_OffloadEveryGroup.
+    if (p.gate.defined()) p.kept_elsewhere.push_back(p.gate);
+    if (q_layernorm) {
+      p.kept_elsewhere.push_back(p.q);
+      p.kept_elsewhere.push_back(p.k);
+      {
+        ModuleScope scope("q_layernorm");
+        p.q = q_layernorm->forward(p.q);
+      }
+      {
+        ModuleScope scope("k_layernorm");
+        p.k = k_layernorm->forward(p.k);
+      }
+      p.q = region.commit(p.q);
+    }
   }
   if (rope != nullptr) {
     ModuleScope scope("rotary_pos_emb");

@@ -489,7 +489,9 @@ c10::IValue unpickle_checkpoint(const std::string& path, RecordSizes& records) {
     records[ptr.get()] = size;
     return std::move(ptr);
   };
-  torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, std::nullopt);
+  // On the CPU whatever device a tensor was saved from (map_location='cpu'): its storage stays
+  // the record's buffer, which the checks compare.
+  torch::jit::Unpickler unpickler(read, nullptr, nullptr, read_record, at::Device(at::kCPU));
   unpickler.set_version(reader.version());
   return unpickler.parse_ivalue();
 }

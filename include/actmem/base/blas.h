@@ -39,7 +39,10 @@ BlasReport blas_report();
 /// independent of alignment, for a fixed thread count) makes them agree. Sets it unless the
 /// environment already names a mode, and must run before the first product (the start of
 /// main). Observed without it: about 1 run in 60 of a bitwise comparison under a loaded
-/// `ctest -j2` (the losses equal, a step's gradients a few ulps apart); none in 80 with it.
+/// `ctest -j2` (the losses equal, a step's gradients a few ulps apart); none in 80 with it. The
+/// thread count is fixed too (MKL_DYNAMIC=FALSE, unless the environment says otherwise): one
+/// comparison under a loaded `ctest -j2` still differed with dynamic threads (Planner.TimedRounds-
+/// GoOnUntilTheRatiosAreSure, not reproduced in nine reruns).
 void set_reproducible_blas();
 
 }  // namespace actmem
