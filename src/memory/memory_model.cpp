@@ -535,6 +535,13 @@ std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_in
 }
 
 namespace {
+// What a norm over `rows` rows keeps besides its input: RMSNorm's rstd upcast, LayerNorm's mean
+// and rstd (in the dtype on CPU, upcast on CUDA: `ln_stat`).
+int64_t norm_statistics_bytes(const TransformerConfig& c, int64_t rows, int64_t up,
+                              int64_t ln_stat) {
+  return c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat;
+}
+
 // Note [What standard attention keeps]
 // Per rank: H = a/t query heads, G = G/t key/value groups, head dim d, so one head of the whole
 // sequence is D = s b d elements. The ledger counts a storage once, on the first module that
@@ -578,11 +585,10 @@ StandardAttentionBytes standard_attention_bytes(const TransformerConfig& c, cons
   std::string qn = q0, kn = "qkv";
   if (c.qk_layernorm) {
     const int64_t scale = c.layernorm_zero_centered_gamma ? d * e : 0;
-    auto stats = [&](int64_t rows) { return c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat; };
     save_q0(x.q_layernorm);
-    x.q_layernorm += stats(H * T) + scale;
+    x.q_layernorm += norm_statistics_bytes(c, H * T, up, ln_stat) + scale;
     save(x.k_layernorm, "qkv", qkv_bytes);
-    x.k_layernorm += stats(G * T) + scale;
+    x.k_layernorm += norm_statistics_bytes(c, G * T, up, ln_stat) + scale;
     qn = "q normed";
     kn = "k normed";
   }
@@ -682,7 +688,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
   const bool hidden_drop = c.hidden_dropout > 0.0, attn_drop = c.attention_dropout > 0.0;
   const bool flash = c.flash_attention();
   const int64_t snapshot = checkpoint_snapshot_bytes(snapshots_on_device);
-  const int64_t norm_stats = c.use_rmsnorm() ? sb * up : 2 * sb * ln_stat;
+  const int64_t norm_stats = norm_statistics_bytes(c, sb, up, ln_stat);
   // --apply-layernorm-1p: each norm call keeps its scale 1 + weight, n elements (layers.cpp).
   const int64_t gamma1p = c.layernorm_zero_centered_gamma ? e : 0;
 
@@ -850,7 +856,7 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
       return;
     }
     const int64_t rows = T * Hv;
-    const int64_t stats = c.use_rmsnorm() ? rows * up : 2 * rows * ln_stat;
+    const int64_t stats = norm_statistics_bytes(c, rows, up, ln_stat);
     add(attn + ".out_norm", 2 * T * vd * e + 2 * T * vd * up + stats + dvh * gamma1p);
     add(attn + ".out_proj", T * vd * e);
   };
