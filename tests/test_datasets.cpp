@@ -474,6 +474,62 @@ TEST(GPTDataset, CachesItsIndicesAndRebuildsADamagedCache) {
   fs::remove_all(dir);
 }
 
+// Note [A cached index is checked before it is used]: entries of the right size whose contents
+// would allocate without bound or address outside the .bin are rebuilt, not used.
+TEST(GPTDataset, RebuildsACacheEntryWhoseContentsAreOutOfRange) {
+  const std::string dir = testing::fresh_temp_dir("gpt_cache_values");
+  write_dataset(dir + "/d", random_documents(40, 1000, 13, 60), kUInt16);
+  auto data = std::make_shared<const IndexedDataset>(dir + "/d");
+  const std::string cache = dir + "/cache";
+  const GPTDataset first(data, {0, 40}, 100, 16, 7, "train", cache);
+  const auto file = [&cache](const std::string& name) {
+    for (const auto& e : fs::directory_iterator(cache)) {
+      if (e.path().string().find(name) != std::string::npos) return e.path().string();
+    }
+    throw std::runtime_error("no cache file " + name);
+  };
+  // Overwrites the little-endian value at element `i` of an .npy file (version 1.0: the data
+  // follows the magic, the version, the u16 header length and the header).
+  const auto poke = [&](const std::string& name, int64_t i, int64_t value, size_t width) {
+    std::fstream f(file(name), std::ios::in | std::ios::out | std::ios::binary);
+    unsigned char length[2];
+    f.seekg(8);
+    f.read(reinterpret_cast<char*>(length), 2);
+    const size_t data = 10 + length[0] + 256 * size_t{length[1]};
+    f.seekp(static_cast<std::streamoff>(data + static_cast<size_t>(i) * width));
+    f.write(reinterpret_cast<const char*>(&value), static_cast<std::streamsize>(width));
+  };
+  struct Damage {
+    const char* file;
+    int64_t index, value;
+    size_t width;
+  };
+  const Damage damages[] = {
+      {"counts", 0, int64_t{1} << 50, 8},         // 2^50 epochs: a document index of petabytes
+      {"counts", 1, -5, 8},                       // negative samples
+      {"document_index", 3, 4000, 4},             // a document outside the split
+      {"sample_index", 7, 1 << 30, 8},            // an offset past its document
+      {"sample_index", 4, -1, 8},                 // a negative position
+      {"shuffle_index", 2, int64_t{1} << 40, 8},  // a sample that does not exist
+      {"shuffle_index", 2, first.shuffle_index()[3], 8},  // a sample twice
+  };
+  for (const Damage& d : damages) {
+    SCOPED_TRACE(std::string(d.file) + "[" + std::to_string(d.index) +
+                 "] = " + std::to_string(d.value));
+    const GPTDataset fresh(data, {0, 40}, 100, 16, 7, "train", cache);  // rewrites the entry
+    ASSERT_EQ(fresh.shuffle_index(), first.shuffle_index());
+    poke(d.file, d.index, d.value, d.width);
+    const GPTDataset damaged(data, {0, 40}, 100, 16, 7, "train", cache);
+    EXPECT_FALSE(damaged.loaded_from_cache());
+    EXPECT_EQ(damaged.document_index(), first.document_index());
+    EXPECT_EQ(damaged.sample_index(), first.sample_index());
+    EXPECT_EQ(damaged.shuffle_index(), first.shuffle_index());
+  }
+  const GPTDataset again(data, {0, 40}, 100, 16, 7, "train", cache);
+  EXPECT_TRUE(again.loaded_from_cache());
+  fs::remove_all(dir);
+}
+
 TEST(BlendedDataset, DrawsInProportionToTheWeights) {
   const std::string dir = testing::fresh_temp_dir("blend");
   write_dataset(dir + "/a", random_documents(200, 100, 1), kUInt16);

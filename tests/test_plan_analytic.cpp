@@ -349,6 +349,66 @@ TEST(PlanAnalytic, MlaAndTheDenseLayersOfAnMoEModel) {
               2 * 29 * 8 * sb * fs / t, 8.0);
 }
 
+// Note [Analytic terms from the exact predictor] in plan_analytic.cpp for a model the paper does
+// not describe, with every expected byte written from the published shape here: Qwen3-Next 80B-A3B
+// at t 2 with SP (48 layers, every fourth full attention, 36 GatedDeltaNet layers of 16 key heads
+// and 32 value heads of 128, so 8 and 16 per rank; zero-centred RMSNorms; s 4096, b 1).
+TEST(PlanAnalytic, HybridGatedDeltaNetLayersTakeTheirTermsFromTheShapes) {
+  PaperShape m = paper_preset("qwen3-next-80b-a3b");
+  m.t = 2;
+  m.sp = true;
+  m.moe.etp = 2;
+  const DeviceSpec gpu = gemms_only();
+  const auto all = estimate_plans_analytic(m, analytic_strategies(m), gpu);
+  const double s = 4096, b = 1, h = 2048, t = 2, L = 48, gdn = 36, Hv = 32 / t, dv = 128;
+  const double T = s * b, v = Hv * dv, rows = s * b / t;  // GDN tokens; norm rows with SP
+  auto freed = [&all](const char* name) {
+    return static_cast<double>(find(all, "plain").kept_bytes - find(all, name).kept_bytes);
+  };
+  // gdn_norm_out (docs/gdn.md): the norm's fp32 upcasts of the gate and the product's operand
+  // (2 T v x 4), its statistics per head and token (4 T Hv), the zero-centred scale it computes
+  // (dv x 2), and out_proj's input (T v x 2); the random-state snapshot lives on the host.
+  EXPECT_NEAR(freed("selective gdn_norm_out"), gdn * (10 * T * v + 4 * T * Hv + 2 * dv), 8.0);
+  // layernorm: both norms of every layer, their outputs over the rank's s/t rows, fp32 rstd per
+  // row, and the zero-centred scale (h x 2) each computes.
+  const double norm = 2 * rows * h + 4 * rows + 2 * h;
+  EXPECT_NEAR(freed("selective layernorm"), L * 2 * norm, 8.0);
+  // The attn_norm offload group moves input_layernorm's, all layers but the margin.
+  EXPECT_NEAR(freed("offload attn_norm"), (L - 1) * norm, 8.0);
+  // Only the bandwidth costs: gdn_norm_out repeats the norm's reads and writes, 6 T v / t bytes
+  // of the whole v = 32 x 128 per GDN layer; with the bandwidth free it repeats no GEMM.
+  DeviceSpec bandwidth = gpu;
+  bandwidth.matmul_flops = 1e30;
+  bandwidth.memory_bandwidth = device_spec("h100").memory_bandwidth;
+  const auto timed = estimate_plans_analytic(m, analytic_strategies(m), bandwidth);
+  const double plain = analytic_basis(m, bandwidth).plain_step_s;
+  const double bytes = gdn * 6 * T * v;
+  EXPECT_NEAR(
+      (find(timed, "selective gdn_norm_out").step_ratio - 1) * plain * bandwidth.memory_bandwidth,
+      bytes, 1e-6 * bytes);
+  EXPECT_EQ(find(all, "selective gdn_norm_out").step_ratio, 1.0);
+  // The attention layers' modules are there too, the GDN module only on a hybrid.
+  std::set<std::string> names;
+  for (const auto& e : all) names.insert(e.strategy.name());
+  EXPECT_EQ(names.count("selective core_attn"), 1u);
+  EXPECT_EQ(names.count("selective moe"), 1u);
+  const auto llama =
+      estimate_plans_analytic(paper_preset("7b"), analytic_strategies(paper_preset("7b")), gpu);
+  for (const auto& e : llama) {
+    EXPECT_EQ(e.strategy.name().find("gdn_norm_out"), std::string::npos) << e.strategy.name();
+  }
+  // What the exact predictor does not count is refused: another expert tensor-parallel size.
+  PaperShape etp = m;
+  etp.moe.etp = 1;
+  try {
+    analytic_strategies(etp);
+    ADD_FAILURE() << "an expert tensor-parallel size other than t was planned";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert tensor-parallel size"), std::string::npos)
+        << e.what();
+  }
+}
+
 TEST(PlanCli, PlansAPresetAnalytically) {
   const std::string dir = testing::fresh_temp_dir("plan-preset");
   auto r = testing::run_actmem("plan --preset 7b --gpu h100 --json " + dir + "/p.json --svg " +
@@ -425,6 +485,23 @@ TEST(PlanCli, PlansAPresetAnalytically) {
       "plan --preset deepseek-v3 --tensor-model-parallel-size 8 "
       "--sequence-parallel --memory-budget 4TiB");
   ASSERT_EQ(r.exit_code, 0) << r.output;
+  // A hybrid preset: Qwen3-Next on 256 GPUs (t 2 with SP, PP 4, EP 8, d 16): GatedDeltaNet
+  // layers with their gdn_norm_out module beside the attention layers' and the experts'.
+  r = testing::run_actmem(
+      "plan --preset qwen3-next-80b-a3b --tensor-model-parallel-size 2 --sequence-parallel "
+      "--pipeline-model-parallel-size 4 --expert-model-parallel-size 8 --data-parallel-size 16 "
+      "--use-distributed-optimizer --global-batch-size 256 --json " +
+      dir + "/g.json");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("GatedDeltaNet"), std::string::npos) << r.output;
+  const auto hybrid = nlohmann::json::parse(std::ifstream(dir + "/g.json"));
+  bool gdn_planned = false;
+  for (const auto& e : hybrid["estimates"]) {
+    gdn_planned |= e["strategy"].get<std::string>().find("gdn_norm_out") != std::string::npos;
+  }
+  EXPECT_TRUE(gdn_planned) << r.output;
+  EXPECT_LE(hybrid["chosen"]["peak_bytes"].get<int64_t>(),
+            hybrid["memory_budget_bytes"].get<int64_t>());
   r = testing::run_actmem("plan --preset 9b");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown preset"), std::string::npos) << r.output;

@@ -405,12 +405,6 @@ struct ExactEstimate {
   double weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
 };
 
-bool paper_describes(const TransformerConfig& c) {
-  return !c.gated_delta_net() &&
-         (c.multi_latent_attention || (c.query_projection_size() == c.hidden_size &&
-                                       !c.attention_output_gate && !c.qk_layernorm));
-}
-
 ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
   TORCH_CHECK(!c.multi_latent_attention,
               "actmem estimate: multi-latent attention on a hybrid "
@@ -435,22 +429,7 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
     }
   }
   // A balanced routing for every MoE layer (Note [Estimating what the paper does not describe]).
-  // Padded to capacity the rows do not depend on the routing (the predictor pads them).
-  MoERouting routing;
-  if (c.is_moe() && !c.moe_pad_expert_input_to_capacity) {
-    const int64_t t = c.tensor_model_parallel_size, e = c.expert_model_parallel_size;
-    const int64_t T = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
-                                          : c.seq_length * c.micro_batch_size;
-    const int64_t k = c.moe_router_topk, E = c.num_moe_experts;
-    int64_t rows = (e * t * T * k + E - 1) / E;  // per local expert, rounded up
-    if (c.moe_expert_capacity_factor) {  // each routing rank sends an expert at most its capacity
-      rows = std::min(rows, e * t * moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor));
-    }
-    for (const bool is_moe : c.moe_layers()) {
-      if (is_moe)
-        routing.emplace_back(std::vector<int64_t>(static_cast<size_t>(E / e), rows), T * k);
-    }
-  }
+  const MoERouting routing = balanced_moe_routing(c);
   auto strategy = [&](const std::string& name, const std::function<void(TransformerConfig&)>& set) {
     TransformerConfig cc = c;
     set(cc);
@@ -513,13 +492,10 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
   });
   x.in_flight = stages_in_flight(m).front();
   x.params = count_parameters(c);
-  const double expert_dp =
-      std::max(1.0, m.t * m.d / (m.t * static_cast<double>(c.expert_model_parallel_size)));
-  auto optimizer = [&](double dp) { return m.distributed_optimizer ? 12.0 / dp : 12.0; };
-  x.weight_bytes = 2.0 * x.params.on_rank;
-  x.gradient_bytes = 4.0 * x.params.on_rank;
-  x.optimizer_bytes = optimizer(m.d) * (x.params.on_rank - x.params.experts_on_rank) +
-                      optimizer(expert_dp) * x.params.experts_on_rank;
+  const WeightMemory w = config_weight_and_optimizer_memory(c, m.d, m.distributed_optimizer);
+  x.weight_bytes = w.weight_bytes;
+  x.gradient_bytes = w.gradient_bytes;
+  x.optimizer_bytes = w.optimizer_bytes;
   return x;
 }
 

@@ -280,6 +280,20 @@ std::string moe_summary(const PaperShape& m) {
     out << "; multi-latent attention (query rank " << m.mla.q_lora << ", key/value rank "
         << m.mla.kv_lora << ")";
   }
+  const TransformerConfig* c = m.config.get();
+  if (c != nullptr && !paper_describes(*c)) {
+    if (c->gated_delta_net()) {
+      const std::vector<bool> gdn = c->gdn_layers();
+      const auto n = std::count(gdn.begin(), gdn.end(), true);
+      out << "; " << n << " GatedDeltaNet layers (" << c->linear_num_key_heads << " key heads of "
+          << c->linear_key_head_dim << ", " << c->linear_num_value_heads << " value heads of "
+          << c->linear_value_head_dim << ", kernel " << c->linear_conv_kernel_dim << ") and "
+          << static_cast<int64_t>(gdn.size()) - n << " attention layers";
+    }
+    out << "; attention heads of " << c->kv_channels() << " (" << c->query_groups()
+        << " key/value groups" << (c->attention_output_gate ? ", output gate" : "")
+        << (c->qk_layernorm ? ", q/k norms" : "") << "); terms from the exact predictor";
+  }
   return out.str();
 }
 
@@ -324,7 +338,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   const double planning_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  const WeightMemory w = megatron_weight_and_optimizer_memory(m);
+  const WeightMemory w = analytic_weight_memory(m);
   std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — " << m.L
             << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
             << (m.swiglu ? " (SwiGLU)" : "") << moe_summary(m) << ", seq " << m.s
@@ -405,6 +419,8 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
     for (const auto& e : front) out["front"].push_back(e.to_json());
     out["standard_settings"] = nlohmann::json::array();
     for (const auto& e : standard) out["standard_settings"].push_back(e.to_json());
+    out["estimates"] = nlohmann::json::array();  // every legal strategy, as the SVG plots them
+    for (const auto& e : estimates) out["estimates"].push_back(e.to_json());
     json_file.write(out.dump(2) + "\n", "the plan");
     json_file.close();
   }

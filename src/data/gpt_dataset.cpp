@@ -187,18 +187,39 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
     std::ifstream meta(base + "-description.txt");
     std::string cached((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
     if (cached == text) {
-      // Shapes come from the description: epochs decide the document index's length.
+      // Note [A cached index is checked before it is used]
+      // Megatron trusts its cache files (megatron/core/datasets/gpt_dataset.py loads them with
+      // numpy.load and indexes the .bin with their contents). A damaged or crafted entry could
+      // then ask for an allocation of any size (the counts set the arrays' lengths) or make
+      // sample() read outside the memory map (the indices address it). Here the counts must be
+      // the ones this dataset's description implies, each file exactly its shape, and every
+      // entry in range: documents in the split, sample boundaries increasing within their
+      // documents, the shuffle a permutation. An entry that fails is rebuilt (and rewritten)
+      // with a warning naming it; the cache only ever saves time.
+      const auto [epochs, samples] = epochs_and_samples(num_samples);
       std::vector<int64_t> counts;
-      if (read_npy<int64_t>(base + "-counts.npy", counts, {2})) {
-        num_epochs_ = counts[0];
+      if (read_npy<int64_t>(base + "-counts.npy", counts, {2}) && counts[0] == epochs &&
+          counts[1] == samples) {
+        num_epochs_ = epochs;
         const int64_t n_doc = num_epochs_ * (sequences_.second - sequences_.first);
-        from_cache_ = read_npy<int32_t>(base + "-document_index.npy", document_index_, {n_doc}) &&
-                      read_npy<int64_t>(base + "-sample_index.npy", sample_index_, {counts[1] + 1, 2}) &&
-                      read_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {counts[1]});
+        from_cache_ =
+            read_npy<int32_t>(base + "-document_index.npy", document_index_, {n_doc}) &&
+            read_npy<int64_t>(base + "-sample_index.npy", sample_index_, {samples + 1, 2}) &&
+            read_npy<int64_t>(base + "-shuffle_index.npy", shuffle_index_, {samples});
+      }
+      if (from_cache_) from_cache_ = cached_indices_valid();
+      if (!from_cache_) {
+        TORCH_WARN("actmem::GPTDataset: the cached indices ", base, "-*.npy do not match ",
+                   data_->prefix(),
+                   " (a damaged or altered cache entry); "
+                   "rebuilding them");
       }
     }
   }
   if (from_cache_) return;
+  document_index_.clear();
+  sample_index_.clear();
+  shuffle_index_.clear();
   build(num_samples, seed);
   if (base.empty()) return;
   std::error_code ec;
@@ -220,20 +241,61 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
   }
 }
 
+int64_t GPTDataset::tokens_per_epoch() const {
+  int64_t tokens = 0;
+  for (int64_t doc = sequences_.first; doc < sequences_.second; ++doc) {
+    tokens += data_->sequence_length(doc);
+  }
+  TORCH_CHECK(tokens > seq_length_, "actmem::GPTDataset: ", data_->prefix(), " has ", tokens,
+              " tokens in its sequences [", sequences_.first, ", ", sequences_.second,
+              "), fewer than one sample of ", seq_length_ + 1);
+  return tokens;
+}
+
+std::pair<int64_t, int64_t> GPTDataset::epochs_and_samples(int64_t num_samples) const {
+  // _get_num_epochs: epochs until they hold the requested tokens; then every whole sample of
+  // them (helpers.cpp: build_sample_idx's count).
+  const int64_t tokens = tokens_per_epoch();
+  const int64_t requested = num_samples * seq_length_ + 1;
+  int64_t epochs = 1;
+  for (int64_t t = tokens; t < requested; t += tokens) ++epochs;
+  return {epochs, (epochs * tokens - 1) / seq_length_};
+}
+
+bool GPTDataset::cached_indices_valid() const {
+  const int64_t n_doc = static_cast<int64_t>(document_index_.size());
+  for (const int32_t doc : document_index_) {
+    if (doc < sequences_.first || doc >= sequences_.second) return false;
+  }
+  const int64_t samples = static_cast<int64_t>(shuffle_index_.size());
+  if (sample_index_[0] != 0 || sample_index_[1] != 0) return false;
+  for (int64_t s = 0; s <= samples; ++s) {
+    const int64_t pos = sample_index_[static_cast<size_t>(2 * s)];
+    const int64_t offset = sample_index_[static_cast<size_t>(2 * s + 1)];
+    if (pos < 0 || pos >= n_doc || offset < 0 ||
+        offset >= data_->sequence_length(document_index_[static_cast<size_t>(pos)])) {
+      return false;
+    }
+    if (s > 0) {  // each sample ends after it begins
+      const int64_t prev = sample_index_[static_cast<size_t>(2 * s - 2)];
+      const int64_t prev_offset = sample_index_[static_cast<size_t>(2 * s - 1)];
+      if (pos < prev || (pos == prev && offset <= prev_offset)) return false;
+    }
+  }
+  std::vector<bool> seen(static_cast<size_t>(samples), false);
+  for (const int64_t i : shuffle_index_) {
+    if (i < 0 || i >= samples || seen[static_cast<size_t>(i)]) return false;
+    seen[static_cast<size_t>(i)] = true;
+  }
+  return true;
+}
+
 void GPTDataset::build(int64_t num_samples, uint32_t seed) {
   // gpt_dataset.py: _build_document_sample_shuffle_indices, with add_extra_token_to_sequence
   // and drop_last_partial_sequence (Megatron's defaults).
   const int64_t n_docs = sequences_.second - sequences_.first;
-  int64_t tokens_per_epoch = 0;
-  for (int64_t doc = sequences_.first; doc < sequences_.second; ++doc) {
-    tokens_per_epoch += data_->sequence_length(doc);
-  }
-  TORCH_CHECK(tokens_per_epoch > seq_length_, "actmem::GPTDataset: ", data_->prefix(), " has ",
-              tokens_per_epoch, " tokens in its sequences [", sequences_.first, ", ",
-              sequences_.second, "), fewer than one sample of ", seq_length_ + 1);
-  const int64_t requested = num_samples * seq_length_ + 1;
-  num_epochs_ = 1;
-  for (int64_t t = tokens_per_epoch; t < requested; t += tokens_per_epoch) ++num_epochs_;
+  const int64_t tokens_per_epoch = this->tokens_per_epoch();
+  num_epochs_ = epochs_and_samples(num_samples).first;
   bool separate_final_epoch = false;
   int64_t samples_sans_final = 0;
   if (num_epochs_ > 1) {

@@ -288,6 +288,52 @@ ParameterCount count_parameters(const TransformerConfig& c) {
   return n;
 }
 
+WeightMemory config_weight_and_optimizer_memory(const TransformerConfig& c, double d,
+                                                bool distributed_optimizer) {
+  TORCH_CHECK(d >= 1,
+              "actmem::config_weight_and_optimizer_memory: the data-parallel size must be "
+              ">= 1, got ",
+              d);
+  const ParameterCount n = count_parameters(c);
+  WeightMemory w;
+  w.parameters = static_cast<double>(n.total);
+  w.active_parameters = static_cast<double>(n.active);
+  w.parameters_on_rank = n.on_rank;
+  w.expert_parameters_on_rank = n.experts_on_rank;
+  // The routed experts' data-parallel size: world / (ETP EP p) with ETP = t here.
+  const double expert_dp = std::max(1.0, d / static_cast<double>(c.expert_model_parallel_size));
+  auto optimizer = [&](double dp) { return distributed_optimizer ? 12.0 / dp : 12.0; };
+  w.weight_bytes = 2.0 * n.on_rank;
+  w.gradient_bytes = 4.0 * n.on_rank;
+  w.optimizer_bytes =
+      optimizer(d) * (n.on_rank - n.experts_on_rank) + optimizer(expert_dp) * n.experts_on_rank;
+  w.bytes_per_parameter = w.total() / n.on_rank;
+  return w;
+}
+
+bool paper_describes(const TransformerConfig& c) {
+  return !c.gated_delta_net() &&
+         (c.multi_latent_attention || (c.query_projection_size() == c.hidden_size &&
+                                       !c.attention_output_gate && !c.qk_layernorm));
+}
+
+MoERouting balanced_moe_routing(const TransformerConfig& c) {
+  MoERouting routing;
+  if (!c.is_moe() || c.moe_pad_expert_input_to_capacity) return routing;
+  const int64_t t = c.tensor_model_parallel_size, e = c.expert_model_parallel_size;
+  const int64_t T = c.sequence_parallel ? c.seq_length * c.micro_batch_size / t
+                                        : c.seq_length * c.micro_batch_size;
+  const int64_t k = c.moe_router_topk, E = c.num_moe_experts;
+  int64_t rows = (e * t * T * k + E - 1) / E;  // per local expert, rounded up
+  if (c.moe_expert_capacity_factor) {  // each routing rank sends an expert at most its capacity
+    rows = std::min(rows, e * t * moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor));
+  }
+  for (const bool is_moe : c.moe_layers()) {
+    if (is_moe) routing.emplace_back(std::vector<int64_t>(static_cast<size_t>(E / e), rows), T * k);
+  }
+  return routing;
+}
+
 double offload_round_trip_seconds(double bytes, double gbps) {
   TORCH_CHECK(gbps > 0, "actmem::offload_round_trip_seconds: bandwidth must be positive, got ", gbps);
   return 2.0 * bytes / (gbps * 1e9);

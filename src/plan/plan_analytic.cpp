@@ -10,8 +10,10 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <map>
+#include <optional>
 
 namespace actmem {
 
@@ -138,9 +140,8 @@ bool has(const std::vector<T>& names, T name) {
 }
 
 // Whether selective set `s` recomputes module `r` in a layer of this kind (recompute_scope).
-bool recomputes(const Strategy& s, RecomputeModule r, bool moe_layer) {
-  // The analytic planner's models have no GatedDeltaNet layers (analytic_config refuses them).
-  return has(s.recompute_modules, r) && scope_includes(recompute_scope(r), moe_layer, false);
+bool recomputes(const Strategy& s, RecomputeModule r, bool moe_layer, bool gdn_layer = false) {
+  return has(s.recompute_modules, r) && scope_includes(recompute_scope(r), moe_layer, gdn_layer);
 }
 
 // What one layer's selective recompute drops, and its rebuild at once in the backward (the MLP
@@ -188,18 +189,47 @@ struct LayerTimes {
   double mla_up_proj = 0;                   // MLA's up-projections
   double moe = 0, moe_act = 0, shared = 0;  // an MoE layer's MLP, its experts' activation, its
                                             // shared experts
+  double gdn_norm_out = 0;                  // a GatedDeltaNet layer's gated output norm
   // What the backward adds beyond twice the forward: the flash kernel's backward computes
   // Q K^T again inside the kernel (it kept no scores), one of the two s^2 GEMMs.
   double backward_extra = 0;
 };
 
-LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu, bool moe_layer) {
+// Note [Analytic GatedDeltaNet and attention beyond the paper]
+// Models the paper does not describe (paper_describes() in memory_model.h) are costed from their
+// configuration. Standard attention with H = a heads of d = kv_channels, G groups and the output
+// gate: linear_qkv 2 T h (H (1 + gate) + 2G) d / t, the two s^2 GEMMs 4 b s^2 H d / t, linear_proj
+// 2 T H d h / t; the q/k norms read and write q and k (8 T (H + G) d / t bytes), the gate reads
+// the context and the gate and writes the product with its fp32 sigmoid (10 T H d / t); the
+// softmax's dropout only when the attention dropout is on. A GatedDeltaNet layer (T = s b tokens,
+// Hk key heads of dk, Hv value heads of dv, qk = Hk dk, v = Hv dv, C = 2 qk + v, all over t):
+// in_proj 2 T h (2 qk + 2 v + 2 Hv), out_proj 2 T v h as GEMMs; the chunked rule (chunks of
+// c = 64, Yang et al. 2024 §3.2) per token and value head 6 dk dv (the state's read, update and
+// the inter-chunk output) plus 2 c (3 dk + 2 dv) (K K^T, the WY products, Q K^T and the
+// intra-chunk output), also at the matmul rate; the convolution and its SiLU 8 T C bytes, the
+// q/k l2 norms 8 T qk, the gated output norm 6 T v (what gdn_norm_out recompute repeats).
+LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu, bool moe_layer,
+                       bool gdn_layer = false) {
   const double sb = m.s * m.b, sbh = m.sbh(), t = m.t, r = m.sp ? m.t : 1.0, h = m.h;
   const double gated = m.swiglu ? 2.0 : 1.0, F = gpu.matmul_flops, B = gpu.memory_bandwidth;
   const double groups = m.g > 0 ? m.g : m.a;  // grouped-query attention: (a + 2G) d = h (1 + 2G/a)
   double qkv = 2 * sbh * h * (1 + 2 * groups / m.a) / t, proj = 2 * sbh * h / t;
   double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
   double qk = scores / 2, up = 0, latent_norms = 0;
+  double softmax_bytes = 9;  // per score: 2+2 softmax, 2+2+1 dropout
+  const TransformerConfig* c = m.config.get();
+  const bool beyond = c != nullptr && !paper_describes(*c);
+  if (beyond && !gdn_layer) {
+    const double d = static_cast<double>(c->kv_channels());
+    const double gate = c->attention_output_gate ? 1.0 : 0.0;
+    qkv = 2 * sb * h * (m.a * (1 + gate) + 2 * groups) * d / t;
+    proj = 2 * sb * m.a * d * h / t;
+    scores = 4 * m.b * m.s * m.s * m.a * d / t;
+    qk = scores / 2;
+    latent_norms = (c->qk_layernorm ? 8 * sb * (m.a + groups) * d / t : 0.0) +
+                   (c->attention_output_gate ? 10 * sb * m.a * d / t : 0.0);
+    softmax_bytes = c->attention_dropout > 0 ? 9 : 4;
+  }
   if (m.is_mla()) {
     // Down projections on every tensor-parallel rank (the duplicated linears, over the sequence
     // shard with SP), up projections and heads split t ways; heads of dq = qk + pos for q and k.
@@ -217,15 +247,33 @@ LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu, bool moe_laye
     if (x.qk_layernorm) latent_norms = 2 * (2 * sb * x.q_lora + 2 * sb * x.kv_lora) / r;
   }
   const double norms = 2 * (2 * sbh + 2 * sbh) / r;              // two norms, read and write
-  // 2+2 softmax, 2+2+1 dropout; the flash kernel keeps the scores on chip (online softmax).
-  const double softmax_dropout = m.flash ? 0.0 : 9 * m.a * m.s * sb / t;
+  // The flash kernel keeps the scores on chip (online softmax).
+  const double softmax_dropout = m.flash ? 0.0 : softmax_bytes * m.a * m.s * sb / t;
   const double bias_dropout_add = 2 * (2 * sbh + 2 * sbh + 2 * sbh + sbh) / r;
   LayerTimes lt;
   lt.core_attn = scores / F + softmax_dropout / B;
   lt.norms = norms / B;
   lt.mla_up_proj = up / F;
   lt.backward_extra = m.flash ? qk / F : 0.0;
-  const double attention = (qkv + proj + scores) / F + (softmax_dropout + latent_norms) / B;
+  double attention = (qkv + proj + scores) / F + (softmax_dropout + latent_norms) / B;
+  if (gdn_layer) {
+    TORCH_CHECK(c != nullptr,
+                "actmem::estimate_plans_analytic: a GatedDeltaNet layer needs the "
+                "configuration it was read from");
+    const double Hk = static_cast<double>(c->linear_num_key_heads);
+    const double Hv = static_cast<double>(c->linear_num_value_heads);
+    const double dk = static_cast<double>(c->linear_key_head_dim);
+    const double dv = static_cast<double>(c->linear_value_head_dim);
+    const double qkw = Hk * dk, vd = Hv * dv, C = 2 * qkw + vd, chunk = 64;
+    const double in_proj = 2 * sb * h * (2 * qkw + 2 * vd + 2 * Hv) / t;
+    const double out_proj = 2 * sb * vd * h / t;
+    const double rule = sb * Hv / t * (6 * dk * dv + 2 * chunk * (3 * dk + 2 * dv));
+    lt.gdn_norm_out = 6 * sb * vd / t / B;
+    lt.core_attn = 0;
+    lt.backward_extra = 0;
+    attention =
+        (in_proj + out_proj + rule) / F + (8 * sb * C / t + 8 * sb * qkw / t) / B + lt.gdn_norm_out;
+  }
   const double rest = (norms + bias_dropout_add) / B;
   if (!moe_layer) {
     const double fc1 = 2 * sbh * m.ffn * gated / t, fc2 = 2 * sbh * m.ffn / t;
@@ -249,12 +297,28 @@ LayerTimes layer_times(const PaperShape& m, const DeviceSpec& gpu, bool moe_laye
   return lt;
 }
 
+// A layer's kind: its mixer (attention, or a GatedDeltaNet layer) and its MLP (dense or MoE),
+// as an index 0..3 (moe + 2 gdn).
+constexpr int kKinds = 4;
+int kind_index(bool moe, bool gdn) {
+  return (moe ? 1 : 0) + (gdn ? 2 : 0);
+}
+bool kind_moe(int kind) {
+  return (kind & 1) != 0;
+}
+bool kind_gdn(int kind) {
+  return (kind & 2) != 0;
+}
+using KindCounts = std::array<double, kKinds>;
+
 // The first pipeline stage's layers by kind: its v model chunks hold layers
 // [j p Lc, j p Lc + Lc) for j < v (Megatron's interleaved assignment; v = 1 without it).
 struct StageLayers {
-  double dense = 0, moe = 0;
+  KindCounts count{};
+  std::array<int64_t, kKinds> first{-1, -1, -1, -1};  // the first layer of each kind
+  std::array<int64_t, kKinds> chunk{};                // and its model chunk
   // Per model chunk, the layers of each kind among its first n (block recompute's), n = 1..Lc.
-  std::vector<std::vector<std::pair<double, double>>> chunk_prefix;
+  std::vector<std::vector<KindCounts>> chunk_prefix;
 };
 
 double virtual_stages(const PaperShape& m) {
@@ -265,7 +329,7 @@ StageLayers stage_layers(const PaperShape& m) {
   const int64_t v = static_cast<int64_t>(virtual_stages(m));
   const int64_t Lc = static_cast<int64_t>(m.layers_per_stage() / static_cast<double>(v));
   const int64_t p = static_cast<int64_t>(m.p);
-  std::vector<bool> moe(static_cast<size_t>(m.L), false);
+  std::vector<bool> moe(static_cast<size_t>(m.L), false), gdn = moe;
   if (m.is_moe()) {
     TORCH_CHECK(m.config != nullptr,
                 "actmem::estimate_plans_analytic: an MoE shape needs the "
@@ -276,16 +340,28 @@ StageLayers stage_layers(const PaperShape& m) {
                 "configuration has ",
                 moe.size(), " layers, the shape ", m.L);
   }
+  if (m.config != nullptr && m.config->gated_delta_net()) {
+    gdn = m.config->gdn_layers();
+    TORCH_CHECK(gdn.size() == static_cast<size_t>(m.L),
+                "actmem::estimate_plans_analytic: the "
+                "configuration has ",
+                gdn.size(), " layers, the shape ", m.L);
+  }
   StageLayers out;
   for (int64_t j = 0; j < v; ++j) {
-    std::vector<std::pair<double, double>> prefix;
-    double d = 0, e = 0;
+    std::vector<KindCounts> prefix;
+    KindCounts n{};
     for (int64_t i = 0; i < Lc; ++i) {
-      (moe[static_cast<size_t>(j * p * Lc + i)] ? e : d) += 1;
-      prefix.emplace_back(d, e);
+      const int64_t layer = j * p * Lc + i;
+      const int k = kind_index(moe[static_cast<size_t>(layer)], gdn[static_cast<size_t>(layer)]);
+      n[static_cast<size_t>(k)] += 1;
+      if (out.first[static_cast<size_t>(k)] < 0) {
+        out.first[static_cast<size_t>(k)] = layer;
+        out.chunk[static_cast<size_t>(k)] = j;
+      }
+      prefix.push_back(n);
     }
-    out.dense += d;
-    out.moe += e;
+    for (int k = 0; k < kKinds; ++k) out.count[static_cast<size_t>(k)] += n[static_cast<size_t>(k)];
     out.chunk_prefix.push_back(std::move(prefix));
   }
   return out;
@@ -349,15 +425,16 @@ TransformerConfig analytic_config(const PaperShape& m) {
   // The configuration's MoE and MLA switches and layer pattern, the shape's sizes and layout
   // (a shape may be changed after paper_shape(): the tests plan one stage of a preset).
   TransformerConfig c = m.config != nullptr ? *m.config : TransformerConfig{};
-  TORCH_CHECK(!c.gated_delta_net(),
-              "actmem::analytic_config: the analytic planner does not "
-              "model GatedDeltaNet layers yet; plan a hybrid model by measuring it (actmem plan "
-              "without --preset)");
-  TORCH_CHECK(c.multi_latent_attention || (c.query_projection_size() == c.hidden_size &&
-                                           !c.attention_output_gate && !c.qk_layernorm),
-              "actmem::analytic_config: the analytic planner models attention a x d = h wide "
-              "without an output gate or q/k norms; plan this model by measuring it (actmem plan "
-              "without --preset)");
+  // Models the paper does not describe take their terms from the exact predictor (Note
+  // [Analytic terms from the exact predictor]), which counts neither MLA on a hybrid nor another
+  // expert tensor-parallel size.
+  TORCH_CHECK(!(c.gated_delta_net() && c.multi_latent_attention),
+              "actmem::analytic_config: multi-latent attention on a hybrid model is not modelled");
+  TORCH_CHECK(paper_describes(c) || !m.is_moe() || m.moe.etp <= 0 || m.moe.etp == m.t,
+              "actmem::analytic_config: an expert tensor-parallel size (", m.moe.etp,
+              ") other than the tensor-parallel size (", m.t,
+              ") is not modelled for models the "
+              "paper's formulas do not describe");
   TORCH_CHECK(c.is_moe() == m.is_moe() && c.multi_latent_attention == m.is_mla(),
               "actmem::analytic_config: the shape ", m.is_moe() ? "has" : "has no", " experts and ",
               m.is_mla() ? "" : "no ", "multi-latent attention, its configuration ",
@@ -378,6 +455,13 @@ TransformerConfig analytic_config(const PaperShape& m) {
   c.untie_embeddings_and_output_weights = m.untied;
   c.bf16 = true;
   c.fp16 = false;
+  // The shape's attention kernel (plan --preset costs both): the exact predictor reads it from
+  // the configuration; flash cannot drop attention probabilities, so its configuration is the
+  // one with --attention-dropout 0 (Note [Plan a preset under each kernel] in plan_cmd.cpp).
+  if (m.flash != c.flash_attention() && !c.multi_latent_attention) {
+    c.attention_backend = m.flash ? "flash" : "unfused";
+    if (m.flash) c.attention_dropout = 0.0;
+  }
   c.num_virtual_stages_per_pipeline_rank.reset();
   if (m.p > 1 && m.vpp && *m.vpp > 1) {
     c.num_virtual_stages_per_pipeline_rank = whole(*m.vpp, "virtual pipeline stages");
@@ -399,10 +483,11 @@ nlohmann::json AnalyticBasis::to_json() const {
 }
 
 namespace {
-// A stage's layers of each kind with their terms: dense layers first, then MoE layers.
+// A stage's layers of each kind with their terms.
 struct Kind {
   double count = 0;
-  bool moe = false;
+  bool moe = false, gdn = false;
+  int index = 0;  // kind_index(moe, gdn)
   LayerTensors x;
   LayerTimes lt;
 };
@@ -410,20 +495,157 @@ struct Kind {
 std::vector<Kind> stage_kinds(const PaperShape& m, const StageLayers& stage,
                               const DeviceSpec& gpu) {
   std::vector<Kind> kinds;
-  for (const bool moe : {false, true}) {
-    const double n = moe ? stage.moe : stage.dense;
-    if (n > 0) kinds.push_back({n, moe, layer_tensors(m, moe), layer_times(m, gpu, moe)});
+  for (int k = 0; k < kKinds; ++k) {
+    const double n = stage.count[static_cast<size_t>(k)];
+    const bool moe = kind_moe(k), gdn = kind_gdn(k);
+    if (n > 0)
+      kinds.push_back({n, moe, gdn, k, layer_tensors(m, moe), layer_times(m, gpu, moe, gdn)});
   }
   return kinds;
 }
+
+bool beyond_paper(const PaperShape& m) {
+  return m.config != nullptr && !paper_describes(*m.config);
+}
+
+// Note [Analytic terms from the exact predictor]
+// For a model the paper does not describe (GatedDeltaNet layers, the output gate, q/k norms,
+// heads wider than h / a) a layer's terms are the exact predictor's (predict_activation_bytes,
+// which the tests of inspect and of every strategy check against the tracker to the byte) for
+// the first layer of each kind on the first stage: at 16 bits with the GPU's conventions (norm
+// statistics in fp32, random-state snapshots on the host), the routed experts at a balanced
+// routing, dropout as configured — what `estimate` prints for such a model. Under a selective
+// set the predictor runs with that set; what the set drops is the plain layer's bytes less
+// those, in two halves each rebuilt at once in the backward (the attention half: the input norm,
+// the mixer, its dropout; the MLP half: the rest). An offload group moves the bytes of the
+// modules it wraps: attn_norm input_layernorm's, qkv_linear linear_qkv's and the q/k norms',
+// core_attn core_attention's, attn_proj linear_proj's (attention layers only), mlp_norm
+// pre_mlp_layernorm's, expert_fc1 and moe_act the routed experts' fc1 and activation's: what
+// the offloader copies when every tensor passes its size threshold. The embedding, output layer
+// and loss keep the paper path's terms.
+class PredictedLayers {
+ public:
+  using Modules = std::vector<std::pair<std::string, double>>;  // module under the layer, bytes
+  PredictedLayers(TransformerConfig c, const StageLayers& stage)
+      : c_(std::move(c)), stage_(stage), routing_(balanced_moe_routing(c_)) {}
+  // The first layer of `kind` on the first stage under selective set `set`.
+  const Modules& layer(int kind, const std::vector<RecomputeModule>& set) {
+    auto it = cache_.find(set);
+    if (it == cache_.end()) it = cache_.emplace(set, predict(set)).first;
+    return it->second[static_cast<size_t>(kind)];
+  }
+
+ private:
+  std::array<Modules, kKinds> predict(const std::vector<RecomputeModule>& set) const {
+    Strategy selective;
+    selective.recompute_modules = set;
+    const TransformerConfig cc = selective.apply(c_);
+    const ActivationPlan plan = make_activation_plan(cc);
+    std::map<int64_t, PredictedBytes> chunks;
+    std::array<Modules, kKinds> out;
+    for (int k = 0; k < kKinds; ++k) {
+      const int64_t first = stage_.first[static_cast<size_t>(k)];
+      if (first < 0) continue;
+      const int64_t chunk = stage_.chunk[static_cast<size_t>(k)];
+      auto it = chunks.find(chunk);
+      if (it == chunks.end()) {
+        it = chunks
+                 .emplace(chunk, predict_activation_bytes(
+                                     cc, plan, 2, /*snapshots_on_device=*/false,
+                                     routing_.empty() ? nullptr : &routing_, 0, chunk))
+                 .first;
+      }
+      const std::string prefix = "decoder.layers." + std::to_string(first) + ".";
+      for (const auto& [module, bytes] : it->second.by_module) {
+        if (module.rfind(prefix, 0) == 0) {
+          out[static_cast<size_t>(k)].emplace_back(module.substr(prefix.size()),
+                                                   static_cast<double>(bytes));
+        }
+      }
+    }
+    return out;
+  }
+  TransformerConfig c_;
+  StageLayers stage_;
+  MoERouting routing_;
+  std::map<std::vector<RecomputeModule>, std::array<Modules, kKinds>> cache_;
+};
+
+bool starts(const std::string& s, const char* prefix) {
+  return s.rfind(prefix, 0) == 0;
+}
+bool ends(const std::string& s, const std::string& suffix) {
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+bool attention_half(const std::string& module) {
+  return starts(module, "input_layernorm") || starts(module, "self_attention") ||
+         starts(module, "self_attn_bda");
+}
+bool group_moves(OffloadModule g, const std::string& module, bool gdn_layer) {
+  switch (g) {
+    case OffloadModule::kAttnNorm:
+      return module == "input_layernorm";
+    case OffloadModule::kQkvLinear:
+      return !gdn_layer &&
+             (module == "self_attention.linear_qkv" || module == "self_attention.q_layernorm" ||
+              module == "self_attention.k_layernorm");
+    case OffloadModule::kCoreAttn:
+      return !gdn_layer && module == "self_attention.core_attention";
+    case OffloadModule::kAttnProj:
+      return !gdn_layer && module == "self_attention.linear_proj";
+    case OffloadModule::kMlpNorm:
+      return module == "pre_mlp_layernorm";
+    case OffloadModule::kExpertFc1:
+      return starts(module, "mlp.experts.") && ends(module, ".linear_fc1");
+    case OffloadModule::kMoeAct:
+      return starts(module, "mlp.experts.") && ends(module, ".activation_func");
+  }
+  return false;
+}
+
+// One layer of a kind under strategy `s`'s selective set and offload groups: its plain bytes,
+// what the set drops (and rebuilds at once), what the groups move.
+struct KindCost {
+  double plain = 0;
+  Dropped dropped;
+  double moved = 0;
+};
+
+KindCost kind_cost(const Kind& k, const Strategy& s, PredictedLayers* exact) {
+  if (exact == nullptr) {
+    return {k.x.total(), selective_dropped(k.x, s, k.moe), offloaded_per_layer(k.x, s, k.moe)};
+  }
+  double plain_attn = 0, plain_mlp = 0, attn = 0, mlp = 0, moved = 0;
+  for (const auto& [module, bytes] : exact->layer(k.index, {})) {
+    (attention_half(module) ? plain_attn : plain_mlp) += bytes;
+  }
+  for (const auto& [module, bytes] : exact->layer(k.index, s.recompute_modules)) {
+    (attention_half(module) ? attn : mlp) += bytes;
+    for (const OffloadModule g : s.offload_modules) {
+      if (group_moves(g, module, k.gdn)) moved += bytes;
+    }
+  }
+  KindCost cost;
+  cost.plain = plain_attn + plain_mlp;
+  cost.dropped = {cost.plain - attn - mlp, std::max(plain_attn - attn, plain_mlp - mlp)};
+  cost.moved = moved;
+  return cost;
+}
 }  // namespace
+
+WeightMemory analytic_weight_memory(const PaperShape& m) {
+  return beyond_paper(m)
+             ? config_weight_and_optimizer_memory(analytic_config(m), m.d, m.distributed_optimizer)
+             : megatron_weight_and_optimizer_memory(m);
+}
 
 AnalyticBasis analytic_basis(const PaperShape& m, const DeviceSpec& gpu) {
   TORCH_CHECK(gpu.matmul_flops > 0 && gpu.memory_bandwidth > 0 && gpu.d2h_bandwidth > 0 &&
                   gpu.h2d_bandwidth > 0,
               "actmem::analytic_basis: the GPU's rates must be positive");
   AnalyticBasis basis;
-  basis.static_bytes = megatron_weight_and_optimizer_memory(m).total();
+  basis.static_bytes = analytic_weight_memory(m).total();
   basis.microbatches_in_flight = in_flight(m);
   basis.layers_per_stage = m.layers_per_stage();
   double forward = 0, step = 0;
@@ -442,11 +664,15 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
   const AnalyticBasis basis = analytic_basis(m, gpu);
   const StageLayers stage = stage_layers(m);
   const std::vector<Kind> kinds = stage_kinds(m, stage, gpu);
+  std::optional<PredictedLayers> predicted;
+  if (beyond_paper(m)) predicted.emplace(analytic_config(m), stage);
+  PredictedLayers* exact = predicted ? &*predicted : nullptr;
+  const Strategy plain;
   const double Ls = basis.layers_per_stage, v = virtual_stages(m), Lc = Ls / v;
   const double flight = basis.microbatches_in_flight;
   const double input = kinds.front().x.input;  // the same for every kind
   double largest = 0;                          // the largest layer's bytes
-  for (const Kind& k : kinds) largest = std::max(largest, k.x.total());
+  for (const Kind& k : kinds) largest = std::max(largest, kind_cost(k, plain, exact).plain);
   // The first stage's embedding (int64 input ids and its dropout mask, Megatron's terms) per
   // micro-batch in flight; the output layer's input and fp32 logits once without pipelining.
   const double embedding = (8 * m.s * m.b + m.sbh()) / m.t;
@@ -455,7 +681,7 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
   const double backward_start = m.p == 1 ? 4 * m.s * m.b * m.v / m.t : input;
   // Layer-level offload moves the model's first K layers (no pipeline stages: the stage is the
   // model); their kinds, K = 1..L.
-  std::vector<std::pair<double, double>> first_layers;
+  std::vector<KindCounts> first_layers;
   if (!stage.chunk_prefix.empty()) first_layers = stage.chunk_prefix.front();
   std::vector<PlanEstimate> out;
   for (const Strategy& s : strategies) {
@@ -473,12 +699,11 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
           static_cast<size_t>(std::min<double>(static_cast<double>(s.full_layers), Lc));
       // Each model chunk's first n layers keep their input, the others everything.
       for (const auto& prefix : stage.chunk_prefix) {
-        const auto [rd, rm] = prefix[n - 1];
-        const auto [cd, cm] = prefix.back();
         per_microbatch += static_cast<double>(n) * input;
         for (const Kind& k : kinds) {
-          const double rebuilt = k.moe ? rm : rd, all = k.moe ? cm : cd;
-          per_microbatch += (all - rebuilt) * k.x.total();
+          const size_t i = static_cast<size_t>(k.index);
+          const double rebuilt = prefix[n - 1][i], all = prefix.back()[i];
+          per_microbatch += (all - rebuilt) * kind_cost(k, plain, exact).plain;
           extra_s += rebuilt * k.lt.forward;
         }
       }
@@ -487,24 +712,24 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
     } else {
       double per_layer_moved = 0, exposed = 0;
       for (const Kind& k : kinds) {
-        const Dropped dropped = selective_dropped(k.x, s, k.moe);
-        per_microbatch += k.count * (k.x.total() - dropped.bytes);
-        transient = std::max(transient, dropped.transient);
-        const auto rebuilt = [&](RecomputeModule r, double cost) {
-          return recomputes(s, r, k.moe) ? cost : 0.0;
+        const KindCost cost = kind_cost(k, s, exact);
+        per_microbatch += k.count * (cost.plain - cost.dropped.bytes);
+        transient = std::max(transient, cost.dropped.transient);
+        const auto rebuilt = [&](RecomputeModule r, double seconds) {
+          return recomputes(s, r, k.moe, k.gdn) ? seconds : 0.0;
         };
         extra_s += k.count * (rebuilt(RecomputeModule::kCoreAttn, k.lt.core_attn) +
                               rebuilt(RecomputeModule::kLayernorm, k.lt.norms) +
                               rebuilt(RecomputeModule::kMlp, k.lt.mlp) +
                               rebuilt(RecomputeModule::kMlaUpProj, k.lt.mla_up_proj) +
+                              rebuilt(RecomputeModule::kGdnNormOut, k.lt.gdn_norm_out) +
                               (recomputes(s, RecomputeModule::kMoe, k.moe)
                                    ? k.lt.moe
                                    : rebuilt(RecomputeModule::kMoeAct, k.lt.moe_act) +
                                          rebuilt(RecomputeModule::kSharedExperts, k.lt.shared)));
-        const double layer_moved = offloaded_per_layer(k.x, s, k.moe);
-        per_layer_moved = std::max(per_layer_moved, layer_moved);
-        moved += k.count / Ls * layer_moved;
-        exposed += k.count / Ls * exposed_copy_s(layer_moved, k.lt.forward, gpu);
+        per_layer_moved = std::max(per_layer_moved, cost.moved);
+        moved += k.count / Ls * cost.moved;
+        exposed += k.count / Ls * exposed_copy_s(cost.moved, k.lt.forward, gpu);
       }
       if (!s.offload_modules.empty()) {
         // Every layer of every forward in flight but the margin (the last layer before the
@@ -519,10 +744,11 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
       }
       if (s.offload_layers > 0) {
         // The first K layers' saved tensors; their reload comes after later layers are freed.
-        const auto [kd, km] = first_layers[static_cast<size_t>(s.offload_layers) - 1];
+        const KindCounts& first = first_layers[static_cast<size_t>(s.offload_layers) - 1];
         for (const Kind& k : kinds) {
-          const double layer = k.x.total() - selective_dropped(k.x, s, k.moe).bytes;
-          const double count = k.moe ? km : kd;
+          const KindCost cost = kind_cost(k, s, exact);
+          const double layer = cost.plain - cost.dropped.bytes;
+          const double count = first[static_cast<size_t>(k.index)];
           moved += count * layer;
           extra_s += count * exposed_copy_s(layer, k.lt.forward, gpu);
         }

@@ -89,6 +89,12 @@ class GPTDataset : public SampleSource {
   bool loaded_from_cache() const { return from_cache_; }
 
  private:
+  int64_t tokens_per_epoch() const;
+  // Megatron's epochs and samples for `num_samples` of this split.
+  std::pair<int64_t, int64_t> epochs_and_samples(int64_t num_samples) const;
+  // Whether indices read from the cache address this split only (Note [A cached index is
+  // checked before it is used]).
+  bool cached_indices_valid() const;
   void build(int64_t num_samples, uint32_t seed);
   std::shared_ptr<const IndexedDataset> data_;
   std::pair<int64_t, int64_t> sequences_;

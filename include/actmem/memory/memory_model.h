@@ -172,6 +172,21 @@ struct ParameterCount {
 };
 ParameterCount count_parameters(const TransformerConfig& config);
 
+/// Weights, gradients and optimizer state on the first stage's most loaded rank from
+/// count_parameters() at Megatron's bytes per parameter (2 + 4 + 12, the optimizer's 12 over the
+/// data-parallel size `d` with the distributed optimizer; the routed experts over their own
+/// data-parallel size d / EP): what megatron_weight_and_optimizer_memory() computes from the
+/// paper's shape, for every model the configuration describes (GatedDeltaNet layers, the output
+/// gate, q/k norms, heads wider than h / a). Multi-latent attention is refused as there.
+WeightMemory config_weight_and_optimizer_memory(const TransformerConfig& config, double d,
+                                                bool distributed_optimizer);
+
+/// Whether Korthikanti et al.'s per-layer formulas (and Megatron's theoretical_memory_usage.py)
+/// describe `config`'s layers: standard attention a x d = h wide without the output gate or q/k
+/// norms, or multi-latent attention; no GatedDeltaNet layers. For the others estimate and the
+/// analytic planner take their terms from the exact predictor.
+bool paper_describes(const TransformerConfig& config);
+
 /// Transfer time, in seconds, of `bytes` each way (device->host then host->device) over a link
 /// of `gbps` GB/s (10^9 bytes/s) per direction, not overlapped.
 double offload_round_trip_seconds(double bytes, double gbps);
@@ -233,6 +248,13 @@ struct MoELayerRouting {
   int64_t dispatched_rows = -1;
 };
 using MoERouting = std::vector<MoELayerRouting>;
+
+/// Routed experts' rows at a balanced routing (each expert k T / E of the T tokens a router sees,
+/// from every rank that routes to it, rounded up, at most the capacity bound), one entry per MoE
+/// layer, for predict_activation_bytes() on a model that cannot run here; empty for a dense model
+/// or padded capacity (whose rows do not depend on the routing).
+MoERouting balanced_moe_routing(const TransformerConfig& config);
+
 PredictedBytes predict_activation_bytes(const TransformerConfig& config, int64_t dtype_bytes = 0,
                                         bool snapshots_on_device = true,
                                         const MoERouting* routing = nullptr);

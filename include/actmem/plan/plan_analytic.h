@@ -60,6 +60,11 @@ TransformerConfig analytic_config(const PaperShape& m);
 /// offload groups) apply as the configuration allows.
 std::vector<Strategy> analytic_strategies(const PaperShape& m);
 
+/// Weights, gradients and optimizer state of `m`'s most loaded rank: Megatron's terms from the
+/// paper's shape (megatron_weight_and_optimizer_memory), or for a model the paper does not
+/// describe from its configuration (config_weight_and_optimizer_memory).
+WeightMemory analytic_weight_memory(const PaperShape& m);
+
 /// What every strategy's prediction for `m` on `gpu` shares (Note [Analytic plan]).
 struct AnalyticBasis {
   double static_bytes = 0;          // weights, gradients, optimizer state on the rank
