@@ -9,9 +9,13 @@
 #include "fixtures.h"
 #include "test_util.h"
 
+#include <nlohmann/json.hpp>
+
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -31,36 +35,75 @@ inline void offload(TransformerConfig& c, std::vector<std::string> modules) {
   c.min_offloaded_tensor_size = 64;
 }
 
-/// Steps `reference` and `candidate` together for `steps` optimizer steps and expects, at every
+/// What expect_bitwise_equal_training compares, recorded from one run: each step's stats,
+/// default-generator states and gradients, and the parameters (and fp32 main parameters) after
+/// the last step.
+struct TrainingRecord {
+  struct Step {
+    IterationStats stats;
+    std::vector<at::Tensor> rng_state, gradients;
+  };
+  std::vector<Step> steps;
+  std::vector<std::string> names;  // the parameters', in the gradients' order
+  std::vector<at::Tensor> params, main_params;
+  bool mixed_precision = false;
+};
+
+inline std::vector<at::Tensor> clones(const std::vector<at::Tensor>& tensors) {
+  std::vector<at::Tensor> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(t.defined() ? t.clone() : t);
+  return out;
+}
+
+/// Trains `trainer` for `steps` optimizer steps and records them.
+inline TrainingRecord record_training(Trainer& trainer, int steps) {
+  TrainingRecord r;
+  for (int step = 1; step <= steps; ++step) {
+    TrainingRecord::Step s;
+    s.stats = trainer.train_step();
+    s.rng_state = clones(trainer.rng_state());
+    s.gradients = clones(trainer.gradients());
+    r.steps.push_back(std::move(s));
+  }
+  for (const auto& p : trainer.model().named_parameters()) r.names.push_back(p.key());
+  r.params = clones(trainer.model().ordered_parameters());
+  r.mixed_precision = trainer.mixed_precision() != nullptr;
+  if (r.mixed_precision) r.main_params = clones(trainer.mixed_precision()->main_params());
+  return r;
+}
+
+/// Steps `candidate` for as many optimizer steps as `reference` recorded and expects, at every
 /// step, bitwise-equal losses, gradient norms, gradient digests and default-generator states,
 /// and bitwise-equal parameters at the end. On a digest mismatch it names the parameters whose
 /// gradients differ and stops. `per_step` sees the candidate's stats of each step.
 inline void expect_bitwise_equal_training(
-    Trainer& reference, Trainer& candidate, int steps,
+    const TrainingRecord& reference, Trainer& candidate,
     const std::function<void(const IterationStats&)>& per_step = nullptr) {
   int applied = 0;  // steps the reference did not skip
-  for (int step = 1; step <= steps; ++step) {
-    const auto a = reference.train_step(), b = candidate.train_step();
+  for (size_t i = 0; i < reference.steps.size(); ++i) {
+    const int step = static_cast<int>(i) + 1;
+    const TrainingRecord::Step& ref = reference.steps[i];
+    const IterationStats& a = ref.stats;
+    const auto b = candidate.train_step();
     applied += a.skipped ? 0 : 1;
     EXPECT_EQ(a.loss, b.loss) << "step " << step;
     if (!(std::isnan(a.grad_norm) && std::isnan(b.grad_norm))) {  // NaN: both skipped
       EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << step;
     }
     EXPECT_EQ(a.grad_digest, b.grad_digest) << "step " << step;
-    ASSERT_EQ(reference.rng_state().size(), candidate.rng_state().size());
-    for (size_t g = 0; g < reference.rng_state().size(); ++g) {
-      EXPECT_TRUE(bitwise_equal(reference.rng_state()[g], candidate.rng_state()[g]))
+    ASSERT_EQ(ref.rng_state.size(), candidate.rng_state().size());
+    for (size_t g = 0; g < ref.rng_state.size(); ++g) {
+      EXPECT_TRUE(bitwise_equal(ref.rng_state[g], candidate.rng_state()[g]))
           << "default generator differs after step " << step;
     }
     if (per_step) per_step(b);
     EXPECT_EQ(a.skipped, b.skipped) << "step " << step;
     if (a.grad_digest != b.grad_digest) {
-      const auto names = reference.model().named_parameters();
-      const auto& ga = reference.gradients();
       const auto& gb = candidate.gradients();
-      for (size_t i = 0; i < ga.size(); ++i) {
-        if (!bitwise_equal(ga[i], gb[i])) {
-          ADD_FAILURE() << "step " << step << ": gradient of " << names[i].key() << " differs";
+      for (size_t p = 0; p < ref.gradients.size() && p < gb.size(); ++p) {
+        if (!bitwise_equal(ref.gradients[p], gb[p])) {
+          ADD_FAILURE() << "step " << step << ": gradient of " << reference.names[p] << " differs";
         }
       }
       return;
@@ -68,20 +111,51 @@ inline void expect_bitwise_equal_training(
   }
   // A comparison of skipped steps only would compare no update (fp16 from too high a scale).
   EXPECT_GT(applied, 0) << "every step was skipped: lower the initial loss scale";
-  const auto pa = reference.model().ordered_parameters();
   const auto pb = candidate.model().ordered_parameters();
-  for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << "param " << i;
+  ASSERT_EQ(reference.params.size(), pb.size());
+  for (size_t i = 0; i < pb.size(); ++i) {
+    EXPECT_TRUE(bitwise_equal(reference.params[i], pb[i])) << "param " << i;
+  }
   // At 16 bits the fp32 main parameters the optimizer steps must agree as well.
-  ASSERT_EQ(reference.mixed_precision() == nullptr, candidate.mixed_precision() == nullptr);
-  if (reference.mixed_precision() != nullptr) {
-    const auto& ma = reference.mixed_precision()->main_params();
+  ASSERT_EQ(reference.mixed_precision, candidate.mixed_precision() != nullptr);
+  if (reference.mixed_precision) {
     const auto& mb = candidate.mixed_precision()->main_params();
-    for (size_t i = 0; i < ma.size(); ++i) {
-      EXPECT_TRUE(bitwise_equal(ma[i], mb[i])) << "main param " << i;
+    for (size_t i = 0; i < mb.size(); ++i) {
+      EXPECT_TRUE(bitwise_equal(reference.main_params[i], mb[i])) << "main param " << i;
     }
   }
 }
 
+/// The same with a reference run trained here: `reference` for `steps` steps, then `candidate`.
+inline void expect_bitwise_equal_training(
+    Trainer& reference, Trainer& candidate, int steps,
+    const std::function<void(const IterationStats&)>& per_step = nullptr) {
+  expect_bitwise_equal_training(record_training(reference, steps), candidate, per_step);
+}
+
+/// Note [One plain run per configuration]
+/// The exactness suites compare many strategies against the plain run of the same model,
+/// precision and training configuration. That run is recorded once per process and reused: the
+/// key is the whole of both configurations (to_json) and the step count, so a strategy is never
+/// compared against another model's plain run. A Trainer's randomness is its own (it swaps its
+/// generator states in and out), so a record made in an earlier test is the run this test would
+/// make.
+inline void expect_bitwise_equal_to_plain(
+    const TransformerConfig& plain, const TrainingConfig& training, Trainer& candidate, int steps,
+    const std::function<void(const IterationStats&)>& per_step = nullptr) {
+  static std::map<std::string, std::shared_ptr<const TrainingRecord>> records;
+  const std::string key =
+      to_json(plain).dump() + to_json(training).dump() + "/" + std::to_string(steps);
+  auto it = records.find(key);
+  if (it == records.end()) {
+    Trainer reference(plain, training);
+    it =
+        records
+            .emplace(key, std::make_shared<const TrainingRecord>(record_training(reference, steps)))
+            .first;
+  }
+  expect_bitwise_equal_training(*it->second, candidate, per_step);
+}
 
 /// One training step of `c`: the exact predictor (given the step's MoE routing) equals the
 /// tracker's activation bytes to the byte, and the trainer's own prediction; the activation

@@ -13,6 +13,7 @@
 #include <caffe2/serialize/inline_container.h>
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -330,6 +331,44 @@ TEST(CheckpointFiles, ATruncatedTensorRecordIsRefused) {
   }
   expect_error_containing([&] { read_checkpoint_file(cut); },
                           "needs 65536 bytes but its record holds 3");
+  fs::remove_all(dir);
+}
+
+// Note [Pickle lengths are checked before the unpickler reads them]: a string length in the
+// pickle far beyond the file (found by fuzz/fuzz_checkpoint.cpp, whose input is kept in
+// fuzz/corpus/checkpoint/regression-pickle-length) is refused before libtorch's unpickler
+// reserves it.
+TEST(CheckpointFiles, APickleLengthBeyondTheFileIsRefusedBeforeAnyAllocation) {
+  const std::string dir = saved_tiny(testing::tiny_model(), testing::tiny_training());
+  const std::string file = checkpoint_file(dir, 2, 0);
+  const std::string bad = dir + "/bad.pt";
+  {
+    caffe2::serialize::PyTorchStreamReader reader(file);
+    caffe2::serialize::PyTorchStreamWriter writer(bad);
+    bool altered = false;
+    for (const std::string& name : reader.getAllRecords()) {
+      if (name.rfind(".data/", 0) == 0 || name == "version" || name == ".format_version") continue;
+      auto [data, size] = reader.getRecord(name);
+      std::string bytes(static_cast<const char*>(data.get()), size);
+      if (name == "data.pkl") {
+        // The first BINUNICODE ('X', u32 length, text): a dict key such as "args".
+        for (size_t i = 0; i + 5 < bytes.size() && !altered; ++i) {
+          if (bytes[i] != 'X') continue;
+          uint32_t n = 0;
+          std::memcpy(&n, bytes.data() + i + 1, 4);
+          if (n == 0 || n > 64 || i + 5 + n > bytes.size()) continue;
+          const uint32_t huge = 0x50000000u;  // 1.25 GiB
+          std::memcpy(bytes.data() + i + 1, &huge, 4);
+          altered = true;
+        }
+      }
+      writer.writeRecord(name, bytes.data(), bytes.size());
+    }
+    ASSERT_TRUE(altered);
+    writer.writeEndOfFile();
+  }
+  expect_error_containing([&] { read_checkpoint_file(bad); },
+                          "states a string of 1342177280 bytes");
   fs::remove_all(dir);
 }
 
@@ -655,17 +694,20 @@ TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   run_steps(t, 1);
   t.save_checkpoint(dir);
   const std::string script = dir + "/read.py", listing = dir + "/listing.txt";
-  std::ofstream(script) <<
-      "import sys, torch\n"
-      "d = torch.load(sys.argv[1])\n"
-      "assert isinstance(d, dict), type(d)\n"
-      "print('keys', ' '.join(sorted(d.keys())))\n"
-      "print('iteration', d['iteration'], d['checkpoint_version'])\n"
-      "for name, t in d['model'].items():\n"
-      "    print(name, str(t.dtype), ' '.join(map(str, t.shape)),\n"
-      "          ' '.join(float(x).hex() for x in t.float().flatten().tolist()))\n";
-  const std::string cmd = std::string(ACTMEM_PYTHON) + " " + script + " " + checkpoint_file(dir, 1, 0) + " > " +
-                          listing + " 2>&1";
+  std::ofstream(script)
+      << "import sys, torch\n"
+         "d = torch.load(sys.argv[1])\n"
+         "assert isinstance(d, dict), type(d)\n"
+         "print('keys', ' '.join(sorted(d.keys())))\n"
+         "print('iteration', d['iteration'], d['checkpoint_version'])\n"
+         "for name, t in d['model'].items():\n"
+         "    print(name, str(t.dtype), ' '.join(map(str, t.shape)),\n"
+         "          ' '.join(float(x).hex() for x in t.float().flatten().tolist()))\n"
+         "d['python'] = {'float': 1.5, 'text': 'caf\\u00e9', 'tuple': (1, None)}\n"
+         "torch.save(d, sys.argv[2])\n";
+  const std::string resaved = dir + "/resaved.pt";
+  const std::string cmd = std::string(ACTMEM_PYTHON) + " " + script + " " +
+                          checkpoint_file(dir, 1, 0) + " " + resaved + " > " + listing + " 2>&1";
   ASSERT_EQ(std::system(cmd.c_str()), 0) << std::ifstream(listing).rdbuf();
   std::ifstream in(listing);
   std::string line;
@@ -695,6 +737,11 @@ TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   }
   EXPECT_EQ(seen, params.size());
   EXPECT_NE(params.find("output_layer.weight"), nullptr);
+  // What Python's pickler writes (torch.save of the loaded dict with values of its own) passes
+  // the opcode check (Note [Pickle lengths are checked before the unpickler reads them]).
+  const c10::impl::GenericDict back = read_checkpoint_file(resaved);
+  EXPECT_TRUE(back.contains(c10::IValue("model")));
+  EXPECT_TRUE(back.contains(c10::IValue("python")));
   fs::remove_all(dir);
 }
 

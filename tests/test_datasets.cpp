@@ -513,7 +513,18 @@ TEST(GPTDataset, RebuildsACacheEntryWhoseContentsAreOutOfRange) {
       {"shuffle_index", 2, int64_t{1} << 40, 8},  // a sample that does not exist
       {"shuffle_index", 2, first.shuffle_index()[3], 8},  // a sample twice
   };
-  for (const Damage& d : damages) {
+  // A boundary moved back one token within its document: still increasing and in range, but
+  // two samples are no longer seq_length + 1 tokens (found by fuzz/fuzz_npy_cache.cpp).
+  std::vector<Damage> all(std::begin(damages), std::end(damages));
+  const auto& si = first.sample_index();
+  for (size_t s = 2; 2 * s + 1 < si.size(); ++s) {
+    if (si[2 * s] != si[2 * s - 2] && si[2 * s + 1] >= 1) {
+      all.push_back({"sample_index", static_cast<int64_t>(2 * s + 1), si[2 * s + 1] - 1, 8});
+      break;
+    }
+  }
+  ASSERT_EQ(all.size(), std::size(damages) + 1);
+  for (const Damage& d : all) {
     SCOPED_TRACE(std::string(d.file) + "[" + std::to_string(d.index) +
                  "] = " + std::to_string(d.value));
     const GPTDataset fresh(data, {0, 40}, 100, 16, 7, "train", cache);  // rewrites the entry

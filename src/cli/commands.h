@@ -34,4 +34,13 @@ Runner add_dist_check_command(CLI::App& app);
 Runner add_preprocess_command(CLI::App& app);
 Runner add_generate_command(CLI::App& app);
 
+/// Every subcommand above on `app`, in main's order (each runner returns -1 unless its command
+/// was chosen).
+std::vector<Runner> add_commands(CLI::App& app);
+/// Parses the words after the program name as main() does: launch's worker command taken out
+/// after "--", a preset expanded into its flags, the last occurrence of each flag kept (Note
+/// [Last value wins] in command_line.cpp). Throws CLI::ParseError, and c10::Error for an unknown
+/// preset.
+void parse_command_line(CLI::App& app, std::vector<std::string> given);
+
 }  // namespace actmem::cli

@@ -194,8 +194,8 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
       // sample() read outside the memory map (the indices address it). Here the counts must be
       // the ones this dataset's description implies, each file exactly its shape, and every
       // entry in range: documents in the split, sample boundaries increasing within their
-      // documents, the shuffle a permutation. An entry that fails is rebuilt (and rewritten)
-      // with a warning naming it; the cache only ever saves time.
+      // documents, each sample seq_length + 1 tokens, the shuffle a permutation. An entry that
+      // fails is rebuilt (and rewritten) with a warning naming it; the cache only ever saves time.
       const auto [epochs, samples] = epochs_and_samples(num_samples);
       std::vector<int64_t> counts;
       if (read_npy<int64_t>(base + "-counts.npy", counts, {2}) && counts[0] == epochs &&
@@ -276,10 +276,17 @@ bool GPTDataset::cached_indices_valid() const {
         offset >= data_->sequence_length(document_index_[static_cast<size_t>(pos)])) {
       return false;
     }
-    if (s > 0) {  // each sample ends after it begins
+    if (s > 0) {
+      // Each sample is seq_length + 1 tokens: from the previous boundary (its first token) to
+      // this one (its last), both inclusive.
       const int64_t prev = sample_index_[static_cast<size_t>(2 * s - 2)];
       const int64_t prev_offset = sample_index_[static_cast<size_t>(2 * s - 1)];
       if (pos < prev || (pos == prev && offset <= prev_offset)) return false;
+      int64_t tokens = offset + 1 - prev_offset;
+      for (int64_t p = prev; p < pos && tokens <= seq_length_ + 1; ++p) {
+        tokens += data_->sequence_length(document_index_[static_cast<size_t>(p)]);
+      }
+      if (tokens != seq_length_ + 1) return false;
     }
   }
   std::vector<bool> seen(static_cast<size_t>(samples), false);

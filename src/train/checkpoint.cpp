@@ -471,11 +471,155 @@ void check_tensor_records(const c10::IValue& v, const RecordSizes& records, cons
   }
 }
 
+// Note [Pickle lengths are checked before the unpickler reads them]
+// torch::jit::Unpickler reserves a string of the length a BINUNICODE/BINBYTES opcode states
+// (readBytes) before it reads the bytes: a 67 KB checkpoint whose pickle states a 1.3 GB string
+// allocated 1.3 GB (found by fuzz/fuzz_checkpoint.cpp), and a length of 2^63 would throw
+// std::length_error or exhaust memory. The opcodes are walked here first (the pickle protocol's
+// opcode table, Python's Lib/pickletools.py), each length compared with the bytes that remain;
+// an opcode outside the table is refused (torch.save writes protocol 2).
+void check_pickle_lengths(const char* data, size_t size, const std::string& path) {
+  size_t at = 0;
+  auto need = [&](uint64_t n, const char* what) {
+    TORCH_CHECK(n <= size - at, "actmem::read_checkpoint_file: ", path, " is damaged: its pickle ",
+                "states ", what, " of ", n, " bytes at offset ", at, " with ", size - at,
+                " bytes left");
+  };
+  auto uint = [&](size_t bytes) {
+    need(bytes, "an argument");
+    uint64_t v = 0;
+    for (size_t i = 0; i < bytes; ++i)
+      v |= static_cast<uint64_t>(static_cast<uint8_t>(data[at + i])) << (8 * i);
+    at += bytes;
+    return v;
+  };
+  auto line = [&]() {
+    const void* nl = std::memchr(data + at, '\n', size - at);
+    TORCH_CHECK(nl != nullptr, "actmem::read_checkpoint_file: ", path, " is damaged: its pickle ",
+                "ends inside a text argument");
+    at = static_cast<size_t>(static_cast<const char*>(nl) - data) + 1;
+  };
+  while (at < size) {
+    const uint8_t op = static_cast<uint8_t>(data[at++]);
+    switch (op) {
+      case '.':  // STOP
+        return;
+      case '(':
+      case '0':
+      case '1':
+      case '2':
+      case 'N':
+      case 0x88:
+      case 0x89:
+      case '}':
+      case ']':
+      case ')':
+      case 't':
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 'a':
+      case 'e':
+      case 's':
+      case 'u':
+      case 'b':
+      case 'R':
+      case 0x81:
+      case 0x92:
+      case 0x8f:
+      case 0x90:
+      case 0x91:
+      case 0x93:
+      case 0x94:
+      case 'Q':
+      case 'l':
+      case 'd':
+      case 'o':
+      case 0x97:
+      case 0x98:
+        break;  // no argument
+      case 0x80:
+      case 'K':
+      case 'h':
+      case 'q':
+      case 0x82:
+        uint(1);
+        break;
+      case 'M':
+      case 0x83:
+        uint(2);
+        break;
+      case 'J':
+      case 'j':
+      case 'r':
+      case 0x84:
+        uint(4);
+        break;
+      case 'G':
+      case 0x95:
+        uint(8);
+        break;
+      case 'U':
+      case 'C':
+      case 0x8c:
+      case 0x8a: {  // a length of one byte, then the bytes
+        const uint64_t n = uint(1);
+        need(n, "a string");
+        at += n;
+        break;
+      }
+      case 'T':
+      case 'B':
+      case 'X':
+      case 0x8b: {  // four bytes of length
+        const uint64_t n = uint(4);
+        TORCH_CHECK(op == 'B' || op == 'X' || n < (uint64_t{1} << 31),
+                    "actmem::read_checkpoint_file: ", path,
+                    " is damaged: its pickle states a negative length");
+        need(n, "a string");
+        at += n;
+        break;
+      }
+      case 0x8d:
+      case 0x8e:
+      case 0x96: {  // eight bytes of length
+        const uint64_t n = uint(8);
+        need(n, "a string");
+        at += n;
+        break;
+      }
+      case 'I':
+      case 'L':
+      case 'F':
+      case 'S':
+      case 'V':
+      case 'g':
+      case 'p':
+      case 'P':
+        line();
+        break;
+      case 'c':
+      case 'i':
+        line();
+        line();
+        break;
+      default:
+        TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " is not a checkpoint: its ",
+                    "pickle has opcode 0x", c10::str(std::hex, static_cast<int>(op)), " at offset ",
+                    at - 1);
+    }
+  }
+  TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path, " is damaged: its pickle has no STOP");
+}
+
 // pickle_load of the file, with the records' sizes.
 c10::IValue unpickle_checkpoint(const std::string& path, RecordSizes& records) {
   caffe2::serialize::PyTorchStreamReader reader(path);
-  auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+  auto record = reader.getRecord("data.pkl");
+  const at::DataPtr pickle = std::move(std::get<0>(record));
+  const size_t pickle_size = std::get<1>(record);  // not a structured binding: lambdas capture it
   const char* data = static_cast<const char*>(pickle.get());
+  check_pickle_lengths(data, pickle_size, path);
   size_t done = 0;
   auto read = [&](char* buffer, size_t len) -> size_t {
     if (done >= pickle_size) return 0;

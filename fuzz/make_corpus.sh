@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# make_corpus.sh — the seed corpora of fuzz/corpus/ and the dictionaries of fuzz/dict/, from
+# files the project itself writes (committed; run again when a format changes):
+#   fuzz/make_corpus.sh [ACTMEM [FUZZ_BUILD]]   (defaults: build/actmem, build-fuzz)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+actmem="${1:-$root/build/actmem}"
+fuzz_build="${2:-$root/build-fuzz}"
+corpus="$root/fuzz/corpus"
+tmp="$(mktemp -d)"
+trap 'rm -rf "$tmp"' EXIT
+rm -rf "$corpus" "$root/fuzz/dict"
+mkdir -p "$corpus"/{indexed_dataset,checkpoint,npy_cache,latest,jsonl,argv} "$root/fuzz/dict"
+
+# JSONL: what preprocess reads.
+printf '%s\n' '{"text": "The quick brown fox jumps over the lazy dog."}' \
+  '{"text": "A second document,\nwith a newline.", "id": 2}' '' '{"text": ""}' \
+  >"$corpus/jsonl/documents"
+printf '%s\n' '{"text": "\u00e9t\u00e9 \ud83d\ude00 \"quoted\" \\ back"}' >"$corpus/jsonl/escapes"
+
+# .idx/.bin: preprocess's output of the documents, packed as fuzz_indexed_dataset reads it
+# (u32 length of the .idx, the .idx, the .bin).
+"$actmem" preprocess --input "$corpus/jsonl/documents" --output-prefix "$tmp/d" \
+  --tokenizer-type ByteTokenizer --append-eod >/dev/null
+pack() {
+  python3 -c 'import struct, sys
+idx = open(sys.argv[1], "rb").read(); b = open(sys.argv[2], "rb").read()
+open(sys.argv[3], "wb").write(struct.pack("<I", len(idx)) + idx + b)' "$@"
+}
+pack "$tmp/d_text_document.idx" "$tmp/d_text_document.bin" "$corpus/indexed_dataset/documents"
+
+# A checkpoint: one step of a 1-layer h 8 model (the smallest train writes).
+"$actmem" train --num-layers 1 --hidden-size 8 --ffn-hidden-size 8 --num-attention-heads 2 \
+  --seq-length 8 --micro-batch-size 1 --train-iters 1 --save "$tmp/ck" >/dev/null
+cp "$tmp/ck/iter_0000001/mp_rank_00/model_optim_rng.pt" "$corpus/checkpoint/model_optim_rng.pt"
+cp "$tmp/ck/latest_checkpointed_iteration.txt" "$corpus/latest/written"
+printf 'release\n' >"$corpus/latest/release"
+printf '0000000000000000042 \n' >"$corpus/latest/padded"
+
+# The cached indices: the four files of the entry fuzz_npy_cache's dataset writes.
+ACTMEM_FUZZ_WRITE_SEEDS="$corpus/npy_cache" "$fuzz_build/fuzz/fuzz_npy_cache" -runs=0 \
+  >/dev/null 2>&1
+
+# Command lines, one word per line.
+printf 'train\n--num-layers\n2\n--hidden-size\n64\n--num-attention-heads\n4\n--recompute-granularity\nselective\n--recompute-modules\ncore_attn\nmlp\n' >"$corpus/argv/train"
+printf 'train\n--fine-grained-activation-offloading\n--offload-modules\nattn_norm\n--swiglu\n--num-experts\n4\n--moe-router-topk\n2\n' >"$corpus/argv/offload_moe"
+printf 'estimate\n--preset\nqwen3-next-80b-a3b\n--tensor-model-parallel-size\n2\n--sequence-parallel\n' >"$corpus/argv/estimate"
+printf 'plan\n--preset\n7b\n--gpu\na100\n--memory-budget\n60GiB\n' >"$corpus/argv/plan"
+printf 'launch\n--nproc-per-node\n2\n--\ntrain\n--train-iters\n3\n' >"$corpus/argv/launch"
+printf 'preprocess\n--input\nx.jsonl\n--output-prefix\nout\n--vocab-size\n300\n' >"$corpus/argv/preprocess"
+# Every flag of every command, for the argv target's dictionary.
+for c in train estimate inspect compare plan launch dist-check preprocess generate; do
+  "$actmem" "$c" --help 2>/dev/null || true
+done | grep -oE -- '--[a-z0-9][a-z0-9-]+' | sort -u | sed 's/.*/"&"/' >"$root/fuzz/dict/argv.dict"
+printf '%s\n' '"{"' '"}"' '":"' '"\"text\""' '"\\u"' '"["' '"]"' '"null"' '"true"' >"$root/fuzz/dict/jsonl.dict"
+printf '%s\n' '"MMIDIDX\x00\x00"' '"\x01\x00\x00\x00\x00\x00\x00\x00"' >"$root/fuzz/dict/indexed_dataset.dict"
+printf '%s\n' '"PK\x03\x04"' '"PK\x01\x02"' '"PK\x05\x06"' '"archive/data.pkl"' '"archive/data/0"' \
+  '"torch._utils\x0a_rebuild_tensor_v2"' '"collections\x0aOrderedDict"' '"\x80\x02"' '"."' \
+  >"$root/fuzz/dict/checkpoint.dict"
+echo "make_corpus: $(find "$corpus" -type f | wc -l) seeds, $(wc -l <"$root/fuzz/dict/argv.dict") flags"
