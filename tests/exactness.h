@@ -171,7 +171,9 @@ inline void expect_predictor_matches_tracker(const TransformerConfig& c, const s
   const auto predicted = predict_activation_bytes(c, 0, true, &routing);
   EXPECT_EQ(st.predicted_activation_bytes, predicted.total) << what;
   EXPECT_EQ(predicted.total, st.activation_bytes) << what;
-  for (const auto& [module, bytes] : ledger.bytes_by_module()) {
+  for (const auto& entry : ledger.bytes_by_module()) {
+    const std::string& module = entry.first;  // a name, not a binding: the lambda captures it
+    const auto bytes = entry.second;
     if (bytes == 0) continue;
     const auto it = std::find_if(predicted.by_module.begin(), predicted.by_module.end(),
                                  [&](const auto& p) { return p.first == module; });

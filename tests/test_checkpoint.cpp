@@ -16,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 namespace actmem {
@@ -305,6 +306,24 @@ TEST(CheckpointFiles, DamagedFilesAreClearErrors) {
   fs::remove_all(dir);
 }
 
+// Copies checkpoint `from` to `to` record by record (the container intact), passing each record's
+// name and bytes through `edit` first; returns whether `edit` said it changed something.
+bool rewrite_records(const std::string& from, const std::string& to,
+                     const std::function<bool(const std::string&, std::string&)>& edit) {
+  caffe2::serialize::PyTorchStreamReader reader(from);
+  caffe2::serialize::PyTorchStreamWriter writer(to);
+  bool changed = false;
+  for (const std::string& name : reader.getAllRecords()) {
+    if (name.rfind(".data/", 0) == 0 || name == "version" || name == ".format_version") continue;
+    auto [data, size] = reader.getRecord(name);
+    std::string bytes(static_cast<const char*>(data.get()), size);
+    changed |= edit(name, bytes);
+    writer.writeRecord(name, bytes.data(), bytes.size());
+  }
+  writer.writeEndOfFile();
+  return changed;
+}
+
 // A record cut short inside an intact container (the zip rewritten with data/0 three bytes
 // long): Note [Tensor records cover their tensors] refuses it, where the tensor used to be built
 // over the 3 bytes and read past them.
@@ -312,23 +331,12 @@ TEST(CheckpointFiles, ATruncatedTensorRecordIsRefused) {
   const std::string dir = saved_tiny(testing::tiny_model(), testing::tiny_training());
   const std::string file = checkpoint_file(dir, 2, 0);
   const std::string cut = dir + "/cut.pt";
-  {
-    caffe2::serialize::PyTorchStreamReader reader(file);
-    caffe2::serialize::PyTorchStreamWriter writer(cut);
-    bool truncated = false;
-    for (const std::string& name : reader.getAllRecords()) {
-      if (name.rfind(".data/", 0) == 0 || name == "version" || name == ".format_version") continue;
-      auto [data, size] = reader.getRecord(name);
-      if (name == "data/0") {
-        ASSERT_GT(size, 3u);
-        size = 3;
-        truncated = true;
-      }
-      writer.writeRecord(name, data.get(), size);
-    }
-    ASSERT_TRUE(truncated);
-    writer.writeEndOfFile();
-  }
+  ASSERT_TRUE(rewrite_records(file, cut, [](const std::string& name, std::string& bytes) {
+    if (name != "data/0") return false;
+    EXPECT_GT(bytes.size(), 3u);
+    bytes.resize(3);
+    return true;
+  }));
   expect_error_containing([&] { read_checkpoint_file(cut); },
                           "needs 65536 bytes but its record holds 3");
   fs::remove_all(dir);
@@ -338,37 +346,37 @@ TEST(CheckpointFiles, ATruncatedTensorRecordIsRefused) {
 // pickle far beyond the file (found by fuzz/fuzz_checkpoint.cpp, whose input is kept in
 // fuzz/corpus/checkpoint/regression-pickle-length) is refused before libtorch's unpickler
 // reserves it.
-TEST(CheckpointFiles, APickleLengthBeyondTheFileIsRefusedBeforeAnyAllocation) {
+TEST(CheckpointFiles, PickleLengthsAndMemoIndicesBeyondTheFileAreRefusedBeforeAnyAllocation) {
   const std::string dir = saved_tiny(testing::tiny_model(), testing::tiny_training());
   const std::string file = checkpoint_file(dir, 2, 0);
   const std::string bad = dir + "/bad.pt";
-  {
-    caffe2::serialize::PyTorchStreamReader reader(file);
-    caffe2::serialize::PyTorchStreamWriter writer(bad);
-    bool altered = false;
-    for (const std::string& name : reader.getAllRecords()) {
-      if (name.rfind(".data/", 0) == 0 || name == "version" || name == ".format_version") continue;
-      auto [data, size] = reader.getRecord(name);
-      std::string bytes(static_cast<const char*>(data.get()), size);
-      if (name == "data.pkl") {
-        // The first BINUNICODE ('X', u32 length, text): a dict key such as "args".
-        for (size_t i = 0; i + 5 < bytes.size() && !altered; ++i) {
-          if (bytes[i] != 'X') continue;
-          uint32_t n = 0;
-          std::memcpy(&n, bytes.data() + i + 1, 4);
-          if (n == 0 || n > 64 || i + 5 + n > bytes.size()) continue;
-          const uint32_t huge = 0x50000000u;  // 1.25 GiB
-          std::memcpy(bytes.data() + i + 1, &huge, 4);
-          altered = true;
-        }
-      }
-      writer.writeRecord(name, bytes.data(), bytes.size());
+  ASSERT_TRUE(rewrite_records(file, bad, [](const std::string& name, std::string& bytes) {
+    if (name != "data.pkl") return false;
+    // The first BINUNICODE ('X', u32 length, text): a dict key such as "args".
+    for (size_t i = 0; i + 5 < bytes.size(); ++i) {
+      uint32_t n = 0;
+      std::memcpy(&n, bytes.data() + i + 1, 4);
+      if (bytes[i] != 'X' || n == 0 || n > 64 || i + 5 + n > bytes.size()) continue;
+      const uint32_t huge = 0x50000000u;  // 1.25 GiB
+      std::memcpy(bytes.data() + i + 1, &huge, 4);
+      return true;
     }
-    ASSERT_TRUE(altered);
-    writer.writeEndOfFile();
-  }
+    return false;
+  }));
   expect_error_containing([&] { read_checkpoint_file(bad); },
                           "states a string of 1342177280 bytes");
+  // A memo index beyond the entries so far (the unpickler would size its memo table by it: an
+  // index of 2^32 - 1 asked for 22 GB, fuzz/corpus/checkpoint/regression-memo-index).
+  const std::string memo = dir + "/memo.pt";
+  ASSERT_TRUE(rewrite_records(file, memo, [](const std::string& name, std::string& bytes) {
+    // The pickle's first memo entry: BINPUT 0 after the first key, "args".
+    const size_t at = bytes.find(std::string("argsq\x00", 6));
+    if (name != "data.pkl" || at == std::string::npos) return false;
+    bytes[at + 5] = static_cast<char>(200);
+    return true;
+  }));
+  expect_error_containing([&] { read_checkpoint_file(memo); },
+                          "puts memo entry 200 after 0 entries");
   fs::remove_all(dir);
 }
 

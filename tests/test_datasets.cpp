@@ -73,7 +73,7 @@ TEST(IndexedDataset, RoundTripsEveryIntegerType) {
       std::vector<int64_t> got;
       ds.read(i, 0, ds.sequence_length(i), got);
       EXPECT_EQ(got, docs[static_cast<size_t>(i)]) << "code " << code << " sequence " << i;
-      EXPECT_EQ(ds.document_indices()[i], i);
+      EXPECT_EQ(ds.document_index(i), i);
     }
     EXPECT_EQ(fs::file_size(prefix + ".bin"),
               static_cast<uintmax_t>(token_bytes(code)) *
@@ -638,7 +638,7 @@ TEST(Preprocess, JsonLinesToAnIndexedDatasetWithTheByteTokenizer) {
   // [0, 1, 2, 2].
   ASSERT_EQ(ds.num_documents(), 3);
   ASSERT_EQ(ds.num_sequences(), 2);
-  EXPECT_EQ(ds.document_indices()[3], 2);
+  EXPECT_EQ(ds.document_index(3), 2);
   const auto tok = make_tokenizer("ByteTokenizer", "");
   const std::vector<std::string> texts = {"hello", "w\xc3\xb6rld\nline"};
   for (int64_t i = 0; i < 2; ++i) {

@@ -105,10 +105,11 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     num_sequences_ = static_cast<int64_t>(s);
     num_doc_indices_ = static_cast<int64_t>(d);
     // mmap is page-aligned and the header is 34 bytes: the arrays are not naturally aligned, so
-    // they are read through memcpy-safe accessors below (x86 tolerates the unaligned pointers).
-    lengths_ = reinterpret_cast<const int32_t*>(p + kHeaderBytes);
-    pointers_ = reinterpret_cast<const int64_t*>(p + kHeaderBytes + 4 * num_sequences_);
-    doc_indices_ = reinterpret_cast<const int64_t*>(p + kHeaderBytes + 12 * num_sequences_);
+    // they are kept as bytes and read with memcpy (read_le); an int32_t* or int64_t* into them
+    // would be undefined behaviour (UndefinedBehaviorSanitizer reports the loads).
+    lengths_ = p + kHeaderBytes;
+    pointers_ = p + kHeaderBytes + 4 * num_sequences_;
+    doc_indices_ = p + kHeaderBytes + 12 * num_sequences_;
     TORCH_CHECK(num_doc_indices_ >= 1, "actmem::IndexedDataset: ", idx, " has no document indices");
 
     bin_map_ = map_file(bin, bin_bytes_);
@@ -117,8 +118,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     if (bin_map_ != nullptr) ::madvise(bin_map_, static_cast<size_t>(bin_bytes_), MADV_RANDOM);
     int64_t expected = 0;
     for (int64_t i = 0; i < num_sequences_; ++i) {
-      const auto len = read_le<int32_t>(reinterpret_cast<const char*>(lengths_ + i));
-      const auto ptr = read_le<int64_t>(reinterpret_cast<const char*>(pointers_ + i));
+      const auto len = read_le<int32_t>(lengths_ + 4 * i);
+      const auto ptr = read_le<int64_t>(pointers_ + 8 * i);
       TORCH_CHECK(len >= 0 && ptr == expected, "actmem::IndexedDataset: ", idx, ": sequence ", i,
                   " has length ", len, " at byte ", ptr, ", expected a length >= 0 at byte ",
                   expected);
@@ -128,7 +129,7 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                 " bytes but ", idx, " describes ", expected, " (is the .bin truncated?)");
     int64_t prev = -1;
     for (int64_t i = 0; i < num_doc_indices_; ++i) {
-      const auto v = read_le<int64_t>(reinterpret_cast<const char*>(doc_indices_ + i));
+      const auto v = read_le<int64_t>(doc_indices_ + 8 * i);
       TORCH_CHECK((i == 0 ? v == 0 : v >= prev) && v <= num_sequences_,
                   "actmem::IndexedDataset: ", idx, ": document index ", i, " is ", v,
                   "; expected indices increasing from 0 to the sequence count ", num_sequences_);
@@ -148,10 +149,16 @@ IndexedDataset::~IndexedDataset() {
   if (bin_map_ != nullptr) ::munmap(bin_map_, static_cast<size_t>(bin_bytes_));
 }
 
+int64_t IndexedDataset::document_index(int64_t i) const {
+  TORCH_CHECK(i >= 0 && i < num_doc_indices_, "actmem::IndexedDataset: document index ", i,
+              " out of range [0, ", num_doc_indices_, ")");
+  return read_le<int64_t>(doc_indices_ + 8 * i);
+}
+
 int64_t IndexedDataset::sequence_length(int64_t i) const {
   TORCH_CHECK(i >= 0 && i < num_sequences_, "actmem::IndexedDataset: sequence ", i,
               " out of range [0, ", num_sequences_, ")");
-  return read_le<int32_t>(reinterpret_cast<const char*>(lengths_ + i));
+  return read_le<int32_t>(lengths_ + 4 * i);
 }
 
 void IndexedDataset::read(int64_t i, int64_t offset, int64_t length,
@@ -159,7 +166,7 @@ void IndexedDataset::read(int64_t i, int64_t offset, int64_t length,
   const int64_t n = sequence_length(i);
   TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= n, "actmem::IndexedDataset::read: "
               "tokens [", offset, ", ", offset + length, ") of sequence ", i, " of length ", n);
-  const auto ptr = read_le<int64_t>(reinterpret_cast<const char*>(pointers_ + i));
+  const auto ptr = read_le<int64_t>(pointers_ + 8 * i);
   const char* src = static_cast<const char*>(bin_map_) + ptr + offset * item_bytes_;
   switch (code_) {
     case kUInt8: append_as_int64<uint8_t>(src, length, out); break;

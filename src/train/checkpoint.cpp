@@ -477,7 +477,8 @@ void check_tensor_records(const c10::IValue& v, const RecordSizes& records, cons
 // allocated 1.3 GB (found by fuzz/fuzz_checkpoint.cpp), and a length of 2^63 would throw
 // std::length_error or exhaust memory. The opcodes are walked here first (the pickle protocol's
 // opcode table, Python's Lib/pickletools.py), each length compared with the bytes that remain;
-// an opcode outside the table is refused (torch.save writes protocol 2).
+// an opcode outside the table, or one of the text protocol's memo opcodes, is refused (torch.save
+// writes protocol 2).
 void check_pickle_lengths(const char* data, size_t size, const std::string& path) {
   size_t at = 0;
   auto need = [&](uint64_t n, const char* what) {
@@ -493,6 +494,21 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
     at += bytes;
     return v;
   };
+  // A length of `bytes` bytes, then that many bytes: skipped once they are known to be there.
+  auto skip_string = [&](size_t bytes) {
+    const uint64_t n = uint(bytes);
+    need(n, "a string");
+    at += n;
+    return n;
+  };
+  uint64_t memo = 0;  // entries of the memo so far
+  auto put = [&](uint64_t index) {
+    TORCH_CHECK(index <= memo, "actmem::read_checkpoint_file: ", path,
+                " is damaged: its pickle "
+                "puts memo entry ",
+                index, " after ", memo, " entries (offset ", at, ")");
+    memo = std::max(memo, index + 1);
+  };
   auto line = [&]() {
     const void* nl = std::memchr(data + at, '\n', size - at);
     TORCH_CHECK(nl != nullptr, "actmem::read_checkpoint_file: ", path, " is damaged: its pickle ",
@@ -504,6 +520,26 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
     switch (op) {
       case '.':  // STOP
         return;
+      // The memo: a PUT's index sizes the unpickler's memo table (Unpickler::setInput resizes it
+      // to the index + 1; an index of 2^32 - 1 asked for 22 GB, found by fuzzing). Python's
+      // pickler numbers its entries 0, 1, 2, ... (len(memo)); an index beyond the entries so far
+      // is refused, and a GET must name one of them.
+      case 'q':
+      case 'r':
+        put(uint(op == 'q' ? 1 : 4));
+        break;
+      case 0x94:  // MEMOIZE
+        ++memo;
+        break;
+      case 'h':
+      case 'j': {
+        const uint64_t index = uint(op == 'h' ? 1 : 4);
+        TORCH_CHECK(index < memo, "actmem::read_checkpoint_file: ", path,
+                    " is damaged: its pickle "
+                    "reads memo entry ",
+                    index, " of ", memo, " at offset ", at);
+        break;
+      }
       case '(':
       case '0':
       case '1':
@@ -530,7 +566,6 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
       case 0x90:
       case 0x91:
       case 0x93:
-      case 0x94:
       case 'Q':
       case 'l':
       case 'd':
@@ -540,8 +575,6 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
         break;  // no argument
       case 0x80:
       case 'K':
-      case 'h':
-      case 'q':
       case 0x82:
         uint(1);
         break;
@@ -550,8 +583,6 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
         uint(2);
         break;
       case 'J':
-      case 'j':
-      case 'r':
       case 0x84:
         uint(4);
         break;
@@ -562,39 +593,27 @@ void check_pickle_lengths(const char* data, size_t size, const std::string& path
       case 'U':
       case 'C':
       case 0x8c:
-      case 0x8a: {  // a length of one byte, then the bytes
-        const uint64_t n = uint(1);
-        need(n, "a string");
-        at += n;
+      case 0x8a:  // a length of one byte, then the bytes
+        skip_string(1);
         break;
-      }
       case 'T':
       case 'B':
       case 'X':
-      case 0x8b: {  // four bytes of length
-        const uint64_t n = uint(4);
-        TORCH_CHECK(op == 'B' || op == 'X' || n < (uint64_t{1} << 31),
+      case 0x8b:  // four bytes of length (BINSTRING and LONG4 signed)
+        TORCH_CHECK(skip_string(4) < (uint64_t{1} << 31) || op == 'B' || op == 'X',
                     "actmem::read_checkpoint_file: ", path,
                     " is damaged: its pickle states a negative length");
-        need(n, "a string");
-        at += n;
         break;
-      }
       case 0x8d:
       case 0x8e:
-      case 0x96: {  // eight bytes of length
-        const uint64_t n = uint(8);
-        need(n, "a string");
-        at += n;
+      case 0x96:  // eight bytes of length
+        skip_string(8);
         break;
-      }
       case 'I':
       case 'L':
       case 'F':
       case 'S':
       case 'V':
-      case 'g':
-      case 'p':
       case 'P':
         line();
         break;

@@ -57,8 +57,9 @@ class IndexedDataset {
   int64_t num_documents() const { return num_doc_indices_ - 1; }
   int code() const { return code_; }
   int64_t sequence_length(int64_t i) const;
-  const int32_t* sequence_lengths() const { return lengths_; }
-  const int64_t* document_indices() const { return doc_indices_; }
+  /// Entry i of the document indices (0 <= i <= num_documents()): the sequence where document i
+  /// starts, and the sequence count for i = num_documents().
+  int64_t document_index(int64_t i) const;
   /// Tokens [offset, offset + length) of sequence i, appended to `out` as int64.
   void read(int64_t i, int64_t offset, int64_t length, std::vector<int64_t>& out) const;
   /// Every token of sequence i as an int64 tensor.
@@ -74,9 +75,10 @@ class IndexedDataset {
   int code_ = 0;
   int64_t item_bytes_ = 0;
   int64_t num_sequences_ = 0, num_doc_indices_ = 0;
-  const int32_t* lengths_ = nullptr;
-  const int64_t* pointers_ = nullptr;
-  const int64_t* doc_indices_ = nullptr;
+  // The .idx's arrays, little-endian and not naturally aligned: read with memcpy.
+  const char* lengths_ = nullptr;
+  const char* pointers_ = nullptr;
+  const char* doc_indices_ = nullptr;
 };
 
 /// Writes PREFIX.bin and PREFIX.idx as Megatron's IndexedDatasetBuilder: add_item() appends one
