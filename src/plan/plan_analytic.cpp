@@ -672,7 +672,11 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
   const double flight = basis.microbatches_in_flight;
   const double input = kinds.front().x.input;  // the same for every kind
   double largest = 0;                          // the largest layer's bytes
-  for (const Kind& k : kinds) largest = std::max(largest, kind_cost(k, plain, exact).plain);
+  std::array<double, kKinds> plain_bytes{};    // each kind's layer without recompute or offload
+  for (const Kind& k : kinds) {
+    plain_bytes[static_cast<size_t>(k.index)] = kind_cost(k, plain, exact).plain;
+    largest = std::max(largest, plain_bytes[static_cast<size_t>(k.index)]);
+  }
   // The first stage's embedding (int64 input ids and its dropout mask, Megatron's terms) per
   // micro-batch in flight; the output layer's input and fp32 logits once without pipelining.
   const double embedding = (8 * m.s * m.b + m.sbh()) / m.t;
@@ -703,7 +707,7 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
         for (const Kind& k : kinds) {
           const size_t i = static_cast<size_t>(k.index);
           const double rebuilt = prefix[n - 1][i], all = prefix.back()[i];
-          per_microbatch += (all - rebuilt) * kind_cost(k, plain, exact).plain;
+          per_microbatch += (all - rebuilt) * plain_bytes[i];
           extra_s += rebuilt * k.lt.forward;
         }
       }
