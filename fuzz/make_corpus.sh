@@ -9,8 +9,11 @@ fuzz_build="${2:-$root/build-fuzz}"
 corpus="$root/fuzz/corpus"
 tmp="$(mktemp -d)"
 trap 'rm -rf "$tmp"' EXIT
-rm -rf "$corpus" "$root/fuzz/dict"
+# The seeds are made again; the inputs of past findings (regression-*) stay.
+find "$corpus" -type f ! -name 'regression-*' -delete 2>/dev/null || true
+rm -rf "$root/fuzz/dict"
 mkdir -p "$corpus"/{indexed_dataset,checkpoint,npy_cache,latest,jsonl,argv} "$root/fuzz/dict"
+mkdir -p "$corpus"/{sentencepiece_client,sentencepiece_serve}
 
 # JSONL: what preprocess reads.
 printf '%s\n' '{"text": "The quick brown fox jumps over the lazy dog."}' \
@@ -41,6 +44,24 @@ printf '0000000000000000042 \n' >"$corpus/latest/padded"
 ACTMEM_FUZZ_WRITE_SEEDS="$corpus/npy_cache" "$fuzz_build/fuzz/fuzz_npy_cache" -runs=0 \
   >/dev/null 2>&1
 
+# SentencePiece: a small model (identity normalization keeps it a few kB) for the helper's side,
+# the requests the tokenizer makes (the model's sizes, an encoding, a decoding, an empty encoding,
+# the decoding again: fuzz_sentencepiece_client's order) and the helper's real replies to them.
+helper="$(dirname "$actmem")/actmem-sentencepiece"
+python3 -c 'import random; random.seed(0); w = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog", "a", "second", "document"]
+print("\n".join(" ".join(random.choice(w) for _ in range(12)) for _ in range(300)))' >"$tmp/spm.txt"
+"$helper" train --input="$tmp/spm.txt" --model_prefix="$tmp/spm" --vocab_size=40 \
+  --normalization_rule_name=identity --minloglevel=2 >/dev/null 2>&1
+cp "$tmp/spm.model" "$root/fuzz/sentencepiece.model"
+python3 -c 'import struct, sys
+text = b"The quick brown fox."
+def E(t): return b"E" + struct.pack("<I", len(t)) + t
+def D(ids): return b"D" + struct.pack("<I", len(ids)) + struct.pack("<%di" % len(ids), *ids)
+open(sys.argv[1], "wb").write(b"I" + E(text) + D([1, 2, 3]) + E(b"") + D([1, 2, 3]))' \
+  "$corpus/sentencepiece_serve/tokenizer_requests"
+"$helper" serve "$root/fuzz/sentencepiece.model" <"$corpus/sentencepiece_serve/tokenizer_requests" \
+  >"$corpus/sentencepiece_client/helper_replies"
+
 # Command lines, one word per line.
 printf 'train\n--num-layers\n2\n--hidden-size\n64\n--num-attention-heads\n4\n--recompute-granularity\nselective\n--recompute-modules\ncore_attn\nmlp\n' >"$corpus/argv/train"
 printf 'train\n--fine-grained-activation-offloading\n--offload-modules\nattn_norm\n--swiglu\n--num-experts\n4\n--moe-router-topk\n2\n' >"$corpus/argv/offload_moe"
@@ -53,6 +74,8 @@ for c in train estimate inspect compare plan launch dist-check preprocess genera
   "$actmem" "$c" --help 2>/dev/null || true
 done | grep -oE -- '--[a-z0-9][a-z0-9-]+' | sort -u | sed 's/.*/"&"/' >"$root/fuzz/dict/argv.dict"
 printf '%s\n' '"{"' '"}"' '":"' '"\"text\""' '"\\u"' '"["' '"]"' '"null"' '"true"' >"$root/fuzz/dict/jsonl.dict"
+printf '%s\n' '"I"' '"E"' '"D"' '"\xff\xff\xff\xff"' >"$root/fuzz/dict/sentencepiece_serve.dict"
+printf '%s\n' '"\xff\xff\xff\xff"' '"\x00\x00\x00\x00"' >"$root/fuzz/dict/sentencepiece_client.dict"
 printf '%s\n' '"MMIDIDX\x00\x00"' '"\x01\x00\x00\x00\x00\x00\x00\x00"' >"$root/fuzz/dict/indexed_dataset.dict"
 printf '%s\n' '"PK\x03\x04"' '"PK\x01\x02"' '"PK\x05\x06"' '"archive/data.pkl"' '"archive/data/0"' \
   '"torch._utils\x0a_rebuild_tensor_v2"' '"collections\x0aOrderedDict"' '"\x80\x02"' '"."' \

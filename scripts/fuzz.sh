@@ -15,7 +15,7 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/env.sh
 source "$root/scripts/env.sh"
-targets=(indexed_dataset checkpoint npy_cache latest jsonl argv)
+targets=(indexed_dataset checkpoint npy_cache latest jsonl argv sentencepiece_client sentencepiece_serve)
 seconds="${ACTMEM_FUZZ_SECONDS:-10}"
 if (($# > 0)); then
   targets=("$1")
@@ -29,7 +29,7 @@ cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" \
 # shellcheck source=fuzz/sanitizer-options.sh
 source "$root/fuzz/sanitizer-options.sh"
 mkdir -p "$build/crashes"
-printf '%-16s %12s %8s %8s %8s\n' target executions seconds edges corpus
+printf '%-20s %12s %8s %8s %8s\n' target executions seconds edges corpus
 failed=0
 for t in "${targets[@]}"; do
   mkdir -p "$build/corpus/$t"
@@ -49,7 +49,7 @@ for t in "${targets[@]}"; do
   secs=$(sed -n 's/^Done [0-9]* runs in \([0-9]*\) second.*/\1/p' "$log" | tail -1)
   edges=$({ grep -oE 'cov: [0-9]+' "$log" || true; } | tail -1 | cut -d' ' -f2)
   corpus=$(find "$build/corpus/$t" "$root/fuzz/corpus/$t" -type f | wc -l)
-  printf '%-16s %12s %8s %8s %8s\n' "$t" "${runs:-?}" "${secs:-?}" "${edges:-?}" "$corpus"
+  printf '%-20s %12s %8s %8s %8s\n' "$t" "${runs:-?}" "${secs:-?}" "${edges:-?}" "$corpus"
 done
 if ((failed)); then exit 1; fi
 echo "fuzz: every target ran clean"

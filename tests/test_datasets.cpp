@@ -223,6 +223,101 @@ TEST(Tokenizer, VocabularyIsPaddedAsMegatron) {
                           "cannot read the SentencePiece model /nonexistent.model");
 }
 
+// A stand-in for actmem-sentencepiece that answers every request with the bytes given (as
+// printf's octal escapes), whatever was asked: what a broken or hostile helper could send.
+class FakeSentencePieceHelper {
+ public:
+  explicit FakeSentencePieceHelper(const std::string& replies)
+      : dir_(testing::fresh_temp_dir("fake_spm")) {
+    std::ofstream(dir_ + "/helper") << "#!/bin/sh\nprintf '" << replies << "'\ncat > /dev/null\n";
+    std::filesystem::permissions(dir_ + "/helper", std::filesystem::perms::owner_all);
+    std::ofstream(dir_ + "/any.model") << "not read by the fake helper";
+    ::setenv("ACTMEM_SENTENCEPIECE_HELPER", (dir_ + "/helper").c_str(), 1);
+  }
+  ~FakeSentencePieceHelper() { ::unsetenv("ACTMEM_SENTENCEPIECE_HELPER"); }
+  std::unique_ptr<Tokenizer> tokenizer() const {
+    return make_tokenizer("SentencePieceTokenizer", dir_ + "/any.model");
+  }
+
+ private:
+  std::string dir_;
+};
+
+TEST(Tokenizer, SentencePieceHelperRepliesAreCheckedBeforeTheyAreUsed) {
+  // Sizes: 40 pieces, </s> id 2 (little-endian u32 and i32, as the helper writes them).
+  const std::string info = "\\050\\000\\000\\000\\002\\000\\000\\000";
+  {
+    // An encoding of a 5-byte text said to hold 2^32 - 16 ids: refused before the vector of
+    // 16 GiB it once sized.
+    const FakeSentencePieceHelper helper(info + "\\360\\377\\377\\377");
+    const auto tok = helper.tokenizer();
+    EXPECT_EQ(tok->vocab_size(), 40);
+    expect_error_containing([&] { tok->tokenize("hello"); },
+                            "answered 4294967280 ids for a text of 5 bytes");
+  }
+  {
+    // One id, 99, outside the model's 40 pieces.
+    const FakeSentencePieceHelper helper(info + "\\001\\000\\000\\000\\143\\000\\000\\000");
+    const auto tok = helper.tokenizer();
+    expect_error_containing([&] { tok->tokenize("hello"); },
+                            "answered id 99 for a model of 40 pieces");
+  }
+  {
+    // A decoding of one id said to be 2^32 - 16 bytes long.
+    const FakeSentencePieceHelper helper(info + "\\360\\377\\377\\377");
+    const auto tok = helper.tokenizer();
+    expect_error_containing([&] { tok->detokenize({5}); }, "answered 4294967280 bytes for 1 ids");
+  }
+  {
+    // </s> beyond the pieces.
+    const FakeSentencePieceHelper helper("\\050\\000\\000\\000\\055\\000\\000\\000");
+    expect_error_containing([&] { helper.tokenizer(); }, "answered 40 pieces with </s> id 45");
+  }
+}
+
+TEST(Tokenizer, SentencePieceHelperAllocatesNoMoreThanARequestHolds) {
+  // The helper's side (actmem::spm::Server): a request whose length field promises 4 GiB and
+  // sends 3 bytes is a request cut short (exit 1), under a 1 GiB address-space limit; the helper
+  // once allocated the whole length first (std::bad_alloc, abort). Input kept as
+  // fuzz/corpus/sentencepiece_serve/regression-length-beyond-input.
+  const std::string dir = testing::fresh_temp_dir("spm_serve");
+  const std::string binary = ACTMEM_BINARY;
+  const std::string helper = binary.substr(0, binary.rfind('/')) + "/actmem-sentencepiece";
+  {
+    std::ofstream text(dir + "/text.txt");
+    for (int i = 0; i < 200; ++i)
+      text << "the quick brown fox jumps over the lazy dog " << i % 7 << "\n";
+  }
+  ASSERT_EQ(
+      std::system((helper + " train --input=" + dir + "/text.txt --model_prefix=" + dir +
+                   "/m --vocab_size=40 --hard_vocab_limit=false --normalization_rule_name=identity "
+                   "--minloglevel=2 "
+                   "> /dev/null 2>&1")
+                      .c_str()),
+      0);
+  auto serve = [&](const std::string& request) {
+    std::ofstream(dir + "/request", std::ios::binary) << request;
+    const std::string cmd = "ulimit -v 1048576; " + helper + " serve " + dir + "/m.model < " + dir +
+                            "/request > " + dir + "/reply 2>/dev/null";
+    const int status = std::system(("sh -c '" + cmd + "'").c_str());
+    std::ifstream in(dir + "/reply", std::ios::binary);
+    return std::make_pair(
+        WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status),
+        std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>()));
+  };
+  const auto sizes = serve("I");
+  EXPECT_EQ(sizes.first, 0);
+  ASSERT_EQ(sizes.second.size(), 8u);
+  EXPECT_GT(sizes.second[0], 0);  // the pieces, little-endian (fewer than 40: a small text)
+  EXPECT_EQ(serve(std::string("E\xff\xff\xff\xff"
+                              "abc",
+                              8))
+                .first,
+            1);
+  EXPECT_EQ(serve(std::string("D\xff\xff\xff\x3f\x01\x00\x00\x00", 9)).first, 1);
+  EXPECT_EQ(serve("Q").first, 2);  // not a request
+}
+
 TEST(GPTDataset, SplitsAsMegatronDoesToday) {
   // Worked by hand from Megatron's rule (convert_split_vector_to_split_matrix's cumulative
   // book-ends, _build_megatron_dataset_splits' int(round(x * n)), half to even):

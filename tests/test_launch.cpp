@@ -6,6 +6,7 @@
 #include "test_util.h"
 
 #include <dirent.h>
+#include <signal.h>
 
 #include <algorithm>
 #include <chrono>
@@ -166,6 +167,161 @@ TEST(Launch, TwoNodesOnLoopbackFormOneWorld) {
   EXPECT_EQ(read("node1.txt").find("all-reduce ok"), std::string::npos) << read("node1.txt");
 }
 
+// Two launchers on the loopback address ("node 0" and "node 1", one worker each) training a
+// data-parallel model and saving every other iteration, in the background; a fault is then
+// injected into node 1's worker. Note [Launchers across nodes] in distributed.cpp.
+class TwoNodeTraining {
+ public:
+  explicit TwoNodeTraining(const std::string& timeout_minutes)
+      : tag_(fresh_tag()), dir_(actmem::testing::fresh_temp_dir("two_node_fault")) {
+    const std::string port = std::to_string(free_loopback_port());
+    auto node = [&](int r) {
+      const std::string n = std::to_string(r);
+      return "(ACTMEM_TEST_TAG=" + tag_ + " " + std::string(ACTMEM_BINARY) +
+             " launch --nnodes 2 --node-rank " + n + " --master-addr 127.0.0.1 --master-port " +
+             port + " --nproc-per-node 1 -- train " + kModel + " --train-iters 1000000 --save " +
+             dir_ + "/ckpt --save-interval 2 --distributed-timeout-minutes " + timeout_minutes +
+             " > " + dir_ + "/node" + n + ".txt 2>&1; echo $? > " + dir_ + "/rc" + n + ".tmp; mv " +
+             dir_ + "/rc" + n + ".tmp " + dir_ + "/rc" + n + ") > /dev/null 2>&1 &";
+    };
+    EXPECT_EQ(std::system((node(1) + " " + node(0)).c_str()), 0);
+  }
+  ~TwoNodeTraining() {
+    // Whatever the test found, nothing of the run survives it.
+    for (pid_t pid : pids("")) {
+      ::kill(pid, SIGKILL);
+      ::kill(pid, SIGCONT);
+    }
+  }
+
+  // The training model: two data-parallel ranks, one per node, small enough for 2 cores.
+  static constexpr const char* kModel =
+      "--num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 4 --threads 1 --eval-interval 0 --log-interval "
+      "1000";
+
+  // Waits until the run has saved a checkpoint past iteration 2 (false after 120 s).
+  bool wait_for_checkpoints() const {
+    for (int i = 0; i < 1200; ++i) {
+      std::ifstream latest(dir_ + "/ckpt/latest_checkpointed_iteration.txt");
+      int64_t it = 0;
+      if (latest >> it && it >= 4) return true;
+      if (exited(0) || exited(1)) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return false;
+  }
+
+  // The processes of this run whose environment also holds `entry` (e.g. "RANK=1": a worker).
+  std::vector<pid_t> pids(const std::string& entry) const {
+    std::vector<pid_t> found;
+    DIR* proc = opendir("/proc");
+    if (proc == nullptr) return found;
+    const std::string tag = std::string("ACTMEM_TEST_TAG=") + tag_ + '\0';
+    const std::string want = '\0' + entry + '\0';
+    while (dirent* d = readdir(proc)) {
+      if (d->d_name[0] < '0' || d->d_name[0] > '9') continue;
+      std::ifstream env(std::string("/proc/") + d->d_name + "/environ", std::ios::binary);
+      const std::string all = '\0' + std::string((std::istreambuf_iterator<char>(env)),
+                                                 std::istreambuf_iterator<char>());
+      if (all.find('\0' + tag) != std::string::npos &&
+          (entry.empty() || all.find(want) != std::string::npos)) {
+        found.push_back(static_cast<pid_t>(std::atoi(d->d_name)));
+      }
+    }
+    closedir(proc);
+    return found;
+  }
+
+  bool exited(int node) const { return std::ifstream(dir_ + "/rc" + std::to_string(node)).good(); }
+  // Seconds until both launchers have exited (-1 after `limit` seconds).
+  double wait_for_both(double limit) const {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (;;) {
+      const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      if (exited(0) && exited(1)) return s;
+      if (s > limit) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  std::string read(const std::string& name) const {
+    std::ifstream f(dir_ + "/" + name);
+    return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  }
+  const std::string& tag() const { return tag_; }
+  std::string checkpoints() const { return dir_ + "/ckpt"; }
+
+ private:
+  std::string tag_, dir_;
+};
+
+// The last checkpoint `latest` names loads: one process continues the run for one iteration.
+void expect_last_checkpoint_loads(const TwoNodeTraining& run) {
+  std::ifstream latest(run.checkpoints() + "/latest_checkpointed_iteration.txt");
+  int64_t it = 0;
+  ASSERT_TRUE(latest >> it) << "no latest_checkpointed_iteration.txt";
+  const auto r =
+      run_actmem(std::string("train ") + TwoNodeTraining::kModel + " --load " + run.checkpoints() +
+                 " --override-opt_param-scheduler --train-iters " + std::to_string(it + 1));
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("; continuing at iteration " + std::to_string(it + 1)), std::string::npos)
+      << r.output;
+}
+
+TEST(Launch, TwoNodesAKilledWorkerEndsBothLaunchersNamingItAndTheCheckpointLoads) {
+  // SIGKILL of node 1's worker mid-run: its sockets close, so node 0's worker fails at once in
+  // its collective; node 1's launcher records the failure first, and both launchers name it.
+  TwoNodeTraining run("10");
+  ASSERT_TRUE(run.wait_for_checkpoints()) << run.read("node0.txt") << run.read("node1.txt");
+  const std::vector<pid_t> worker = run.pids("RANK=1");
+  ASSERT_EQ(worker.size(), 1u);
+  ASSERT_EQ(::kill(worker[0], SIGKILL), 0);
+  const double seconds = run.wait_for_both(60);
+  const std::string node0 = run.read("node0.txt"), node1 = run.read("node1.txt");
+  ASSERT_GE(seconds, 0) << "a launcher did not end\n" << node0 << node1;
+  std::printf("both launchers ended %.2f s after the kill\n--- node 0:\n%s--- node 1:\n%s", seconds,
+              node0.c_str(), node1.c_str());
+  EXPECT_LT(seconds, 10.0);
+  EXPECT_NE(run.read("rc0"), "0\n");
+  EXPECT_EQ(run.read("rc1"), "137\n");  // the worker's status, as a shell reports a kill
+  const std::string cause = "actmem launch: worker 1 on node 1 failed (signal 9)";
+  EXPECT_NE(node1.find(cause + "; stopping the other 0 here and the other nodes' workers"),
+            std::string::npos)
+      << node1;
+  EXPECT_NE(node0.find(cause), std::string::npos) << node0;
+  EXPECT_EQ(wait_until_no_process(run.tag(), 10), 0) << "a process of the run is left";
+  expect_last_checkpoint_loads(run);
+}
+
+TEST(Launch, TwoNodesAHungWorkerEndsEveryProcessAfterTheDistributedTimeout) {
+  // SIGSTOP of node 1's worker: its sockets stay open, so node 0's worker waits in its
+  // collective until --distributed-timeout-minutes (0.05: 3 s) and fails; node 0's launcher
+  // records that, and node 1's launcher, told through the store, stops its hung worker.
+  TwoNodeTraining run("0.05");
+  ASSERT_TRUE(run.wait_for_checkpoints()) << run.read("node0.txt") << run.read("node1.txt");
+  const std::vector<pid_t> worker = run.pids("RANK=1");
+  ASSERT_EQ(worker.size(), 1u);
+  ASSERT_EQ(::kill(worker[0], SIGSTOP), 0);
+  const double seconds = run.wait_for_both(60);
+  const std::string node0 = run.read("node0.txt"), node1 = run.read("node1.txt");
+  ASSERT_GE(seconds, 0) << "a launcher did not end\n" << node0 << node1;
+  std::printf("both launchers ended %.2f s after the stop\n--- node 0:\n%s--- node 1:\n%s", seconds,
+              node0.c_str(), node1.c_str());
+  EXPECT_GE(seconds, 2.5);               // not before the timeout
+  EXPECT_LT(seconds, 3.0 + 5.0 + 10.0);  // the timeout, the launcher's grace, and slack
+  EXPECT_NE(run.read("rc0"), "0\n");
+  EXPECT_NE(run.read("rc1"), "0\n");
+  const std::string cause = "actmem launch: worker 0 on node 0 failed (exit code 1)";
+  EXPECT_NE(node0.find(cause), std::string::npos) << node0;
+  EXPECT_NE(node1.find(cause.substr(15)), std::string::npos) << node1;
+  EXPECT_NE(node1.find("; stopping the 1 worker here\nactmem launch: worker 1 here was stopped "
+                       "(SIGSTOP) when the failure came"),
+            std::string::npos)
+      << node1;
+  EXPECT_EQ(wait_until_no_process(run.tag(), 10), 0) << "a process of the run is left";
+  expect_last_checkpoint_loads(run);
+}
+
 TEST(Launch, WorkersShareTheCoresUnlessOmpNumThreadsIsSet) {
   // Each of N workers gets OMP_NUM_THREADS = cores / N (at least 1), as torchrun sets it, and
   // train without --threads uses it; a value the user set is kept.
@@ -230,6 +386,32 @@ TEST(Launch, BadInputIsAClearError) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("--node-rank must be in 0..1 for --nnodes 2, got 2"), std::string::npos)
       << r.stderr_text;
+  // Megatron's --distributed-timeout-minutes: positive, finite, at most a year.
+  for (const char* bad : {"0", "-1", "nan", "x"}) {
+    r = run_actmem(std::string("train --train-iters 1 --distributed-timeout-minutes ") + bad);
+    EXPECT_NE(r.exit_code, 0) << bad;
+    EXPECT_NE(r.stderr_text.find("--distributed-timeout-minutes"), std::string::npos)
+        << bad << ": " << r.stderr_text;
+  }
+  r = run_actmem("dist-check --distributed-timeout-minutes 1e9");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(
+      r.stderr_text.find("--distributed-timeout-minutes must be a positive number of minutes, "
+                         "at most a year, got 1e+09"),
+      std::string::npos)
+      << r.stderr_text;
+  expect_error_containing([] { distributed_timeout_from_minutes(0.0); }, "positive number");
+  EXPECT_EQ(distributed_timeout_from_minutes(0.05), std::chrono::milliseconds(3000));
+  EXPECT_EQ(distributed_timeout_from_minutes(10), kDefaultDistributedTimeout);
+  // A launcher on node 1 whose node 0 never listens: the join waits, then is a clear error
+  // (here cut short: the launcher is stopped after a second, and nothing is left running).
+  const std::string tag = fresh_tag();
+  const std::string cmd = "ACTMEM_TEST_TAG=" + tag + " timeout 1 " + std::string(ACTMEM_BINARY) +
+                          " launch --nnodes 2 --node-rank 1 --master-port " +
+                          std::to_string(free_loopback_port()) +
+                          " --nproc-per-node 1 -- dist-check > /dev/null 2>&1";
+  EXPECT_NE(std::system(cmd.c_str()), 0);
+  EXPECT_EQ(wait_until_no_process(tag, 10), 0);
 }
 
 TEST(DistEnv, ParsesAndValidatesTheVariables) {
@@ -246,6 +428,14 @@ TEST(DistEnv, ParsesAndValidatesTheVariables) {
   expect_error_containing([] { dist_env_from_environment(); }, "RANK (2) must be below WORLD_SIZE (2)");
   setenv("RANK", "x", 1);
   expect_error_containing([] { dist_env_from_environment(); }, "RANK='x' is not a non-negative integer");
+  setenv("RANK", "1", 1);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's: the launcher hosts the store
+  EXPECT_TRUE(dist_env_from_environment().agent_store);
+  setenv("TORCHELASTIC_USE_AGENT_STORE", "yes", 1);
+  expect_error_containing([] { dist_env_from_environment(); },
+                          "TORCHELASTIC_USE_AGENT_STORE='yes'");
+  unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+  EXPECT_FALSE(dist_env_from_environment().agent_store);
   setenv("RANK", "0", 1);
   unsetenv("WORLD_SIZE");
   expect_error_containing([] { dist_env_from_environment(); }, "RANK and WORLD_SIZE must be set together");

@@ -49,10 +49,11 @@ Inspection inspect_one_step(const InspectOptions& o) {
   const DistEnv dist = dist_env_from_environment();
   t.device = device_for_rank(t.device, dist);
   // The launch is t x d ranks with expert parallelism carved out of d, as for train.
-  const TensorParallelSession tp_session(dist, c10::Device(t.device),
-                                         static_cast<int>(c.tensor_model_parallel_size),
-                                         static_cast<int>(c.expert_model_parallel_size),
-                                         static_cast<int>(c.pipeline_model_parallel_size));
+  const TensorParallelSession tp_session(
+      dist, c10::Device(t.device), static_cast<int>(c.tensor_model_parallel_size),
+      static_cast<int>(c.expert_model_parallel_size),
+      static_cast<int>(c.pipeline_model_parallel_size),
+      distributed_timeout_from_minutes(o.train.distributed_timeout_minutes));
   if (c.virtual_pipeline_size() > 1) {
     // The interleaved schedule needs at least one group of micro-batches (p by default); the
     // ledger records the first micro-batch's first chunk either way.
@@ -208,7 +209,7 @@ Runner add_inspect_command(CLI::App& app) {
   CLI::App* cmd = app.add_subcommand("inspect", "Run one step and print the activation ledger");
   // What one measured step uses: the model, its recompute and offload, the data and the runtime
   // (no optimizer schedule, no logs: inspect runs one step and prints what it saved).
-  add_flags(*cmd, o->train, kModelFlags | kDataFlags | kRuntimeFlags);
+  add_flags(*cmd, o->train, kModelFlags | kDataFlags | kRuntimeFlags | kDistributedFlags);
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   cmd->add_flag("--records", o->records, "also list every saved tensor");
   cmd->add_flag("--plan", o->plan,

@@ -29,6 +29,7 @@ struct CheckOptions {
   int fail_rank = -1;
   int hang_rank = -1;
   int tp = 1, pp = 1, ep = 1, etp = 0;  // the layout whose groups are checked
+  double timeout_minutes = 10.0;
 };
 
 // Every group of the layout (Megatron's rank order, parallel_layout.h) that this rank belongs
@@ -63,7 +64,8 @@ int run_check(const CheckOptions& o) {
   // The layout first: a size that does not divide the world is an error on every rank, before
   // anyone waits for a rendezvous.
   const ParallelLayout layout = ParallelLayout::make(env.world_size, o.tp, o.pp, o.ep, o.etp);
-  const WorldGroup world = init_world_group(env);
+  const WorldGroup world =
+      init_world_group(env, distributed_timeout_from_minutes(o.timeout_minutes));
   std::vector<at::Tensor> t = {at::full({4}, static_cast<double>(env.rank + 1), at::kDouble)};
   world.pg->allreduce(t)->wait();
   const double expected = env.world_size * (env.world_size + 1) / 2.0;
@@ -130,6 +132,7 @@ Runner add_dist_check_command(CLI::App& app) {
       ->check(integer_in_range(1, 1 << 20));
   cmd->add_option("--expert-tensor-parallel-size", o->etp, "... this expert t (default t)")
       ->check(integer_in_range(1, 1 << 20));
+  add_distributed_timeout_flag(*cmd, o->timeout_minutes);
   return [o, cmd]() { return cmd->parsed() ? run_check(*o) : -1; };
 }
 

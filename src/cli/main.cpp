@@ -16,6 +16,19 @@ std::string first_line(const std::string& text) {
   const auto nl = text.find('\n');
   return nl == std::string::npos ? text : text.substr(0, nl);
 }
+
+// A collective that failed (Gloo or NCCL, through c10d): the message without the library's
+// "[file.cc:line] " prefix, and what it means for a run under `actmem launch`.
+std::string collective_failure(const std::string& text) {
+  std::string msg = first_line(text);
+  const size_t close = msg.find("] ");
+  if (!msg.empty() && msg[0] == '[' && close != std::string::npos && close < 200) {
+    msg = msg.substr(close + 2);
+  }
+  return "actmem: a collective with the other ranks failed: " + msg +
+         " (a peer rank failed, hung or went away; a hung one holds a collective for "
+         "--distributed-timeout-minutes)";
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -44,11 +57,17 @@ int main(int argc, char** argv) {
       TORCH_CHECK(!std::cout.fail(), "actmem: writing to standard output failed");
       return rc;
     }
+  } catch (const c10::DistBackendError& e) {
+    std::cerr << "error: " << collective_failure(e.msg()) << std::endl;
+    return 1;
   } catch (const c10::Error& e) {
     std::cerr << "error: " << first_line(e.msg()) << std::endl;
     return 1;
   } catch (const std::exception& e) {
-    std::cerr << "error: " << first_line(e.what()) << std::endl;
+    // Gloo reports a failed transfer as its own exception ("[gloo/transport/...cc:N] ...").
+    const std::string what = e.what();
+    const bool gloo = what.rfind('[', 0) == 0 && what.find("gloo") < what.find("] ");
+    std::cerr << "error: " << (gloo ? collective_failure(what) : first_line(what)) << std::endl;
     return 1;
   }
   return 0;

@@ -416,10 +416,11 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
     schedule_plot = OutputFile({"--pipeline-plot", o.pipeline_plot});
   }
   const auto& m = o.model;
-  const actmem::TensorParallelSession tp_session(dist, c10::Device(o.training.device),
-                                                 static_cast<int>(m.tensor_model_parallel_size),
-                                                 static_cast<int>(m.expert_model_parallel_size),
-                                                 static_cast<int>(m.pipeline_model_parallel_size));
+  const actmem::TensorParallelSession tp_session(
+      dist, c10::Device(o.training.device), static_cast<int>(m.tensor_model_parallel_size),
+      static_cast<int>(m.expert_model_parallel_size),
+      static_cast<int>(m.pipeline_model_parallel_size),
+      distributed_timeout_from_minutes(o.distributed_timeout_minutes));
   // Every rank computes the digests when rank 0 logs them (they are gathered collectively).
   const bool digests = !o.log_json.empty();
   actmem::Trainer trainer(o.model, o.training);

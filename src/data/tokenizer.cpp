@@ -2,6 +2,7 @@
 #include "actmem/data/tokenizer.h"
 
 #include "actmem/base/output_file.h"
+#include "sentencepiece_client.h"
 
 #include <c10/util/Exception.h>
 
@@ -104,6 +105,88 @@ bool read_all(int fd, void* p, size_t n) {
   return true;
 }
 
+}  // namespace
+
+namespace spm {
+
+Client::Info Client::info(const std::string& model) {
+  const char op = 'I';
+  uint32_t status = 0;
+  TORCH_CHECK(write_all(to_, &op, 1) && read_all(from_, &status, 4),
+              "actmem: actmem-sentencepiece did not answer (is it installed?)");
+  if (status == 0xFFFFFFFFu) {
+    const std::string err = read_error();
+    TORCH_CHECK(false, "actmem: cannot load the SentencePiece model ", model, ": ", err);
+  }
+  Info answer;
+  answer.pieces = static_cast<int32_t>(status);
+  TORCH_CHECK(read_all(from_, &answer.eos, 4), "actmem: actmem-sentencepiece went away");
+  TORCH_CHECK(answer.pieces > 0 && answer.eos >= -1 && answer.eos < answer.pieces,
+              "actmem: actmem-sentencepiece answered ", answer.pieces, " pieces with </s> id ",
+              answer.eos, " for ", model, " (expected a positive count and an id below it)");
+  return answer;
+}
+
+std::vector<int32_t> Client::encode(const std::string& text, int32_t pieces) {
+  TORCH_CHECK(text.size() < 0xFFFFFFFFu, "actmem: a document of ", text.size(),
+              " bytes is too "
+              "long for the SentencePiece helper");
+  const uint32_t n = static_cast<uint32_t>(text.size());
+  uint32_t k = 0;
+  TORCH_CHECK(write_all(to_, "E", 1) && write_all(to_, &n, 4) && write_all(to_, text.data(), n) &&
+                  read_all(from_, &k, 4),
+              "actmem: actmem-sentencepiece went away while encoding");
+  if (k == 0xFFFFFFFFu) {
+    const std::string err = read_error();
+    TORCH_CHECK(false, "actmem: SentencePiece could not encode a text: ", err);
+  }
+  TORCH_CHECK(k <= kMaxIdsPerByte * (uint64_t{n} + 1), "actmem: actmem-sentencepiece answered ", k,
+              " ids for a text of ", n, " bytes (at most ", kMaxIdsPerByte,
+              " per byte are possible): the helper is broken");
+  std::vector<int32_t> ids(k);
+  TORCH_CHECK(read_all(from_, ids.data(), 4 * static_cast<size_t>(k)),
+              "actmem: actmem-sentencepiece went away while encoding");
+  for (const int32_t id : ids) {
+    TORCH_CHECK(id >= 0 && id < pieces, "actmem: actmem-sentencepiece answered id ", id,
+                " for a model of ", pieces, " pieces: the helper is broken");
+  }
+  return ids;
+}
+
+std::string Client::decode(const std::vector<int32_t>& ids) {
+  TORCH_CHECK(ids.size() < 0x40000000u, "actmem: ", ids.size(),
+              " ids are too many to decode at "
+              "once");
+  const uint32_t k = static_cast<uint32_t>(ids.size());
+  uint32_t n = 0;
+  TORCH_CHECK(write_all(to_, "D", 1) && write_all(to_, &k, 4) &&
+                  write_all(to_, ids.data(), 4 * ids.size()) && read_all(from_, &n, 4),
+              "actmem: actmem-sentencepiece went away while decoding");
+  if (n == 0xFFFFFFFFu) {
+    const std::string err = read_error();
+    TORCH_CHECK(false, "actmem: SentencePiece could not decode: ", err);
+  }
+  TORCH_CHECK(n <= kMaxBytesPerPiece * (uint64_t{k} + 1), "actmem: actmem-sentencepiece answered ",
+              n, " bytes for ", k, " ids (at most ", kMaxBytesPerPiece,
+              " per piece are expected): the helper is broken");
+  std::string text(n, '\0');
+  TORCH_CHECK(n == 0 || read_all(from_, text.data(), n),
+              "actmem: actmem-sentencepiece went away while decoding");
+  return text;
+}
+
+std::string Client::read_error() {
+  uint32_t n = 0;
+  if (!read_all(from_, &n, 4) || n > (1u << 20)) return "(no message)";
+  std::string msg(n, '\0');
+  if (n > 0 && !read_all(from_, msg.data(), n)) return "(no message)";
+  return msg;
+}
+
+}  // namespace spm
+
+namespace {
+
 class ByteLevelTokenizer final : public Tokenizer {
  public:
   std::string type() const override { return "ByteTokenizer"; }
@@ -132,19 +215,10 @@ class SentencePieceTokenizer final : public Tokenizer {
     TORCH_CHECK(::access(path.c_str(), R_OK) == 0, "actmem: cannot read the SentencePiece model ",
                 path, ": ", std::strerror(errno));
     child_ = spawn_helper({sentencepiece_helper(), "serve", path}, false);
-    const char op = 'I';
-    int32_t info[2] = {0, 0};
-    uint32_t status = 0;
-    TORCH_CHECK(write_all(child_.in, &op, 1) && read_all(child_.out, &status, 4),
-                "actmem: actmem-sentencepiece did not answer (is it installed?)");
-    if (status == 0xFFFFFFFFu) {
-      const std::string err = read_error();
-      TORCH_CHECK(false, "actmem: cannot load the SentencePiece model ", path, ": ", err);
-    }
-    info[0] = static_cast<int32_t>(status);
-    TORCH_CHECK(read_all(child_.out, &info[1], 4), "actmem: actmem-sentencepiece went away");
-    vocab_ = info[0];
-    eod_ = info[1];
+    client_ = spm::Client(child_.in, child_.out);
+    const spm::Client::Info info = client_.info(path);
+    vocab_ = info.pieces;
+    eod_ = info.eos;
     TORCH_CHECK(eod_ >= 0, "actmem: the SentencePiece model ", path, " has no </s> piece to end "
                 "documents with");
   }
@@ -161,20 +235,7 @@ class SentencePieceTokenizer final : public Tokenizer {
   int64_t eod() const override { return eod_; }
   std::vector<int64_t> tokenize(const std::string& text) const override {
     std::lock_guard<std::mutex> lock(mutex_);
-    const uint32_t n = static_cast<uint32_t>(text.size());
-    TORCH_CHECK(text.size() < 0xFFFFFFFFu, "actmem: a document of ", text.size(), " bytes is too "
-                "long for the SentencePiece helper");
-    uint32_t k = 0;
-    TORCH_CHECK(write_all(child_.in, "E", 1) && write_all(child_.in, &n, 4) &&
-                    write_all(child_.in, text.data(), n) && read_all(child_.out, &k, 4),
-                "actmem: actmem-sentencepiece went away while encoding");
-    if (k == 0xFFFFFFFFu) {
-      const std::string err = read_error();
-      TORCH_CHECK(false, "actmem: SentencePiece could not encode a text: ", err);
-    }
-    std::vector<int32_t> ids(k);
-    TORCH_CHECK(read_all(child_.out, ids.data(), 4 * static_cast<size_t>(k)),
-                "actmem: actmem-sentencepiece went away while encoding");
+    const std::vector<int32_t> ids = client_.encode(text, static_cast<int32_t>(vocab_));
     return std::vector<int64_t>(ids.begin(), ids.end());
   }
   std::string detokenize(const std::vector<int64_t>& ids) const override {
@@ -200,28 +261,10 @@ class SentencePieceTokenizer final : public Tokenizer {
  private:
   std::string decode(const std::vector<int32_t>& ids) const {
     std::lock_guard<std::mutex> lock(mutex_);
-    const uint32_t k = static_cast<uint32_t>(ids.size());
-    uint32_t n = 0;
-    TORCH_CHECK(write_all(child_.in, "D", 1) && write_all(child_.in, &k, 4) &&
-                    write_all(child_.in, ids.data(), 4 * ids.size()) && read_all(child_.out, &n, 4),
-                "actmem: actmem-sentencepiece went away while decoding");
-    if (n == 0xFFFFFFFFu) {
-      const std::string err = read_error();
-      TORCH_CHECK(false, "actmem: SentencePiece could not decode: ", err);
-    }
-    std::string text(n, '\0');
-    TORCH_CHECK(n == 0 || read_all(child_.out, text.data(), n),
-                "actmem: actmem-sentencepiece went away while decoding");
-    return text;
-  }
-  std::string read_error() const {
-    uint32_t n = 0;
-    if (!read_all(child_.out, &n, 4) || n > (1u << 20)) return "(no message)";
-    std::string msg(n, '\0');
-    if (n > 0 && !read_all(child_.out, msg.data(), n)) return "(no message)";
-    return msg;
+    return client_.decode(ids);
   }
   Child child_;
+  mutable spm::Client client_{-1, -1};
   int64_t vocab_ = 0, eod_ = 0;
   mutable std::mutex mutex_;
 };

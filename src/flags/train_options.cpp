@@ -1,5 +1,6 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
 #include "actmem/flags/train_options.h"
+#include "actmem/parallel/distributed.h"
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/base/blas.h"
@@ -512,6 +513,14 @@ void add_checkpoint_flags(CLI::App& app, TrainOptions& o) {
 }
 }  // namespace
 
+void add_distributed_timeout_flag(CLI::App& app, double& minutes) {
+  app.add_option("--distributed-timeout-minutes", minutes,
+                 "How long a collective (and the rendezvous) waits for a peer before the run "
+                 "fails, in minutes (Megatron's default 10; fractions allowed)")
+      ->capture_default_str()
+      ->check(kPositive);
+}
+
 void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kShapeFlags) add_shape_flags(app, o);
   if (groups & kParallelFlags) add_parallel_flags(app, o);
@@ -524,6 +533,7 @@ void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kRuntimeFlags) add_runtime_flags(app, o);
   if (groups & kOutputFlags) add_output_flags(app, o);
   if (groups & kCheckpointFlags) add_checkpoint_flags(app, o);
+  if (groups & kDistributedFlags) add_distributed_timeout_flag(app, o.distributed_timeout_minutes);
 }
 
 void add_model_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kModelFlags); }
@@ -578,6 +588,8 @@ void TrainOptions::finalize() {
               "--recompute-activations, or, for more control, --recompute-granularity and "
               "--recompute-method.");
   if (recompute_activations) model.recompute_granularity = "selective";
+  distributed_timeout_from_minutes(
+      distributed_timeout_minutes);  // a clear error now, not at launch
   model.normalization = normalization_flag;
   model.gated_linear_unit = swiglu;
   if (group_query_attention) {

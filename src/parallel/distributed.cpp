@@ -12,21 +12,23 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
 #endif
 
-#include <algorithm>
 #include <arpa/inet.h>
-#include <csignal>
-#include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
+#include <unistd.h>
+#include <algorithm>
+#include <cmath>
+#include <csignal>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <random>
 #include <thread>
-#include <unistd.h>
 
 namespace actmem {
 
@@ -53,12 +55,27 @@ DistEnv dist_env_from_environment() {
   e.local_rank = env_int("LOCAL_RANK", e.rank);
   e.master_port = env_int("MASTER_PORT", 29500);
   if (const char* a = std::getenv("MASTER_ADDR")) e.master_addr = a;
+  if (const char* a = std::getenv("TORCHELASTIC_USE_AGENT_STORE")) {
+    const std::string v = a;
+    TORCH_CHECK(v == "True" || v == "False" || v == "1" || v == "0" || v.empty(),
+                "actmem: environment variable TORCHELASTIC_USE_AGENT_STORE='", v,
+                "' is not True or False");
+    e.agent_store = v == "True" || v == "1";
+  }
   TORCH_CHECK(e.world_size >= 1, "actmem: WORLD_SIZE must be at least 1, got ", e.world_size);
   TORCH_CHECK(e.rank < e.world_size, "actmem: RANK (", e.rank, ") must be below WORLD_SIZE (",
               e.world_size, ")");
   TORCH_CHECK(e.master_port > 0 && e.master_port < 65536, "actmem: MASTER_PORT must be a TCP port, "
               "got ", e.master_port);
   return e;
+}
+
+std::chrono::milliseconds distributed_timeout_from_minutes(double minutes) {
+  TORCH_CHECK(std::isfinite(minutes) && minutes > 0 && minutes <= 366.0 * 24 * 60,
+              "actmem: --distributed-timeout-minutes must be a positive number of minutes, at "
+              "most a year, got ",
+              minutes);
+  return std::chrono::milliseconds(std::max<int64_t>(1, std::llround(minutes * 60000.0)));
 }
 
 namespace {
@@ -110,7 +127,7 @@ WorldGroup init_world_group(const DistEnv& env, std::chrono::milliseconds timeou
 #endif
   c10d::TCPStoreOptions opts;
   opts.port = static_cast<std::uint16_t>(env.master_port);
-  opts.isServer = env.rank == 0;
+  opts.isServer = env.rank == 0 && !env.agent_store;
   opts.numWorkers = static_cast<std::size_t>(env.world_size);
   opts.waitWorkers = true;
   opts.timeout = timeout;
@@ -250,6 +267,156 @@ void pump_worker_output(std::vector<WorkerOutput>& out, int64_t& order, int time
     }
   }
 }
+// Note [Launchers across nodes]
+// With --nnodes N > 1 every node runs its own launcher, and a worker's death is seen at once only
+// by its own. The others' workers notice through their collectives: a killed peer closes its
+// sockets (Gloo fails at once), but a hung one (stopped, deadlocked, its machine cut off) holds
+// them until --distributed-timeout-minutes, and a launcher whose own workers hang would then
+// wait for ever. So the launchers watch each other, as torchrun's agents do, on a TCPStore that
+// node 0's launcher hosts at MASTER_ADDR:MASTER_PORT, the one port a multi-node job opens; the
+// workers meet on the same store (TORCHELASTIC_USE_AGENT_STORE=True, torchrun's variable: every
+// rank connects as a client), their keys apart from the launchers' "actmem-launch/" ones.
+// - A launcher whose worker fails records it (compareSet: the first record wins) and names the
+//   first failure of the whole job: its own, or "worker R (node K) failed first (...)" and its
+//   own after it.
+// - Every launcher polls the record every kPollInterval; on another node's failure it stops its
+//   workers (SIGTERM, then SIGKILL after the grace) and exits 1, naming that failure.
+// - A launcher that loses the store (node 0's launcher died, or its machine) stops its workers.
+// - Each launcher marks itself done when its workers have ended; node 0 keeps the store up until
+//   every node is done: at most the grace and kDoneSlack after a failure, and while their
+//   heartbeats advance after a success (a node can still be writing its checkpoint shards).
+class NodeLink {
+ public:
+  static constexpr auto kPollInterval = std::chrono::milliseconds(100);
+  static constexpr auto kHeartbeatSilence = std::chrono::seconds(30);
+  static constexpr auto kDoneSlack = std::chrono::seconds(10);
+
+  NodeLink(const LaunchNodes& nodes, int port) : nodes_(nodes) {
+    c10d::TCPStoreOptions opts;
+    opts.port = static_cast<std::uint16_t>(port);
+    opts.isServer = nodes.node_rank == 0;
+    opts.waitWorkers = false;
+    opts.timeout = kDefaultDistributedTimeout;  // how long node K > 0 waits for node 0 to listen
+    try {
+      store_ = c10::make_intrusive<c10d::TCPStore>(nodes.master_addr, opts);
+      store_->setTimeout(std::chrono::seconds(30));
+    } catch (const std::exception& e) {
+      TORCH_CHECK(false, "actmem launch: node ", nodes.node_rank,
+                  nodes.node_rank == 0 ? " cannot host the rendezvous at port "
+                                       : " cannot reach node 0's launcher at ",
+                  nodes.node_rank == 0 ? "" : nodes.master_addr + ":", port, ": ", first_line(e));
+    }
+  }
+
+  // Records `failure` ("worker R on node K failed (...)...") unless a failure was recorded first;
+  // returns the first one ("" when the store is gone).
+  std::string record_failure(const std::string& failure) {
+    try {
+      const std::vector<uint8_t> want(failure.begin(), failure.end());
+      const std::vector<uint8_t> first = store_->compareSet(kFailed, {}, want);
+      return std::string(first.begin(), first.end());
+    } catch (const std::exception&) {
+      return "";
+    }
+  }
+
+  // Called often: heartbeat, then what stops this node — another node's recorded failure, or the
+  // store gone. Empty when nothing did.
+  std::string poll() {
+    const auto now = std::chrono::steady_clock::now();
+    if (now < next_poll_) return "";
+    next_poll_ = now + kPollInterval;
+    try {
+      store_->add(heartbeat_key(nodes_.node_rank), 1);
+      if (!store_->check({kFailed})) return "";
+      const std::vector<uint8_t> v = store_->get(kFailed);
+      return std::string(v.begin(), v.end());
+    } catch (const std::exception& e) {
+      return "lost node 0's launcher (" + first_line(e) + ")";
+    }
+  }
+
+  // This node's workers have all ended. Node 0 waits for the others (see the Note); returns the
+  // failure another node recorded meanwhile, or "".
+  std::string finish(bool failed) {
+    try {
+      store_->set(done_key(nodes_.node_rank), std::vector<uint8_t>{1});
+    } catch (const std::exception&) {
+      return "";
+    }
+    if (nodes_.node_rank != 0) return "";
+    try {
+      return wait_for_the_other_nodes(failed);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "actmem launch: %s\n", first_line(e).c_str());
+      return "";
+    }
+  }
+
+ private:
+  std::string wait_for_the_other_nodes(bool failed) {
+    const auto deadline = std::chrono::steady_clock::now() + kDoneSlack;
+    std::vector<int64_t> beats(static_cast<size_t>(nodes_.nnodes), -1);
+    std::vector<std::chrono::steady_clock::time_point> heard(static_cast<size_t>(nodes_.nnodes),
+                                                             std::chrono::steady_clock::now());
+    for (;;) {
+      bool all_done = true;
+      const auto now = std::chrono::steady_clock::now();
+      for (int k = 1; k < nodes_.nnodes; ++k) {
+        if (store_->check({done_key(k)})) continue;
+        all_done = false;
+        const int64_t beat = store_->add(heartbeat_key(k), 0);
+        if (beat != beats[static_cast<size_t>(k)]) {
+          beats[static_cast<size_t>(k)] = beat;
+          heard[static_cast<size_t>(k)] = now;
+        }
+        const bool silent = now - heard[static_cast<size_t>(k)] > kHeartbeatSilence;
+        if (silent || (failed && now > deadline)) {
+          std::fprintf(stderr, "actmem launch: node %d's launcher %s; not waiting for it\n", k,
+                       silent ? "stopped answering" : "did not end in time");
+          return "";
+        }
+      }
+      if (all_done) break;
+      if (!failed && store_->check({kFailed})) {
+        failed = true;  // another node failed after this one's workers succeeded
+      }
+      std::this_thread::sleep_for(kPollInterval);
+    }
+    if (!store_->check({kFailed})) return "";
+    const std::vector<uint8_t> v = store_->get(kFailed);
+    return std::string(v.begin(), v.end());
+  }
+
+  static constexpr const char* kFailed = "actmem-launch/failed";
+  static std::string heartbeat_key(int node) {
+    return "actmem-launch/heartbeat/" + std::to_string(node);
+  }
+  static std::string done_key(int node) { return "actmem-launch/done/" + std::to_string(node); }
+  static std::string first_line(const std::exception& e) {
+    const std::string what = e.what();
+    return what.substr(0, what.find('\n'));
+  }
+
+  LaunchNodes nodes_;
+  c10::intrusive_ptr<c10d::TCPStore> store_;
+  std::chrono::steady_clock::time_point next_poll_{};
+};
+}  // namespace
+
+namespace {
+// The state letter of /proc/PID/stat ('R' running, 'S' sleeping, 'T' stopped, 't' traced, 'D'
+// in uninterruptible I/O, ...), or '?' when it cannot be read.
+char process_state(pid_t pid) {
+  std::FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) return '?';
+  char buf[512];
+  const size_t n = std::fread(buf, 1, sizeof(buf) - 1, f);
+  std::fclose(f);
+  buf[n] = '\0';
+  const char* close = std::strrchr(buf, ')');  // the command name may hold spaces and ')'
+  return close != nullptr && close[1] == ' ' && close[2] != '\0' ? close[2] : '?';
+}
 }  // namespace
 
 int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
@@ -263,6 +430,8 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
               nodes.node_rank);
   TORCH_CHECK(!nodes.master_addr.empty(), "actmem launch: --master-addr is empty");
   const int port = launch_port(master_port, nodes);
+  std::optional<NodeLink> link;  // Note [Launchers across nodes]
+  if (nodes.nnodes > 1) link.emplace(nodes, port);
   // torchrun's default: one intra-op thread per core this launcher may use, split between its
   // workers, unless the user chose (each of N workers taking every core only slows the step).
   const std::string omp_threads = std::to_string(std::max(1, available_cores() / nproc));
@@ -289,6 +458,7 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       setenv("MASTER_ADDR", nodes.master_addr.c_str(), 1);
       setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
       setenv("OMP_NUM_THREADS", omp_threads.c_str(), /*overwrite=*/0);
+      if (link) setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
       std::vector<char*> argv;
       std::string self = program == "/proc/self/exe" ? "actmem" : program;
       argv.push_back(self.data());
@@ -317,9 +487,26 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   std::vector<int> codes(nproc, 0);
   int remaining = nproc, result = 0;
   int64_t order = 0;
+  // Before stopping them because another worker failed: a worker that cannot run (stopped by a
+  // signal or a debugger) is the likely cause of a collective's timeout elsewhere; say so.
+  auto name_stuck_workers = [&]() {
+    for (int r = 0; r < nproc; ++r) {
+      const char state = alive[r] ? process_state(pids[r]) : '?';
+      if (state == 'T' || state == 't') {
+        std::fprintf(stderr,
+                     "actmem launch: worker %d%s was stopped (%s) when the failure came: "
+                     "its peers' collectives waited for it\n",
+                     first_rank + r, link ? " here" : "",
+                     state == 'T' ? "SIGSTOP" : "held by a debugger");
+      }
+    }
+  };
   auto stop_all = [&](int sig) {
     for (int r = 0; r < nproc; ++r) {
-      if (alive[r]) kill(pids[r], sig);
+      if (!alive[r]) continue;
+      kill(pids[r], sig);
+      // A stopped worker (SIGSTOP, a debugger let go) would hold the signal until the grace ends.
+      if (sig != SIGKILL) kill(pids[r], SIGCONT);
     }
   };
   std::chrono::steady_clock::time_point kill_deadline{};
@@ -373,9 +560,24 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
         const std::string& line = output[first].first_error;  // "error: ..." or empty
         const size_t text = line.empty() ? std::string::npos : line.find_first_not_of(' ', 6);
         const std::string message = text == std::string::npos ? "" : line.substr(text);
-        std::fprintf(stderr, "actmem launch: worker %d failed (%s)%s%s; stopping the other %d\n",
-                     first_rank + first, why.c_str(), message.empty() ? "" : ": ", message.c_str(),
-                     remaining);
+        const std::string worker =
+            "worker " + std::to_string(first_rank + first) +
+            (link ? " on node " + std::to_string(nodes.node_rank) : std::string());
+        const std::string failure =
+            worker + " failed (" + why + ")" + (message.empty() ? "" : ": " + message);
+        const std::string first_failure = link ? link->record_failure(failure) : failure;
+        if (first_failure.empty() || first_failure == failure) {
+          std::fprintf(stderr, "actmem launch: %s; stopping the other %d%s\n", failure.c_str(),
+                       remaining, link ? " here and the other nodes' workers" : "");
+        } else {
+          // Another node's worker failed first: that is the cause to name.
+          std::fprintf(stderr,
+                       "actmem launch: %s first; then %s here (%s)%s%s; stopping the "
+                       "other %d here\n",
+                       first_failure.c_str(), worker.c_str(), why.c_str(),
+                       message.empty() ? "" : ": ", message.c_str(), remaining);
+        }
+        name_stuck_workers();
         std::fflush(stderr);
         stop_all(SIGTERM);
         stopping = true;
@@ -384,6 +586,19 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
       continue;
     }
     if (stopping && std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
+    if (link && !stopping) {
+      const std::string remote = link->poll();
+      if (!remote.empty()) {
+        std::fprintf(stderr, "actmem launch: %s; stopping the %d worker%s here\n", remote.c_str(),
+                     remaining, remaining == 1 ? "" : "s");
+        name_stuck_workers();
+        std::fflush(stderr);
+        stop_all(SIGTERM);
+        stopping = true;
+        kill_deadline = std::chrono::steady_clock::now() + grace;
+        result = 1;
+      }
+    }
     pump_worker_output(output, order, 20);
   }
   // The rest of what the workers wrote.
@@ -392,6 +607,14 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
+  if (link) {
+    const std::string later = link->finish(result != 0 || stopping);
+    if (!later.empty() && result == 0) {
+      std::fprintf(stderr, "actmem launch: %s (after this node's workers had finished)\n",
+                   later.c_str());
+      result = 1;
+    }
+  }
   // After a forwarded signal: success when every worker exited 0 (they handled it), else the
   // signal's status, as a shell reports a process it ended.
   if (result == 0 && signal_result != 0 &&

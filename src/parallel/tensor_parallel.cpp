@@ -134,9 +134,10 @@ void set_pipeline_parallel_groups(TensorParallelGroup pp, TensorParallelGroup em
 
 TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Device& device,
                                              int tensor_parallel_size, int expert_parallel_size,
-                                             int pipeline_parallel_size) {
+                                             int pipeline_parallel_size,
+                                             std::chrono::milliseconds timeout) {
   init_tensor_parallel_from_environment(env, device, tensor_parallel_size, expert_parallel_size,
-                                        pipeline_parallel_size);
+                                        pipeline_parallel_size, timeout);
 }
 
 TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
@@ -146,16 +147,14 @@ std::string device_for_rank(const std::string& device, const DistEnv& env) {
   return device;
 }
 
-const TensorParallelGroup& init_tensor_parallel_from_environment(const DistEnv& env,
-                                                                 const c10::Device& device,
-                                                                 int tensor_parallel_size,
-                                                                 int expert_parallel_size,
-                                                                 int pipeline_parallel_size) {
+const TensorParallelGroup& init_tensor_parallel_from_environment(
+    const DistEnv& env, const c10::Device& device, int tensor_parallel_size,
+    int expert_parallel_size, int pipeline_parallel_size, std::chrono::milliseconds timeout) {
   if (env.world_size == 1) return tensor_parallel_group();
   const int t = tensor_parallel_size > 0 ? tensor_parallel_size : env.world_size;
   const ParallelLayout layout =
       ParallelLayout::make(env.world_size, t, pipeline_parallel_size, expert_parallel_size);
-  const WorldGroup world = init_world_group(env, std::chrono::seconds(60), device);
+  const WorldGroup world = init_world_group(env, timeout, device);
   // Every member builds its groups in the same order: tensor-parallel, data-parallel,
   // expert-parallel, expert-data-parallel, tensor-and-expert-parallel.
   auto subgroup = [&](const std::vector<std::vector<int>>& groups, const char* name) {

@@ -46,6 +46,8 @@ struct TrainOptions {
   bool offload_planned_later = false;
   /// Intra-op threads for libtorch; 0 means one per core.
   int threads = 0;
+  /// --distributed-timeout-minutes: how long a collective waits for a peer (Megatron's 10).
+  double distributed_timeout_minutes = 10.0;
   /// Applies the derived fields (flags that map onto config fields) and validates everything.
   void finalize();
 };
@@ -53,20 +55,21 @@ struct TrainOptions {
 /// Groups of flags. Each command registers the groups it uses, so a flag it would ignore is an
 /// unknown flag there rather than a silent no-op.
 enum FlagGroup : unsigned {
-  kShapeFlags = 1u << 0,      // --num-layers, --hidden-size, ..., dropout, --seed
-  kParallelFlags = 1u << 1,   // --tensor-model-parallel-size, --sequence-parallel, ...
-  kRecomputeFlags = 1u << 2,  // --recompute-*, --distribute-saved-activations
-  kOffloadFlags = 1u << 3,    // --cpu-offloading-num-layers, --fine-grained-*, bandwidth
-  kOptimizerFlags = 1u << 4,  // --lr, --adam-*, --clip-grad, --global-batch-size, ...
-  kScheduleFlags = 1u << 5,   // --train-iters, --eval-*, --log-interval
-  kDataFlags = 1u << 6,       // --data, --split
-  kRuntimeFlags = 1u << 7,    // --device, --device-memory-limit, --threads
-  kOutputFlags = 1u << 8,     // --log-json, --trace, --pipeline-plot
-  kCheckpointFlags = 1u << 9, // --save, --load, --save-interval, --exit-signal-handler, ...
-  kMoEFlags = 1u << 10,       // --num-experts, --moe-*, --expert-model-parallel-size; MLA's
+  kShapeFlags = 1u << 0,         // --num-layers, --hidden-size, ..., dropout, --seed
+  kParallelFlags = 1u << 1,      // --tensor-model-parallel-size, --sequence-parallel, ...
+  kRecomputeFlags = 1u << 2,     // --recompute-*, --distribute-saved-activations
+  kOffloadFlags = 1u << 3,       // --cpu-offloading-num-layers, --fine-grained-*, bandwidth
+  kOptimizerFlags = 1u << 4,     // --lr, --adam-*, --clip-grad, --global-batch-size, ...
+  kScheduleFlags = 1u << 5,      // --train-iters, --eval-*, --log-interval
+  kDataFlags = 1u << 6,          // --data, --split
+  kRuntimeFlags = 1u << 7,       // --device, --device-memory-limit, --threads
+  kOutputFlags = 1u << 8,        // --log-json, --trace, --pipeline-plot
+  kCheckpointFlags = 1u << 9,    // --save, --load, --save-interval, --exit-signal-handler, ...
+  kMoEFlags = 1u << 10,          // --num-experts, --moe-*, --expert-model-parallel-size; MLA's
+  kDistributedFlags = 1u << 11,  // --distributed-timeout-minutes (commands that form groups)
   kModelFlags = kShapeFlags | kParallelFlags | kMoEFlags | kRecomputeFlags | kOffloadFlags,
   kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags |
-                   kCheckpointFlags,
+                   kCheckpointFlags | kDistributedFlags,
 };
 
 /// Adds the flags of `groups` (a FlagGroup mask), bound to `options`.
@@ -75,6 +78,9 @@ void add_flags(CLI::App& app, TrainOptions& options, unsigned groups);
 void add_model_flags(CLI::App& app, TrainOptions& options);
 /// add_flags(app, options, kTrainingFlags).
 void add_training_flags(CLI::App& app, TrainOptions& options);
+
+/// Adds --distributed-timeout-minutes, bound to `minutes` (train, inspect and dist-check).
+void add_distributed_timeout_flag(CLI::App& app, double& minutes);
 
 /// A CLI11 validator: "expected a positive number, got 'x'" (finite: inf and nan are refused).
 const CLI::Validator& positive_number_validator();

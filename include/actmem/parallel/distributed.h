@@ -34,16 +34,28 @@ struct DistEnv {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;
   bool from_environment = false;  // false: no RANK/WORLD_SIZE set, a single process
+  /// TORCHELASTIC_USE_AGENT_STORE=True (torchrun's variable): the launcher hosts the TCPStore at
+  /// MASTER_ADDR:MASTER_PORT and every rank, rank 0 included, connects to it as a client.
+  /// `actmem launch --nnodes N` (N > 1) sets it (Note [Launchers across nodes]).
+  bool agent_store = false;
 };
+
+/// Megatron's default for --distributed-timeout-minutes: how long a collective (and the
+/// rendezvous) waits for a peer before it fails.
+constexpr std::chrono::milliseconds kDefaultDistributedTimeout = std::chrono::minutes(10);
+
+/// --distributed-timeout-minutes as a duration: `minutes` must be positive and finite (Megatron
+/// takes whole minutes; fractions are accepted so a test can wait seconds), at most a year.
+std::chrono::milliseconds distributed_timeout_from_minutes(double minutes);
 
 /// Reads the variables; throws a clear error for malformed or inconsistent values.
 DistEnv dist_env_from_environment();
 
-/// A process group over a TCPStore (rank 0 hosts it): Gloo for CPU tensors, NCCL for a CUDA
-/// `device` (builds with ACTMEM_WITH_NCCL; that device becomes the current one). Throws on
-/// timeout, and for a CUDA device in a build without NCCL.
+/// A process group over a TCPStore (rank 0 hosts it, or the launcher: DistEnv::agent_store): Gloo
+/// for CPU tensors, NCCL for a CUDA `device` (builds with ACTMEM_WITH_NCCL; that device becomes the
+/// current one). Throws on timeout, and for a CUDA device in a build without NCCL.
 c10::intrusive_ptr<CollectiveGroup> init_process_group(
-    const DistEnv& env, std::chrono::milliseconds timeout = std::chrono::seconds(60),
+    const DistEnv& env, std::chrono::milliseconds timeout = kDefaultDistributedTimeout,
     const c10::Device& device = c10::kCPU);
 
 /// The world's group and the store its ranks met on; subgroups rendezvous on the same store.
@@ -52,11 +64,11 @@ struct WorldGroup {
   c10::intrusive_ptr<CollectiveGroup> pg;
   int rank = 0, size = 1;
   c10::Device device = c10::kCPU;
-  std::chrono::milliseconds timeout{60000};
+  std::chrono::milliseconds timeout = kDefaultDistributedTimeout;
 };
 /// init_process_group, keeping the store for subgroups.
 WorldGroup init_world_group(const DistEnv& env,
-                            std::chrono::milliseconds timeout = std::chrono::seconds(60),
+                            std::chrono::milliseconds timeout = kDefaultDistributedTimeout,
                             const c10::Device& device = c10::kCPU);
 /// A process group over the global `ranks` (which must contain world.rank), met on the world's
 /// store under `name` (unique per group: Megatron's "tp", "dp", ... with the group's index).
@@ -67,7 +79,8 @@ c10::intrusive_ptr<CollectiveGroup> new_subgroup(const WorldGroup& world,
 
 /// Where this launcher's workers sit in a launch over several nodes (torchrun's --nnodes,
 /// --node-rank, --master-addr): node R's local worker L is global rank R * nproc + L of a world
-/// of nnodes * nproc, and all of them meet at master_addr (which node 0's rank 0 hosts).
+/// of nnodes * nproc, and all of them meet at master_addr, where node 0's launcher hosts the
+/// store the launchers watch each other on and the workers meet (Note [Launchers across nodes]).
 struct LaunchNodes {
   int nnodes = 1;
   int node_rank = 0;
@@ -84,7 +97,9 @@ int launch_port(int master_port, const LaunchNodes& nodes);
 /// forwards SIGINT and SIGTERM to them; when one exits non-zero (or dies), stops the others
 /// (SIGTERM, then SIGKILL after `grace`) and returns that worker's exit code, after printing
 /// "actmem launch: worker R failed ..." (R its global rank) on stderr; returns 0 when all
-/// succeed. Workers die with the launcher (PR_SET_PDEATHSIG): no orphans.
+/// succeed. Workers die with the launcher (PR_SET_PDEATHSIG): no orphans. Over several nodes
+/// the launchers tell each other: a failure on one node stops the workers of every node, each
+/// launcher naming the first worker that failed (Note [Launchers across nodes]).
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
                    std::chrono::milliseconds grace = std::chrono::seconds(5),
                    const LaunchNodes& nodes = {});

@@ -129,7 +129,8 @@ at::Tensor group_reduce_scatter_v(const TensorParallelGroup& group, const at::Te
 /// Megatron's default). A no-op in a single process.
 const TensorParallelGroup& init_tensor_parallel_from_environment(
     const DistEnv& env, const c10::Device& device = c10::kCPU, int tensor_parallel_size = 0,
-    int expert_parallel_size = 1, int pipeline_parallel_size = 1);
+    int expert_parallel_size = 1, int pipeline_parallel_size = 1,
+    std::chrono::milliseconds timeout = kDefaultDistributedTimeout);
 
 /// Drops the process groups (tensor, data, expert and pipeline parallel: size 1 again).
 void reset_tensor_parallel_group();
@@ -140,7 +141,8 @@ void reset_tensor_parallel_group();
 class TensorParallelSession {
  public:
   TensorParallelSession(const DistEnv& env, const c10::Device& device, int tensor_parallel_size = 0,
-                        int expert_parallel_size = 1, int pipeline_parallel_size = 1);
+                        int expert_parallel_size = 1, int pipeline_parallel_size = 1,
+                        std::chrono::milliseconds timeout = kDefaultDistributedTimeout);
   ~TensorParallelSession();
   TensorParallelSession(const TensorParallelSession&) = delete;
   TensorParallelSession& operator=(const TensorParallelSession&) = delete;
