@@ -74,6 +74,12 @@ if [[ "$have" != "$ACTMEM_TORCH_VERSION" ]]; then
     { echo "setup: $ACTMEM_VENV has torch $have after the install, expected $ACTMEM_TORCH_VERSION" >&2; exit 1; }
 fi
 
+# TensorBoard's own event reader, for the test of --tensorboard-dir's files (no TensorFlow).
+if ! "$ACTMEM_PYTHON" -c 'import tensorboard' >/dev/null 2>&1; then
+  echo "setup: installing tensorboard into $ACTMEM_VENV (the tests read event files with it)"
+  $sudo "$ACTMEM_PYTHON" -m pip install --disable-pip-version-check -q "tensorboard==2.21.0"
+fi
+
 unity=ON
 [[ "${ACTMEM_UNITY_BUILD:-1}" == 0 ]] && unity=OFF
 # shellcheck disable=SC2086

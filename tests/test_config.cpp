@@ -1,6 +1,7 @@
 // test_config.cpp — one test per TransformerConfig / TrainingConfig validation message.
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
+#include "actmem/train/optimizer.h"
 #include "actmem/train/trainer.h"
 #include "test_util.h"
 
@@ -108,24 +109,153 @@ TEST_P(TrainingValidation, RejectsWithClearMessage) {
 INSTANTIATE_TEST_SUITE_P(
     AllMessages, TrainingValidation,
     ::testing::Values(
-        TrainingCase{"gbs_neg", [](auto& t) { t.global_batch_size = -1; }, "global_batch_size must be positive"},
-        TrainingCase{"gbs_multiple", [](auto& t) { t.global_batch_size = 12; }, "global_batch_size (12) must be a multiple of micro_batch_size (8)"},
+        TrainingCase{"gbs_neg", [](auto& t) { t.global_batch_size = -1; },
+                     "global_batch_size must be positive"},
+        TrainingCase{"gbs_multiple", [](auto& t) { t.global_batch_size = 12; },
+                     "global_batch_size (12) must be a multiple of micro_batch_size (8)"},
         TrainingCase{"iters", [](auto& t) { t.train_iters = 0; }, "train_iters must be positive"},
         TrainingCase{"lr", [](auto& t) { t.lr = 0.0; }, "lr must be positive"},
         TrainingCase{"min_lr", [](auto& t) { t.min_lr = 1.0; }, "min_lr must be in [0, lr]"},
-        TrainingCase{"warmup", [](auto& t) { t.lr_warmup_iters = -1; }, "lr_warmup_iters must be >= 0"},
-        TrainingCase{"decay", [](auto& t) { t.lr_decay_style = "step"; }, "lr_decay_style must be constant, linear or cosine"},
+        TrainingCase{"warmup", [](auto& t) { t.lr_warmup_iters = -1; },
+                     "lr_warmup_iters must be >= 0"},
+        TrainingCase{"decay", [](auto& t) { t.lr_decay_style = "step"; },
+                     "lr_decay_style must be constant, linear or cosine"},
         TrainingCase{"wd", [](auto& t) { t.weight_decay = -1; }, "weight_decay must be >= 0"},
-        TrainingCase{"beta", [](auto& t) { t.adam_beta2 = 1.0; }, "adam_beta1 and adam_beta2 must be in [0, 1)"},
+        TrainingCase{"beta", [](auto& t) { t.adam_beta2 = 1.0; },
+                     "adam_beta1 and adam_beta2 must be in [0, 1)"},
         TrainingCase{"eps", [](auto& t) { t.adam_eps = 0.0; }, "adam_eps must be positive"},
         TrainingCase{"clip", [](auto& t) { t.clip_grad = -1.0; }, "clip_grad must be >= 0"},
-        TrainingCase{"eval_interval", [](auto& t) { t.eval_interval = -1; }, "eval_interval must be >= 0"},
-        TrainingCase{"eval_iters", [](auto& t) { t.eval_iters = 0; }, "eval_iters must be positive"},
-        TrainingCase{"log_interval", [](auto& t) { t.log_interval = 0; }, "log_interval must be positive"},
-        TrainingCase{"device", [](auto& t) { t.device = "tpu"; }, "device must be cpu, cuda or cuda:N, got \"tpu\""},
-        TrainingCase{"device_index", [](auto& t) { t.device = "cuda:x"; }, "device must be cpu, cuda or cuda:N"},
-        TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; }, "device_memory_limit must be >= 0"}),
+        TrainingCase{"eval_interval", [](auto& t) { t.eval_interval = -1; },
+                     "eval_interval must be >= 0"},
+        TrainingCase{"eval_iters", [](auto& t) { t.eval_iters = 0; },
+                     "eval_iters must be positive"},
+        TrainingCase{"log_interval", [](auto& t) { t.log_interval = 0; },
+                     "log_interval must be positive"},
+        TrainingCase{"device", [](auto& t) { t.device = "tpu"; },
+                     "device must be cpu, cuda or cuda:N, got \"tpu\""},
+        TrainingCase{"device_index", [](auto& t) { t.device = "cuda:x"; },
+                     "device must be cpu, cuda or cuda:N"},
+        TrainingCase{"mem_limit", [](auto& t) { t.device_memory_limit = -5; },
+                     "device_memory_limit must be >= 0"},
+        // Megatron's validate_args: the schedule's flags are of the run's kind.
+        TrainingCase{"samples_decay_iters",
+                     [](auto& t) {
+                       t.train_samples = 64;
+                       t.lr_decay_iters = 4;
+                     },
+                     "expected sample-based learning rate decay"},
+        TrainingCase{"samples_warmup_iters",
+                     [](auto& t) {
+                       t.train_samples = 64;
+                       t.lr_warmup_iters = 2;
+                     },
+                     "expected sample-based learning rate warmup"},
+        TrainingCase{"samples_fraction",
+                     [](auto& t) {
+                       t.train_samples = 64;
+                       t.lr_warmup_samples = 8;
+                       t.lr_warmup_fraction = 0.1;
+                     },
+                     "can only specify one of lr-warmup-fraction and lr-warmup-samples"},
+        TrainingCase{"iters_decay_samples", [](auto& t) { t.lr_decay_samples = 40; },
+                     "expected iteration-based learning rate decay"},
+        TrainingCase{"iters_warmup_samples", [](auto& t) { t.lr_warmup_samples = 8; },
+                     "expected iteration-based learning rate warmup"},
+        TrainingCase{"iters_fraction",
+                     [](auto& t) {
+                       t.lr_warmup_iters = 2;
+                       t.lr_warmup_fraction = 0.1;
+                     },
+                     "can only specify one of lr-warmup-fraction and lr-warmup-iters"},
+        TrainingCase{"warmup_init", [](auto& t) { t.lr_warmup_init = 1.0; },
+                     "--lr-warmup-init must be in [0, lr]"}),
     [](const auto& info) { return std::string(info.param.name); });
+
+// The learning rate of each step, as Megatron's OptimizerParamScheduler
+// (megatron/core/optimizer_param_scheduler.py at d98e8a64dd) gives it with the steps its
+// get_optimizer_param_scheduler (megatron/training/training.py) computes: the expected values
+// were printed by that code, run on CPU, stepping the scheduler by the global batch (4) after
+// each step and reading the learning rate each step ran with.
+TEST(TrainingConfig, LearningRatesAreMegatronsOptimizerParamScheduler) {
+  auto lrs = [](const TrainingConfig& base) {
+    TrainingConfig t = base;
+    t.global_batch_size = 4;
+    t.lr = 1e-3;
+    t.min_lr = 1e-4;
+    t.resolve_train_iters(4);
+    TransformerConfig model;
+    model.micro_batch_size = 1;
+    t.validate(model);
+    const OptimizerParamScheduler scheduler(t, 4);
+    std::vector<double> out;
+    for (int64_t k = 1; k <= t.train_iters; ++k) out.push_back(scheduler.lr_at(k));
+    return out;
+  };
+  auto expect = [](const std::vector<double>& got, const std::vector<double>& want) {
+    ASSERT_EQ(got.size(), want.size());
+    for (size_t i = 0; i < want.size(); ++i) EXPECT_DOUBLE_EQ(got[i], want[i]) << "step " << i + 1;
+  };
+  // --train-iters 12 --lr-warmup-iters 3 --lr-decay-iters 10, cosine: iteration 1 runs at lr 0
+  // (the warmup starts at --lr-warmup-init), and min_lr after the decay's end.
+  TrainingConfig a;
+  a.train_iters = 12;
+  a.lr_warmup_iters = 3;
+  a.lr_decay_iters = 10;
+  a.lr_decay_style = "cosine";
+  expect(lrs(a), {0, 0.00033333333333333332, 0.00066666666666666664, 0.001, 0.00095543599055608857,
+                  0.00083057041083643018, 0.00065013442028034147, 0.00044986557971965854,
+                  0.00026942958916356994, 0.00014456400944391144, 0.0001, 0.0001});
+  // --train-samples 50 (12 iterations of 4) --lr-warmup-samples 10 --lr-decay-samples 40,
+  // linear.
+  TrainingConfig b;
+  b.train_samples = 50;
+  b.lr_warmup_samples = 10;
+  b.lr_decay_samples = 40;
+  b.lr_decay_style = "linear";
+  expect(lrs(b), {0, 0.00040000000000000002, 0.00080000000000000004, 0.00094000000000000008,
+                  0.00082000000000000009, 0.0007000000000000001, 0.00058, 0.00046000000000000001,
+                  0.00034000000000000002, 0.00021999999999999998, 0.0001, 0.0001});
+  // --train-iters 12 --lr-warmup-fraction 0.1 (4.8 samples of a decay over the run's 48)
+  // --lr-warmup-init 1e-5, cosine.
+  TrainingConfig c;
+  c.train_iters = 12;
+  c.lr_warmup_fraction = 0.1;
+  c.lr_warmup_init = 1e-5;
+  c.lr_decay_style = "cosine";
+  expect(lrs(c), {1.0000000000000001e-05, 0.00083499999999999991, 0.00098787019176092058,
+                  0.00093971143170299754, 0.00085880873704093021, 0.00075195963109020805,
+                  0.00062814167995011881, 0.00049775818864364655, 0.00037176410528237962,
+                  0.00026074557564105728, 0.00017403048486417852, 0.00011890471945803});
+  // OptimizerParamScheduler's assert lr_warmup_steps < lr_decay_steps, with the flags named.
+  TrainingConfig d;
+  d.train_iters = 3;
+  d.lr_warmup_iters = 3;
+  expect_error_containing([&] { lrs(d); }, "must end before the decay does");
+  TrainingConfig e;
+  e.train_samples = 3;
+  expect_error_containing([&] { lrs(e); }, "--train-samples 3 is less than one global batch (4");
+}
+
+TEST(TrainingConfig, SampleBasedRunsFromTheCommandLine) {
+  // Megatron's update_train_iters: 22 samples of 4 per step are 5 iterations (the last partial
+  // batch is not run); the schedule counts samples.
+  const std::string model =
+      "train --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 4 --threads 1 --eval-interval 0 --log-interval 1 ";
+  auto r = actmem::testing::run_actmem(model +
+                                       "--train-samples 22 --lr-warmup-samples 4 "
+                                       "--lr-decay-samples 16 --lr 1e-3");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("iter 5/5 |"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("iter 6/"), std::string::npos) << r.output;
+  r = actmem::testing::run_actmem(model + "--train-samples 22 --train-iters 5");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("expected sample-based training"), std::string::npos) << r.output;
+  r = actmem::testing::run_actmem(model + "--train-iters 5 --lr-decay-samples 16");
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.stderr_text.find("expected iteration-based learning rate decay"), std::string::npos)
+      << r.output;
+}
 
 TEST(TrainingConfig, PartialActivationCheckpointsNeedAPipelineAndBlockRecompute) {
   // --num-microbatches-with-partial-activation-checkpoints picks, per micro-batch of a pipeline

@@ -5,6 +5,8 @@
 
 #include <CLI/CLI.hpp>
 
+#include <c10/util/Exception.h>
+
 #include <algorithm>
 #include <set>
 
@@ -49,14 +51,42 @@ std::vector<Runner> add_commands(CLI::App& app) {
   return commands;
 }
 
-void parse_command_line(CLI::App& app, std::vector<std::string> given) {
-  if (!given.empty() && given[0] == "launch") {
-    const auto dashes = std::find(given.begin(), given.end(), "--");
-    if (dashes != given.end()) {
-      launch_worker_command().assign(dashes + 1, given.end());
-      given.erase(dashes, given.end());
-    }
+// Note [torchrun's command line]
+// torchrun takes the script and its flags after its own, without a "--": `torchrun
+// --nproc_per_node 8 pretrain_gpt.py --num-layers 96 ...`, the form of Megatron's example scripts.
+// Every flag of `actmem launch` takes one value, so the first word after them is the command:
+// what follows is the workers'. Megatron's GPT script, pretrain_gpt.py (any directory), stands for
+// `train`; another Python script is not something actmem runs.
+void split_launch_command(std::vector<std::string>& given) {
+  const auto dashes = std::find(given.begin(), given.end(), "--");
+  if (dashes != given.end()) {
+    launch_worker_command().assign(dashes + 1, given.end());
+    given.erase(dashes, given.end());
+    return;
   }
+  size_t i = 1;
+  while (i < given.size() && given[i].rfind("--", 0) == 0 && given[i] != "--help" &&
+         given[i] != "-h") {
+    i += given[i].find('=') == std::string::npos ? 2 : 1;
+  }
+  if (i >= given.size() || given[i] == "--help" || given[i] == "-h") return;
+  std::vector<std::string> command(given.begin() + static_cast<std::ptrdiff_t>(i), given.end());
+  const std::string& script = command[0];
+  const bool python = script.size() > 3 && script.compare(script.size() - 3, 3, ".py") == 0;
+  if (python) {
+    const std::string base = script.substr(script.rfind('/') + 1);
+    TORCH_CHECK(base == "pretrain_gpt.py", "actmem launch: ", script,
+                " is a Python script; "
+                "actmem runs its own commands (train, inspect, dist-check, ...), and Megatron's "
+                "pretrain_gpt.py stands for train");
+    command[0] = "train";
+  }
+  launch_worker_command() = std::move(command);
+  given.resize(i);
+}
+
+void parse_command_line(CLI::App& app, std::vector<std::string> given) {
+  if (!given.empty() && given[0] == "launch") split_launch_command(given);
   // A preset stands for its flags, ahead of the command's own (Note [Presets are command lines]
   // in flags/presets.h), before the last of each flag is kept.
   std::vector<std::string> args = last_occurrence_wins(expand_model_preset(given));

@@ -90,21 +90,27 @@ std::vector<std::string>& launch_worker_command() {
 Runner add_launch_command(CLI::App& app) {
   auto o = std::make_shared<LaunchOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "launch", "Start N worker processes of a subcommand: actmem launch --nproc-per-node N "
-                "[--nnodes M --node-rank R --master-addr A --master-port P] -- CMD");
-  cmd->add_option("--nproc-per-node", o->nproc, "Worker processes")->capture_default_str();
+      "launch",
+      "Start N worker processes of a subcommand: actmem launch --nproc-per-node N "
+      "[--nnodes M --node-rank R --master-addr A --master-port P] -- CMD (torchrun's "
+      "underscore spellings and its form `... pretrain_gpt.py FLAGS` are accepted)");
+  cmd->add_option("--nproc-per-node,--nproc_per_node", o->nproc, "Worker processes")
+      ->capture_default_str();
   cmd->add_option("--nnodes", o->nodes.nnodes, "Nodes (machines) of the launch, each running this "
                   "command with its --node-rank")
       ->capture_default_str()
       ->check(integer_in_range(1, 1 << 16));
-  cmd->add_option("--node-rank", o->nodes.node_rank, "This node's index, 0..nnodes-1 (node 0 hosts "
+  cmd->add_option("--node-rank,--node_rank", o->nodes.node_rank,
+                  "This node's index, 0..nnodes-1 (node 0 hosts "
                   "the rendezvous)")
       ->capture_default_str()
       ->check(integer_in_range(0, (1 << 16) - 1));
-  cmd->add_option("--master-addr", o->nodes.master_addr, "Address of node 0, where every worker "
+  cmd->add_option("--master-addr,--master_addr", o->nodes.master_addr,
+                  "Address of node 0, where every worker "
                   "meets")
       ->capture_default_str();
-  cmd->add_option("--master-port", o->master_port, "TCP port of the rendezvous (default: a free "
+  cmd->add_option("--master-port,--master_port", o->master_port,
+                  "TCP port of the rendezvous (default: a free "
                   "one on one node, 29500 across nodes)")
       ->check(integer_in_range(1, 65535));
   cmd->add_option("command", o->command, "The subcommand and its flags, after --");

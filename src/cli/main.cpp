@@ -17,6 +17,13 @@ std::string first_line(const std::string& text) {
   return nl == std::string::npos ? text : text.substr(0, nl);
 }
 
+// An actmem error's message: its lines up to libtorch's context ("Exception raised from ..."),
+// so a message that lists several things (every refused flag) keeps a line each.
+std::string message_lines(const std::string& text) {
+  const auto context = text.find("\nException raised from");
+  return context == std::string::npos ? text : text.substr(0, context);
+}
+
 // A collective that failed (Gloo or NCCL, through c10d): the message without the library's
 // "[file.cc:line] " prefix, and what it means for a run under `actmem launch`.
 std::string collective_failure(const std::string& text) {
@@ -61,7 +68,7 @@ int main(int argc, char** argv) {
     std::cerr << "error: " << collective_failure(e.msg()) << std::endl;
     return 1;
   } catch (const c10::Error& e) {
-    std::cerr << "error: " << first_line(e.msg()) << std::endl;
+    std::cerr << "error: " << message_lines(e.msg()) << std::endl;
     return 1;
   } catch (const std::exception& e) {
     // Gloo reports a failed transfer as its own exception ("[gloo/transport/...cc:N] ...").

@@ -182,7 +182,7 @@ Verification verify(const TransformerConfig& base, const TrainingConfig& trainin
   Verification out;
   TrainingConfig t = training;
   t.eval_interval = 0;
-  t.train_iters = 2;
+  t.set_measurement_steps(2);
   for (const auto& e : runs) {
     std::cerr << "\rplan: verifying the peak of " << e.strategy.name() << "            "
               << std::flush;

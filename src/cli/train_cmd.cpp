@@ -11,6 +11,7 @@
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/plan/planner.h"
 #include "actmem/train/plot.h"
+#include "actmem/train/tensorboard.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
 
@@ -148,7 +149,9 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
                     " buckets overlapping the last backward)"
               : std::string())
       << ", " << (m.gated_linear_unit ? "SwiGLU" : "GeLU") << ", " << m.normalization << ", "
-      << (m.use_rope() ? "RoPE" : "learned positions")
+      << (m.use_rope()            ? "RoPE"
+          : m.learned_positions() ? "learned positions"
+                                  : "no positions")
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  attention " << m.attention_summary() << "\n"
       << "  precision " << precision_summary(m, t) << "\n";
@@ -208,8 +211,9 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
   j["runtime"]["world_size"] = world_size;
   j["model"] = to_json(o.model);
   j["activation_plan"] = trainer.model().plan().to_json();
-  j["training"] = to_json(o.training);
+  j["training"] = to_json(trainer.config());
   j["training"]["device_memory_limit"] = o.training.device_memory_limit;
+  j["no_effect_flags"] = o.no_effect_notices;
   if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {
     // Rank 0's piece (the others differ by a bucket's padding at most).
     j["distributed_optimizer"] = {
@@ -428,9 +432,54 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   std::ostream& human = log.is_stdout() ? std::cerr : std::cout;
   const std::optional<int64_t> resumed = load_if_asked(trainer, o.training, writer);
   if (writer) print_header(human, trainer, o, trainer.model(), resumed);
+  if (writer && !o.no_effect_notices.empty()) {
+    // One notice for the Megatron flags accepted without an effect (megatron_compat.h).
+    human << "  notice: " << o.no_effect_notices.size() << " Megatron flag"
+          << (o.no_effect_notices.size() == 1 ? "" : "s") << " accepted with no effect here:\n";
+    for (const auto& n : o.no_effect_notices) human << "    " << n << "\n";
+  }
   if (log.is_open()) {
     log.write(config_record(o, trainer, dist.world_size).dump() + "\n", "the config record");
   }
+  // Megatron's TensorBoard writer: on the last rank (_set_tensorboard_writer), the scalars of
+  // training_log and evaluate_and_print_results under their tag names.
+  std::unique_ptr<actmem::EventFileWriter> tensorboard;
+  const auto& tbo = o.tensorboard;
+  if (!tbo.dir.empty() && dist.rank == dist.world_size - 1) {
+    tensorboard = std::make_unique<actmem::EventFileWriter>(tbo.dir, tbo.queue_size);
+  }
+  const int64_t global_batch =
+      trainer.config().global_batch(o.model.micro_batch_size, actmem::data_parallel_group().size);
+  double last_logged_elapsed = 0.0;
+  int64_t last_logged_iteration = trainer.iteration();
+  auto write_tensorboard = [&](const actmem::IterationStats& st) {
+    auto add = [&](const std::string& tag, double v) {
+      tensorboard->add_scalar(tag, v, st.iteration);
+      tensorboard->add_scalar(tag + " vs samples", v, st.consumed_samples);
+    };
+    if (st.iteration % tbo.log_interval == 0) {
+      add("learning-rate", trainer.next_learning_rate());
+      add("batch-size", static_cast<double>(global_batch));
+      add("lm loss", st.loss);
+      if (tbo.log_loss_scale) add("loss-scale", st.loss_scale);
+      if (tbo.log_world_size) add("world-size", dist.world_size);
+      add("grad-norm", st.grad_norm);
+    }
+    if (tbo.log_timers && st.iteration % trainer.config().log_interval == 0) {
+      // Seconds per iteration since the last log iteration (validation and saves included).
+      tensorboard->add_scalar("iteration-time",
+                              (st.elapsed_s - last_logged_elapsed) /
+                                  static_cast<double>(st.iteration - last_logged_iteration),
+                              st.iteration);
+      last_logged_elapsed = st.elapsed_s;
+      last_logged_iteration = st.iteration;
+    }
+    if (st.val_loss) {
+      add("lm loss validation", *st.val_loss);
+      if (tbo.log_validation_ppl)
+        add("lm loss validation ppl", std::exp(std::min(20.0, *st.val_loss)));
+    }
+  };
   double first_loss = NAN, last_loss = NAN, total_time = 0.0;
   std::optional<double> last_val;
   int64_t steps = 0;
@@ -446,28 +495,33 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
     out.warnings = &std::cerr;
     if (trace.is_open()) out.trace = &trace;
   }
-  const int stopped_by = trainer.run(out, [&](const actmem::IterationStats& st) {
-    if (std::isnan(first_loss)) first_loss = st.loss;
-    last_loss = st.loss;
-    total_time += st.step_time_s;
-    ++steps;
-    if (st.val_loss) last_val = st.val_loss;
-    last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
-    last_stats.predicted_inflight_activation_bytes_per_stage =
-        st.predicted_inflight_activation_bytes_per_stage;
-    last_stats.iteration = st.iteration;
-    last_stats.pipeline_schedule_per_stage = st.pipeline_schedule_per_stage;
-    if (log.is_open()) {
-      // Whole lines only (Note [Whole records or nothing]).
-      log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
-    }
-  }, /*compute_digest=*/digests);
+  const int stopped_by = trainer.run(
+      out,
+      [&](const actmem::IterationStats& st) {
+        if (tensorboard) write_tensorboard(st);
+        if (std::isnan(first_loss)) first_loss = st.loss;
+        last_loss = st.loss;
+        total_time += st.step_time_s;
+        ++steps;
+        if (st.val_loss) last_val = st.val_loss;
+        last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
+        last_stats.predicted_inflight_activation_bytes_per_stage =
+            st.predicted_inflight_activation_bytes_per_stage;
+        last_stats.iteration = st.iteration;
+        last_stats.pipeline_schedule_per_stage = st.pipeline_schedule_per_stage;
+        if (log.is_open()) {
+          // Whole lines only (Note [Whole records or nothing]).
+          log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
+        }
+      },
+      /*compute_digest=*/digests);
   (void)stopped_by;  // run() reported it; Megatron exits with status 0 after a signal, too
   log.close();
+  if (tensorboard) tensorboard->flush();
   if (!writer) return 0;
   if (steps == 0) {
     human << "done: nothing to train (iteration " << trainer.iteration() << " of --train-iters "
-          << o.training.train_iters << ")\n";
+          << trainer.config().train_iters << ")\n";
     return 0;
   }
   print_summary(human, o, first_loss, last_loss, last_val, total_time, steps, last_stats,

@@ -560,9 +560,11 @@ void TransformerConfig::validate_shape() const {
               normalization, "\"");
   TORCH_CHECK(layernorm_epsilon > 0.0, "actmem::TransformerConfig: layernorm_epsilon must be "
               "positive, got ", layernorm_epsilon);
-  TORCH_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope",
-              "actmem::TransformerConfig: position_embedding_type must be \"learned_absolute\" or "
-              "\"rope\", got \"", position_embedding_type, "\"");
+  TORCH_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
+                  position_embedding_type == "none",
+              "actmem::TransformerConfig: position_embedding_type must be \"learned_absolute\", "
+              "\"rope\" or \"none\", got \"",
+              position_embedding_type, "\"");
   TORCH_CHECK(std::isfinite(rotary_percent) && rotary_percent > 0.0 && rotary_percent <= 1.0,
               "actmem::TransformerConfig: rotary_percent must be in (0, 1], got ", rotary_percent);
   TORCH_CHECK(rotary_percent == 1.0 || use_rope(), "actmem::TransformerConfig: --rotary-percent ",
@@ -798,6 +800,40 @@ nlohmann::json to_json(const TransformerConfig& c) {
   return j;
 }
 
+void TrainingConfig::resolve_train_iters(int64_t global_batch) {
+  if (!train_samples) return;
+  TORCH_CHECK(global_batch > 0 && *train_samples >= global_batch, "actmem: --train-samples ",
+              *train_samples, " is less than one global batch (", global_batch, " samples)");
+  train_iters = *train_samples / global_batch;
+}
+
+LrScheduleSteps lr_schedule_steps(const TrainingConfig& c, int64_t global_batch) {
+  // get_optimizer_param_scheduler: the scheduler counts samples in either kind of run.
+  LrScheduleSteps s;
+  s.per_step = global_batch;
+  if (c.train_samples) {
+    s.decay = c.lr_decay_samples.value_or(*c.train_samples);
+    s.warmup = c.lr_warmup_fraction ? *c.lr_warmup_fraction * static_cast<double>(s.decay)
+                                    : static_cast<double>(c.lr_warmup_samples);
+  } else {
+    s.decay = c.lr_decay_iters.value_or(c.train_iters) * global_batch;
+    s.warmup = c.lr_warmup_fraction ? *c.lr_warmup_fraction * static_cast<double>(s.decay)
+                                    : static_cast<double>(c.lr_warmup_iters * global_batch);
+  }
+  // OptimizerParamScheduler.__init__'s asserts, with the flags named.
+  TORCH_CHECK(s.decay > 0, "actmem: the learning-rate decay must be positive (lr_decay_steps ",
+              s.decay, " samples)");
+  TORCH_CHECK(s.warmup < static_cast<double>(s.decay), "actmem: the learning-rate warmup (",
+              s.warmup,
+              " samples: --lr-warmup-iters, --lr-warmup-samples or --lr-warmup-fraction) "
+              "must end before the decay does (",
+              s.decay,
+              " samples: --lr-decay-iters, "
+              "--lr-decay-samples or the run's length); Megatron's OptimizerParamScheduler "
+              "asserts lr_warmup_steps < lr_decay_steps");
+  return s;
+}
+
 void TrainingConfig::validate(const TransformerConfig& model) const {
   TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
               "got ", global_batch_size);
@@ -806,6 +842,58 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               ") must be a multiple of micro_batch_size (", model.micro_batch_size, ")");
   TORCH_CHECK(train_iters > 0, "actmem::TrainingConfig: train_iters must be positive, got ",
               train_iters);
+  // Megatron's validate_args (arguments.py): a run is iteration-based or sample-based, and its
+  // schedule flags are of the same kind.
+  if (train_samples) {
+    TORCH_CHECK(*train_samples > 0,
+                "actmem::TrainingConfig: --train-samples must be positive, "
+                "got ",
+                *train_samples);
+    TORCH_CHECK(!lr_decay_iters,
+                "expected sample-based learning rate decay (--lr-decay-samples "
+                "with --train-samples, not --lr-decay-iters)");
+    TORCH_CHECK(lr_warmup_iters == 0,
+                "expected sample-based learning rate warmup "
+                "(--lr-warmup-samples with --train-samples, not --lr-warmup-iters)");
+    TORCH_CHECK(!lr_warmup_fraction || lr_warmup_samples == 0,
+                "can only specify one of lr-warmup-fraction and lr-warmup-samples");
+  } else {
+    TORCH_CHECK(!lr_decay_samples,
+                "expected iteration-based learning rate decay "
+                "(--lr-decay-iters with --train-iters, not --lr-decay-samples)");
+    TORCH_CHECK(lr_warmup_samples == 0,
+                "expected iteration-based learning rate warmup "
+                "(--lr-warmup-iters with --train-iters, not --lr-warmup-samples)");
+    TORCH_CHECK(!lr_warmup_fraction || lr_warmup_iters == 0,
+                "can only specify one of lr-warmup-fraction and lr-warmup-iters");
+  }
+  TORCH_CHECK(!exit_interval || *exit_interval > 0,
+              "actmem::TrainingConfig: --exit-interval must "
+              "be positive, got ",
+              exit_interval.value_or(0));
+  TORCH_CHECK(!exit_duration_in_mins ||
+                  (std::isfinite(*exit_duration_in_mins) && *exit_duration_in_mins >= 0),
+              "actmem::TrainingConfig: --exit-duration-in-mins must be >= 0, got ",
+              exit_duration_in_mins.value_or(0));
+  TORCH_CHECK(!lr_decay_iters || *lr_decay_iters > 0,
+              "actmem::TrainingConfig: --lr-decay-iters "
+              "must be positive, got ",
+              lr_decay_iters.value_or(0));
+  TORCH_CHECK(!lr_decay_samples || *lr_decay_samples > 0,
+              "actmem::TrainingConfig: "
+              "--lr-decay-samples must be positive, got ",
+              lr_decay_samples.value_or(0));
+  TORCH_CHECK(lr_warmup_samples >= 0,
+              "actmem::TrainingConfig: --lr-warmup-samples must be >= 0, "
+              "got ",
+              lr_warmup_samples);
+  TORCH_CHECK(!lr_warmup_fraction || (*lr_warmup_fraction >= 0 && *lr_warmup_fraction <= 1),
+              "actmem::TrainingConfig: --lr-warmup-fraction must be in [0, 1], got ",
+              lr_warmup_fraction.value_or(0));
+  TORCH_CHECK(std::isfinite(lr_warmup_init) && lr_warmup_init >= 0 && lr_warmup_init <= lr,
+              "actmem::TrainingConfig: --lr-warmup-init must be in [0, lr] (Megatron's "
+              "OptimizerParamScheduler asserts init_lr <= max_lr), got ",
+              lr_warmup_init);
   TORCH_CHECK(lr > 0.0 && std::isfinite(lr), "actmem::TrainingConfig: lr must be positive, got ", lr);
   TORCH_CHECK(min_lr >= 0.0 && min_lr <= lr, "actmem::TrainingConfig: min_lr must be in [0, lr], "
               "got ", min_lr);
@@ -910,6 +998,16 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"min_lr", t.min_lr},
       {"lr_warmup_iters", t.lr_warmup_iters},
       {"lr_decay_style", t.lr_decay_style},
+      {"train_samples",
+       t.train_samples ? nlohmann::json(*t.train_samples) : nlohmann::json(nullptr)},
+      {"lr_warmup_samples", t.lr_warmup_samples},
+      {"lr_warmup_fraction",
+       t.lr_warmup_fraction ? nlohmann::json(*t.lr_warmup_fraction) : nlohmann::json(nullptr)},
+      {"lr_warmup_init", t.lr_warmup_init},
+      {"lr_decay_iters",
+       t.lr_decay_iters ? nlohmann::json(*t.lr_decay_iters) : nlohmann::json(nullptr)},
+      {"lr_decay_samples",
+       t.lr_decay_samples ? nlohmann::json(*t.lr_decay_samples) : nlohmann::json(nullptr)},
       {"weight_decay", t.weight_decay},
       {"adam_beta1", t.adam_beta1},
       {"adam_beta2", t.adam_beta2},
@@ -928,11 +1026,13 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"log_interval", t.log_interval},
       {"data", t.data_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_path)},
       {"data_path", t.data_paths},
-      {"tokenizer_type", t.tokenizer_type.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_type)},
-      {"tokenizer_model", t.tokenizer_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_model)},
+      {"tokenizer_type",
+       t.tokenizer_type.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_type)},
+      {"tokenizer_model",
+       t.tokenizer_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_model)},
       {"make_vocab_size_divisible_by", t.make_vocab_size_divisible_by},
-      {"data_cache_path", t.data_cache_path.empty() ? nlohmann::json(nullptr)
-                                                    : nlohmann::json(t.data_cache_path)},
+      {"data_cache_path",
+       t.data_cache_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_cache_path)},
       {"split", t.split},
       {"save", t.save.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.save)},
       {"save_interval", t.save_interval},
@@ -942,11 +1042,16 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"finetune", t.finetune},
       {"override_opt_param_scheduler", t.override_opt_param_scheduler},
       {"exit_signal_handler", t.exit_signal_handler},
+      {"exit_interval",
+       t.exit_interval ? nlohmann::json(*t.exit_interval) : nlohmann::json(nullptr)},
+      {"exit_duration_in_mins", t.exit_duration_in_mins ? nlohmann::json(*t.exit_duration_in_mins)
+                                                        : nlohmann::json(nullptr)},
       {"device", t.device},
       {"device_memory_limit", t.device_memory_limit},
       {"offload_bandwidth_gbps", t.offload_bandwidth_gbps},
       {"overlap_grad_reduce", t.overlap_grad_reduce},
-      {"ddp_bucket_size", t.ddp_bucket_size ? nlohmann::json(*t.ddp_bucket_size) : nlohmann::json(nullptr)},
+      {"ddp_bucket_size",
+       t.ddp_bucket_size ? nlohmann::json(*t.ddp_bucket_size) : nlohmann::json(nullptr)},
       {"use_distributed_optimizer", t.use_distributed_optimizer},
       {"num_microbatches_with_partial_activation_checkpoints",
        t.num_microbatches_with_partial_activation_checkpoints

@@ -1,5 +1,6 @@
 // train_options.cpp — CLI11 bindings for the model and training flags.
 #include "actmem/flags/train_options.h"
+#include "actmem/flags/megatron_compat.h"
 #include "actmem/parallel/distributed.h"
 
 #include "actmem/config/activation_plan.h"
@@ -124,8 +125,11 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
                "RoPE instead of learned absolute positions (Megatron's deprecated spelling of "
                "--position-embedding-type rope)");
   app.add_option("--position-embedding-type", o.position_embedding_type,
-                 "learned_absolute (default) or rope")
-      ->check(CLI::IsMember({"learned_absolute", "rope"}));
+                 "learned_absolute (default), rope or none")
+      ->check(CLI::IsMember({"learned_absolute", "rope", "none"}));
+  app.add_flag("--no-position-embedding", o.no_position_embedding,
+               "Megatron's deprecated switch: allowed with --position-embedding-type rope (where "
+               "it changes nothing), refused otherwise as Megatron refuses it");
   app.add_option("--rotary-percent", m.rotary_percent,
                  "Fraction of each head's features RoPE rotates (partial RoPE; the rest pass)")
       ->capture_default_str()
@@ -397,8 +401,31 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str()->check(kPositive);
   app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")
       ->capture_default_str()->check(kNonNegative);
-  app.add_option("--lr-warmup-iters", t.lr_warmup_iters, "Linear warmup steps")
-      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
+  // The schedule as Megatron's get_optimizer_param_scheduler builds it (counted in samples;
+  // docs/train.md, "Learning-rate schedule").
+  app.add_option("--lr-warmup-iters", t.lr_warmup_iters,
+                 "Linear warmup steps (iteration-based runs)")
+      ->capture_default_str()
+      ->check(integer_in_range(0, kMaxInt));
+  app.add_option("--lr-warmup-samples", t.lr_warmup_samples,
+                 "Linear warmup samples (with --train-samples)")
+      ->capture_default_str()
+      ->check(integer_in_range(0, int64_t{1} << 62));
+  app.add_option_function<double>(
+         "--lr-warmup-fraction", [&t](const double& v) { t.lr_warmup_fraction = v; },
+         "Warmup as a fraction of the decay (instead of --lr-warmup-iters/-samples)")
+      ->check(CLI::Range(0.0, 1.0));
+  app.add_option("--lr-warmup-init", t.lr_warmup_init, "Learning rate the warmup starts from")
+      ->capture_default_str()
+      ->check(kNonNegative);
+  app.add_option_function<int64_t>(
+         "--lr-decay-iters", [&t](const int64_t& v) { t.lr_decay_iters = v; },
+         "Iterations over which the rate decays to --min-lr (default --train-iters)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option_function<int64_t>(
+         "--lr-decay-samples", [&t](const int64_t& v) { t.lr_decay_samples = v; },
+         "Samples over which the rate decays to --min-lr (default --train-samples)")
+      ->check(integer_in_range(1, int64_t{1} << 62));
   app.add_option("--lr-decay-style", t.lr_decay_style, "constant, linear or cosine")
       ->capture_default_str()->check(CLI::IsMember({"constant", "linear", "cosine"}));
   app.add_option("--weight-decay", t.weight_decay, "AdamW weight decay")
@@ -439,7 +466,14 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
 void add_schedule_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
   app.add_option("--train-iters", t.train_iters, "Optimizer steps")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt))
+      ->each([&o](const std::string&) { o.train_iters_given = true; });
+  app.add_option_function<int64_t>(
+         "--train-samples", [&t](const int64_t& v) { t.train_samples = v; },
+         "Train on this many samples (iterations = samples / global batch; the schedule then "
+         "counts samples: --lr-warmup-samples, --lr-decay-samples)")
+      ->check(integer_in_range(1, int64_t{1} << 62));
   app.add_option("--eval-interval", t.eval_interval, "Validate every N steps (0 = never)")
       ->capture_default_str()->check(integer_in_range(0, kMaxInt));
   app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")
@@ -489,6 +523,25 @@ void add_output_flags(CLI::App& app, TrainOptions& o) {
                  "('-': standard output)");
   app.add_option("--trace", o.trace,
                  "Write a Chrome trace (Perfetto) of iteration 2: compute and copy streams");
+  // Megatron's TensorBoard scalars under its tag names (docs/train.md, "TensorBoard").
+  auto& tb = o.tensorboard;
+  app.add_option("--tensorboard-dir", tb.dir,
+                 "Write TensorBoard event files to DIR (the last rank, as Megatron)");
+  app.add_option("--tensorboard-log-interval", tb.log_interval,
+                 "TensorBoard scalars every N iterations")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--tensorboard-queue-size", tb.queue_size,
+                 "Events buffered before the event file is flushed")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--log-timers-to-tensorboard", tb.log_timers,
+               "Also iteration-time (seconds per iteration, on log iterations)");
+  app.add_flag("--log-validation-ppl-to-tensorboard", tb.log_validation_ppl,
+               "Also the validation perplexity");
+  app.add_flag("--log-world-size-to-tensorboard", tb.log_world_size, "Also the world size");
+  app.add_flag("!--no-log-loss-scale-to-tensorboard,!--disable-log-loss-scale-to-tensorboard",
+               tb.log_loss_scale, "Leave out loss-scale");
   app.add_option("--pipeline-plot", o.pipeline_plot,
                  "With pipeline parallelism: write the last step's schedule (every stage's "
                  "forwards and backwards on one time axis) as SVG to FILE");
@@ -510,6 +563,15 @@ void add_checkpoint_flags(CLI::App& app, TrainOptions& o) {
                "Use this run's learning-rate settings where the checkpoint's differ");
   app.add_flag("--exit-signal-handler", t.exit_signal_handler,
                "On SIGTERM or SIGINT: finish the step, save (with --save) and exit");
+  app.add_option_function<int64_t>(
+         "--exit-interval", [&t](const int64_t& v) { t.exit_interval = v; },
+         "Save (with --save) and exit after an iteration that is a multiple of N")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option_function<double>(
+         "--exit-duration-in-mins", [&t](const double& v) { t.exit_duration_in_mins = v; },
+         "Save (with --save) and exit after the iteration that ends this many minutes after the "
+         "program started (fractions allowed)")
+      ->check(kNonNegative);
 }
 }  // namespace
 
@@ -534,6 +596,7 @@ void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kOutputFlags) add_output_flags(app, o);
   if (groups & kCheckpointFlags) add_checkpoint_flags(app, o);
   if (groups & kDistributedFlags) add_distributed_timeout_flag(app, o.distributed_timeout_minutes);
+  if (groups & kCompatFlags) add_megatron_compat_flags(app, o.megatron_compat_given);
 }
 
 void add_model_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kModelFlags); }
@@ -588,8 +651,21 @@ void TrainOptions::finalize() {
               "--recompute-activations, or, for more control, --recompute-granularity and "
               "--recompute-method.");
   if (recompute_activations) model.recompute_granularity = "selective";
-  distributed_timeout_from_minutes(
-      distributed_timeout_minutes);  // a clear error now, not at launch
+  // A clear error now, not at the rendezvous.
+  distributed_timeout_from_minutes(distributed_timeout_minutes);
+  // Megatron's flags without a counterpart: refused with their reasons, or noted
+  // (megatron_compat.h).
+  no_effect_notices = check_megatron_compat_flags(megatron_compat_given, *this);
+  if (model.attention_backend == "fused") {
+    // TransformerEngine's cuDNN attention: the same softmax(QK^T / sqrt(d)) V as every backend.
+    model.attention_backend = "auto";
+    no_effect_notices.push_back(
+        "--attention-backend fused: Transformer Engine's cuDNN kernel of "
+        "the same attention; actmem picks its kernel as with auto");
+  }
+  // Megatron's validate_args: a run is iteration-based or sample-based (arguments.py).
+  TORCH_CHECK(!(training.train_samples && train_iters_given),
+              "expected sample-based training: give --train-samples or --train-iters, not both");
   model.normalization = normalization_flag;
   model.gated_linear_unit = swiglu;
   if (group_query_attention) {
@@ -622,6 +698,9 @@ void TrainOptions::finalize() {
   model.position_embedding_type = !position_embedding_type.empty() ? position_embedding_type
                                   : use_rope                       ? "rope"
                                                                    : "learned_absolute";
+  // Megatron's validate_args (arguments.py), the same RuntimeError text.
+  TORCH_CHECK(!no_position_embedding || model.position_embedding_type == "rope",
+              "--no-position-embedding is deprecated, use --position-embedding-type");
   if (device_memory_limit_gib > 0.0) {
     training.device_memory_limit =
         static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));

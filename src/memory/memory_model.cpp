@@ -277,7 +277,7 @@ ParameterCount count_parameters(const TransformerConfig& c) {
     }
   }
   n.on_rank += n.experts_on_rank;
-  const int64_t v = c.vocab_size, positions = c.use_rope() ? 0 : c.max_positions() * h;
+  const int64_t v = c.vocab_size, positions = c.learned_positions() ? c.max_positions() * h : 0;
   const int64_t output = c.untie_embeddings_and_output_weights ? v * h : 0;
   n.total += v * h + positions + output + h * norm;
   n.active += v * h + positions + output + h * norm;

@@ -381,8 +381,9 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
   // the same function for every p: runs compare across layouts and a stage's weights do not
   // depend on the split. (Megatron initialises each stage from seed + 100 * pipeline rank.)
   const at::Tensor word = init_normal({v, h}, std, dtype);
-  const at::Tensor positions =
-      config.use_rope() ? at::Tensor() : init_normal({config.max_positions(), h}, std, dtype);
+  const at::Tensor positions = config.learned_positions()
+                                   ? init_normal({config.max_positions(), h}, std, dtype)
+                                   : at::Tensor();
   if (pre_process_) {
     auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
     word_embeddings =

@@ -153,7 +153,7 @@ Strategy moving_groups(const TransformerConfig& base, const Strategy& s, const P
 TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, int64_t steps) {
   t.global_batch_size = model.micro_batch_size;
   t.eval_interval = 0;
-  t.train_iters = steps;
+  t.set_measurement_steps(steps);
   t.save.clear();
   t.load.clear();
   t.save_interval = 0;

@@ -20,6 +20,7 @@
 #include <torch/csrc/jit/serialization/pickler.h>
 #include <torch/csrc/jit/serialization/unpickler.h>
 #include <torch/optim/adamw.h>
+#include <cmath>
 
 #include <nlohmann/json.hpp>
 
@@ -40,6 +41,16 @@
 #include <unistd.h>
 
 namespace actmem {
+
+namespace {
+// lr_warmup_steps as Megatron's state_dict holds it: samples, an int, or a float when
+// --lr-warmup-fraction made it one.
+c10::IValue warmup_steps_value(const LrScheduleSteps& steps) {
+  const double w = steps.warmup;
+  if (w == std::floor(w)) return c10::IValue(static_cast<int64_t>(w));
+  return c10::IValue(w);
+}
+}  // namespace
 
 namespace fs = std::filesystem;
 
@@ -981,14 +992,14 @@ c10::impl::GenericDict checkpoint_state(const TrainState& s, bool write) {
 
   // Megatron's OptimizerParamScheduler.state_dict(): its steps count samples.
   const TrainingConfig& c = s.config;
-  const int64_t gbs = c.global_batch(s.model_config.micro_batch_size);
+  const LrScheduleSteps& steps = s.scheduler.steps();
   auto sched = string_dict();
   sched.insert("max_lr", c.lr);
   sched.insert("min_lr", c.min_lr);
-  sched.insert("lr_warmup_steps", c.lr_warmup_iters * gbs);
-  sched.insert("lr_decay_steps", c.train_iters * gbs);
+  sched.insert("lr_warmup_steps", warmup_steps_value(steps));
+  sched.insert("lr_decay_steps", steps.decay);
   sched.insert("lr_decay_style", c.lr_decay_style);
-  sched.insert("num_steps", s.scheduler.num_steps() * gbs);
+  sched.insert("num_steps", s.scheduler.num_steps() * steps.per_step);
   top.insert("opt_param_scheduler", sched);
 
   top.insert("rng_state", rng_list);
@@ -1114,7 +1125,7 @@ namespace {
 void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, const std::string& path) {
   const nlohmann::json mine = to_json(s.model_config);
   std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
-  if (!s.model_config.use_rope()) fields.emplace_back("max_position_embeddings");
+  if (s.model_config.learned_positions()) fields.emplace_back("max_position_embeddings");
   // MLA fields (checkpoints saved before MLA existed do not record them: standard attention).
   const bool ckpt_mla = args.contains("multi_latent_attention") && args["multi_latent_attention"].get<bool>();
   TORCH_CHECK(ckpt_mla == s.model_config.multi_latent_attention, "actmem::Trainer::load_checkpoint: "
@@ -1200,7 +1211,8 @@ namespace {
 void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
                     const std::string& path, const CheckpointLoadOptions& options) {
   const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
-  const int64_t gbs = s.config.global_batch(s.model_config.micro_batch_size);
+  const LrScheduleSteps& steps = s.scheduler.steps();
+  const int64_t gbs = steps.per_step;
   // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
   // checkpoint's unless --override-opt_param-scheduler.
   auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
@@ -1219,8 +1231,8 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
   };
   check(s.config.lr, "max_lr", "learning rate", false);
   check(s.config.min_lr, "min_lr", "minimum learning rate", false);
-  check(s.config.lr_warmup_iters * gbs, "lr_warmup_steps", "warmup iterations", true);
-  check(s.config.train_iters * gbs, "lr_decay_steps", "total number of iterations", true);
+  check(warmup_steps_value(steps), "lr_warmup_steps", "warmup iterations", true);
+  check(steps.decay, "lr_decay_steps", "total number of iterations", true);
   check(s.config.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
   const int64_t num_steps = entry(sched, "num_steps", path).toInt();
   TORCH_CHECK(num_steps % gbs == 0, "actmem::Trainer::load_checkpoint: ", path, ": the schedule "

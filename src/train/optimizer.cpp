@@ -13,16 +13,18 @@
 namespace actmem {
 
 double OptimizerParamScheduler::lr_at(int64_t step) const {
-  // Warmup is linear from lr/warmup to lr; then decay to min_lr at train_iters.
+  // OptimizerParamScheduler.get_lr at num_steps = the samples before this step.
   const auto& c = config_;
-  if (c.lr_warmup_iters > 0 && step <= c.lr_warmup_iters) {
-    return c.lr * static_cast<double>(step) / static_cast<double>(c.lr_warmup_iters);
+  const double num_steps = static_cast<double>((step - 1) * steps_.per_step);
+  const double warmup = steps_.warmup, decay = static_cast<double>(steps_.decay);
+  if (warmup > 0 && num_steps <= warmup) {
+    return c.lr_warmup_init + (c.lr - c.lr_warmup_init) * num_steps / warmup;
   }
-  if (c.lr_decay_style == "constant" || c.train_iters <= c.lr_warmup_iters) return c.lr;
-  const double progress = static_cast<double>(step - c.lr_warmup_iters) /
-                          static_cast<double>(c.train_iters - c.lr_warmup_iters);
-  const double coeff = c.lr_decay_style == "linear" ? 1.0 - progress
-                                                    : 0.5 * (std::cos(M_PI * progress) + 1.0);
+  if (c.lr_decay_style == "constant") return c.lr;
+  if (num_steps > decay) return c.min_lr;
+  const double ratio = (num_steps - warmup) / (decay - warmup);
+  const double coeff =
+      c.lr_decay_style == "linear" ? 1.0 - ratio : 0.5 * (std::cos(M_PI * ratio) + 1.0);
   return c.min_lr + coeff * (c.lr - c.min_lr);
 }
 

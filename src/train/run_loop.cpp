@@ -28,6 +28,22 @@ double seconds_since(Clock::time_point t0) {
 }
 // Gathers one int64 per rank (rank order) over the tensor-parallel group; the value travels on
 // the training device (NCCL takes device tensors only).
+// Whether `mine` holds on any rank of the world (tensor, data and pipeline groups together span
+// it): Megatron's MAX all-reduce of a done flag.
+bool on_any_rank(bool mine, const at::Device& device) {
+  at::Tensor flag =
+      at::full({1}, mine ? 1.0 : 0.0, at::TensorOptions().dtype(at::kFloat).device(device));
+  for (const TensorParallelGroup* g :
+       {&tensor_parallel_group(), &data_parallel_group(), &pipeline_parallel_group()}) {
+    if (g->size > 1) flag = group_all_reduce_sum(*g, flag);
+  }
+  return flag.item<float>() > 0;
+}
+
+// When the program started: a static of this library, set before main runs (Megatron measures
+// --exit-duration-in-mins from its script's start, _TRAIN_START_TIME).
+const Clock::time_point kProgramStart = Clock::now();
+
 std::vector<int64_t> signal_per_rank(int64_t value, const at::Device& device) {
   const at::Tensor all =
       all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device))).cpu();
@@ -301,6 +317,29 @@ int Trainer::run(const RunOutput& out,
         progress->flush();
       }
       return signal;
+    }
+    // Megatron's checkpoint_and_decide_exit (training.py): the time limit, then the interval.
+    if (config_.exit_duration_in_mins) {
+      const double minutes = seconds_since(kProgramStart) / 60.0;
+      if (on_any_rank(minutes > *config_.exit_duration_in_mins, device_)) {
+        if (!config_.save.empty() && saved_at != iteration_) save();
+        if (progress != nullptr) {
+          *progress << "exiting program after " << std::setprecision(4) << minutes
+                    << " minutes (--exit-duration-in-mins " << *config_.exit_duration_in_mins
+                    << ")\n";
+          progress->flush();
+        }
+        return 0;
+      }
+    }
+    if (config_.exit_interval && it % *config_.exit_interval == 0) {
+      if (!config_.save.empty() && saved_at != iteration_) save();
+      if (progress != nullptr) {
+        *progress << "exiting program at iteration " << it << " (--exit-interval "
+                  << *config_.exit_interval << ")\n";
+        progress->flush();
+      }
+      return 0;
     }
   }
   if (!config_.save.empty() && saved_at != iteration_) save();

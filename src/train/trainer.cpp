@@ -100,14 +100,23 @@ at::Device validated_device(const TransformerConfig& model, const TrainingConfig
               device, " use --attention-backend unfused (", model.attention_choice().why, ")");
   return device;
 }
+
+// The training config with train_iters derived from --train-samples (the global batch counts
+// every data-parallel rank's micro-batches).
+TrainingConfig resolved(const TransformerConfig& model, TrainingConfig training) {
+  training.resolve_train_iters(
+      training.global_batch(model.micro_batch_size, data_parallel_group().size));
+  return training;
+}
 }  // namespace
 
 Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     : model_config_(model),
-      config_(training),
-      device_(validated_device(model, training)),
+      config_(resolved(model, training)),
+      device_(validated_device(model, config_)),
       memory_(device_memory(device_)),
-      scheduler_(training) {
+      scheduler_(config_,
+                 config_.global_batch(model.micro_batch_size, data_parallel_group().size)) {
   check_batch_layout(model_config_, config_);
   // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
   // memory] in data.h); loading it first lets the pre-check count it.

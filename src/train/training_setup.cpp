@@ -42,9 +42,9 @@ TrainingData load_indexed_datasets(const TransformerConfig& model, const Trainin
   const int64_t valid =
       c.eval_interval > 0 ? (c.train_iters / c.eval_interval + 1) * c.eval_iters * gbs : 0;
   const DataBlend blend = parse_data_path(c.data_paths);
-  const GPTSplits splits =
-      build_gpt_splits(blend, c.split, model.seq_length, static_cast<uint32_t>(model.seed),
-                       {c.train_iters * gbs, valid, 0}, c.data_cache_path);
+  const GPTSplits splits = build_gpt_splits(
+      blend, c.split, model.seq_length, static_cast<uint32_t>(model.seed),
+      {c.train_samples.value_or(c.train_iters * gbs), valid, 0}, c.data_cache_path);
   TrainingData data;
   std::ostringstream source;
   for (size_t i = 0; i < blend.prefixes.size(); ++i) {

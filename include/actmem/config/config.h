@@ -63,7 +63,7 @@ struct TransformerConfig {
   /// SwiGLU when true (fc1 produces 2 * ffn_hidden_size, activation silu(x1) * x2); GeLU otherwise.
   bool gated_linear_unit = false;
   bool add_bias_linear = true;
-  /// "learned_absolute" or "rope".
+  /// "learned_absolute", "rope" or "none" (no position information but the causal mask).
   std::string position_embedding_type = "learned_absolute";
   double rotary_base = 10000.0;
   /// Megatron's --rotary-percent: RoPE rotates the first int(d * rotary_percent) features of
@@ -277,6 +277,8 @@ struct TransformerConfig {
   /// Learned absolute positions are not used (the model-level RoPE tables are built only
   /// without MLA, whose attention applies its own decoupled RoPE, as Megatron's GPTModel).
   bool use_rope() const { return position_embedding_type == "rope"; }
+  /// A learned absolute position embedding (not with rope or none).
+  bool learned_positions() const { return position_embedding_type == "learned_absolute"; }
   /// RoPE tables at the model level rotating every head's q and k (standard attention only).
   bool model_rope() const { return use_rope() && !multi_latent_attention; }
   /// MLA's per-head query/key width, qk_head_dim + qk_pos_emb_head_dim.
@@ -328,15 +330,30 @@ constexpr double kMaxOffloadBandwidthGbps = 1e5;
 struct TrainingConfig {
   /// 0 means micro_batch_size (one micro-batch per step).
   int64_t global_batch_size = 0;
+  /// The run's optimizer steps (--train-iters); with train_samples set, derived from it:
+  /// train_samples / global batch (Megatron's update_train_iters; resolve_train_iters).
   int64_t train_iters = 200;
+  /// Megatron's --train-samples: the run's length in samples; the learning-rate schedule then
+  /// counts samples (lr_warmup_samples, lr_decay_samples) instead of iterations.
+  std::optional<int64_t> train_samples;
   double lr = 3e-3;
-  double min_lr = 3e-4;
-  int64_t lr_warmup_iters = 10;
-  /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr at train_iters).
-  std::string lr_decay_style = "cosine";
+  /// Megatron's defaults: min_lr 0, no warmup, linear decay (arguments.py).
+  double min_lr = 0.0;
+  int64_t lr_warmup_iters = 0;
+  /// --lr-warmup-samples (sample-based runs) and --lr-warmup-fraction (of the decay steps, either
+  /// kind of run); --lr-warmup-init: where the warmup starts.
+  int64_t lr_warmup_samples = 0;
+  std::optional<double> lr_warmup_fraction;
+  double lr_warmup_init = 0.0;
+  /// --lr-decay-iters / --lr-decay-samples: where the decay reaches min_lr (default: the run's
+  /// end), after which the rate stays at min_lr.
+  std::optional<int64_t> lr_decay_iters;
+  std::optional<int64_t> lr_decay_samples;
+  /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr).
+  std::string lr_decay_style = "linear";
   double weight_decay = 0.01;
   double adam_beta1 = 0.9;
-  double adam_beta2 = 0.95;
+  double adam_beta2 = 0.999;  // Megatron's default
   double adam_eps = 1e-8;
   /// Global gradient-norm clip; 0 disables.
   double clip_grad = 1.0;
@@ -386,6 +403,11 @@ struct TrainingConfig {
   /// Catch SIGTERM/SIGINT, save (with --save) after the current step and exit
   /// (--exit-signal-handler).
   bool exit_signal_handler = false;
+  /// Megatron's --exit-interval N: save (with --save) and exit after iteration N, 2N, ... (the
+  /// first multiple reached); --exit-duration-in-mins M: save and exit after the first iteration
+  /// that ends M minutes after the program started (every rank agreeing).
+  std::optional<int64_t> exit_interval;
+  std::optional<double> exit_duration_in_mins;
   /// "cpu" or "cuda[:i]".
   std::string device = "cpu";
   /// Device-memory limit in bytes (CPU tracker only); 0 means the machine's physical memory.
@@ -428,7 +450,34 @@ struct TrainingConfig {
   }
   /// Throws a clear error for inconsistent values (given the model's micro-batch size).
   void validate(const TransformerConfig& model) const;
+  /// With train_samples: train_iters = train_samples / `global_batch` (Megatron's
+  /// update_train_iters: the last partial batch is not run); a clear error below one batch.
+  void resolve_train_iters(int64_t global_batch);
+  /// A run of `steps` steps that measures memory or time, not the schedule: train_iters = steps,
+  /// no warmup, the decay over the steps, no early exit (a warmup longer than the few steps would
+  /// be refused: OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps).
+  void set_measurement_steps(int64_t steps) {
+    train_iters = steps;
+    train_samples.reset();
+    lr_warmup_iters = 0;
+    lr_warmup_samples = 0;
+    lr_warmup_fraction.reset();
+    lr_decay_iters.reset();
+    lr_decay_samples.reset();
+    exit_interval.reset();
+    exit_duration_in_mins.reset();
+  }
 };
+
+/// The learning-rate schedule of Megatron's get_optimizer_param_scheduler (training.py), in
+/// samples as its OptimizerParamScheduler counts them.
+struct LrScheduleSteps {
+  double warmup = 0;     // lr_warmup_steps (a fraction of the decay steps need not be whole)
+  int64_t decay = 0;     // lr_decay_steps
+  int64_t per_step = 0;  // samples per optimizer step (the global batch)
+};
+/// For `config` (train_iters resolved) at `global_batch` samples per step.
+LrScheduleSteps lr_schedule_steps(const TrainingConfig& config, int64_t global_batch);
 
 /// Every field of the training config under its flag's name (data_path as "data").
 nlohmann::json to_json(const TrainingConfig& config);

@@ -6,6 +6,8 @@
 #include "actmem/train/trainer.h"
 
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace CLI {
 class App;
@@ -22,11 +24,22 @@ struct TrainOptions {
   std::string log_json;          // --log-json FILE ("" = none)
   std::string trace;             // --trace FILE ("" = none): Chrome trace of one iteration
   std::string pipeline_plot;     // --pipeline-plot FILE ("" = none): SVG of the last step's schedule
+  /// Megatron's TensorBoard flags (--tensorboard-dir DIR, "" = none; docs/train.md).
+  struct TensorBoard {
+    std::string dir;
+    int64_t log_interval = 1;
+    int64_t queue_size = 1000;
+    bool log_timers = false;
+    bool log_validation_ppl = false;
+    bool log_world_size = false;
+    bool log_loss_scale = true;
+  } tensorboard;
   std::string normalization_flag = "LayerNorm";
   bool swiglu = false;
   bool disable_bias_linear = false;
   bool untie = false;
   bool use_rope = false;
+  bool no_position_embedding = false;   // --no-position-embedding (Megatron's deprecated switch)
   std::string position_embedding_type;  // --position-embedding-type ("" = not given)
   bool group_query_attention =
       false;  // --group-query-attention; the groups: model.num_query_groups
@@ -46,6 +59,12 @@ struct TrainOptions {
   bool offload_planned_later = false;
   /// Intra-op threads for libtorch; 0 means one per core.
   int threads = 0;
+  /// Megatron flags actmem accepts without an effect or refuses, as given (megatron_compat.h),
+  /// and after finalize() the notice for the accepted ones, a line per flag.
+  std::vector<std::pair<std::string, std::string>> megatron_compat_given;
+  std::vector<std::string> no_effect_notices;
+  /// --train-iters was given (Megatron refuses it with --train-samples).
+  bool train_iters_given = false;
   /// --distributed-timeout-minutes: how long a collective waits for a peer (Megatron's 10).
   double distributed_timeout_minutes = 10.0;
   /// Applies the derived fields (flags that map onto config fields) and validates everything.
@@ -67,9 +86,10 @@ enum FlagGroup : unsigned {
   kCheckpointFlags = 1u << 9,    // --save, --load, --save-interval, --exit-signal-handler, ...
   kMoEFlags = 1u << 10,          // --num-experts, --moe-*, --expert-model-parallel-size; MLA's
   kDistributedFlags = 1u << 11,  // --distributed-timeout-minutes (commands that form groups)
+  kCompatFlags = 1u << 12,       // Megatron flags accepted without an effect or refused (train)
   kModelFlags = kShapeFlags | kParallelFlags | kMoEFlags | kRecomputeFlags | kOffloadFlags,
   kTrainingFlags = kOptimizerFlags | kScheduleFlags | kDataFlags | kRuntimeFlags | kOutputFlags |
-                   kCheckpointFlags | kDistributedFlags,
+                   kCheckpointFlags | kDistributedFlags | kCompatFlags,
 };
 
 /// Adds the flags of `groups` (a FlagGroup mask), bound to `options`.

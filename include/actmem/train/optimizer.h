@@ -26,12 +26,16 @@ namespace actmem {
 class MixedPrecisionOptimizer;
 class OptimizerShards;
 
-/// Megatron's OptimizerParamScheduler for the learning rate: linear warmup from lr/warmup to lr
-/// over lr_warmup_iters steps, then constant, linear or cosine decay to min_lr at train_iters.
-/// It counts optimizer steps taken: a skipped step (loss-scale overflow) does not advance it.
+/// Megatron's OptimizerParamScheduler (megatron/core/optimizer_param_scheduler.py) for the
+/// learning rate, with the steps of get_optimizer_param_scheduler (lr_schedule_steps): it counts
+/// samples; step k (1-based) runs at sample (k - 1) x global batch, so a warmup's first step runs
+/// at --lr-warmup-init (0 by default), as Megatron's does. Warmup is linear from lr_warmup_init
+/// to lr, then constant, linear or cosine decay to min_lr at the decay's end, min_lr after it.
+/// A skipped step (loss-scale overflow) does not advance it.
 class OptimizerParamScheduler {
  public:
-  explicit OptimizerParamScheduler(const TrainingConfig& config) : config_(config) {}
+  OptimizerParamScheduler(const TrainingConfig& config, int64_t global_batch)
+      : config_(config), steps_(lr_schedule_steps(config, global_batch)) {}
   /// The learning rate of optimizer step `step` (1-based).
   double lr_at(int64_t step) const;
   /// The learning rate of the next step.
@@ -41,9 +45,12 @@ class OptimizerParamScheduler {
   int64_t num_steps() const { return num_steps_; }
   void set_num_steps(int64_t steps) { num_steps_ = steps; }
   const TrainingConfig& config() const { return config_; }
+  /// The warmup and decay in samples, and the samples per step.
+  const LrScheduleSteps& steps() const { return steps_; }
 
  private:
   TrainingConfig config_;
+  LrScheduleSteps steps_;
   int64_t num_steps_ = 0;
 };
 

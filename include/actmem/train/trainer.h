@@ -161,6 +161,11 @@ class Trainer {
   int64_t iteration() const { return iteration_; }
   DeviceMemory& memory() { return memory_; }
   const at::Device& device() const { return device_; }
+  /// The training settings in effect: train_iters derived from --train-samples.
+  const TrainingConfig& config() const { return config_; }
+  /// The learning rate the next step will run at (what Megatron logs as a step's
+  /// "learning-rate": its scheduler has stepped by then).
+  double next_learning_rate() const { return scheduler_.next_lr(); }
   /// Records the saved tensors of the first micro-batch's forward of each following step into
   /// `ledger` (cleared per step; parameters, buffers and the batch excluded). nullptr stops.
   void set_ledger(ActivationLedger* ledger) { ledger_ = ledger; }
