@@ -3,6 +3,7 @@
 // own rules on them, --no-position-embedding and --position-embedding-type none, --exit-interval
 // and --exit-duration-in-mins, and torchrun's spellings of `actmem launch`
 // (docs/megatron-flags.md).
+#include "actmem/data/tokenizer.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/train/tensorboard.h"
 #include "test_util.h"
@@ -148,6 +149,36 @@ TEST(MegatronFlags, LaunchTakesTorchrunsSpellingsAndPretrainGptPy) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("examples/other.py is a Python script"), std::string::npos)
       << r.output;
+}
+
+TEST(MegatronFlags, NullTokenizerAndMegatronsSentencePieceSpellings) {
+  // Megatron's NullTokenizer (null_tokenizer.py): --vocab-size ids, the last one ends documents,
+  // a text is its ids in decimal; the vocabulary padded as any tokenizer's (300 -> 384).
+  const auto null = make_null_tokenizer(10);
+  EXPECT_EQ(null->vocab_size(), 10);
+  EXPECT_EQ(null->eod(), 9);
+  EXPECT_EQ(null->tokenize("1 2 9"), (std::vector<int64_t>{1, 2, 9}));
+  EXPECT_EQ(null->detokenize({3, 4}), "3 4");
+  actmem::testing::expect_error_containing([&] { null->tokenize("1 10"); },
+                                           "NullTokenizer reads ids written in decimal below 10");
+  const std::string log = actmem::testing::fresh_temp_dir("null_tokenizer") + "/log.jsonl";
+  auto r = run_actmem(kTiny +
+                      "--train-iters 1 --tokenizer-type NullTokenizer --vocab-size 300 "
+                      "--log-json " +
+                      log);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(actmem::testing::read_json_log(log).config["model"]["vocab_size"], 384);
+  r = run_actmem(kTiny + "--train-iters 1 --tokenizer-type NullTokenizer");
+  EXPECT_NE(r.stderr_text.find("--tokenizer-type NullTokenizer needs --vocab-size"),
+            std::string::npos)
+      << r.output;
+  // Llama2Tokenizer and GPTSentencePieceTokenizer are SentencePiece (build_tokenizer's
+  // SP_TOKENIZERS).
+  for (const char* type : {"Llama2Tokenizer", "GPTSentencePieceTokenizer"}) {
+    actmem::testing::expect_error_containing(
+        [&] { make_tokenizer(type, "/nonexistent.model"); },
+        "cannot read the SentencePiece model /nonexistent.model");
+  }
 }
 
 std::string hex(const std::string& bytes) {

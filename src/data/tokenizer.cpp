@@ -12,7 +12,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -207,6 +209,42 @@ class ByteLevelTokenizer final : public Tokenizer {
   }
 };
 
+class NullTokenizer final : public Tokenizer {
+ public:
+  explicit NullTokenizer(int64_t vocab_size) : vocab_(vocab_size) {
+    TORCH_CHECK(vocab_size >= 1, "actmem: NullTokenizer needs a positive --vocab-size, got ",
+                vocab_size);
+  }
+  std::string type() const override { return "NullTokenizer"; }
+  int64_t vocab_size() const override { return vocab_; }
+  int64_t eod() const override { return vocab_ - 1; }
+  std::vector<int64_t> tokenize(const std::string& text) const override {
+    // Megatron's: [int(x) for x in text.split(' ')], each id inside the vocabulary.
+    std::vector<int64_t> ids;
+    size_t start = 0;
+    while (start <= text.size()) {
+      const size_t end = std::min(text.find(' ', start), text.size());
+      const std::string word = text.substr(start, end - start);
+      int64_t id = -1;
+      const auto [p, ec] = std::from_chars(word.data(), word.data() + word.size(), id);
+      TORCH_CHECK(ec == std::errc() && p == word.data() + word.size() && id >= 0 && id < vocab_,
+                  "actmem: NullTokenizer reads ids written in decimal below ", vocab_,
+                  ", separated by spaces; got '", word, "'");
+      ids.push_back(id);
+      start = end + 1;
+    }
+    return ids;
+  }
+  std::string detokenize(const std::vector<int64_t>& ids) const override {
+    std::string out;
+    for (size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + std::to_string(ids[i]);
+    return out;
+  }
+
+ private:
+  int64_t vocab_;
+};
+
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& path) {
@@ -271,13 +309,23 @@ class SentencePieceTokenizer final : public Tokenizer {
 
 }  // namespace
 
+std::unique_ptr<Tokenizer> make_null_tokenizer(int64_t vocab_size) {
+  return std::make_unique<NullTokenizer>(vocab_size);
+}
+
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path) {
   if (type == "ByteTokenizer") {
     TORCH_CHECK(model_path.empty(), "actmem: --tokenizer-model applies to SentencePieceTokenizer, "
                 "not ByteTokenizer");
     return std::make_unique<ByteLevelTokenizer>();
   }
-  if (type == "SentencePieceTokenizer") return std::make_unique<SentencePieceTokenizer>(model_path);
+  if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" ||
+      type == "Llama2Tokenizer") {
+    return std::make_unique<SentencePieceTokenizer>(model_path);
+  }
+  TORCH_CHECK(type != "NullTokenizer",
+              "actmem: --tokenizer-type NullTokenizer needs --vocab-size "
+              "(make_null_tokenizer)");
   TORCH_CHECK(false, "actmem: unknown --tokenizer-type '", type,
               "'; expected ByteTokenizer or SentencePieceTokenizer");
 }

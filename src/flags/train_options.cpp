@@ -490,9 +490,11 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
                  "pairs for a blend (0.3 A 0.7 B)")
       ->expected(1, -1);
   app.add_option("--tokenizer-type", t.tokenizer_type,
-                 "Tokenizer the --data-path data was made with: ByteTokenizer or "
-                 "SentencePieceTokenizer (sets the vocabulary)")
-      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer"}));
+                 "Tokenizer the --data-path data was made with: ByteTokenizer, "
+                 "SentencePieceTokenizer (Megatron's spellings GPTSentencePieceTokenizer and "
+                 "Llama2Tokenizer too) or NullTokenizer with --vocab-size (sets the vocabulary)")
+      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
+                             "Llama2Tokenizer", "NullTokenizer"}));
   app.add_option("--tokenizer-model", t.tokenizer_model, "SentencePiece model file (M.model)");
   app.add_option("--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
                  "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
@@ -710,7 +712,19 @@ void TrainOptions::finalize() {
   TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
               dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
               "and no --loss-scale");
-  if (!training.tokenizer_type.empty()) {
+  if (training.tokenizer_type == "NullTokenizer") {
+    // Megatron's NullTokenizer is --vocab-size ids (the last one ends documents), padded as any
+    // tokenizer's vocabulary is (vocab_size_with_padding).
+    TORCH_CHECK(vocab_size_given,
+                "--tokenizer-type NullTokenizer needs --vocab-size (Megatron's "
+                "NullTokenizer has that many ids, the last ending each document)");
+    TORCH_CHECK(training.tokenizer_model.empty(),
+                "--tokenizer-model does not apply to "
+                "NullTokenizer");
+    model.vocab_size =
+        padded_vocab_size(make_null_tokenizer(model.vocab_size)->vocab_size(),
+                          training.make_vocab_size_divisible_by, model.tensor_model_parallel_size);
+  } else if (!training.tokenizer_type.empty()) {
     TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
                 "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
     // Absolute, so the checkpoint's args name a file `generate` finds from any directory.

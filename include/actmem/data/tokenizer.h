@@ -32,7 +32,13 @@ class Tokenizer {
 
 /// The tokenizer of `type`; SentencePieceTokenizer needs `model_path`. Throws naming the type
 /// or the file when either is unusable.
+/// Megatron's SentencePiece spellings (SentencePieceTokenizer, GPTSentencePieceTokenizer,
+/// Llama2Tokenizer: build_tokenizer's SP_TOKENIZERS) all make the SentencePiece tokenizer.
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path);
+
+/// Megatron's NullTokenizer of `vocab_size` ids (null_tokenizer.py): end-of-document is the last
+/// id, vocab_size - 1; a text is its ids written in decimal, separated by spaces.
+std::unique_ptr<Tokenizer> make_null_tokenizer(int64_t vocab_size);
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp_size that
 /// holds vocab_size.
