@@ -172,7 +172,10 @@ void add_megatron_compat_flags(CLI::App& app, GivenFlags& flags) {
 std::vector<std::string> check_megatron_compat_flags(const GivenFlags& flags,
                                                      const TrainOptions& o) {
   std::vector<std::string> notices, refusals;
-  for (const auto& [name, value] : flags) {
+  for (const auto& flag : flags) {
+    // Named, not a structured binding: clang 14 (the sanitizer build) cannot capture one.
+    const std::string& name = flag.first;
+    const std::string& value = flag.second;
     const auto it = std::find_if(compat_flags().begin(), compat_flags().end(),
                                  [&](const CompatFlag& f) { return name == f.name; });
     TORCH_CHECK(it != compat_flags().end(), "actmem: unknown compatibility flag ", name);
