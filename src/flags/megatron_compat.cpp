@@ -141,16 +141,14 @@ bool given(const GivenFlags& flags, const std::string& name) {
 void add_megatron_compat_flags(CLI::App& app, GivenFlags& flags) {
   for (const CompatFlag& f : compat_flags()) {
     const std::string name = f.name;
+    // The class and its reason ("see docs" for a flag classed by its value).
     const std::string help =
-        std::string("Megatron's; ") + (f.refused     ? "refused here: "
-                                       : f.no_effect ? "no effect here: "
-                                                     : "see docs/megatron-flags.md");
+        std::string("Megatron's; ") + (f.refused     ? std::string("refused here: ") + f.refused
+                                       : f.no_effect ? std::string("no effect here: ") + f.no_effect
+                                                     : std::string("see docs/megatron-flags.md"));
     if (f.nargs == 0) {
       app.add_flag_callback(
-             name, [&flags, name] { flags.emplace_back(name, ""); },
-             help + (f.refused     ? f.refused
-                     : f.no_effect ? f.no_effect
-                                   : ""))
+             name, [&flags, name] { flags.emplace_back(name, ""); }, help)
           ->group("Megatron flags without an effect here");
       continue;
     }
@@ -161,9 +159,7 @@ void add_megatron_compat_flags(CLI::App& app, GivenFlags& flags) {
           for (const auto& v : values) joined += (joined.empty() ? "" : " ") + v;
           flags.emplace_back(name, joined);
         },
-        help + (f.refused     ? f.refused
-                : f.no_effect ? f.no_effect
-                              : ""));
+        help);
     opt->expected(f.nargs)->group("Megatron flags without an effect here");
     if (!f.choices.empty()) opt->check(CLI::IsMember(f.choices));
   }
