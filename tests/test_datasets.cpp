@@ -209,6 +209,95 @@ TEST(GPTDataset, ShufflesAsNumpysRandomState) {
   fs::remove_all(dir);
 }
 
+TEST(MockData, DrawsAsNumpysDefaultRng) {
+  // numpy.random.default_rng(seed).integers(low, high, n, dtype=int32): SeedSequence, PCG64 and
+  // Lemire's bounded draws. Ranges that need the rejection (not powers of two) and one of 2^31.
+  if (!python_has_numpy()) GTEST_SKIP() << ACTMEM_PYTHON << " has no numpy";
+  const std::string dir = testing::fresh_temp_dir("numpy_default_rng");
+  const std::string out = dir + "/numpy.txt";
+  const std::string cmd =
+      std::string(ACTMEM_PYTHON) +
+      " -c \"import numpy as np; r = np.random.default_rng(0); "
+      "a = r.integers(1, 4096, 100000, dtype=np.int32); g = np.random.default_rng(77); "
+      "b = g.integers(-5, 7, 1000, dtype=np.int32); c = g.integers(0, 2**31 - 1, 1000, "
+      "dtype=np.int32); print(' '.join(map(str, a.tolist() + b.tolist() + c.tolist())))\" > " +
+      out;
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(out);
+  std::vector<int64_t> want;
+  for (int64_t v; in >> v;) want.push_back(v);
+  std::vector<int64_t> got;
+  NumpyGenerator zero(0);
+  for (int i = 0; i < 100000; ++i) got.push_back(zero.integers_int32(1, 4096));
+  NumpyGenerator g(77);
+  for (int i = 0; i < 1000; ++i) got.push_back(g.integers_int32(-5, 7));
+  for (int i = 0; i < 1000; ++i) got.push_back(g.integers_int32(0, 0x7fffffff));
+  EXPECT_EQ(got, want);
+  fs::remove_all(dir);
+}
+
+TEST(MockData, DocumentsAreMegatronsMockGPTLowLevelDataset) {
+  // Values printed by Megatron's MockGPTLowLevelDataset (megatron/core/datasets/gpt_dataset.py)
+  // at d98e8a64dd: its sequence_lengths' first ten, last three and sum.
+  const MockGPTLowLevelDataset mock(1000, 999);
+  const std::vector<int64_t> first = {3484, 2609, 2094, 1105, 1261, 168, 309, 68, 718, 3331};
+  for (size_t i = 0; i < first.size(); ++i) {
+    EXPECT_EQ(mock.sequence_length(static_cast<int64_t>(i)), first[i]) << i;
+  }
+  EXPECT_EQ(mock.sequence_length(99997), 61);
+  EXPECT_EQ(mock.sequence_length(99998), 100);
+  EXPECT_EQ(mock.sequence_length(99999), 769);
+  EXPECT_EQ(mock.num_tokens(), 204637097);
+  // Document i: (arange(L - 1) + 1) % vocab_size, then eod.
+  std::vector<int64_t> t;
+  mock.read(0, 0, 4, t);
+  EXPECT_EQ(t, (std::vector<int64_t>{1, 2, 3, 4}));
+  t.clear();
+  mock.read(0, 997, 4, t);
+  EXPECT_EQ(t, (std::vector<int64_t>{998, 999 % 1000, 0, 1}));
+  t.clear();
+  mock.read(0, 3481, 3, t);
+  EXPECT_EQ(t, (std::vector<int64_t>{3482 % 1000, 3483 % 1000, 999}));
+  testing::expect_error_containing([&] { mock.read(0, 3483, 2, t); }, "outside sequence 0");
+  testing::expect_error_containing([] { MockGPTLowLevelDataset(10, 10); },
+                                   "an end-of-document id inside it");
+}
+
+TEST(MockData, SamplesAreMegatronsMockGPTDatasets) {
+  // Megatron's BlendedMegatronDatasetBuilder(MockGPTDataset, [256, 64, 64], ...) with the Llama 3
+  // example script's settings (seq 8192, seed 1234, NullTokenizer of 128256 ids: eod 128255),
+  // helpers_cpp compiled, at d98e8a64dd: each split's length, index heads and first sample.
+  const GPTSplits splits = build_mock_gpt_splits(128256, 128255, 8192, 1234, {256, 64, 64}, "");
+  const auto train = std::dynamic_pointer_cast<const GPTDataset>(splits.train);
+  const auto valid = std::dynamic_pointer_cast<const GPTDataset>(splits.valid);
+  ASSERT_TRUE(train && valid);
+  EXPECT_EQ(train->size(), 8324);
+  EXPECT_EQ(
+      std::vector<int64_t>(train->shuffle_index().begin(), train->shuffle_index().begin() + 5),
+      (std::vector<int64_t>{201, 1675, 268, 4657, 2328}));
+  EXPECT_EQ(
+      std::vector<int32_t>(train->document_index().begin(), train->document_index().begin() + 5),
+      (std::vector<int32_t>{30903, 11571, 3134, 32473, 27454}));
+  EXPECT_EQ(std::vector<int64_t>(train->sample_index().begin(), train->sample_index().begin() + 6),
+            (std::vector<int64_t>{0, 0, 4, 198, 8, 1301}));
+  std::vector<int64_t> s;
+  train->sample(0, s);
+  ASSERT_EQ(s.size(), 8193u);
+  EXPECT_EQ(std::vector<int64_t>(s.begin(), s.begin() + 7),
+            (std::vector<int64_t>{966, 967, 968, 969, 970, 971, 972}));
+  EXPECT_EQ(valid->size(), 8320);
+  EXPECT_EQ(
+      std::vector<int32_t>(valid->document_index().begin(), valid->document_index().begin() + 5),
+      (std::vector<int32_t>{64237, 44904, 36467, 65807, 60788}));
+  EXPECT_EQ(std::vector<int64_t>(valid->sample_index().begin(), valid->sample_index().begin() + 6),
+            (std::vector<int64_t>{0, 0, 4, 753, 7, 622}));
+  s.clear();
+  valid->sample(0, s);
+  EXPECT_EQ(std::vector<int64_t>(s.begin(), s.begin() + 6),
+            (std::vector<int64_t>{1545, 1546, 1547, 1548, 1549, 1550}));
+  EXPECT_EQ(splits.documents, 100000);
+}
+
 TEST(Tokenizer, VocabularyIsPaddedAsMegatron) {
   EXPECT_EQ(padded_vocab_size(257, 128, 1), 384);
   EXPECT_EQ(padded_vocab_size(128, 128, 1), 128);

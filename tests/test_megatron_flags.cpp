@@ -181,6 +181,37 @@ TEST(MegatronFlags, NullTokenizerAndMegatronsSentencePieceSpellings) {
   }
 }
 
+TEST(MegatronFlags, MockDataTrainsOnMegatronsGeneratedDocuments) {
+  const std::string dir = actmem::testing::fresh_temp_dir("mock_data");
+  auto r = run_actmem(kTiny +
+                      "--train-iters 2 --mock-data --tokenizer-type NullTokenizer --vocab-size 300 "
+                      "--eval-interval 1 --eval-iters 1 --data-cache-path " +
+                      dir + " --log-json " + dir + "/log.jsonl");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("data --mock-data (Megatron's MockGPTDataset, NullTokenizer vocabulary "
+                          "300, eod 299) (100000 documents"),
+            std::string::npos)
+      << r.output;
+  const auto log = actmem::testing::read_json_log(dir + "/log.jsonl");
+  EXPECT_EQ(log.config["corpus"]["documents"], 100000);
+  EXPECT_EQ(log.config["corpus"]["memory_mapped"], false);
+  EXPECT_EQ(log.config["training"]["mock_data"], true);
+  // The indices are cached only where --data-cache-path says (Megatron's rule for a mock).
+  int cached = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    cached +=
+        e.path().filename().string().find("-GPTDataset-train-description.txt") != std::string::npos;
+  }
+  EXPECT_EQ(cached, 1);
+  // Megatron's validate_args: one data source; a mock needs a tokenizer's vocabulary and eod.
+  r = run_actmem(kTiny + "--train-iters 1 --mock-data --data " + dir + "/log.jsonl");
+  EXPECT_NE(r.stderr_text.find("a single data source must be provided"), std::string::npos)
+      << r.output;
+  r = run_actmem(kTiny + "--train-iters 1 --mock-data");
+  EXPECT_NE(r.stderr_text.find("--mock-data needs a tokenizer"), std::string::npos) << r.output;
+  std::filesystem::remove_all(dir);
+}
+
 std::string hex(const std::string& bytes) {
   std::string out;
   char b[3];

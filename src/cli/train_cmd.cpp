@@ -178,8 +178,8 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   } else {
     out << "data " << corpus.source << " (" << corpus.documents << " documents, "
         << corpus.sequences << " sequences, " << corpus.tokens << " tokens; "
-        << corpus.train_samples << " train / " << corpus.valid_samples
-        << " validation samples, memory-mapped)";
+        << corpus.train_samples << " train / " << corpus.valid_samples << " validation samples, "
+        << (corpus.memory_mapped ? "memory-mapped" : "generated") << ")";
   }
   out << " | device "
       << t.device << " | " << at::get_num_threads() << " threads\n"
@@ -230,10 +230,13 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
                    {"validation_tokens", c.valid.numel()},
                    {"memory_mapped", c.memory_mapped}};
   } else {
-    j["corpus"] = {{"source", c.source},           {"documents", c.documents},
-                   {"sequences", c.sequences},       {"tokens", c.tokens},
-                   {"train_samples", c.train_samples}, {"validation_samples", c.valid_samples},
-                   {"memory_mapped", true}};
+    j["corpus"] = {{"source", c.source},
+                   {"documents", c.documents},
+                   {"sequences", c.sequences},
+                   {"tokens", c.tokens},
+                   {"train_samples", c.train_samples},
+                   {"validation_samples", c.valid_samples},
+                   {"memory_mapped", c.memory_mapped}};
   }
   return j;
 }

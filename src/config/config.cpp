@@ -786,6 +786,8 @@ nlohmann::json to_json(const TransformerConfig& c) {
     j["moe_z_loss_coeff"] = opt(c.moe_z_loss_coeff);
     j["moe_router_score_function"] = c.moe_router_score_function;
     j["moe_router_pre_softmax"] = c.moe_router_pre_softmax;
+    j["moe_router_dtype"] =
+        c.moe_router_dtype.empty() ? nlohmann::json(nullptr) : nlohmann::json(c.moe_router_dtype);
     j["moe_router_topk_scaling_factor"] = opt(c.moe_router_topk_scaling_factor);
     j["moe_shared_expert_intermediate_size"] = opt(c.moe_shared_expert_intermediate_size);
     j["moe_shared_expert_gate"] = c.moe_shared_expert_gate;
@@ -971,11 +973,24 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
               "got ", device_memory_limit);
   TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
               "file) and --data-path (indexed datasets) are exclusive");
-  TORCH_CHECK(data_cache_path.empty() || !data_paths.empty(), "actmem::TrainingConfig: "
-              "--data-cache-path applies to --data-path");
-  TORCH_CHECK(data_paths.empty() || model.seed <= 0xffffffffULL, "actmem::TrainingConfig: "
+  // Megatron's validate_args: "A single data source must be provided in training mode, else
+  // None" (--mock-data, --data-path; actmem's --data is a third).
+  TORCH_CHECK(static_cast<int>(mock_data) + static_cast<int>(!data_paths.empty()) +
+                      static_cast<int>(!data_path.empty()) <=
+                  1,
+              "actmem::TrainingConfig: a single data source must be provided: --mock-data, "
+              "--data-path and --data are exclusive");
+  TORCH_CHECK(!mock_data || eod_id >= 0,
+              "actmem::TrainingConfig: --mock-data needs a tokenizer "
+              "(--tokenizer-type): its vocabulary and end-of-document id shape the generated "
+              "documents (NullTokenizer --vocab-size N needs no files)");
+  TORCH_CHECK(data_cache_path.empty() || !data_paths.empty() || mock_data,
+              "actmem::TrainingConfig: --data-cache-path applies to --data-path and --mock-data");
+  TORCH_CHECK((data_paths.empty() && !mock_data) || model.seed <= 0xffffffffULL,
+              "actmem::TrainingConfig: "
               "--data-path shuffles with numpy's RandomState(seed), as Megatron, which takes seeds "
-              "below 2^32; got --seed ", model.seed);
+              "below 2^32; got --seed ",
+              model.seed);
   TORCH_CHECK(save_interval >= 0, "actmem::TrainingConfig: save_interval must be >= 0, got ",
               save_interval);
   TORCH_CHECK(save_interval == 0 || !save.empty(), "actmem::TrainingConfig: save_interval (",
@@ -1008,6 +1023,11 @@ nlohmann::json to_json(const TrainingConfig& t) {
        t.lr_decay_iters ? nlohmann::json(*t.lr_decay_iters) : nlohmann::json(nullptr)},
       {"lr_decay_samples",
        t.lr_decay_samples ? nlohmann::json(*t.lr_decay_samples) : nlohmann::json(nullptr)},
+      {"decoupled_lr", t.decoupled_lr ? nlohmann::json(*t.decoupled_lr) : nlohmann::json(nullptr)},
+      {"decoupled_min_lr",
+       t.decoupled_min_lr ? nlohmann::json(*t.decoupled_min_lr) : nlohmann::json(nullptr)},
+      {"calculate_per_token_loss", t.calculate_per_token_loss},
+      {"log_throughput", t.log_throughput},
       {"weight_decay", t.weight_decay},
       {"adam_beta1", t.adam_beta1},
       {"adam_beta2", t.adam_beta2},
@@ -1030,7 +1050,10 @@ nlohmann::json to_json(const TrainingConfig& t) {
        t.tokenizer_type.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_type)},
       {"tokenizer_model",
        t.tokenizer_model.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.tokenizer_model)},
+      {"vocab_file", t.vocab_file.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.vocab_file)},
+      {"merge_file", t.merge_file.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.merge_file)},
       {"make_vocab_size_divisible_by", t.make_vocab_size_divisible_by},
+      {"mock_data", t.mock_data},
       {"data_cache_path",
        t.data_cache_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_cache_path)},
       {"split", t.split},

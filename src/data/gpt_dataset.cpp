@@ -151,7 +151,7 @@ bool read_npy(const std::string& path, std::vector<T>& v, const std::vector<int6
 
 // ---- GPTDataset -------------------------------------------------------------------------------
 
-GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
+GPTDataset::GPTDataset(std::shared_ptr<const LowLevelDataset> data,
                        std::pair<int64_t, int64_t> sequences, int64_t num_samples,
                        int64_t seq_length, uint32_t seed, const std::string& split_name,
                        const std::string& cache_dir)
@@ -163,14 +163,14 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
   // empty document none.
   TORCH_CHECK(sequences_.first >= 0 && sequences_.first < sequences_.second &&
                   sequences_.second <= data_->num_sequences(),
-              "actmem::GPTDataset: the ", split_name, " split of ", data_->prefix(), " has no "
-              "sequences (sequences [", sequences_.first, ", ", sequences_.second, ") of ",
-              data_->num_sequences(), "); change --split or add data");
+              "actmem::GPTDataset: the ", split_name, " split of ", data_->name(),
+              " has no "
+              "sequences (sequences [",
+              sequences_.first, ", ", sequences_.second, ") of ", data_->num_sequences(),
+              "); change --split or add data");
   // The cache key: what decides the indices (Megatron hashes a similar description).
   nlohmann::json desc = {{"class", "GPTDataset"},
-                         {"dataset_path", fs::absolute(data_->prefix()).string()},
-                         {"bin_bytes", data_->bin_bytes()},
-                         {"num_sequences", data_->num_sequences()},
+                         {"dataset", nlohmann::json::parse(data_->description())},
                          {"sequences", {sequences_.first, sequences_.second}},
                          {"num_samples", num_samples},
                          {"sequence_length", seq_length_},
@@ -210,7 +210,7 @@ GPTDataset::GPTDataset(std::shared_ptr<const IndexedDataset> data,
       if (from_cache_) from_cache_ = cached_indices_valid();
       if (!from_cache_) {
         TORCH_WARN("actmem::GPTDataset: the cached indices ", base, "-*.npy do not match ",
-                   data_->prefix(),
+                   data_->name(),
                    " (a damaged or altered cache entry); "
                    "rebuilding them");
       }
@@ -246,7 +246,7 @@ int64_t GPTDataset::tokens_per_epoch() const {
   for (int64_t doc = sequences_.first; doc < sequences_.second; ++doc) {
     tokens += data_->sequence_length(doc);
   }
-  TORCH_CHECK(tokens > seq_length_, "actmem::GPTDataset: ", data_->prefix(), " has ", tokens,
+  TORCH_CHECK(tokens > seq_length_, "actmem::GPTDataset: ", data_->name(), " has ", tokens,
               " tokens in its sequences [", sequences_.first, ", ", sequences_.second,
               "), fewer than one sample of ", seq_length_ + 1);
   return tokens;
@@ -493,21 +493,16 @@ DataBlend parse_data_path(const std::vector<std::string>& args) {
   return blend;
 }
 
-GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
-                           uint32_t seed, const std::vector<int64_t>& samples_per_split,
-                           const std::string& cache_dir) {
+namespace {
+// _build_megatron_dataset_splits over each dataset, blended when there are several
+// (blended_megatron_dataset_builder.py). cache_dirs: one per dataset, empty for none.
+void build_splits(GPTSplits& out, const std::vector<std::shared_ptr<const LowLevelDataset>>& data,
+                  const std::vector<double>& blend_weights, const std::string& split,
+                  int64_t seq_length, uint32_t seed, const std::vector<int64_t>& samples_per_split,
+                  const std::vector<std::string>& cache_dirs) {
   static const char* kNames[] = {"train", "valid", "test"};
   TORCH_CHECK(samples_per_split.size() == 3, "actmem::build_gpt_splits: three sizes expected");
   const std::vector<double> weights = parse_split(split);
-  GPTSplits out;
-  std::vector<std::shared_ptr<const IndexedDataset>> data;
-  for (const auto& prefix : blend.prefixes) {
-    data.push_back(std::make_shared<const IndexedDataset>(prefix));
-    out.documents += data.back()->num_documents();
-    out.sequences += data.back()->num_sequences();
-    out.bytes += data.back()->bin_bytes();
-    out.tokens += data.back()->bin_bytes() / token_bytes(data.back()->code());
-  }
   for (int s = 0; s < 3; ++s) {
     const int64_t target = samples_per_split[static_cast<size_t>(s)];
     if (target == 0) continue;
@@ -516,22 +511,188 @@ GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int
       const auto ranges = split_ranges(weights, data[d]->num_sequences());
       // blended_megatron_dataset_builder.py: _get_size_per_split_per_dataset (0.5% extra).
       const int64_t size =
-          blend.weights.empty()
+          blend_weights.empty()
               ? target
-              : static_cast<int64_t>(std::ceil(
-                    std::ceil(static_cast<double>(target) * blend.weights[d]) * 1.005));
-      const std::string dir = !cache_dir.empty()
-                                  ? cache_dir
-                                  : (fs::path(data[d]->prefix()) / "cache" / "GPTDataset_indices").string();
+              : static_cast<int64_t>(
+                    std::ceil(std::ceil(static_cast<double>(target) * blend_weights[d]) * 1.005));
       parts.push_back(std::make_shared<const GPTDataset>(data[d], ranges[static_cast<size_t>(s)],
-                                                         size, seq_length, seed, kNames[s], dir));
+                                                         size, seq_length, seed, kNames[s],
+                                                         cache_dirs[d]));
     }
     std::shared_ptr<const SampleSource> source =
-        blend.weights.empty() ? parts[0]
-                              : std::make_shared<const BlendedDataset>(parts, blend.weights, target);
+        blend_weights.empty()
+            ? parts[0]
+            : std::make_shared<const BlendedDataset>(parts, blend_weights, target);
     (s == 0 ? out.train : s == 1 ? out.valid : out.test) = source;
   }
+}
+}  // namespace
+
+GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
+                           uint32_t seed, const std::vector<int64_t>& samples_per_split,
+                           const std::string& cache_dir) {
+  GPTSplits out;
+  std::vector<std::shared_ptr<const LowLevelDataset>> data;
+  std::vector<std::string> dirs;
+  for (const auto& prefix : blend.prefixes) {
+    const auto d = std::make_shared<const IndexedDataset>(prefix);
+    out.documents += d->num_documents();
+    out.sequences += d->num_sequences();
+    out.bytes += d->bin_bytes();
+    out.tokens += d->bin_bytes() / token_bytes(d->code());
+    dirs.push_back(!cache_dir.empty()
+                       ? cache_dir
+                       : (fs::path(prefix) / "cache" / "GPTDataset_indices").string());
+    data.push_back(d);
+  }
+  build_splits(out, data, blend.weights, split, seq_length, seed, samples_per_split, dirs);
   return out;
+}
+
+GPTSplits build_mock_gpt_splits(int64_t vocab_size, int64_t eod, int64_t seq_length, uint32_t seed,
+                                const std::vector<int64_t>& samples_per_split,
+                                const std::string& cache_dir) {
+  GPTSplits out;
+  const auto mock = std::make_shared<const MockGPTLowLevelDataset>(vocab_size, eod);
+  out.documents = out.sequences = mock->num_sequences();
+  out.tokens = mock->num_tokens();
+  build_splits(out, {mock}, {}, "1,1,1", seq_length, seed, samples_per_split, {cache_dir});
+  return out;
+}
+
+// ---- numpy's default_rng and the mock dataset ----------------------------------------------
+
+namespace {
+// numpy's SeedSequence(entropy).generate_state(n_words, uint32) (numpy/random/bit_generator.pyx,
+// the hashmix/mix of Melissa O'Neill's seed_seq_fe with a pool of 4 words).
+std::vector<uint32_t> seed_sequence_state(const std::vector<uint32_t>& entropy, size_t n_words) {
+  constexpr uint32_t kInitA = 0x43b0d7e5, kMultA = 0x931e8875, kInitB = 0x8b51f9dd,
+                     kMultB = 0x58f38ded, kMixMultL = 0xca01f9dd, kMixMultR = 0x4973f715;
+  constexpr int kXShift = 16;
+  constexpr size_t kPool = 4;
+  uint32_t hash_const = kInitA;
+  auto hashmix = [&hash_const](uint32_t v) {
+    v ^= hash_const;
+    hash_const *= kMultA;
+    v *= hash_const;
+    return v ^ (v >> kXShift);
+  };
+  auto mix = [](uint32_t x, uint32_t y) {
+    uint32_t r = kMixMultL * x - kMixMultR * y;
+    return r ^ (r >> kXShift);
+  };
+  uint32_t pool[kPool];
+  for (size_t i = 0; i < kPool; ++i) pool[i] = hashmix(i < entropy.size() ? entropy[i] : 0u);
+  for (size_t src = 0; src < kPool; ++src) {
+    for (size_t dst = 0; dst < kPool; ++dst) {
+      if (src != dst) pool[dst] = mix(pool[dst], hashmix(pool[src]));
+    }
+  }
+  for (size_t src = kPool; src < entropy.size(); ++src) {
+    for (size_t dst = 0; dst < kPool; ++dst) pool[dst] = mix(pool[dst], hashmix(entropy[src]));
+  }
+  std::vector<uint32_t> out(n_words);
+  uint32_t h = kInitB;
+  for (size_t i = 0; i < n_words; ++i) {
+    uint32_t v = pool[i % kPool] ^ h;
+    h *= kMultB;
+    v *= h;
+    out[i] = v ^ (v >> kXShift);
+  }
+  return out;
+}
+constexpr unsigned __int128 kPcgMultiplier =
+    (static_cast<unsigned __int128>(0x2360ED051FC65DA4ULL) << 64) | 0x4385DF649FCCF645ULL;
+}  // namespace
+
+NumpyGenerator::NumpyGenerator(uint32_t seed) {
+  // PCG64(SeedSequence(seed)): four uint64 words of state (little-endian pairs of uint32), then
+  // pcg_setseq_128_srandom_r(initstate, initseq).
+  const std::vector<uint32_t> w = seed_sequence_state({seed}, 8);
+  uint64_t u[4];
+  for (int i = 0; i < 4; ++i) u[i] = w[2 * i] | (static_cast<uint64_t>(w[2 * i + 1]) << 32);
+  const unsigned __int128 initstate = (static_cast<unsigned __int128>(u[0]) << 64) | u[1];
+  const unsigned __int128 initseq = (static_cast<unsigned __int128>(u[2]) << 64) | u[3];
+  inc_ = (initseq << 1) | 1;
+  state_ = 0;
+  state_ = state_ * kPcgMultiplier + inc_;
+  state_ += initstate;
+  state_ = state_ * kPcgMultiplier + inc_;
+}
+
+uint64_t NumpyGenerator::next_uint64() {
+  state_ = state_ * kPcgMultiplier + inc_;
+  const uint64_t x = static_cast<uint64_t>(state_ >> 64) ^ static_cast<uint64_t>(state_);
+  const unsigned rot = static_cast<unsigned>(state_ >> 122);
+  return (x >> rot) | (x << ((64 - rot) & 63));
+}
+
+uint32_t NumpyGenerator::next_uint32() {
+  if (has_uint32_) {
+    has_uint32_ = false;
+    return uint32_;
+  }
+  const uint64_t n = next_uint64();
+  has_uint32_ = true;
+  uint32_ = static_cast<uint32_t>(n >> 32);
+  return static_cast<uint32_t>(n);
+}
+
+int32_t NumpyGenerator::integers_int32(int32_t low, int32_t high) {
+  TORCH_CHECK(high > low, "actmem::NumpyGenerator::integers_int32: expected high > low, got [", low,
+              ", ", high, ")");
+  // buffered_bounded_lemire_uint32 with rng = high - 1 - low (endpoint=False).
+  const uint32_t rng = static_cast<uint32_t>(static_cast<int64_t>(high) - 1 - low);
+  if (rng == 0) return low;
+  if (rng == 0xFFFFFFFFu) return static_cast<int32_t>(static_cast<uint32_t>(low) + next_uint32());
+  const uint32_t rng_excl = rng + 1;
+  uint64_t m = static_cast<uint64_t>(next_uint32()) * rng_excl;
+  uint32_t leftover = static_cast<uint32_t>(m);
+  if (leftover < rng_excl) {
+    const uint32_t threshold = (0xFFFFFFFFu - rng) % rng_excl;
+    while (leftover < threshold) {
+      m = static_cast<uint64_t>(next_uint32()) * rng_excl;
+      leftover = static_cast<uint32_t>(m);
+    }
+  }
+  return static_cast<int32_t>(static_cast<int64_t>(low) + static_cast<int64_t>(m >> 32));
+}
+
+MockGPTLowLevelDataset::MockGPTLowLevelDataset(int64_t vocab_size, int64_t eod)
+    : vocab_(vocab_size), eod_(eod) {
+  TORCH_CHECK(vocab_size >= 1 && eod >= 0 && eod < vocab_size,
+              "actmem::MockGPTLowLevelDataset: expected a positive vocabulary and an "
+              "end-of-document id inside it, got vocab_size ",
+              vocab_size, " and eod ", eod);
+  NumpyGenerator rng(0);  // Megatron's hard-coded seed, whatever --seed is
+  lengths_.resize(static_cast<size_t>(kSize));
+  for (auto& l : lengths_) {
+    l = rng.integers_int32(1, kMaxSequenceLength);
+    tokens_ += l;
+  }
+}
+
+std::string MockGPTLowLevelDataset::description() const {
+  return nlohmann::json{{"mock", "MockGPTLowLevelDataset"}, {"vocab_size", vocab_}, {"eod", eod_}}
+      .dump();
+}
+
+int64_t MockGPTLowLevelDataset::sequence_length(int64_t i) const {
+  TORCH_CHECK(i >= 0 && i < kSize, "actmem::MockGPTLowLevelDataset: sequence ", i,
+              " out of range [0, ", kSize, ")");
+  return lengths_[static_cast<size_t>(i)];
+}
+
+void MockGPTLowLevelDataset::read(int64_t i, int64_t offset, int64_t length,
+                                  std::vector<int64_t>& out) const {
+  const int64_t n = sequence_length(i);
+  TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= n,
+              "actmem::MockGPTLowLevelDataset::read: tokens [", offset, ", ", offset + length,
+              ") outside sequence ", i, " of ", n);
+  // numpy.concatenate([(arange(L - 1) + 1) % vocab_size, [eod]]).
+  for (int64_t k = offset; k < offset + length; ++k) {
+    out.push_back(k < n - 1 ? (k + 1) % vocab_ : eod_);
+  }
 }
 
 }  // namespace actmem

@@ -5,10 +5,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
 #include <limits>
 
 #include <fcntl.h>
@@ -147,6 +149,13 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
 IndexedDataset::~IndexedDataset() {
   if (idx_map_ != nullptr) ::munmap(idx_map_, static_cast<size_t>(idx_bytes_));
   if (bin_map_ != nullptr) ::munmap(bin_map_, static_cast<size_t>(bin_bytes_));
+}
+
+std::string IndexedDataset::description() const {
+  return nlohmann::json{{"dataset_path", std::filesystem::absolute(prefix_).string()},
+                        {"bin_bytes", bin_bytes_},
+                        {"num_sequences", num_sequences_}}
+      .dump();
 }
 
 int64_t IndexedDataset::document_index(int64_t i) const {

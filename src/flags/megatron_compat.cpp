@@ -42,7 +42,6 @@ const std::vector<CompatFlag>& compat_flags() {
   static const std::vector<CompatFlag> flags = {
       // Megatron semantics planned here (class 1 in docs/megatron-flags.md), refused until then.
       {"--log-memory-to-tensorboard", 0, nullptr, kNotYet},
-      {"--mock-data", 0, nullptr, kNotYet},
       {"--calculate-per-token-loss", 0, nullptr, kNotYet},
       {"--decoupled-lr", 1, nullptr, kNotYet},
       {"--decoupled-min-lr", 1, nullptr, kNotYet},

@@ -499,8 +499,15 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
                  "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_option("--data-cache-path", t.data_cache_path,
-                 "Where --data-path caches its sample indices (default: PREFIX/cache/GPTDataset_indices)");
+  app.add_option(
+      "--data-cache-path", t.data_cache_path,
+      "Where --data-path caches its sample indices (default: PREFIX/cache/GPTDataset_indices; "
+      "--mock-data caches only here)");
+  app.add_flag(
+      "--mock-data", t.mock_data,
+      "Train on Megatron's MockGPTDataset: 100000 generated documents [1, 2, ..., L-1, eod] "
+      "with lengths from numpy's default_rng(0), the same samples Megatron's --mock-data "
+      "gives (needs --tokenizer-type; --split is 1,1,1 as in Megatron)");
   app.add_option("--split", t.split,
                  "train,validation[,test] weights (Megatron's default; --data-path cuts its "
                  "sequences as Megatron does, --data and the built-in corpus their tokens)")
@@ -721,9 +728,12 @@ void TrainOptions::finalize() {
     TORCH_CHECK(training.tokenizer_model.empty(),
                 "--tokenizer-model does not apply to "
                 "NullTokenizer");
+    const auto tokenizer = make_null_tokenizer(model.vocab_size);
+    training.tokenizer_vocab_size = tokenizer->vocab_size();
+    training.eod_id = tokenizer->eod();
     model.vocab_size =
-        padded_vocab_size(make_null_tokenizer(model.vocab_size)->vocab_size(),
-                          training.make_vocab_size_divisible_by, model.tensor_model_parallel_size);
+        padded_vocab_size(tokenizer->vocab_size(), training.make_vocab_size_divisible_by,
+                          model.tensor_model_parallel_size);
   } else if (!training.tokenizer_type.empty()) {
     TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
                 "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
@@ -732,6 +742,8 @@ void TrainOptions::finalize() {
       training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
     }
     const auto tokenizer = make_tokenizer(training.tokenizer_type, training.tokenizer_model);
+    training.tokenizer_vocab_size = tokenizer->vocab_size();
+    training.eod_id = tokenizer->eod();
     model.vocab_size = padded_vocab_size(tokenizer->vocab_size(),
                                          training.make_vocab_size_divisible_by,
                                          model.tensor_model_parallel_size);

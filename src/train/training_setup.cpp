@@ -41,20 +41,28 @@ TrainingData load_indexed_datasets(const TransformerConfig& model, const Trainin
   const int64_t gbs = c.global_batch(model.micro_batch_size, data_parallel_group().size);
   const int64_t valid =
       c.eval_interval > 0 ? (c.train_iters / c.eval_interval + 1) * c.eval_iters * gbs : 0;
-  const DataBlend blend = parse_data_path(c.data_paths);
-  const GPTSplits splits = build_gpt_splits(
-      blend, c.split, model.seq_length, static_cast<uint32_t>(model.seed),
-      {c.train_samples.value_or(c.train_iters * gbs), valid, 0}, c.data_cache_path);
-  TrainingData data;
+  const std::vector<int64_t> sizes = {c.train_samples.value_or(c.train_iters * gbs), valid, 0};
+  const uint32_t seed = static_cast<uint32_t>(model.seed);
   std::ostringstream source;
-  for (size_t i = 0; i < blend.prefixes.size(); ++i) {
-    if (i) source << " + ";
-    if (!blend.weights.empty()) source << blend.weights[i] << " x ";
-    source << blend.prefixes[i];
+  GPTSplits splits;
+  if (c.mock_data) {
+    splits = build_mock_gpt_splits(c.tokenizer_vocab_size, c.eod_id, model.seq_length, seed, sizes,
+                                   c.data_cache_path);
+    source << "--mock-data (Megatron's MockGPTDataset, " << c.tokenizer_type << " vocabulary "
+           << c.tokenizer_vocab_size << ", eod " << c.eod_id << ")";
+  } else {
+    const DataBlend blend = parse_data_path(c.data_paths);
+    splits = build_gpt_splits(blend, c.split, model.seq_length, seed, sizes, c.data_cache_path);
+    for (size_t i = 0; i < blend.prefixes.size(); ++i) {
+      if (i) source << " + ";
+      if (!blend.weights.empty()) source << blend.weights[i] << " x ";
+      source << blend.prefixes[i];
+    }
   }
+  TrainingData data;
   Corpus& corpus = data.corpus;
   corpus.source = source.str();
-  corpus.memory_mapped = true;
+  corpus.memory_mapped = !c.mock_data;  // a mock's tokens are computed when read
   corpus.documents = splits.documents;
   corpus.sequences = splits.sequences;
   corpus.bytes = splits.bytes;
@@ -74,7 +82,9 @@ TrainingData load_indexed_datasets(const TransformerConfig& model, const Trainin
 }  // namespace
 
 TrainingData load_training_data(const TransformerConfig& model, const TrainingConfig& training) {
-  if (!training.data_paths.empty()) return load_indexed_datasets(model, training);
+  if (!training.data_paths.empty() || training.mock_data) {
+    return load_indexed_datasets(model, training);
+  }
   TORCH_CHECK(model.vocab_size >= ByteTokenizer::kVocabSize, "actmem::Trainer: vocab_size (",
               model.vocab_size, ") must be at least 256 for the byte-level tokenizer");
   TrainingData data;

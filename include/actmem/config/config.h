@@ -120,6 +120,9 @@ struct TransformerConfig {
   std::string moe_router_score_function = "softmax";
   /// softmax over all experts before the top-k (default: top-k logits, then softmax over them).
   bool moe_router_pre_softmax = false;
+  /// --moe-router-dtype: "fp32" or "fp64" runs the router's gating linear, scores and
+  /// load-balancing losses in that type (Megatron's router_gating_linear); empty: the model's.
+  std::string moe_router_dtype;
   std::optional<double> moe_router_topk_scaling_factor;
   /// Shared experts' total hidden size (num_shared_experts x each one's ffn); unset = none.
   std::optional<int64_t> moe_shared_expert_intermediate_size;
@@ -351,6 +354,16 @@ struct TrainingConfig {
   std::optional<int64_t> lr_decay_samples;
   /// "constant", "linear" or "cosine" (from lr after warmup down to min_lr).
   std::string lr_decay_style = "linear";
+  /// Megatron's --decoupled-lr / --decoupled-min-lr: the input embedding's and output layer's
+  /// parameters follow the same schedule from these rates instead (unset: lr / min_lr).
+  std::optional<double> decoupled_lr;
+  std::optional<double> decoupled_min_lr;
+  /// Megatron's --calculate-per-token-loss: gradients of the loss summed over the step's tokens
+  /// and divided by their count across micro-batches and data-parallel ranks (instead of the
+  /// mean of each micro-batch's token mean).
+  bool calculate_per_token_loss = false;
+  /// --log-throughput: the log line adds Megatron's model TFLOP/s per rank.
+  bool log_throughput = false;
   double weight_decay = 0.01;
   double adam_beta1 = 0.9;
   double adam_beta2 = 0.999;  // Megatron's default
@@ -384,7 +397,17 @@ struct TrainingConfig {
   /// make_vocab_size_divisible_by x tensor-parallel size (TrainOptions::finalize).
   std::string tokenizer_type;
   std::string tokenizer_model;
+  /// GPT2BPETokenizer's files (--vocab-file vocab.json, --merge-file merges.txt).
+  std::string vocab_file;
+  std::string merge_file;
   int64_t make_vocab_size_divisible_by = 128;
+  /// The tokenizer's vocabulary before padding and its end-of-document id (set with
+  /// tokenizer_type by TrainOptions::finalize; 0 and -1 without a tokenizer).
+  int64_t tokenizer_vocab_size = 0;
+  int64_t eod_id = -1;
+  /// Megatron's --mock-data: MockGPTDataset's generated documents (gpt_dataset.h) instead of
+  /// files; needs a tokenizer (its vocabulary and end-of-document id shape the documents).
+  bool mock_data = false;
   /// Train, validation and test weights (--split). Megatron's default when --data-path is given
   /// (arguments.py, legacy_default_split_value); the built-in corpus and --data use it too.
   std::string split = "969,30,1";

@@ -50,6 +50,45 @@ class NumpyRandomState {
   std::mt19937 mt_;  // the same MT19937, seeded as numpy's mt19937_seed (init_genrand)
 };
 
+/// numpy.random.default_rng(seed), as far as Megatron's mock dataset uses it: SeedSequence(seed)
+/// seeding PCG64 (XSL-RR 128/64), and Generator.integers(low, high, dtype=int32) (Lemire's
+/// bounded draws from 32-bit halves, the low half of each 64-bit output first).
+class NumpyGenerator {
+ public:
+  explicit NumpyGenerator(uint32_t seed);
+  uint64_t next_uint64();
+  uint32_t next_uint32();
+  /// A uniform integer in [low, high) (high > low), as integers(low, high, dtype=numpy.int32).
+  int32_t integers_int32(int32_t low, int32_t high);
+
+ private:
+  unsigned __int128 state_ = 0, inc_ = 0;
+  bool has_uint32_ = false;
+  uint32_t uint32_ = 0;
+};
+
+/// Megatron's MockGPTLowLevelDataset (megatron/core/datasets/gpt_dataset.py), the documents of
+/// --mock-data: 100000 sequences whose lengths are default_rng(0).integers(1, 4096, int32);
+/// sequence i is [1, 2, ..., L_i - 1] modulo the tokenizer's vocabulary, then its end-of-document
+/// id. Nothing is stored but the lengths: tokens are computed when read.
+class MockGPTLowLevelDataset final : public LowLevelDataset {
+ public:
+  static constexpr int64_t kSize = 100000;
+  static constexpr int32_t kMaxSequenceLength = 4096;
+  /// vocab_size and eod: the tokenizer's (unpadded vocabulary; Megatron's tokenizer.vocab_size).
+  MockGPTLowLevelDataset(int64_t vocab_size, int64_t eod);
+  std::string name() const override { return "--mock-data"; }
+  std::string description() const override;
+  int64_t num_sequences() const override { return kSize; }
+  int64_t sequence_length(int64_t i) const override;
+  void read(int64_t i, int64_t offset, int64_t length, std::vector<int64_t>& out) const override;
+  int64_t num_tokens() const { return tokens_; }
+
+ private:
+  int64_t vocab_, eod_, tokens_ = 0;
+  std::vector<int32_t> lengths_;
+};
+
 /// Megatron's split of `num_elements` by normalised weights (--split 969,30,1): the [begin, end)
 /// ranges of train, validation and test, begin = round(lo n) and end = round(hi n) of each
 /// split's cumulative book-ends (convert_split_vector_to_split_matrix,
@@ -74,7 +113,7 @@ class GPTDataset : public SampleSource {
  public:
   /// num_samples: the samples this split must provide (Megatron's target size); the document
   /// index repeats the sequences for as many epochs as that takes. cache_dir empty: no cache.
-  GPTDataset(std::shared_ptr<const IndexedDataset> data, std::pair<int64_t, int64_t> sequences,
+  GPTDataset(std::shared_ptr<const LowLevelDataset> data, std::pair<int64_t, int64_t> sequences,
              int64_t num_samples, int64_t seq_length, uint32_t seed, const std::string& split_name,
              const std::string& cache_dir);
   /// Samples available (every sample of every epoch built; at least the requested number).
@@ -96,7 +135,7 @@ class GPTDataset : public SampleSource {
   // checked before it is used]).
   bool cached_indices_valid() const;
   void build(int64_t num_samples, uint32_t seed);
-  std::shared_ptr<const IndexedDataset> data_;
+  std::shared_ptr<const LowLevelDataset> data_;
   std::pair<int64_t, int64_t> sequences_;
   int64_t seq_length_;
   int64_t num_epochs_ = 1;
@@ -161,5 +200,11 @@ struct GPTSplits {
 GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
                            uint32_t seed, const std::vector<int64_t>& samples_per_split,
                            const std::string& cache_dir);
+/// The splits of --mock-data, as Megatron's builder makes them for MockGPTDataset: split forced
+/// to 1,1,1 (BlendedMegatronDatasetConfig sets it when no blend is given) and the indices cached
+/// only when `cache_dir` is given (--data-cache-path; Megatron has no default cache for a mock).
+GPTSplits build_mock_gpt_splits(int64_t vocab_size, int64_t eod, int64_t seq_length, uint32_t seed,
+                                const std::vector<int64_t>& samples_per_split,
+                                const std::string& cache_dir);
 
 }  // namespace actmem

@@ -38,10 +38,26 @@ int64_t token_bytes(int code);
 /// uint16 below 65500 tokens, else int32.
 int optimal_dtype_code(int64_t vocab_size);
 
+/// What Megatron's GPTDataset reads from its "low-level dataset": token sequences by index.
+/// IndexedDataset (PREFIX.bin/.idx files) and MockGPTLowLevelDataset (--mock-data, generated)
+/// provide it.
+class LowLevelDataset {
+ public:
+  virtual ~LowLevelDataset() = default;
+  /// How messages name it: the prefix, or --mock-data.
+  virtual std::string name() const = 0;
+  /// JSON text identifying its contents (part of GPTDataset's index-cache key).
+  virtual std::string description() const = 0;
+  virtual int64_t num_sequences() const = 0;
+  virtual int64_t sequence_length(int64_t i) const = 0;
+  /// Tokens [offset, offset + length) of sequence i, appended to `out` as int64.
+  virtual void read(int64_t i, int64_t offset, int64_t length, std::vector<int64_t>& out) const = 0;
+};
+
 /// A read-only, memory-mapped PREFIX.bin + PREFIX.idx. Sequences are read on demand; the kernel
 /// pages in what a sample touches and may drop it again, so a dataset of any size costs at most
 /// the pages in use.
-class IndexedDataset {
+class IndexedDataset final : public LowLevelDataset {
  public:
   /// Opens PREFIX.idx and PREFIX.bin and validates the index against the .bin's size (every
   /// sequence inside the file, pointers consistent with lengths, document indices increasing
@@ -52,16 +68,19 @@ class IndexedDataset {
   IndexedDataset& operator=(const IndexedDataset&) = delete;
 
   const std::string& prefix() const { return prefix_; }
-  int64_t num_sequences() const { return num_sequences_; }
+  std::string name() const override { return prefix_; }
+  /// {"dataset_path": absolute prefix, "bin_bytes", "num_sequences"}.
+  std::string description() const override;
+  int64_t num_sequences() const override { return num_sequences_; }
   /// Documents (document_indices has one entry more).
   int64_t num_documents() const { return num_doc_indices_ - 1; }
   int code() const { return code_; }
-  int64_t sequence_length(int64_t i) const;
+  int64_t sequence_length(int64_t i) const override;
   /// Entry i of the document indices (0 <= i <= num_documents()): the sequence where document i
   /// starts, and the sequence count for i = num_documents().
   int64_t document_index(int64_t i) const;
   /// Tokens [offset, offset + length) of sequence i, appended to `out` as int64.
-  void read(int64_t i, int64_t offset, int64_t length, std::vector<int64_t>& out) const;
+  void read(int64_t i, int64_t offset, int64_t length, std::vector<int64_t>& out) const override;
   /// Every token of sequence i as an int64 tensor.
   at::Tensor get(int64_t i) const;
   /// Bytes of the two files.
