@@ -386,6 +386,21 @@ TEST(CheckpointFiles, ArgsRoundTripThroughPickledValues) {
   EXPECT_EQ(ivalue_to_json(json_to_ivalue(j)), j);
 }
 
+TEST(CheckpointFiles, ArgsOfTheWrongTypeAreClearErrors) {
+  // Found by fuzz_checkpoint: a field of another JSON type escaped as nlohmann's type_error.
+  for (const auto& [key, value] :
+       std::vector<std::pair<std::string, nlohmann::json>>{{"num_moe_experts", "many"},
+                                                           {"hidden_size", "big"},
+                                                           {"kv_channels", {1, 2}},
+                                                           {"q_lora_rank", "x"},
+                                                           {"normalization", 3}}) {
+    nlohmann::json args = {{"num_layers", 2}, {"multi_latent_attention", true}};
+    args[key] = value;
+    testing::expect_error_containing([&] { config_from_args(args); },
+                                     "the checkpoint's args field " + key + " is ");
+  }
+}
+
 // ---- through the command line: the crash-safe protocol, the signal handler, TP and Python ---
 
 const char* kTinyFlags =

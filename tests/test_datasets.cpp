@@ -306,8 +306,12 @@ TEST(Tokenizer, VocabularyIsPaddedAsMegatron) {
   const auto bytes = make_tokenizer("ByteTokenizer", "");
   EXPECT_EQ(bytes->vocab_size(), 257);
   EXPECT_EQ(bytes->eod(), 256);
+  expect_error_containing([] { make_tokenizer("TikTokenizer", ""); },
+                          "unknown --tokenizer-type 'TikTokenizer'");
   expect_error_containing([] { make_tokenizer("GPT2BPETokenizer", ""); },
-                          "unknown --tokenizer-type 'GPT2BPETokenizer'");
+                          "GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file");
+  expect_error_containing([] { make_tokenizer("ByteTokenizer", "x.model"); },
+                          "--tokenizer-model applies to SentencePieceTokenizer, not ByteTokenizer");
   expect_error_containing([] { make_tokenizer("SentencePieceTokenizer", "/nonexistent.model"); },
                           "cannot read the SentencePiece model /nonexistent.model");
 }
@@ -430,6 +434,13 @@ TEST(GPTDataset, SplitsAsMegatronDoesToday) {
   // A zero weight is Megatron's None split: an empty range.
   EXPECT_EQ(split_ranges(parse_split("95,0,5"), 100), (Ranges{{0, 95}, {95, 95}, {95, 100}}));
   expect_error_containing([] { parse_split("95,x"); }, "comma-separated non-negative weights");
+  // Megatron's re.findall(r"[.0-9]+"): a script's quoted '99,1,0' and other separators read
+  // as the numbers; a sign or "1.2.3" is refused.
+  EXPECT_EQ(parse_split("'99,1,0'"), parse_split("99,1,0"));
+  EXPECT_EQ(parse_split("98, 1 , 1"), parse_split("98,1,1"));
+  EXPECT_EQ(parse_split("\"90 5 5\""), parse_split("90,5,5"));
+  expect_error_containing([] { parse_split("95,-5"); }, "comma-separated non-negative weights");
+  expect_error_containing([] { parse_split("1.2.3,1"); }, "'1.2.3' is not a number");
   expect_error_containing([] { parse_split("1,1,1,1"); }, "1 to 3 weights");
 }
 

@@ -291,6 +291,49 @@ std::shared_ptr<actmem::TopKRouter> make_router(const TransformerConfig& c, uint
   return r;
 }
 
+TEST(MoERouter, RouterDtypeComputesTheGatingInItsTypeAndCastsTheGradientsBack) {
+  // Megatron's --moe-router-dtype (RouterGatingLinearFunction): a bf16 router's logits in fp32 or
+  // fp64 from the bf16 input and weight, the probabilities in that type; in backward the input's
+  // and the weight's gradients computed in that type and cast back to bf16. Against the same
+  // routing run on fp32/fp64 copies of the two, whose gradients are then cast to bf16.
+  for (const std::string dtype : {"fp32", "fp64"}) {
+    SCOPED_TRACE(dtype);
+    const at::ScalarType wide = dtype == "fp32" ? at::kFloat : at::kDouble;
+    TransformerConfig c = moe_model();
+    c.moe_router_topk = 2;
+    c.hidden_size = 8;
+    c.moe_aux_loss_coeff = 0.0;
+    c.moe_z_loss_coeff.reset();
+    c.moe_router_dtype = dtype;
+    auto router = std::make_shared<actmem::TopKRouter>(c, at::kBFloat16);
+    {
+      at::NoGradGuard g;
+      router->weight.copy_(randn(router->weight.sizes(), 3));
+    }
+    const at::Tensor x = randn({24, 8}, 4).to(at::kBFloat16).requires_grad_(true);
+    const at::Tensor mix = randn({24, 4}, 5).to(wide);
+    const actmem::Routing r = router->forward(x, 1.0, nullptr);
+    EXPECT_EQ(r.probs.scalar_type(), wide);
+    (r.probs * mix).sum().backward();
+    // The reference: the same routing in the wide type throughout.
+    c.moe_router_dtype.clear();
+    auto reference = std::make_shared<actmem::TopKRouter>(c, wide);
+    {
+      at::NoGradGuard g;
+      reference->weight.copy_(router->weight.to(wide));
+    }
+    const at::Tensor xw = x.detach().to(wide).requires_grad_(true);
+    const actmem::Routing want = reference->forward(xw, 1.0, nullptr);
+    EXPECT_TRUE(at::equal(r.probs, want.probs));
+    EXPECT_TRUE(at::equal(r.routing_map, want.routing_map));
+    (want.probs * mix).sum().backward();
+    ASSERT_EQ(x.grad().scalar_type(), at::kBFloat16);
+    ASSERT_EQ(router->weight.grad().scalar_type(), at::kBFloat16);
+    EXPECT_TRUE(at::equal(x.grad(), xw.grad().to(at::kBFloat16)));
+    EXPECT_TRUE(at::equal(router->weight.grad(), reference->weight.grad().to(at::kBFloat16)));
+  }
+}
+
 TEST(MoERouter, TopKSoftmaxProbabilitiesAndAuxLossAsTheirFormulas) {
   TransformerConfig c = moe_model();
   c.num_moe_experts = 6;

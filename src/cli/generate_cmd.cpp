@@ -39,13 +39,21 @@ int run_generate(GenerateOptions& o) {
   const LoadedModel loaded = load_model_for_inference(o.load);
   const nlohmann::json args = nlohmann::json::parse(loaded.args_json);
   // The tokenizer the model was trained with, unless overridden; without one, bytes.
-  std::string type = o.tokenizer_type, model_path = o.tokenizer_model;
-  if (type.empty() && args.contains("tokenizer_type") && !args["tokenizer_type"].is_null()) {
-    type = args["tokenizer_type"].get<std::string>();
-    if (model_path.empty() && args.contains("tokenizer_model") && !args["tokenizer_model"].is_null()) {
-      model_path = args["tokenizer_model"].get<std::string>();
+  auto arg = [&args](const char* key) {
+    return args.contains(key) && args[key].is_string() ? args[key].get<std::string>()
+                                                       : std::string();
+  };
+  TokenizerSpec spec{o.tokenizer_type, o.tokenizer_model, "", "", 0};
+  if (spec.type.empty()) {
+    spec.type = arg("tokenizer_type");
+    if (spec.model.empty()) spec.model = arg("tokenizer_model");
+    spec.vocab_file = arg("vocab_file");
+    spec.merge_file = arg("merge_file");
+    if (args.contains("tokenizer_vocab_size") && args["tokenizer_vocab_size"].is_number_integer()) {
+      spec.vocab_size = args["tokenizer_vocab_size"].get<int64_t>();
     }
   }
+  const std::string& type = spec.type;
   std::unique_ptr<Tokenizer> tokenizer;
   std::vector<int64_t> prompt;
   std::function<std::string(const std::vector<int64_t>&)> detokenize;
@@ -59,7 +67,7 @@ int run_generate(GenerateOptions& o) {
       return s;
     };
   } else {
-    tokenizer = make_tokenizer(type, model_path);
+    tokenizer = make_tokenizer(spec);
     prompt = tokenizer->tokenize(o.prompt);
     if (!o.ignore_eod) o.sampling.stop_token = tokenizer->eod();
     detokenize = [&tokenizer](const std::vector<int64_t>& ids) { return tokenizer->detokenize(ids); };

@@ -33,6 +33,7 @@ struct PreprocessOptions {
   std::string output_prefix;
   std::string tokenizer_type;
   std::string tokenizer_model;
+  std::string vocab_file, merge_file;  // GPT2BPETokenizer's
   int64_t vocab_size = 0;  // > 0: train a SentencePiece model of this size first
   bool append_eod = false;
   int workers = 1;
@@ -189,13 +190,15 @@ int run_preprocess(PreprocessOptions& o) {
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
 
   if (o.vocab_size > 0) train_tokenizer_model(o, seconds);
-  TORCH_CHECK(!o.tokenizer_type.empty(), "actmem preprocess: --tokenizer-type is required "
-              "(ByteTokenizer or SentencePieceTokenizer)");
+  TORCH_CHECK(!o.tokenizer_type.empty(),
+              "actmem preprocess: --tokenizer-type is required "
+              "(ByteTokenizer, SentencePieceTokenizer or GPT2BPETokenizer)");
   // One tokenizer per worker: a SentencePiece tokenizer is a helper process, so workers that
   // shared one would wait for each other.
   std::vector<std::unique_ptr<Tokenizer>> tokenizers;
   for (int k = 0; k < o.workers; ++k) {
-    tokenizers.push_back(make_tokenizer(o.tokenizer_type, o.tokenizer_model));
+    tokenizers.push_back(make_tokenizer(
+        TokenizerSpec{o.tokenizer_type, o.tokenizer_model, o.vocab_file, o.merge_file, 0}));
   }
   const Tokenizer* tok = tokenizers[0].get();
   const int code = optimal_dtype_code(tok->vocab_size());
@@ -273,9 +276,12 @@ Runner add_preprocess_command(CLI::App& app) {
   cmd->add_option("--json-keys", o->json_keys, "Keys of the text to tokenize (default: text)")
       ->expected(1, -1);
   cmd->add_option("--output-prefix", o->output_prefix, "Output files: PREFIX_KEY_document.bin/.idx");
-  cmd->add_option("--tokenizer-type", o->tokenizer_type, "ByteTokenizer or SentencePieceTokenizer")
-      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer"}));
+  cmd->add_option("--tokenizer-type", o->tokenizer_type,
+                  "ByteTokenizer, SentencePieceTokenizer or GPT2BPETokenizer")
+      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer"}));
   cmd->add_option("--tokenizer-model", o->tokenizer_model, "SentencePiece model file (M.model)");
+  cmd->add_option("--vocab-file", o->vocab_file, "GPT2BPETokenizer's vocab.json");
+  cmd->add_option("--merge-file", o->merge_file, "GPT2BPETokenizer's merges.txt");
   cmd->add_option("--vocab-size", o->vocab_size,
                   "Train a SentencePiece model of this many pieces on the input first (PREFIX.model)")
       ->check(CLI::Range(int64_t{8}, int64_t{1} << 24));

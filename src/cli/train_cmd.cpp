@@ -12,6 +12,7 @@
 #include "actmem/plan/planner.h"
 #include "actmem/train/plot.h"
 #include "actmem/train/tensorboard.h"
+#include "actmem/train/throughput.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
 
@@ -470,10 +471,17 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
     }
     if (tbo.log_timers && st.iteration % trainer.config().log_interval == 0) {
       // Seconds per iteration since the last log iteration (validation and saves included).
-      tensorboard->add_scalar("iteration-time",
-                              (st.elapsed_s - last_logged_elapsed) /
-                                  static_cast<double>(st.iteration - last_logged_iteration),
-                              st.iteration);
+      const double seconds = (st.elapsed_s - last_logged_elapsed) /
+                             static_cast<double>(st.iteration - last_logged_iteration);
+      tensorboard->add_scalar("iteration-time", seconds, st.iteration);
+      if (trainer.config().log_throughput) {
+        // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here).
+        tensorboard->add_scalar(
+            "throughput",
+            actmem::tflops_per_rank(actmem::megatron_model_flops(o.model, global_batch), seconds,
+                                    dist.world_size),
+            st.iteration);
+      }
       last_logged_elapsed = st.elapsed_s;
       last_logged_iteration = st.iteration;
     }

@@ -969,6 +969,9 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
     TORCH_CHECK(!model.fine_grained_activation_offloading && model.cpu_offloading_num_layers == 0,
                 api, " together with activation offload is not implemented");
   }
+  TORCH_CHECK(!decoupled_min_lr || decoupled_lr,
+              "actmem::TrainingConfig: --decoupled-min-lr "
+              "applies with --decoupled-lr (the word embedding and output layer's own schedule)");
   TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
               "got ", device_memory_limit);
   TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
@@ -1053,6 +1056,7 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"vocab_file", t.vocab_file.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.vocab_file)},
       {"merge_file", t.merge_file.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.merge_file)},
       {"make_vocab_size_divisible_by", t.make_vocab_size_divisible_by},
+      {"tokenizer_vocab_size", t.tokenizer_vocab_size},
       {"mock_data", t.mock_data},
       {"data_cache_path",
        t.data_cache_path.empty() ? nlohmann::json(nullptr) : nlohmann::json(t.data_cache_path)},

@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -44,16 +45,36 @@ uint64_t NumpyRandomState::random_interval(uint64_t max) {
 }
 
 std::vector<double> parse_split(const std::string& split) {
+  // Megatron's parse_and_normalize_split (blended_megatron_dataset_config.py): the weights are
+  // re.findall(r"[.0-9]+", split), whatever separates them, so a script's literal '99,1,0'
+  // (quotes and all) reads as 99, 1, 0; fewer than three are padded with zeros. On purpose not
+  // as Megatron: a letter or a sign is refused rather than skipped ("95,x" is not 95,0,0 and
+  // "-5" not 5 here).
   std::vector<double> w;
-  std::stringstream ss(split);
-  std::string part;
-  while (std::getline(ss, part, ',')) {
+  for (size_t i = 0; i < split.size();) {
+    const auto c = static_cast<unsigned char>(split[i]);
+    TORCH_CHECK(!std::isalpha(c) && c != '-' && c != '+',
+                "actmem: --split expects comma-separated non-negative weights such as 949,50,1, "
+                "got '",
+                split, "'");
+    if (!std::isdigit(c) && c != '.') {
+      ++i;
+      continue;
+    }
+    size_t j = i;
+    while (j < split.size() &&
+           (std::isdigit(static_cast<unsigned char>(split[j])) || split[j] == '.'))
+      ++j;
+    const std::string part = split.substr(i, j - i);
     char* end = nullptr;
     const double v = std::strtod(part.c_str(), &end);
-    TORCH_CHECK(!part.empty() && end == part.c_str() + part.size() && std::isfinite(v) && v >= 0,
+    // float() of the match: "1.2.3" or "." is Megatron's ValueError.
+    TORCH_CHECK(end == part.c_str() + part.size() && std::isfinite(v),
                 "actmem: --split expects comma-separated non-negative weights such as 949,50,1, "
-                "got '", split, "'");
+                "got '",
+                split, "' ('", part, "' is not a number)");
     w.push_back(v);
+    i = j;
   }
   TORCH_CHECK(w.size() >= 1 && w.size() <= 3, "actmem: --split takes 1 to 3 weights (train, "
               "validation, test), got '", split, "'");

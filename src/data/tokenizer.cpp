@@ -313,21 +313,31 @@ std::unique_ptr<Tokenizer> make_null_tokenizer(int64_t vocab_size) {
   return std::make_unique<NullTokenizer>(vocab_size);
 }
 
-std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path) {
-  if (type == "ByteTokenizer") {
-    TORCH_CHECK(model_path.empty(), "actmem: --tokenizer-model applies to SentencePieceTokenizer, "
-                "not ByteTokenizer");
-    return std::make_unique<ByteLevelTokenizer>();
+std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerSpec& spec) {
+  const std::string& type = spec.type;
+  const bool sentencepiece = type == "SentencePieceTokenizer" ||
+                             type == "GPTSentencePieceTokenizer" || type == "Llama2Tokenizer";
+  TORCH_CHECK(spec.model.empty() || sentencepiece,
+              "actmem: --tokenizer-model applies to "
+              "SentencePieceTokenizer, not ",
+              type);
+  TORCH_CHECK((spec.vocab_file.empty() && spec.merge_file.empty()) || type == "GPT2BPETokenizer",
+              "actmem: --vocab-file and --merge-file are GPT2BPETokenizer's files, not ", type,
+              "'s");
+  if (type == "ByteTokenizer") return std::make_unique<ByteLevelTokenizer>();
+  if (sentencepiece) return std::make_unique<SentencePieceTokenizer>(spec.model);
+  if (type == "GPT2BPETokenizer") return make_gpt2_bpe_tokenizer(spec.vocab_file, spec.merge_file);
+  if (type == "NullTokenizer") {
+    TORCH_CHECK(spec.vocab_size > 0, "actmem: --tokenizer-type NullTokenizer needs --vocab-size");
+    return make_null_tokenizer(spec.vocab_size);
   }
-  if (type == "SentencePieceTokenizer" || type == "GPTSentencePieceTokenizer" ||
-      type == "Llama2Tokenizer") {
-    return std::make_unique<SentencePieceTokenizer>(model_path);
-  }
-  TORCH_CHECK(type != "NullTokenizer",
-              "actmem: --tokenizer-type NullTokenizer needs --vocab-size "
-              "(make_null_tokenizer)");
   TORCH_CHECK(false, "actmem: unknown --tokenizer-type '", type,
-              "'; expected ByteTokenizer or SentencePieceTokenizer");
+              "'; expected ByteTokenizer, SentencePieceTokenizer (or Megatron's "
+              "GPTSentencePieceTokenizer, Llama2Tokenizer), GPT2BPETokenizer or NullTokenizer");
+}
+
+std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path) {
+  return make_tokenizer(TokenizerSpec{type, model_path, "", "", 0});
 }
 
 int64_t padded_vocab_size(int64_t vocab_size, int64_t divisible_by, int64_t tp_size) {

@@ -42,14 +42,7 @@ const std::vector<CompatFlag>& compat_flags() {
   static const std::vector<CompatFlag> flags = {
       // Megatron semantics planned here (class 1 in docs/megatron-flags.md), refused until then.
       {"--log-memory-to-tensorboard", 0, nullptr, kNotYet},
-      {"--calculate-per-token-loss", 0, nullptr, kNotYet},
-      {"--decoupled-lr", 1, nullptr, kNotYet},
-      {"--decoupled-min-lr", 1, nullptr, kNotYet},
-      {"--log-throughput", 0, nullptr, kNotYet},
-      {"--vocab-file", 1, nullptr, kNotYet},
-      {"--merge-file", 1, nullptr, kNotYet},
       {"--step-batch-size-schedule", 1, nullptr, kNotYet},
-      {"--moe-router-dtype", 1, nullptr, kNotYet, {"fp32", "fp64"}},
       {"--grad-reduce-in-bf16", 0, nullptr, kNotYet},
       {"--use-mcore-models", 0,
        "deprecated in Megatron and ignored there too (mcore models are "

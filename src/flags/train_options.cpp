@@ -221,6 +221,10 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str();
   app.add_flag("--moe-router-pre-softmax", m.moe_router_pre_softmax,
                "Softmax over all experts before the top-k (needed with --moe-router-topk 1)");
+  app.add_option("--moe-router-dtype", m.moe_router_dtype,
+                 "Run the router's gating linear, scores and load-balancing losses in fp32 or "
+                 "fp64 (Megatron's; default: the model's type)")
+      ->check(CLI::IsMember({"fp32", "fp64"}));
   app.add_option_function<double>(
          "--moe-router-topk-scaling-factor",
          [&m](const double& v) { m.moe_router_topk_scaling_factor = v; },
@@ -433,6 +437,19 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--adam-beta1", t.adam_beta1, "AdamW beta1")->capture_default_str();
   app.add_option("--adam-beta2", t.adam_beta2, "AdamW beta2")->capture_default_str();
   app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str()->check(kPositive);
+  app.add_option_function<double>(
+         "--decoupled-lr", [&t](const double& v) { t.decoupled_lr = v; },
+         "Peak learning rate of the word embedding and output layer (Megatron's; the same "
+         "warmup and decay as --lr)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_option_function<double>(
+         "--decoupled-min-lr", [&t](const double& v) { t.decoupled_min_lr = v; },
+         "Their final learning rate (default --min-lr; applies with --decoupled-lr)")
+      ->check(CLI::NonNegativeNumber);
+  app.add_flag("--calculate-per-token-loss", t.calculate_per_token_loss,
+               "Gradients of the loss summed over tokens, divided by the step's tokens over every "
+               "micro-batch and data-parallel rank (Megatron's per-token loss; the default "
+               "averages each micro-batch's token mean)");
   app.add_option("--clip-grad", t.clip_grad, "Global gradient-norm clip (0 = off)")
       ->capture_default_str()->check(kNonNegative);
   // Mixed precision (docs/mixed-precision.md).
@@ -478,6 +495,9 @@ void add_schedule_flags(CLI::App& app, TrainOptions& o) {
       ->capture_default_str()->check(integer_in_range(0, kMaxInt));
   app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--log-throughput", t.log_throughput,
+               "Add the model's TFLOP/s per rank to each progress line (Megatron's "
+               "num_floating_point_operations; recompute not counted)");
   app.add_option("--log-interval", t.log_interval, "Progress line every N steps")
       ->capture_default_str()->check(integer_in_range(1, kMaxInt));
 }
@@ -492,10 +512,15 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--tokenizer-type", t.tokenizer_type,
                  "Tokenizer the --data-path data was made with: ByteTokenizer, "
                  "SentencePieceTokenizer (Megatron's spellings GPTSentencePieceTokenizer and "
-                 "Llama2Tokenizer too) or NullTokenizer with --vocab-size (sets the vocabulary)")
+                 "Llama2Tokenizer too), GPT2BPETokenizer (--vocab-file, --merge-file) or "
+                 "NullTokenizer with --vocab-size (sets the vocabulary)")
       ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                             "Llama2Tokenizer", "NullTokenizer"}));
+                             "Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer"}));
   app.add_option("--tokenizer-model", t.tokenizer_model, "SentencePiece model file (M.model)");
+  app.add_option("--vocab-file", t.vocab_file,
+                 "GPT2BPETokenizer's vocab.json (with --merge-file; without --tokenizer-type they "
+                 "choose GPT2BPETokenizer, pretrain_gpt.py's default)");
+  app.add_option("--merge-file", t.merge_file, "GPT2BPETokenizer's merges.txt (with --vocab-file)");
   app.add_option("--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
                  "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
       ->capture_default_str()->check(integer_in_range(1, 1 << 20));
@@ -719,37 +744,41 @@ void TrainOptions::finalize() {
   TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
               dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
               "and no --loss-scale");
+  if (!training.vocab_file.empty() || !training.merge_file.empty()) {
+    // pretrain_gpt.py's default tokenizer (args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
+    if (training.tokenizer_type.empty()) training.tokenizer_type = "GPT2BPETokenizer";
+    // Absolute, so the checkpoint's args name files `generate` finds from any directory.
+    for (std::string* f : {&training.vocab_file, &training.merge_file}) {
+      if (!f->empty()) *f = std::filesystem::absolute(*f).string();
+    }
+  }
   if (training.tokenizer_type == "NullTokenizer") {
     // Megatron's NullTokenizer is --vocab-size ids (the last one ends documents), padded as any
     // tokenizer's vocabulary is (vocab_size_with_padding).
     TORCH_CHECK(vocab_size_given,
                 "--tokenizer-type NullTokenizer needs --vocab-size (Megatron's "
                 "NullTokenizer has that many ids, the last ending each document)");
+  } else if (!training.tokenizer_type.empty()) {
+    TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
+                "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
+  } else {
     TORCH_CHECK(training.tokenizer_model.empty(),
-                "--tokenizer-model does not apply to "
-                "NullTokenizer");
-    const auto tokenizer = make_null_tokenizer(model.vocab_size);
+                "--tokenizer-model needs --tokenizer-type "
+                "SentencePieceTokenizer");
+  }
+  if (!training.tokenizer_type.empty()) {
+    // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
+    if (!training.tokenizer_model.empty()) {
+      training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
+    }
+    const auto tokenizer =
+        make_tokenizer(TokenizerSpec{training.tokenizer_type, training.tokenizer_model,
+                                     training.vocab_file, training.merge_file, model.vocab_size});
     training.tokenizer_vocab_size = tokenizer->vocab_size();
     training.eod_id = tokenizer->eod();
     model.vocab_size =
         padded_vocab_size(tokenizer->vocab_size(), training.make_vocab_size_divisible_by,
                           model.tensor_model_parallel_size);
-  } else if (!training.tokenizer_type.empty()) {
-    TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
-                "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
-    // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
-    if (!training.tokenizer_model.empty()) {
-      training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
-    }
-    const auto tokenizer = make_tokenizer(training.tokenizer_type, training.tokenizer_model);
-    training.tokenizer_vocab_size = tokenizer->vocab_size();
-    training.eod_id = tokenizer->eod();
-    model.vocab_size = padded_vocab_size(tokenizer->vocab_size(),
-                                         training.make_vocab_size_divisible_by,
-                                         model.tensor_model_parallel_size);
-  } else {
-    TORCH_CHECK(training.tokenizer_model.empty(), "--tokenizer-model needs --tokenizer-type "
-                "SentencePieceTokenizer");
   }
   model.validate();
   training.validate(model);

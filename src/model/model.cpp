@@ -635,8 +635,9 @@ at::Tensor GPTModel::forward_stage(const at::Tensor& tokens, const at::Tensor& l
   ModuleScope scope("loss");
   // At 16 bits the loss is computed in fp32 (Megatron's vocab_parallel_cross_entropy of
   // output.float()): the cast keeps nothing, the log-softmax keeps its fp32 output.
-  at::Tensor loss = at::cross_entropy_loss(out.reshape({-1, v}).to(compute_dtype(out.scalar_type())),
-                                           labels.t().reshape({-1}));
+  at::Tensor loss = at::cross_entropy_loss(
+      out.reshape({-1, v}).to(compute_dtype(out.scalar_type())), labels.t().reshape({-1}),
+      /*weight=*/{}, loss_sum_ ? at::Reduction::Sum : at::Reduction::Mean);
   timeline_mark("fwd loss");
   return loss;
 }

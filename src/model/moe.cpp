@@ -116,6 +116,34 @@ struct AuxLossScaler : torch::autograd::Function<AuxLossScaler> {
   }
 };
 
+// Megatron's RouterGatingLinearFunction (megatron/core/transformer/moe/moe_utils.py): the
+// router's logits computed in --moe-router-dtype from the input and weight in their own type;
+// backward in the router's type, each gradient cast back to its tensor's type. It saves the
+// input as it came (not its fp32/fp64 copy), as Megatron's does. Without a bias, `bias` is an
+// empty tensor (an undefined one cannot pass through apply).
+struct RouterGatingLinear : torch::autograd::Function<RouterGatingLinear> {
+  static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& input,
+                            const at::Tensor& weight, const at::Tensor& bias,
+                            int64_t router_dtype) {
+    const auto dt = static_cast<at::ScalarType>(router_dtype);
+    ctx->save_for_backward({input, weight, bias});
+    ctx->saved_data["dtype"] = router_dtype;
+    const at::Tensor w = weight.to(dt).t();
+    return bias.numel() > 0 ? at::addmm(bias.to(dt), input.to(dt), w) : at::mm(input.to(dt), w);
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grads) {
+    const auto saved = ctx->get_saved_variables();
+    const at::Tensor &input = saved[0], &weight = saved[1], &bias = saved[2];
+    const auto dt = static_cast<at::ScalarType>(ctx->saved_data["dtype"].toInt());
+    const at::Tensor& g = grads[0];
+    at::Tensor grad_input = at::mm(g, weight.to(dt)).to(input.scalar_type());
+    at::Tensor grad_weight = at::mm(g.t(), input.to(dt)).to(weight.scalar_type());
+    at::Tensor grad_bias = bias.numel() > 0 ? g.sum(0).to(weight.scalar_type()) : at::Tensor();
+    return {grad_input, grad_weight, grad_bias, at::Tensor()};
+  }
+};
+
 // The tokens each expert keeps under a capacity: per expert (column) the `capacity` rows with
 // the largest key, ties by token order (a stable sort, so the choice does not depend on the
 // kernel; Megatron's torch.topk leaves the order of ties unspecified).
@@ -144,7 +172,15 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
   // Megatron attaches the auxiliary losses only while training with grad enabled (so not in a
   // recompute's first, graph-less forward; its replay attaches them).
   const bool attach = is_training() && at::GradMode::is_enabled();
-  at::Tensor logits = at::linear(h, weight, bias);  // [T, E] in the input's type
+  // [T, E] in the input's type, or in --moe-router-dtype's (Megatron's router_gating_linear).
+  const at::ScalarType router_dtype = c.moe_router_dtype == "fp64"   ? at::kDouble
+                                      : c.moe_router_dtype == "fp32" ? at::kFloat
+                                                                     : h.scalar_type();
+  at::Tensor logits = router_dtype == h.scalar_type()
+                          ? at::linear(h, weight, bias)
+                          : RouterGatingLinear::apply(
+                                h, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
+                                static_cast<int64_t>(router_dtype));
   // With sequence parallelism (required for MoE under tensor parallelism) this rank routes its
   // s/t tokens; the router's weight gradient is summed over the tensor ranks (it is a sequence-
   // parallel parameter, GPTModel::sequence_parallel_parameters), so each rank's share of the
@@ -342,8 +378,9 @@ at::Tensor Experts::activation(const at::Tensor& fc1, const at::Tensor& probs) c
   } else {
     act = at::gelu(fc1);
   }
-  // Megatron applies the routing weight here, before fc2 (since core_v0.13).
-  act = act * probs.unsqueeze(-1);
+  // Megatron applies the routing weight here, before fc2 (since core_v0.13), the product back
+  // in the activation's type (probabilities in --moe-router-dtype's are wider).
+  act = (act * probs.unsqueeze(-1)).to(act.scalar_type());
   if (dropout_ > 0.0 && is_training()) {
     // actmem's expert dropout (Megatron has none): each expert-parallel rank draws from its own
     // stream, seed + 1024 + 100 * ep_rank + etp_rank (model_parallel_manual_seed).
@@ -383,7 +420,9 @@ at::Tensor Experts::forward(const at::Tensor& x, const std::vector<int64_t>& cou
     }
     ModuleScope s("linear_fc2");
     at::Tensor y = at::linear(act, e.fc2_weight);
-    if (e.fc2_bias.defined() && fc2_bias_here_) y = y + e.fc2_bias * ps.unsqueeze(-1);
+    if (e.fc2_bias.defined() && fc2_bias_here_) {
+      y = y + (e.fc2_bias * ps.unsqueeze(-1)).to(y.scalar_type());
+    }
     outs.push_back(y);
     offset += counts[j];
   }
@@ -435,7 +474,8 @@ at::Tensor Experts::forward_grouped(const at::Tensor& x, const std::vector<int64
     std::vector<at::Tensor> rows;
     int64_t offset = 0;
     for (size_t j = 0; j < counts.size(); ++j) {
-      rows.push_back(linear_fc2->biases[j] * probs.narrow(0, offset, counts[j]).unsqueeze(-1));
+      rows.push_back((linear_fc2->biases[j] * probs.narrow(0, offset, counts[j]).unsqueeze(-1))
+                         .to(y.scalar_type()));
       offset += counts[j];
     }
     y = y + at::cat(rows, 0);

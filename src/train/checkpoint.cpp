@@ -811,11 +811,27 @@ void load_model_state(GPTModel& model, const c10::impl::GenericDict& ckpt, const
 
 TransformerConfig config_from_args(const nlohmann::json& a) {
   TransformerConfig c;
-  auto get = [&a](const char* key, auto& field) {
-    if (a.contains(key) && !a[key].is_null()) field = a[key].get<std::decay_t<decltype(field)>>();
+  // A field of the wrong JSON type (a damaged or hand-edited checkpoint) is a clear error naming
+  // it, not nlohmann's type_error escaping the library's TORCH_CHECK contract.
+  auto read = [&a](const char* key, auto& field) {
+    try {
+      field = a[key].get<std::decay_t<decltype(field)>>();
+    } catch (const nlohmann::json::exception&) {
+      const std::string value = a[key].dump();
+      TORCH_CHECK(false, "actmem::config_from_args: the checkpoint's args field ", key, " is ",
+                  value.size() > 64 ? value.substr(0, 64) + "..." : value,
+                  ", not a value of the field's type");
+    }
   };
-  auto get_opt = [&a](const char* key, auto& field) {  // an optional field; null = unset
-    if (a.contains(key) && !a[key].is_null()) field = a[key].get<typename std::decay_t<decltype(field)>::value_type>();
+  auto get = [&a, &read](const char* key, auto& field) {
+    if (a.contains(key) && !a[key].is_null()) read(key, field);
+  };
+  auto get_opt = [&a, &read](const char* key, auto& field) {  // an optional field; null = unset
+    if (a.contains(key) && !a[key].is_null()) {
+      typename std::decay_t<decltype(field)>::value_type v{};
+      read(key, v);
+      field = v;
+    }
   };
   get("num_layers", c.num_layers);
   get("hidden_size", c.hidden_size);
@@ -838,9 +854,11 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("apply_layernorm_1p", c.layernorm_zero_centered_gamma);
   get("qk_layernorm", c.qk_layernorm);
   get("attention_output_gate", c.attention_output_gate);
-  if (a.contains("kv_channels") && !a["kv_channels"].is_null() && c.num_attention_heads > 0 &&
-      a["kv_channels"].get<int64_t>() * c.num_attention_heads != c.hidden_size) {
-    c.kv_channels_arg = a["kv_channels"].get<int64_t>();
+  std::optional<int64_t> kv_channels;
+  get_opt("kv_channels", kv_channels);
+  if (kv_channels && c.num_attention_heads > 0 &&
+      *kv_channels * c.num_attention_heads != c.hidden_size) {
+    c.kv_channels_arg = kv_channels;
   }
   get("untie_embeddings_and_output_weights", c.untie_embeddings_and_output_weights);
   get("init_method_std", c.init_method_std);
@@ -870,6 +888,7 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
     get("moe_layer_freq", c.moe_layer_freq);
     get("moe_router_score_function", c.moe_router_score_function);
     get("moe_router_pre_softmax", c.moe_router_pre_softmax);
+    get("moe_router_dtype", c.moe_router_dtype);  // null: the model's type
     get_opt("moe_router_topk_scaling_factor", c.moe_router_topk_scaling_factor);
     get_opt("moe_shared_expert_intermediate_size", c.moe_shared_expert_intermediate_size);
     get("moe_shared_expert_gate", c.moe_shared_expert_gate);

@@ -72,7 +72,7 @@ std::vector<at::Tensor> select(const std::vector<at::Tensor>& grads,
 // Megatron's finish_grad_sync: every data-parallel rank's gradients, each scaled by 1/d, summed
 // over its group (one flat all-reduce per group after backward, or the overlapped buckets).
 void reduce_data_parallel(const ParameterGroups& groups, const std::vector<at::Tensor>& grads,
-                          GradReducer* reducer) {
+                          GradReducer* reducer, bool per_token) {
   const TensorParallelGroup& dp = data_parallel_group();
   if (dp.size == 1) return;
   if (reducer != nullptr) {
@@ -84,7 +84,8 @@ void reduce_data_parallel(const ParameterGroups& groups, const std::vector<at::T
   // experts, summed over the expert-data-parallel group (world / (t e)), take the same 1/d
   // (Megatron's expert_gradient_scaling_factor), so every weight ends with the mean over the
   // global batch.
-  const double scale = 1.0 / static_cast<double>(dp.size);
+  // Per-token loss: a plain sum (Megatron's gradient_scaling_factor 1.0).
+  const double scale = per_token ? 1.0 : 1.0 / static_cast<double>(dp.size);
   for (const auto& g : groups.data_parallel_groups()) {
     const TensorParallelGroup& group = *g.group;
     reduce_as_one(select(grads, g.params), [scale, &group](at::Tensor flat) {
@@ -95,8 +96,8 @@ void reduce_data_parallel(const ParameterGroups& groups, const std::vector<at::T
 }  // namespace
 
 void finalize_model_grads(const ParameterGroups& groups, const std::vector<at::Tensor>& grads,
-                          GradReducer* reducer) {
-  reduce_data_parallel(groups, grads, reducer);
+                          GradReducer* reducer, std::optional<double> per_token_loss_tokens) {
+  reduce_data_parallel(groups, grads, reducer, per_token_loss_tokens.has_value());
   if (!groups.sequence_parallel().empty()) {
     // Sequence parallelism: norms and row-parallel biases saw this rank's tokens only; their
     // gradients are summed over the ranks (one flat all-reduce), then equal everywhere. At 16
@@ -111,6 +112,12 @@ void finalize_model_grads(const ParameterGroups& groups, const std::vector<at::T
     at::NoGradGuard no_grad;
     at::Tensor g = grads[static_cast<size_t>(groups.tied_embedding())];
     g.copy_(group_all_reduce_sum(embedding_group(), g));
+  }
+  if (per_token_loss_tokens) {
+    // Megatron's finalize_model_grads with num_tokens: every gradient times 1 / max(tokens, 1).
+    at::NoGradGuard no_grad;
+    const double scaling = 1.0 / std::max(*per_token_loss_tokens, 1.0);
+    for (auto g : grads) g.mul_(scaling);
   }
 }
 

@@ -90,6 +90,7 @@ nlohmann::json to_json(const IterationStats& s) {
       {"grad_norm", s.skipped ? nlohmann::json(nullptr) : nlohmann::json(s.grad_norm)},
       {"grad_digest", s.grad_digest},
       {"lr", s.lr},
+      {"decoupled_lr", s.decoupled_lr ? nlohmann::json(*s.decoupled_lr) : nlohmann::json(nullptr)},
       {"consumed_samples", s.consumed_samples},
       {"elapsed_s", s.elapsed_s},
       {"loss_scale", s.loss_scale},

@@ -120,10 +120,41 @@ class AccumulateIntoMainGrad : public torch::autograd::FunctionPostHook {
 };
 }  // namespace
 
+AdamWGroups::AdamWGroups(const std::vector<at::Tensor>& params, const AdamWSettings& s,
+                         const std::vector<bool>& decoupled) {
+  TORCH_CHECK(decoupled.empty() || decoupled.size() == params.size(),
+              "actmem::AdamWGroups: one decoupled flag per parameter expected");
+  std::vector<torch::optim::OptimizerParamGroup> groups;
+  for (const bool d : {false, true}) {
+    std::vector<at::Tensor> members;
+    for (size_t i = 0; i < params.size(); ++i) {
+      if ((!decoupled.empty() && decoupled[i]) == d) members.push_back(params[i]);
+    }
+    if (members.empty()) continue;
+    groups.emplace_back(std::move(members));
+    group_decoupled_.push_back(d);
+  }
+  adamw_ = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(s.lr)
+                                                             .betas({s.beta1, s.beta2})
+                                                             .eps(s.eps)
+                                                             .weight_decay(s.weight_decay));
+}
+
+AdamWGroups::~AdamWGroups() = default;
+
+void AdamWGroups::set_lr(double lr, std::optional<double> decoupled_lr) {
+  auto& groups = adamw_->param_groups();
+  for (size_t g = 0; g < groups.size(); ++g) {
+    static_cast<torch::optim::AdamWOptions&>(groups[g].options())
+        .lr(group_decoupled_[g] ? decoupled_lr.value_or(lr) : lr);
+  }
+}
+
 MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_params,
                                                  const AdamWSettings& s, at::ScalarType grad_dtype,
                                                  std::optional<GradScaler> scaler,
-                                                 const OptimizerShards* shards)
+                                                 const OptimizerShards* shards,
+                                                 const std::vector<bool>& decoupled)
     : model_params_(std::move(model_params)), scaler_(std::move(scaler)), shards_(shards) {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < model_params_.size(); ++i) {
@@ -143,11 +174,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_p
     acc->add_post_hook(std::make_unique<AccumulateIntoMainGrad>(p, main_grad));
     grad_accumulators_.push_back(std::move(acc));  // keeps the hooked accumulator alive
   }
-  adamw_ = std::make_unique<torch::optim::AdamW>(
-      main_params_, torch::optim::AdamWOptions(s.lr)
-                        .betas({s.beta1, s.beta2})
-                        .eps(s.eps)
-                        .weight_decay(s.weight_decay));
+  adamw_ = std::make_unique<AdamWGroups>(main_params_, s, decoupled);
 }
 
 MixedPrecisionOptimizer::~MixedPrecisionOptimizer() = default;
@@ -171,10 +198,8 @@ bool MixedPrecisionOptimizer::unscale_and_check(const std::function<bool(bool)>&
   return found_inf;
 }
 
-void MixedPrecisionOptimizer::set_lr(double lr) {
-  for (auto& group : adamw_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
+void MixedPrecisionOptimizer::set_lr(double lr, std::optional<double> decoupled_lr) {
+  adamw_->set_lr(lr, decoupled_lr);
 }
 
 at::Tensor MixedPrecisionOptimizer::model_view(size_t i) const {
@@ -196,7 +221,7 @@ void MixedPrecisionOptimizer::step() {
           (shards_ ? shards_->shard(main_grads_[i], i) : main_grads_[i]).to(at::kFloat);
     }
   }
-  adamw_->step();
+  adamw_->adamw().step();
   for (size_t i = 0; i < main_params_.size(); ++i) {
     model_view(i).copy_(main_params_[i]);  // _copy_main_params_to_model_params
     if (main_grads_[i].scalar_type() != at::kFloat) main_params_[i].mutable_grad().reset();

@@ -12,24 +12,26 @@
 
 namespace actmem {
 
-double OptimizerParamScheduler::lr_at(int64_t step) const {
-  // OptimizerParamScheduler.get_lr at num_steps = the samples before this step.
+double OptimizerParamScheduler::lr_at(int64_t step, double max_lr, double min_lr) const {
+  // OptimizerParamScheduler.get_lr(param_group) at num_steps = the samples before this step,
+  // with the group's max_lr and min_lr.
   const auto& c = config_;
   const double num_steps = static_cast<double>((step - 1) * steps_.per_step);
   const double warmup = steps_.warmup, decay = static_cast<double>(steps_.decay);
   if (warmup > 0 && num_steps <= warmup) {
-    return c.lr_warmup_init + (c.lr - c.lr_warmup_init) * num_steps / warmup;
+    return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * num_steps / warmup;
   }
-  if (c.lr_decay_style == "constant") return c.lr;
-  if (num_steps > decay) return c.min_lr;
+  if (c.lr_decay_style == "constant") return max_lr;
+  if (num_steps > decay) return min_lr;
   const double ratio = (num_steps - warmup) / (decay - warmup);
   const double coeff =
       c.lr_decay_style == "linear" ? 1.0 - ratio : 0.5 * (std::cos(M_PI * ratio) + 1.0);
-  return c.min_lr + coeff * (c.lr - c.min_lr);
+  return min_lr + coeff * (max_lr - min_lr);
 }
 
 Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerConfig& model,
-                     const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards)
+                     const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards,
+                     const std::vector<bool>& decoupled)
     : params_(params), shards_(std::move(shards)) {
   const at::ScalarType dtype = params_dtype(model);
   if (is_16bit(dtype)) {
@@ -45,7 +47,7 @@ Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerCon
         params_,
         AdamWSettings{training.lr, training.adam_beta1, training.adam_beta2, training.adam_eps,
                       training.weight_decay},
-        training.fp32_main_grads(model) ? at::kFloat : dtype, scaler, shards_.get());
+        training.fp32_main_grads(model) ? at::kFloat : dtype, scaler, shards_.get(), decoupled);
     grads_ = mixed_->main_grads();
     return;
   }
@@ -65,24 +67,22 @@ Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerCon
       adamw_params_[i].mutable_grad() = shards_->shard(grads_[i], i);
     }
   }
-  adamw_ = std::make_unique<torch::optim::AdamW>(
-      adamw_params_, torch::optim::AdamWOptions(training.lr)
-                         .betas({training.adam_beta1, training.adam_beta2})
-                         .eps(training.adam_eps)
-                         .weight_decay(training.weight_decay));
+  adamw_ = std::make_unique<AdamWGroups>(
+      adamw_params_,
+      AdamWSettings{training.lr, training.adam_beta1, training.adam_beta2, training.adam_eps,
+                    training.weight_decay},
+      decoupled);
 }
 
 Optimizer::~Optimizer() = default;
 
-void Optimizer::begin_step(double lr) {
+void Optimizer::begin_step(double lr, std::optional<double> decoupled_lr) {
   if (mixed_) {
-    mixed_->set_lr(lr);
+    mixed_->set_lr(lr, decoupled_lr);
     mixed_->zero_grad();
     return;
   }
-  for (auto& group : adamw_->param_groups()) {
-    static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-  }
+  adamw_->set_lr(lr, decoupled_lr);
   for (auto& g : grads_) g.zero_();
 }
 
@@ -99,11 +99,13 @@ void Optimizer::step() {
     mixed_->step();  // its all-gather included
     return;
   }
-  adamw_->step();
+  adamw_->adamw().step();
   if (shards_) shards_->all_gather(params_);
 }
 
-torch::optim::AdamW& Optimizer::adamw() { return mixed_ ? mixed_->adamw() : *adamw_; }
+torch::optim::AdamW& Optimizer::adamw() {
+  return mixed_ ? mixed_->adamw() : adamw_->adamw();
+}
 
 const std::vector<at::Tensor>& Optimizer::adamw_params() const {
   return mixed_ ? mixed_->main_params() : adamw_params_;

@@ -7,6 +7,7 @@
 #include "actmem/offload/activation_offloader.h"
 #include "actmem/parallel/pipeline.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/train/throughput.h"
 
 #include <ATen/ATen.h>
 
@@ -181,9 +182,10 @@ struct LogWindow {
 };
 
 // One progress line, Megatron's fields in its order where it has them.
+// flops_per_rank_step: --log-throughput's model FLOPs per iteration / world size (else unset).
 void print_progress_line(std::ostream& os, const IterationStats& st, int64_t first, int64_t total,
                          const LogWindow& window, std::optional<double> loss_scale,
-                         bool capacity_factor) {
+                         bool capacity_factor, std::optional<double> flops_per_rank_step) {
   const int width = static_cast<int>(std::to_string(total).size());
   const double mean_step = window.time_s / static_cast<double>(window.steps);
   os << "iter " << std::setw(width) << st.iteration << "/" << total << " | loss " << std::fixed
@@ -212,9 +214,15 @@ void print_progress_line(std::ostream& os, const IterationStats& st, int64_t fir
          << "%";
     }
   }
-  os << " | lr " << std::scientific << std::setprecision(2) << st.lr << std::fixed << " | "
-     << std::setprecision(1) << mean_step * 1e3 << " ms/step | " << std::setprecision(0)
-     << st.tokens_per_s << " tok/s | peak "
+  os << " | lr " << std::scientific << std::setprecision(2) << st.lr;
+  if (st.decoupled_lr) os << " | decoupled lr " << *st.decoupled_lr;
+  os << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | ";
+  if (flops_per_rank_step) {
+    // Megatron's training_log with --log-throughput (per GPU there; per rank here).
+    os << "throughput per rank (TFLOP/s/rank): " << std::setprecision(3)
+       << tflops_per_rank(*flops_per_rank_step, mean_step, 1) << " | ";
+  }
+  os << std::setprecision(0) << st.tokens_per_s << " tok/s | peak "
      << format_bytes(static_cast<double>(st.peak_device_bytes)) << " | act "
      << format_bytes(static_cast<double>(st.activation_bytes));
   if (st.iteration < total) {
@@ -270,6 +278,16 @@ int Trainer::run(const RunOutput& out,
     }
   };
   LogWindow window;
+  std::optional<double> flops_per_rank;
+  if (config_.log_throughput) {
+    // Megatron's num_floating_point_operations(args, global batch) / world size.
+    const int64_t world =
+        tensor_parallel_group().size * data_parallel_group().size * pipeline_parallel_group().size;
+    flops_per_rank =
+        megatron_model_flops(model_config_, config_.global_batch(model_config_.micro_batch_size,
+                                                                 data_parallel_group().size)) /
+        static_cast<double>(world);
+  }
   for (int64_t it = first; it <= total; ++it) {
     const bool trace_now = out.trace != nullptr && it == traced;
     if (trace_now) set_trace(&recorder);
@@ -293,10 +311,10 @@ int Trainer::run(const RunOutput& out,
       st.val_loss = evaluate();
     }
     if (progress != nullptr && (it % config_.log_interval == 0 || it == first || it == total)) {
-      print_progress_line(*progress, st, first, total, window,
-                          optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale())
-                                                    : std::nullopt,
-                          model_config_.moe_expert_capacity_factor.has_value());
+      print_progress_line(
+          *progress, st, first, total, window,
+          optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt,
+          model_config_.moe_expert_capacity_factor.has_value(), flops_per_rank);
       window = LogWindow{};
     }
     if (progress != nullptr && st.val_loss) {

@@ -24,7 +24,7 @@ double forward_backward_no_pipelining(const ScheduleSpec& spec,
     const Computation c{m, 0, nullptr};
     observer.before_forward(c, tokens, labels, /*received=*/false);
     at::Tensor loss = spec.model->forward(tokens, labels);
-    if (n_micro > 1) loss = loss / static_cast<double>(n_micro);
+    if (n_micro > 1 && !spec.per_token_loss) loss = loss / static_cast<double>(n_micro);
     observer.after_forward(c, /*every_layer=*/false);
     // Megatron's no_sync for every micro-batch but the last.
     if (spec.grad_reducer != nullptr) spec.grad_reducer->set_last_microbatch(m == n_micro - 1);
@@ -109,7 +109,7 @@ double forward_backward_pipelining(const ScheduleSpec& spec, const PipelineP2P& 
     at::Tensor out = model.forward_stage(tokens, labels, f.input, chunk);
     model.set_checkpoint_every_layer(false);
     if (model.chunk_post_process(chunk)) {
-      if (n_micro > 1) out = out / static_cast<double>(n_micro);
+      if (n_micro > 1 && !spec.per_token_loss) out = out / static_cast<double>(n_micro);
       loss_sum += out.item<double>();
       f.loss = out;
       out = at::Tensor();

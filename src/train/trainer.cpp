@@ -150,8 +150,18 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     shards = std::make_unique<OptimizerShards>(groups_->params(), std::move(buckets),
                                                ddp_bucket_size(), groups_->tied_embedding());
   }
+  // --decoupled-lr: the word embedding and the output layer (Megatron's
+  // is_embedding_or_output_parameter, set in LanguageModule) in a group of their own.
+  std::vector<bool> decoupled;
+  if (config_.decoupled_lr) {
+    for (const at::Tensor& p : groups_->params()) {
+      decoupled.push_back(
+          (model_->word_embeddings.defined() && p.is_same(model_->word_embeddings)) ||
+          (model_->output_weight.defined() && p.is_same(model_->output_weight)));
+    }
+  }
   optimizer_ = std::make_unique<Optimizer>(groups_->params(), model_config_, config_,
-                                           std::move(shards));
+                                           std::move(shards), decoupled);
   if (config_.overlap_grad_reduce && data_parallel_group().size > 1) {
     // After the main-grad hooks (the optimizer's), so each parameter's hook sees its accumulated
     // gradient (Note [Overlapped gradient reduction] in grad_reducer.h). The routed experts
@@ -167,7 +177,8 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     }
     grad_reducer_ = std::make_unique<GradReducer>(
         std::move(buckets), *ddp_bucket_size(),
-        1.0 / static_cast<double>(data_parallel_group().size));
+        config_.calculate_per_token_loss ? 1.0  // Note [Per-token loss]
+                                         : 1.0 / static_cast<double>(data_parallel_group().size));
   }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   const ActivationPlan& plan = model_->plan();
@@ -254,7 +265,8 @@ IterationStats Trainer::train_step(bool compute_digest) {
   // The schedule advances with the optimizer steps taken: a skipped step (loss-scale overflow)
   // leaves it where it was, as Megatron's opt_param_scheduler.step only on a successful update.
   st.lr = scheduler_.next_lr();
-  optimizer_->begin_step(st.lr);
+  st.decoupled_lr = scheduler_.next_decoupled_lr();
+  optimizer_->begin_step(st.lr, st.decoupled_lr);
   st.loss_scale = optimizer_->loss_scale();
   if (offloader_) offloader_->begin_step();
 
@@ -263,7 +275,13 @@ IterationStats Trainer::train_step(bool compute_digest) {
   // What follows the backward is measured on its own (IterationStats::optimizer_peak_bytes).
   clock.peak = std::max(clock.peak, memory_.peak_bytes());
   memory_.reset_peak();
-  finalize_model_grads(*groups_, optimizer_->gradients(), grad_reducer_.get());
+  std::optional<double> step_tokens;  // Note [Per-token loss]
+  if (config_.calculate_per_token_loss) {
+    step_tokens = static_cast<double>(
+        config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size) *
+        model_config_.seq_length);
+  }
+  finalize_model_grads(*groups_, optimizer_->gradients(), grad_reducer_.get(), step_tokens);
   const auto t1 = Clock::now();
   st.skipped = found_inf();
   clock.busy_s += seconds_since(t1);
@@ -505,7 +523,23 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   // Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches): the auxiliary
   // losses are weighted in backward as the main loss is.
   model_->moe_stats().reset();
-  model_->set_moe_aux_loss_scale(optimizer_->loss_scale() / static_cast<double>(n_micro));
+  // Note [Per-token loss]
+  // Megatron's --calculate-per-token-loss: each micro-batch's loss is the sum over its loss
+  // tokens, backward from it undivided; the data-parallel reduction sums (no 1/d) and
+  // finalize_model_grads divides every gradient by the step's loss tokens over all micro-batches
+  // and data-parallel ranks (megatron/core/distributed/finalize_model_grads.py). The auxiliary
+  // MoE losses keep their weight: MoEAuxLossAutoScaler's scale without the 1/num_microbatches,
+  // and the router's multiplication by the micro-batch's tokens (router.py), which the final
+  // division takes back. actmem's batches have no loss mask (no padding, no --eod-mask-loss), so
+  // every micro-batch holds B s loss tokens and the count is known on every rank and stage
+  // without Megatron's broadcast from the last stage.
+  const bool per_token = config_.calculate_per_token_loss;
+  const double tokens_per_microbatch =
+      static_cast<double>(model_config_.micro_batch_size * model_config_.seq_length);
+  model_->set_moe_aux_loss_scale(per_token
+                                     ? optimizer_->loss_scale() * tokens_per_microbatch
+                                     : optimizer_->loss_scale() / static_cast<double>(n_micro));
+  model_->set_loss_sum(per_token);
   ScheduleSpec spec;
   spec.model = model_.get();
   spec.num_microbatches = n_micro;
@@ -513,6 +547,7 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   spec.grad_reducer = grad_reducer_.get();
   spec.partial_checkpoints = config_.num_microbatches_with_partial_activation_checkpoints;
   spec.microbatch_group_size = model_config_.microbatch_group_size();
+  spec.per_token_loss = per_token;
   double loss_sum = 0.0;
   if (pipeline_parallel_group().size > 1) {
     loss_sum = forward_backward_pipelined(st, clock, spec);
@@ -523,6 +558,10 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
     st.inflight_activation_bytes = st.activation_bytes;
     st.predicted_inflight_activation_bytes = st.predicted_activation_bytes;
   }
+  model_->set_loss_sum(false);
+  // The logged loss is the step's token mean either way (Megatron's train_step reports the
+  // summed losses over the summed tokens).
+  if (per_token) loss_sum /= tokens_per_microbatch * static_cast<double>(n_micro);
   finish_forward_backward(st, loss_sum);
 }
 

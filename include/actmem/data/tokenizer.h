@@ -4,6 +4,9 @@
 //   ByteTokenizer            ids 0..255 are the bytes of UTF-8 text, 256 is <eod> (vocab 257)
 //   SentencePieceTokenizer   a SentencePiece model (--tokenizer-model M.model), through
 //                            libsentencepiece; <eod> is the model's </s>
+//   GPT2BPETokenizer         GPT-2's byte-level BPE from --vocab-file vocab.json and
+//                            --merge-file merges.txt (gpt2_bpe.cpp); <eod> is <|endoftext|>
+//   NullTokenizer            --vocab-size ids written in decimal; <eod> is the last id
 //
 // The model's embedding table is the vocabulary padded as Megatron pads it
 // (--make-vocab-size-divisible-by, times the tensor-parallel size).
@@ -30,6 +33,17 @@ class Tokenizer {
   virtual std::string detokenize(const std::vector<int64_t>& ids) const = 0;
 };
 
+/// What builds a tokenizer: Megatron's --tokenizer-type and the file(s) or size it reads.
+struct TokenizerSpec {
+  std::string type;
+  std::string model;       // --tokenizer-model (the SentencePiece types)
+  std::string vocab_file;  // --vocab-file (GPT2BPETokenizer)
+  std::string merge_file;  // --merge-file (GPT2BPETokenizer)
+  int64_t vocab_size = 0;  // --vocab-size (NullTokenizer)
+};
+/// The tokenizer `spec` names; throws naming the flag a type lacks or has no use for.
+std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerSpec& spec);
+
 /// The tokenizer of `type`; SentencePieceTokenizer needs `model_path`. Throws naming the type
 /// or the file when either is unusable.
 /// Megatron's SentencePiece spellings (SentencePieceTokenizer, GPTSentencePieceTokenizer,
@@ -39,6 +53,12 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::st
 /// Megatron's NullTokenizer of `vocab_size` ids (null_tokenizer.py): end-of-document is the last
 /// id, vocab_size - 1; a text is its ids written in decimal, separated by spaces.
 std::unique_ptr<Tokenizer> make_null_tokenizer(int64_t vocab_size);
+
+/// Megatron's GPT2BPETokenizer: GPT-2's byte-level BPE as Hugging Face's GPT-2 tokenizer runs it
+/// from `vocab_file` (JSON {token: id}) and `merge_file` (merges in rank order); the vocabulary
+/// is vocab.json's entries, <eod> is <|endoftext|>. Throws naming a file that is unusable.
+std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file,
+                                                   const std::string& merge_file);
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp_size that
 /// holds vocab_size.

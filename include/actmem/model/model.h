@@ -160,6 +160,9 @@ class GPTModel : public torch::nn::Module {
   void set_moe_aux_loss_scale(double scale);
   /// TransformerBlock::set_checkpoint_every_layer for every model chunk of this stage.
   void set_checkpoint_every_layer(bool on);
+  /// The loss forward returns: the mean over the micro-batch's tokens (default), or their sum
+  /// (Megatron's --calculate-per-token-loss: loss_func's sum(losses * loss_mask)).
+  void set_loss_sum(bool on) { loss_sum_ = on; }
   /// What every layer keeps, recomputes or offloads (Note [One plan] in activation_plan.h).
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
@@ -196,6 +199,7 @@ class GPTModel : public torch::nn::Module {
   std::vector<TransformerConfig::StageLayers> chunks_;  // per model chunk
   std::vector<std::shared_ptr<TransformerBlock>> decoders_;  // per model chunk
   bool pre_process_ = true, post_process_ = true;
+  bool loss_sum_ = false;
   TransformerConfig config_;
   ActivationPlan plan_;
   at::ScalarType dtype_ = at::kFloat;

@@ -11,6 +11,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <optional>
 #include <vector>
 
 namespace actmem {
@@ -60,8 +61,12 @@ class ParameterGroups {
 /// sum (`reducer`'s overlapped buckets when set, else one flat all-reduce per group, each
 /// gradient scaled by 1/d first), then the sequence-parallel sum over the tensor-parallel ranks,
 /// then the tied embedding's sum over the embedding group. A collective.
+/// With `per_token_loss_tokens` (--calculate-per-token-loss: the step's loss tokens over every
+/// micro-batch and data-parallel rank) the data-parallel sum takes no 1/d, and every gradient is
+/// divided by the token count at the end (Note [Per-token loss] in trainer.cpp).
 void finalize_model_grads(const ParameterGroups& groups, const std::vector<at::Tensor>& grads,
-                          GradReducer* reducer);
+                          GradReducer* reducer,
+                          std::optional<double> per_token_loss_tokens = std::nullopt);
 
 /// clip_grad_norm_fp32's scaling: every gradient times max_norm / (norm + 1e-6) when that is
 /// below 1 (nothing when max_norm <= 0).

@@ -65,6 +65,24 @@ struct AdamWSettings {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
 };
 
+/// Megatron's parameter groups as far as the learning rate goes: `params` in AdamW groups, the
+/// ones `decoupled` marks (the word embedding and output layer, with --decoupled-lr) in a group
+/// of their own; `decoupled` empty or all false makes one group. AdamW steps each parameter on
+/// its own, so grouping changes no number.
+class AdamWGroups {
+ public:
+  AdamWGroups(const std::vector<at::Tensor>& params, const AdamWSettings& s,
+              const std::vector<bool>& decoupled);
+  ~AdamWGroups();
+  torch::optim::AdamW& adamw() { return *adamw_; }
+  /// The learning rate of every group: `decoupled_lr` for the decoupled one (lr without it).
+  void set_lr(double lr, std::optional<double> decoupled_lr);
+
+ private:
+  std::unique_ptr<torch::optim::AdamW> adamw_;
+  std::vector<bool> group_decoupled_;
+};
+
 /// A libtorch build may lack the kernels of a 16-bit type on a device (libtorch 1.13, which actmem
 /// once built on, had no float16 matmul, layer norm or softmax on CPU; 2.11 to 2.15 have them). Runs one tiny instance of each operation the
 /// model uses at `dtype` on `device`; returns the first error ("addmm_impl_cpu_" not implemented
@@ -80,7 +98,8 @@ class MixedPrecisionOptimizer {
   /// cover this rank's elements only, and step() ends with the all-gather of the parameters.
   MixedPrecisionOptimizer(std::vector<at::Tensor> model_params, const AdamWSettings& settings,
                           at::ScalarType grad_dtype, std::optional<GradScaler> scaler,
-                          const OptimizerShards* shards = nullptr);
+                          const OptimizerShards* shards = nullptr,
+                          const std::vector<bool>& decoupled = {});
   ~MixedPrecisionOptimizer();
   MixedPrecisionOptimizer(const MixedPrecisionOptimizer&) = delete;
   MixedPrecisionOptimizer& operator=(const MixedPrecisionOptimizer&) = delete;
@@ -100,12 +119,12 @@ class MixedPrecisionOptimizer {
   const std::optional<GradScaler>& scaler() const { return scaler_; }
   std::optional<GradScaler>& scaler() { return scaler_; }
   /// The AdamW that steps main_params() (its per-parameter state is what a checkpoint keeps).
-  torch::optim::AdamW& adamw() { return *adamw_; }
+  torch::optim::AdamW& adamw() { return adamw_->adamw(); }
   /// With a scaler: multiplies the main gradients by 1/scale and returns whether any is inf or
   /// NaN on any rank (`found_inf_any_rank` reduces the local flag, e.g. a max over the
   /// tensor-parallel group), then updates the scaler. Without one: false.
   bool unscale_and_check(const std::function<bool(bool)>& found_inf_any_rank);
-  void set_lr(double lr);
+  void set_lr(double lr, std::optional<double> decoupled_lr = std::nullopt);
   /// AdamW on the main parameters, then main -> model parameters (rounded to 16 bits).
   void step();
 
@@ -114,7 +133,7 @@ class MixedPrecisionOptimizer {
   at::Tensor model_view(size_t i) const;
   std::vector<at::Tensor> model_params_, main_params_, main_grads_;
   std::vector<compat::NodePtr> grad_accumulators_;
-  std::unique_ptr<torch::optim::AdamW> adamw_;
+  std::unique_ptr<AdamWGroups> adamw_;
   std::optional<GradScaler> scaler_;
   const OptimizerShards* shards_ = nullptr;
 };

@@ -23,6 +23,7 @@ class AdamW;
 
 namespace actmem {
 
+class AdamWGroups;
 class MixedPrecisionOptimizer;
 class OptimizerShards;
 
@@ -37,9 +38,18 @@ class OptimizerParamScheduler {
   OptimizerParamScheduler(const TrainingConfig& config, int64_t global_batch)
       : config_(config), steps_(lr_schedule_steps(config, global_batch)) {}
   /// The learning rate of optimizer step `step` (1-based).
-  double lr_at(int64_t step) const;
+  double lr_at(int64_t step) const { return lr_at(step, config_.lr, config_.min_lr); }
+  /// get_lr of a parameter group with its own max_lr and min_lr (the same warmup and decay).
+  double lr_at(int64_t step, double max_lr, double min_lr) const;
   /// The learning rate of the next step.
   double next_lr() const { return lr_at(num_steps_ + 1); }
+  /// --decoupled-lr's group (the word embedding and output layer): its rate for the next step,
+  /// from decoupled_lr to decoupled_min_lr (min_lr without it); unset without --decoupled-lr.
+  std::optional<double> next_decoupled_lr() const {
+    if (!config_.decoupled_lr) return std::nullopt;
+    return lr_at(num_steps_ + 1, *config_.decoupled_lr,
+                 config_.decoupled_min_lr.value_or(config_.min_lr));
+  }
   void step() { ++num_steps_; }
   /// Optimizer steps taken (a checkpoint records it in samples: times the global batch).
   int64_t num_steps() const { return num_steps_; }
@@ -58,8 +68,10 @@ class Optimizer {
  public:
   /// `params`: the model's parameters in order (their gradients are allocated here, once, for
   /// the whole run). `shards`: the distributed optimizer's layout, or null.
+  /// `decoupled`: per parameter, whether it follows --decoupled-lr (empty: none does).
   Optimizer(const std::vector<at::Tensor>& params, const TransformerConfig& model,
-            const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards);
+            const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards,
+            const std::vector<bool>& decoupled = {});
   ~Optimizer();
   Optimizer(const Optimizer&) = delete;
   Optimizer& operator=(const Optimizer&) = delete;
@@ -67,8 +79,9 @@ class Optimizer {
   /// One gradient per parameter: the parameters' own in fp32, the main-grad buffers at 16 bits
   /// (what reductions, the norm, the clip and the digest work on).
   const std::vector<at::Tensor>& gradients() const { return grads_; }
-  /// Sets the learning rate of the coming step and zeroes the gradients.
-  void begin_step(double lr);
+  /// Sets the learning rates of the coming step (decoupled_lr: the decoupled group's) and
+  /// zeroes the gradients.
+  void begin_step(double lr, std::optional<double> decoupled_lr = std::nullopt);
   /// The loss multiplier for backward: the loss scaler's scale, or 1.
   double loss_scale() const;
   /// True when backward runs from loss * loss_scale() (a loss scaler is set).
@@ -97,7 +110,7 @@ class Optimizer {
   // Declared before the optimizers, which use it.
   std::unique_ptr<OptimizerShards> shards_;
   std::vector<at::Tensor> adamw_params_;            // fp32 training: what adamw_ steps
-  std::unique_ptr<torch::optim::AdamW> adamw_;      // fp32 training
+  std::unique_ptr<AdamWGroups> adamw_;              // fp32 training
   std::unique_ptr<MixedPrecisionOptimizer> mixed_;  // --bf16 / --fp16
   std::vector<at::Tensor> grads_;
 };

@@ -56,12 +56,16 @@ struct ScheduleSpec {
   /// --num-microbatches-with-partial-activation-checkpoints (pipeline schedules only).
   std::optional<int64_t> partial_checkpoints;
   int64_t microbatch_group_size = 1;  // the interleaved schedule's
+  /// --calculate-per-token-loss: the model's losses are token sums, backward from them as they
+  /// are (Megatron's forward_step_calc_loss divides by neither the tokens nor the micro-batches).
+  bool per_token_loss = false;
 };
 
 using MicroBatch = std::pair<at::Tensor, at::Tensor>;  // tokens, labels on the device
 
 /// Each micro-batch's forward then its backward; `next_batch()` draws the next micro-batch when
-/// its forward is about to run. Returns the sum of the losses / num_microbatches (their mean).
+/// its forward is about to run. Returns the sum of the losses / num_microbatches (their mean;
+/// with per_token_loss the sum of the token sums).
 double forward_backward_no_pipelining(const ScheduleSpec& spec,
                                       const std::function<MicroBatch()>& next_batch,
                                       ScheduleObserver& observer);

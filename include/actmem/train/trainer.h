@@ -52,6 +52,8 @@ struct IterationStats {
   double grad_norm = 0.0;      // global L2 norm before clipping
   std::string grad_digest;     // bytes of every parameter gradient, before the optimizer step
   double lr = 0.0;
+  /// --decoupled-lr's group's rate for this step (the word embedding and output layer).
+  std::optional<double> decoupled_lr;
   /// Training samples consumed after this step (Megatron's consumed_train_samples).
   int64_t consumed_samples = 0;
   /// Seconds since run() started (0 outside run()).
