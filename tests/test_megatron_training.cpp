@@ -237,5 +237,43 @@ TEST(DecoupledLr, OnlyTheWordEmbeddingAndOutputLayerTakeIt) {
   }
 }
 
+TEST(GradReduceInBf16, MainGradsStayInBf16AndTrainTheSameModelClosely) {
+  // Megatron's --grad-reduce-in-bf16 (arguments.py: with --bf16 it turns
+  // accumulate_allreduce_grads_in_fp32 off): gradients accumulate and reduce in bf16 buffers.
+  const std::string dir = testing::fresh_temp_dir("grad_reduce_bf16");
+  const std::string model =
+      " train --num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 "
+      "--micro-batch-size 2 --global-batch-size 8 --threads 1 --eval-interval 0 --train-iters 3 "
+      "--bf16 --lr 1e-2 ";
+  auto r = testing::run_actmem(model + "--grad-reduce-in-bf16");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("gradients accumulated in bf16"), std::string::npos) << r.output;
+  // Close to fp32 buffers (bf16 sums round to 8 bits), on one process and two data-parallel ranks.
+  const Curve fp32 = train_curve(model, dir + "/fp32.jsonl");
+  const Curve bf16 = train_curve(model + "--grad-reduce-in-bf16", dir + "/bf16.jsonl");
+  const Curve dp = train_curve("launch --nproc-per-node 2 --" + model + "--grad-reduce-in-bf16",
+                               dir + "/dp.jsonl");
+  ASSERT_EQ(bf16.loss.size(), 3u);
+  EXPECT_NE(bf16.grad_norm, fp32.grad_norm);  // the buffers' type changed the numbers
+  for (size_t i = 0; i < 3; ++i) {
+    EXPECT_NEAR(bf16.loss[i], fp32.loss[i], 2e-2 * fp32.loss[i]) << i;
+    EXPECT_NEAR(bf16.grad_norm[i], fp32.grad_norm[i], 5e-2 * fp32.grad_norm[i]) << i;
+    EXPECT_NEAR(dp.loss[i], bf16.loss[i], 2e-2 * bf16.loss[i]) << i;
+  }
+  // Exactness under it: full recompute with dropout on is bitwise the plain run.
+  const Curve recompute = train_curve(model +
+                                          "--grad-reduce-in-bf16 --recompute-granularity full "
+                                          "--recompute-method uniform --recompute-num-layers 1",
+                                      dir + "/recompute.jsonl");
+  EXPECT_EQ(recompute.loss, bf16.loss);
+  EXPECT_EQ(recompute.grad_norm, bf16.grad_norm);
+  r = testing::run_actmem(model.substr(0, model.find("--bf16")) + "--grad-reduce-in-bf16");
+  EXPECT_NE(r.stderr_text.find("--grad-reduce-in-bf16 applies to --bf16"), std::string::npos)
+      << r.output;
+  r = testing::run_actmem(model + "--grad-reduce-in-bf16 --accumulate-allreduce-grads-in-fp32");
+  EXPECT_NE(r.stderr_text.find("contradict each other"), std::string::npos) << r.output;
+  std::filesystem::remove_all(dir);
+}
+
 }  // namespace
 }  // namespace actmem

@@ -915,7 +915,17 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
   // Mixed precision (Megatron's arguments.py and optimizer/__init__.py).
   TORCH_CHECK(!(model.bf16 && accumulate_allreduce_grads_in_fp32 == false),
               "actmem::TrainingConfig: bf16 accumulates and reduces gradients in fp32 (Megatron "
-              "forces accumulate_allreduce_grads_in_fp32 with bf16); it cannot be turned off");
+              "forces accumulate_allreduce_grads_in_fp32 with bf16); --grad-reduce-in-bf16 keeps "
+              "them in bf16");
+  // Megatron reads --grad-reduce-in-bf16 only with --bf16, where it overrides
+  // --accumulate-allreduce-grads-in-fp32; here the two together, or the flag without bf16,
+  // are refused rather than one silently dropped.
+  TORCH_CHECK(!grad_reduce_in_bf16 || model.bf16,
+              "actmem::TrainingConfig: --grad-reduce-in-bf16 "
+              "applies to --bf16 training");
+  TORCH_CHECK(!(grad_reduce_in_bf16 && accumulate_allreduce_grads_in_fp32.value_or(false)),
+              "actmem::TrainingConfig: --grad-reduce-in-bf16 and "
+              "--accumulate-allreduce-grads-in-fp32 contradict each other");
   TORCH_CHECK(!accumulate_allreduce_grads_in_fp32.value_or(false) || model.bf16 || model.fp16,
               "actmem::TrainingConfig: accumulate_allreduce_grads_in_fp32 applies to --bf16 or "
               "--fp16 (fp32 training already accumulates in fp32)");
@@ -1039,6 +1049,7 @@ nlohmann::json to_json(const TrainingConfig& t) {
       {"accumulate_allreduce_grads_in_fp32",
        t.accumulate_allreduce_grads_in_fp32 ? nlohmann::json(*t.accumulate_allreduce_grads_in_fp32)
                                             : nlohmann::json(nullptr)},
+      {"grad_reduce_in_bf16", t.grad_reduce_in_bf16},
       {"loss_scale", t.loss_scale ? nlohmann::json(*t.loss_scale) : nlohmann::json(nullptr)},
       {"initial_loss_scale", t.initial_loss_scale},
       {"min_loss_scale", t.min_loss_scale},

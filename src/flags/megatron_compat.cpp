@@ -43,7 +43,6 @@ const std::vector<CompatFlag>& compat_flags() {
       // Megatron semantics planned here (class 1 in docs/megatron-flags.md), refused until then.
       {"--log-memory-to-tensorboard", 0, nullptr, kNotYet},
       {"--step-batch-size-schedule", 1, nullptr, kNotYet},
-      {"--grad-reduce-in-bf16", 0, nullptr, kNotYet},
       {"--use-mcore-models", 0,
        "deprecated in Megatron and ignored there too (mcore models are "
        "its default)",

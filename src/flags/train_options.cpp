@@ -456,7 +456,11 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   app.add_flag_function(
       "--accumulate-allreduce-grads-in-fp32",
       [&t](int64_t) { t.accumulate_allreduce_grads_in_fp32 = true; },
-      "Accumulate and reduce gradients in fp32 main-grad buffers (always on with --bf16)");
+      "Accumulate and reduce gradients in fp32 main-grad buffers (on with --bf16 unless "
+      "--grad-reduce-in-bf16)");
+  app.add_flag("--grad-reduce-in-bf16", t.grad_reduce_in_bf16,
+               "With --bf16: accumulate and reduce gradients in bf16 main-grad buffers "
+               "(Megatron's; halves their memory and the reduction's bytes)");
   app.add_option_function<double>(
          "--loss-scale", [&t](const double& v) { t.loss_scale = v; },
          "Constant loss scale (16-bit runs; default: dynamic with --fp16, none with --bf16)")

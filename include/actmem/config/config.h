@@ -375,6 +375,9 @@ struct TrainingConfig {
   /// Gradients accumulated across micro-batches (and reduced) in fp32 main-grad buffers. Unset
   /// means Megatron's default: on with --bf16 (forced), off with --fp16.
   std::optional<bool> accumulate_allreduce_grads_in_fp32;
+  /// Megatron's --grad-reduce-in-bf16: with bf16, the main-grad buffers (gradient accumulation
+  /// and the data-parallel reduction) in bf16 instead of fp32.
+  bool grad_reduce_in_bf16 = false;
   /// Constant loss scale (--loss-scale); unset means dynamic scaling with --fp16, none with bf16.
   std::optional<double> loss_scale;
   /// Dynamic loss scaling (--fp16 without --loss-scale): Megatron's DynamicGradScaler.
@@ -454,7 +457,7 @@ struct TrainingConfig {
 
   /// accumulate_allreduce_grads_in_fp32 with Megatron's default for `model`'s precision.
   bool fp32_main_grads(const TransformerConfig& model) const {
-    return model.bf16 || accumulate_allreduce_grads_in_fp32.value_or(false);
+    return model.bf16 ? !grad_reduce_in_bf16 : accumulate_allreduce_grads_in_fp32.value_or(false);
   }
   /// Whether `model` trains with a dynamic loss scale (fp16 without a constant --loss-scale).
   bool dynamic_loss_scale(const TransformerConfig& model) const {
