@@ -196,6 +196,16 @@ TEST(MegatronFlags, MockDataTrainsOnMegatronsGeneratedDocuments) {
   EXPECT_EQ(log.config["corpus"]["documents"], 100000);
   EXPECT_EQ(log.config["corpus"]["memory_mapped"], false);
   EXPECT_EQ(log.config["training"]["mock_data"], true);
+  // `generate` rebuilds the NullTokenizer from the checkpoint's args (its --vocab-size there).
+  r = run_actmem(kTiny +
+                 "--train-iters 1 --mock-data --tokenizer-type NullTokenizer "
+                 "--vocab-size 300 --save " +
+                 dir + "/ckpt");
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  r = run_actmem("generate --load " + dir + "/ckpt --prompt '1 2 3' --max-new-tokens 2");
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(r.output.rfind("1 2 3 ", 0), 0u) << r.output;
+  std::filesystem::remove_all(dir + "/ckpt");
   // The indices are cached only where --data-cache-path says (Megatron's rule for a mock).
   int cached = 0;
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
