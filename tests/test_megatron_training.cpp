@@ -17,14 +17,9 @@ namespace actmem {
 namespace {
 
 TransformerConfig flops_base() {
-  TransformerConfig c;
-  c.num_layers = 4;
-  c.hidden_size = 64;
-  c.ffn_hidden_size = 256;
-  c.num_attention_heads = 4;
+  TransformerConfig c = testing::shaped_model(4, 64, 4, 256, 32, 1);
   c.kv_channels_arg = 16;
   c.vocab_size = 512;  // padded
-  c.seq_length = 32;
   return c;
 }
 

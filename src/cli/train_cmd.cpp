@@ -454,6 +454,9 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   }
   const int64_t global_batch =
       trainer.config().global_batch(o.model.micro_batch_size, actmem::data_parallel_group().size);
+  // --log-throughput's model FLOPs of one iteration (Megatron's num_floating_point_operations).
+  const double step_flops =
+      trainer.config().log_throughput ? actmem::megatron_model_flops(o.model, global_batch) : 0.0;
   double last_logged_elapsed = 0.0;
   int64_t last_logged_iteration = trainer.iteration();
   auto write_tensorboard = [&](const actmem::IterationStats& st) {
@@ -476,11 +479,9 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       tensorboard->add_scalar("iteration-time", seconds, st.iteration);
       if (trainer.config().log_throughput) {
         // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here).
-        tensorboard->add_scalar(
-            "throughput",
-            actmem::tflops_per_rank(actmem::megatron_model_flops(o.model, global_batch), seconds,
-                                    dist.world_size),
-            st.iteration);
+        tensorboard->add_scalar("throughput",
+                                actmem::tflops_per_rank(step_flops, seconds, dist.world_size),
+                                st.iteration);
       }
       last_logged_elapsed = st.elapsed_s;
       last_logged_iteration = st.iteration;

@@ -84,8 +84,7 @@ void reduce_data_parallel(const ParameterGroups& groups, const std::vector<at::T
   // experts, summed over the expert-data-parallel group (world / (t e)), take the same 1/d
   // (Megatron's expert_gradient_scaling_factor), so every weight ends with the mean over the
   // global batch.
-  // Per-token loss: a plain sum (Megatron's gradient_scaling_factor 1.0).
-  const double scale = per_token ? 1.0 : 1.0 / static_cast<double>(dp.size);
+  const double scale = data_parallel_gradient_scale(per_token);
   for (const auto& g : groups.data_parallel_groups()) {
     const TensorParallelGroup& group = *g.group;
     reduce_as_one(select(grads, g.params), [scale, &group](at::Tensor flat) {
@@ -94,6 +93,10 @@ void reduce_data_parallel(const ParameterGroups& groups, const std::vector<at::T
   }
 }
 }  // namespace
+
+double data_parallel_gradient_scale(bool per_token_loss) {
+  return per_token_loss ? 1.0 : 1.0 / static_cast<double>(data_parallel_group().size);
+}
 
 void finalize_model_grads(const ParameterGroups& groups, const std::vector<at::Tensor>& grads,
                           GradReducer* reducer, std::optional<double> per_token_loss_tokens) {

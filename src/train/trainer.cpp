@@ -177,8 +177,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     }
     grad_reducer_ = std::make_unique<GradReducer>(
         std::move(buckets), *ddp_bucket_size(),
-        config_.calculate_per_token_loss ? 1.0  // Note [Per-token loss]
-                                         : 1.0 / static_cast<double>(data_parallel_group().size));
+        data_parallel_gradient_scale(config_.calculate_per_token_loss));
   }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
   const ActivationPlan& plan = model_->plan();

@@ -57,6 +57,11 @@ class ParameterGroups {
   std::vector<GradNormRole> grad_norm_roles_;
 };
 
+/// The factor each data-parallel rank's gradients take before the sum (Megatron's DDP
+/// gradient_scaling_factor): 1/d, or 1 under the per-token loss (Note [Per-token loss] in
+/// trainer.cpp). Both the flat reduction and the overlapped buckets (GradReducer) use it.
+double data_parallel_gradient_scale(bool per_token_loss);
+
 /// Megatron's finalize_model_grads on `grads` (one per parameter of `groups`): the data-parallel
 /// sum (`reducer`'s overlapped buckets when set, else one flat all-reduce per group, each
 /// gradient scaled by 1/d first), then the sequence-parallel sum over the tensor-parallel ranks,
