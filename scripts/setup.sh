@@ -79,11 +79,18 @@ if ! "$ACTMEM_PYTHON" -c 'import tensorboard' >/dev/null 2>&1; then
   echo "setup: installing tensorboard into $ACTMEM_VENV (the tests read event files with it)"
   $sudo "$ACTMEM_PYTHON" -m pip install --disable-pip-version-check -q "tensorboard==2.21.0"
 fi
-# Hugging Face's byte-level BPE, for the test of GPT2BPETokenizer (--vocab-file/--merge-file);
+# Hugging Face's byte-level BPE, for the tests of GPT2BPETokenizer (--vocab-file/--merge-file) and
+# HuggingFaceTokenizer;
 # its Python side needs none of its optional dependencies (no hub access in the tests).
 if ! "$ACTMEM_PYTHON" -c 'import tokenizers' >/dev/null 2>&1; then
   echo "setup: installing tokenizers into $ACTMEM_VENV (the tests compare GPT-2 BPE with it)"
   $sudo "$ACTMEM_PYTHON" -m pip install --disable-pip-version-check -q --no-deps "tokenizers==0.23.3"
+fi
+# OpenAI's tiktoken, for the test of TikTokenizer (Megatron builds its tiktoken.Encoding from the
+# vocabulary file; the encodings it would download are never used).
+if ! "$ACTMEM_PYTHON" -c 'import tiktoken' >/dev/null 2>&1; then
+  echo "setup: installing tiktoken into $ACTMEM_VENV (the tests compare TikTokenizer with it)"
+  $sudo "$ACTMEM_PYTHON" -m pip install --disable-pip-version-check -q --no-deps "tiktoken==0.14.0"
 fi
 
 unity=ON

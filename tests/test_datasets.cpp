@@ -306,12 +306,13 @@ TEST(Tokenizer, VocabularyIsPaddedAsMegatron) {
   const auto bytes = make_tokenizer("ByteTokenizer", "");
   EXPECT_EQ(bytes->vocab_size(), 257);
   EXPECT_EQ(bytes->eod(), 256);
-  expect_error_containing([] { make_tokenizer("TikTokenizer", ""); },
-                          "unknown --tokenizer-type 'TikTokenizer'");
+  expect_error_containing([] { make_tokenizer("BertWordPieceCase", ""); },
+                          "unknown --tokenizer-type 'BertWordPieceCase'");
   expect_error_containing([] { make_tokenizer("GPT2BPETokenizer", ""); },
                           "GPT2BPETokenizer needs --vocab-file (vocab.json) and --merge-file");
   expect_error_containing([] { make_tokenizer("ByteTokenizer", "x.model"); },
-                          "--tokenizer-model applies to SentencePieceTokenizer, not ByteTokenizer");
+                          "--tokenizer-model applies to SentencePieceTokenizer, TikTokenizer and "
+                          "HuggingFaceTokenizer, not ByteTokenizer");
   expect_error_containing([] { make_tokenizer("SentencePieceTokenizer", "/nonexistent.model"); },
                           "cannot read the SentencePiece model /nonexistent.model");
 }

@@ -3,6 +3,7 @@
 // naming flags of class 3 (docs/megatron-flags.md) only; without those it trains, and the notice
 // lists its class-2 flags.
 #include "actmem/parallel/distributed.h"
+#include "bpe_reference.h"
 #include "hf_bpe.h"
 #include "test_util.h"
 
@@ -297,6 +298,27 @@ TEST_F(ExampleScripts, Mixtral8x7bTrainsOnASentencePieceDatasetOrStopsWithClassT
 // would (a learning rate, a length, data, --save for their --save-interval) with the mock dataset
 // and a NullTokenizer in place of the Hugging Face tokenizer, which is refused (it needs the
 // transformers library).
+// A Hugging Face tokenizer in the shape the post-training file's model ships (bpe_reference.h),
+// trained on the built-in corpus: DIR/NAME holds its tokenizer.json and tokenizer_config.json.
+std::string hf_tokenizer(const std::string& dir, const std::string& name) {
+  nlohmann::json spec = {
+      {"name", name}, {"use_regex", false}, {"add_prefix_space", false}, {"vocab", 400}};
+  if (name == "deepseek") {
+    spec["splits"] = testing::kDeepSeekSplits;
+    spec["specials"] = {"<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"};
+    spec["bos"] = "<｜begin▁of▁sentence｜>";
+    spec["eos"] = "<｜end▁of▁sentence｜>";
+  } else {  // Qwen3's: NFC, its Split
+    spec["splits"] = {testing::kQwen2};
+    spec["nfc"] = true;
+    spec["specials"] = {"<|endoftext|>", "<|im_start|>", "<|im_end|>"};
+    spec["eos"] = "<|endoftext|>";
+  }
+  testing::train_reference_tokenizers(dir, nlohmann::json::array({spec}), {"x"},
+                                      nlohmann::json::object());
+  return dir + "/" + name;
+}
+
 std::vector<Flag> post_training_args(const std::string& dir) {
   return {{"--lr", "5.0e-5"},       {"--train-iters", "2"},  {"--global-batch-size", "2"},
           {"--mock-data"},          {"--log-interval", "1"}, {"--eval-interval", "0"},
@@ -347,6 +369,7 @@ TEST_F(ExampleScripts, DeepSeekV2LiteModelArgsTrainOrStopWithClassThreeOnly) {
             {"--seq-length", "32"},
             {"--max-position-embeddings", "32"},
             {"--tokenizer-type", "HuggingFaceTokenizer"},
+            {"--tokenizer-model", hf_tokenizer(dir_, "deepseek")},
             {"--make-vocab-size-divisible-by", "3200"},
             {"--attention-softmax-in-fp32"},
             {"--use-mcore-models"},
@@ -360,18 +383,12 @@ TEST_F(ExampleScripts, DeepSeekV2LiteModelArgsTrainOrStopWithClassThreeOnly) {
            {},
            3};
   for (auto f : post_training_args(dir_)) s.flags.push_back(f);
-  // Refused values of known flags, named by their errors.
+  // The refused value of a known flag, named by its error; the tokenizer (a local DeepSeek-shaped
+  // tokenizer.json) is read.
   auto r = run_actmem(command(s, {}));
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("HuggingFaceTokenizer"), std::string::npos) << r.output;
-  EXPECT_EQ(r.stderr_text.find("not expected"), std::string::npos) << r.output;
-  for (auto& f : s.flags) {
-    if (f[0] == "--tokenizer-type")
-      f = {"--tokenizer-type", "NullTokenizer", "--vocab-size", "300"};
-  }
-  r = run_actmem(command(s, {}));
-  EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("seq_aux_loss"), std::string::npos) << r.output;
+  EXPECT_EQ(r.stderr_text.find("not expected"), std::string::npos) << r.output;
   for (auto& f : s.flags) {
     if (f[0] == "--moe-router-load-balancing-type") f[1] = "aux_loss";
   }
@@ -409,8 +426,8 @@ TEST_F(ExampleScripts, Qwen3_30bA3bModelArgsTrainOrStopWithClassThreeOnly) {
             {"--moe-router-load-balancing-type", "aux_loss"},
             {"--seq-length", "32"},
             {"--max-position-embeddings", "64"},
-            {"--tokenizer-type", "NullTokenizer"},
-            {"--vocab-size", "300"},
+            {"--tokenizer-type", "HuggingFaceTokenizer"},
+            {"--tokenizer-model", hf_tokenizer(dir_, "qwen")},
             {"--make-vocab-size-divisible-by", "1187"},
             {"--use-mcore-models"},
             {"--rotary-percent", "1.0"},

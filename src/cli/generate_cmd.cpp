@@ -43,7 +43,9 @@ int run_generate(GenerateOptions& o) {
     return args.contains(key) && args[key].is_string() ? args[key].get<std::string>()
                                                        : std::string();
   };
-  TokenizerSpec spec{o.tokenizer_type, o.tokenizer_model, "", "", 0};
+  TokenizerSpec spec;
+  spec.type = o.tokenizer_type;
+  spec.model = o.tokenizer_model;
   if (spec.type.empty()) {
     spec.type = arg("tokenizer_type");
     if (spec.model.empty()) spec.model = arg("tokenizer_model");
@@ -51,6 +53,21 @@ int run_generate(GenerateOptions& o) {
     spec.merge_file = arg("merge_file");
     if (args.contains("tokenizer_vocab_size") && args["tokenizer_vocab_size"].is_number_integer()) {
       spec.vocab_size = args["tokenizer_vocab_size"].get<int64_t>();
+    }
+    if (spec.type == "TikTokenizer") {
+      spec.tiktoken_pattern = arg("tiktoken_pattern");
+      if (args.contains("tiktoken_num_special_tokens") &&
+          args["tiktoken_num_special_tokens"].is_number_integer()) {
+        spec.tiktoken_num_special_tokens = args["tiktoken_num_special_tokens"].get<int64_t>();
+      }
+      if (args.contains("special_tokens") && args["special_tokens"].is_array()) {
+        for (const auto& t : args["special_tokens"]) {
+          TORCH_CHECK(t.is_string(),
+                      "actmem generate: the checkpoint's special_tokens must be "
+                      "strings");
+          spec.special_tokens.push_back(t.get<std::string>());
+        }
+      }
     }
   }
   const std::string& type = spec.type;

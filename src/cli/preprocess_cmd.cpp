@@ -34,7 +34,11 @@ struct PreprocessOptions {
   std::string tokenizer_type;
   std::string tokenizer_model;
   std::string vocab_file, merge_file;  // GPT2BPETokenizer's
-  int64_t vocab_size = 0;  // > 0: train a SentencePiece model of this size first
+  // > 0: train a SentencePiece model of this size first; TikTokenizer's size (Megatron's meaning)
+  int64_t vocab_size = 0;
+  std::string tiktoken_pattern;  // TikTokenizer's
+  int64_t tiktoken_num_special_tokens = 1000;
+  std::vector<std::string> special_tokens;
   bool append_eod = false;
   int workers = 1;
 };
@@ -189,16 +193,27 @@ int run_preprocess(PreprocessOptions& o) {
   const auto parent = std::filesystem::path(o.output_prefix).parent_path();
   if (!parent.empty()) std::filesystem::create_directories(parent, ec);
 
-  if (o.vocab_size > 0) train_tokenizer_model(o, seconds);
+  const bool tiktoken = o.tokenizer_type == "TikTokenizer";
+  if (o.vocab_size > 0 && !tiktoken) train_tokenizer_model(o, seconds);
   TORCH_CHECK(!o.tokenizer_type.empty(),
-              "actmem preprocess: --tokenizer-type is required "
-              "(ByteTokenizer, SentencePieceTokenizer or GPT2BPETokenizer)");
+              "actmem preprocess: --tokenizer-type is required (ByteTokenizer, "
+              "SentencePieceTokenizer, GPT2BPETokenizer, TikTokenizer or HuggingFaceTokenizer)");
+  TokenizerSpec spec;
+  spec.type = o.tokenizer_type;
+  spec.model = o.tokenizer_model;
+  spec.vocab_file = o.vocab_file;
+  spec.merge_file = o.merge_file;
+  if (tiktoken) {
+    spec.vocab_size = o.vocab_size;
+    spec.tiktoken_pattern = o.tiktoken_pattern;
+    spec.tiktoken_num_special_tokens = o.tiktoken_num_special_tokens;
+    spec.special_tokens = o.special_tokens;
+  }
   // One tokenizer per worker: a SentencePiece tokenizer is a helper process, so workers that
   // shared one would wait for each other.
   std::vector<std::unique_ptr<Tokenizer>> tokenizers;
   for (int k = 0; k < o.workers; ++k) {
-    tokenizers.push_back(make_tokenizer(
-        TokenizerSpec{o.tokenizer_type, o.tokenizer_model, o.vocab_file, o.merge_file, 0}));
+    tokenizers.push_back(make_tokenizer(spec));
   }
   const Tokenizer* tok = tokenizers[0].get();
   const int code = optimal_dtype_code(tok->vocab_size());
@@ -277,13 +292,27 @@ Runner add_preprocess_command(CLI::App& app) {
       ->expected(1, -1);
   cmd->add_option("--output-prefix", o->output_prefix, "Output files: PREFIX_KEY_document.bin/.idx");
   cmd->add_option("--tokenizer-type", o->tokenizer_type,
-                  "ByteTokenizer, SentencePieceTokenizer or GPT2BPETokenizer")
-      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer"}));
-  cmd->add_option("--tokenizer-model", o->tokenizer_model, "SentencePiece model file (M.model)");
+                  "ByteTokenizer, SentencePieceTokenizer, GPT2BPETokenizer, TikTokenizer or "
+                  "HuggingFaceTokenizer")
+      ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPT2BPETokenizer",
+                             "TikTokenizer", "HuggingFaceTokenizer"}));
+  cmd->add_option("--tokenizer-model", o->tokenizer_model,
+                  "SentencePiece model file (M.model), TikTokenizer's V.json or "
+                  "HuggingFaceTokenizer's directory");
+  cmd->add_option("--tiktoken-pattern", o->tiktoken_pattern, "TikTokenizer's pattern (default v2)")
+      ->check(CLI::IsMember({"v1", "v2"}));
+  cmd->add_option("--tiktoken-num-special-tokens", o->tiktoken_num_special_tokens,
+                  "TikTokenizer's special ids")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{7}, int64_t{1} << 30));
+  cmd->add_option("--tokenizer-special-tokens", o->special_tokens, "TikTokenizer's special tokens")
+      ->expected(1, -1);
   cmd->add_option("--vocab-file", o->vocab_file, "GPT2BPETokenizer's vocab.json");
   cmd->add_option("--merge-file", o->merge_file, "GPT2BPETokenizer's merges.txt");
-  cmd->add_option("--vocab-size", o->vocab_size,
-                  "Train a SentencePiece model of this many pieces on the input first (PREFIX.model)")
+  cmd->add_option(
+         "--vocab-size", o->vocab_size,
+         "Train a SentencePiece model of this many pieces on the input first (PREFIX.model); "
+         "with TikTokenizer, its vocabulary size (default 2^17)")
       ->check(CLI::Range(int64_t{8}, int64_t{1} << 24));
   cmd->add_flag("--append-eod", o->append_eod, "Append the end-of-document token to each document");
   cmd->add_option("--workers", o->workers, "Tokenizer threads")

@@ -237,7 +237,10 @@ class NullTokenizer final : public Tokenizer {
   }
   std::string detokenize(const std::vector<int64_t>& ids) const override {
     std::string out;
-    for (size_t i = 0; i < ids.size(); ++i) out += (i ? " " : "") + std::to_string(ids[i]);
+    for (size_t i = 0; i < ids.size(); ++i) {
+      if (i > 0) out.push_back(' ');
+      out += std::to_string(ids[i]);
+    }
     return out;
   }
 
@@ -317,27 +320,40 @@ std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerSpec& spec) {
   const std::string& type = spec.type;
   const bool sentencepiece = type == "SentencePieceTokenizer" ||
                              type == "GPTSentencePieceTokenizer" || type == "Llama2Tokenizer";
-  TORCH_CHECK(spec.model.empty() || sentencepiece,
-              "actmem: --tokenizer-model applies to "
-              "SentencePieceTokenizer, not ",
+  const bool modeled = sentencepiece || type == "TikTokenizer" || type == "HuggingFaceTokenizer";
+  TORCH_CHECK(spec.model.empty() || modeled,
+              "actmem: --tokenizer-model applies to SentencePieceTokenizer, TikTokenizer and "
+              "HuggingFaceTokenizer, not ",
               type);
+  TORCH_CHECK((spec.tiktoken_pattern.empty() && spec.special_tokens.empty() &&
+               spec.tiktoken_num_special_tokens == 1000) ||
+                  type == "TikTokenizer",
+              "actmem: --tiktoken-pattern, --tiktoken-num-special-tokens and "
+              "--tokenizer-special-tokens are TikTokenizer's, not ",
+              type, "'s");
   TORCH_CHECK((spec.vocab_file.empty() && spec.merge_file.empty()) || type == "GPT2BPETokenizer",
               "actmem: --vocab-file and --merge-file are GPT2BPETokenizer's files, not ", type,
               "'s");
   if (type == "ByteTokenizer") return std::make_unique<ByteLevelTokenizer>();
   if (sentencepiece) return std::make_unique<SentencePieceTokenizer>(spec.model);
   if (type == "GPT2BPETokenizer") return make_gpt2_bpe_tokenizer(spec.vocab_file, spec.merge_file);
+  if (type == "TikTokenizer") return make_tiktoken_tokenizer(spec);
+  if (type == "HuggingFaceTokenizer") return make_hugging_face_tokenizer(spec.model);
   if (type == "NullTokenizer") {
     TORCH_CHECK(spec.vocab_size > 0, "actmem: --tokenizer-type NullTokenizer needs --vocab-size");
     return make_null_tokenizer(spec.vocab_size);
   }
   TORCH_CHECK(false, "actmem: unknown --tokenizer-type '", type,
               "'; expected ByteTokenizer, SentencePieceTokenizer (or Megatron's "
-              "GPTSentencePieceTokenizer, Llama2Tokenizer), GPT2BPETokenizer or NullTokenizer");
+              "GPTSentencePieceTokenizer, Llama2Tokenizer), GPT2BPETokenizer, TikTokenizer, "
+              "HuggingFaceTokenizer or NullTokenizer");
 }
 
 std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::string& model_path) {
-  return make_tokenizer(TokenizerSpec{type, model_path, "", "", 0});
+  TokenizerSpec spec;
+  spec.type = type;
+  spec.model = model_path;
+  return make_tokenizer(spec);
 }
 
 int64_t padded_vocab_size(int64_t vocab_size, int64_t divisible_by, int64_t tp_size) {

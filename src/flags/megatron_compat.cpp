@@ -91,11 +91,6 @@ const std::vector<CompatFlag>& compat_flags() {
        "deprecated in Megatron and ignored there (its batch-size "
        "calculator no longer reads it)",
        nullptr},
-      {"--tiktoken-pattern",
-       1,
-       "is read by Megatron only for --tokenizer-type TikTokenizer",
-       nullptr,
-       {"v1", "v2"}},
       {"--profile", 0,
        "starts the CUDA profiler (nsys) for a range of steps; actmem's --trace "
        "writes a Chrome trace of one step",
@@ -205,6 +200,19 @@ std::vector<std::string> check_megatron_compat_flags(const GivenFlags& flags,
     } else {
       notices.push_back(shown + ": " + no_effect);
     }
+  }
+  // TikTokenizer's settings with another tokenizer: Megatron's build_tokenizer reads them for
+  // TikTokenizer only.
+  if (o.training.tokenizer_type != "TikTokenizer") {
+    const std::string why = "is read by Megatron only for --tokenizer-type TikTokenizer";
+    const auto& t = o.training;
+    if (!t.tiktoken_pattern.empty())
+      notices.push_back("--tiktoken-pattern " + t.tiktoken_pattern + ": " + why);
+    if (t.tiktoken_num_special_tokens != 1000) {
+      notices.push_back("--tiktoken-num-special-tokens " +
+                        std::to_string(t.tiktoken_num_special_tokens) + ": " + why);
+    }
+    if (!t.special_tokens.empty()) notices.push_back("--tokenizer-special-tokens: " + why);
   }
   // Megatron's validate_args on what is accepted (arguments.py).
   if (given(flags, "--overlap-param-gather")) {

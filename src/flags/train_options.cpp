@@ -516,11 +516,27 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--tokenizer-type", t.tokenizer_type,
                  "Tokenizer the --data-path data was made with: ByteTokenizer, "
                  "SentencePieceTokenizer (Megatron's spellings GPTSentencePieceTokenizer and "
-                 "Llama2Tokenizer too), GPT2BPETokenizer (--vocab-file, --merge-file) or "
-                 "NullTokenizer with --vocab-size (sets the vocabulary)")
+                 "Llama2Tokenizer too), GPT2BPETokenizer (--vocab-file, --merge-file), "
+                 "TikTokenizer (--tokenizer-model V.json), HuggingFaceTokenizer (--tokenizer-model "
+                 "DIR, a local byte-level BPE tokenizer.json) or NullTokenizer with --vocab-size "
+                 "(sets the vocabulary)")
       ->check(CLI::IsMember({"ByteTokenizer", "SentencePieceTokenizer", "GPTSentencePieceTokenizer",
-                             "Llama2Tokenizer", "GPT2BPETokenizer", "NullTokenizer"}));
-  app.add_option("--tokenizer-model", t.tokenizer_model, "SentencePiece model file (M.model)");
+                             "Llama2Tokenizer", "GPT2BPETokenizer", "TikTokenizer",
+                             "HuggingFaceTokenizer", "NullTokenizer"}));
+  app.add_option("--tokenizer-model", t.tokenizer_model,
+                 "SentencePiece model file (M.model), TikTokenizer's vocabulary (V.json) or "
+                 "HuggingFaceTokenizer's directory (tokenizer.json)");
+  app.add_option("--tiktoken-pattern", t.tiktoken_pattern,
+                 "TikTokenizer's pre-tokenizing pattern (default v2; Megatron reads it for no "
+                 "other tokenizer)")
+      ->check(CLI::IsMember({"v1", "v2"}));
+  app.add_option("--tiktoken-num-special-tokens", t.tiktoken_num_special_tokens,
+                 "TikTokenizer's special ids before the vocabulary's")
+      ->capture_default_str()
+      ->check(integer_in_range(7, kMaxInt));
+  app.add_option("--tokenizer-special-tokens", t.special_tokens,
+                 "TikTokenizer's special tokens (default <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+      ->expected(1, -1);
   app.add_option("--vocab-file", t.vocab_file,
                  "GPT2BPETokenizer's vocab.json (with --merge-file; without --tokenizer-type they "
                  "choose GPT2BPETokenizer, pretrain_gpt.py's default)");
@@ -756,28 +772,41 @@ void TrainOptions::finalize() {
       if (!f->empty()) *f = std::filesystem::absolute(*f).string();
     }
   }
+  // Megatron reads the tiktoken settings for TikTokenizer only (build_tokenizer); elsewhere they
+  // are named in the notice of accepted flags (check_megatron_compat_flags).
+  const bool tiktoken = training.tokenizer_type == "TikTokenizer";
   if (training.tokenizer_type == "NullTokenizer") {
     // Megatron's NullTokenizer is --vocab-size ids (the last one ends documents), padded as any
     // tokenizer's vocabulary is (vocab_size_with_padding).
     TORCH_CHECK(vocab_size_given,
                 "--tokenizer-type NullTokenizer needs --vocab-size (Megatron's "
                 "NullTokenizer has that many ids, the last ending each document)");
-  } else if (!training.tokenizer_type.empty()) {
+  } else if (!training.tokenizer_type.empty() && !tiktoken) {
+    // (TikTokenizer's size is --vocab-size, default 2^17, as in Megatron's build_tokenizer.)
     TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
                 "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
-  } else {
+  } else if (!tiktoken) {
     TORCH_CHECK(training.tokenizer_model.empty(),
-                "--tokenizer-model needs --tokenizer-type "
-                "SentencePieceTokenizer");
+                "--tokenizer-model needs --tokenizer-type SentencePieceTokenizer, TikTokenizer "
+                "or HuggingFaceTokenizer");
   }
   if (!training.tokenizer_type.empty()) {
     // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
     if (!training.tokenizer_model.empty()) {
       training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
     }
-    const auto tokenizer =
-        make_tokenizer(TokenizerSpec{training.tokenizer_type, training.tokenizer_model,
-                                     training.vocab_file, training.merge_file, model.vocab_size});
+    TokenizerSpec spec;
+    spec.type = training.tokenizer_type;
+    spec.model = training.tokenizer_model;
+    spec.vocab_file = training.vocab_file;
+    spec.merge_file = training.merge_file;
+    spec.vocab_size = vocab_size_given ? model.vocab_size : 0;
+    if (tiktoken) {
+      spec.tiktoken_pattern = training.tiktoken_pattern;
+      spec.tiktoken_num_special_tokens = training.tiktoken_num_special_tokens;
+      spec.special_tokens = training.special_tokens;
+    }
+    const auto tokenizer = make_tokenizer(spec);
     training.tokenizer_vocab_size = tokenizer->vocab_size();
     training.eod_id = tokenizer->eod();
     model.vocab_size =

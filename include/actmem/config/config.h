@@ -403,6 +403,11 @@ struct TrainingConfig {
   /// GPT2BPETokenizer's files (--vocab-file vocab.json, --merge-file merges.txt).
   std::string vocab_file;
   std::string merge_file;
+  /// TikTokenizer's --tiktoken-pattern (empty: v2), --tiktoken-num-special-tokens and
+  /// --tokenizer-special-tokens (empty: Megatron's seven); Megatron reads them for no other type.
+  std::string tiktoken_pattern;
+  int64_t tiktoken_num_special_tokens = 1000;
+  std::vector<std::string> special_tokens;
   int64_t make_vocab_size_divisible_by = 128;
   /// The tokenizer's vocabulary before padding and its end-of-document id (set with
   /// tokenizer_type by TrainOptions::finalize; 0 and -1 without a tokenizer).

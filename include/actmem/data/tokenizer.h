@@ -7,6 +7,10 @@
 //   GPT2BPETokenizer         GPT-2's byte-level BPE from --vocab-file vocab.json and
 //                            --merge-file merges.txt (gpt2_bpe.cpp); <eod> is <|endoftext|>
 //   NullTokenizer            --vocab-size ids written in decimal; <eod> is the last id
+//   TikTokenizer             Megatron's tiktoken tokenizer from --tokenizer-model V.json
+//                            (tiktoken.cpp); <eod> is </s>
+//   HuggingFaceTokenizer     a local byte-level BPE tokenizer.json (--tokenizer-model DIR,
+//                            hf_tokenizer.cpp); <eod> is tokenizer_config.json's eos_token
 //
 // The model's embedding table is the vocabulary padded as Megatron pads it
 // (--make-vocab-size-divisible-by, times the tensor-parallel size).
@@ -36,10 +40,15 @@ class Tokenizer {
 /// What builds a tokenizer: Megatron's --tokenizer-type and the file(s) or size it reads.
 struct TokenizerSpec {
   std::string type;
-  std::string model;       // --tokenizer-model (the SentencePiece types)
+  std::string model;       // --tokenizer-model (SentencePiece, TikTokenizer, HuggingFaceTokenizer)
   std::string vocab_file;  // --vocab-file (GPT2BPETokenizer)
   std::string merge_file;  // --merge-file (GPT2BPETokenizer)
-  int64_t vocab_size = 0;  // --vocab-size (NullTokenizer)
+  int64_t vocab_size = 0;  // --vocab-size (NullTokenizer; TikTokenizer's, 0: 2^17)
+  // TikTokenizer's --tiktoken-pattern (empty: v2), --tiktoken-num-special-tokens and
+  // --tokenizer-special-tokens (empty: Megatron's seven).
+  std::string tiktoken_pattern;
+  int64_t tiktoken_num_special_tokens = 1000;
+  std::vector<std::string> special_tokens;
 };
 /// The tokenizer `spec` names; throws naming the flag a type lacks or has no use for.
 std::unique_ptr<Tokenizer> make_tokenizer(const TokenizerSpec& spec);
@@ -59,6 +68,15 @@ std::unique_ptr<Tokenizer> make_null_tokenizer(int64_t vocab_size);
 /// is vocab.json's entries, <eod> is <|endoftext|>. Throws naming a file that is unusable.
 std::unique_ptr<Tokenizer> make_gpt2_bpe_tokenizer(const std::string& vocab_file,
                                                    const std::string& merge_file);
+
+/// Megatron's TikTokenizer (TikTokenTokenizer): spec.model is the vocabulary file; see
+/// TokenizerSpec for the rest. Throws naming the flag or the file entry that is unusable.
+std::unique_ptr<Tokenizer> make_tiktoken_tokenizer(const TokenizerSpec& spec);
+
+/// Megatron's HuggingFaceTokenizer from a local directory holding tokenizer.json (or the file
+/// itself), for byte-level BPE tokenizers; throws naming what tokenizer.json holds that actmem
+/// does not read.
+std::unique_ptr<Tokenizer> make_hugging_face_tokenizer(const std::string& model);
 
 /// Megatron's _vocab_size_with_padding: the smallest multiple of divisible_by * tp_size that
 /// holds vocab_size.
