@@ -175,7 +175,8 @@ TEST(ExpertTensorParallel, TrainsLikeOneProcessWithinTolerance) {
   // (four processes), both dispatchers. Not bitwise: the experts' products are split over the
   // tensor ranks and summed, and the router's gradient is summed over the sequence shards.
   // SwiGLU experts with biases (one MLP per expert) too: each tensor rank keeps its slice of
-  // both gated halves, and fc2's bias is added once (by tensor rank 0).
+  // both gated halves, and fc2's bias is added once (by tensor rank 0). And seq_aux_loss: each
+  // sequence's counts summed over the tensor ranks' shards of it.
   std::map<std::string, json> reference;
   struct Case {
     int nproc, ep;
@@ -183,7 +184,7 @@ TEST(ExpertTensorParallel, TrainsLikeOneProcessWithinTolerance) {
   };
   for (const Case& k : {Case{2, 1, "alltoall", "base"}, Case{2, 1, "allgather", "base"},
                         Case{4, 2, "alltoall", "base"}, Case{4, 2, "allgather", "base"},
-                        Case{2, 1, "alltoall", "gated_bias"}}) {
+                        Case{2, 1, "alltoall", "gated_bias"}, Case{2, 1, "alltoall", "seq_aux"}}) {
     if (!reference.count(k.variant)) {
       const auto one = run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only",
                                        "plain", "--global-batch", "8", "--variant", k.variant});

@@ -251,7 +251,8 @@ TEST(TensorBoard, EventFilesAreReadByTensorBoardsOwnReader) {
       "--micro-batch-size 2 --threads 1 --train-iters 4 --eval-interval 2 --eval-iters 1 "
       "--log-interval 2 --lr-warmup-iters 2 --tensorboard-dir " +
       dir + "/tb --log-json " + dir +
-      "/log.jsonl --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard");
+      "/log.jsonl --log-validation-ppl-to-tensorboard --log-timers-to-tensorboard "
+      "--log-memory-to-tensorboard");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string script = dir + "/read.py";
   std::ofstream(script)
@@ -284,7 +285,11 @@ TEST(TensorBoard, EventFilesAreReadByTensorBoardsOwnReader) {
                                           "lm loss validation vs samples",
                                           "lm loss validation ppl",
                                           "lm loss validation ppl vs samples",
-                                          "iteration-time"};
+                                          "iteration-time",
+                                          "mem-reserved-bytes",
+                                          "mem-allocated-bytes",
+                                          "mem-max-allocated-bytes",
+                                          "mem-allocated-count"};
   EXPECT_EQ(tags, expected);
   const auto log = actmem::testing::read_json_log(dir + "/log.jsonl");
   ASSERT_EQ(log.iterations.size(), 4u);
@@ -314,6 +319,22 @@ TEST(TensorBoard, EventFilesAreReadByTensorBoardsOwnReader) {
   }
   EXPECT_EQ(val.size(), 2u);  // iterations 2 and 4
   EXPECT_EQ(series("iteration-time").size(), 2u);
+  // --log-memory-to-tensorboard: every iteration, the tracking allocator's numbers, which hold
+  // together as CUDA's do: the blocks held cover the bytes in use, the maximum never falls and
+  // covers them, and tensors are alive.
+  const auto reserved = series("mem-reserved-bytes"), allocated = series("mem-allocated-bytes"),
+             max_allocated = series("mem-max-allocated-bytes"),
+             count = series("mem-allocated-count");
+  ASSERT_EQ(allocated.size(), 4u);
+  float previous_max = 0.0f;
+  for (const auto& [k, bytes] : allocated) {
+    EXPECT_GT(bytes, 50000.0f) << k;  // at least the model's parameters
+    EXPECT_GT(reserved.at(k), bytes) << k;
+    EXPECT_GE(max_allocated.at(k), bytes) << k;
+    EXPECT_GE(max_allocated.at(k), previous_max) << k;
+    previous_max = max_allocated.at(k);
+    EXPECT_GT(count.at(k), 10.0f) << k;
+  }
 }
 
 }  // namespace

@@ -29,6 +29,30 @@ TEST(MemoryTracker, CountsKnownAllocationsExactly) {
   EXPECT_EQ(mem.current_bytes(), base);
 }
 
+TEST(MemoryTracker, LiveAllocationsAndReservedBytesFollowTheBlocks) {
+  // --log-memory-to-tensorboard's mem-allocated-count and mem-reserved-bytes: a tensor is one
+  // live allocation until freed; its block (the request plus the 64-byte header, below 4 KiB as
+  // is, above it rounded to its size class) is reserved while in use, and a cached block stays
+  // reserved after the free until it is released.
+  auto& mem = cpu();
+  release_cached_cpu_blocks();
+  const int64_t live = mem.live_allocations(), reserved = mem.reserved_bytes();
+  {
+    at::Tensor small = at::empty({100}, at::kFloat);  // 400 + 64 bytes
+    EXPECT_EQ(mem.live_allocations() - live, 1);
+    EXPECT_EQ(mem.reserved_bytes() - reserved, 464);
+    at::Tensor big = at::empty({10000}, at::kFloat);  // 40,000 + 64 -> the 40,960 class
+    EXPECT_EQ(mem.live_allocations() - live, 2);
+    EXPECT_EQ(mem.reserved_bytes() - reserved, 464 + 40960);
+    at::Tensor view = big.select(0, 3);  // a view allocates nothing
+    EXPECT_EQ(mem.live_allocations() - live, 2);
+  }
+  EXPECT_EQ(mem.live_allocations(), live);
+  EXPECT_EQ(mem.reserved_bytes() - reserved, 40960);  // the big block, cached
+  release_cached_cpu_blocks();
+  EXPECT_EQ(mem.reserved_bytes(), reserved);
+}
+
 TEST(MemoryTracker, PeakAndResetPeak) {
   auto& mem = cpu();
   mem.reset_peak();

@@ -407,6 +407,49 @@ TEST(MoERouter, AuxLossGradientIsTheScaledLossGradient) {
   EXPECT_FALSE(at::allclose(got, at::zeros_like(got)));
 }
 
+TEST(MoERouter, SeqAuxLossIsTheMeanOfEachSequencesSwitchLoss) {
+  // router.py _apply_seq_aux_loss (DeepSeek-V2's): the batch folded into the expert dimension
+  // makes the Switch loss one per sequence, then the mean over the batch. Against aux_loss run
+  // on each sequence alone (tokens [s, b] flattened sequence-first: sequence j is rows j, j + B,
+  // ...): the logged value is their mean, and the router's gradient (main loss + 1 x the
+  // auxiliary losses) is the sum of the sequences' gradients with the auxiliary losses at 1/B.
+  TransformerConfig c = moe_model();
+  c.num_moe_experts = 6;
+  c.moe_router_topk = 2;
+  c.hidden_size = 8;
+  TransformerConfig per_sequence = c;
+  per_sequence.moe_router_load_balancing_type = "seq_aux_loss";
+  const int64_t S = 10, B = 3;
+  const at::Tensor x = randn({S * B, 8}, 2);
+  const at::Tensor w = randn({S * B, 6}, 3);
+  auto router = make_router(per_sequence, 1);
+  actmem::MoEStats::Layer stats;
+  const actmem::Routing r = router->forward(x, 1.0, &stats, B);
+  (r.probs * w).sum().backward();
+  auto single = make_router(c, 1);
+  double mean = 0.0;
+  for (int64_t b = 0; b < B; ++b) {
+    actmem::MoEStats::Layer one;
+    const at::Tensor xb = x.view({S, B, 8}).select(1, b);
+    const actmem::Routing rb = single->forward(xb, 1.0 / B, &one);
+    (rb.probs * w.view({S, B, 6}).select(1, b)).sum().backward();
+    mean += one.load_balancing_loss / B;
+  }
+  // The scores are fp32 (as Megatron's), whatever the router's type: agreement to fp32 rounding.
+  EXPECT_NEAR(stats.load_balancing_loss, mean, 1e-6 * mean);
+  EXPECT_TRUE(at::allclose(router->weight.grad(), single->weight.grad(), 1e-6, 1e-8))
+      << (router->weight.grad() - single->weight.grad()).abs().max().item<double>();
+  // Not the batch's aux_loss (the path is taken), and the same as it for one sequence.
+  actmem::MoEStats::Layer whole;
+  make_router(c, 1)->forward(x, 1.0, &whole);
+  EXPECT_GT(std::abs(whole.load_balancing_loss - stats.load_balancing_loss), 1e-3 * mean);
+  actmem::MoEStats::Layer seq1;
+  make_router(per_sequence, 1)->forward(x, 1.0, &seq1, 1);
+  EXPECT_EQ(seq1.load_balancing_loss, whole.load_balancing_loss);
+  expect_error_containing([&] { make_router(per_sequence, 1)->forward(x, 1.0, nullptr, 4); },
+                          "are not 4 sequences");
+}
+
 TEST(MoERouter, CapacityKeepsTheHighestProbabilitiesOrTheEarliestTokens) {
   TransformerConfig c = moe_model();
   c.hidden_size = 8;

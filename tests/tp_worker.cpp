@@ -629,14 +629,16 @@ nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropo
 // steps on one global batch, under the recompute or offload strategy `strategy`; each rank
 // reports its steps and its place in the layout.
 // variant: "base" (dropless), "capacity" (capacity factor 1, tokens dropped), "padded" (and
-// padded to the capacity), "gated_bias" (dropless SwiGLU experts with biases, no grouping).
+// padded to the capacity), "gated_bias" (dropless SwiGLU experts with biases, no grouping),
+// "seq_aux" (dropless, DeepSeek-V2's per-sequence load-balancing loss).
 TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& dispatcher,
                              const std::string& variant) {
   // MoE under tensor parallelism needs sequence parallelism (Megatron's rule).
   TransformerConfig c = base_config(tp, tp > 1, dropout);
   TORCH_CHECK(variant == "base" || variant == "capacity" || variant == "padded" ||
-                  variant == "gated_bias",
+                  variant == "gated_bias" || variant == "seq_aux",
               "actmem_tp_worker: unknown MoE variant ", variant);
+  if (variant == "seq_aux") c.moe_router_load_balancing_type = "seq_aux_loss";
   if (variant == "capacity" || variant == "padded") c.moe_expert_capacity_factor = 1.0;
   c.moe_pad_expert_input_to_capacity = variant == "padded";
   c.num_moe_experts = 4;

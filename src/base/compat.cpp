@@ -26,7 +26,8 @@ CudaMemoryStats cuda_memory_stats(int device) {
   // Index 0 is the aggregate pool in every version (StatType::AGGREGATE moved from
   // CUDACachingAllocator to c10::CachingAllocator in libtorch 2.6).
   const auto& allocated = stats.allocated_bytes[0];
-  return {allocated.current, allocated.peak};
+  return {allocated.current, allocated.peak, stats.reserved_bytes[0].current,
+          stats.allocation[0].current};
 }
 
 void cuda_reset_peak(int device) {

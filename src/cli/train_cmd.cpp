@@ -5,6 +5,7 @@
 #include "actmem/base/report.h"
 #include "actmem/flags/presets.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/memory/memory_tracker.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/parallel/grad_reducer.h"
@@ -459,6 +460,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       trainer.config().log_throughput ? actmem::megatron_model_flops(o.model, global_batch) : 0.0;
   double last_logged_elapsed = 0.0;
   int64_t last_logged_iteration = trainer.iteration();
+  int64_t max_allocated = 0;  // --log-memory-to-tensorboard's mem-max-allocated-bytes
   auto write_tensorboard = [&](const actmem::IterationStats& st) {
     auto add = [&](const std::string& tag, double v) {
       tensorboard->add_scalar(tag, v, st.iteration);
@@ -471,6 +473,21 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       if (tbo.log_loss_scale) add("loss-scale", st.loss_scale);
       if (tbo.log_world_size) add("world-size", dist.world_size);
       add("grad-norm", st.grad_norm);
+      if (tbo.log_memory) {
+        // training_log's torch.cuda.memory_stats() scalars from this rank's allocator: on CPU
+        // the tracking allocator's (memory_tracker.h). The trainer resets the peak each step, so
+        // the all-time peak Megatron logs is kept here as the running maximum.
+        const actmem::DeviceMemory& mem = actmem::device_memory(trainer.device());
+        max_allocated = std::max(max_allocated, mem.peak_bytes());
+        tensorboard->add_scalar("mem-reserved-bytes", static_cast<double>(mem.reserved_bytes()),
+                                st.iteration);
+        tensorboard->add_scalar("mem-allocated-bytes", static_cast<double>(mem.current_bytes()),
+                                st.iteration);
+        tensorboard->add_scalar("mem-max-allocated-bytes", static_cast<double>(max_allocated),
+                                st.iteration);
+        tensorboard->add_scalar("mem-allocated-count", static_cast<double>(mem.live_allocations()),
+                                st.iteration);
+      }
     }
     if (tbo.log_timers && st.iteration % trainer.config().log_interval == 0) {
       // Seconds per iteration since the last log iteration (validation and saves included).

@@ -381,8 +381,9 @@ void validate_moe(const TransformerConfig& c) {
   TORCH_CHECK(c.moe_token_drop_policy == "probs" || c.moe_token_drop_policy == "position", api,
               "Invalid drop_policy: ", c.moe_token_drop_policy);
   const std::string& lb = c.moe_router_load_balancing_type;
-  TORCH_CHECK(lb == "aux_loss" || lb == "none", api, "moe_router_load_balancing_type ", lb,
-              " is not implemented (aux_loss or none)");
+  TORCH_CHECK(lb == "aux_loss" || lb == "seq_aux_loss" || lb == "none", api,
+              "moe_router_load_balancing_type ", lb,
+              " is not implemented (aux_loss, seq_aux_loss or none)");
   TORCH_CHECK(c.moe_aux_loss_coeff >= 0.0 && std::isfinite(c.moe_aux_loss_coeff), api,
               "moe_aux_loss_coeff must be a finite number >= 0, got ", c.moe_aux_loss_coeff);
   TORCH_CHECK(!c.moe_z_loss_coeff || (*c.moe_z_loss_coeff >= 0.0 && std::isfinite(*c.moe_z_loss_coeff)),
@@ -412,7 +413,8 @@ void validate_moe(const TransformerConfig& c) {
     TORCH_CHECK(std::isfinite(*c.moe_expert_capacity_factor) && *c.moe_expert_capacity_factor > 0.0,
                 api, "moe_expert_capacity_factor must be a positive number (unset for dropless "
                 "routing), got ", *c.moe_expert_capacity_factor);
-    TORCH_CHECK(lb == "aux_loss" || lb == "none", api, "moe_expert_capacity_factor only works with "
+    TORCH_CHECK(lb == "aux_loss" || lb == "seq_aux_loss" || lb == "none", api,
+                "moe_expert_capacity_factor only works with "
                 "aux_loss, seq_aux_loss, global_aux_loss or none load balancing");
   }
   TORCH_CHECK(!c.moe_pad_expert_input_to_capacity || c.moe_expert_capacity_factor, api,

@@ -41,7 +41,6 @@ const std::vector<CompatFlag>& compat_flags() {
       "leave it out to train without it";
   static const std::vector<CompatFlag> flags = {
       // Megatron semantics planned here (class 1 in docs/megatron-flags.md), refused until then.
-      {"--log-memory-to-tensorboard", 0, nullptr, kNotYet},
       {"--step-batch-size-schedule", 1, nullptr, kNotYet},
       {"--use-mcore-models", 0,
        "deprecated in Megatron and ignored there too (mcore models are "

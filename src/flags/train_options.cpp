@@ -594,6 +594,9 @@ void add_output_flags(CLI::App& app, TrainOptions& o) {
   app.add_flag("--log-validation-ppl-to-tensorboard", tb.log_validation_ppl,
                "Also the validation perplexity");
   app.add_flag("--log-world-size-to-tensorboard", tb.log_world_size, "Also the world size");
+  app.add_flag("--log-memory-to-tensorboard", tb.log_memory,
+               "Also the allocator's mem-reserved-bytes, mem-allocated-bytes, "
+               "mem-max-allocated-bytes and mem-allocated-count (the last rank's)");
   app.add_flag("!--no-log-loss-scale-to-tensorboard,!--disable-log-loss-scale-to-tensorboard",
                tb.log_loss_scale, "Leave out loss-scale");
   app.add_option("--pipeline-plot", o.pipeline_plot,

@@ -31,6 +31,8 @@ std::atomic<int64_t> g_peak{0};
 std::atomic<int64_t> g_window_peak{0};
 std::atomic<int64_t> g_capacity{0};
 std::atomic<int64_t> g_count{0};
+std::atomic<int64_t> g_live{0};         // allocations alive
+std::atomic<int64_t> g_small_bytes{0};  // bytes of the blocks below kCacheMin in use
 
 void raise_to(std::atomic<int64_t>& peak, int64_t value) {
   int64_t seen = peak.load(std::memory_order_relaxed);
@@ -116,8 +118,10 @@ void tracked_free(void* data) {
   char* base = static_cast<char*>(data) - kHeader;
   const size_t n = *reinterpret_cast<size_t*>(base);
   g_current.fetch_sub(static_cast<int64_t>(n), std::memory_order_relaxed);
+  g_live.fetch_sub(1, std::memory_order_relaxed);
   const size_t size = block_size(n);
   if (size < kCacheMin) {
+    g_small_bytes.fetch_sub(static_cast<int64_t>(size), std::memory_order_relaxed);
     std::free(base);
     return;
   }
@@ -151,6 +155,10 @@ struct TrackingCpuAllocator final : c10::Allocator {
     }
     *static_cast<size_t*>(base) = n;
     g_count.fetch_add(1, std::memory_order_relaxed);
+    g_live.fetch_add(1, std::memory_order_relaxed);
+    if (block_size(n) < kCacheMin) {
+      g_small_bytes.fetch_add(static_cast<int64_t>(block_size(n)), std::memory_order_relaxed);
+    }
     raise_to(g_peak, now);
     raise_to(g_window_peak, now);
     void* data = static_cast<char*>(base) + kHeader;
@@ -177,6 +185,10 @@ class CpuMemory final : public DeviceMemory {
   }
   int64_t capacity() const override { return g_capacity.load(); }
   int64_t allocation_count() const override { return g_count.load(); }
+  int64_t live_allocations() const override { return g_live.load(); }
+  int64_t reserved_bytes() const override {
+    return g_small_bytes.load() + cpu_block_cache_stats().reserved;
+  }
 };
 
 class CudaMemory final : public DeviceMemory {
@@ -192,6 +204,12 @@ class CudaMemory final : public DeviceMemory {
   void set_capacity(int64_t) override {}
   int64_t capacity() const override { return 0; }
   int64_t allocation_count() const override { return -1; }
+  int64_t live_allocations() const override {
+    return compat::cuda_memory_stats(device_).allocations_current;
+  }
+  int64_t reserved_bytes() const override {
+    return compat::cuda_memory_stats(device_).reserved_current;
+  }
 
  private:
   int device_;

@@ -166,7 +166,8 @@ TopKRouter::TopKRouter(const TransformerConfig& config, at::ScalarType dtype) : 
   if (config.add_bias_linear) bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
 }
 
-Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats) {
+Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats,
+                            int64_t batch_size) {
   const TransformerConfig& c = config_;
   const int64_t T = h.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
   // Megatron attaches the auxiliary losses only while training with grad enabled (so not in a
@@ -244,10 +245,20 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
     }
     r.probs = r.probs * routing_map;
   }
-  const bool aux = c.moe_router_load_balancing_type == "aux_loss" && c.moe_aux_loss_coeff > 0.0;
+  const std::string& balancing = c.moe_router_load_balancing_type;
+  const bool aux =
+      (balancing == "aux_loss" || balancing == "seq_aux_loss") && c.moe_aux_loss_coeff > 0.0;
   if (aux && attach) {
     // compute_routing_scores_for_aux_loss + switch_load_balancing_loss_func: the scores over all
     // experts, the top-k counts of those scores, sum(P_i * f_i) * E * coeff / (k * T * T).
+    // seq_aux_loss (router.py _apply_seq_aux_loss, DeepSeek-V2's): the same per sequence, the
+    // batch folded into the expert dimension ([s, b * E]), divided by the batch size.
+    const bool per_sequence = balancing == "seq_aux_loss";
+    TORCH_CHECK(batch_size >= 1 && T % batch_size == 0, "actmem::TopKRouter: ", T,
+                " tokens are not ", batch_size, " sequences");
+    const int64_t groups = per_sequence ? batch_size : 1;
+    const int64_t rows =
+        T / groups;  // this rank's tokens of one sequence (all tokens for aux_loss)
     at::Tensor scores;
     if (c.moe_router_score_function == "softmax") {
       scores = at::softmax(logits, -1, at::kFloat);
@@ -259,13 +270,18 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
     {
       at::NoGradGuard no_grad;
       const at::Tensor idx = std::get<1>(at::topk(scores, k));
-      tokens_per_expert = at::zeros({T, E}, scores.options()).scatter_(1, idx, 1.0).sum(0);
+      tokens_per_expert = at::zeros({T, E}, scores.options())
+                              .scatter_(1, idx, 1.0)
+                              .reshape({rows, groups * E})
+                              .sum(0);
       // get_tokens_per_expert_and_token_count: the counts over the tensor ranks' tokens.
       if (sp > 1) tokens_per_expert = group_all_reduce_sum(tp, tokens_per_expert);
     }
-    const int64_t total = T * sp;  // the tokens of all tensor ranks
-    const double norm = static_cast<double>(E) / static_cast<double>(k * total * total);
-    const at::Tensor balance = (scores.sum(0) * tokens_per_expert).sum() * norm;  // E sum f_i P_i
+    const int64_t total = rows * sp;  // the tokens (of one sequence) of all tensor ranks
+    const double norm = static_cast<double>(E) /
+                        static_cast<double>(k * total * total * groups);  // / bsz for seq_aux_loss
+    const at::Tensor balance =
+        (scores.reshape({rows, groups * E}).sum(0) * tokens_per_expert).sum() * norm;
     r.probs = attach_aux_loss(r.probs, balance * c.moe_aux_loss_coeff, aux_scale);
     if (stats != nullptr) {
       stats->load_balancing_loss += balance.item<double>();
@@ -532,7 +548,7 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
   Routing r;
   {
     ModuleScope scope("router");
-    r = router->forward(tokens, aux_scale_, stats_);
+    r = router->forward(tokens, aux_scale_, stats_, x.size(1));
   }
   const TensorParallelGroup& ep = expert_parallel_group();
   const TensorParallelGroup& tp = tensor_parallel_group();

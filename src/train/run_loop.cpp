@@ -185,7 +185,8 @@ struct LogWindow {
 // flops_per_rank_step: --log-throughput's model FLOPs per iteration / world size (else unset).
 void print_progress_line(std::ostream& os, const IterationStats& st, int64_t first, int64_t total,
                          const LogWindow& window, std::optional<double> loss_scale,
-                         bool capacity_factor, std::optional<double> flops_per_rank_step) {
+                         bool capacity_factor, std::optional<double> flops_per_rank_step,
+                         bool per_sequence_balancing) {
   const int width = static_cast<int>(std::to_string(total).size());
   const double mean_step = window.time_s / static_cast<double>(window.steps);
   os << "iter " << std::setw(width) << st.iteration << "/" << total << " | loss " << std::fixed
@@ -201,9 +202,11 @@ void print_progress_line(std::ostream& os, const IterationStats& st, int64_t fir
        << window.skipped;
   }
   if (st.moe) {
-    // Megatron's names: load_balancing_loss and z_loss, unscaled (1 = balanced routing).
+    // Megatron's names: load_balancing_loss (seq_load_balancing_loss with seq_aux_loss) and
+    // z_loss, unscaled (1 = balanced routing).
     if (st.load_balancing_loss) {
-      os << " | load_balancing_loss " << std::setprecision(3) << *st.load_balancing_loss;
+      os << (per_sequence_balancing ? " | seq_load_balancing_loss " : " | load_balancing_loss ")
+         << std::setprecision(3) << *st.load_balancing_loss;
     }
     if (st.z_loss) os << " | z_loss " << std::setprecision(3) << *st.z_loss;
     os << " | expert load max/mean " << std::setprecision(2) << st.expert_load_imbalance;
@@ -314,7 +317,8 @@ int Trainer::run(const RunOutput& out,
       print_progress_line(
           *progress, st, first, total, window,
           optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt,
-          model_config_.moe_expert_capacity_factor.has_value(), flops_per_rank);
+          model_config_.moe_expert_capacity_factor.has_value(), flops_per_rank,
+          model_config_.moe_router_load_balancing_type == "seq_aux_loss");
       window = LogWindow{};
     }
     if (progress != nullptr && st.val_loss) {

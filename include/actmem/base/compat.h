@@ -61,6 +61,8 @@ using WeakNodePtr = BasicWeakNodePtr<>;
 struct CudaMemoryStats {
   int64_t allocated_current = 0;
   int64_t allocated_peak = 0;
+  int64_t reserved_current = 0;     // the caching allocator's segments
+  int64_t allocations_current = 0;  // live allocations
 };
 
 /// True when this build has the CUDA paths compiled in and a CUDA device is visible.

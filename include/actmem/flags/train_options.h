@@ -32,6 +32,7 @@ struct TrainOptions {
     bool log_timers = false;
     bool log_validation_ppl = false;
     bool log_world_size = false;
+    bool log_memory = false;  // --log-memory-to-tensorboard
     bool log_loss_scale = true;
   } tensorboard;
   std::string normalization_flag = "LayerNorm";

@@ -38,6 +38,12 @@ class DeviceMemory {
   virtual int64_t capacity() const = 0;
   /// Number of allocations since start (CPU only; -1 elsewhere).
   virtual int64_t allocation_count() const = 0;
+  /// Allocations alive right now (CUDA's allocation.all.current).
+  virtual int64_t live_allocations() const = 0;
+  /// Bytes the allocator holds from the system, in use or cached for reuse (CUDA's
+  /// reserved_bytes.all.current; on CPU the blocks of the tracked allocator, with their headers
+  /// and size-class rounding: Note [Caching the tracked CPU allocator's blocks]).
+  virtual int64_t reserved_bytes() const = 0;
 };
 
 /// Installs the tracking CPU allocator (idempotent; call before creating tensors whose bytes

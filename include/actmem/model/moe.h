@@ -95,10 +95,12 @@ struct Routing {
 class TopKRouter : public torch::nn::Module, public DeclaresParameters {
  public:
   TopKRouter(const TransformerConfig& config, at::ScalarType dtype);
-  /// h: [T, h]. The z-loss and the load-balancing loss are attached (attach_aux_loss) only in
-  /// training with grad enabled, as in Megatron; `aux_scale` is their backward scale and `stats`
-  /// (may be null) receives their unscaled values.
-  Routing forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats);
+  /// h: [T, h], the tokens of [s, b] flattened sequence-first (T = s * batch_size). The z-loss
+  /// and the load-balancing loss are attached (attach_aux_loss) only in training with grad
+  /// enabled, as in Megatron; `aux_scale` is their backward scale and `stats` (may be null)
+  /// receives their unscaled values. seq_aux_loss balances each of the batch_size sequences.
+  Routing forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats,
+                  int64_t batch_size = 1);
   /// Replicated; with sequence parallelism each rank routes its own tokens.
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;
