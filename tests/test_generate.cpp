@@ -158,6 +158,17 @@ TEST(Sampling, OptionsDoWhatTheySay) {
   EXPECT_EQ(seen_top2, (std::set<int64_t>{1, 4}));
   EXPECT_EQ(seen_nucleus, (std::set<int64_t>{1, 4}));
   EXPECT_EQ(seen_all.size(), 5u);
+  // A vocabulary of 4 (the fifth logit a padding row's, the largest): never drawn.
+  const at::Tensor padded = at::tensor({0.1f, 2.0f, 1.5f, -1.0f, 9.0f});
+  SamplingOptions four;
+  four.vocab_size = 4;
+  SamplingOptions four_greedy = four;
+  four_greedy.greedy = true;
+  EXPECT_EQ(sample_token(padded, four_greedy, gen), 1);
+  EXPECT_EQ(sample_token(padded, greedy, gen), 4);
+  std::set<int64_t> seen_four;
+  for (int i = 0; i < 300; ++i) seen_four.insert(sample_token(padded, four, gen));
+  EXPECT_EQ(seen_four, (std::set<int64_t>{0, 1, 2, 3}));
   SamplingOptions bad;
   bad.temperature = 0.0;
   expect_error_containing([&] { sample_token(logits, bad, gen); }, "--temperature must be positive");

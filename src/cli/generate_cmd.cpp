@@ -87,6 +87,7 @@ int run_generate(GenerateOptions& o) {
     tokenizer = make_tokenizer(spec);
     prompt = tokenizer->tokenize(o.prompt);
     if (!o.ignore_eod) o.sampling.stop_token = tokenizer->eod();
+    o.sampling.vocab_size = tokenizer->vocab_size();  // never a padding id
     detokenize = [&tokenizer](const std::vector<int64_t>& ids) { return tokenizer->detokenize(ids); };
   }
   TORCH_CHECK(!prompt.empty(), "actmem generate: the prompt tokenizes to nothing");

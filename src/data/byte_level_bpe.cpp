@@ -5,6 +5,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <climits>
 #include <fstream>
 #include <iterator>
@@ -28,8 +29,24 @@ const std::array<std::string, 256>& byte_symbols() {
 std::vector<Segment> split_on_added(const std::string& text, const std::vector<AddedToken>& added,
                                     bool normalized) {
   std::vector<Segment> out;
+  // Only positions whose byte starts some token are tried.
+  std::array<bool, 256> starts{};
+  bool any = false;
+  for (const AddedToken& t : added) {
+    if (t.normalized == normalized && !t.content.empty()) {
+      starts[static_cast<unsigned char>(t.content[0])] = any = true;
+    }
+  }
+  if (!any) {
+    if (!text.empty()) out.push_back({0, text.size(), -1});
+    return out;
+  }
   size_t gap = 0, pos = 0;
   while (pos < text.size()) {
+    if (!starts[static_cast<unsigned char>(text[pos])]) {
+      ++pos;
+      continue;
+    }
     const AddedToken* best = nullptr;
     for (const AddedToken& t : added) {
       if (t.normalized == normalized && !t.content.empty() &&
@@ -169,20 +186,25 @@ class ByteLevelBpe final : public Tokenizer {
     if (direct != spec_.vocab.end()) {
       ids.push_back(direct->second);
     } else {
-      // The lowest-ranked pair, leftmost among equals, merges first (Hugging Face's BPE).
+      // The lowest-ranked pair, leftmost among equals, merges first (Hugging Face's BPE);
+      // rank[k] is the rank of (word[k], word[k + 1]), updated only beside a merge.
+      std::vector<int64_t> rank(word.size(), INT64_MAX);
+      std::string key;
+      const auto pair_rank = [&](size_t k) {
+        key.assign(word[k]).append(1, ' ').append(word[k + 1]);
+        const auto it = ranks_.find(key);
+        return it == ranks_.end() ? INT64_MAX : it->second;
+      };
+      for (size_t k = 0; k + 1 < word.size(); ++k) rank[k] = pair_rank(k);
       while (word.size() > 1) {
-        int64_t best = INT64_MAX;
-        size_t at = 0;
-        for (size_t k = 0; k + 1 < word.size(); ++k) {
-          const auto it = ranks_.find(word[k] + " " + word[k + 1]);
-          if (it != ranks_.end() && it->second < best) {
-            best = it->second;
-            at = k;
-          }
-        }
-        if (best == INT64_MAX) break;
+        const auto best = std::min_element(rank.begin(), rank.end() - 1);
+        if (*best == INT64_MAX) break;
+        const auto at = static_cast<size_t>(best - rank.begin());
         word[at] += word[at + 1];
         word.erase(word.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+        rank.erase(rank.begin() + static_cast<std::ptrdiff_t>(at) + 1);
+        rank[at] = at + 1 < word.size() ? pair_rank(at) : INT64_MAX;
+        if (at > 0) rank[at - 1] = pair_rank(at - 1);
       }
       for (const auto& s : word) {
         const auto it = spec_.vocab.find(s);

@@ -6,6 +6,7 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <array>
 
 namespace actmem::text {
 
@@ -15,7 +16,7 @@ namespace regex_detail {
 struct ClassItem {
   enum Kind { kRange, kCategories, kSpace, kDigit, kWord } kind = kRange;
   uint32_t lo = 0, hi = 0;           // kRange
-  std::vector<Category> categories;  // kCategories
+  uint32_t categories = 0;           // kCategories: bit c for Category c
   bool negated = false;              // \P{..}, \S, \D, \W
 
   bool contains(uint32_t cp) const {
@@ -25,8 +26,7 @@ struct ClassItem {
         in = cp >= lo && cp <= hi;
         break;
       case kCategories:
-        in = cp != kNotUtf8 &&
-             std::find(categories.begin(), categories.end(), category(cp)) != categories.end();
+        in = cp != kNotUtf8 && (categories >> static_cast<unsigned>(category(cp)) & 1u) != 0;
         break;
       case kSpace:
         in = cp != kNotUtf8 && is_white_space(cp);
@@ -67,8 +67,20 @@ struct PieceRegex::Node {
   int64_t min = 1, max = 1;                     // max < 0: unbounded
   enum Mode { kGreedy, kLazy, kPossessive } mode = kGreedy;
 
+  std::array<uint64_t, 4> latin1{};  // kSet: matches() of U+0000..U+00FF, precomputed
+
   bool single() const { return kind == kChar || kind == kSet || kind == kAny; }
+  // Fills `latin1` (the characters most text is made of) once the set is complete.
+  void tabulate() {
+    for (uint32_t c = 0; c < 256; ++c) {
+      if (matches_slowly(c)) latin1[c >> 6] |= uint64_t{1} << (c & 63);
+    }
+  }
   bool matches(uint32_t c) const {
+    if (kind == kSet && c < 256) return (latin1[c >> 6] >> (c & 63) & 1u) != 0;
+    return matches_slowly(c);
+  }
+  bool matches_slowly(uint32_t c) const {
     switch (kind) {
       case kChar:
         return c == cp || (icase && c != kNotUtf8 && fold(c) == fold(cp));
@@ -179,6 +191,7 @@ class Parser {
       case '[':
         n.kind = Node::kSet;
         char_class(n);
+        n.tabulate();
         return n;
       case '.':
         n.kind = Node::kAny;
@@ -195,6 +208,7 @@ class Parser {
         if (escape(item, literal)) {
           n.kind = Node::kSet;
           n.set.push_back(std::move(item));
+          n.tabulate();
         } else {
           n.kind = Node::kChar;
           n.cp = literal;
@@ -228,9 +242,11 @@ class Parser {
         }
         item.kind = ClassItem::kCategories;
         item.negated = c == 'P';
-        if (!category_group(name, item.categories)) {
+        std::vector<Category> group;
+        if (!category_group(name, group)) {
           unsupported("\\p{" + name + "} (only general categories such as L, Lu, N, M)");
         }
+        for (const Category g : group) item.categories |= 1u << static_cast<unsigned>(g);
         return true;
       }
       case 's':

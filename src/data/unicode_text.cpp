@@ -2,6 +2,7 @@
 #include "unicode_text.h"
 
 #include <algorithm>
+#include <array>
 #include <iterator>
 #include <unordered_map>
 
@@ -184,6 +185,19 @@ void append_utf8(std::string& out, uint32_t cp) {
 }
 
 Category category(uint32_t cp) {
+  // Latin-1 from a table: the pre-tokenizing patterns ask for every character.
+  static const auto latin1 = [] {
+    std::array<Category, 256> t{};
+    for (uint32_t c = 0; c < 256; ++c) {
+      const auto it =
+          std::upper_bound(std::begin(kCategoryRanges), std::end(kCategoryRanges), c,
+                           [](uint32_t x, const CategoryRange& r) { return x < r.first; });
+      t[c] = it == std::begin(kCategoryRanges) || c > std::prev(it)->last ? Category::Cn
+                                                                          : std::prev(it)->category;
+    }
+    return t;
+  }();
+  if (cp < 256) return latin1[cp];
   const auto it = std::upper_bound(std::begin(kCategoryRanges), std::end(kCategoryRanges), cp,
                                    [](uint32_t c, const CategoryRange& r) { return c < r.first; });
   if (it == std::begin(kCategoryRanges) || cp > std::prev(it)->last) return Category::Cn;

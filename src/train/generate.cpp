@@ -131,8 +131,16 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   return logits.to(at::kFloat);
 }
 
-int64_t sample_token(const at::Tensor& logits_in, const SamplingOptions& o, at::Generator& gen) {
-  TORCH_CHECK(logits_in.dim() == 1, "actmem::sample_token: expected logits [v]");
+int64_t sample_token(const at::Tensor& all_logits, const SamplingOptions& o, at::Generator& gen) {
+  TORCH_CHECK(all_logits.dim() == 1, "actmem::sample_token: expected logits [v]");
+  TORCH_CHECK(o.vocab_size >= 0, "actmem::sample_token: expected vocab_size >= 0, got ",
+              o.vocab_size);
+  // The padding rows of the embedding are no token: Megatron's TorchSampling clamps a sampled
+  // padding id to vocab_size - 1; here they are never drawn (on purpose: a clamp turns the
+  // padding's probability into the last token's).
+  const at::Tensor logits_in = o.vocab_size > 0 && o.vocab_size < all_logits.size(0)
+                                   ? all_logits.narrow(0, 0, o.vocab_size)
+                                   : all_logits;
   if (o.greedy) return logits_in.argmax().item<int64_t>();
   TORCH_CHECK(o.temperature > 0.0 && std::isfinite(o.temperature), "actmem: --temperature must be "
               "positive, got ", o.temperature);

@@ -52,6 +52,9 @@ struct SamplingOptions {
   uint64_t seed = 1234;
   /// Stop after this token (the tokenizer's <eod>); -1: never.
   int64_t stop_token = -1;
+  /// Draw only from ids below this (the tokenizer's vocabulary, not the embedding's padding
+  /// rows); 0: every logit.
+  int64_t vocab_size = 0;
 };
 
 /// Picks the next token from fp32 logits [v] as `options` says (the generator draws for
