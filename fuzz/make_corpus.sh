@@ -13,7 +13,7 @@ trap 'rm -rf "$tmp"' EXIT
 find "$corpus" -type f ! -name 'regression-*' -delete 2>/dev/null || true
 rm -rf "$root/fuzz/dict"
 mkdir -p "$corpus"/{indexed_dataset,checkpoint,npy_cache,latest,jsonl,argv} "$root/fuzz/dict"
-mkdir -p "$corpus"/{sentencepiece_client,sentencepiece_serve}
+mkdir -p "$corpus"/{sentencepiece_client,sentencepiece_serve,tokenizer_files,piece_regex}
 
 # JSONL: what preprocess reads.
 printf '%s\n' '{"text": "The quick brown fox jumps over the lazy dog."}' \
@@ -69,6 +69,56 @@ printf 'estimate\n--preset\nqwen3-next-80b-a3b\n--tensor-model-parallel-size\n2\
 printf 'plan\n--preset\n7b\n--gpu\na100\n--memory-budget\n60GiB\n' >"$corpus/argv/plan"
 printf 'launch\n--nproc-per-node\n2\n--\ntrain\n--train-iters\n3\n' >"$corpus/argv/launch"
 printf 'preprocess\n--input\nx.jsonl\n--output-prefix\nout\n--vocab-size\n300\n' >"$corpus/argv/preprocess"
+# Byte-level BPE files: a GPT-2-shaped and a Llama-3-shaped tokenizer.json (0 first) and the
+# same merges as a TikTokenizer vocabulary (1 first), trained small by Hugging Face's tokenizers
+# (scripts/setup.sh installs it in the venv); piece_regex: each published pattern, a line break,
+# a text.
+python="${ACTMEM_PYTHON:-/opt/actmem/venv/bin/python}"
+"$python" - "$tmp" "$corpus" <<'PY'
+import base64, json, sys
+from tokenizers import Tokenizer, Regex, models, pre_tokenizers, processors, trainers
+tmp, corpus = sys.argv[1], sys.argv[2]
+text = "The quick brown fox jumps over the lazy dog. It's 12345 h\u00e9llo w\u00f6rld \u65e5\u672c.\n" * 50
+open(tmp + "/c.txt", "w").write(text)
+llama = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+def train(splits):
+    tok = Tokenizer(models.BPE(ignore_merges=bool(splits)))
+    steps = [pre_tokenizers.Split(Regex(p), behavior="isolated") for p in splits]
+    steps.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=not splits))
+    tok.pre_tokenizer = steps[0] if len(steps) == 1 else pre_tokenizers.Sequence(steps)
+    tok.train([tmp + "/c.txt"], trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+              initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False))
+    if splits:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<|endoftext|> $A", special_tokens=[("<|endoftext|>", 0)])
+    return tok
+for name, splits in (("gpt2", []), ("llama3", [llama])):
+    open(corpus + "/tokenizer_files/" + name, "wb").write(b"\x00" + train(splits).to_str().encode())
+merges = json.loads(train([]).to_str())["model"]["merges"]
+byte_of, n = {}, 0
+for b in range(256):
+    printable = 33 <= b <= 126 or 161 <= b <= 172 or 174 <= b <= 255
+    byte_of[chr(b) if printable else chr(256 + n)] = b
+    n += 0 if printable else 1
+ranked = [bytes([b]) for b in range(256)]
+for m in merges:
+    a, b = m.split(" ") if isinstance(m, str) else m
+    x = bytes(byte_of[c] for c in a + b)
+    if x not in ranked:
+        ranked.append(x)
+vocab = [{"rank": i, "token_bytes": base64.b64encode(x).decode(), "token_str": x.decode("utf-8", "replace")}
+         for i, x in enumerate(ranked)]
+open(corpus + "/tokenizer_files/tiktoken", "wb").write(b"\x01" + json.dumps(vocab).encode())
+gpt2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+v2 = (r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|"
+      r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}|"
+      r" ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+sample = "It's CamelCase 1234567 caf\u00e9 e\u0301 \u65e5\u672c a/b//\n\n  x \U0001F642  \n"
+for name, p in (("gpt2", gpt2), ("llama3", llama), ("tiktoken_v2", v2),
+                ("classes", r"\s?[A-Za-z\u00b5\u00c0-\u00d6]+|\d{2,3}?|(?:ab)+|\w+(?=\s)|[\^\-\]]+|x$")):
+    open(corpus + "/piece_regex/" + name, "w").write(p + "\n" + sample)
+PY
+
 # Every flag of every command, for the argv target's dictionary.
 for c in train estimate inspect compare plan launch dist-check preprocess generate; do
   "$actmem" "$c" --help 2>/dev/null || true
@@ -80,4 +130,10 @@ printf '%s\n' '"MMIDIDX\x00\x00"' '"\x01\x00\x00\x00\x00\x00\x00\x00"' >"$root/f
 printf '%s\n' '"PK\x03\x04"' '"PK\x01\x02"' '"PK\x05\x06"' '"archive/data.pkl"' '"archive/data/0"' \
   '"torch._utils\x0a_rebuild_tensor_v2"' '"collections\x0aOrderedDict"' '"\x80\x02"' '"."' \
   >"$root/fuzz/dict/checkpoint.dict"
+printf '%s\n' '"\"type\""' '"\"Split\""' '"\"ByteLevel\""' '"\"Sequence\""' '"\"Regex\""' \
+  '"\"pretokenizers\""' '"\"BPE\""' '"\"merges\""' '"\"vocab\""' '"\"added_tokens\""' \
+  '"\"TemplateProcessing\""' '"\"NFC\""' '"\"normalizer\""' '"\"rank\""' '"\"token_bytes\""' \
+  '"\"token_str\""' '"\"ignore_merges\""' '"\"use_regex\""' >"$root/fuzz/dict/tokenizer_files.dict"
+printf '%s\n' '"\\p{L}"' '"\\p{N}"' '"\\p{Lu}"' '"(?i:"' '"(?!"' '"(?="' '"(?:"' '"[^"' '"]+"' \
+  '"{1,3}"' '"?+"' '"++"' '"\\s"' '"\\S"' '"\\d"' '"\\w"' '"|"' '"$"' >"$root/fuzz/dict/piece_regex.dict"
 echo "make_corpus: $(find "$corpus" -type f | wc -l) seeds, $(wc -l <"$root/fuzz/dict/argv.dict") flags"

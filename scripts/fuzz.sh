@@ -15,7 +15,8 @@ set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 # shellcheck source=scripts/env.sh
 source "$root/scripts/env.sh"
-targets=(indexed_dataset checkpoint npy_cache latest jsonl argv sentencepiece_client sentencepiece_serve)
+targets=(indexed_dataset checkpoint npy_cache latest jsonl argv sentencepiece_client sentencepiece_serve
+         tokenizer_files piece_regex)
 seconds="${ACTMEM_FUZZ_SECONDS:-10}"
 if (($# > 0)); then
   targets=("$1")

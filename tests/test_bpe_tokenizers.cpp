@@ -114,6 +114,23 @@ TEST(PieceRegex, ConstructsOutsideTheSubsetAreRefusedByName) {
   expect_error_containing([] { text::PieceRegex(R"((ab)"); }, "missing ')'");
   expect_error_containing([] { text::PieceRegex(R"(+a)"); }, "nothing to repeat");
   expect_error_containing([] { text::PieceRegex(R"(a{3,2})"); }, "n < m");
+  // The limits that keep matching off the stack's end: errors, not crashes.
+  expect_error_containing(
+      [] { text::PieceRegex(std::string(40, '(') + "a" + std::string(40, ')')); },
+      "nests groups more than 32 deep");
+  expect_error_containing([] { text::PieceRegex(std::string(2000, 'a')); },
+                          "has more than 1024 elements");
+  const text::PieceRegex repeated("(?:ab)+");
+  std::string abs;
+  for (int i = 0; i < 1000; ++i) abs += "ab";
+  expect_error_containing([&] { repeated.pieces(code_points(abs), true); },
+                          "repeats more than 500 times in a row");
+  EXPECT_EQ(repeated.pieces(code_points("ababx"), true).size(), 2u);
+  // Catastrophic backtracking (the fuzzer's find, fuzz/corpus/piece_regex/regression-backtracking):
+  // a nested quantifier on a run of spaces not followed by what it needs: 2^40 ways to fail.
+  const text::PieceRegex nested(R"((?:\s+)+x)");
+  expect_error_containing([&] { nested.pieces(code_points(std::string(40, ' ') + "y"), true); },
+                          "backtracks more than 1000000 steps");
 }
 
 // Four Hugging Face tokenizers trained on the built-in corpus: Llama 3's shape (its Split

@@ -140,18 +140,24 @@ class Parser {
   }
 
   Alternatives alternation(bool icase) {
+    // Matching recurses once per node and group: bounded, so no pattern can exhaust the stack.
+    TORCH_CHECK(++depth_ <= kMaxDepth, "actmem: tokenizer pattern ", pattern_.substr(0, 80),
+                "... nests groups more than ", kMaxDepth, " deep");
     Alternatives out;
     out.push_back(sequence(icase));
     while (peek() == '|') {
       ++i_;
       out.push_back(sequence(icase));
     }
+    --depth_;
     return out;
   }
 
   std::vector<Node> sequence(bool icase) {
     std::vector<Node> seq;
     while (!at_end() && peek() != '|' && peek() != ')') {
+      TORCH_CHECK(++nodes_ <= kMaxNodes, "actmem: tokenizer pattern ", pattern_.substr(0, 80),
+                  "... has more than ", kMaxNodes, " elements");
       Node n = atom(icase);
       quantifier(n);
       seq.push_back(std::move(n));
@@ -390,9 +396,12 @@ class Parser {
     }
   }
 
+  static constexpr int kMaxDepth = 32;
+  static constexpr int kMaxNodes = 1024;
   std::string pattern_;
   std::vector<uint32_t> p_;
   size_t i_ = 0;
+  int depth_ = 0, nodes_ = 0;
 };
 
 // ---- matching: backtracking with continuations ----
@@ -412,7 +421,13 @@ class Cont {
 
 class Matcher {
  public:
+  static constexpr int64_t kMaxGroupRepeats = 500;
+
   explicit Matcher(const std::vector<uint32_t>& s) : s_(s), n_(s.size()) {}
+
+  // Starts a match attempt: the backtracking budget is per attempt, as Oniguruma's retry limit
+  // and fancy-regex's backtrack limit are.
+  void start() const { steps_ = 0; }
 
   bool alternatives(const Alternatives& a, size_t pos, const Cont& cont) const {
     for (const auto& seq : a) {
@@ -423,6 +438,10 @@ class Matcher {
 
  private:
   bool sequence(const std::vector<Node>& q, size_t k, size_t pos, const Cont& cont) const {
+    TORCH_CHECK(++steps_ <= kMaxSteps, "actmem: a tokenizer pattern backtracks more than ",
+                kMaxSteps,
+                " steps at one position of this text (a nested quantifier such as "
+                "(\\s*x|\\s)+ takes exponential time)");
     if (k == q.size()) return cont(pos);
     const Node& nd = q[k];
     const auto next_fn = [&](size_t p) { return sequence(q, k + 1, p, cont); };
@@ -469,6 +488,12 @@ class Matcher {
 
   // A quantified group, `count` repetitions matched so far ending at `pos`.
   bool repeat(const Node& nd, int64_t count, size_t pos, const Cont& next) const {
+    // Each repetition of a quantified group is a nested call: a bound keeps the stack safe
+    // (the tokenizers' patterns quantify single characters and classes, which loop instead).
+    TORCH_CHECK(count < kMaxGroupRepeats,
+                "actmem: a tokenizer pattern's quantified group "
+                "repeats more than ",
+                kMaxGroupRepeats, " times in a row on this text");
     const bool may_more = nd.max < 0 || count < nd.max;
     const auto more_fn = [&](size_t e) { return e != pos && repeat(nd, count + 1, e, next); };
     const Cont more(more_fn);
@@ -498,8 +523,10 @@ class Matcher {
     return false;
   }
 
+  static constexpr int64_t kMaxSteps = 1000000;
   const std::vector<uint32_t>& s_;
   size_t n_;
+  mutable int64_t steps_ = 0;
 };
 
 }  // namespace
@@ -516,7 +543,9 @@ size_t PieceRegex::match_at(const std::vector<uint32_t>& cps, size_t pos) const 
     end = e;
     return true;
   };
-  Matcher(cps).alternatives(*alternatives_, pos, Cont(done));
+  const Matcher m(cps);
+  m.start();
+  m.alternatives(*alternatives_, pos, Cont(done));
   return end;
 }
 
@@ -531,6 +560,7 @@ std::vector<std::pair<size_t, size_t>> PieceRegex::pieces(const std::vector<uint
       end = e;
       return true;
     };
+    m.start();
     m.alternatives(*alternatives_, pos, Cont(done));
     if (end == std::string::npos || end == pos) {
       ++pos;

@@ -12,6 +12,10 @@
 //   escapes \r \n \t \f \v \x.. \u.... \x{...}, and '.'.
 // (?i) folds ASCII letters (as Oniguruma does for these patterns: U+017F is not 's').
 // $ matches at the end of the text or before a '\n' (Oniguruma's end of line).
+// Limits that keep the recursion off the stack's end: groups nest at most 32 deep, a pattern has
+// at most 1024 elements, a quantified group repeats at most 500 times in a row, and a match
+// attempt backtracks at most 10^6 steps (as Oniguruma's retry limit and fancy-regex's backtrack
+// limit bound theirs): an error past them, never a crash or a hang.
 #pragma once
 
 #include <cstddef>
