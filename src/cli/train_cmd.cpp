@@ -21,6 +21,7 @@
 #include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <iomanip>
 #include <iostream>
@@ -466,6 +467,12 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       tensorboard->add_scalar(tag, v, st.iteration);
       tensorboard->add_scalar(tag + " vs samples", v, st.consumed_samples);
     };
+    if (tbo.log_memory) {
+      // Every step's peak (the trainer resets it when a step starts, and validation after the
+      // step may have reset it again), logged or not.
+      max_allocated = std::max({max_allocated, st.peak_device_bytes,
+                                actmem::device_memory(trainer.device()).peak_bytes()});
+    }
     if (st.iteration % tbo.log_interval == 0) {
       add("learning-rate", trainer.next_learning_rate());
       add("batch-size", static_cast<double>(global_batch));
@@ -475,10 +482,9 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       add("grad-norm", st.grad_norm);
       if (tbo.log_memory) {
         // training_log's torch.cuda.memory_stats() scalars from this rank's allocator: on CPU
-        // the tracking allocator's (memory_tracker.h). The trainer resets the peak each step, so
-        // the all-time peak Megatron logs is kept here as the running maximum.
+        // the tracking allocator's (memory_tracker.h); the all-time peak Megatron logs is the
+        // running maximum of the step peaks above.
         const actmem::DeviceMemory& mem = actmem::device_memory(trainer.device());
-        max_allocated = std::max(max_allocated, mem.peak_bytes());
         tensorboard->add_scalar("mem-reserved-bytes", static_cast<double>(mem.reserved_bytes()),
                                 st.iteration);
         tensorboard->add_scalar("mem-allocated-bytes", static_cast<double>(mem.current_bytes()),
