@@ -182,11 +182,11 @@ TEST(TrainingConfig, LearningRatesAreMegatronsOptimizerParamScheduler) {
     t.global_batch_size = 4;
     t.lr = 1e-3;
     t.min_lr = 1e-4;
-    t.resolve_train_iters(4);
+    t.resolve_train_iters(GlobalBatchSchedule(4));
     TransformerConfig model;
     model.micro_batch_size = 1;
     t.validate(model);
-    const OptimizerParamScheduler scheduler(t, 4);
+    const OptimizerParamScheduler scheduler(t, GlobalBatchSchedule(4));
     std::vector<double> out;
     for (int64_t k = 1; k <= t.train_iters; ++k) out.push_back(scheduler.lr_at(k));
     return out;

@@ -68,6 +68,35 @@ TEST(DataParallel, RanksSplitTheGlobalBatchAndTrainBitwiseLikeOneProcess) {
   EXPECT_EQ(tp_dp[2]["data"]["dp_rank"], 1);
 }
 
+TEST(DataParallel, AStepBatchSizeScheduleTrainsLikeOneProcess) {
+  // --step-batch-size-schedule "0:8 256:16" (seq 32, micro-batch 4: 256 tokens are 8 samples):
+  // one step at 8, two at 16. Two data-parallel ranks run 1 then 2 micro-batches each, one
+  // process 2 then 4; the first step is bitwise (see above), the others sum their micro-batches
+  // in another order: within rounding.
+  const std::vector<std::string> args = {"data", "--no-dropout",     "--tp",
+                                         "1",    "--batch-schedule", "0:8 256:16"};
+  const auto one = run_workers(1, args);
+  const auto two = run_workers(2, args);
+  ASSERT_EQ(two.size(), 2u);
+  for (const auto& r : two) {
+    const json& a = r["data"]["steps"];
+    const json& b = one[0]["data"]["steps"];
+    ASSERT_EQ(a.size(), 3u);
+    ASSERT_EQ(b.size(), 3u);
+    for (size_t i = 0; i < 3; ++i) {
+      EXPECT_EQ(a[i]["global_batch"], b[i]["global_batch"]) << "step " << i;
+      EXPECT_EQ(a[i]["consumed"], b[i]["consumed"]) << "step " << i;
+      EXPECT_LT(rel(a[i]["loss"].get<double>(), b[i]["loss"].get<double>()), 1e-6) << "step " << i;
+      EXPECT_LT(rel(a[i]["grad_norm"].get<double>(), b[i]["grad_norm"].get<double>()), 1e-5)
+          << "step " << i;
+    }
+    EXPECT_EQ(a[0]["grad_digest"], b[0]["grad_digest"]);
+    EXPECT_EQ(a[0]["global_batch"], 8);
+    EXPECT_EQ(a[2]["global_batch"], 16);
+    EXPECT_EQ(a[2]["consumed"], 40);
+  }
+}
+
 TEST(DataParallel, OverlappedBucketedReductionIsBitwiseTheSameAndStartsDuringBackward) {
   // --overlap-grad-reduce with small buckets (20000 elements: several per layer), dropout on,
   // two micro-batches per data-parallel rank: d = 2, pipeline 2 x d 2 (1F1B) and pipeline 2 x

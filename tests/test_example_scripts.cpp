@@ -85,7 +85,10 @@ TEST_F(ExampleScripts, Gpt3_175bTrainsOnAGpt2BpeDatasetOrStopsWithClassThreeOnly
   // examples/gpt3/train_gpt3_175b_distributed.sh: GPT-2 BPE files and a dataset made with them
   // (`actmem preprocess`, as Megatron's tools/preprocess_data.py makes it); --fp16 included
   // (libtorch's Half kernels run on CPU), the schedule quoted as one word (the script passes it
-  // unquoted, six words, which Megatron's own argparse refuses).
+  // unquoted, six words, which Megatron's own argparse refuses) and scaled to 2 samples, then 4
+  // from 64 tokens (2 samples of 32). The script's --global-batch-size 1536 beside it stops
+  // Megatron's validate_args, and actmem, with the same error (checked first); without it the
+  // script trains across the change of batch size.
   actmem::testing::hugging_face_bpe(dir_, {"x"}, 400);
   const std::string bpe =
       " --vocab-file " + dir_ + "/vocab.json --merge-file " + dir_ + "/merges.txt";
@@ -102,7 +105,7 @@ TEST_F(ExampleScripts, Gpt3_175bTrainsOnAGpt2BpeDatasetOrStopsWithClassThreeOnly
             {"--attention-backend", "auto"},
             {"--micro-batch-size", "1"},
             {"--global-batch-size", "4"},
-            {"--step-batch-size-schedule", "'0:16 2.4B:320 4.8B:624 7.2B:928 9.6B:1232 12B:1536'"},
+            {"--step-batch-size-schedule", "'0:2 64:4'"},
             {"--train-iters", "2"},
             {"--weight-decay", "0.1"},
             {"--adam-beta1", "0.9"},
@@ -128,9 +131,20 @@ TEST_F(ExampleScripts, Gpt3_175bTrainsOnAGpt2BpeDatasetOrStopsWithClassThreeOnly
             {"--load", dir_ + "/ckpt"},
             {"--eval-iters", "1"},
             {"--tensorboard-dir", dir_ + "/tb"}},
-           {"--step-batch-size-schedule"},
+           {},
            0};
+  const auto both = run_actmem(command(s, {}));
+  EXPECT_NE(both.exit_code, 0);
+  EXPECT_NE(both.stderr_text.find(
+                "Cannot specify both --step-batch-size-schedule and --global-batch-size"),
+            std::string::npos)
+      << both.output;
+  s.flags.erase(std::find_if(s.flags.begin(), s.flags.end(),
+                             [](const Flag& f) { return f[0] == "--global-batch-size"; }));
   expect_trains_or_refuses_class_three(s);
+  // Saved before the first step at 4 (Megatron's checkpoint when the micro-batches change), and
+  // at the end.
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/ckpt/iter_0000001"));
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/ckpt/iter_0000002"));
 }
 

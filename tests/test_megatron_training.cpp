@@ -1,5 +1,7 @@
 // Megatron's training flags that change the step's numbers or its log: --log-throughput's FLOPs
-// (num_floating_point_operations) and --calculate-per-token-loss on every layout.
+// (num_floating_point_operations), --calculate-per-token-loss on every layout, --decoupled-lr and
+// the weight decay's exemptions.
+#include "actmem/train/mixed_precision.h"
 #include "actmem/train/optimizer.h"
 #include "actmem/train/throughput.h"
 #include "actmem/train/trainer.h"
@@ -166,7 +168,7 @@ TEST(DecoupledLr, TheGroupFollowsMegatronsScheduleFromItsOwnRates) {
   TransformerConfig model;
   model.micro_batch_size = 1;
   t.validate(model);
-  OptimizerParamScheduler scheduler(t, 4);
+  OptimizerParamScheduler scheduler(t, GlobalBatchSchedule(4));
   const std::vector<std::pair<double, double>> want = {
       {0.0, 0.0},
       {0.0005, 0.00025},
@@ -184,11 +186,13 @@ TEST(DecoupledLr, TheGroupFollowsMegatronsScheduleFromItsOwnRates) {
     EXPECT_DOUBLE_EQ(scheduler.next_lr(), want[k].first) << "step " << k + 1;
     ASSERT_TRUE(scheduler.next_decoupled_lr().has_value());
     EXPECT_DOUBLE_EQ(*scheduler.next_decoupled_lr(), want[k].second) << "step " << k + 1;
-    scheduler.step();
+    scheduler.step(4);
   }
   // Without --decoupled-min-lr the group ends at --min-lr (its param group has no min_lr).
   t.decoupled_min_lr.reset();
-  EXPECT_DOUBLE_EQ(OptimizerParamScheduler(t, 4).lr_at(12, *t.decoupled_lr, t.min_lr), 1e-5);
+  EXPECT_DOUBLE_EQ(
+      OptimizerParamScheduler(t, GlobalBatchSchedule(4)).lr_at(12, *t.decoupled_lr, t.min_lr),
+      1e-5);
   t.decoupled_lr.reset();
   t.decoupled_min_lr = 1e-5;
   testing::expect_error_containing([&] { t.validate(model); },
@@ -229,6 +233,54 @@ TEST(DecoupledLr, OnlyTheWordEmbeddingAndOutputLayerTakeIt) {
       EXPECT_EQ(*sb.decoupled_lr, sp.lr) << i;
     }
     EXPECT_TRUE(at::equal(b.model().word_embeddings, plain.model().word_embeddings));
+  }
+}
+
+TEST(WeightDecay, OneDimensionalParametersAreExemptAsInMegatron) {
+  // Megatron's get_standard_config_overrides (megatron/core/optimizer/__init__.py): wd_mult 0 for
+  // every parameter of one dimension and every "*.bias". One step from the same start with
+  // --weight-decay 0.5 and with 0: the 1-D parameters (biases, normalization weights) end bitwise
+  // equal; every matrix differs by AdamW's decoupled decay, lr x wd x its starting value
+  // (torch's AdamW multiplies by 1 - lr x wd before the update; the update is the same).
+  for (const char* precision : {"fp32", "bf16"}) {
+    SCOPED_TRACE(precision);
+    TransformerConfig c = testing::small_model();
+    testing::set_precision(c, precision);
+    TrainingConfig t;
+    t.eval_interval = 0;
+    t.train_iters = 3;
+    t.lr = 1e-2;
+    t.lr_decay_style = "constant";
+    TrainingConfig decayed = t, plain = t;
+    decayed.weight_decay = 0.5;
+    plain.weight_decay = 0.0;
+    Trainer a(c, decayed), b(c, plain);
+    // At bf16 the fp32 main parameters the optimizer steps (bf16 rounding would hide the decay).
+    auto params = [](Trainer& tr) {
+      return tr.mixed_precision() ? tr.mixed_precision()->main_params()
+                                  : tr.model().ordered_parameters();
+    };
+    std::vector<at::Tensor> start;
+    for (const auto& p : params(a)) start.push_back(p.detach().clone());
+    const auto sa = a.train_step(true), sb = b.train_step(true);
+    ASSERT_EQ(sa.grad_digest, sb.grad_digest);  // the same start, the same gradients
+    const auto pa = params(a), pb = params(b);
+    int64_t exempt = 0, decayed_matrices = 0;
+    for (size_t i = 0; i < pa.size(); ++i) {
+      if (pa[i].dim() == 1) {
+        EXPECT_TRUE(at::equal(pa[i], pb[i])) << "1-D parameter " << i;
+        ++exempt;
+        continue;
+      }
+      const at::Tensor diff = pb[i] - pa[i];
+      const at::Tensor want = start[i] * (t.lr * 0.5);
+      const double scale = want.abs().max().item<double>();
+      EXPECT_LE((diff - want).abs().max().item<double>(), 1e-3 * scale) << "matrix " << i;
+      EXPECT_FALSE(at::equal(pa[i], pb[i])) << "matrix " << i;
+      ++decayed_matrices;
+    }
+    EXPECT_GT(exempt, 0);
+    EXPECT_GT(decayed_matrices, 0);
   }
 }
 

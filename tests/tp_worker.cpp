@@ -7,17 +7,18 @@
 //         swiglu (RMSNorm, SwiGLU, RoPE, untied output layer, no linear biases)
 //   actmem_tp_worker masks OUT_DIR [--sp]
 //   actmem_tp_worker dispatch OUT_DIR      (the ranks as one expert-parallel group)
-//   actmem_tp_worker data OUT_DIR --tp T --global-batch G [--no-dropout]
+//   actmem_tp_worker data OUT_DIR --tp T (--global-batch G | --batch-schedule S) [--no-dropout]
 //     (t x d ranks, d = WORLD_SIZE / T: three steps of the base model on global batch G)
 //   actmem_tp_worker overlap OUT_DIR --tp T --pp P [--vp V] --layers L --global-batch G
 //                    --bucket N [--no-dropout]   (data parallelism with and without
 //                    --overlap-grad-reduce)
 //   actmem_tp_worker distopt OUT_DIR --tp T --pp P [--vp V] --layers L --global-batch G
-//                    --bucket N [--variant base|bf16|moe] [--ep E] [--no-dropout]   (the distributed
-//                    optimizer against the replicated one; bucket 0: no --overlap-grad-reduce)
+//                    --bucket N [--variant base|bf16|moe] [--ep E] [--no-dropout]   (the
+//                    distributed optimizer against the replicated one; bucket 0: no
+//                    --overlap-grad-reduce)
 //   actmem_tp_worker experts OUT_DIR --tp T --ep E --global-batch G [--dispatcher D]
-//     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three steps per recompute/offload
-//     strategy; WORLD_SIZE = E x the expert-data-parallel size)
+//     [--no-dropout] [--only STRATEGY] [--variant base|capacity|padded]   (an MoE model's three
+//     steps per recompute/offload strategy; WORLD_SIZE = E x the expert-data-parallel size)
 //   actmem_tp_worker expert_masks OUT_DIR --tp 1 --ep E   (expert dropout masks per rank)
 //   actmem_tp_worker pipeline OUT_DIR --tp T --pp P --global-batch G [--no-dropout]
 //     [--only STRATEGY] [--variant base|swiglu] [--first N] [--last N] [--layers L (4)]
@@ -384,18 +385,26 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
 
 // Three training steps of `c` on global batch `global_batch`: per step what the tests compare,
 // and the parameters' digest after them.
-nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch) {
+// With `batch_schedule` (--step-batch-size-schedule's text) instead of one global batch.
+nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch,
+                           const std::string& batch_schedule = "") {
   actmem::TrainingConfig tc;
-  tc.global_batch_size = global_batch;
+  tc.global_batch_size = batch_schedule.empty() ? global_batch : 0;
+  tc.step_batch_size_schedule = batch_schedule;
   tc.eval_interval = 0;
   actmem::Trainer trainer(c, tc);
   nlohmann::json steps = nlohmann::json::array();
   for (int i = 0; i < 3; ++i) {
     const auto st = trainer.train_step(true);
-    steps.push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest},
-                     {"consumed", st.consumed_samples}, {"activation_bytes", st.activation_bytes},
+    steps.push_back({{"loss", st.loss},
+                     {"grad_norm", st.grad_norm},
+                     {"grad_digest", st.grad_digest},
+                     {"consumed", st.consumed_samples},
+                     {"global_batch", st.global_batch_size},
+                     {"activation_bytes", st.activation_bytes},
                      {"predicted_activation_bytes", st.predicted_activation_bytes},
-                     {"routed", st.moe_routed_tokens}, {"dropped", st.moe_dropped_tokens},
+                     {"routed", st.moe_routed_tokens},
+                     {"dropped", st.moe_dropped_tokens},
                      {"load_balancing_loss", st.load_balancing_loss.value_or(-1.0)},
                      {"z_loss", st.z_loss.value_or(-1.0)}});
   }
@@ -570,9 +579,10 @@ nlohmann::json run_pipeline_fault(int die_stage) {
 
 // Data parallelism: the ranks train the base model on one global batch per step; each reports its
 // steps (loss, gradient norm, its gradient digest) and its place in the layout.
-nlohmann::json run_data(int t, bool dropout, int64_t global_batch) {
+nlohmann::json run_data(int t, bool dropout, int64_t global_batch,
+                        const std::string& batch_schedule) {
   TransformerConfig c = base_config(t, false, dropout);
-  return {{"steps", three_steps(c, global_batch)["steps"]},
+  return {{"steps", three_steps(c, global_batch, batch_schedule)["steps"]},
           {"tp_rank", actmem::tensor_parallel_group().rank},
           {"dp_rank", actmem::data_parallel_group().rank},
           {"dp_size", actmem::data_parallel_group().size}};
@@ -847,7 +857,7 @@ int main(int argc, char** argv) {
     int die_stage = -1;
     std::optional<int64_t> first_layers, last_layers;
     int64_t global_batch = 0, bucket = 0;
-    std::string dispatcher = "alltoall";
+    std::string dispatcher = "alltoall", batch_schedule;
     for (int i = 3; i < argc; ++i) {
       const std::string a = argv[i];
       if (a == "--sp") {
@@ -880,6 +890,8 @@ int main(int argc, char** argv) {
         bucket = std::stoll(argv[++i]);
       } else if (a == "--global-batch" && i + 1 < argc) {
         global_batch = std::stoll(argv[++i]);
+      } else if (a == "--batch-schedule" && i + 1 < argc) {
+        batch_schedule = argv[++i];
       } else {
         TORCH_CHECK(false, "actmem_tp_worker: unknown argument ", a);
       }
@@ -905,7 +917,7 @@ int main(int argc, char** argv) {
       result["distopt"] = run_distopt(std::max(tp, 1), pp, ep, vp, layers, dropout, global_batch,
                                       bucket, variant, out_dir);
     } else if (scenario == "data") {
-      result["data"] = run_data(group.size, dropout, global_batch);
+      result["data"] = run_data(group.size, dropout, global_batch, batch_schedule);
     } else if (scenario == "experts") {
       result["experts"] = run_experts(std::max(tp, 1), ep, dropout, global_batch, dispatcher, only, variant);
     } else if (scenario == "expert_masks") {

@@ -59,6 +59,7 @@ Inspection inspect_one_step(const InspectOptions& o) {
     // ledger records the first micro-batch's first chunk either way.
     t.global_batch_size =
         c.micro_batch_size * c.microbatch_group_size() * data_parallel_group().size;
+    t.step_batch_size_schedule.clear();
   }
   Trainer trainer(c, t);
   Inspection in;

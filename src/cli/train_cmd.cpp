@@ -141,8 +141,17 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << (m.grouped_query_attention() ? " in " + std::to_string(m.query_groups()) + " query groups"
                                       : std::string())
       << ", ffn " << m.ffn() << ", seq " << m.seq_length << ", micro-batch " << m.micro_batch_size
-      << " x " << t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)
-      << " micro-batches"
+      << " x "
+      << (trainer.batch_schedule().stepped()
+              ? std::to_string(trainer.batch_schedule().entries().front().batch_size /
+                               (m.micro_batch_size * actmem::data_parallel_group().size)) +
+                    " to " +
+                    std::to_string(trainer.batch_schedule().largest() /
+                                   (m.micro_batch_size * actmem::data_parallel_group().size)) +
+                    " micro-batches (the schedule below)"
+              : std::to_string(
+                    t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)) +
+                    " micro-batches")
       << (actmem::data_parallel_group().size > 1
               ? " on each of " + std::to_string(actmem::data_parallel_group().size) +
                     " data-parallel ranks"
@@ -158,6 +167,20 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  attention " << m.attention_summary() << "\n"
       << "  precision " << precision_summary(m, t) << "\n";
+  if (const auto& batches = trainer.batch_schedule(); batches.stepped()) {
+    // StepBatchsizeNumMicroBatchesCalculator's log: each threshold in tokens and samples, with
+    // its batch size and micro-batches per data-parallel rank.
+    const int64_t per_micro = m.micro_batch_size * actmem::data_parallel_group().size;
+    out << "  global batch size schedule (--step-batch-size-schedule, thresholds in tokens):";
+    for (const auto& e : batches.entries()) {
+      out << "\n    >= " << e.from_sample * m.seq_length << " tokens (" << e.from_sample
+          << " samples) -> batch size " << e.batch_size << ", "
+          << (e.batch_size % per_micro == 0 ? std::to_string(e.batch_size / per_micro)
+                                            : std::string("not whole"))
+          << " micro-batches";
+    }
+    out << "\n";
+  }
   if (const actmem::OptimizerShards* shards = trainer.optimizer_shards()) {
     const int64_t per_element = optimizer_bytes_per_element(m);
     out << "  distributed optimizer: this rank holds the optimizer state of "
@@ -454,11 +477,6 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   if (!tbo.dir.empty() && dist.rank == dist.world_size - 1) {
     tensorboard = std::make_unique<actmem::EventFileWriter>(tbo.dir, tbo.queue_size);
   }
-  const int64_t global_batch =
-      trainer.config().global_batch(o.model.micro_batch_size, actmem::data_parallel_group().size);
-  // --log-throughput's model FLOPs of one iteration (Megatron's num_floating_point_operations).
-  const double step_flops =
-      trainer.config().log_throughput ? actmem::megatron_model_flops(o.model, global_batch) : 0.0;
   double last_logged_elapsed = 0.0;
   int64_t last_logged_iteration = trainer.iteration();
   int64_t max_allocated = 0;  // --log-memory-to-tensorboard's mem-max-allocated-bytes
@@ -475,7 +493,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
     }
     if (st.iteration % tbo.log_interval == 0) {
       add("learning-rate", trainer.next_learning_rate());
-      add("batch-size", static_cast<double>(global_batch));
+      add("batch-size", static_cast<double>(st.global_batch_size));
       add("lm loss", st.loss);
       if (tbo.log_loss_scale) add("loss-scale", st.loss_scale);
       if (tbo.log_world_size) add("world-size", dist.world_size);
@@ -501,7 +519,9 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
                              static_cast<double>(st.iteration - last_logged_iteration);
       tensorboard->add_scalar("iteration-time", seconds, st.iteration);
       if (trainer.config().log_throughput) {
-        // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here).
+        // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here): the model FLOPs of
+        // this step's global batch (num_floating_point_operations).
+        const double step_flops = actmem::megatron_model_flops(o.model, st.global_batch_size);
         tensorboard->add_scalar("throughput",
                                 actmem::tflops_per_rank(step_flops, seconds, dist.world_size),
                                 st.iteration);

@@ -804,25 +804,33 @@ nlohmann::json to_json(const TransformerConfig& c) {
   return j;
 }
 
-void TrainingConfig::resolve_train_iters(int64_t global_batch) {
-  if (!train_samples) return;
-  TORCH_CHECK(global_batch > 0 && *train_samples >= global_batch, "actmem: --train-samples ",
-              *train_samples, " is less than one global batch (", global_batch, " samples)");
-  train_iters = *train_samples / global_batch;
+GlobalBatchSchedule TrainingConfig::batch_schedule(const TransformerConfig& model,
+                                                   int64_t data_parallel_size) const {
+  if (step_batch_size_schedule.empty()) {
+    return GlobalBatchSchedule(global_batch(model.micro_batch_size, data_parallel_size));
+  }
+  return GlobalBatchSchedule::parse(step_batch_size_schedule, model.seq_length);
 }
 
-LrScheduleSteps lr_schedule_steps(const TrainingConfig& c, int64_t global_batch) {
+void TrainingConfig::resolve_train_iters(const GlobalBatchSchedule& batches) {
+  if (!train_samples) return;
+  const int64_t first = batches.at(0);
+  TORCH_CHECK(*train_samples >= first, "actmem: --train-samples ", *train_samples,
+              " is less than one global batch (", first, " samples)");
+  train_iters = batches.iterations_for(*train_samples);
+}
+
+LrScheduleSteps lr_schedule_steps(const TrainingConfig& c, const GlobalBatchSchedule& batches) {
   // get_optimizer_param_scheduler: the scheduler counts samples in either kind of run.
   LrScheduleSteps s;
-  s.per_step = global_batch;
   if (c.train_samples) {
     s.decay = c.lr_decay_samples.value_or(*c.train_samples);
     s.warmup = c.lr_warmup_fraction ? *c.lr_warmup_fraction * static_cast<double>(s.decay)
                                     : static_cast<double>(c.lr_warmup_samples);
   } else {
-    s.decay = c.lr_decay_iters.value_or(c.train_iters) * global_batch;
+    s.decay = batches.samples_after(c.lr_decay_iters.value_or(c.train_iters));
     s.warmup = c.lr_warmup_fraction ? *c.lr_warmup_fraction * static_cast<double>(s.decay)
-                                    : static_cast<double>(c.lr_warmup_iters * global_batch);
+                                    : static_cast<double>(batches.samples_after(c.lr_warmup_iters));
   }
   // OptimizerParamScheduler.__init__'s asserts, with the flags named.
   TORCH_CHECK(s.decay > 0, "actmem: the learning-rate decay must be positive (lr_decay_steps ",
@@ -841,6 +849,12 @@ LrScheduleSteps lr_schedule_steps(const TrainingConfig& c, int64_t global_batch)
 void TrainingConfig::validate(const TransformerConfig& model) const {
   TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
               "got ", global_batch_size);
+  if (!step_batch_size_schedule.empty()) {
+    // Megatron's validate_args, its ValueError's text.
+    TORCH_CHECK(global_batch_size == 0,
+                "Cannot specify both --step-batch-size-schedule and --global-batch-size");
+    (void)GlobalBatchSchedule::parse(step_batch_size_schedule, model.seq_length);
+  }
   const int64_t gbs = global_batch(model.micro_batch_size);
   TORCH_CHECK(gbs % model.micro_batch_size == 0, "actmem::TrainingConfig: global_batch_size (", gbs,
               ") must be a multiple of micro_batch_size (", model.micro_batch_size, ")");
@@ -1023,6 +1037,9 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
 nlohmann::json to_json(const TrainingConfig& t) {
   return {
       {"global_batch_size", t.global_batch_size},
+      {"step_batch_size_schedule", t.step_batch_size_schedule.empty()
+                                       ? nlohmann::json(nullptr)
+                                       : nlohmann::json(t.step_batch_size_schedule)},
       {"train_iters", t.train_iters},
       {"lr", t.lr},
       {"min_lr", t.min_lr},

@@ -36,12 +36,7 @@ const std::vector<CompatFlag>& compat_flags() {
   static const char* kWandb =
       "Weights & Biases logs to a service over the network, which actmem does not do; "
       "--log-json writes the same scalars to a file";
-  static const char* kNotYet =
-      "not implemented in actmem yet (docs/megatron-flags.md lists it with Megatron's meaning); "
-      "leave it out to train without it";
   static const std::vector<CompatFlag> flags = {
-      // Megatron semantics planned here (class 1 in docs/megatron-flags.md), refused until then.
-      {"--step-batch-size-schedule", 1, nullptr, kNotYet},
       {"--use-mcore-models", 0,
        "deprecated in Megatron and ignored there too (mcore models are "
        "its default)",

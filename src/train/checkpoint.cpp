@@ -1018,7 +1018,7 @@ c10::impl::GenericDict checkpoint_state(const TrainState& s, bool write) {
   sched.insert("lr_warmup_steps", warmup_steps_value(steps));
   sched.insert("lr_decay_steps", steps.decay);
   sched.insert("lr_decay_style", c.lr_decay_style);
-  sched.insert("num_steps", s.scheduler.num_steps() * steps.per_step);
+  sched.insert("num_steps", s.scheduler.num_samples());
   top.insert("opt_param_scheduler", sched);
 
   top.insert("rng_state", rng_list);
@@ -1231,7 +1231,6 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
                     const std::string& path, const CheckpointLoadOptions& options) {
   const c10::impl::GenericDict sched = dict_entry(ckpt, "opt_param_scheduler", path);
   const LrScheduleSteps& steps = s.scheduler.steps();
-  const int64_t gbs = steps.per_step;
   // Megatron's OptimizerParamScheduler._check_and_set: the run's values must match the
   // checkpoint's unless --override-opt_param-scheduler.
   auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
@@ -1241,10 +1240,9 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
                    bool in_samples) {
     const c10::IValue& theirs = entry(sched, key, path);
     TORCH_CHECK(options.override_scheduler || mine == theirs,
-                "OptimizerParamScheduler: class input value ", text(mine),
-                " and checkpoint value ", text(theirs), " for ", name, " do not match",
-                in_samples ? " (counted in samples: iterations x global batch size " +
-                                 std::to_string(gbs) + ")"
+                "OptimizerParamScheduler: class input value ", text(mine), " and checkpoint value ",
+                text(theirs), " for ", name, " do not match",
+                in_samples ? " (counted in samples: the global batches of those iterations)"
                            : std::string(),
                 " (", path, "; pass --override-opt_param-scheduler to use this run's value)");
   };
@@ -1254,11 +1252,11 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
   check(steps.decay, "lr_decay_steps", "total number of iterations", true);
   check(s.config.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
   const int64_t num_steps = entry(sched, "num_steps", path).toInt();
-  TORCH_CHECK(num_steps % gbs == 0, "actmem::Trainer::load_checkpoint: ", path, ": the schedule "
-              "is at sample ", num_steps, ", not a whole number of this run's global batches (",
-              gbs, " samples)");
-  s.scheduler.set_num_steps(num_steps / gbs);
-
+  TORCH_CHECK(num_steps >= 0, "actmem::Trainer::load_checkpoint: ", path,
+              ": the schedule is at "
+              "sample ",
+              num_steps, "; expected a count of samples, from 0");
+  s.scheduler.set_num_samples(num_steps);
 }
 
 // The optimizer's state: AdamW's moments, and at 16 bits the fp32 main parameters and the loss
@@ -1368,7 +1366,7 @@ std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState&
   const bool optimizer = options.optimizer && !options.finetune;
   if (options.finetune) {
     s.iteration = 0;
-    s.scheduler.set_num_steps(0);
+    s.scheduler.set_num_samples(0);
     s.train_data.seek(0);
   } else {
     s.iteration = entry(ckpt, "iteration", path).toInt();
@@ -1386,7 +1384,7 @@ std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState&
   } else {
     // Megatron's reload_model_params: the fp32 main parameters start from the loaded model.
     // Without the optimizer state the schedule starts again from its first step.
-    s.scheduler.set_num_steps(0);
+    s.scheduler.set_num_samples(0);
     if (MixedPrecisionOptimizer* mixed = s.optimizer.mixed()) {
       at::NoGradGuard no_grad;
       mixed->reload_main_params();

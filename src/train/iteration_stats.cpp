@@ -92,6 +92,7 @@ nlohmann::json to_json(const IterationStats& s) {
       {"lr", s.lr},
       {"decoupled_lr", s.decoupled_lr ? nlohmann::json(*s.decoupled_lr) : nlohmann::json(nullptr)},
       {"consumed_samples", s.consumed_samples},
+      {"global_batch_size", s.global_batch_size},
       {"elapsed_s", s.elapsed_s},
       {"loss_scale", s.loss_scale},
       {"skipped", s.skipped},
@@ -245,9 +246,9 @@ void Trainer::gather_schedule(IterationStats& st, const TensorParallelGroup& pp)
 
 void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
   // The whole global batch's tokens (every data-parallel rank's) per second of this rank's step.
-  const int64_t gbs = config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size);
   st.step_time_s = clock.busy_s;
-  st.tokens_per_s = static_cast<double>(gbs * model_config_.seq_length) / clock.busy_s;
+  st.tokens_per_s =
+      static_cast<double>(st.global_batch_size * model_config_.seq_length) / clock.busy_s;
   st.peak_device_bytes = clock.peak;
   if (tensor_parallel_group().size > 1) {
     st.peak_device_bytes_per_rank = gather_per_rank(clock.peak, device_);

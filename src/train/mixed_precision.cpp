@@ -121,18 +121,32 @@ class AccumulateIntoMainGrad : public torch::autograd::FunctionPostHook {
 }  // namespace
 
 AdamWGroups::AdamWGroups(const std::vector<at::Tensor>& params, const AdamWSettings& s,
-                         const std::vector<bool>& decoupled) {
+                         const std::vector<bool>& decoupled, const std::vector<bool>& no_decay) {
   TORCH_CHECK(decoupled.empty() || decoupled.size() == params.size(),
               "actmem::AdamWGroups: one decoupled flag per parameter expected");
+  TORCH_CHECK(no_decay.empty() || no_decay.size() == params.size(),
+              "actmem::AdamWGroups: one no-decay flag per parameter expected");
   std::vector<torch::optim::OptimizerParamGroup> groups;
+  // The first group holds the decayed matrices at the base rate (the checkpoint records its
+  // settings as Megatron's first param group).
   for (const bool d : {false, true}) {
-    std::vector<at::Tensor> members;
-    for (size_t i = 0; i < params.size(); ++i) {
-      if ((!decoupled.empty() && decoupled[i]) == d) members.push_back(params[i]);
+    for (const bool nd : {false, true}) {
+      std::vector<at::Tensor> members;
+      for (size_t i = 0; i < params.size(); ++i) {
+        const bool is_d = !decoupled.empty() && decoupled[i];
+        const bool is_nd = !no_decay.empty() && no_decay[i];
+        if (is_d == d && is_nd == nd) members.push_back(params[i]);
+      }
+      if (members.empty()) continue;
+      torch::optim::OptimizerParamGroup group(std::move(members));
+      if (nd) {
+        auto options = std::make_unique<torch::optim::AdamWOptions>(s.lr);
+        options->betas({s.beta1, s.beta2}).eps(s.eps).weight_decay(0.0);
+        group.set_options(std::move(options));
+      }
+      groups.push_back(std::move(group));
+      group_decoupled_.push_back(d);
     }
-    if (members.empty()) continue;
-    groups.emplace_back(std::move(members));
-    group_decoupled_.push_back(d);
   }
   adamw_ = std::make_unique<torch::optim::AdamW>(groups, torch::optim::AdamWOptions(s.lr)
                                                              .betas({s.beta1, s.beta2})
@@ -154,7 +168,8 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_p
                                                  const AdamWSettings& s, at::ScalarType grad_dtype,
                                                  std::optional<GradScaler> scaler,
                                                  const OptimizerShards* shards,
-                                                 const std::vector<bool>& decoupled)
+                                                 const std::vector<bool>& decoupled,
+                                                 const std::vector<bool>& no_decay)
     : model_params_(std::move(model_params)), scaler_(std::move(scaler)), shards_(shards) {
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < model_params_.size(); ++i) {
@@ -174,7 +189,7 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_p
     acc->add_post_hook(std::make_unique<AccumulateIntoMainGrad>(p, main_grad));
     grad_accumulators_.push_back(std::move(acc));  // keeps the hooked accumulator alive
   }
-  adamw_ = std::make_unique<AdamWGroups>(main_params_, s, decoupled);
+  adamw_ = std::make_unique<AdamWGroups>(main_params_, s, decoupled, no_decay);
 }
 
 MixedPrecisionOptimizer::~MixedPrecisionOptimizer() = default;

@@ -12,11 +12,11 @@
 
 namespace actmem {
 
-double OptimizerParamScheduler::lr_at(int64_t step, double max_lr, double min_lr) const {
+double OptimizerParamScheduler::lr_at_sample(int64_t samples, double max_lr, double min_lr) const {
   // OptimizerParamScheduler.get_lr(param_group) at num_steps = the samples before this step,
   // with the group's max_lr and min_lr.
   const auto& c = config_;
-  const double num_steps = static_cast<double>((step - 1) * steps_.per_step);
+  const double num_steps = static_cast<double>(samples);
   const double warmup = steps_.warmup, decay = static_cast<double>(steps_.decay);
   if (warmup > 0 && num_steps <= warmup) {
     return c.lr_warmup_init + (max_lr - c.lr_warmup_init) * num_steps / warmup;
@@ -33,6 +33,11 @@ Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerCon
                      const TrainingConfig& training, std::unique_ptr<OptimizerShards> shards,
                      const std::vector<bool>& decoupled)
     : params_(params), shards_(std::move(shards)) {
+  // Megatron's get_standard_config_overrides: wd_mult 0 for every parameter of one dimension
+  // (biases, normalization weights; "*.bias" names are all 1-D here), read from the whole
+  // parameter's shape before any distributed-optimizer shard flattens it.
+  std::vector<bool> no_decay;
+  for (const auto& p : params_) no_decay.push_back(p.dim() == 1);
   const at::ScalarType dtype = params_dtype(model);
   if (is_16bit(dtype)) {
     // Megatron's Float16OptimizerWithFloat16Params with main-grad buffers (mixed_precision.h).
@@ -47,7 +52,8 @@ Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerCon
         params_,
         AdamWSettings{training.lr, training.adam_beta1, training.adam_beta2, training.adam_eps,
                       training.weight_decay},
-        training.fp32_main_grads(model) ? at::kFloat : dtype, scaler, shards_.get(), decoupled);
+        training.fp32_main_grads(model) ? at::kFloat : dtype, scaler, shards_.get(), decoupled,
+        no_decay);
     grads_ = mixed_->main_grads();
     return;
   }
@@ -71,7 +77,7 @@ Optimizer::Optimizer(const std::vector<at::Tensor>& params, const TransformerCon
       adamw_params_,
       AdamWSettings{training.lr, training.adam_beta1, training.adam_beta2, training.adam_eps,
                     training.weight_decay},
-      decoupled);
+      decoupled, no_decay);
 }
 
 Optimizer::~Optimizer() = default;

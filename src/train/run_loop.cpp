@@ -181,12 +181,24 @@ struct LogWindow {
   int64_t skipped = 0;  // Megatron's "number of skipped iterations" per log line
 };
 
+// What the progress line shows besides the step's statistics.
+struct ProgressContext {
+  int64_t total = 0;                 // the run's last iteration
+  std::optional<double> loss_scale;  // with loss scaling
+  bool capacity_factor = false;      // MoE with a capacity: the dropped share
+  // --log-throughput's model FLOPs of one iteration / world size (else unset).
+  std::optional<double> flops_per_rank_step;
+  bool per_sequence_balancing = false;  // seq_aux_loss's name for the balancing loss
+  bool batch_schedule = false;          // --step-batch-size-schedule: the step's global batch
+  // For the ETA: the samples consumed when the run started and after its last step.
+  int64_t first_samples = 0, last_samples = 0;
+};
+
 // One progress line, Megatron's fields in its order where it has them.
-// flops_per_rank_step: --log-throughput's model FLOPs per iteration / world size (else unset).
-void print_progress_line(std::ostream& os, const IterationStats& st, int64_t first, int64_t total,
-                         const LogWindow& window, std::optional<double> loss_scale,
-                         bool capacity_factor, std::optional<double> flops_per_rank_step,
-                         bool per_sequence_balancing) {
+void print_progress_line(std::ostream& os, const IterationStats& st, const ProgressContext& ctx,
+                         const LogWindow& window) {
+  const int64_t total = ctx.total;
+  const std::optional<double>& loss_scale = ctx.loss_scale;
   const int width = static_cast<int>(std::to_string(total).size());
   const double mean_step = window.time_s / static_cast<double>(window.steps);
   os << "iter " << std::setw(width) << st.iteration << "/" << total << " | loss " << std::fixed
@@ -205,12 +217,12 @@ void print_progress_line(std::ostream& os, const IterationStats& st, int64_t fir
     // Megatron's names: load_balancing_loss (seq_load_balancing_loss with seq_aux_loss) and
     // z_loss, unscaled (1 = balanced routing).
     if (st.load_balancing_loss) {
-      os << (per_sequence_balancing ? " | seq_load_balancing_loss " : " | load_balancing_loss ")
+      os << (ctx.per_sequence_balancing ? " | seq_load_balancing_loss " : " | load_balancing_loss ")
          << std::setprecision(3) << *st.load_balancing_loss;
     }
     if (st.z_loss) os << " | z_loss " << std::setprecision(3) << *st.z_loss;
     os << " | expert load max/mean " << std::setprecision(2) << st.expert_load_imbalance;
-    if (capacity_factor) {
+    if (ctx.capacity_factor) {
       os << " | dropped " << std::setprecision(1)
          << 100.0 * static_cast<double>(st.moe_dropped_tokens) /
                 static_cast<double>(std::max<int64_t>(st.moe_routed_tokens, 1))
@@ -219,19 +231,23 @@ void print_progress_line(std::ostream& os, const IterationStats& st, int64_t fir
   }
   os << " | lr " << std::scientific << std::setprecision(2) << st.lr;
   if (st.decoupled_lr) os << " | decoupled lr " << *st.decoupled_lr;
+  if (ctx.batch_schedule) os << " | global batch size " << st.global_batch_size;
   os << std::fixed << " | " << std::setprecision(1) << mean_step * 1e3 << " ms/step | ";
-  if (flops_per_rank_step) {
+  if (ctx.flops_per_rank_step) {
     // Megatron's training_log with --log-throughput (per GPU there; per rank here).
     os << "throughput per rank (TFLOP/s/rank): " << std::setprecision(3)
-       << tflops_per_rank(*flops_per_rank_step, mean_step, 1) << " | ";
+       << tflops_per_rank(*ctx.flops_per_rank_step, mean_step, 1) << " | ";
   }
   os << std::setprecision(0) << st.tokens_per_s << " tok/s | peak "
      << format_bytes(static_cast<double>(st.peak_device_bytes)) << " | act "
      << format_bytes(static_cast<double>(st.activation_bytes));
   if (st.iteration < total) {
-    // Wall time per step so far (validation and saves included) times the steps left.
-    const double per_step = st.elapsed_s / static_cast<double>(st.iteration - first + 1);
-    os << " | ETA " << format_duration(per_step * static_cast<double>(total - st.iteration));
+    // Wall time per sample so far (validation and saves included) times the samples left: the
+    // steps left, when the batch is constant.
+    const double per_sample =
+        st.elapsed_s / static_cast<double>(st.consumed_samples - ctx.first_samples);
+    os << " | ETA "
+       << format_duration(per_sample * static_cast<double>(ctx.last_samples - st.consumed_samples));
   }
   os << "\n";
 }
@@ -281,17 +297,31 @@ int Trainer::run(const RunOutput& out,
     }
   };
   LogWindow window;
-  std::optional<double> flops_per_rank;
-  if (config_.log_throughput) {
-    // Megatron's num_floating_point_operations(args, global batch) / world size.
-    const int64_t world =
-        tensor_parallel_group().size * data_parallel_group().size * pipeline_parallel_group().size;
-    flops_per_rank =
-        megatron_model_flops(model_config_, config_.global_batch(model_config_.micro_batch_size,
-                                                                 data_parallel_group().size)) /
-        static_cast<double>(world);
-  }
+  ProgressContext ctx;
+  ctx.total = total;
+  ctx.capacity_factor = model_config_.moe_expert_capacity_factor.has_value();
+  ctx.per_sequence_balancing = model_config_.moe_router_load_balancing_type == "seq_aux_loss";
+  ctx.batch_schedule = batches_.stepped();
+  ctx.first_samples = consumed_train_samples();
+  ctx.last_samples =
+      batches_.samples_after(std::max<int64_t>(total - iteration_, 0), ctx.first_samples);
+  // Every global batch the run's steps reach, checked before the first (Megatron finds a size
+  // the layout cannot run when training reaches it).
+  if (batches_.stepped()) check_batch_sizes(std::max<int64_t>(total - iteration_, 0));
+  const int64_t world =
+      tensor_parallel_group().size * data_parallel_group().size * pipeline_parallel_group().size;
+  int64_t batch = next_global_batch();
   for (int64_t it = first; it <= total; ++it) {
+    if (const int64_t next = next_global_batch(); next != batch) {
+      // Megatron's train loop: when the number of micro-batches changes (not on the run's first
+      // step), a checkpoint with --save before the first step at the new size.
+      if (progress != nullptr) {
+        *progress << "global batch size " << batch << " -> " << next << " at "
+                  << consumed_train_samples() << " consumed samples (--step-batch-size-schedule)\n";
+      }
+      batch = next;
+      if (!config_.save.empty() && iteration_ != 0 && saved_at != iteration_) save();
+    }
     const bool trace_now = out.trace != nullptr && it == traced;
     if (trace_now) set_trace(&recorder);
     IterationStats st = train_step(compute_digest);
@@ -314,11 +344,14 @@ int Trainer::run(const RunOutput& out,
       st.val_loss = evaluate();
     }
     if (progress != nullptr && (it % config_.log_interval == 0 || it == first || it == total)) {
-      print_progress_line(
-          *progress, st, first, total, window,
-          optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt,
-          model_config_.moe_expert_capacity_factor.has_value(), flops_per_rank,
-          model_config_.moe_router_load_balancing_type == "seq_aux_loss");
+      ctx.loss_scale =
+          optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt;
+      // Megatron's num_floating_point_operations(args, this step's global batch) / world size.
+      if (config_.log_throughput) {
+        ctx.flops_per_rank_step =
+            megatron_model_flops(model_config_, st.global_batch_size) / static_cast<double>(world);
+      }
+      print_progress_line(*progress, st, ctx, window);
       window = LogWindow{};
     }
     if (progress != nullptr && st.val_loss) {

@@ -104,8 +104,8 @@ at::Device validated_device(const TransformerConfig& model, const TrainingConfig
 // The training config with train_iters derived from --train-samples (the global batch counts
 // every data-parallel rank's micro-batches).
 TrainingConfig resolved(const TransformerConfig& model, TrainingConfig training) {
-  training.resolve_train_iters(
-      training.global_batch(model.micro_batch_size, data_parallel_group().size));
+  training.validate(model);
+  training.resolve_train_iters(training.batch_schedule(model, data_parallel_group().size));
   return training;
 }
 }  // namespace
@@ -113,11 +113,14 @@ TrainingConfig resolved(const TransformerConfig& model, TrainingConfig training)
 Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     : model_config_(model),
       config_(resolved(model, training)),
+      batches_(config_.batch_schedule(model, data_parallel_group().size)),
       device_(validated_device(model, config_)),
       memory_(device_memory(device_)),
-      scheduler_(config_,
-                 config_.global_batch(model.micro_batch_size, data_parallel_group().size)) {
-  check_batch_layout(model_config_, config_);
+      scheduler_(config_, batches_) {
+  // A schedule's sizes are checked from the samples a run starts at (check_batch_sizes), as
+  // Megatron checks only the size in effect: a resumed run may have passed sizes this layout
+  // cannot run.
+  if (!batches_.stepped()) check_batch_layout(model_config_, config_);
   // The corpus lives in host memory, outside the tracked allocator (Note [Corpus in bounded
   // memory] in data.h); loading it first lets the pre-check count it.
   TrainingData data = load_training_data(model_config_, config_);
@@ -247,6 +250,28 @@ int64_t Trainer::consumed_train_samples() const {
   return train_sampler_->batches_drawn() * model_config_.micro_batch_size;
 }
 
+int64_t Trainer::next_global_batch() const {
+  return batches_.at(consumed_train_samples());
+}
+
+void Trainer::check_batch_sizes(int64_t steps) const {
+  const int64_t consumed = consumed_train_samples();
+  for (const int64_t gbs : batches_.sizes_used(steps, consumed)) {
+    TrainingConfig at = config_;
+    at.step_batch_size_schedule.clear();
+    at.global_batch_size = gbs;
+    try {
+      check_batch_layout(model_config_, at);
+    } catch (const c10::Error& e) {
+      TORCH_CHECK(false, "actmem::Trainer: --step-batch-size-schedule reaches a global batch of ",
+                  gbs, " within the ", steps, " steps from sample ", consumed,
+                  ", which this layout cannot run: ", e.what_without_backtrace(),
+                  " (Megatron's update_num_microbatches checks the size in effect, when training "
+                  "reaches it)");
+    }
+  }
+}
+
 // Note [The steps of a training step]
 // train_step() reads as Megatron's train_step: forward and backward of every micro-batch
 // (forward_backward_func), the reduction of the gradients the ranks computed on their own tokens
@@ -259,6 +284,12 @@ IterationStats Trainer::train_step(bool compute_digest) {
   std::unique_ptr<TraceScope> trace_scope;
   if (trace_ != nullptr) trace_scope = std::make_unique<TraceScope>(*trace_);
   IterationStats st;
+  // The step's global batch, decided by the samples consumed before it (Megatron's
+  // update_num_microbatches before train_step).
+  st.global_batch_size = next_global_batch();
+  if (batches_.stepped()) check_batch_sizes(1);
+  step_microbatches_ =
+      st.global_batch_size / (model_config_.micro_batch_size * data_parallel_group().size);
   st.iteration = ++iteration_;
   st.predicted_activation_bytes = prediction_->micro_batch_bytes();
   // The schedule advances with the optimizer steps taken: a skipped step (loss-scale overflow)
@@ -276,9 +307,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   memory_.reset_peak();
   std::optional<double> step_tokens;  // Note [Per-token loss]
   if (config_.calculate_per_token_loss) {
-    step_tokens = static_cast<double>(
-        config_.global_batch(model_config_.micro_batch_size, data_parallel_group().size) *
-        model_config_.seq_length);
+    step_tokens = static_cast<double>(st.global_batch_size * model_config_.seq_length);
   }
   finalize_model_grads(*groups_, optimizer_->gradients(), grad_reducer_.get(), step_tokens);
   const auto t1 = Clock::now();
@@ -292,7 +321,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   } else {
     st.grad_norm = clip_gradients(st);
     optimizer_->step();
-    scheduler_.step();
+    scheduler_.step(st.global_batch_size);
   }
   synchronize_device(device_);
   clock.busy_s += seconds_since(t2);
@@ -390,11 +419,10 @@ class Trainer::StepObserver : public ScheduleObserver {
         boundary_bytes_(boundary_bytes),
         step_base_(step_base),
         offload_forwards_(static_cast<size_t>(t.model_->num_model_chunks())),
-        predicted_(static_cast<size_t>(t.model_->num_model_chunks()),
-                   std::vector<int64_t>(static_cast<size_t>(std::max<int64_t>(
-                       t.config_.num_microbatches(t.model_config_.micro_batch_size,
-                                                  data_parallel_group().size),
-                       1)))) {}
+        predicted_(
+            static_cast<size_t>(t.model_->num_model_chunks()),
+            std::vector<int64_t>(static_cast<size_t>(std::max<int64_t>(t.step_microbatches_, 1)))) {
+  }
 
   void before_forward(const Computation& c, const at::Tensor& tokens, const at::Tensor& labels,
                       bool received) override {
@@ -516,8 +544,7 @@ class Trainer::StepObserver : public ScheduleObserver {
 };
 
 void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
-  const int64_t n_micro =
-      config_.num_microbatches(model_config_.micro_batch_size, data_parallel_group().size);
+  const int64_t n_micro = step_microbatches_;
   synchronize_device(device_);
   // Megatron's MoEAuxLossAutoScaler.set_loss_scale(loss_scale / num_microbatches): the auxiliary
   // losses are weighted in backward as the main loss is.

@@ -38,10 +38,19 @@ void check_batch_layout(const TransformerConfig& model, const TrainingConfig& tr
 
 namespace {
 TrainingData load_indexed_datasets(const TransformerConfig& model, const TrainingConfig& c) {
-  const int64_t gbs = c.global_batch(model.micro_batch_size, data_parallel_group().size);
+  const int64_t d = data_parallel_group().size;
+  const int64_t gbs = c.global_batch(model.micro_batch_size, d);
   const int64_t valid =
       c.eval_interval > 0 ? (c.train_iters / c.eval_interval + 1) * c.eval_iters * gbs : 0;
-  const std::vector<int64_t> sizes = {c.train_samples.value_or(c.train_iters * gbs), valid, 0};
+  // Megatron's train_valid_test_num_samples: --train-samples, else train_iters x global batch.
+  // Under a schedule Megatron multiplies by its args.global_batch_size, one micro-batch per rank,
+  // which leaves the dataset short of the steps' samples; here the samples the run's steps
+  // consume (the last one may pass --train-samples).
+  const GlobalBatchSchedule batches = c.batch_schedule(model, d);
+  const int64_t train = batches.stepped() ? std::max(c.train_samples.value_or(0),
+                                                     batches.samples_after(c.train_iters))
+                                          : c.train_samples.value_or(c.train_iters * gbs);
+  const std::vector<int64_t> sizes = {train, valid, 0};
   const uint32_t seed = static_cast<uint32_t>(model.seed);
   std::ostringstream source;
   GPTSplits splits;
@@ -109,7 +118,11 @@ int64_t checked_device_memory_limit(const TransformerConfig& model, const Traini
   // A pipeline stage: its own weights and the micro-batches 1F1B keeps in flight on it (under
   // the interleaved schedule, per model chunk, with the boundary tensors its queues hold).
   const TensorParallelGroup& pp = pipeline_parallel_group();
-  const int64_t n_micro = training.num_microbatches(model.micro_batch_size, data_parallel_group().size);
+  // The most micro-batches a step runs (under a schedule, at its largest batch).
+  const int64_t n_micro =
+      std::max<int64_t>(training.batch_schedule(model, data_parallel_group().size).largest() /
+                            (model.micro_batch_size * data_parallel_group().size),
+                        1);
   int64_t in_flight = one_f_one_b_in_flight(pp.rank, pp.size, n_micro);
   // The distributed optimizer's state: 1/d of it (the experts' over their own, possibly
   // smaller, data-parallel group: the smaller size keeps the bound a bound).

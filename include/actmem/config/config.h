@@ -5,6 +5,8 @@
 // expected.
 #pragma once
 
+#include "actmem/config/batch_schedule.h"
+
 #include <nlohmann/json_fwd.hpp>
 
 #include <cstdint>
@@ -333,6 +335,11 @@ constexpr double kMaxOffloadBandwidthGbps = 1e5;
 struct TrainingConfig {
   /// 0 means micro_batch_size (one micro-batch per step).
   int64_t global_batch_size = 0;
+  /// Megatron's --step-batch-size-schedule: the global batch by tokens consumed, as its text
+  /// ("0:256 250B:512"; batch_schedule.h). Empty: global_batch_size throughout. Excludes
+  /// global_batch_size (Megatron's validate_args), which global_batch() then reads as one
+  /// micro-batch per data-parallel rank, as Megatron's args.global_batch_size does (validation).
+  std::string step_batch_size_schedule;
   /// The run's optimizer steps (--train-iters); with train_samples set, derived from it:
   /// train_samples / global batch (Megatron's update_train_iters; resolve_train_iters).
   int64_t train_iters = 200;
@@ -479,11 +486,16 @@ struct TrainingConfig {
     return global_batch(micro_batch_size, data_parallel_size) /
            (micro_batch_size * data_parallel_size);
   }
+  /// The global batch of every training step: step_batch_size_schedule read with `model`'s
+  /// seq_length, or global_batch(micro, d) throughout.
+  GlobalBatchSchedule batch_schedule(const TransformerConfig& model,
+                                     int64_t data_parallel_size = 1) const;
   /// Throws a clear error for inconsistent values (given the model's micro-batch size).
   void validate(const TransformerConfig& model) const;
-  /// With train_samples: train_iters = train_samples / `global_batch` (Megatron's
-  /// update_train_iters: the last partial batch is not run); a clear error below one batch.
-  void resolve_train_iters(int64_t global_batch);
+  /// With train_samples: train_iters from it (Megatron's update_train_iters: one batch size
+  /// rounds down, the last partial batch is not run; a schedule runs until train_samples are
+  /// consumed); a clear error below one batch.
+  void resolve_train_iters(const GlobalBatchSchedule& batches);
   /// A run of `steps` steps that measures memory or time, not the schedule: train_iters = steps,
   /// no warmup, the decay over the steps, no early exit (a warmup longer than the few steps would
   /// be refused: OptimizerParamScheduler asserts lr_warmup_steps < lr_decay_steps).
@@ -505,10 +517,12 @@ struct TrainingConfig {
 struct LrScheduleSteps {
   double warmup = 0;     // lr_warmup_steps (a fraction of the decay steps need not be whole)
   int64_t decay = 0;     // lr_decay_steps
-  int64_t per_step = 0;  // samples per optimizer step (the global batch)
 };
-/// For `config` (train_iters resolved) at `global_batch` samples per step.
-LrScheduleSteps lr_schedule_steps(const TrainingConfig& config, int64_t global_batch);
+/// For `config` (train_iters resolved) with `batches` per step. Iteration-based runs count the
+/// samples their first iterations consume (lr_decay_iters x global batch with one size; under a
+/// schedule the samples of that many steps of it, where Megatron multiplies by
+/// micro-batch x data-parallel size: docs/train.md, "Global batch size schedule").
+LrScheduleSteps lr_schedule_steps(const TrainingConfig& config, const GlobalBatchSchedule& batches);
 
 /// Every field of the training config under its flag's name (data_path as "data").
 nlohmann::json to_json(const TrainingConfig& config);

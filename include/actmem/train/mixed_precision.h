@@ -65,14 +65,16 @@ struct AdamWSettings {
   double lr = 1e-3, beta1 = 0.9, beta2 = 0.999, eps = 1e-8, weight_decay = 0.01;
 };
 
-/// Megatron's parameter groups as far as the learning rate goes: `params` in AdamW groups, the
-/// ones `decoupled` marks (the word embedding and output layer, with --decoupled-lr) in a group
-/// of their own; `decoupled` empty or all false makes one group. AdamW steps each parameter on
-/// its own, so grouping changes no number.
+/// Megatron's parameter groups (_get_param_groups with get_standard_config_overrides in
+/// megatron/core/optimizer/__init__.py): `params` in AdamW groups by two marks, each empty or one
+/// per parameter. `decoupled` (the word embedding and output layer, with --decoupled-lr) takes
+/// the decoupled learning rate; `no_decay` (the parameters Megatron gives wd_mult 0: 1-D ones,
+/// i.e. biases and normalization weights) takes no weight decay. AdamW steps each parameter on
+/// its own, so grouping changes no number beyond what the groups' settings say.
 class AdamWGroups {
  public:
   AdamWGroups(const std::vector<at::Tensor>& params, const AdamWSettings& s,
-              const std::vector<bool>& decoupled);
+              const std::vector<bool>& decoupled, const std::vector<bool>& no_decay = {});
   ~AdamWGroups();
   torch::optim::AdamW& adamw() { return *adamw_; }
   /// The learning rate of every group: `decoupled_lr` for the decoupled one (lr without it).
@@ -99,7 +101,8 @@ class MixedPrecisionOptimizer {
   MixedPrecisionOptimizer(std::vector<at::Tensor> model_params, const AdamWSettings& settings,
                           at::ScalarType grad_dtype, std::optional<GradScaler> scaler,
                           const OptimizerShards* shards = nullptr,
-                          const std::vector<bool>& decoupled = {});
+                          const std::vector<bool>& decoupled = {},
+                          const std::vector<bool>& no_decay = {});
   ~MixedPrecisionOptimizer();
   MixedPrecisionOptimizer(const MixedPrecisionOptimizer&) = delete;
   MixedPrecisionOptimizer& operator=(const MixedPrecisionOptimizer&) = delete;

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <utility>
 #include <vector>
 
 namespace torch::optim {
@@ -29,39 +30,48 @@ class OptimizerShards;
 
 /// Megatron's OptimizerParamScheduler (megatron/core/optimizer_param_scheduler.py) for the
 /// learning rate, with the steps of get_optimizer_param_scheduler (lr_schedule_steps): it counts
-/// samples; step k (1-based) runs at sample (k - 1) x global batch, so a warmup's first step runs
-/// at --lr-warmup-init (0 by default), as Megatron's does. Warmup is linear from lr_warmup_init
-/// to lr, then constant, linear or cosine decay to min_lr at the decay's end, min_lr after it.
-/// A skipped step (loss-scale overflow) does not advance it.
+/// samples, each successful step adding its global batch (Megatron's step(increment)); a step
+/// runs at the samples counted before it, so a warmup's first step runs at --lr-warmup-init (0
+/// by default), as Megatron's does. Warmup is linear from lr_warmup_init to lr, then constant,
+/// linear or cosine decay to min_lr at the decay's end, min_lr after it. A skipped step
+/// (loss-scale overflow) does not advance it.
 class OptimizerParamScheduler {
  public:
-  OptimizerParamScheduler(const TrainingConfig& config, int64_t global_batch)
-      : config_(config), steps_(lr_schedule_steps(config, global_batch)) {}
-  /// The learning rate of optimizer step `step` (1-based).
+  OptimizerParamScheduler(const TrainingConfig& config, GlobalBatchSchedule batches)
+      : config_(config),
+        batches_(std::move(batches)),
+        steps_(lr_schedule_steps(config, batches_)) {}
+  /// The learning rate of the optimizer step `step` (1-based) of a run without skipped steps.
   double lr_at(int64_t step) const { return lr_at(step, config_.lr, config_.min_lr); }
   /// get_lr of a parameter group with its own max_lr and min_lr (the same warmup and decay).
-  double lr_at(int64_t step, double max_lr, double min_lr) const;
+  double lr_at(int64_t step, double max_lr, double min_lr) const {
+    return lr_at_sample(batches_.samples_after(step - 1), max_lr, min_lr);
+  }
+  /// get_lr at `samples` counted.
+  double lr_at_sample(int64_t samples, double max_lr, double min_lr) const;
   /// The learning rate of the next step.
-  double next_lr() const { return lr_at(num_steps_ + 1); }
+  double next_lr() const { return lr_at_sample(num_samples_, config_.lr, config_.min_lr); }
   /// --decoupled-lr's group (the word embedding and output layer): its rate for the next step,
   /// from decoupled_lr to decoupled_min_lr (min_lr without it); unset without --decoupled-lr.
   std::optional<double> next_decoupled_lr() const {
     if (!config_.decoupled_lr) return std::nullopt;
-    return lr_at(num_steps_ + 1, *config_.decoupled_lr,
-                 config_.decoupled_min_lr.value_or(config_.min_lr));
+    return lr_at_sample(num_samples_, *config_.decoupled_lr,
+                        config_.decoupled_min_lr.value_or(config_.min_lr));
   }
-  void step() { ++num_steps_; }
-  /// Optimizer steps taken (a checkpoint records it in samples: times the global batch).
-  int64_t num_steps() const { return num_steps_; }
-  void set_num_steps(int64_t steps) { num_steps_ = steps; }
+  /// A successful optimizer step of `global_batch` samples.
+  void step(int64_t global_batch) { num_samples_ += global_batch; }
+  /// Samples counted (Megatron's num_steps, what a checkpoint records).
+  int64_t num_samples() const { return num_samples_; }
+  void set_num_samples(int64_t samples) { num_samples_ = samples; }
   const TrainingConfig& config() const { return config_; }
-  /// The warmup and decay in samples, and the samples per step.
+  /// The warmup and decay in samples.
   const LrScheduleSteps& steps() const { return steps_; }
 
  private:
   TrainingConfig config_;
+  GlobalBatchSchedule batches_;
   LrScheduleSteps steps_;
-  int64_t num_steps_ = 0;
+  int64_t num_samples_ = 0;
 };
 
 class Optimizer {

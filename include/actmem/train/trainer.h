@@ -56,6 +56,9 @@ struct IterationStats {
   std::optional<double> decoupled_lr;
   /// Training samples consumed after this step (Megatron's consumed_train_samples).
   int64_t consumed_samples = 0;
+  /// The step's global batch (every data-parallel rank's micro-batches): constant, or from
+  /// --step-batch-size-schedule.
+  int64_t global_batch_size = 0;
   /// Seconds since run() started (0 outside run()).
   double elapsed_s = 0.0;
   /// The loss scale this step's backward used (1 without loss scaling).
@@ -157,6 +160,13 @@ class Trainer {
                                          const CheckpointLoadOptions& options = {});
   /// Samples the training data has consumed (Megatron's consumed_train_samples).
   int64_t consumed_train_samples() const;
+  /// The global batch of every step (batch_schedule.h) and that of the next one.
+  const GlobalBatchSchedule& batch_schedule() const { return batches_; }
+  int64_t next_global_batch() const;
+  /// Throws a clear error when a global batch the next `steps` steps reach cannot run on this
+  /// layout: not whole micro-batches on every data-parallel rank, or (interleaved pipeline) not
+  /// the micro-batch groups the schedule needs. run() checks its steps before the first.
+  void check_batch_sizes(int64_t steps) const;
 
   GPTModel& model() { return *model_; }
   const Corpus& corpus() const { return corpus_; }
@@ -235,6 +245,7 @@ class Trainer {
   void finish_stats(IterationStats& st, const StepClock& clock);
   TransformerConfig model_config_;
   TrainingConfig config_;
+  GlobalBatchSchedule batches_;
   at::Device device_;
   DeviceMemory& memory_;
   Corpus corpus_;
@@ -248,6 +259,8 @@ class Trainer {
   std::unique_ptr<MemoryTimeline> timeline_;
   std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;
+  // Micro-batches per data-parallel rank in the step running (its global batch / (micro x d)).
+  int64_t step_microbatches_ = 1;
   // What each micro-batch is predicted to keep (training_setup.h).
   std::unique_ptr<ActivationPrediction> prediction_;
   ActivationLedger* ledger_ = nullptr;
