@@ -401,11 +401,8 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
                "data-parallel ranks");
   app.add_option("--global-batch-size", t.global_batch_size,
                  "Samples per optimizer step (a multiple of --micro-batch-size)")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--step-batch-size-schedule", t.step_batch_size_schedule,
-                 "Megatron's step-wise global batch size: \"THRESHOLD:BS THRESHOLD:BS ...\", "
-                 "thresholds in tokens consumed, K/M/B/T suffixes (\"0:256 250B:512\"); "
-                 "instead of --global-batch-size (docs/train.md)");
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
   app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str()->check(kPositive);
   app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")
       ->capture_default_str()->check(kNonNegative);
@@ -490,6 +487,11 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
 
 void add_schedule_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
+  // A train flag only: plan and compare measure one global batch (--global-batch-size).
+  app.add_option("--step-batch-size-schedule", t.step_batch_size_schedule,
+                 "Megatron's step-wise global batch size: \"THRESHOLD:BS THRESHOLD:BS ...\", "
+                 "thresholds in tokens consumed, K/M/B/T suffixes (\"0:256 250B:512\"); "
+                 "instead of --global-batch-size (docs/train.md)");
   app.add_option("--train-iters", t.train_iters, "Optimizer steps")
       ->capture_default_str()
       ->check(integer_in_range(1, kMaxInt))
