@@ -136,22 +136,21 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
   const auto& m = o.model;
   const auto& t = o.training;
   const auto& corpus = trainer.corpus();
+  const actmem::GlobalBatchSchedule& batches = trainer.batch_schedule();
+  // Samples of one micro-batch on every data-parallel rank.
+  const int64_t per_micro = m.micro_batch_size * actmem::data_parallel_group().size;
   out << "actmem train: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
       << m.num_attention_heads << " heads"
       << (m.grouped_query_attention() ? " in " + std::to_string(m.query_groups()) + " query groups"
                                       : std::string())
       << ", ffn " << m.ffn() << ", seq " << m.seq_length << ", micro-batch " << m.micro_batch_size
       << " x "
-      << (trainer.batch_schedule().stepped()
-              ? std::to_string(trainer.batch_schedule().entries().front().batch_size /
-                               (m.micro_batch_size * actmem::data_parallel_group().size)) +
-                    " to " +
-                    std::to_string(trainer.batch_schedule().largest() /
-                                   (m.micro_batch_size * actmem::data_parallel_group().size)) +
-                    " micro-batches (the schedule below)"
-              : std::to_string(
-                    t.num_microbatches(m.micro_batch_size, actmem::data_parallel_group().size)) +
-                    " micro-batches")
+      << (batches.stepped() ? std::to_string(batches.entries().front().batch_size / per_micro) +
+                                  " to " + std::to_string(batches.largest() / per_micro) +
+                                  " micro-batches (the schedule below)"
+                            : std::to_string(t.num_microbatches(
+                                  m.micro_batch_size, actmem::data_parallel_group().size)) +
+                                  " micro-batches")
       << (actmem::data_parallel_group().size > 1
               ? " on each of " + std::to_string(actmem::data_parallel_group().size) +
                     " data-parallel ranks"
@@ -167,10 +166,9 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
       << (m.multi_latent_attention ? ", multi-latent attention" : "") << "\n"
       << "  attention " << m.attention_summary() << "\n"
       << "  precision " << precision_summary(m, t) << "\n";
-  if (const auto& batches = trainer.batch_schedule(); batches.stepped()) {
+  if (batches.stepped()) {
     // StepBatchsizeNumMicroBatchesCalculator's log: each threshold in tokens and samples, with
     // its batch size and micro-batches per data-parallel rank.
-    const int64_t per_micro = m.micro_batch_size * actmem::data_parallel_group().size;
     out << "  global batch size schedule (--step-batch-size-schedule, thresholds in tokens):";
     for (const auto& e : batches.entries()) {
       out << "\n    >= " << e.from_sample * m.seq_length << " tokens (" << e.from_sample

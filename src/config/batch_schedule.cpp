@@ -7,7 +7,6 @@
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
-#include <limits>
 #include <sstream>
 
 namespace actmem {
@@ -80,17 +79,14 @@ int64_t ceil_div(int64_t a, int64_t b) {
 
 GlobalBatchSchedule::GlobalBatchSchedule(int64_t batch_size) {
   TORCH_CHECK(batch_size > 0,
-              "actmem::GlobalBatchSchedule: the global batch size must be "
-              "positive, got ",
+              "actmem::GlobalBatchSchedule: the global batch size must be positive, got ",
               batch_size);
   entries_.push_back({0, batch_size});
 }
 
 GlobalBatchSchedule GlobalBatchSchedule::parse(const std::string& text, int64_t seq_length) {
   TORCH_CHECK(seq_length > 0,
-              "actmem::GlobalBatchSchedule::parse: seq_length must be positive, "
-              "got ",
-              seq_length);
+              "actmem::GlobalBatchSchedule::parse: seq_length must be positive, got ", seq_length);
   // _parse_schedule: commas are spaces; the entries are the words.
   std::string words = text;
   std::replace(words.begin(), words.end(), ',', ' ');
@@ -111,24 +107,19 @@ GlobalBatchSchedule GlobalBatchSchedule::parse(const std::string& text, int64_t 
     s.entries_.push_back({tokens / seq_length, batch});
   }
   TORCH_CHECK(!s.entries_.empty(), kApi,
-              ": the schedule must have at least one entry, e.g. "
-              "\"0:256 250B:512\" (a batch size from each threshold in tokens)");
+              ": the schedule must have at least one entry, e.g. \"0:256 250B:512\" (a batch "
+              "size from each threshold in tokens)");
   std::stable_sort(s.entries_.begin(), s.entries_.end(),
                    [](const Entry& a, const Entry& b) { return a.from_sample < b.from_sample; });
   // _validate_schedule.
   TORCH_CHECK(s.entries_[0].from_sample == 0, kApi,
-              ": the first schedule entry must have "
-              "threshold 0, got ",
-              s.entries_[0].from_sample,
-              " samples (thresholds are tokens "
-              "divided by --seq-length ",
-              seq_length, ")");
+              ": the first schedule entry must have threshold 0, got ", s.entries_[0].from_sample,
+              " samples (thresholds are tokens divided by --seq-length ", seq_length, ")");
   for (size_t i = 1; i < s.entries_.size(); ++i) {
     const Entry &prev = s.entries_[i - 1], &cur = s.entries_[i];
     TORCH_CHECK(cur.from_sample > prev.from_sample, kApi,
-                ": schedule thresholds must be "
-                "strictly increasing, got ",
-                prev.from_sample, " before ", cur.from_sample,
+                ": schedule thresholds must be strictly increasing, got ", prev.from_sample,
+                " before ", cur.from_sample,
                 " samples (thresholds are tokens divided by --seq-length ", seq_length,
                 ", rounded down)");
     // Megatron's train loop asserts "Number of microbatches should not decrease" when it gets
@@ -158,8 +149,8 @@ int64_t GlobalBatchSchedule::largest() const {
 
 int64_t GlobalBatchSchedule::samples_after(int64_t steps, int64_t from_samples) const {
   TORCH_CHECK(steps >= 0 && from_samples >= 0,
-              "actmem::GlobalBatchSchedule::samples_after: "
-              "expected non-negative steps and samples, got ",
+              "actmem::GlobalBatchSchedule::samples_after: expected non-negative steps and "
+              "samples, got ",
               steps, " and ", from_samples);
   int64_t consumed = from_samples;
   while (steps > 0) {
@@ -211,16 +202,6 @@ std::vector<int64_t> GlobalBatchSchedule::sizes_used(int64_t steps, int64_t from
     steps -= k;
   }
   return sizes;
-}
-
-std::string GlobalBatchSchedule::describe(int64_t seq_length) const {
-  std::ostringstream os;
-  for (size_t i = 0; i < entries_.size(); ++i) {
-    const Entry& e = entries_[i];
-    os << (i ? ", " : "") << e.batch_size << " from sample " << e.from_sample;
-    if (e.from_sample > 0) os << " (" << e.from_sample * seq_length << " tokens)";
-  }
-  return os.str();
 }
 
 }  // namespace actmem

@@ -1253,9 +1253,7 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
   check(s.config.lr_decay_style, "lr_decay_style", "learning rate decay style", false);
   const int64_t num_steps = entry(sched, "num_steps", path).toInt();
   TORCH_CHECK(num_steps >= 0, "actmem::Trainer::load_checkpoint: ", path,
-              ": the schedule is at "
-              "sample ",
-              num_steps, "; expected a count of samples, from 0");
+              ": the schedule is at sample ", num_steps, "; expected a count of samples, from 0");
   s.scheduler.set_num_samples(num_steps);
 }
 

@@ -104,7 +104,6 @@ at::Device validated_device(const TransformerConfig& model, const TrainingConfig
 // The training config with train_iters derived from --train-samples (the global batch counts
 // every data-parallel rank's micro-batches).
 TrainingConfig resolved(const TransformerConfig& model, TrainingConfig training) {
-  training.validate(model);
   training.resolve_train_iters(training.batch_schedule(model, data_parallel_group().size));
   return training;
 }
@@ -257,11 +256,8 @@ int64_t Trainer::next_global_batch() const {
 void Trainer::check_batch_sizes(int64_t steps) const {
   const int64_t consumed = consumed_train_samples();
   for (const int64_t gbs : batches_.sizes_used(steps, consumed)) {
-    TrainingConfig at = config_;
-    at.step_batch_size_schedule.clear();
-    at.global_batch_size = gbs;
     try {
-      check_batch_layout(model_config_, at);
+      check_batch_layout(model_config_, gbs, data_parallel_group().size);
     } catch (const c10::Error& e) {
       TORCH_CHECK(false, "actmem::Trainer: --step-batch-size-schedule reaches a global batch of ",
                   gbs, " within the ", steps, " steps from sample ", consumed,

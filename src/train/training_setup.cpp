@@ -22,9 +22,12 @@ void check_batch_layout(const TransformerConfig& model, const TrainingConfig& tr
 
 void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training,
                         int64_t d) {
+  check_batch_layout(model, training.global_batch(model.micro_batch_size, d), d);
+}
+
+void check_batch_layout(const TransformerConfig& model, int64_t gbs, int64_t d) {
   // Megatron's validate_args: each data-parallel rank runs whole micro-batches.
   const int64_t mbs = model.micro_batch_size;
-  const int64_t gbs = training.global_batch(mbs, d);
   TORCH_CHECK(gbs % (mbs * d) == 0, "actmem::Trainer: global batch size (", gbs,
               ") is not divisible by micro batch size (", mbs, ") times data parallel size (", d,
               ")");

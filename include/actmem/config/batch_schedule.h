@@ -50,8 +50,6 @@ class GlobalBatchSchedule {
   int64_t iterations_for(int64_t train_samples) const;
   /// The batch sizes `steps` steps starting at `from_samples` run at, in order, each once.
   std::vector<int64_t> sizes_used(int64_t steps, int64_t from_samples) const;
-  /// "16 from sample 0, 320 from sample 1171875 (2.4e9 tokens), ..." for messages.
-  std::string describe(int64_t seq_length) const;
 
  private:
   GlobalBatchSchedule() = default;

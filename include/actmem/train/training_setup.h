@@ -18,6 +18,10 @@ class GPTModel;
 /// Megatron's validate_args on the batch: each data-parallel rank runs whole micro-batches, and
 /// the interleaved schedule's rules on their number. Throws with Megatron's message.
 void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training);
+/// The same for `global_batch` samples per step on `data_parallel_size` ranks (one size of
+/// --step-batch-size-schedule).
+void check_batch_layout(const TransformerConfig& model, int64_t global_batch,
+                        int64_t data_parallel_size);
 /// The same for `data_parallel_size` ranks (a layout described, not launched: flags/presets.h).
 void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training,
                         int64_t data_parallel_size);
