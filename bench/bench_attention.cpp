@@ -13,7 +13,7 @@
 #include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/memory/ledger.h"
-#include "actmem/model/attention.h"
+#include "actmem/model/attention/attention.h"
 #include "bench_common.h"
 
 #include <torch/autograd.h>

@@ -1,5 +1,5 @@
 // bench_gdn.cpp — the gated delta rule (Note [Gated delta rule] in
-// include/actmem/model/gated_delta_rule.h), token by token and by chunks, beside causal flash
+// include/actmem/model/gdn/gated_delta_rule.h), token by token and by chunks, beside causal flash
 // attention of the same heads.
 //
 // Forward + backward at s = 512 and 2048 (fp32 and bf16), b 1, H heads of dk = dv = d: the
@@ -10,8 +10,8 @@
 #include "actmem/base/blas.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/memory/ledger.h"
-#include "actmem/model/attention.h"
-#include "actmem/model/gated_delta_rule.h"
+#include "actmem/model/attention/attention.h"
+#include "actmem/model/gdn/gated_delta_rule.h"
 #include "actmem/train/trainer.h"
 #include "bench_common.h"
 

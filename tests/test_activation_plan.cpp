@@ -5,6 +5,7 @@
 #include "actmem/base/compat.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/model/model.h"
 #include "actmem/recompute/rng.h"
 #include "fixtures.h"

@@ -6,6 +6,7 @@
 // exact predictor against the tracker and the ledger.
 #include "actmem/flags/presets.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/model/model.h"
 #include "actmem/train/trainer.h"
 #include "exactness.h"
@@ -135,7 +136,7 @@ TEST(GatedAttentionModel, LayerEqualsTheFormulasWrittenOut) {
     c.attention_dropout = 0.0;
     c.attention_backend = "unfused";
     GPTModel model(c, at::kDouble);
-    auto& attn = *model.decoder->layers[0]->self_attention;
+    auto& attn = *model.decoder->layers[0]->mixer_as<actmem::SelfAttention>();
     {
       at::NoGradGuard no_grad;  // weights other than the zero-centred zeros
       attn.q_layernorm->weight.copy_(at::linspace(-0.3, 0.4, 16, at::kDouble));
@@ -438,8 +439,12 @@ TEST(GatedEstimate, HybridModelEstimateEqualsTheMeasuredStep) {
   const auto r = actmem::testing::run_actmem("estimate --json " + flags);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto j = nlohmann::json::parse(r.output.substr(0, r.output.size() - r.stderr_text.size()));
-  EXPECT_EQ(j["gdn_layers"], 2);
-  EXPECT_EQ(j["attention_layers"], 2);
+  // Its layers by kind (layer_spec.h): two Gated DeltaNet layers, two attention layers.
+  ASSERT_EQ(j["layer_kinds"].size(), 2u);
+  EXPECT_EQ(j["layer_kinds"][0]["kind"], "gdn+mlp");
+  EXPECT_EQ(j["layer_kinds"][0]["layers"], 2);
+  EXPECT_EQ(j["layer_kinds"][1]["kind"], "attention+mlp");
+  EXPECT_EQ(j["layer_kinds"][1]["layers"], 2);
   const auto& none = j["strategies"][0];
   ASSERT_EQ(none["name"], "none");
 
@@ -465,8 +470,9 @@ TEST(GatedEstimate, HybridModelEstimateEqualsTheMeasuredStep) {
   ASSERT_EQ(vpp.exit_code, 0) << vpp.output;
   const auto jv =
       nlohmann::json::parse(vpp.output.substr(0, vpp.output.size() - vpp.stderr_text.size()));
-  EXPECT_GT(jv["strategies"][0]["gdn_layer_bytes"].get<double>(), 0.0);
-  EXPECT_EQ(jv["strategies"][0]["attention_layer_bytes"].get<double>(), 0.0);
+  EXPECT_GT(jv["strategies"][0]["layer_bytes"]["gdn+mlp"].get<double>(), 0.0);
+  EXPECT_EQ(jv["strategies"][0]["layer_bytes"]["attention+mlp"].get<double>(), 0.0);
+  EXPECT_TRUE(jv["layer_kinds"][1]["first_layer_on_first_stage"].is_null());
   // Each strategy keeps less than no recompute, full recompute least.
   double previous = none["first_stage_bytes"].get<double>();
   for (size_t i = 1; i < j["strategies"].size(); ++i) {

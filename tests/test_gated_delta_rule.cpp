@@ -1,7 +1,7 @@
 // Tests for the gated delta rule (gated_delta_rule.h): the recurrence against the rule written out
 // by hand for one and two tokens, the chunked form against the recurrence (fp32, bf16, every
 // chunk size, padding, strong decay), and both forms' gradients against finite differences.
-#include "actmem/model/gated_delta_rule.h"
+#include "actmem/model/gdn/gated_delta_rule.h"
 
 #include "actmem/memory/ledger.h"
 

@@ -4,6 +4,8 @@
 // exact predictor against the tracker and the ledger.
 #include "actmem/config/activation_plan.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/model/gdn/gated_delta_net.h"
 #include "actmem/model/model.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/train/trainer.h"
@@ -150,7 +152,7 @@ TEST(GDNModel, MegatronsParameterNamesAndShapes) {
   EXPECT_EQ(shapes.count("decoder.layers.3.self_attention.linear_qkv.weight"), 1u);
   EXPECT_EQ(shapes.count("decoder.layers.3.self_attention.in_proj.weight"), 0u);
   // Megatron's initialisation: A_log = log(uniform(1, 16)), dt_bias ones, out_norm ones.
-  const auto* layer = model.decoder->layers[0]->gdn_attention.get();
+  const auto* layer = model.decoder->layers[0]->mixer_as<actmem::GatedDeltaNet>();
   ASSERT_NE(layer, nullptr);
   const at::Tensor A = layer->A_log.exp();
   EXPECT_TRUE((A >= 1.0).all().item<bool>() && (A <= 16.0).all().item<bool>());
@@ -168,7 +170,7 @@ TEST(GDNModel, LayerEqualsAnIndependentTokenByTokenReference) {
     TransformerConfig c = gdn_model();
     c.linear_num_key_heads = key_heads;
     GPTModel model(c, at::kDouble);
-    auto& gdn = *model.decoder->layers[0]->gdn_attention;
+    auto& gdn = *model.decoder->layers[0]->mixer_as<actmem::GatedDeltaNet>();
     // Give dt_bias and out_norm values other than their ones.
     {
       at::NoGradGuard no_grad;

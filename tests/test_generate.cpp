@@ -133,6 +133,23 @@ TEST(KVCache, RefusesMorePositionsThanTheModelHas) {
   expect_error_containing([&] { cache.feed({300}); }, "token 300 outside the vocabulary");
 }
 
+TEST(KVCache, RefusesGatedDeltaNetLayers) {
+  // A hybrid's GatedDeltaNet layers would carry a recurrent state, which the mixer part does not
+  // implement for generation: the cache refuses the model when it is built.
+  TransformerConfig c = testing::tiny_model();
+  c.experimental_attention_variant = "gdn";
+  c.linear_attention_freq = "2";
+  c.gated_linear_unit = true;
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 2;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 8;
+  GPTModel model(c);
+  expect_error_containing([&] { KVCache cache(model); },
+                          "generation with GatedDeltaNet layers (their recurrent state instead "
+                          "of a key/value cache) is not implemented");
+}
+
 TEST(Sampling, OptionsDoWhatTheySay) {
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
   const at::Tensor logits = at::tensor({0.1f, 2.0f, 1.5f, -1.0f, 1.9f});

@@ -6,6 +6,7 @@
 #include "actmem/memory/memory_tracker.h"
 #include "actmem/flags/presets.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/train/plot.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
@@ -152,7 +153,7 @@ const Shape kShapes[] = {
        c.attention_dropout = c.hidden_dropout = 0.0;
        c.attention_backend = "unfused";  // auto would run flash without attention dropout
      }},
-    // The flash kernel (Note [The flash kernel's layout] in attention.cpp): auto picks it when
+    // The flash kernel (Note [The flash kernel's layout] in attention/attention.cpp): auto picks it when
     // the attention dropout is 0; with grouped-query attention its k and v stay at G heads.
     {"FlashAuto", [](TransformerConfig& c) { c.attention_dropout = 0.0; }},
     {"FlashOddSizesMultiQuery",
@@ -177,7 +178,7 @@ const Shape kShapes[] = {
        c.attention_dropout = 0.0;
        c.attention_backend = "flash";
      }},
-    // Grouped-query attention (Note [What standard attention keeps] in memory_model.cpp):
+    // Grouped-query attention (Note [What standard attention keeps] in attention/attention_part.cpp):
     // 2 groups of 2 heads with learned positions, and one group (multi-query) with RoPE.
     {"GroupedQuery", [](TransformerConfig& c) { c.num_query_groups = 2; }},
     {"MultiQuery", [](TransformerConfig& c) { c.num_query_groups = 1; }},  // q stays a view

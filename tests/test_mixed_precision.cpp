@@ -4,6 +4,7 @@
 #include "actmem/base/digest.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/train/mixed_precision.h"
 #include "actmem/model/model.h"
 #include "actmem/train/trainer.h"

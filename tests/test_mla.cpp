@@ -7,6 +7,8 @@
 #include "actmem/base/compat.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/model/mla/mla.h"
 #include "actmem/model/model.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/train/trainer.h"
@@ -97,6 +99,31 @@ TEST(MLAConfig, MegatronsRulesWithItsMessages) {
 
 // ---- the module --------------------------------------------------------------------------------
 
+// count_parameters from the configuration alone (the MLA part's LayerPart::parameters) against
+// the model GPTModel builds: with and without the query latent, the latent norms, LayerNorm's
+// biases and an MoE layer.
+TEST(MLAModel, ParametersCountedFromTheConfigurationAsTheModelBuildsThem) {
+  std::vector<std::pair<const char*, TransformerConfig>> configs;
+  configs.emplace_back("q_lora", mla_model());
+  TransformerConfig plain = mla_model();
+  plain.q_lora_rank.reset();
+  plain.qk_layernorm = false;
+  configs.emplace_back("no_q_lora", plain);
+  TransformerConfig layernorm = mla_model();
+  layernorm.normalization = "LayerNorm";
+  configs.emplace_back("layernorm", layernorm);
+  TransformerConfig moe = mla_model();
+  moe.num_moe_experts = 4;
+  moe.moe_layer_freq = "[0,1,0,1]";
+  configs.emplace_back("moe", moe);
+  for (const auto& [name, c] : configs) {
+    GPTModel model(c);
+    const actmem::ParameterCount n = actmem::count_parameters(c);
+    EXPECT_EQ(n.total, model.num_parameters()) << name;
+    EXPECT_EQ(n.on_rank, static_cast<double>(model.num_parameters())) << name;
+  }
+}
+
 TEST(MLAModel, MegatronsParameterNamesAndShapes) {
   GPTModel with_q(mla_model());
   std::map<std::string, std::vector<int64_t>> names;
@@ -164,7 +191,7 @@ TEST(MLAModel, AttentionEqualsAnIndependentPerTokenReference) {
     if (variant == 2) c.normalization = "LayerNorm";  // LayerNorm latents, YaRN
     GPTModel model(c, at::kDouble);
     model.eval();
-    auto& mla = *model.decoder->layers[1]->mla_attention;
+    auto& mla = *model.decoder->layers[1]->mixer_as<actmem::MLASelfAttention>();
     const int64_t s = c.seq_length, b = 2, a = c.num_attention_heads, h = c.hidden_size;
     const int64_t qk = c.qk_head_dim, dr = c.qk_pos_emb_head_dim, dv = c.v_head_dim;
     const at::Tensor x = at::randn({s, b, h}, at::TensorOptions().dtype(at::kDouble));
@@ -269,7 +296,7 @@ TEST(MLAModel, YarnTablesAndSoftmaxScaleFollowTheirFormulas) {
   // A factor > 1 interpolates the high dims: some frequency differs from plain RoPE.
   EXPECT_LT(inv.back(), std::pow(c.rotary_base, -2.0 * (c.qk_pos_emb_head_dim / 2 - 1) / c.qk_pos_emb_head_dim));
   const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;
-  EXPECT_DOUBLE_EQ(model.decoder->layers[0]->mla_attention->softmax_scale(), m * m / std::sqrt(12.0));
+  EXPECT_DOUBLE_EQ(model.decoder->layers[0]->mixer_as<actmem::MLASelfAttention>()->softmax_scale(), m * m / std::sqrt(12.0));
 }
 
 // ---- exactness ---------------------------------------------------------------------------------
@@ -649,7 +676,7 @@ TEST(MLACheckpoint, ResumesBitwiseAndRefusesStandardAttention) {
   expect_error_containing([&] { narrower.load_checkpoint(dir); }, "kv_lora_rank");
   // Inference rebuilds the MLA model (YaRN factor and all) from the checkpoint's args.
   const actmem::LoadedModel loaded = actmem::load_model_for_inference(dir);
-  ASSERT_TRUE(loaded.model->decoder->layers[0]->mla_attention);
+  ASSERT_TRUE(loaded.model->decoder->layers[0]->mixer_as<actmem::MLASelfAttention>());
   first.model().eval();
   at::NoGradGuard g;
   const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);

@@ -1,5 +1,7 @@
 // test_model.cpp — GPTModel against an independent composition of libtorch ops, finite-difference
 // gradient checks in double, Megatron's parameter names, causality and dropout behaviour.
+#include "actmem/model/mlp/mlp.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/model/model.h"
 #include "test_util.h"
 
@@ -296,8 +298,8 @@ TEST(GPTModel, InitialisationIsAPureFunctionOfTheSeed) {
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << i;
   EXPECT_FALSE(bitwise_equal(pa[0], pd[0]));
   // Megatron's scaled init for the residual projections: std / sqrt(2 L).
-  const double proj_std = a.decoder->layers[0]->self_attention->linear_proj->weight.std().item<double>();
-  const double qkv_std = a.decoder->layers[0]->self_attention->linear_qkv->weight.std().item<double>();
+  const double proj_std = a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_proj->weight.std().item<double>();
+  const double qkv_std = a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_qkv->weight.std().item<double>();
   EXPECT_NEAR(qkv_std, 0.02, 0.003);
   EXPECT_NEAR(proj_std, 0.02 / std::sqrt(2.0 * c.num_layers), 0.003);
 }
@@ -460,7 +462,7 @@ TEST(GradCheck, TransformerLayer) {
   c.hidden_size = 8;
   c.num_attention_heads = 2;
   c.ffn_hidden_size = 6;
-  TransformerLayer layer(c, make_activation_plan(c).layers[0], 1, at::kDouble);
+  TransformerLayer layer(c, layer_spec(c, 0), make_activation_plan(c).layers[0], 1, at::kDouble);
   layer.eval();
   {
     at::NoGradGuard no_grad;

@@ -6,8 +6,10 @@
 #include "actmem/base/compat.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/model/mlp/mlp.h"
 #include "actmem/model/model.h"
-#include "actmem/model/moe.h"
+#include "actmem/model/moe/moe.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/train/trainer.h"
 #include "exactness.h"
@@ -523,7 +525,7 @@ TEST(MoELayerMath, EachTokenIsTheProbabilityWeightedSumOfItsExperts) {
           if (p.key().find("bias") != std::string::npos) p.value().copy_(randn(p.value().sizes(), seed++) * 0.1);
         }
       }
-      MoELayer& moe = *model.decoder->layers[0]->moe;
+      MoELayer& moe = *model.decoder->layers[0]->mlp_as<MoELayer>();
       const at::Tensor x = randn({6, 3, c.hidden_size}, 8);  // [s, b, h]
       at::NoGradGuard g;
       const at::Tensor y = moe.forward(x, nullptr).first.reshape({18, c.hidden_size});
@@ -958,8 +960,8 @@ TEST(MoECheckpoint, ResumesBitwiseRefusesAnotherExpertCountAndGenerates) {
                           "the checkpoint has num_moe_experts = 4 but this run has num_moe_experts = null");
   // Inference rebuilds the MoE model from the checkpoint's args: the same logits as training's.
   const actmem::LoadedModel loaded = actmem::load_model_for_inference(dir);
-  ASSERT_TRUE(loaded.model->decoder->layers[0]->moe);
-  ASSERT_FALSE(loaded.model->decoder->layers[1]->moe);
+  ASSERT_TRUE(loaded.model->decoder->layers[0]->mlp_as<MoELayer>());
+  ASSERT_FALSE(loaded.model->decoder->layers[1]->mlp_as<MoELayer>());
   first.model().eval();
   at::NoGradGuard g;
   const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);

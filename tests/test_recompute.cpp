@@ -4,6 +4,7 @@
 #include "actmem/memory/memory_tracker.h"
 #include "actmem/model/model.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"

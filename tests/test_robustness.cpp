@@ -6,6 +6,7 @@
 #include "actmem/base/compat.h"
 #include "actmem/data/data.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/base/output_file.h"
 #include "actmem/train/step_rounds.h"
 #include "actmem/train/trainer.h"

@@ -32,7 +32,8 @@
 #include "actmem/config/activation_plan.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
-#include "actmem/model/moe.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/model/moe/moe.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/parallel/grad_reducer.h"
@@ -92,7 +93,7 @@ TransformerConfig base_config(int t, bool sp, bool dropout, const std::string& v
     c.position_embedding_type = "rope";
   } else if (variant == "mla" || variant == "mla_no_q_lora") {
     // Multi-latent attention, each rank holding 2 of the 4 heads (Note [MLA under tensor
-    // parallelism] in attention.cpp): compressed queries (or one linear_q_proj), normed latents,
+    // parallelism] in mla/mla.cpp): compressed queries (or one linear_q_proj), normed latents,
     // YaRN with a factor > 1.
     c.multi_latent_attention = true;
     if (variant == "mla") c.q_lora_rank = 24;
@@ -507,7 +508,7 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
                                   {"imbalance", st.expert_load_imbalance}});
       }
     }
-    // The trainer's up-front bound for this stage (Note [Memory pre-check] in memory_model.cpp).
+    // The trainer's up-front bound for this stage (Note [Memory pre-check] in activation_bytes.cpp).
     const auto& pp_group = actmem::pipeline_parallel_group();
     const int64_t n_micro =
         tc.num_microbatches(c.micro_batch_size, actmem::data_parallel_group().size);

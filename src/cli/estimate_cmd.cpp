@@ -7,6 +7,9 @@
 #include "actmem/flags/presets.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/model/layer_spec.h"
+#include "actmem/model/part_estimate.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>
@@ -40,12 +43,11 @@ struct Estimate {
   std::string preset, base_name;
   std::string attention;  // TransformerConfig::attention_summary()
   double bandwidth_gbps = 0;
-  MLAAttentionBytes mla;
-  LayerBytes dense_layer, layer;  // `layer`: the first stage's mean with MoE layers in it
-  MoELayerBytes moe_layer;
-  double moe_in_stage = 0, per_stage = 0, selective_stage = 0, offload_s = 0, megatron = 0;
+  LayerBytes layer;  // the first stage's mean per layer over its layer kinds
+  double per_stage = 0, selective_stage = 0, offload_s = 0, megatron = 0;
   WeightMemory w;
   std::vector<double> stage_in_flight;  // per stage, in micro-batches of the whole stage
+  std::vector<std::pair<std::string, PartEstimate>> parts;  // the parts' own sections, by name
   const char* schedule() const { return m.vpp ? "interleaved 1F1B" : "1F1B"; }
   // Weights, gradients and optimizer, plus the first stage's activations in flight.
   double device_total(double per_layer) const {
@@ -73,62 +75,90 @@ std::vector<double> stages_in_flight(const PaperShape& m) {
   return out;
 }
 
+// The first stage's layer kinds (specs, in order of appearance among its first L/p layers) and
+// how many layers each has.
+std::vector<std::pair<LayerSpec, double>> first_stage_kinds(const TransformerConfig& config,
+                                                            double per_stage) {
+  std::vector<std::pair<LayerSpec, double>> kinds;
+  const std::vector<LayerSpec> specs = layer_specs(config);
+  for (size_t i = 0; i < specs.size() && static_cast<double>(i) < per_stage; ++i) {
+    auto it = std::find_if(kinds.begin(), kinds.end(),
+                           [&](const auto& k) { return k.first == specs[i]; });
+    if (it == kinds.end()) it = kinds.insert(kinds.end(), {specs[i], 0.0});
+    it->second += 1.0;
+  }
+  return kinds;
+}
+
+// Note [Estimate's layer as a sum of parts]
+// The paper's layer (paper_layer_bytes: Korthikanti's eqs. (1), (2), (4) and Megatron's selective
+// generalisation) is the layer of the paper's attention and dense MLP; each of a layer's parts
+// replaces its slot's share (LayerPart::paper_layer_bytes: MoE layers by paper_moe_layer_bytes,
+// multi-latent attention by paper_mla_attention_bytes), the MLP's part first, then the mixer's.
+// A stage of several layer kinds prints their mean per layer, so every per-stage figure is the
+// stage's mix (and the s^2 share is the stage's: the s^2 bytes of its layers over their bytes).
 Estimate compute(const PaperShape& shape, const TransformerConfig& config, double bandwidth_gbps) {
   Estimate e;
   e.m = shape;
   e.attention = config.attention_summary();
   const PaperShape& m = e.m;
   e.bandwidth_gbps = bandwidth_gbps;
-  if (m.is_mla()) e.mla = paper_mla_attention_bytes(m);
-  // MLA replaces the paper's attention terms (q, k, v inputs and outputs, the scores, the
-  // context: (10 sbh + 5as^2b)/t without recompute, 10 sbh/t with selective core_attn; without
-  // sequence parallelism the qkv input's 2 sbh is replicated) by its own.
-  auto with_mla = [&](LayerBytes l) {
-    if (!m.is_mla()) return l;
-    const double sq = 5.0 * m.a * m.s * m.s * m.b / m.t;
-    const double lin =
-        m.sp || m.t == 1.0 ? 10.0 * m.sbh() / m.t : 2.0 * m.sbh() + 8.0 * m.sbh() / m.t;
-    l.none += e.mla.none() - (lin + sq);
-    l.selective += e.mla.kept(true, false) - lin;
-    l.s2_fraction = e.mla.scores / l.none;
-    return l;
-  };
-  e.dense_layer = with_mla(paper_layer_bytes(m));
   e.per_stage = m.layers_per_stage();
-  e.layer = e.dense_layer;
-  if (m.is_moe()) {
-    // The first stage's layers [0, L/p) that are MoE; `layer` is then the stage's mean per
-    // layer, so every per-stage total is the mix.
-    const std::vector<bool> is_moe = config.moe_layers();
-    for (size_t i = 0; i < is_moe.size() && static_cast<double>(i) < e.per_stage; ++i) {
-      e.moe_in_stage += is_moe[i] ? 1.0 : 0.0;
-    }
-    e.moe_layer = paper_moe_layer_bytes(m);
-    e.moe_layer.layer = with_mla(e.moe_layer.layer);
-    auto mix = [&](double dense, double moe) {
-      return (dense * (e.per_stage - e.moe_in_stage) + moe * e.moe_in_stage) / e.per_stage;
-    };
-    e.layer.none = mix(e.dense_layer.none, e.moe_layer.layer.none);
-    e.layer.selective = mix(e.dense_layer.selective, e.moe_layer.layer.selective);
-    e.layer.full = mix(e.dense_layer.full, e.moe_layer.layer.full);
-  }
-  e.selective_stage = e.layer.selective * e.per_stage;
-  e.offload_s = offload_round_trip_seconds(e.selective_stage, bandwidth_gbps);
   e.megatron = m.sp ? megatron_activation_memory(m) : megatron_activation_memory_without_sp(m);
   e.w = megatron_weight_and_optimizer_memory(m);
   e.stage_in_flight = stages_in_flight(m);
+  const LayerBytes paper = paper_layer_bytes(m);
+  struct KindBytes {
+    LayerSpec spec;
+    double count;
+    LayerBytes layer, with_paper_mlp;
+  };
+  std::vector<KindBytes> kinds;
+  for (const auto& [spec, count] : first_stage_kinds(config, e.per_stage)) {
+    const LayerBytes with_paper_mlp = spec.mixer->paper_layer_bytes(m, paper);
+    kinds.push_back({spec, count, spec.mixer->paper_layer_bytes(m, spec.mlp->paper_layer_bytes(m, paper)),
+                     with_paper_mlp});
+  }
+  e.layer = kinds.front().layer;
+  if (kinds.size() > 1) {
+    LayerBytes mix;
+    double s2 = 0;
+    for (const KindBytes& k : kinds) {
+      mix.none += k.layer.none * k.count;
+      mix.selective += k.layer.selective * k.count;
+      mix.full += k.layer.full * k.count;
+      s2 += k.layer.s2_fraction * k.layer.none * k.count;
+    }
+    mix.s2_fraction = s2 / mix.none;
+    mix.none /= e.per_stage, mix.selective /= e.per_stage, mix.full /= e.per_stage;
+    e.layer = mix;
+  }
+  e.selective_stage = e.layer.selective * e.per_stage;
+  e.offload_s = offload_round_trip_seconds(e.selective_stage, bandwidth_gbps);
+  // Each part's own section, the MLPs' then the mixers': from the first kind that has it.
+  for (const PartSlot slot : {PartSlot::kMlp, PartSlot::kMixer}) {
+    for (const KindBytes& k : kinds) {
+      const LayerPart* part = slot == PartSlot::kMlp ? k.spec.mlp : k.spec.mixer;
+      const auto done = [&](const auto& p) { return p.first == part->name(); };
+      if (std::any_of(e.parts.begin(), e.parts.end(), done)) continue;
+      double count = 0;
+      for (const KindBytes& other : kinds) {
+        if ((slot == PartSlot::kMlp ? other.spec.mlp : other.spec.mixer) == part) count += other.count;
+      }
+      PartEstimate out;
+      part->paper_estimate({m, count, k.layer, k.with_paper_mlp, &e.w}, out);
+      if (!out.json.is_null()) e.parts.emplace_back(part->name(), std::move(out));
+    }
+  }
   return e;
 }
 
 nlohmann::json to_json(const Estimate& e) {
   const PaperShape& m = e.m;
-  const LayerBytes &layer = e.layer, &dense_layer = e.dense_layer;
-  const MoELayerBytes& moe_layer = e.moe_layer;
-  const MLAAttentionBytes& mla = e.mla;
+  const LayerBytes& layer = e.layer;
   const WeightMemory& w = e.w;
   const std::vector<double>& stage_in_flight = e.stage_in_flight;
   const double per_stage = e.per_stage, selective_stage = e.selective_stage;
-  const double moe_in_stage = e.moe_in_stage;
   const double meg = e.megatron, offload_s = e.offload_s;
   const char* schedule = e.schedule();
   auto total = [&e](double per_layer) { return e.device_total(per_layer); };
@@ -196,56 +226,25 @@ nlohmann::json to_json(const Estimate& e) {
        {{"bytes_each_way", selective_stage},
         {"bandwidth_gbps", e.bandwidth_gbps},
         {"round_trip_s", offload_s}}}};
-  if (m.is_moe()) {
-    j["moe"] = {{"num_experts", m.moe.experts}, {"topk", m.moe.topk}, {"ffn", m.moe.ffn},
-                {"shared_ffn", m.moe.shared_ffn}, {"capacity_factor", m.moe.capacity_factor},
-                {"moe_layers", m.moe.layers}, {"moe_layers_in_first_stage", moe_in_stage},
-                {"rows_per_layer", moe_layer.rows},
-                {"per_moe_layer_bytes", {{"none", moe_layer.layer.none},
-                                         {"selective", moe_layer.layer.selective},
-                                         {"full", moe_layer.layer.full}}},
-                {"terms", {{"router", moe_layer.router}, {"dispatch", moe_layer.dispatch},
-                           {"experts", moe_layer.experts}, {"shared_experts", moe_layer.shared}}},
-                {"dense_layer_bytes", {{"none", dense_layer.none},
-                                       {"selective", dense_layer.selective}}}};
-  }
-  if (m.is_mla()) {
-    j["mla"] = {{"q_lora_rank", m.mla.q_lora > 0 ? nlohmann::json(m.mla.q_lora) : nlohmann::json(nullptr)},
-                {"kv_lora_rank", m.mla.kv_lora}, {"qk_head_dim", m.mla.qk},
-                {"qk_pos_emb_head_dim", m.mla.pos}, {"v_head_dim", m.mla.v},
-                {"qk_layernorm", m.mla.qk_layernorm},
-                {"terms", {{"latents", mla.latents}, {"qkv", mla.qkv}, {"scores", mla.scores},
-                           {"context", mla.context}}},
-                {"attention_bytes", {{"none", mla.none()},
-                                     {"core_attn", mla.kept(true, false)},
-                                     {"mla_up_proj", mla.kept(false, true)},
-                                     {"core_attn_mla_up_proj", mla.kept(true, true)}}}};
-  }
+  for (const auto& [name, part] : e.parts) j[name] = part.json;
   return j;
 }
 
-void print_table(const Estimate& e) {
+// A count of micro-batches (fractional under the interleaved schedule) with up to 4 significant
+// digits, whatever the stream's format: 10.33, not 1e+01.
+std::string count_text(double x) {
+  std::ostringstream os;
+  os << std::setprecision(4) << x;
+  return os.str();
+}
+
+// The header and the per-layer table: the paper's formula beside each recompute setting.
+void print_layer_table(const Estimate& e) {
   const PaperShape& m = e.m;
-  const LayerBytes &layer = e.layer, &dense_layer = e.dense_layer;
-  const MoELayerBytes& moe_layer = e.moe_layer;
-  const MLAAttentionBytes& mla = e.mla;
-  const WeightMemory& w = e.w;
-  const std::vector<double>& stage_in_flight = e.stage_in_flight;
-  const double per_stage = e.per_stage, selective_stage = e.selective_stage;
-  const double moe_in_stage = e.moe_in_stage, in_flight = e.stage_in_flight.front();
-  const double meg = e.megatron, offload_s = e.offload_s;
-  const char* schedule = e.schedule();
-  auto total = [&e](double per_layer) { return e.device_total(per_layer); };
-  const std::string& base_name = e.base_name;
-  // A count of micro-batches (fractional under the interleaved schedule) with up to 4
-  // significant digits, whatever the stream's format: 10.33, not 1e+01.
-  auto count = [](double x) {
-    std::ostringstream os;
-    os << std::setprecision(4) << x;
-    return os.str();
-  };
+  const LayerBytes& layer = e.layer;
+  const double per_stage = e.per_stage, in_flight = e.stage_in_flight.front();
   std::cout
-      << "actmem estimate: " << base_name << " — s=" << m.s << " b=" << m.b << " h=" << m.h
+      << "actmem estimate: " << e.base_name << " — s=" << m.s << " b=" << m.b << " h=" << m.h
       << " a=" << m.a << (m.g > 0 && m.g != m.a ? " G=" + c10::str(m.g) : std::string())
       << " L=" << m.L << " ffn=" << m.ffn << " V=" << m.v << " t=" << m.t << (m.sp ? " (SP)" : "")
       << " p=" << m.p << " (" << per_stage << " layers per stage)"
@@ -272,7 +271,7 @@ void print_table(const Estimate& e) {
             << format_bytes_3sig(layer.none * per_stage) << "   " << none_formula << div << "\n"
             << std::left << std::setw(18) << "selective" << std::right << std::setw(14)
             << format_bytes_3sig(layer.selective) << std::setw(14)
-            << format_bytes_3sig(selective_stage) << "   " << selective_formula
+            << format_bytes_3sig(e.selective_stage) << "   " << selective_formula
             << (split_all ? div : "") << "\n"
             << std::left << std::setw(18) << "full" << std::right << std::setw(14)
             << format_bytes_3sig(layer.full) << std::setw(14)
@@ -282,67 +281,44 @@ void print_table(const Estimate& e) {
                           "no s^2 term): "
                         : "s^2 share of a layer without recompute: ")
             << 100.0 * layer.s2_fraction << "%\n"
-            << schedule << " first stage holds " << count(in_flight)
+            << e.schedule() << " first stage holds " << count_text(in_flight)
             << " micro-batches in flight: no recompute "
             << format_bytes_3sig(layer.none * per_stage * in_flight) << ", selective "
-            << format_bytes_3sig(selective_stage * in_flight) << "\n"
+            << format_bytes_3sig(e.selective_stage * in_flight) << "\n"
             << "Megatron theoretical_memory_usage (first stage, "
             << (m.sp ? "compute_activation_memory" : "compute_activation_memory_without_sp")
-            << "): " << format_bytes_3sig(meg) << "\n"
+            << "): " << format_bytes_3sig(e.megatron) << "\n"
             << std::setprecision(2) << "offloading the selective activations of one stage: "
-            << format_bytes_3sig(selective_stage) << " each way at " << std::defaultfloat
-            << e.bandwidth_gbps << std::fixed << " GB/s = " << offload_s
+            << format_bytes_3sig(e.selective_stage) << " each way at " << std::defaultfloat
+            << e.bandwidth_gbps << std::fixed << " GB/s = " << e.offload_s
             << " s per micro-batch (not overlapped)\n";
-  if (m.p > 1) {
-    std::cout << "\nactivations per pipeline stage at the " << schedule << " peak (micro-batches of "
-              << "the stage's " << std::defaultfloat << per_stage << " layers"
-              << (m.vpp ? ", v = " + c10::str(*m.vpp) + " chunks" : std::string()) << ")\n"
-              << std::left << std::setw(8) << "stage" << std::right << std::setw(12) << "in flight"
-              << std::setw(14) << "none" << std::setw(14) << "selective" << std::setw(14) << "full"
-              << "\n";
-    for (size_t r = 0; r < stage_in_flight.size(); ++r) {
-      const double n = stage_in_flight[r] * per_stage;
-      std::cout << std::left << std::setw(8) << r << std::right << std::setw(12) << std::defaultfloat
-                << count(stage_in_flight[r]) << std::fixed << std::setw(14) << format_bytes_3sig(layer.none * n)
-                << std::setw(14) << format_bytes_3sig(layer.selective * n) << std::setw(14)
-                << format_bytes_3sig(layer.full * n) << "\n";
-    }
+}
+
+// Activations per pipeline stage at the schedule's peak.
+void print_stage_table(const Estimate& e) {
+  const PaperShape& m = e.m;
+  if (m.p <= 1) return;
+  std::cout << "\nactivations per pipeline stage at the " << e.schedule() << " peak (micro-batches of "
+            << "the stage's " << std::defaultfloat << e.per_stage << " layers"
+            << (m.vpp ? ", v = " + c10::str(*m.vpp) + " chunks" : std::string()) << ")\n"
+            << std::left << std::setw(8) << "stage" << std::right << std::setw(12) << "in flight"
+            << std::setw(14) << "none" << std::setw(14) << "selective" << std::setw(14) << "full"
+            << "\n";
+  for (size_t r = 0; r < e.stage_in_flight.size(); ++r) {
+    const double n = e.stage_in_flight[r] * e.per_stage;
+    std::cout << std::left << std::setw(8) << r << std::right << std::setw(12) << std::defaultfloat
+              << count_text(e.stage_in_flight[r]) << std::fixed << std::setw(14)
+              << format_bytes_3sig(e.layer.none * n) << std::setw(14)
+              << format_bytes_3sig(e.layer.selective * n) << std::setw(14)
+              << format_bytes_3sig(e.layer.full * n) << "\n";
   }
-  if (m.is_moe()) {
-    auto n = [](double x) { return static_cast<int64_t>(x); };
-    std::cout << "\nMoE: " << n(m.moe.layers) << " of " << n(m.L) << " layers ("
-              << n(moe_in_stage) << " in the first stage), " << n(m.moe.experts) << " experts top-"
-              << n(m.moe.topk) << " of ffn " << n(m.moe.ffn)
-              << (m.moe.shared_ffn > 0 ? ", shared experts ffn " + c10::str(n(m.moe.shared_ffn)) : "")
-              << ", " << (m.moe.capacity_factor > 0 ? "capacity factor " + c10::str(m.moe.capacity_factor)
-                                                    : std::string("dropless"))
-              << "; the experts compute " << n(moe_layer.rows) << " rows per layer\n"
-              << "  per MoE layer: none " << format_bytes_3sig(moe_layer.layer.none) << ", selective "
-              << format_bytes_3sig(moe_layer.layer.selective) << ", full "
-              << format_bytes_3sig(moe_layer.layer.full) << " (a dense layer: none "
-              << format_bytes_3sig(dense_layer.none) << ")\n"
-              << "  of which router " << format_bytes_3sig(moe_layer.router) << ", dispatch "
-              << format_bytes_3sig(moe_layer.dispatch) << ", experts "
-              << format_bytes_3sig(moe_layer.experts) << ", shared experts "
-              << format_bytes_3sig(moe_layer.shared) << "\n"
-              << "  the per-layer and per-stage figures above are the first stage's mix of dense "
-                 "and MoE layers; Megatron's theoretical_memory_usage counts every layer as dense\n";
-  }
-  if (m.is_mla()) {
-    std::cout << "\nmulti-latent attention: q_lora_rank "
-              << (m.mla.q_lora > 0 ? c10::str(static_cast<int64_t>(m.mla.q_lora)) : std::string("none"))
-              << ", kv_lora_rank " << static_cast<int64_t>(m.mla.kv_lora) << ", head dims qk "
-              << static_cast<int64_t>(m.mla.qk) << " + rope " << static_cast<int64_t>(m.mla.pos)
-              << ", v " << static_cast<int64_t>(m.mla.v) << (m.mla.qk_layernorm ? ", latent norms" : "")
-              << "\n  attention per layer: none " << format_bytes_3sig(mla.none()) << ", core_attn "
-              << format_bytes_3sig(mla.kept(true, false)) << ", mla_up_proj "
-              << format_bytes_3sig(mla.kept(false, true)) << ", both "
-              << format_bytes_3sig(mla.kept(true, true)) << "\n  of which latents "
-              << format_bytes_3sig(mla.latents) << ", q/k/v after RoPE " << format_bytes_3sig(mla.qkv)
-              << ", scores " << format_bytes_3sig(mla.scores) << ", context "
-              << format_bytes_3sig(mla.context)
-              << "\n  the per-layer figures above use these attention terms\n";
-  }
+}
+
+// Weights, gradients and optimizer state per rank, and the device totals.
+void print_weights(const Estimate& e) {
+  const PaperShape& m = e.m;
+  const WeightMemory& w = e.w;
+  auto total = [&e](double per_layer) { return e.device_total(per_layer); };
   std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
                "precision, d=" << std::defaultfloat << m.d
             << (m.distributed_optimizer ? " with the distributed optimizer" : "") << "\n"
@@ -350,39 +326,44 @@ void print_table(const Estimate& e) {
             << std::setprecision(2) << w.parameters / 1e9 << " B in the model ("
             << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
             << " embeddings), " << w.parameters_on_rank / 1e9 << " B on this rank\n";
-  if (m.is_moe()) {
-    std::cout << "  active per token " << w.active_parameters / 1e9 << " B (top-"
-              << static_cast<int64_t>(m.moe.topk) << " of the routed experts); routed experts on "
-              << "this rank " << w.expert_parameters_on_rank / 1e9 << " B (split etp x ep = "
-              << static_cast<int64_t>(m.moe.etp > 0 ? m.moe.etp : m.t) << " x "
-              << static_cast<int64_t>(m.moe.ep) << ")\n";
-  }
-  std::cout
-            << std::left << std::setw(44) << "  weights (bf16, 2 B/param)" << std::right
-            << std::setw(12) << format_bytes_3sig(w.weight_bytes) << "\n"
-            << std::left << std::setw(44) << "  gradients (fp32 main grads, 4 B/param)" << std::right
-            << std::setw(12) << format_bytes_3sig(w.gradient_bytes) << "\n"
-            << std::left << std::setw(44)
-            << (m.distributed_optimizer ? "  optimizer (fp32 params + Adam, 12/d B/param)"
-                                        : "  optimizer (fp32 params + Adam, 12 B/param)")
-            << std::right << std::setw(12) << format_bytes_3sig(w.optimizer_bytes) << "\n"
-            << std::left << std::setw(44) << "  weights and optimizer" << std::right
-            << std::setw(12) << format_bytes_3sig(w.total()) << "   " << std::defaultfloat
-            << w.bytes_per_parameter << " B/param (Megatron's compute_weight_and_optimizer_memory)\n"
-            << std::left << std::setw(44) << "  total, no recompute (first stage in flight)" << std::right
-            << std::setw(12) << format_bytes_3sig(total(layer.none)) << "\n"
-            << std::left << std::setw(44) << "  total, selective recompute (first stage)" << std::right
-            << std::setw(12) << format_bytes_3sig(total(layer.selective)) << "\n"
-            << std::left << std::setw(44) << "  total, full recompute (first stage)" << std::right
-            << std::setw(12) << format_bytes_3sig(total(layer.full)) << "\n"
-            << std::left << std::setw(44) << "  total, Megatron's report_theoretical_memory" << std::right
-            << std::setw(12) << format_bytes_3sig(w.total() + meg) << "\n";
+  for (const auto& [name, part] : e.parts) std::cout << part.weights;
+  auto row = [](const std::string& label, double bytes) {
+    std::cout << std::left << std::setw(44) << label << std::right << std::setw(12)
+              << format_bytes_3sig(bytes);
+  };
+  row("  weights (bf16, 2 B/param)", w.weight_bytes);
+  std::cout << "\n";
+  row("  gradients (fp32 main grads, 4 B/param)", w.gradient_bytes);
+  std::cout << "\n";
+  row(m.distributed_optimizer ? "  optimizer (fp32 params + Adam, 12/d B/param)"
+                              : "  optimizer (fp32 params + Adam, 12 B/param)",
+      w.optimizer_bytes);
+  std::cout << "\n";
+  row("  weights and optimizer", w.total());
+  std::cout << "   " << std::defaultfloat << w.bytes_per_parameter
+            << " B/param (Megatron's compute_weight_and_optimizer_memory)\n";
+  row("  total, no recompute (first stage in flight)", total(e.layer.none));
+  std::cout << "\n";
+  row("  total, selective recompute (first stage)", total(e.layer.selective));
+  std::cout << "\n";
+  row("  total, full recompute (first stage)", total(e.layer.full));
+  std::cout << "\n";
+  row("  total, Megatron's report_theoretical_memory", w.total() + e.megatron);
+  std::cout << "\n";
+}
+
+void print_table(const Estimate& e) {
+  print_layer_table(e);
+  print_stage_table(e);
+  for (const auto& [name, part] : e.parts) std::cout << part.section;
+  print_weights(e);
 }
 
 // Note [Estimating what the paper does not describe]
 // Korthikanti et al.'s formulas and Megatron's theoretical_memory_usage.py describe layers of
 // standard attention a x d = h wide; Megatron's counts every layer so, including a hybrid's
-// GatedDeltaNet layers, and has no term for the output gate or the q/k norms. For such models
+// linear-attention layers, and has no term for the output gate or the q/k norms (the parts whose
+// LayerPart::paper_describes is false). For such models
 // estimate prints the project's exact predictor instead (predict_activation_bytes, the one
 // `inspect` and the tests check against the tracker to the byte), from the configuration alone:
 // one micro-batch on one rank of the first pipeline stage (each of its model chunks), at 16 bits
@@ -392,23 +373,83 @@ void print_table(const Estimate& e) {
 // optimizer from count_parameters at Megatron's 18 bytes per parameter (6 + 12/d with the
 // distributed optimizer).
 struct ExactEstimate {
+  struct Kind {
+    std::string name;       // LayerSpec::name()
+    int64_t layers = 0;     // in the whole model
+    int64_t first = -1;     // its first layer on the first stage, -1 when the stage has none
+  };
   struct Strategy {
     std::string name;
-    double gdn_layer = 0, attention_layer = 0;  // one layer of each kind (first of the stage)
-    double stage = 0;                           // the first stage's layers, embedding, ...
+    std::vector<double> layer;  // one layer of each kind (the first of the stage)
+    double stage = 0;           // the first stage's layers, embedding, ...
   };
+  std::vector<Kind> kinds;
   std::vector<Strategy> strategies;
-  std::vector<std::pair<std::string, std::pair<double, double>>> modules;  // plain, per kind
-  int64_t gdn_layers = 0, attention_layers = 0, gdn_index = -1, attention_index = -1;
+  std::vector<std::pair<std::string, std::vector<double>>> modules;  // plain, per kind
   double in_flight = 1;
   ParameterCount params;
   double weight_bytes = 0, gradient_bytes = 0, optimizer_bytes = 0;
 };
 
+// The layer kinds of `c` in order of appearance, with their counts and first layer on the first
+// stage (any of its model chunks).
+std::vector<ExactEstimate::Kind> exact_kinds(const TransformerConfig& c,
+                                             std::vector<LayerSpec>& kind_specs) {
+  const std::vector<LayerSpec> specs = layer_specs(c);
+  std::vector<ExactEstimate::Kind> kinds;
+  for (const LayerSpec& spec : specs) {
+    auto it = std::find(kind_specs.begin(), kind_specs.end(), spec);
+    if (it == kind_specs.end()) {
+      kind_specs.push_back(spec);
+      kinds.push_back({spec.name()});
+      it = kind_specs.end() - 1;
+    }
+    kinds[static_cast<size_t>(it - kind_specs.begin())].layers += 1;
+  }
+  for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
+    const TransformerConfig::StageLayers layers = c.model_chunk_layers(0, chunk);
+    for (int64_t i = layers.offset; i < layers.offset + layers.count; ++i) {
+      const auto k = static_cast<size_t>(
+          std::find(kind_specs.begin(), kind_specs.end(), specs[static_cast<size_t>(i)]) -
+          kind_specs.begin());
+      if (kinds[k].first < 0) kinds[k].first = i;
+    }
+  }
+  return kinds;
+}
+
+// Megatron's selective sets a user would try, cumulatively: each mixer kind's units (in the
+// order of the kinds' names), then layernorm with the MLP kinds' units.
+std::vector<std::vector<RecomputeModule>> exact_selective_sets(
+    const TransformerConfig& c, const std::vector<LayerSpec>& kind_specs) {
+  std::vector<const LayerPart*> mixers, mlps;
+  for (const LayerSpec& spec : kind_specs) {
+    if (std::find(mixers.begin(), mixers.end(), spec.mixer) == mixers.end()) mixers.push_back(spec.mixer);
+    if (std::find(mlps.begin(), mlps.end(), spec.mlp) == mlps.end()) mlps.push_back(spec.mlp);
+  }
+  std::sort(mixers.begin(), mixers.end(), [](const LayerPart* a, const LayerPart* b) {
+    return std::string(a->name()) < b->name();
+  });
+  std::vector<std::vector<RecomputeModule>> sets;
+  std::vector<RecomputeModule> set;
+  auto add = [&set](const std::vector<RecomputeModule>& units) {
+    for (const RecomputeModule r : units) {
+      if (std::find(set.begin(), set.end(), r) == set.end()) set.push_back(r);
+    }
+  };
+  for (const LayerPart* mixer : mixers) {
+    const std::vector<RecomputeModule> units = mixer->estimate_units(c);
+    if (units.empty()) continue;
+    add(units);
+    sets.push_back(set);
+  }
+  add({RecomputeModule::kLayernorm});
+  for (const LayerPart* mlp : mlps) add(mlp->estimate_units(c));
+  sets.push_back(set);
+  return sets;
+}
+
 ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
-  TORCH_CHECK(!c.multi_latent_attention,
-              "actmem estimate: multi-latent attention on a hybrid "
-              "model is not implemented");
   TORCH_CHECK(!c.is_moe() || m.moe.etp == m.t,
               "actmem estimate: an expert tensor-parallel "
               "size (",
@@ -416,26 +457,15 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
               ") is not "
               "modelled for models the paper's formulas do not describe");
   ExactEstimate x;
-  const std::vector<bool> linear = c.gdn_layers();
-  for (int64_t i = 0; i < c.num_layers; ++i) {
-    (linear[static_cast<size_t>(i)] ? x.gdn_layers : x.attention_layers) += 1;
-  }
-  // The first layer of each kind on the first stage (any of its model chunks).
-  for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
-    const TransformerConfig::StageLayers layers = c.model_chunk_layers(0, chunk);
-    for (int64_t i = layers.offset; i < layers.offset + layers.count; ++i) {
-      int64_t& index = linear[static_cast<size_t>(i)] ? x.gdn_index : x.attention_index;
-      if (index < 0) index = i;
-    }
-  }
+  std::vector<LayerSpec> kind_specs;
+  x.kinds = exact_kinds(c, kind_specs);
   // A balanced routing for every MoE layer (Note [Estimating what the paper does not describe]).
   const MoERouting routing = balanced_moe_routing(c);
   auto strategy = [&](const std::string& name, const std::function<void(TransformerConfig&)>& set) {
     TransformerConfig cc = c;
     set(cc);
     const ActivationPlan plan = make_activation_plan(cc);
-    ExactEstimate::Strategy s{name};
-    std::map<int64_t, double> per_layer;
+    ExactEstimate::Strategy s{name, std::vector<double>(x.kinds.size(), 0.0)};
     for (int64_t chunk = 0; chunk < c.virtual_pipeline_size(); ++chunk) {
       const PredictedBytes p =
           predict_activation_bytes(cc, plan, 2, /*snapshots_on_device=*/false,
@@ -445,46 +475,32 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
         const std::string prefix = "decoder.layers.";
         if (module.rfind(prefix, 0) != 0) continue;
         const int64_t layer = std::stoll(module.substr(prefix.size()));
-        per_layer[layer] += static_cast<double>(bytes);
-        if (name == "none") {
-          const bool gdn = layer == x.gdn_index;
-          if (!gdn && layer != x.attention_index) continue;
+        for (size_t k = 0; k < x.kinds.size(); ++k) {
+          if (x.kinds[k].first != layer) continue;
+          s.layer[k] += static_cast<double>(bytes);
+          if (name != "none") continue;
           // "decoder.layers.3.self_attention.linear_qkv" -> "self_attention.linear_qkv"
           const std::string rest = module.substr(module.find('.', prefix.size()) + 1);
           auto it = std::find_if(x.modules.begin(), x.modules.end(),
                                  [&](const auto& r) { return r.first == rest; });
-          if (it == x.modules.end()) it = x.modules.insert(x.modules.end(), {rest, {0.0, 0.0}});
-          (gdn ? it->second.first : it->second.second) += static_cast<double>(bytes);
+          if (it == x.modules.end()) {
+            it = x.modules.insert(x.modules.end(), {rest, std::vector<double>(x.kinds.size(), 0.0)});
+          }
+          it->second[k] += static_cast<double>(bytes);
         }
       }
     }
-    s.gdn_layer = x.gdn_index >= 0 ? per_layer[x.gdn_index] : 0.0;
-    s.attention_layer = x.attention_index >= 0 ? per_layer[x.attention_index] : 0.0;
     x.strategies.push_back(s);
   };
-  auto selective = [](std::vector<std::string> modules) {
-    return [modules](TransformerConfig& cc) {
-      cc.recompute_granularity = "selective";
-      cc.recompute_modules = modules;
-    };
-  };
   strategy("none", [](TransformerConfig&) {});
-  std::vector<std::string> modules;
-  if (x.attention_layers > 0) {
-    modules.emplace_back("core_attn");
-    strategy("selective core_attn", selective(modules));
+  for (const std::vector<RecomputeModule>& set : exact_selective_sets(c, kind_specs)) {
+    std::vector<std::string> names;
+    for (const RecomputeModule r : set) names.emplace_back(to_string(r));
+    strategy("selective " + c10::Join("+", names), [names](TransformerConfig& cc) {
+      cc.recompute_granularity = "selective";
+      cc.recompute_modules = names;
+    });
   }
-  if (x.gdn_layers > 0) {
-    modules.emplace_back("gdn_norm_out");
-    strategy("selective " + c10::Join("+", modules), selective(modules));
-  }
-  modules.emplace_back("layernorm");
-  if (c.is_moe() && c.moe_grouped_gemm) modules.emplace_back("moe_act");
-  if (c.moe_shared_expert_intermediate_size) modules.emplace_back("shared_experts");
-  const std::vector<bool> moe = c.is_moe() ? c.moe_layers() : std::vector<bool>();
-  if (!c.is_moe() || std::find(moe.begin(), moe.end(), false) != moe.end())
-    modules.emplace_back("mlp");
-  strategy("selective " + c10::Join("+", modules), selective(modules));
   strategy("full uniform 1", [](TransformerConfig& cc) {
     cc.recompute_granularity = "full";
     cc.recompute_method = "uniform";
@@ -501,25 +517,33 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
 
 nlohmann::json to_json(const ExactEstimate& x, const TransformerConfig& c,
                        const std::string& base) {
+  nlohmann::json kinds = nlohmann::json::array();
+  for (const auto& k : x.kinds) {
+    kinds.push_back({{"kind", k.name},
+                     {"layers", k.layers},
+                     {"first_layer_on_first_stage",
+                      k.first >= 0 ? nlohmann::json(k.first) : nlohmann::json(nullptr)}});
+  }
   nlohmann::json strategies = nlohmann::json::array();
   for (const auto& s : x.strategies) {
+    nlohmann::json layer = nlohmann::json::object();
+    for (size_t k = 0; k < x.kinds.size(); ++k) layer[x.kinds[k].name] = s.layer[k];
     strategies.push_back({{"name", s.name},
-                          {"gdn_layer_bytes", s.gdn_layer},
-                          {"attention_layer_bytes", s.attention_layer},
+                          {"layer_bytes", layer},
                           {"first_stage_bytes", s.stage},
                           {"first_stage_in_flight_bytes", s.stage * x.in_flight}});
   }
   nlohmann::json modules = nlohmann::json::object();
   for (const auto& [name, bytes] : x.modules) {
-    modules[name] = {{"gdn_layer", bytes.first}, {"attention_layer", bytes.second}};
+    modules[name] = nlohmann::json::object();
+    for (size_t k = 0; k < x.kinds.size(); ++k) modules[name][x.kinds[k].name] = bytes[k];
   }
   const double states = x.weight_bytes + x.gradient_bytes + x.optimizer_bytes;
   return {{"model", to_json(c)},
           {"base", base},
           {"method", "exact predictor (the paper's formulas do not describe this model)"},
           {"dtype_bytes", 2},
-          {"gdn_layers", x.gdn_layers},
-          {"attention_layers", x.attention_layers},
+          {"layer_kinds", kinds},
           {"microbatches_in_flight_first_stage", x.in_flight},
           {"strategies", strategies},
           {"plain_bytes_per_module", modules},
@@ -536,39 +560,46 @@ nlohmann::json to_json(const ExactEstimate& x, const TransformerConfig& c,
 }
 
 void print_exact(const ExactEstimate& x, const TransformerConfig& c, const std::string& base) {
-  std::cout << "actmem estimate: " << base << " — " << c.num_layers << " layers (" << x.gdn_layers
-            << " Gated DeltaNet, " << x.attention_layers << " attention), h " << c.hidden_size
-            << ", s " << c.seq_length << ", b " << c.micro_batch_size << ", t "
-            << c.tensor_model_parallel_size << (c.sequence_parallel ? " (SP)" : "") << ", p "
-            << c.pipeline_model_parallel_size
+  std::vector<std::string> kinds;
+  for (const auto& k : x.kinds) kinds.push_back(std::to_string(k.layers) + " " + k.name);
+  std::cout << "actmem estimate: " << base << " — " << c.num_layers << " layers ("
+            << c10::Join(", ", kinds) << "), h " << c.hidden_size << ", s " << c.seq_length
+            << ", b " << c.micro_batch_size << ", t " << c.tensor_model_parallel_size
+            << (c.sequence_parallel ? " (SP)" : "") << ", p " << c.pipeline_model_parallel_size
             << (c.is_moe() ? ", e " + std::to_string(c.expert_model_parallel_size) : "")
             << "\n  the paper's formulas and Megatron's theoretical memory do not describe this "
-               "model (GDN layers, or attention not h wide, gated or normed per head): the\n"
-               "  project's exact predictor instead, 16-bit, one micro-batch on one rank of the "
-               "first stage"
+               "model (a part with no paper terms: linear attention, or attention not h wide,\n"
+               "  gated or normed per head): the project's exact predictor instead, 16-bit, one "
+               "micro-batch on one rank of the first stage"
             << (c.is_moe() ? ", experts at a balanced routing" : "") << "\n\n";
   const int w = 68;
-  std::cout << std::left << std::setw(w) << "module (no recompute)" << std::right << std::setw(14)
-            << (x.gdn_index >= 0 ? "GDN layer" : "") << std::setw(16)
-            << (x.attention_index >= 0 ? "attention layer" : "") << "\n";
+  // One column per layer kind the first stage has: one layer of it.
+  auto header = [&](const char* first) {
+    std::cout << std::left << std::setw(w) << first << std::right;
+    for (const auto& k : x.kinds) {
+      if (k.first >= 0) std::cout << std::setw(16) << k.name;
+    }
+  };
+  header("module (no recompute)");
+  std::cout << "\n";
   for (const auto& [name, bytes] : x.modules) {
-    auto cell = [](bool shown, double v) {
-      return shown && v > 0 ? format_bytes_3sig(v) : std::string(shown ? "-" : "");
-    };
-    std::cout << std::left << std::setw(w) << ("  " + name) << std::right << std::setw(14)
-              << cell(x.gdn_index >= 0, bytes.first) << std::setw(16)
-              << cell(x.attention_index >= 0, bytes.second) << "\n";
+    std::cout << std::left << std::setw(w) << ("  " + name) << std::right;
+    for (size_t k = 0; k < x.kinds.size(); ++k) {
+      if (x.kinds[k].first >= 0) {
+        std::cout << std::setw(16) << (bytes[k] > 0 ? format_bytes_3sig(bytes[k]) : "-");
+      }
+    }
+    std::cout << "\n";
   }
-  std::cout << "\n"
-            << std::left << std::setw(w) << "strategy" << std::right << std::setw(14) << "GDN layer"
-            << std::setw(16) << "attention layer" << std::setw(14) << "first stage" << std::setw(16)
-            << "x in flight"
-            << "\n";
+  std::cout << "\n";
+  header("strategy");
+  std::cout << std::setw(14) << "first stage" << std::setw(16) << "x in flight" << "\n";
   for (const auto& s : x.strategies) {
-    std::cout << std::left << std::setw(w) << ("  " + s.name) << std::right << std::setw(14)
-              << (x.gdn_index >= 0 ? format_bytes_3sig(s.gdn_layer) : "-") << std::setw(16)
-              << (x.attention_index >= 0 ? format_bytes_3sig(s.attention_layer) : "-")
-              << std::setw(14) << format_bytes_3sig(s.stage) << std::setw(16)
+    std::cout << std::left << std::setw(w) << ("  " + s.name) << std::right;
+    for (size_t k = 0; k < x.kinds.size(); ++k) {
+      if (x.kinds[k].first >= 0) std::cout << std::setw(16) << format_bytes_3sig(s.layer[k]);
+    }
+    std::cout << std::setw(14) << format_bytes_3sig(s.stage) << std::setw(16)
               << format_bytes_3sig(s.stage * x.in_flight) << "\n";
   }
   const double states = x.weight_bytes + x.gradient_bytes + x.optimizer_bytes;

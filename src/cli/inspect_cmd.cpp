@@ -7,6 +7,7 @@
 #include "actmem/parallel/distributed.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"

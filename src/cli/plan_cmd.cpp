@@ -4,6 +4,7 @@
 // (docs/planner.md).
 #include "actmem/base/environment.h"
 #include "actmem/base/output_file.h"
+#include "actmem/model/layer_spec.h"
 #include "actmem/plan/plan_analytic.h"
 #include "actmem/plan/planner.h"
 #include "actmem/train/plot.h"
@@ -267,33 +268,25 @@ nlohmann::json print_kernels(const PaperShape& shape, const TransformerConfig& c
   return rows;
 }
 
-// The MoE and MLA sizes of a preset's header line ("" for a dense model).
-std::string moe_summary(const PaperShape& m) {
-  std::ostringstream out;
-  if (m.is_moe()) {
-    out << "; " << m.moe.layers << " MoE layers of " << m.moe.experts << " experts top-"
-        << m.moe.topk << " (ffn " << m.moe.ffn << ")";
-    if (m.moe.shared_ffn > 0) out << " and a shared expert (ffn " << m.moe.shared_ffn << ")";
-    if (m.moe.ep > 1) out << ", expert parallel " << m.moe.ep;
-  }
-  if (m.is_mla()) {
-    out << "; multi-latent attention (query rank " << m.mla.q_lora << ", key/value rank "
-        << m.mla.kv_lora << ")";
-  }
-  const TransformerConfig* c = m.config.get();
-  if (c != nullptr && !paper_describes(*c)) {
-    if (c->gated_delta_net()) {
-      const std::vector<bool> gdn = c->gdn_layers();
-      const auto n = std::count(gdn.begin(), gdn.end(), true);
-      out << "; " << n << " GatedDeltaNet layers (" << c->linear_num_key_heads << " key heads of "
-          << c->linear_key_head_dim << ", " << c->linear_num_value_heads << " value heads of "
-          << c->linear_value_head_dim << ", kernel " << c->linear_conv_kernel_dim << ") and "
-          << static_cast<int64_t>(gdn.size()) - n << " attention layers";
+// The sizes of a preset's parts for its header line (LayerPart::summary; "" for the paper's
+// dense model), the MLPs' then the mixers'.
+std::string parts_summary(const PaperShape& m) {
+  const TransformerConfig c = analytic_config(m);
+  std::vector<std::pair<const LayerPart*, int64_t>> parts;
+  for (const PartSlot slot : {PartSlot::kMlp, PartSlot::kMixer}) {
+    for (const LayerSpec& spec : layer_specs(c)) {
+      const LayerPart* part = slot == PartSlot::kMlp ? spec.mlp : spec.mixer;
+      auto it = std::find_if(parts.begin(), parts.end(), [&](const auto& p) { return p.first == part; });
+      if (it == parts.end()) it = parts.insert(parts.end(), {part, 0});
+      it->second += 1;
     }
-    out << "; attention heads of " << c->kv_channels() << " (" << c->query_groups()
-        << " key/value groups" << (c->attention_output_gate ? ", output gate" : "")
-        << (c->qk_layernorm ? ", q/k norms" : "") << "); terms from the exact predictor";
   }
+  std::ostringstream out;
+  for (const auto& [part, layers] : parts) {
+    const std::string s = part->summary(c, layers);
+    if (!s.empty()) out << "; " << s;
+  }
+  if (!paper_describes(c)) out << "; terms from the exact predictor";
   return out.str();
 }
 
@@ -341,7 +334,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   const WeightMemory w = analytic_weight_memory(m);
   std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — " << m.L
             << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
-            << (m.swiglu ? " (SwiGLU)" : "") << moe_summary(m) << ", seq " << m.s
+            << (m.swiglu ? " (SwiGLU)" : "") << parts_summary(m) << ", seq " << m.s
             << ", micro-batch " << m.b << ", vocab " << m.v << ", " << std::setprecision(4)
             << w.parameters / 1e9 << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p "
             << m.p;

@@ -632,7 +632,7 @@ const char* to_string(AttentionKernel kernel) {
 // Megatron's --attention-backend picks among TransformerEngine's kernels (flash, fused = cuDNN,
 // unfused), or the local (non-TE) spec, whose core attention is unfused too; auto lets TE choose
 // flash, then fused, then unfused by what each supports. actmem's kernels are libtorch's: the
-// unfused path (attention.cpp: scores, mask, softmax, dropout and the product with V, each kept
+// unfused path (model/attention/attention.cpp: scores, mask, softmax, dropout and the product with V, each kept
 // for backward as Korthikanti et al. count them) and scaled-dot-product attention's flash kernel
 // (at::_scaled_dot_product_flash_attention_for_cpu): online softmax, backward recomputes the
 // probabilities inside the kernel, so it keeps only q, k, v, its output and the logsumexp per row

@@ -1,4 +1,4 @@
-// layers.cpp — the model layer's building blocks (layers.h): norms, linears, dropout, the MLP.
+// layers.cpp — the model layer's building blocks (layers.h): norms, linears, dropout.
 #include "actmem/model/layers.h"
 
 #include "actmem/parallel/tensor_parallel.h"
@@ -151,46 +151,6 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
                             double p, bool training) {
   const at::Tensor biased = bias.defined() ? x + bias : x;
   return residual + apply_dropout(biased, p, training);
-}
-
-// ---- MLP --------------------------------------------------------------------------------------
-
-MLP::MLP(const TransformerConfig& config, at::ScalarType dtype)
-    : gated_(config.gated_linear_unit), sequence_parallel_(config.sequence_parallel) {
-  const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
-  const int64_t f = config.ffn() / t;  // this rank's share of the MLP's hidden columns
-  const bool sp = config.sequence_parallel;
-  linear_fc1 = register_module(
-      "linear_fc1", std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false,
-                                             dtype, LinearParallel::kColumn, sp));
-  linear_fc2 = register_module(
-      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype,
-                                             LinearParallel::kRow, sp));
-}
-
-std::optional<ParameterAttributes> MLP::parameter_attributes(const std::string& name) const {
-  if (name != "gate_weight") return std::nullopt;
-  return ParameterAttributes{false, sequence_parallel_, false};
-}
-
-std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x) {
-  forward_counters().mlp.fetch_add(1, std::memory_order_relaxed);
-  at::Tensor fc1, act;
-  {
-    ModuleScope scope("linear_fc1");
-    fc1 = linear_fc1->forward(x).first;  // [s, b, f] or [s, b, 2f]
-  }
-  {
-    ModuleScope scope("activation_func");
-    if (gated_) {
-      const auto halves = fc1.chunk(2, -1);
-      act = at::silu(halves[0]) * halves[1];
-    } else {
-      act = at::gelu(fc1);
-    }
-  }
-  ModuleScope scope("linear_fc2");
-  return linear_fc2->forward(act);
 }
 
 at::ScalarType params_dtype(const TransformerConfig& config) {

@@ -1,7 +1,9 @@
 // model.cpp — TransformerLayer, TransformerBlock and GPTModel (model.h); the building blocks are
-// in layers.cpp and attention.cpp. Shapes: s = sequence, b = micro-batch, h = hidden, a = heads,
+// in layers.cpp and the parts' folders (layer_part.h). Shapes: s = sequence, b = micro-batch, h = hidden, a = heads,
 // d = head dim, f = ffn hidden, v = vocab.
 #include "actmem/model/model.h"
+
+#include "actmem/model/weight_init.h"
 
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_tracker.h"
@@ -37,106 +39,25 @@ class WeightHolder : public torch::nn::Module, public DeclaresParameters {
   at::Tensor weight;
 };
 
-// Initialisation draws from one generator seeded with config.seed, in construction order, so a
-// model is a pure function of its config (it does not touch the global RNG that dropout uses).
-thread_local at::Generator* t_init_gen = nullptr;
-
-at::Tensor init_normal(at::IntArrayRef shape, double std, at::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(t_init_gen != nullptr, "init_normal outside GPTModel construction");
-  at::NoGradGuard no_grad;
-  // A 16-bit model is the fp32 model rounded: the draws are made in fp32 (the same numbers as
-  // an fp32 run) and cast, as Megatron initialises in fp32 and converts to params_dtype.
-  const at::ScalarType draw = is_16bit(dtype) ? at::kFloat : dtype;
-  return at::empty(shape, at::TensorOptions().dtype(draw)).normal_(0.0, std, *t_init_gen).to(dtype);
-}
-
-// The same for uniform(lo, hi) draws (GatedDeltaNet's convolution and decay rates).
-at::Tensor init_uniform(at::IntArrayRef shape, double lo, double hi, at::ScalarType dtype) {
-  TORCH_INTERNAL_ASSERT(t_init_gen != nullptr, "init_uniform outside GPTModel construction");
-  at::NoGradGuard no_grad;
-  const at::ScalarType draw = is_16bit(dtype) ? at::kFloat : dtype;
-  return at::empty(shape, at::TensorOptions().dtype(draw)).uniform_(lo, hi, *t_init_gen).to(dtype);
-}
-
-// Forks model-parallel-rng unless it is already the current stream (the tensor-parallel dropout
-// stream of Megatron's model_parallel_cuda_manual_seed; docs/parallelism.md). Without that
-// stream: an error naming `api` when `required`, else no fork (a bare single-process model).
-
-// An MoE layer's weights, in the order router, experts (fc1 then fc2 of each), shared experts
-// (fc1, fc2, gate): fc2 layers take the residual projections' scaled std, as Megatron's MLP.
-// This tensor rank's slice of a full fc1 weight [fc1_rows, h] (column-parallel: its rows) and
-// of a full fc2 weight [h, f] (row-parallel: its columns). SwiGLU's fc1 is [gate; up]: each rank
-// keeps its slice of both halves, in that order, so chunk(2) of its local output still splits
-// gate from up.
-at::Tensor fc1_slice(const at::Tensor& full, bool gated) {
-  const TensorParallelGroup& tp = tensor_parallel_group();
-  if (tp.size == 1) return full;
-  if (!gated) return full.chunk(tp.size, 0)[tp.rank];
-  const auto halves = full.chunk(2, 0);
-  return at::cat({halves[0].chunk(tp.size, 0)[tp.rank], halves[1].chunk(tp.size, 0)[tp.rank]}, 0);
-}
-at::Tensor fc2_slice(const at::Tensor& full) {
-  const TensorParallelGroup& tp = tensor_parallel_group();
-  return tp.size == 1 ? full : full.chunk(tp.size, 1)[tp.rank];
-}
-
-void init_moe_layer(MoELayer& moe, const TransformerConfig& c, double std, double scaled_std,
-                    at::ScalarType dtype) {
-  const int64_t h = c.hidden_size, f = c.moe_ffn(), fc1_rows = c.gated_linear_unit ? 2 * f : f;
-  const bool gated = c.gated_linear_unit;
-  moe.router->weight.copy_(init_normal({c.num_moe_experts, h}, std, dtype));
-  Experts& e = *moe.experts;
-  // Every expert-parallel rank draws all E experts in order and keeps its own E/e, and of them
-  // its tensor rank's slice (expert tensor parallelism), so the model is the same function of
-  // the config for any t and e.
-  const int64_t local = c.num_moe_experts / c.expert_model_parallel_size;
-  const int64_t first = expert_parallel_group().rank * local;
-  for (int64_t g = 0; g < c.num_moe_experts; ++g) {
-    const at::Tensor fc1 = init_normal({fc1_rows, h}, std, dtype);
-    const at::Tensor fc2 = init_normal({h, f}, scaled_std, dtype);
-    if (g < first || g >= first + local) continue;
-    const auto j = static_cast<size_t>(g - first);
-    if (e.linear_fc1) {
-      e.linear_fc1->weights[j].copy_(fc1_slice(fc1, gated));
-      e.linear_fc2->weights[j].copy_(fc2_slice(fc2));
-    } else {
-      e.local_experts[j]->fc1_weight.copy_(fc1_slice(fc1, gated));
-      e.local_experts[j]->fc2_weight.copy_(fc2_slice(fc2));
-    }
-  }
-  if (moe.shared_experts) {
-    const int64_t fs = *c.moe_shared_expert_intermediate_size;
-    moe.shared_experts->linear_fc1->weight.copy_(
-        fc1_slice(init_normal({gated ? 2 * fs : fs, h}, std, dtype), gated));
-    moe.shared_experts->linear_fc2->weight.copy_(fc2_slice(init_normal({h, fs}, scaled_std, dtype)));
-    if (moe.shared_expert_gate.defined()) moe.shared_expert_gate.copy_(init_normal({1, h}, std, dtype));
-  }
-}
-
 }  // namespace
 
 // ---- TransformerLayer -------------------------------------------------------------------------
 
-TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerPlan& plan,
-                                   int64_t layer_number, at::ScalarType dtype)
-    : layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
+TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerSpec& spec,
+                                   const LayerPlan& plan, int64_t layer_number,
+                                   at::ScalarType dtype)
+    : spec_(spec), layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
-  if (plan.gdn) {
-    gdn_attention =
-        register_module("self_attention", std::make_shared<GatedDeltaNet>(config, plan, dtype));
-  } else if (config.multi_latent_attention) {
-    mla_attention = register_module("self_attention",
-                                    std::make_shared<MLASelfAttention>(config, plan, dtype));
-  } else {
-    self_attention =
-        register_module("self_attention", std::make_shared<SelfAttention>(config, plan, dtype));
-  }
+  self_attention =
+      register_module("self_attention", spec.mixer->build(config, plan, layer_number, dtype));
   pre_mlp_layernorm = register_module("pre_mlp_layernorm", std::make_shared<Norm>(config, dtype));
-  if (plan.moe) {
-    moe = register_module("mlp", std::make_shared<MoELayer>(config, plan, layer_number, dtype));
-  } else {
-    mlp = register_module("mlp", std::make_shared<MLP>(config, dtype));
-  }
+  mlp = register_module("mlp", spec.mlp->build(config, plan, layer_number, dtype));
+}
+
+void TransformerLayer::init_weights(WeightInit& init) {
+  at::NoGradGuard no_grad;
+  self_attention->init_weights(init);
+  mlp->init_weights(init);
 }
 
 namespace {
@@ -170,26 +91,12 @@ class LayerNormStep {
 };
 }  // namespace
 
-std::pair<at::Tensor, at::Tensor> TransformerLayer::run_mlp(const at::Tensor& x,
-                                                            const LayerContext& ctx) {
-  if (moe) return moe->forward(x, ctx.offloader);
-  if (plan_.recomputes(RecomputeModule::kMlp) && is_training()) {
-    // Selective "mlp": the whole MLP in one checkpoint; fc2's bias is a parameter, not an
-    // activation, so it is returned beside the checkpoint as Megatron does.
-    const at::Tensor out = checkpoint(
-        [this](const TensorList& in) { return TensorList{mlp->forward(in[0]).first}; }, false,
-        {x})[0];
-    return {out, mlp->linear_fc2->bias};
-  }
-  return mlp->forward(x);
-}
-
 // One half of a layer, as Megatron's _forward_attention and _forward_mlp: a norm, its module and
 // the bias-dropout-add. The attn_norm and mlp_norm offload groups start at the norm's input and
 // commit after the bias-dropout-add (which reads the residual, the norm's input), then release
 // the residual (Megatron's placement); they capture only what the norm saves.
 at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const LayerContext& ctx,
-                                             const HalfLayer& half, const ModuleFn& module) {
+                                             const HalfLayer& half) {
   const bool train = is_training();
   ActivationOffloader* off = train ? ctx.offloader : nullptr;
   OffloadRegion region(plan_.offloads(half.group) ? off : nullptr, to_string(half.group));
@@ -203,7 +110,7 @@ at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const Lay
   at::Tensor out, bias;
   {
     ModuleScope scope(half.module_name);
-    std::tie(out, bias) = module(ln);
+    std::tie(out, bias) = half.part->forward(ln, ctx);
   }
   norm.finish(out);
   ModuleScope scope(half.bda_name);
@@ -212,24 +119,28 @@ at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const Lay
 
 at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const LayerContext& ctx) {
   return norm_module_bda(hidden, ctx,
-                         {input_layernorm, OffloadModule::kAttnNorm, "input_layernorm",
-                          "self_attention", "self_attn_bda"},
-                         [&](const at::Tensor& ln) {
-                           if (gdn_attention) return gdn_attention->forward(ln, ctx);
-                           return mla_attention ? mla_attention->forward(ln, ctx)
-                                                : self_attention->forward(ln, ctx);
-                         });
+                         {input_layernorm, self_attention, OffloadModule::kAttnNorm,
+                          "input_layernorm", "self_attention", "self_attn_bda"});
 }
 
 at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
-  return norm_module_bda(hidden, ctx, {pre_mlp_layernorm, OffloadModule::kMlpNorm,
-                                       "pre_mlp_layernorm", "mlp", "mlp_bda"},
-                         [&](const at::Tensor& ln) { return run_mlp(ln, ctx); });
+  return norm_module_bda(hidden, ctx, {pre_mlp_layernorm, mlp, OffloadModule::kMlpNorm,
+                                       "pre_mlp_layernorm", "mlp", "mlp_bda"});
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
   forward_counters().layer.fetch_add(1, std::memory_order_relaxed);
   return forward_mlp(forward_attention(hidden, ctx), ctx);
+}
+
+at::Tensor TransformerLayer::decode(const at::Tensor& hidden_in, DecodeState* mixer_state,
+                                    int64_t offset, const LayerContext& ctx) {
+  at::Tensor hidden = hidden_in;
+  auto [attn, attn_bias] =
+      self_attention->decode(input_layernorm->forward(hidden), mixer_state, offset, ctx);
+  hidden = hidden + (attn_bias.defined() ? attn + attn_bias : attn);
+  auto [out, out_bias] = mlp->decode(pre_mlp_layernorm->forward(hidden), nullptr, offset, ctx);
+  return hidden + (out_bias.defined() ? out + out_bias : out);
 }
 
 // ---- TransformerBlock -------------------------------------------------------------------------
@@ -245,7 +156,8 @@ void mark_on_backward(const at::Tensor& t, std::string label) {
 }
 }  // namespace
 
-TransformerBlock::TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
+TransformerBlock::TransformerBlock(const TransformerConfig& config,
+                                   const std::vector<LayerSpec>& specs, const ActivationPlan& plan,
                                    at::ScalarType dtype, TransformerConfig::StageLayers stage,
                                    bool post_process)
     : config_(config), plan_(plan), offset_(stage.offset) {
@@ -254,9 +166,10 @@ TransformerBlock::TransformerBlock(const TransformerConfig& config, const Activa
   auto list = register_module("layers", std::make_shared<LayerList>());
   for (int64_t i = 0; i < stage.count; ++i) {
     const int64_t global = stage.offset + i;
+    const auto g = static_cast<size_t>(global);
     layers.push_back(list->register_module(
-        std::to_string(i), std::make_shared<TransformerLayer>(
-                               config, plan.layers[static_cast<size_t>(global)], global + 1, dtype)));
+        std::to_string(i),
+        std::make_shared<TransformerLayer>(config, specs[g], plan.layers[g], global + 1, dtype)));
   }
   if (post_process) {
     final_layernorm = register_module("final_layernorm", std::make_shared<Norm>(config, dtype));
@@ -331,20 +244,9 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
 GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype)
     : GPTModel(config, make_activation_plan(config), dtype) {}  // validates the config
 
-GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType requested)
-    : config_(config), plan_(std::move(plan)) {
-  // The plan replaces the config's recompute and offload flags, so only the shape is checked
-  // here (a plan from make_activation_plan() was checked against the flags already).
-  config_.validate_shape();
-  check_activation_plan(config_, plan_);
-  const at::ScalarType dtype =
-      requested == at::ScalarType::Undefined ? params_dtype(config) : requested;
-  TORCH_CHECK(dtype == params_dtype(config) || (dtype == at::kDouble && !is_16bit(params_dtype(config))),
-              "actmem::GPTModel: the config's precision is ", config.precision(),
-              " (parameters in ", params_dtype(config), ") but dtype ", dtype, " was requested; "
-              "double is accepted for an fp32 config only");
-  dtype_ = dtype;
-  const int64_t h = config.hidden_size, v = config.vocab_size;
+namespace {
+// Throws unless this process's tensor, expert and pipeline groups are the config's layout.
+void check_process_groups(const TransformerConfig& config) {
   const TensorParallelGroup& tp = tensor_parallel_group();
   TORCH_CHECK(tp.size == config.tensor_model_parallel_size, "actmem::GPTModel: "
               "tensor_model_parallel_size is ", config.tensor_model_parallel_size, " but this process ",
@@ -360,53 +262,42 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
               "pipeline_model_parallel_size is ", config.pipeline_model_parallel_size, " but this "
               "process is in a pipeline of ", pp.size, pp.size == 1 ? " (run it under `actmem launch` "
               "with a multiple of tensor x pipeline parallel sizes as the number of processes)" : "");
+}
+}  // namespace
+
+GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::ScalarType requested)
+    : config_(config), plan_(std::move(plan)) {
+  // The plan replaces the config's recompute and offload flags, so only the shape is checked
+  // here (a plan from make_activation_plan() was checked against the flags already).
+  config_.validate_shape();
+  check_activation_plan(config_, plan_);
+  dtype_ = requested == at::ScalarType::Undefined ? params_dtype(config) : requested;
+  TORCH_CHECK(dtype_ == params_dtype(config) ||
+                  (dtype_ == at::kDouble && !is_16bit(params_dtype(config))),
+              "actmem::GPTModel: the config's precision is ", config.precision(),
+              " (parameters in ", params_dtype(config), ") but dtype ", dtype_, " was requested; "
+              "double is accepted for an fp32 config only");
+  check_process_groups(config);
+  const TensorParallelGroup& pp = pipeline_parallel_group();
   for (int64_t chunk = 0; chunk < config.virtual_pipeline_size(); ++chunk) {
     chunks_.push_back(config.model_chunk_layers(pp.rank, chunk));
   }
   pre_process_ = pp.rank == 0;
   post_process_ = pp.rank == pp.size - 1;
-  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(config.seed);
-  t_init_gen = &gen;
-  struct Reset {
-    ~Reset() { t_init_gen = nullptr; }
-  } reset;
-
-  const double std = config.init_method_std;
-  // Megatron's output_layer_init_method: std / sqrt(2 * num_layers) for the residual projections.
-  const double scaled_std = std / std::sqrt(2.0 * static_cast<double>(config.num_layers));
-
+  const std::vector<LayerSpec> specs = layer_specs(config);
   // Note [Pipeline stages draw the whole model]
   // Every stage draws every weight in the single-process order and keeps its own (the layers of
   // other stages are built, drawn and dropped one at a time), so a model split into p stages is
   // the same function for every p: runs compare across layouts and a stage's weights do not
   // depend on the split. (Megatron initialises each stage from seed + 100 * pipeline rank.)
-  const at::Tensor word = init_normal({v, h}, std, dtype);
-  const at::Tensor positions = config.learned_positions()
-                                   ? init_normal({config.max_positions(), h}, std, dtype)
-                                   : at::Tensor();
-  if (pre_process_) {
-    auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
-    word_embeddings =
-        embedding->register_module("word_embeddings", std::make_shared<WeightHolder>(word))->weight;
-    if (positions.defined()) {
-      position_embeddings =
-          embedding->register_module("position_embeddings", std::make_shared<WeightHolder>(positions))
-              ->weight;
-    }
-  }
-  // The RoPE tables: MLA's attention rotates its own decoupled part (Note [MLA's RoPE]) and
-  // Megatron's GPTModel builds no model-level RoPE for it (learned absolute positions still
-  // apply unless --position-embedding-type rope); standard attention's with rope.
-  if (config.multi_latent_attention) {
-    rope_ = std::make_unique<RotaryEmbedding>(RotaryEmbedding::for_mla(config, dtype));
-  } else if (config.use_rope()) {
-    rope_ = std::make_unique<RotaryEmbedding>(config, dtype);
-  }
-  if (rope_) {
-    auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
-    rope_->cos = holder->register_buffer("cos", rope_->cos);
-    rope_->sin = holder->register_buffer("sin", rope_->sin);
-  }
+  WeightInit init(config, dtype_);
+  const at::Tensor word = init.normal({config.vocab_size, config.hidden_size}, init.std());
+  const at::Tensor positions =
+      config.learned_positions()
+          ? init.normal({config.max_positions(), config.hidden_size}, init.std())
+          : at::Tensor();
+  if (pre_process_) build_embedding(word, positions);
+  build_rotary_tables(specs);
   causal_mask_ = make_causal_mask(config.max_positions());
   // One TransformerBlock per model chunk (Megatron builds one model per virtual stage); the
   // final norm belongs to the last chunk of the last stage.
@@ -414,114 +305,63 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     const bool last_chunk = chunk + 1 == chunks_.size();
     decoders_.push_back(register_module(
         chunk == 0 ? std::string("decoder") : "decoder_vp" + std::to_string(chunk),
-        std::make_shared<TransformerBlock>(config, plan_, dtype, chunks_[chunk],
+        std::make_shared<TransformerBlock>(config, specs, plan_, dtype_, chunks_[chunk],
                                            post_process_ && last_chunk)));
   }
   decoder = decoders_.front();
-  {
-    // Every rank draws the full (t = 1) weights in the same order and keeps its slice, so a
-    // tensor-parallel model computes the same function as the single-process one (Megatron's
-    // _initialize_affine_weight_cpu).
-    at::NoGradGuard no_grad;
-    const int r = tp.rank, t = tp.size;
-    const int64_t f = config.ffn();
-    auto rows = [&](const at::Tensor& full) { return full.chunk(t, 0)[r]; };
-    auto cols = [&](const at::Tensor& full) { return full.chunk(t, 1)[r]; };
-    // A tensor rank's slice of a weight whose rows are sections, each split over the ranks
-    // (GatedDeltaNet's in_proj and conv1d: Megatron's per-rank [q | k | v | z | beta | alpha]).
-    auto section_rows = [&](const at::Tensor& full, const std::vector<int64_t>& sections) {
-      if (t == 1) return full;
-      std::vector<at::Tensor> mine;
-      for (const at::Tensor& part : full.split_with_sizes(sections, 0)) mine.push_back(rows(part));
-      return at::cat(mine, 0);
-    };
-    auto init_layer = [&](TransformerLayer* layer) {
-      if (GatedDeltaNet* gdn = layer->gdn_attention.get()) {
-        // Megatron's order: in_proj, conv1d (nn.Conv1d's default: uniform +-1/sqrt(K)), A_log =
-        // log(uniform(1, 16)) (A_init_range), out_proj; dt_bias ones and out_norm's weight ones
-        // as constructed.
-        std::vector<int64_t> sections;
-        for (const int64_t n : gdn->in_proj_sections()) sections.push_back(n * t);
-        gdn->in_proj->weight.copy_(
-            section_rows(init_normal({gdn->in_proj->weight.size(0) * t, h}, std, dtype), sections));
-        const int64_t K = gdn->conv1d_weight.size(2);
-        const double bound = 1.0 / std::sqrt(static_cast<double>(K));
-        gdn->conv1d_weight.copy_(
-            section_rows(init_uniform({gdn->conv1d_weight.size(0) * t, 1, K}, -bound, bound, dtype),
-                         {sections[0], sections[1], sections[2]}));
-        gdn->A_log.copy_(
-            rows(init_uniform({gdn->A_log.size(0) * t}, 1.0, 16.0, compute_dtype(dtype))
-                     .log()
-                     .to(dtype)));
-        gdn->out_proj->weight.copy_(
-            cols(init_normal({h, gdn->out_proj->weight.size(1) * t}, scaled_std, dtype)));
-      } else if (MLASelfAttention* mla = layer->mla_attention.get()) {
-        // Megatron's construction order: linear_proj, the query projection(s), kv down and up.
-        // The whole weights are drawn; a rank keeps its heads (Note [MLA under tensor
-        // parallelism] in attention.cpp): rows of the up projections, columns of linear_proj.
-        auto draw = [&](Linear& l, double sd) {
-          l.weight.copy_(init_normal(l.weight.sizes(), sd, dtype));
-        };
-        auto draw_rows = [&](Linear& l, double sd) {
-          l.weight.copy_(rows(init_normal({l.weight.size(0) * t, l.weight.size(1)}, sd, dtype)));
-        };
-        mla->linear_proj->weight.copy_(
-            cols(init_normal({h, mla->linear_proj->weight.size(1) * t}, scaled_std, dtype)));
-        if (mla->linear_q_proj) {
-          draw_rows(*mla->linear_q_proj, std);
-        } else {
-          draw(*mla->linear_q_down_proj, std);
-          draw_rows(*mla->linear_q_up_proj, std);
-        }
-        draw(*mla->linear_kv_down_proj, std);
-        draw_rows(*mla->linear_kv_up_proj, std);
-      } else {
-        // With the output gate each group's rows also hold its gate heads (split_gated_qkv);
-        // ranks still take whole groups.
-        const int64_t qkv_rows =
-            (config.num_attention_heads * (config.attention_output_gate ? 2 : 1) +
-             2 * config.query_groups()) *
-            config.kv_channels();
-        layer->self_attention->linear_qkv->weight.copy_(
-            rows(init_normal({qkv_rows, h}, std, dtype)));
-        layer->self_attention->linear_proj->weight.copy_(
-            cols(init_normal({h, config.query_projection_size()}, scaled_std, dtype)));
-      }
-      if (layer->moe) {
-        init_moe_layer(*layer->moe, config, std, scaled_std, dtype);
-        return;
-      }
-      layer->mlp->linear_fc1->weight.copy_(fc1_slice(
-          init_normal({config.gated_linear_unit ? 2 * f : f, h}, std, dtype), config.gated_linear_unit));
-      layer->mlp->linear_fc2->weight.copy_(fc2_slice(init_normal({h, f}, scaled_std, dtype)));
-    };
-    for (int64_t i = 0; i < config.num_layers; ++i) {
-      const auto mine = std::find_if(chunks_.begin(), chunks_.end(),
-                                     [i](const TransformerConfig::StageLayers& l) { return l.contains(i); });
-      if (mine != chunks_.end()) {
-        const auto& block = decoders_[static_cast<size_t>(mine - chunks_.begin())];
-        init_layer(block->layers[static_cast<size_t>(i - mine->offset)].get());
-      } else {  // another stage's layer: drawn to keep the order, then dropped
-        TransformerLayer other(config, plan_.layers[static_cast<size_t>(i)], i + 1, dtype);
-        init_layer(&other);
-      }
+  init_layers(specs, init);
+  for (const auto& layer : all_layers()) {
+    layer->self_attention->bind_stats(moe_stats_);
+    layer->mlp->bind_stats(moe_stats_);
+  }
+  if (post_process_) build_output_layer(word, init);
+}
+
+void GPTModel::build_embedding(const at::Tensor& word, const at::Tensor& positions) {
+  auto embedding = register_module("embedding", std::make_shared<torch::nn::Module>());
+  word_embeddings =
+      embedding->register_module("word_embeddings", std::make_shared<WeightHolder>(word))->weight;
+  if (positions.defined()) {
+    position_embeddings =
+        embedding->register_module("position_embeddings", std::make_shared<WeightHolder>(positions))
+            ->weight;
+  }
+}
+
+void GPTModel::build_rotary_tables(const std::vector<LayerSpec>& specs) {
+  // The layers' mixers read one set of tables (MLA's decoupled ones, or standard attention's
+  // with rope; Megatron's GPTModel builds none for MLA).
+  for (const LayerSpec& spec : specs) {
+    if (!rope_) rope_ = spec.mixer->rotary_tables(config_, dtype_);
+  }
+  if (!rope_) return;
+  auto holder = register_module("rotary_pos_emb", std::make_shared<torch::nn::Module>());
+  rope_->cos = holder->register_buffer("cos", rope_->cos);
+  rope_->sin = holder->register_buffer("sin", rope_->sin);
+}
+
+void GPTModel::init_layers(const std::vector<LayerSpec>& specs, WeightInit& init) {
+  // Every rank draws the full (t = 1) weights in the same order and keeps its slice (Note [One
+  // sequence of draws] in weight_init.h).
+  for (int64_t i = 0; i < config_.num_layers; ++i) {
+    const auto mine = std::find_if(chunks_.begin(), chunks_.end(),
+                                   [i](const TransformerConfig::StageLayers& l) { return l.contains(i); });
+    if (mine != chunks_.end()) {
+      const auto& block = decoders_[static_cast<size_t>(mine - chunks_.begin())];
+      block->layers[static_cast<size_t>(i - mine->offset)]->init_weights(init);
+    } else {  // another stage's layer: drawn to keep the order, then dropped
+      const auto g = static_cast<size_t>(i);
+      TransformerLayer(config_, specs[g], plan_.layers[g], i + 1, dtype_).init_weights(init);
     }
   }
-  for (const auto& layer : all_layers()) {
-    if (!layer->moe) continue;
-    MoEStats::Layer stats;
-    stats.layer_number = layer->layer_number();
-    moe_stats_.layers.push_back(std::move(stats));
-  }
-  size_t next_moe = 0;  // the vector is complete: its elements stay where they are
-  for (const auto& layer : all_layers()) {
-    if (layer->moe) layer->moe->set_stats(&moe_stats_.layers[next_moe++]);
-  }
-  if (!post_process_) return;
-  if (config.untie_embeddings_and_output_weights) {
-    output_weight = register_module("output_layer",
-                                    std::make_shared<WeightHolder>(init_normal({v, h}, std, dtype)))
-                        ->weight;
+}
+
+void GPTModel::build_output_layer(const at::Tensor& word, WeightInit& init) {
+  const int64_t h = config_.hidden_size, v = config_.vocab_size;
+  if (config_.untie_embeddings_and_output_weights) {
+    output_weight =
+        register_module("output_layer", std::make_shared<WeightHolder>(init.normal({v, h}, init.std())))
+            ->weight;
   } else if (pre_process_) {
     output_weight = word_embeddings;
   } else {
@@ -543,7 +383,8 @@ void GPTModel::set_checkpoint_every_layer(bool on) {
 
 void GPTModel::set_moe_aux_loss_scale(double scale) {
   for (const auto& layer : all_layers()) {
-    if (layer->moe) layer->moe->set_aux_loss_scale(scale);
+    layer->self_attention->set_aux_loss_scale(scale);
+    layer->mlp->set_aux_loss_scale(scale);
   }
 }
 

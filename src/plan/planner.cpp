@@ -6,6 +6,7 @@
 #include "actmem/config/activation_plan.h"
 #include "actmem/base/environment.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/base/output_file.h"
 #include "actmem/base/report.h"
 #include "actmem/train/step_rounds.h"

@@ -11,50 +11,33 @@
 
 namespace actmem {
 
-namespace {
-// The per-head widths of the cached keys and values: the head dimension, or for MLA the
-// up-projected keys (qk_head_dim + qk_pos_emb_head_dim) and values (v_head_dim).
-std::pair<int64_t, int64_t> cached_head_dims(const TransformerConfig& c) {
-  if (c.multi_latent_attention) return {c.mla_q_head_dim(), c.v_head_dim};
-  return {c.kv_channels(), c.kv_channels()};
-}
-}  // namespace
-
-KVCache::KVCache(GPTModel& model)
-    : model_(model),
-      capacity_(model.config().max_positions()),
-      heads_(model.config().num_attention_heads),
-      kv_heads_(model.config().multi_latent_attention ? model.config().num_attention_heads
-                                                      : model.config().query_groups()),
-      key_dim_(cached_head_dims(model.config()).first),
-      value_dim_(cached_head_dims(model.config()).second) {
+KVCache::KVCache(GPTModel& model) : model_(model), capacity_(model.config().max_positions()) {
   TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
               "on one process; the model has tensor_model_parallel_size ",
               model.config().tensor_model_parallel_size);
-  TORCH_CHECK(!model.config().gated_delta_net(),
-              "actmem::KVCache: generation with "
-              "GatedDeltaNet layers (their recurrent state instead of a key/value cache) is not "
-              "implemented");
   const auto opts = model.word_embeddings.options().requires_grad(false);
-  for (size_t i = 0; i < model.decoder->layers.size(); ++i) {
-    keys_.push_back(at::empty({capacity_, kv_heads_, key_dim_}, opts));
-    values_.push_back(at::empty({capacity_, kv_heads_, value_dim_}, opts));
+  for (const auto& layer : model.decoder->layers) {
+    states_.push_back(layer->self_attention->make_decode_state(capacity_, opts));
   }
 }
 
+KVCache::~KVCache() = default;
+
 int64_t KVCache::bytes() const {
   int64_t n = 0;
-  for (size_t i = 0; i < keys_.size(); ++i) n += keys_[i].nbytes() + values_[i].nbytes();
+  for (const auto& state : states_) n += state ? state->bytes() : 0;
   return n;
 }
 
 int64_t KVCache::bytes_for(const GPTModel& model) {
-  const auto& c = model.config();
-  // Keys and values of every layer: [max_positions, key/value heads, key / value head dim].
-  const auto [key, value] = cached_head_dims(c);
-  const int64_t kv_heads = c.multi_latent_attention ? c.num_attention_heads : c.query_groups();
-  return static_cast<int64_t>(model.decoder->layers.size()) * c.max_positions() * kv_heads *
-         (key + value) * static_cast<int64_t>(model.word_embeddings.element_size());
+  // Every layer's mixer state at full capacity, as make_decode_state sizes it.
+  const TransformerConfig& c = model.config();
+  const int64_t element = static_cast<int64_t>(model.word_embeddings.element_size());
+  int64_t n = 0;
+  for (const auto& layer : model.decoder->layers) {
+    n += layer->spec().mixer->decode_state_bytes(c, c.max_positions(), element);
+  }
+  return n;
 }
 
 at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
@@ -72,61 +55,20 @@ at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   model_.eval();
   const at::Device device = model_.word_embeddings.device();
   const at::Tensor ids = at::tensor(tokens, at::kLong).to(device);
-  const int64_t p0 = length_, total = p0 + n;
+  const int64_t p0 = length_;
   // Embedding, as GPTModel::embed for positions [p0, p0 + n): [n, 1, h].
   at::Tensor hidden = at::embedding(model_.word_embeddings, ids);
   if (model_.position_embeddings.defined()) {
     hidden = hidden + model_.position_embeddings.narrow(0, p0, n);
   }
   hidden = hidden.unsqueeze(1);
-  // Query i (position p0 + i) sees keys 0..p0 + i: mask the keys after it.
-  const at::Tensor key_pos = at::arange(total, at::TensorOptions().dtype(at::kLong).device(device));
-  const at::Tensor query_pos = at::arange(p0, total, at::TensorOptions().dtype(at::kLong).device(device));
-  const at::Tensor masked = key_pos.unsqueeze(0) > query_pos.unsqueeze(1);  // [n, total]
-  const double plain_scale = 1.0 / std::sqrt(static_cast<double>(key_dim_));
-  const bool fp32_softmax = cfg.attention_softmax_in_fp32 && is_16bit(hidden.scalar_type());
+  const LayerContext ctx{model_.rope(), model_.attention_mask(), nullptr};
   for (size_t l = 0; l < model_.decoder->layers.size(); ++l) {
-    auto& layer = *model_.decoder->layers[l];
-    const at::Tensor ln = layer.input_layernorm->forward(hidden);
-    at::Tensor q, k, v, gate;
-    double scale = plain_scale;
-    if (layer.mla_attention) {
-      // MLA rotates its decoupled part inside the projection.
-      std::tie(q, k, v) = layer.mla_attention->project(ln, *model_.rope(), p0);
-      scale = layer.mla_attention->softmax_scale();
-    } else {
-      // Megatron's layout, q/k norms, RoPE from position p0.
-      const SelfAttention::Projected p = layer.self_attention->project(ln, model_.rope(), p0);
-      std::tie(q, k, v, gate) = std::tie(p.q, p.k, p.v, p.gate);
-    }
-    keys_[l].narrow(0, p0, n).copy_(k.squeeze(1));
-    values_[l].narrow(0, p0, n).copy_(v.squeeze(1));
-    // The cache keeps G key/value heads; each serves its group's a/G query heads.
-    const at::Tensor kk = expand_kv_heads(keys_[l].narrow(0, 0, total).unsqueeze(1), heads_)
-                              .squeeze(1)
-                              .permute({1, 2, 0});  // [a, d, T]
-    const at::Tensor vv = expand_kv_heads(values_[l].narrow(0, 0, total).unsqueeze(1), heads_)
-                              .squeeze(1)
-                              .transpose(0, 1);                              // [a, T, d]
-    at::Tensor scores = at::bmm(q.squeeze(1).transpose(0, 1), kk);           // [a, n, T]
-    scores.mul_(scale);
-    scores.masked_fill_(masked.unsqueeze(0), -10000.0);  // Megatron's attention_mask_func value
-    const at::Tensor probs = fp32_softmax ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
-                                          : at::softmax(scores, -1);
-    at::Tensor context =
-        at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads_ * value_dim_});  // [n, 1, a*dv]
-    if (gate.defined()) context = apply_output_gate(context, gate);
-    Linear& proj = layer.mla_attention ? *layer.mla_attention->linear_proj
-                                       : *layer.self_attention->linear_proj;
-    auto [attn, attn_bias] = proj.forward(context);
-    hidden = hidden + (attn_bias.defined() ? attn + attn_bias : attn);
-    const at::Tensor ln2 = layer.pre_mlp_layernorm->forward(hidden);
-    auto [mlp, mlp_bias] = layer.moe ? layer.moe->forward(ln2, nullptr) : layer.mlp->forward(ln2);
-    hidden = hidden + (mlp_bias.defined() ? mlp + mlp_bias : mlp);
+    hidden = model_.decoder->layers[l]->decode(hidden, states_[l].get(), p0, ctx);
   }
   hidden = model_.decoder->final_layernorm->forward(hidden);
   const at::Tensor logits = at::matmul(hidden.squeeze(1), model_.output_weight.t());  // [n, v]
-  length_ = total;
+  length_ = p0 + n;
   if (was_training) model_.train();
   return logits.to(at::kFloat);
 }

@@ -8,6 +8,7 @@
 #include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/parallel/grad_reducer.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/train/mixed_precision.h"
 #include "actmem/train/schedules.h"
 #include "actmem/train/training_setup.h"
@@ -482,7 +483,7 @@ class Trainer::StepObserver : public ScheduleObserver {
     const int64_t peak = t_.memory_.peak_bytes();
     st_.activation_bytes = std::max(st_.activation_bytes, after_forward_ - before_);
     if (t_.prediction_->routing_dependent) {
-      // Exact given each micro-batch's routing (memory_model.h): the largest over the step's
+      // Exact given each micro-batch's routing (moe_rows.h): the largest over the step's
       // micro-batches, as activation_bytes is.
       const MoERouting routing = t_.model_->moe_stats().last_routing();
       st_.predicted_activation_bytes = std::max(

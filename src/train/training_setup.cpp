@@ -4,6 +4,7 @@
 #include "actmem/base/report.h"
 #include "actmem/data/gpt_dataset.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/memory/memory_tracker.h"
 #include "actmem/model/model.h"
 #include "actmem/parallel/pipeline.h"

@@ -154,6 +154,13 @@ struct LayerPlan {
   std::array<bool, kRecomputeModuleNames.size()> recompute_module{};
   bool recomputes(RecomputeModule m) const { return recompute_module[static_cast<size_t>(m)]; }
   bool recomputes_any() const;
+  /// The same layer keeping everything: its kinds (moe, gdn), no recompute, offload or chunk.
+  LayerPlan keeping_everything() const {
+    LayerPlan kept;
+    kept.moe = moe;
+    kept.gdn = gdn;
+    return kept;
+  }
   // Offload.
   bool offload_layer = false;  // layer-level: everything the layer saves goes to the host
   /// Layer-level offload is on for the model: the layer opens a layer group even when it does

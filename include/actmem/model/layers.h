@@ -1,6 +1,7 @@
 // layers.h — the building blocks of the model layer: norms, tensor-parallel linears, dropout, the
-// MLP, the precision helpers and the forward counters. Attention (attention.h), mixture of
-// experts (moe.h) and the GPT model (model.h) are built from these; none of them is included here.
+// precision helpers and the forward counters. The layer parts (layer_part.h: attention, MLA,
+// Gated DeltaNet, the MLP, mixture of experts) and the GPT model (model.h) are built from these;
+// none of them is included here.
 #pragma once
 
 #include "actmem/config/config.h"
@@ -52,7 +53,7 @@ struct ParameterAttributes {
   /// parameter below an Experts module).
   bool expert_parallel = false;
   /// Replicated, but each tensor-parallel rank's gradient covers its own heads only
-  /// (GatedDeltaNet's out_norm): summed over the tensor-parallel ranks after backward, with or
+  /// (a norm shared by the heads): summed over the tensor-parallel ranks after backward, with or
   /// without sequence parallelism.
   bool partial_over_heads = false;
 };
@@ -115,23 +116,6 @@ class Linear : public torch::nn::Module, public DeclaresParameters {
  private:
   bool skip_bias_add_;
   LinearParallel parallel_;
-  bool sequence_parallel_;
-};
-
-class MLP : public torch::nn::Module, public DeclaresParameters {
- public:
-  MLP(const TransformerConfig& config, at::ScalarType dtype);
-  /// x: [s, b, h] -> (output [s, b, h], linear_fc2 bias or undefined)
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x);
-  /// Its linears declare their own; the MoE layer registers the shared experts' gate_weight
-  /// here (Megatron's name mlp.shared_experts.gate_weight): replicated, reading this rank's
-  /// tokens.
-  std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
-  std::shared_ptr<Linear> linear_fc1;
-  std::shared_ptr<Linear> linear_fc2;
-
- private:
-  bool gated_;
   bool sequence_parallel_;
 };
 

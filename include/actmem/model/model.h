@@ -16,10 +16,11 @@
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
-#include "actmem/model/attention.h"
-#include "actmem/model/gated_delta_net.h"
+#include "actmem/model/attention/attention.h"
+#include "actmem/model/layer_part.h"
+#include "actmem/model/layer_spec.h"
 #include "actmem/model/layers.h"
-#include "actmem/model/moe.h"
+#include "actmem/model/moe/moe.h"
 
 #include <torch/nn/module.h>
 
@@ -33,21 +34,35 @@ namespace actmem {
 
 class ActivationOffloader;
 
+/// A transformer layer built from its spec (layer_spec.h): input_layernorm -> the mixer part
+/// (self_attention) -> bias-dropout-add -> pre_mlp_layernorm -> the MLP part (mlp) ->
+/// bias-dropout-add, as Megatron's TransformerLayer from its TransformerLayerSubmodules.
 class TransformerLayer : public torch::nn::Module {
  public:
-  TransformerLayer(const TransformerConfig& config, const LayerPlan& plan, int64_t layer_number,
-                   at::ScalarType dtype);
+  TransformerLayer(const TransformerConfig& config, const LayerSpec& spec, const LayerPlan& plan,
+                   int64_t layer_number, at::ScalarType dtype);
   /// hidden: [s, b, h] -> [s, b, h]
   at::Tensor forward(const at::Tensor& hidden, const LayerContext& ctx);
+  /// Generation: positions [offset, offset + n) of hidden [n, 1, h], the mixer's state
+  /// (PartModule::make_decode_state) extended with them.
+  at::Tensor decode(const at::Tensor& hidden, DecodeState* mixer_state, int64_t offset,
+                    const LayerContext& ctx);
+  /// Draws the parts' weights in the single-process order: the mixer's, then the MLP's.
+  void init_weights(WeightInit& init);
   int64_t layer_number() const { return layer_number_; }  // 1-based, as in Megatron
+  const LayerSpec& spec() const { return spec_; }
+
+  /// The mixer's and the MLP's module as the kind's module class T, or null when the part is of
+  /// another kind.
+  template <class T>
+  T* mixer_as() const { return dynamic_cast<T*>(self_attention.get()); }
+  template <class T>
+  T* mlp_as() const { return dynamic_cast<T*>(mlp.get()); }
 
   std::shared_ptr<Norm> input_layernorm;
-  std::shared_ptr<SelfAttention> self_attention;   // standard attention
-  std::shared_ptr<MLASelfAttention> mla_attention;  // MLA (registered as "self_attention")
-  std::shared_ptr<GatedDeltaNet> gdn_attention;     // GDN layers (registered as "self_attention")
+  std::shared_ptr<PartModule> self_attention;  // the mixer part
   std::shared_ptr<Norm> pre_mlp_layernorm;
-  std::shared_ptr<MLP> mlp;      // dense layers
-  std::shared_ptr<MoELayer> moe;  // MoE layers (registered as "mlp", as in Megatron)
+  std::shared_ptr<PartModule> mlp;  // the MLP part
 
  private:
   // Megatron's _forward_attention and _forward_mlp: norm, module, bias-dropout-add.
@@ -55,17 +70,15 @@ class TransformerLayer : public torch::nn::Module {
   at::Tensor forward_mlp(const at::Tensor& hidden, const LayerContext& ctx);
   struct HalfLayer {
     std::shared_ptr<Norm> norm;
+    std::shared_ptr<PartModule> part;
     OffloadModule group;  // the norm's fine-grained offload group
     const char* norm_name;
     const char* module_name;
     const char* bda_name;
   };
-  using ModuleFn = std::function<std::pair<at::Tensor, at::Tensor>(const at::Tensor&)>;
   at::Tensor norm_module_bda(const at::Tensor& hidden, const LayerContext& ctx,
-                             const HalfLayer& half, const ModuleFn& module);
-  // The MLP itself, in a checkpoint under selective "mlp" (or the MoE layer, which runs its own
-  // recompute); returns its output and fc2's bias.
-  std::pair<at::Tensor, at::Tensor> run_mlp(const at::Tensor& x, const LayerContext& ctx);
+                             const HalfLayer& half);
+  LayerSpec spec_;
   int64_t layer_number_;
   double hidden_dropout_;
   LayerPlan plan_;
@@ -74,9 +87,11 @@ class TransformerLayer : public torch::nn::Module {
 class TransformerBlock : public torch::nn::Module {
  public:
   /// The layers of `stage` (this pipeline stage's; all of them without pipeline parallelism)
-  /// and, with post_process (the last stage), the final norm. `plan` covers the whole model.
-  TransformerBlock(const TransformerConfig& config, const ActivationPlan& plan,
-                   at::ScalarType dtype, TransformerConfig::StageLayers stage, bool post_process);
+  /// and, with post_process (the last stage), the final norm. `specs` and `plan` cover the whole
+  /// model.
+  TransformerBlock(const TransformerConfig& config, const std::vector<LayerSpec>& specs,
+                   const ActivationPlan& plan, at::ScalarType dtype,
+                   TransformerConfig::StageLayers stage, bool post_process);
   /// hidden: [s, b, h] -> [s, b, h], final-normed on the last stage. With full recompute
   /// (training only) the plan's chunks of this stage's layers run inside checkpoints
   /// (ActivationPlan::chunks).
@@ -152,7 +167,8 @@ class GPTModel : public torch::nn::Module {
   void set_activation_offloader(ActivationOffloader* offloader) { offloader_ = offloader; }
 
   const TransformerConfig& config() const { return config_; }
-  /// What the MoE layers measured since its last reset() (empty for a dense model).
+  /// What the MoE layers measured since its last reset() (empty for a dense model): the parts
+  /// report into it (PartModule::bind_stats).
   MoEStats& moe_stats() { return moe_stats_; }
   const MoEStats& moe_stats() const { return moe_stats_; }
   /// The backward scale of the MoE auxiliary losses (Megatron's
@@ -167,8 +183,8 @@ class GPTModel : public torch::nn::Module {
   const ActivationPlan& plan() const { return plan_; }
   /// The causal mask table shared by all layers ([1, 1, S, S] bool).
   const at::Tensor& attention_mask() const { return causal_mask_; }
-  /// The rotary tables: standard attention's with --position-embedding-type rope, MLA's
-  /// decoupled ones with --multi-latent-attention; null otherwise.
+  /// The rotary tables the layers' parts read (LayerPart::rotary_tables: standard attention's
+  /// with --position-embedding-type rope, MLA's decoupled ones); null when none does.
   const RotaryEmbedding* rope() const { return rope_.get(); }
   /// Parameters in registration order (the order of grad digests).
   std::vector<at::Tensor> ordered_parameters() const;
@@ -187,6 +203,12 @@ class GPTModel : public torch::nn::Module {
   std::shared_ptr<TransformerBlock> decoder;  // model chunk 0's (the whole stage without interleaving)
 
  private:
+  // The construction's steps, in the draws' order (Note [One sequence of draws] in
+  // weight_init.h).
+  void build_embedding(const at::Tensor& word, const at::Tensor& positions);
+  void build_rotary_tables(const std::vector<LayerSpec>& specs);
+  void init_layers(const std::vector<LayerSpec>& specs, WeightInit& init);
+  void build_output_layer(const at::Tensor& word, WeightInit& init);
   /// tokens [b, s] -> embeddings [s, b, h], before dropout
   at::Tensor embed(const at::Tensor& tokens);
   // The three parts of a forward: embedding (with its dropout), the decoder's layers, the output

@@ -23,6 +23,7 @@
 #pragma once
 
 #include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/plan/planner.h"
 
 #include <nlohmann/json_fwd.hpp>

@@ -6,7 +6,7 @@
 // accepts, so nothing it proposes is refused by train, and every one is bitwise exact (the
 // mechanisms are; the verify step checks it again). For each strategy it predicts
 //   device peak = static bytes (parameters, gradients, optimizer state: measured before a forward)
-//               + kept bytes (the exact predictor, memory_model.h, for the whole model)
+//               + kept bytes (the exact predictor, activation_bytes.h, for the whole model)
 //               + backward transient (measured on a truncated copy of the model: see below),
 // and a step-time ratio to the plain step, 1 + the sum of the measured extra time of each
 // mechanism the strategy uses (a recompute module, a full-recompute layer, an offload group),

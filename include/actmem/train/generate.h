@@ -6,10 +6,12 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 namespace actmem {
 
+class DecodeState;
 class GPTModel;
 
 /// Feeds tokens through `model` (eval mode, one sequence, tensor-parallel size 1), keeping every
@@ -19,13 +21,16 @@ class GPTModel;
 /// summation order (tests compare them).
 class KVCache {
  public:
+  /// Throws for a model whose mixers cannot decode incrementally (PartModule::make_decode_state).
   explicit KVCache(GPTModel& model);
+  ~KVCache();
   /// Appends `tokens` and returns the logits of each appended position, [n, vocab] (fp32).
   at::Tensor feed(const std::vector<int64_t>& tokens);
   int64_t length() const { return length_; }
   /// The positions the model has (max_position_embeddings): the cache's capacity.
   int64_t capacity() const { return capacity_; }
-  /// Bytes of the key and value tensors this cache holds (all layers, full capacity).
+  /// Bytes of the mixers' states this cache holds (the attentions' keys and values, all layers,
+  /// full capacity).
   int64_t bytes() const;
   /// What a cache of `model` holds, without allocating one.
   static int64_t bytes_for(const GPTModel& model);
@@ -33,10 +38,10 @@ class KVCache {
 
  private:
   GPTModel& model_;
-  // Query heads, cached key/value heads (the groups of grouped-query attention; MLA caches its
-  // up-projected per-head keys), and the per-head widths of cached keys and values.
-  int64_t capacity_, heads_, kv_heads_, key_dim_, value_dim_;
-  std::vector<at::Tensor> keys_, values_;  // per layer [capacity, a, d]
+  int64_t capacity_;
+  // Per layer, its mixer's state (PartModule::make_decode_state): the attentions' keys and
+  // values of G heads (MLA caches its up-projected per-head keys and values).
+  std::vector<std::unique_ptr<DecodeState>> states_;
   int64_t length_ = 0;
 };
 

@@ -9,9 +9,9 @@ namespace actmem {
 
 /// Megatron's num_floating_point_operations(args, batch_size) for a transformer
 /// (megatron/training/training.py, transformer_flops): the forward and backward GEMM FLOPs of
-/// `global_batch` samples of seq_length tokens — attention projections (multi-latent attention's
-/// own, GatedDeltaNet's for its layers), the causal attention core, the dense MLPs, the MoE
-/// layers' routed top-k and shared experts, and the logits over the padded vocabulary. Activation
+/// `global_batch` samples of seq_length tokens — each layer's parts' terms (LayerPart::
+/// megatron_flops: the mixers' projections and causal cores, the MLPs, the MoE layers' top-k
+/// and shared experts) and the logits over the padded vocabulary. Activation
 /// recompute is not counted (the "model" FLOPs): the same number whatever the plan.
 double megatron_model_flops(const TransformerConfig& c, int64_t global_batch);
 

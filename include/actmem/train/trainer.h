@@ -76,7 +76,7 @@ struct IterationStats {
   int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
   int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max;
                                       // with pipeline parallelism over the whole schedule)
-  int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (memory_model.h)
+  int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (activation_bytes.h)
   /// The most activation bytes held at once (at the end of a forward, every micro-batch in
   /// flight counted): activation_bytes without pipeline parallelism; under 1F1B up to
   /// min(p - stage, micro-batches) micro-batches (Note [Pipeline step] in schedules.cpp).

@@ -19,7 +19,8 @@
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
-#include "actmem/memory/memory_model.h"
+#include "actmem/model/moe/moe_rows.h"
+#include "actmem/model/layer_part.h"
 #include "actmem/model/layers.h"
 
 #include <torch/nn/module.h>
@@ -40,7 +41,7 @@ struct MoEStats {
   struct Layer {
     int64_t layer_number = 0;  // 1-based, as Megatron's logs
     /// Rows each of this rank's experts computed in the first training forward since reset():
-    /// the routing the exact predictor takes for this layer (memory_model.h).
+    /// the routing the exact predictor takes for this layer (moe_rows.h).
     std::vector<int64_t> tokens_per_expert;
     /// Rows this rank's router sent to the experts in that forward (differs from the sum of
     /// tokens_per_expert only with expert parallelism, whose experts compute every rank's rows).
@@ -166,17 +167,26 @@ class Experts : public torch::nn::Module {
   LayerPlan plan_;
 };
 
-/// Megatron's MoELayer: router, token dispatch, experts, combine and shared experts.
-class MoELayer : public torch::nn::Module {
+/// Megatron's MoELayer: router, token dispatch, experts, combine and shared experts. The MLP
+/// part "moe".
+class MoELayer : public PartModule {
  public:
   MoELayer(const TransformerConfig& config, const LayerPlan& plan, int64_t layer_number,
            at::ScalarType dtype);
   /// x: [s, b, h] (the pre-MLP norm's output) -> (output [s, b, h], undefined bias), as an MLP.
   std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, ActivationOffloader* offloader);
-  /// Where the layer reports its routing and losses, and the aux losses' backward scale; set by
-  /// GPTModel before each forward.
-  void set_stats(MoEStats::Layer* stats) { stats_ = stats; }
-  void set_aux_loss_scale(double scale) { aux_scale_ = scale; }
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx) override {
+    return forward(x, ctx.offloader);
+  }
+  /// The router, then every expert in order (fc1 then fc2 of each: every expert-parallel rank
+  /// draws all E and keeps its own E/e, and of them its tensor rank's slice), then the shared
+  /// experts (fc1, fc2, gate); the fc2 layers at the residual projections' std, as Megatron's
+  /// MLP.
+  void init_weights(WeightInit& init) override;
+  /// Appends this layer's entry to `stats`, where each forward reports its routing and losses.
+  void bind_stats(MoEStats& stats) override;
+  /// The aux losses' backward scale; set by GPTModel before each step.
+  void set_aux_loss_scale(double scale) override { aux_scale_ = scale; }
   int64_t layer_number() const { return layer_number_; }
 
   std::shared_ptr<TopKRouter> router;
@@ -190,8 +200,38 @@ class MoELayer : public torch::nn::Module {
   TransformerConfig config_;
   LayerPlan plan_;
   int64_t layer_number_;
-  MoEStats::Layer* stats_ = nullptr;
+  // This layer's entry of the model's MoEStats (an index: the vector may grow while the layers
+  // bind).
+  MoEStats::Layer* stats() const { return stats_ == nullptr ? nullptr : &stats_->layers[stats_index_]; }
+  MoEStats* stats_ = nullptr;
+  size_t stats_index_ = 0;
   double aux_scale_ = 1.0;
 };
+
+/// One MoE layer's activation bytes for one micro-batch at 16 bits (fp32 router scores, 8-byte
+/// indices), per tensor-parallel rank with sequence parallelism (Megatron requires it for MoE
+/// with t > 1; the all-gather dispatcher gives every rank all N rows, each expert's columns split
+/// t ways). Megatron's theoretical_memory_usage counts every layer as dense (Megatron-LM's known
+/// gap); these are the terms of Note [What an MoE layer saves] in moe_part.cpp, which the
+/// exact predictor checks against the tracker:
+///   router   (input 2sbh + top-k indices 8sbk + top-k softmax 4sbk + load-balancing scores
+///            4sbE + counts 4E + z-loss logits 4sbE + logsumexp 4sb + capacity mask sbE) / t
+///   dispatch index vectors 16N, permuted probabilities 2N, permuted tokens 2Nh
+///   experts  GeLU 6Nf (fc1 output, GeLU output, fc2 input), SwiGLU 10Nf, over t
+///   shared   GeLU 4sb*fs, SwiGLU 8sb*fs, over t
+/// with N = sbk dropless, E*min(capacity, sb) padded, at most min(sbk, E*capacity) otherwise
+/// (taken as that bound). `layer` is the whole layer: the attention half as the paper's
+/// sbh(13 + 5as/h) (13sbh with selective core_attn recompute), the pre-MLP norm 2sbh and the
+/// residual dropout mask sbh, all over t; full recompute keeps 2sbh/t.
+struct MoELayerBytes {
+  double rows = 0;  // N
+  double router = 0, dispatch = 0, experts = 0, shared = 0;
+  LayerBytes layer;
+  double mlp() const { return router + dispatch + experts + shared; }
+};
+MoELayerBytes paper_moe_layer_bytes(const PaperShape& m);
+
+/// The MLP part "moe" (Note [A layer part owns its contract] in layer_part.h).
+const LayerPart& moe_part();
 
 }  // namespace actmem

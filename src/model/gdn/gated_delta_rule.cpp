@@ -1,6 +1,6 @@
 // gated_delta_rule.cpp — the gated delta rule, token by token and by chunks (Note [Gated delta
 // rule] in gated_delta_rule.h).
-#include "actmem/model/gated_delta_rule.h"
+#include "actmem/model/gdn/gated_delta_rule.h"
 
 #include <ATen/ops/linalg_solve_triangular.h>
 #include <c10/util/Exception.h>

@@ -1,9 +1,10 @@
 // gated_delta_net.cpp — Megatron's GatedDeltaNet (Note [GatedDeltaNet as actmem builds it] in
 // gated_delta_net.h).
-#include "actmem/model/gated_delta_net.h"
+#include "actmem/model/gdn/gated_delta_net.h"
 
 #include "actmem/memory/ledger.h"
-#include "actmem/model/gated_delta_rule.h"
+#include "actmem/model/gdn/gated_delta_rule.h"
+#include "actmem/model/weight_init.h"
 #include "actmem/offload/activation_offloader.h"
 #include "actmem/recompute/recompute.h"
 
@@ -186,6 +187,29 @@ std::pair<at::Tensor, at::Tensor> GatedDeltaNet::forward(const at::Tensor& x,
   }
   if (recompute) ckpt.discard_output_and_register_recompute(out);
   return {out, bias};
+}
+
+void GatedDeltaNet::init_weights(WeightInit& init) {
+  const int64_t t = init.tp_size(), h = in_proj->weight.size(1);
+  std::vector<int64_t> sections;
+  for (const int64_t n : in_proj_sections()) sections.push_back(n * t);
+  in_proj->weight.copy_(
+      init.section_rows(init.normal({in_proj->weight.size(0) * t, h}, init.std()), sections));
+  const double bound = 1.0 / std::sqrt(static_cast<double>(kernel_));
+  conv1d_weight.copy_(init.section_rows(
+      init.uniform({conv1d_weight.size(0) * t, 1, kernel_}, -bound, bound),
+      {sections[0], sections[1], sections[2]}));
+  const at::ScalarType dtype = init.dtype();
+  A_log.copy_(
+      init.rows(init.uniform({A_log.size(0) * t}, 1.0, 16.0, compute_dtype(dtype)).log().to(dtype)));
+  out_proj->weight.copy_(
+      init.cols(init.normal({h, out_proj->weight.size(1) * t}, init.scaled_std())));
+}
+
+std::unique_ptr<DecodeState> GatedDeltaNet::make_decode_state(int64_t,
+                                                              const at::TensorOptions&) const {
+  TORCH_CHECK(false, "actmem::KVCache: generation with GatedDeltaNet layers (their recurrent "
+              "state instead of a key/value cache) is not implemented");
 }
 
 }  // namespace actmem

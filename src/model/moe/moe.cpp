@@ -1,10 +1,12 @@
 // moe.cpp — the MoE layer (moe.h). Shapes: T tokens (s * b), E experts, k = topk, N rows the
 // experts compute (T * k dropless), h hidden, f each expert's hidden size.
-#include "actmem/model/moe.h"
+#include "actmem/model/moe/moe.h"
 
 #include "actmem/offload/activation_offloader.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/model/layers.h"
+#include "actmem/model/mlp/mlp.h"
+#include "actmem/model/weight_init.h"
 #include "actmem/parallel/moe_dispatch.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"
@@ -544,11 +546,11 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
   const at::Tensor tokens = x.reshape({T, h});
   // A recompute replays the forward: its routing was counted by the first pass. The losses are
   // attached (and counted) once either way: in the forward with grad, or else in the replay.
-  MoEStats::Layer* stats = is_recomputing() ? nullptr : stats_;
+  MoEStats::Layer* stats = is_recomputing() ? nullptr : this->stats();
   Routing r;
   {
     ModuleScope scope("router");
-    r = router->forward(tokens, aux_scale_, stats_, x.size(1));
+    r = router->forward(tokens, aux_scale_, this->stats(), x.size(1));
   }
   const TensorParallelGroup& ep = expert_parallel_group();
   const TensorParallelGroup& tp = tensor_parallel_group();
@@ -606,7 +608,7 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     expert_counts = std::move(d.tokens_per_local_expert);
   }
   if (stats != nullptr && is_training()) {
-    // The rows this rank's experts computed (the predictor's routing, memory_model.h).
+    // The rows this rank's experts computed (the predictor's routing, moe_rows.h).
     if (stats->tokens_per_expert.empty()) {
       stats->tokens_per_expert = expert_counts;
       stats->dispatched_rows = permuted.size(0);
@@ -647,6 +649,44 @@ std::pair<at::Tensor, at::Tensor> MoELayer::forward(const at::Tensor& x,
             at::Tensor()};
   }
   return {compute(x, offloader), at::Tensor()};
+}
+
+void MoELayer::bind_stats(MoEStats& stats) {
+  MoEStats::Layer entry;
+  entry.layer_number = layer_number_;
+  stats.layers.push_back(std::move(entry));
+  stats_ = &stats;
+  stats_index_ = stats.layers.size() - 1;
+}
+
+void MoELayer::init_weights(WeightInit& init) {
+  const TransformerConfig& c = config_;
+  const int64_t h = c.hidden_size, f = c.moe_ffn(), fc1_rows = c.gated_linear_unit ? 2 * f : f;
+  const bool gated = c.gated_linear_unit;
+  router->weight.copy_(init.normal({c.num_moe_experts, h}, init.std()));
+  Experts& e = *experts;
+  // Every expert-parallel rank draws all E experts in order and keeps its own E/e, and of them
+  // its tensor rank's slice (expert tensor parallelism), so the model is the same function of
+  // the config for any t and e.
+  const int64_t local = c.num_moe_experts / c.expert_model_parallel_size;
+  const int64_t first = expert_parallel_group().rank * local;
+  for (int64_t g = 0; g < c.num_moe_experts; ++g) {
+    const at::Tensor fc1 = init.normal({fc1_rows, h}, init.std());
+    const at::Tensor fc2 = init.normal({h, f}, init.scaled_std());
+    if (g < first || g >= first + local) continue;
+    const auto j = static_cast<size_t>(g - first);
+    if (e.linear_fc1) {
+      e.linear_fc1->weights[j].copy_(init.fc1_rows(fc1, gated));
+      e.linear_fc2->weights[j].copy_(init.cols(fc2));
+    } else {
+      e.local_experts[j]->fc1_weight.copy_(init.fc1_rows(fc1, gated));
+      e.local_experts[j]->fc2_weight.copy_(init.cols(fc2));
+    }
+  }
+  if (shared_experts) {
+    shared_experts->init_weights(init);
+    if (shared_expert_gate.defined()) shared_expert_gate.copy_(init.normal({1, h}, init.std()));
+  }
 }
 
 }  // namespace actmem

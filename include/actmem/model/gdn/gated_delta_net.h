@@ -41,11 +41,13 @@
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
-#include "actmem/model/attention.h"
+#include "actmem/model/layer_part.h"
 #include "actmem/model/layers.h"
 
 #include <torch/nn/module.h>
 
+#include <array>
+#include <memory>
 #include <utility>
 
 namespace actmem {
@@ -55,12 +57,20 @@ namespace actmem {
 /// reciprocal norms [..., 1] for the backward.
 at::Tensor l2norm(const at::Tensor& x, double eps = 1e-6);
 
-class GatedDeltaNet : public torch::nn::Module, public DeclaresParameters {
+class GatedDeltaNet : public PartModule, public DeclaresParameters {
  public:
   GatedDeltaNet(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
   /// x: [s, b, h] (the [s/t, b, h] shard under sequence parallelism) -> (output, undefined
   /// bias), as SelfAttention returns them.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx) override;
+  /// Megatron's order: in_proj, conv1d (nn.Conv1d's default: uniform +-1/sqrt(K)), A_log =
+  /// log(uniform(1, 16)) (A_init_range), out_proj; dt_bias and out_norm's weight stay the ones
+  /// they were built with. Each rank keeps its slice of every section.
+  void init_weights(WeightInit& init) override;
+  /// Refused: generation would carry the recurrent state and the convolution's last K - 1
+  /// inputs instead of a key/value cache, which is not implemented.
+  std::unique_ptr<DecodeState> make_decode_state(int64_t capacity,
+                                                 const at::TensorOptions& options) const override;
   /// conv1d.weight, A_log and dt_bias hold this rank's heads.
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
 
@@ -80,5 +90,8 @@ class GatedDeltaNet : public torch::nn::Module, public DeclaresParameters {
   int64_t key_heads_, value_heads_, key_dim_, value_dim_, kernel_;  // this rank's heads
   LayerPlan plan_;
 };
+
+/// The mixer part "gdn" (Note [A layer part owns its contract] in layer_part.h).
+const LayerPart& gated_delta_net_part();
 
 }  // namespace actmem

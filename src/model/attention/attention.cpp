@@ -1,6 +1,8 @@
 // attention.cpp — core attention, rotary embeddings, SelfAttention and MLASelfAttention
 // (attention.h).
-#include "actmem/model/attention.h"
+#include "actmem/model/attention/attention.h"
+
+#include "actmem/model/weight_init.h"
 
 #include "actmem/memory/ledger.h"
 #include "actmem/offload/activation_offloader.h"
@@ -164,58 +166,6 @@ RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType
   sin = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
 }
 
-// Note [MLA's RoPE]
-// Multi-latent attention rotates only a qk_pos_emb_head_dim-wide part of each query head and one
-// such part per token shared by all key heads (decoupled RoPE: the latent's up-projection cannot
-// carry position). Megatron builds the tables with YarnRotaryEmbedding by default (rope_type
-// yarn; megatron/core/models/common/embeddings/yarn_rotary_pos_embedding.py): the frequencies
-// blend the plain ones with ones divided by rotary_scaling_factor over a ramp between the
-// correction dims of beta_fast = 32 and beta_slow = 1 rotations at
-// original_max_position_embeddings = 4096 (MLATransformerConfig's defaults), and cos and sin are
-// multiplied by the concentration factor get_mscale(factor, mscale) / get_mscale(factor,
-// mscale_all_dim). With a factor of 1 (the CLI default) YaRN equals plain RoPE. Before rotating,
-// apply_rotary_pos_emb(mla_rotary_interleaved=True) de-interleaves the part (even features, then
-// odd ones); the dot product is invariant to that permutation, Megatron keeps it for checkpoint
-// compatibility with DeepSeek's weights, and so does actmem.
-namespace {
-double yarn_get_mscale(double scale, double mscale) {
-  return scale <= 1.0 ? 1.0 : 0.1 * mscale * std::log(scale) + 1.0;
-}
-}  // namespace
-
-RotaryEmbedding RotaryEmbedding::for_mla(const TransformerConfig& config, at::ScalarType dtype) {
-  const int64_t d = config.qk_pos_emb_head_dim;
-  const double base = config.rotary_base;
-  const auto f64 = at::TensorOptions().dtype(at::kDouble);
-  const at::Tensor extra = 1.0 / at::pow(base, at::arange(0, d, 2, f64) / static_cast<double>(d));
-  at::Tensor inv_freq = extra;
-  double concentration = 1.0;
-  if (config.resolved_rope_type() == "yarn") {
-    const double factor = config.rotary_scaling_factor;
-    constexpr double kBetaFast = 32.0, kBetaSlow = 1.0, kOriginalMaxPositions = 4096.0;
-    auto correction_dim = [&](double rotations) {
-      return static_cast<double>(d) * std::log(kOriginalMaxPositions / (rotations * 2.0 * M_PI)) /
-             (2.0 * std::log(base));
-    };
-    const double low = std::max(std::floor(correction_dim(kBetaFast)), 0.0);
-    double high = std::min(std::ceil(correction_dim(kBetaSlow)), static_cast<double>(d - 1));
-    if (low == high) high += 0.001;  // Megatron's guard against a zero-width ramp
-    const at::Tensor ramp = ((at::arange(d / 2, f64) - low) / (high - low)).clamp(0.0, 1.0);
-    const at::Tensor mask = 1.0 - ramp;
-    inv_freq = (extra / factor) * (1.0 - mask) + extra * mask;
-    concentration = yarn_get_mscale(factor, config.mscale) /
-                    yarn_get_mscale(factor, config.mscale_all_dim);
-  }
-  const at::Tensor t = at::arange(config.max_positions(), f64);
-  const at::Tensor freqs = at::outer(t, inv_freq);    // [s, d/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);  // [s, d]
-  RotaryEmbedding r;
-  r.cos = (emb.cos() * concentration).to(dtype).view({emb.size(0), 1, 1, d});
-  r.sin = (emb.sin() * concentration).to(dtype).view({emb.size(0), 1, 1, d});
-  r.mla_interleaved_ = true;
-  return r;
-}
-
 at::Tensor RotaryEmbedding::apply(const at::Tensor& x_in, int64_t offset) const {
   const int64_t s = x_in.size(0);
   TORCH_CHECK(offset >= 0 && offset + s <= cos.size(0), "actmem::RotaryEmbedding: positions [",
@@ -240,18 +190,12 @@ at::Tensor RotaryEmbedding::rotate(const at::Tensor& x, int64_t offset) const {
 
 // ---- SelfAttention ----------------------------------------------------------------------------
 
-namespace {
-// What both attentions do after their q, k, v (Megatron's Attention.forward and
-// MultiLatentAttention.forward share it): core attention, in a checkpoint under selective
-// core_attn — only q, k, v (and the random state) kept, the [b, a, s, s] scores, probabilities
-// and dropout mask rebuilt in backward — or inside the core_attn offload group, whose commit
-// releases q, k and v (not read again in forward: their storage goes once copied).
-// `kept_elsewhere`: tensors saved outside the group (the q/k norms' inputs) whose storage q, k or
-// v may share; such a storage is not released at the commit (it is copied, and stays).
+// q, k and v are not read again in forward after the core attention: at the core_attn group's
+// commit their storage goes once copied (attention.h).
 at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool recompute,
                               ActivationOffloader* offload_group, const at::Tensor& q,
                               const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                              const std::vector<at::Tensor>& kept_elsewhere = {}) {
+                              const std::vector<at::Tensor>& kept_elsewhere) {
   ModuleScope scope("core_attention");
   if (recompute) {
     return checkpoint(
@@ -271,7 +215,6 @@ at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool r
   return region.commit(core->forward(qs, k, v, mask), forced);
 }
 
-// linear_proj in the attn_proj offload group, which releases the context at its commit.
 std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloader* offload_group,
                                                   const at::Tensor& context) {
   ModuleScope scope("linear_proj");
@@ -279,7 +222,6 @@ std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloa
   auto [out, bias] = proj.forward(region.enter(context));
   return {region.commit(out, {context}), bias};
 }
-}  // namespace
 
 SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& plan,
                              at::ScalarType dtype)
@@ -287,6 +229,7 @@ SelfAttention::SelfAttention(const TransformerConfig& config, const LayerPlan& p
       groups_(config.query_groups() / config.tensor_model_parallel_size),
       head_dim_(config.kv_channels()),
       output_gate_(config.attention_output_gate),
+      fp32_softmax_(config.attention_softmax_in_fp32),
       plan_(plan) {
   const int64_t h = config.hidden_size, t = config.tensor_model_parallel_size;
   const bool sp = config.sequence_parallel;
@@ -385,175 +328,64 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
 
-// ---- MLASelfAttention -------------------------------------------------------------------------
-
-MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerPlan& plan,
-                                   at::ScalarType dtype)
-    : heads_(c.num_attention_heads / c.tensor_model_parallel_size),
-      qk_head_dim_(c.qk_head_dim),
-      pos_dim_(c.qk_pos_emb_head_dim),
-      v_head_dim_(c.v_head_dim),
-      kv_lora_rank_(c.kv_lora_rank),
-      sequence_parallel_(c.sequence_parallel),
-      plan_(plan) {
-  // Note [MLA under tensor parallelism]
-  // As Megatron's MLASelfAttention with its TE spec: the down projections and the latent norms
-  // are replicated on every tensor-parallel rank (TELinear parallel_mode "duplicated"; with
-  // sequence parallelism each reads its s/t tokens, so their gradients are summed over the ranks
-  // like the norms': sequence_parallel set on them), the up projections are column-parallel
-  // (a/t heads per rank, gathering the sequence under SP), linear_proj row-parallel. The RoPE key
-  // part k_pos, one per token shared by every head, is used by each rank's heads: under SP it is
-  // gathered (all-gather forward, reduce-scatter backward, Megatron's
-  // gather_from_sequence_parallel_region); without SP its gradient must still be summed over the
-  // ranks, which Megatron does not do (its duplicated kv down projection then gets each rank's
-  // own partial gradient for the RoPE columns, and the ranks' weights drift apart); actmem copies
-  // it into the tensor-parallel region (identity forward, all-reduce backward), on purpose.
-  const int64_t h = c.hidden_size, a = c.num_attention_heads, dq = c.mla_q_head_dim();
-  const int64_t t = c.tensor_model_parallel_size;
-  const bool sp = c.sequence_parallel;
-  // MultiLatentAttention.__init__: mscale = get_mscale(rotary_scaling_factor, mscale_all_dim),
-  // whatever the rope type.
-  const double m = yarn_get_mscale(c.rotary_scaling_factor, c.mscale_all_dim);
-  softmax_scale_ = m * m / std::sqrt(static_cast<double>(dq));
-  // Megatron's construction order (and so its parameter order): core attention and linear_proj
-  // in the base class, then the projections, then the norms. The projections have no bias.
-  core_attention =
-      register_module("core_attention", std::make_shared<CoreAttention>(c, softmax_scale_));
-  linear_proj = register_module(
-      "linear_proj", std::make_shared<Linear>(a * c.v_head_dim / t, h, c.add_bias_linear, true,
-                                              dtype, LinearParallel::kRow, sp));
-  if (c.q_lora_rank) {
-    linear_q_down_proj = register_module(
-        "linear_q_down_proj", std::make_shared<Linear>(h, *c.q_lora_rank, false, false, dtype,
-                                                       LinearParallel::kNone, sp));
-    linear_q_up_proj = register_module(
-        "linear_q_up_proj", std::make_shared<Linear>(*c.q_lora_rank, a * dq / t, false, false,
-                                                     dtype, LinearParallel::kColumn, sp));
-  } else {
-    linear_q_proj = register_module(
-        "linear_q_proj",
-        std::make_shared<Linear>(h, a * dq / t, false, false, dtype, LinearParallel::kColumn, sp));
-  }
-  linear_kv_down_proj =
-      register_module("linear_kv_down_proj",
-                      std::make_shared<Linear>(h, c.kv_lora_rank + c.qk_pos_emb_head_dim, false,
-                                               false, dtype, LinearParallel::kNone, sp));
-  linear_kv_up_proj = register_module(
-      "linear_kv_up_proj",
-      std::make_shared<Linear>(c.kv_lora_rank, a * (c.qk_head_dim + c.v_head_dim) / t, false, false,
-                               dtype, LinearParallel::kColumn, sp));
-  if (c.qk_layernorm) {
-    if (c.q_lora_rank) {
-      q_layernorm = register_module("q_layernorm", std::make_shared<Norm>(c, dtype, *c.q_lora_rank));
-    }
-    kv_layernorm = register_module("kv_layernorm", std::make_shared<Norm>(c, dtype, c.kv_lora_rank));
-  }
+void SelfAttention::init_weights(WeightInit& init) {
+  const int64_t t = init.tp_size();
+  const int64_t h = linear_qkv->weight.size(1);
+  linear_qkv->weight.copy_(init.rows(init.normal({linear_qkv->weight.size(0) * t, h}, init.std())));
+  linear_proj->weight.copy_(
+      init.cols(init.normal({h, linear_proj->weight.size(1) * t}, init.scaled_std())));
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::down(const at::Tensor& x) {
-  // Megatron's _qkv_down_projection, then the split and the norms.
-  at::Tensor q_c = x;  // without q_lora_rank, linear_q_proj reads the hidden states
-  if (linear_q_down_proj) {
-    ModuleScope scope("linear_q_down_proj");
-    q_c = linear_q_down_proj->forward(x).first;  // [s, b, q_lora_rank]
-  }
-  at::Tensor kv_combined;
-  {
-    ModuleScope scope("linear_kv_down_proj");
-    kv_combined = linear_kv_down_proj->forward(x).first;  // [s, b, kv_lora_rank + pos]
-  }
-  const auto parts = kv_combined.split_with_sizes({kv_lora_rank_, pos_dim_}, -1);
-  at::Tensor kv_c = parts[0];
-  // Note [MLA under tensor parallelism]: every rank's heads use the whole k_pos.
-  at::Tensor k_pos = parts[1];
-  if (tensor_parallel_group().size > 1) {
-    k_pos = sequence_parallel_ ? gather_from_sequence_parallel_region(k_pos)
-                               : copy_to_tensor_parallel_region(k_pos);
-  }
-  if (q_layernorm) {
-    ModuleScope scope("q_layernorm");
-    q_c = q_layernorm->forward(q_c);
-  }
-  if (kv_layernorm) {
-    ModuleScope scope("kv_layernorm");
-    kv_c = kv_layernorm->forward(kv_c);
-  }
-  return {q_c, kv_c, k_pos};
+// ---- generation -------------------------------------------------------------------------------
+
+KVCacheState::KVCacheState(int64_t capacity, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+                           const at::TensorOptions& options)
+    : keys(at::empty({capacity, kv_heads, key_dim}, options)),
+      values(at::empty({capacity, kv_heads, value_dim}, options)) {}
+
+int64_t KVCacheState::bytes() const {
+  return static_cast<int64_t>(keys.nbytes() + values.nbytes());
 }
 
-std::vector<at::Tensor> MLASelfAttention::up_and_rope(const std::vector<at::Tensor>& in,
-                                                      const RotaryEmbedding& rope, int64_t offset) {
-  const at::Tensor &q_c = in[0], &kv_c = in[1], &k_pos = in[2];
-  // The whole sequence (the up projections gather it under sequence parallelism, as k_pos is).
-  const int64_t s = k_pos.size(0), b = k_pos.size(1);
-  at::Tensor q, kv;
-  {
-    ModuleScope scope(q_up_name());
-    q = (linear_q_up_proj ? linear_q_up_proj : linear_q_proj)->forward(q_c).first;
-  }
-  {
-    ModuleScope scope("linear_kv_up_proj");
-    kv = linear_kv_up_proj->forward(kv_c).first;
-  }
-  ModuleScope scope("rotary_pos_emb");
-  const auto qs = q.view({s, b, heads_, qk_head_dim_ + pos_dim_}).split_with_sizes({qk_head_dim_, pos_dim_}, -1);
-  const auto kvs = kv.view({s, b, heads_, qk_head_dim_ + v_head_dim_})
-                       .split_with_sizes({qk_head_dim_, v_head_dim_}, -1);
-  const at::Tensor q_pe = rope.apply(qs[1], offset);                  // [s, b, a, pos]
-  const at::Tensor k_pe = rope.apply(k_pos.unsqueeze(-2), offset);    // [s, b, 1, pos]
-  // One RoPE key part per token, shared by every head.
-  return {at::cat({qs[0], q_pe}, -1), at::cat({kvs[0], k_pe.expand({s, b, heads_, pos_dim_})}, -1),
-          kvs[1].contiguous()};
+at::Tensor KVCacheState::attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                int64_t offset, double scale, bool fp32_softmax) {
+  const int64_t n = q.size(0), heads = q.size(2), value_dim = values.size(2);
+  const int64_t total = offset + n;
+  keys.narrow(0, offset, n).copy_(k.squeeze(1));
+  values.narrow(0, offset, n).copy_(v.squeeze(1));
+  // Query i (position offset + i) sees keys 0..offset + i: mask the keys after it.
+  const auto positions = at::TensorOptions().dtype(at::kLong).device(q.device());
+  const at::Tensor masked =
+      at::arange(total, positions).unsqueeze(0) > at::arange(offset, total, positions).unsqueeze(1);
+  // The cache keeps G key/value heads; each serves its group's a/G query heads.
+  const at::Tensor kk = expand_kv_heads(keys.narrow(0, 0, total).unsqueeze(1), heads)
+                            .squeeze(1)
+                            .permute({1, 2, 0});  // [a, d, T]
+  const at::Tensor vv = expand_kv_heads(values.narrow(0, 0, total).unsqueeze(1), heads)
+                            .squeeze(1)
+                            .transpose(0, 1);                     // [a, T, d]
+  at::Tensor scores = at::bmm(q.squeeze(1).transpose(0, 1), kk);  // [a, n, T]
+  scores.mul_(scale);
+  scores.masked_fill_(masked.unsqueeze(0), -10000.0);  // Megatron's attention_mask_func value
+  const at::Tensor probs = fp32_softmax ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
+                                        : at::softmax(scores, -1);
+  return at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads * value_dim});  // [n, 1, a*dv]
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::project(
-    const at::Tensor& x, const RotaryEmbedding& rope, int64_t offset) {
-  auto [q_c, kv_c, k_pos] = down(x);
-  const std::vector<at::Tensor> qkv = up_and_rope({q_c, kv_c, k_pos}, rope, offset);
-  return {qkv[0], qkv[1], qkv[2]};
+std::unique_ptr<DecodeState> SelfAttention::make_decode_state(int64_t capacity,
+                                                              const at::TensorOptions& options) const {
+  return std::make_unique<KVCacheState>(capacity, groups_, head_dim_, head_dim_, options);
 }
 
-std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
-                                                            const LayerContext& ctx) {
-  TORCH_CHECK(ctx.rope != nullptr, "actmem::MLASelfAttention: needs MLA's rotary tables "
-              "(LayerContext::rope; GPTModel builds them)");
-  const bool train = is_training();
-  auto group = [&](OffloadModule m) { return plan_.offloads(m) && train ? ctx.offloader : nullptr; };
-  const RotaryEmbedding* rope = ctx.rope;
-  // Selective "mla_up_proj" (Megatron's recompute_up_proj): output-discarding recompute of the
-  // up-projections and RoPE; q, k and v are freed once core attention saved them and rebuilt
-  // from the gradient hook of the core-attention output.
-  const bool recompute_up = plan_.recomputes(RecomputeModule::kMlaUpProj) && train;
-  CheckpointWithoutOutput up_ckpt;
-  at::Tensor q, k, v;
-  {
-    // Megatron's qkv_linear group spans get_query_key_value_tensors: it starts at the hidden
-    // states and commits on the query, releasing the hidden states.
-    OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
-    const at::Tensor xs = region.enter(x);
-    auto [q_c, kv_c, k_pos] = down(xs);
-    std::vector<at::Tensor> qkv;
-    if (recompute_up) {
-      ModuleScope scope(q_up_name());
-      qkv = up_ckpt.checkpoint(
-          [this, rope](const TensorList& in) { return up_and_rope(in, *rope, 0); },
-          {q_c, kv_c, k_pos});
-      // Outputs that output-discarding recompute frees are not worth a copy.
-      if (ctx.offloader != nullptr) {
-        for (const auto& t : qkv) ctx.offloader->exclude_this_forward(t);
-      }
-    } else {
-      qkv = up_and_rope({q_c, kv_c, k_pos}, *rope, 0);
-    }
-    q = region.commit(qkv[0], {xs});
-    k = qkv[1];
-    v = qkv[2];
-  }
-  const at::Tensor context =  // [s, b, a * v_head_dim]
-      run_core_attention(core_attention, plan_.recomputes(RecomputeModule::kCoreAttn) && train,
-                         group(OffloadModule::kCoreAttn), q, k, v, ctx.attention_mask);
-  if (recompute_up) up_ckpt.discard_output_and_register_recompute(context);
-  return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
+std::pair<at::Tensor, at::Tensor> SelfAttention::decode(const at::Tensor& x, DecodeState* state,
+                                                        int64_t offset, const LayerContext& ctx) {
+  // Megatron's layout, q/k norms, RoPE from position `offset`.
+  const Projected p = project(x, ctx.rope, offset);
+  const bool fp32 = fp32_softmax_ && is_16bit(x.scalar_type());
+  at::Tensor context = static_cast<KVCacheState*>(state)->attend(
+      p.q, p.k, p.v, offset, 1.0 / std::sqrt(static_cast<double>(head_dim_)), fp32);
+  if (p.gate.defined()) context = apply_output_gate(context, p.gate);
+  return linear_proj->forward(context);
 }
 
 }  // namespace actmem

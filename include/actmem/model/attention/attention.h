@@ -1,14 +1,19 @@
 // attention.h — self-attention as Megatron builds it: the unfused core attention (scores,
-// causal mask, softmax, dropout, x V), rotary embeddings (standard and MLA's decoupled, YaRN),
-// SelfAttention (linear_qkv -> core_attention -> linear_proj) and multi-latent attention.
+// causal mask, softmax, dropout, x V) or the flash kernel, rotary embeddings (standard and MLA's
+// decoupled, YaRN), the key/value cache of generation, and SelfAttention (linear_qkv ->
+// core_attention -> linear_proj), the "attention" mixer part: standard and grouped-query
+// attention, with Qwen3-Next's output gate and q/k norms. Multi-latent attention (mla/mla.h)
+// builds on the core attention, the tables and the cache here.
 #pragma once
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
+#include "actmem/model/layer_part.h"
 #include "actmem/model/layers.h"
 
 #include <torch/nn/module.h>
 
+#include <memory>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -74,7 +79,7 @@ class RotaryEmbedding {
   RotaryEmbedding(const TransformerConfig& config, at::ScalarType dtype);
   /// Multi-latent attention's decoupled RoPE over qk_pos_emb_head_dim: Megatron's RotaryEmbedding
   /// or YarnRotaryEmbedding (rope_type), its concentration factor folded into the tables, and
-  /// MLA's de-interleaving of the rotated part (Note [MLA's RoPE] in attention.cpp).
+  /// MLA's de-interleaving of the rotated part (Note [MLA's RoPE] in mla/mla.cpp).
   static RotaryEmbedding for_mla(const TransformerConfig& config, at::ScalarType dtype);
   /// Rotates x: [s, b, a, d], whose first position is `offset` (a KV-cached continuation).
   at::Tensor apply(const at::Tensor& x, int64_t offset = 0) const;
@@ -88,18 +93,53 @@ class RotaryEmbedding {
   bool mla_interleaved_ = false;  // x[..., 0::2] then x[..., 1::2] before rotating
 };
 
-/// What every layer receives besides the hidden states (Megatron passes the same to each layer).
-struct LayerContext {
-  const RotaryEmbedding* rope = nullptr;  // null with learned positions
-  at::Tensor attention_mask;              // [1, 1, S, S] bool, S >= s (see make_causal_mask)
-  ActivationOffloader* offloader = nullptr;  // layer-level or fine-grained offload (training)
+/// What both attentions do after their q, k, v (Megatron's Attention.forward and
+/// MultiLatentAttention.forward share it): core attention under the ModuleScope
+/// "core_attention", in a checkpoint when `recompute` (selective core_attn: only q, k, v and the
+/// random state kept, the [b, a, s, s] scores, probabilities and dropout mask rebuilt in
+/// backward) or inside the core_attn offload group `offload_group` (null: none), whose commit
+/// releases q, k and v. `kept_elsewhere`: tensors saved outside the group (the q/k norms' inputs)
+/// whose storage q, k or v may share; such a storage is not released at the commit.
+at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool recompute,
+                              ActivationOffloader* offload_group, const at::Tensor& q,
+                              const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
+                              const std::vector<at::Tensor>& kept_elsewhere = {});
+/// linear_proj under the ModuleScope "linear_proj", in the attn_proj offload group
+/// `offload_group` (null: none), which releases the context at its commit.
+std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloader* offload_group,
+                                                  const at::Tensor& context);
+
+/// Generation's key/value cache of one attention layer (Megatron's inference key/value memory):
+/// keys [capacity, G, dk] and values [capacity, G, dv] of G key/value heads.
+class KVCacheState : public DecodeState {
+ public:
+  KVCacheState(int64_t capacity, int64_t kv_heads, int64_t key_dim, int64_t value_dim,
+               const at::TensorOptions& options);
+  int64_t bytes() const override;
+  /// Appends k [n, 1, G, dk] and v [n, 1, G, dv] at positions [offset, offset + n) and returns
+  /// the causal attention of q [n, 1, a, dk] over positions [0, offset + n): the context
+  /// [n, 1, a dv] (each of the G cached heads serving its group's a/G query heads; the softmax
+  /// in fp32 when `fp32_softmax`).
+  at::Tensor attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t offset,
+                    double scale, bool fp32_softmax);
+  at::Tensor keys, values;
 };
 
-class SelfAttention : public torch::nn::Module {
+/// Megatron's Attention with the local spec: linear_qkv (column-parallel, Megatron's grouped
+/// layout), the q/k norms (--qk-layernorm), RoPE, core attention, the output gate
+/// (--attention-output-gate), linear_proj (row-parallel). The mixer part "attention".
+class SelfAttention : public PartModule {
  public:
   SelfAttention(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
   /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined)
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
+  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx) override;
+  /// linear_qkv (its rows: with the output gate each group's rows also hold its gate heads,
+  /// ranks taking whole groups), then linear_proj (its columns), Megatron's order.
+  void init_weights(WeightInit& init) override;
+  std::unique_ptr<DecodeState> make_decode_state(int64_t capacity,
+                                                 const at::TensorOptions& options) const override;
+  std::pair<at::Tensor, at::Tensor> decode(const at::Tensor& x, DecodeState* state, int64_t offset,
+                                           const LayerContext& ctx) override;
   /// What linear_qkv's output becomes before the core attention: q [s, b, a, d], k and v
   /// [s, b, G, d] (the q/k norms and RoPE from position `offset` applied), and the output gate
   /// [s, b, a, d] (undefined without --attention-output-gate). `qkv_group` offloads linear_qkv.
@@ -118,50 +158,16 @@ class SelfAttention : public torch::nn::Module {
  private:
   int64_t heads_, groups_, head_dim_;  // this rank's query heads and key/value groups
   bool output_gate_;
+  bool fp32_softmax_;  // --attention-softmax-in-fp32
   LayerPlan plan_;
 };
 
-/// Megatron's MLASelfAttention (megatron/core/transformer/multi_latent_attention.py) with the
-/// unfused local spec: hidden -> linear_q_down_proj -> q_layernorm -> linear_q_up_proj (or one
-/// linear_q_proj without q_lora_rank) for the queries; hidden -> linear_kv_down_proj ->
-/// [kv latent | shared RoPE key part] -> kv_layernorm -> linear_kv_up_proj -> [k | v] per head;
-/// the RoPE parts rotated (decoupled RoPE); core attention over a q/k head dim of qk_head_dim +
-/// qk_pos_emb_head_dim and a v head dim of v_head_dim; linear_proj back to h. The q/kv norms
-/// exist with --qk-layernorm (IdentityOp otherwise, as in Megatron's specs).
-class MLASelfAttention : public torch::nn::Module {
- public:
-  MLASelfAttention(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
-  /// x: [s, b, h] -> (output [s, b, h], linear_proj bias or undefined); ctx.rope holds MLA's
-  /// tables.
-  std::pair<at::Tensor, at::Tensor> forward(const at::Tensor& x, const LayerContext& ctx);
-  /// Query, key and value [s, b, a, d] of x, positions from `offset` (generation's KV cache).
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x,
-                                                        const RotaryEmbedding& rope,
-                                                        int64_t offset = 0);
-  /// mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), Megatron's MLA softmax scale.
-  double softmax_scale() const { return softmax_scale_; }
+/// The mixer part "attention" (Note [A layer part owns its contract] in layer_part.h).
+const LayerPart& attention_part();
 
-  std::shared_ptr<CoreAttention> core_attention;
-  std::shared_ptr<Linear> linear_proj;
-  std::shared_ptr<Linear> linear_q_proj;       // without q_lora_rank
-  std::shared_ptr<Linear> linear_q_down_proj;  // with q_lora_rank
-  std::shared_ptr<Linear> linear_q_up_proj;    // with q_lora_rank
-  std::shared_ptr<Linear> linear_kv_down_proj;
-  std::shared_ptr<Linear> linear_kv_up_proj;
-  std::shared_ptr<Norm> q_layernorm;   // with q_lora_rank and qk_layernorm
-  std::shared_ptr<Norm> kv_layernorm;  // with qk_layernorm
-
- private:
-  // Down projections and norms: (q_compressed, kv_compressed, k_pos_emb).
-  std::tuple<at::Tensor, at::Tensor, at::Tensor> down(const at::Tensor& x);
-  // The query's up-projection module: linear_q_up_proj, or linear_q_proj without q_lora_rank.
-  const char* q_up_name() const { return linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj"; }
-  // Megatron's qkv_up_proj_and_rope_apply: q, k, v [s, b, a, d] (contiguous).
-  std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in, const RotaryEmbedding& rope, int64_t offset);
-  int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;  // heads_: this rank's
-  bool sequence_parallel_;
-  double softmax_scale_;
-  LayerPlan plan_;
-};
+/// What the core attention keeps beyond q, k and v for the predictor (both attentions' parts):
+/// the random-state snapshot under selective core_attn; the flash kernel's output and
+/// logsumexp; or the softmax output and, with attention dropout, its mask and output.
+int64_t core_attention_scores_bytes(const SavedBytesContext& ctx);
 
 }  // namespace actmem
