@@ -2,8 +2,9 @@
 # include/actmem/<layer>/ includes actmem headers of its own layer and of lower ones only, and
 # every actmem header it names lives in a layer folder. src/cli/ (the command) is above them all.
 #   cmake -DROOT=<tree> -DLAYERS="base;config;..." -P layer_rule.cmake
-# Prints every violation, one per line ("src/base/x.cpp:12: base includes train/trainer.h, a
-# higher layer"), and fails when there is one.
+# Each layer folder's README.md must also list the folder's files. Prints every violation, one per
+# line ("src/base/x.cpp:12: base includes train/trainer.h, a higher layer", "src/base/README.md:
+# does not list x.cpp"), and fails when there is one.
 if(NOT ROOT OR NOT LAYERS)
   message(FATAL_ERROR "layer_rule.cmake: give -DROOT=<tree> and -DLAYERS=<low;...;high>")
 endif()
@@ -53,10 +54,36 @@ foreach(_file IN LISTS _all)
   endforeach()
 endforeach()
 
+# Each layer folder's README.md lists its files (src/<layer>/**/*.cpp, .h, .inc), each by its path
+# below the folder in backquotes.
+foreach(_layer IN LISTS LAYERS ITEMS cli)
+  set(_dir "${ROOT}/src/${_layer}")
+  if(NOT IS_DIRECTORY "${_dir}")
+    continue()
+  endif()
+  file(GLOB_RECURSE _sources RELATIVE "${_dir}" "${_dir}/*.cpp" "${_dir}/*.h" "${_dir}/*.inc")
+  if(NOT _sources)
+    continue()
+  endif()
+  if(NOT EXISTS "${_dir}/README.md")
+    message("src/${_layer}/README.md: missing (each layer folder says what it owns)")
+    math(EXPR _violations "${_violations} + 1")
+    continue()
+  endif()
+  file(READ "${_dir}/README.md" _readme)
+  foreach(_source IN LISTS _sources)
+    string(FIND "${_readme}" "`${_source}`" _at)
+    if(_at EQUAL -1)
+      message("src/${_layer}/README.md: does not list ${_source}")
+      math(EXPR _violations "${_violations} + 1")
+    endif()
+  endforeach()
+endforeach()
+
 if(_files EQUAL 0)
   message(FATAL_ERROR "layer_rule.cmake: no source under ${ROOT}/src or ${ROOT}/include/actmem")
 endif()
 if(_violations GREATER 0)
   message(FATAL_ERROR "layer rule: ${_violations} violation(s) in ${_files} files")
 endif()
-message(STATUS "layer rule: ${_files} files, every actmem include points to its own layer or a lower one")
+message(STATUS "layer rule: ${_files} files, every actmem include points to its own layer or a lower one, every layer folder's README lists its files")

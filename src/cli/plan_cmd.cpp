@@ -290,13 +290,8 @@ std::string parts_summary(const PaperShape& m) {
   return out.str();
 }
 
-// Note [Plan a preset]
-// `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
-// plan_analytic.h): the preset's flags (Note [Presets are command lines] in flags/presets.h),
-// changed by the model and layout flags given, planned per GPU of its first pipeline stage on
-// --gpu, the budget defaulting to that GPU's memory. Flags that only mean something to a run here
-// (data, runtime, the optimizer's settings, profiling, --verify) are refused rather than ignored.
-int run_preset(PlanOptions& o, const CLI::App& cmd) {
+// Refuses the flags given that a preset's plan would not use (Note [Plan a preset]).
+void check_preset_plan_flags(const CLI::App& cmd) {
   std::set<std::string> allowed = {"--preset", "--gpu", "--memory-budget", "--json", "--svg",
                                    "--global-batch-size", "--use-distributed-optimizer"};
   {
@@ -314,6 +309,79 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   TORCH_CHECK(refused.empty(), "actmem plan --preset: ", c10::Join(", ", refused), " not used: "
               "a preset is planned analytically, nothing runs (it takes the model and layout "
               "flags, --gpu, --data-parallel-size, --memory-budget, --json and --svg)");
+}
+
+// Prints the header of a preset's plan: the model and its layout, the GPU and the basis.
+void print_preset_plan_header(const PlanOptions& o, const PaperShape& m, const DeviceSpec& gpu,
+                              const AnalyticBasis& basis, size_t legal_strategies) {
+  const WeightMemory w = analytic_weight_memory(m);
+  std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — " << m.L
+            << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
+            << (m.swiglu ? " (SwiGLU)" : "") << parts_summary(m) << ", seq " << m.s
+            << ", micro-batch " << m.b << ", vocab " << m.v << ", " << std::setprecision(4)
+            << w.parameters / 1e9 << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p "
+            << m.p;
+  if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
+  std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
+            << "; bf16; attention " << o.train.model.attention_summary() << "; "
+            << legal_strategies << " legal strategies\n"
+            << "GPU " << gpu.name << ": " << gpu.source << "; costed at " << std::setprecision(3)
+            << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, " << gpu.memory_bandwidth / 1e12
+            << " TB/s for element-wise ops, " << gpu.d2h_bandwidth / 1e9 << "/"
+            << gpu.h2d_bandwidth / 1e9 << " GB/s device-to-host/host-to-device\n"
+            << "per GPU of the first pipeline stage: " << basis.layers_per_stage
+            << " layers, weights, gradients and optimizer state "
+            << format_bytes(basis.static_bytes) << ", "
+            << "micro-batches in flight " << basis.microbatches_in_flight << ", plain step "
+            << std::fixed << std::setprecision(1) << basis.plain_step_s * 1e3
+            << " ms per micro-batch (roofline)\n";
+}
+
+// The estimates of Megatron's standard settings (standard_setting) among `estimates`.
+std::vector<PlanEstimate> preset_standard_settings(const std::vector<PlanEstimate>& estimates,
+                                                   int64_t chunk_layers_n) {
+  std::vector<PlanEstimate> standard;
+  for (const auto& e : estimates) {
+    if (standard_setting(e.strategy, chunk_layers_n)) standard.push_back(e);
+  }
+  return standard;
+}
+
+// Prints Megatron's standard settings with their peaks, step ratios and whether they fit.
+void print_preset_standard_settings(const std::vector<PlanEstimate>& standard, int64_t budget) {
+  std::cout << "\nMegatron's standard settings:\n";
+  for (const auto& e : standard) {
+    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
+              << std::setw(12) << std::setprecision(3) << e.step_ratio << "  " << std::left
+              << std::setw(24) << e.strategy.name()
+              << (e.peak_bytes <= budget ? "fits" : "does not fit") << "\n";
+  }
+}
+
+// The "shape" object of a preset's plan in --json.
+nlohmann::json preset_shape_json(const PaperShape& m) {
+  return {{"s", m.s},
+          {"b", m.b},
+          {"h", m.h},
+          {"a", m.a},
+          {"L", m.L},
+          {"ffn", m.ffn},
+          {"v", m.v},
+          {"t", m.t},
+          {"p", m.p},
+          {"d", m.d},
+          {"sequence_parallel", m.sp},
+          {"swiglu", m.swiglu}};
+}
+
+// Note [Plan a preset]
+// `plan --preset NAME` plans a model that cannot run here (Note [Analytic plan] in
+// plan_analytic.h): the preset's flags (Note [Presets are command lines] in flags/presets.h),
+// changed by the model and layout flags given, planned per GPU of its first pipeline stage on
+// --gpu, the budget defaulting to that GPU's memory. Flags that only mean something to a run here
+// (data, runtime, the optimizer's settings, profiling, --verify) are refused rather than ignored.
+int run_preset(PlanOptions& o, const CLI::App& cmd) {
+  check_preset_plan_flags(cmd);
   const PaperShape m = describe_model(o.train, o.layout, "actmem plan --preset");
   const DeviceSpec gpu = device_spec(o.gpu);
   const int64_t budget = o.budget.empty() ? static_cast<int64_t>(gpu.memory_bytes)
@@ -331,27 +399,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   const double planning_s =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 
-  const WeightMemory w = analytic_weight_memory(m);
-  std::cout << "actmem plan: preset " << o.preset << " (analytic: nothing runs here) — " << m.L
-            << " layers, hidden " << m.h << ", " << m.a << " heads, ffn " << m.ffn
-            << (m.swiglu ? " (SwiGLU)" : "") << parts_summary(m) << ", seq " << m.s
-            << ", micro-batch " << m.b << ", vocab " << m.v << ", " << std::setprecision(4)
-            << w.parameters / 1e9 << "B parameters; t " << m.t << (m.sp ? " with SP" : "") << ", p "
-            << m.p;
-  if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
-  std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
-            << "; bf16; attention " << o.train.model.attention_summary() << "; "
-            << strategies.size() << " legal strategies\n"
-            << "GPU " << gpu.name << ": " << gpu.source << "; costed at " << std::setprecision(3)
-            << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, " << gpu.memory_bandwidth / 1e12
-            << " TB/s for element-wise ops, " << gpu.d2h_bandwidth / 1e9 << "/"
-            << gpu.h2d_bandwidth / 1e9 << " GB/s device-to-host/host-to-device\n"
-            << "per GPU of the first pipeline stage: " << basis.layers_per_stage
-            << " layers, weights, gradients and optimizer state "
-            << format_bytes(basis.static_bytes) << ", "
-            << "micro-batches in flight " << basis.microbatches_in_flight << ", plain step "
-            << std::fixed << std::setprecision(1) << basis.plain_step_s * 1e3
-            << " ms per micro-batch (roofline)\n";
+  print_preset_plan_header(o, m, gpu, basis, strategies.size());
   const PlanEstimate* chosen = &choose_plan(
       front, budget,
       "more tensor parallelism (--tensor-model-parallel-size; with --sequence-parallel it splits "
@@ -362,17 +410,8 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   print_front(front, chosen);
   // Megatron's usual settings beside it: what the common choices would cost on this layout.
   const auto chunk_layers_n = static_cast<int64_t>(m.L / m.p / (m.vpp ? *m.vpp : 1.0));
-  std::vector<PlanEstimate> standard;
-  for (const auto& e : estimates) {
-    if (standard_setting(e.strategy, chunk_layers_n)) standard.push_back(e);
-  }
-  std::cout << "\nMegatron's standard settings:\n";
-  for (const auto& e : standard) {
-    std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
-              << std::setw(12) << std::setprecision(3) << e.step_ratio << "  " << std::left
-              << std::setw(24) << e.strategy.name()
-              << (e.peak_bytes <= budget ? "fits" : "does not fit") << "\n";
-  }
+  const std::vector<PlanEstimate> standard = preset_standard_settings(estimates, chunk_layers_n);
+  print_preset_standard_settings(standard, budget);
   print_choice(*chosen, budget, o.budget.empty() ? " (the " + gpu.name + "'s memory)" : "", "");
   const nlohmann::json kernels = print_kernels(m, o.train.model, gpu, budget);
   std::cout << "\nplanned " << estimates.size() << " strategies in " << std::setprecision(3)
@@ -389,19 +428,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
                           {"analytic", true},
                           {"gpu", gpu.to_json()},
                           {"basis", basis.to_json()},
-                          {"shape",
-                           {{"s", m.s},
-                            {"b", m.b},
-                            {"h", m.h},
-                            {"a", m.a},
-                            {"L", m.L},
-                            {"ffn", m.ffn},
-                            {"v", m.v},
-                            {"t", m.t},
-                            {"p", m.p},
-                            {"d", m.d},
-                            {"sequence_parallel", m.sp},
-                            {"swiglu", m.swiglu}}},
+                          {"shape", preset_shape_json(m)},
                           {"legal_strategies", strategies.size()},
                           {"planning_s", planning_s},
                           {"attention", o.train.model.attention_summary()},

@@ -412,12 +412,8 @@ void print_summary(std::ostream& human, const actmem::TrainOptions& o, double fi
   }
 }
 
-int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
-  // With --memory-budget (or --costs, which asks for it) the planner chooses the offload the
-  // offload settings apply to; a --costs without the budget is refused below with its reason.
-  o.offload_planned_later = !budget.budget.empty() || !budget.costs.empty();
-  o.finalize();
-  actmem::apply_thread_count(o.threads);
+// Refuses an output file that is one of the run's inputs or another of its outputs.
+void check_train_files(const actmem::TrainOptions& o, const BudgetOptions& budget) {
   // Note [Outputs never destroy inputs] (output_file.h).
   std::vector<actmem::NamedPath> inputs{{"--data", o.training.data_path}};
   for (const auto& p : o.training.data_paths) {
@@ -426,14 +422,136 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   }
   check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace},
                                 {"--pipeline-plot", o.pipeline_plot}, {"--costs", budget.costs}});
-  // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
-  const actmem::DistEnv dist = actmem::dist_env_from_environment();
+}
+
+// Refuses the planner's flags given without the --memory-budget (or --costs) they serve.
+void check_train_budget_flags(const BudgetOptions& budget) {
   TORCH_CHECK(budget.costs.empty() || !budget.budget.empty(),
               "actmem train: --costs keeps the planner's costs for --memory-budget; give both");
   TORCH_CHECK(!budget.finalists_given || !budget.budget.empty(),
               "actmem train: --finalists chooses among strategies for --memory-budget; give both");
   TORCH_CHECK(!budget.costs_speed_tolerance_given || !budget.costs.empty(),
               "actmem train: --costs-speed-tolerance checks the costs kept in --costs; give both");
+}
+
+// Opens the files rank 0 (the writer) was asked to write: the JSON log, the trace, the plot.
+void open_train_outputs(const actmem::TrainOptions& o, bool writer, OutputFile& log,
+                        OutputFile& trace, OutputFile& schedule_plot) {
+  if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
+  if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
+  if (writer && !o.pipeline_plot.empty()) {
+    schedule_plot = OutputFile({"--pipeline-plot", o.pipeline_plot});
+  }
+}
+
+// Prints the notice of the Megatron flags accepted without an effect.
+void print_no_effect_notices(std::ostream& human, const actmem::TrainOptions& o) {
+  // One notice for the Megatron flags accepted without an effect (megatron_compat.h).
+  human << "  notice: " << o.no_effect_notices.size() << " Megatron flag"
+        << (o.no_effect_notices.size() == 1 ? "" : "s") << " accepted with no effect here:\n";
+  for (const auto& n : o.no_effect_notices) human << "    " << n << "\n";
+}
+
+// What write_train_tensorboard keeps from one iteration to the next.
+struct TrainTensorBoardState {
+  double last_logged_elapsed = 0.0;
+  int64_t last_logged_iteration = 0;
+  int64_t max_allocated = 0;  // --log-memory-to-tensorboard's mem-max-allocated-bytes
+};
+
+// Writes an iteration's TensorBoard scalars (training_log's and evaluate_and_print_results').
+void write_train_tensorboard(actmem::EventFileWriter& tensorboard, const actmem::TrainOptions& o,
+                             const actmem::Trainer& trainer, int world_size,
+                             TrainTensorBoardState& state, const actmem::IterationStats& st) {
+  const auto& tbo = o.tensorboard;
+  auto add = [&](const std::string& tag, double v) {
+    tensorboard.add_scalar(tag, v, st.iteration);
+    tensorboard.add_scalar(tag + " vs samples", v, st.consumed_samples);
+  };
+  if (tbo.log_memory) {
+    // Every step's peak (the trainer resets it when a step starts, and validation after the
+    // step may have reset it again), logged or not.
+    state.max_allocated = std::max({state.max_allocated, st.peak_device_bytes,
+                                    actmem::device_memory(trainer.device()).peak_bytes()});
+  }
+  if (st.iteration % tbo.log_interval == 0) {
+    add("learning-rate", trainer.next_learning_rate());
+    add("batch-size", static_cast<double>(st.global_batch_size));
+    add("lm loss", st.loss);
+    if (tbo.log_loss_scale) add("loss-scale", st.loss_scale);
+    if (tbo.log_world_size) add("world-size", world_size);
+    add("grad-norm", st.grad_norm);
+    if (tbo.log_memory) {
+      // training_log's torch.cuda.memory_stats() scalars from this rank's allocator: on CPU
+      // the tracking allocator's (memory_tracker.h); the all-time peak Megatron logs is the
+      // running maximum of the step peaks above.
+      const actmem::DeviceMemory& mem = actmem::device_memory(trainer.device());
+      tensorboard.add_scalar("mem-reserved-bytes", static_cast<double>(mem.reserved_bytes()),
+                             st.iteration);
+      tensorboard.add_scalar("mem-allocated-bytes", static_cast<double>(mem.current_bytes()),
+                             st.iteration);
+      tensorboard.add_scalar("mem-max-allocated-bytes", static_cast<double>(state.max_allocated),
+                             st.iteration);
+      tensorboard.add_scalar("mem-allocated-count", static_cast<double>(mem.live_allocations()),
+                             st.iteration);
+    }
+  }
+  if (tbo.log_timers && st.iteration % trainer.config().log_interval == 0) {
+    // Seconds per iteration since the last log iteration (validation and saves included).
+    const double seconds = (st.elapsed_s - state.last_logged_elapsed) /
+                           static_cast<double>(st.iteration - state.last_logged_iteration);
+    tensorboard.add_scalar("iteration-time", seconds, st.iteration);
+    if (trainer.config().log_throughput) {
+      // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here): the model FLOPs of
+      // this step's global batch (num_floating_point_operations).
+      const double step_flops = actmem::megatron_model_flops(o.model, st.global_batch_size);
+      tensorboard.add_scalar("throughput",
+                             actmem::tflops_per_rank(step_flops, seconds, world_size),
+                             st.iteration);
+    }
+    state.last_logged_elapsed = st.elapsed_s;
+    state.last_logged_iteration = st.iteration;
+  }
+  if (st.val_loss) {
+    add("lm loss validation", *st.val_loss);
+    if (tbo.log_validation_ppl)
+      add("lm loss validation ppl", std::exp(std::min(20.0, *st.val_loss)));
+  }
+}
+
+// What the closing lines report of the steps run (print_summary).
+struct TrainTotals {
+  double first_loss = NAN, last_loss = NAN, total_time = 0.0;
+  std::optional<double> last_val;
+  int64_t steps = 0;
+  actmem::IterationStats last_stats;  // the per-stage memory of the last step
+};
+
+// Adds a step to the totals.
+void add_train_step_to_totals(TrainTotals& totals, const actmem::IterationStats& st) {
+  if (std::isnan(totals.first_loss)) totals.first_loss = st.loss;
+  totals.last_loss = st.loss;
+  totals.total_time += st.step_time_s;
+  ++totals.steps;
+  if (st.val_loss) totals.last_val = st.val_loss;
+  actmem::IterationStats& last_stats = totals.last_stats;
+  last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
+  last_stats.predicted_inflight_activation_bytes_per_stage =
+      st.predicted_inflight_activation_bytes_per_stage;
+  last_stats.iteration = st.iteration;
+  last_stats.pipeline_schedule_per_stage = st.pipeline_schedule_per_stage;
+}
+
+int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
+  // With --memory-budget (or --costs, which asks for it) the planner chooses the offload the
+  // offload settings apply to; a --costs without the budget is refused below with its reason.
+  o.offload_planned_later = !budget.budget.empty() || !budget.costs.empty();
+  o.finalize();
+  actmem::apply_thread_count(o.threads);
+  check_train_files(o, budget);
+  // Under `actmem launch`, rank 0 alone writes the JSON log, the trace and the progress.
+  const actmem::DistEnv dist = actmem::dist_env_from_environment();
+  check_train_budget_flags(budget);
   if (!budget.budget.empty()) plan_for_budget(o, budget, dist.world_size);
   check_launch_layout(o.model, dist.world_size);
   o.training.device = actmem::device_for_rank(o.training.device, dist);
@@ -441,11 +559,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   // under launch, before rank 0 joins its peers).
   const bool writer = dist.rank == 0;
   OutputFile log, trace, schedule_plot;
-  if (writer && !o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
-  if (writer && !o.trace.empty()) trace = OutputFile({"--trace", o.trace});
-  if (writer && !o.pipeline_plot.empty()) {
-    schedule_plot = OutputFile({"--pipeline-plot", o.pipeline_plot});
-  }
+  open_train_outputs(o, writer, log, trace, schedule_plot);
   const auto& m = o.model;
   const actmem::TensorParallelSession tp_session(
       dist, c10::Device(o.training.device), static_cast<int>(m.tensor_model_parallel_size),
@@ -459,12 +573,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   std::ostream& human = log.is_stdout() ? std::cerr : std::cout;
   const std::optional<int64_t> resumed = load_if_asked(trainer, o.training, writer);
   if (writer) print_header(human, trainer, o, trainer.model(), resumed);
-  if (writer && !o.no_effect_notices.empty()) {
-    // One notice for the Megatron flags accepted without an effect (megatron_compat.h).
-    human << "  notice: " << o.no_effect_notices.size() << " Megatron flag"
-          << (o.no_effect_notices.size() == 1 ? "" : "s") << " accepted with no effect here:\n";
-    for (const auto& n : o.no_effect_notices) human << "    " << n << "\n";
-  }
+  if (writer && !o.no_effect_notices.empty()) print_no_effect_notices(human, o);
   if (log.is_open()) {
     log.write(config_record(o, trainer, dist.world_size).dump() + "\n", "the config record");
   }
@@ -475,68 +584,9 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   if (!tbo.dir.empty() && dist.rank == dist.world_size - 1) {
     tensorboard = std::make_unique<actmem::EventFileWriter>(tbo.dir, tbo.queue_size);
   }
-  double last_logged_elapsed = 0.0;
-  int64_t last_logged_iteration = trainer.iteration();
-  int64_t max_allocated = 0;  // --log-memory-to-tensorboard's mem-max-allocated-bytes
-  auto write_tensorboard = [&](const actmem::IterationStats& st) {
-    auto add = [&](const std::string& tag, double v) {
-      tensorboard->add_scalar(tag, v, st.iteration);
-      tensorboard->add_scalar(tag + " vs samples", v, st.consumed_samples);
-    };
-    if (tbo.log_memory) {
-      // Every step's peak (the trainer resets it when a step starts, and validation after the
-      // step may have reset it again), logged or not.
-      max_allocated = std::max({max_allocated, st.peak_device_bytes,
-                                actmem::device_memory(trainer.device()).peak_bytes()});
-    }
-    if (st.iteration % tbo.log_interval == 0) {
-      add("learning-rate", trainer.next_learning_rate());
-      add("batch-size", static_cast<double>(st.global_batch_size));
-      add("lm loss", st.loss);
-      if (tbo.log_loss_scale) add("loss-scale", st.loss_scale);
-      if (tbo.log_world_size) add("world-size", dist.world_size);
-      add("grad-norm", st.grad_norm);
-      if (tbo.log_memory) {
-        // training_log's torch.cuda.memory_stats() scalars from this rank's allocator: on CPU
-        // the tracking allocator's (memory_tracker.h); the all-time peak Megatron logs is the
-        // running maximum of the step peaks above.
-        const actmem::DeviceMemory& mem = actmem::device_memory(trainer.device());
-        tensorboard->add_scalar("mem-reserved-bytes", static_cast<double>(mem.reserved_bytes()),
-                                st.iteration);
-        tensorboard->add_scalar("mem-allocated-bytes", static_cast<double>(mem.current_bytes()),
-                                st.iteration);
-        tensorboard->add_scalar("mem-max-allocated-bytes", static_cast<double>(max_allocated),
-                                st.iteration);
-        tensorboard->add_scalar("mem-allocated-count", static_cast<double>(mem.live_allocations()),
-                                st.iteration);
-      }
-    }
-    if (tbo.log_timers && st.iteration % trainer.config().log_interval == 0) {
-      // Seconds per iteration since the last log iteration (validation and saves included).
-      const double seconds = (st.elapsed_s - last_logged_elapsed) /
-                             static_cast<double>(st.iteration - last_logged_iteration);
-      tensorboard->add_scalar("iteration-time", seconds, st.iteration);
-      if (trainer.config().log_throughput) {
-        // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here): the model FLOPs of
-        // this step's global batch (num_floating_point_operations).
-        const double step_flops = actmem::megatron_model_flops(o.model, st.global_batch_size);
-        tensorboard->add_scalar("throughput",
-                                actmem::tflops_per_rank(step_flops, seconds, dist.world_size),
-                                st.iteration);
-      }
-      last_logged_elapsed = st.elapsed_s;
-      last_logged_iteration = st.iteration;
-    }
-    if (st.val_loss) {
-      add("lm loss validation", *st.val_loss);
-      if (tbo.log_validation_ppl)
-        add("lm loss validation ppl", std::exp(std::min(20.0, *st.val_loss)));
-    }
-  };
-  double first_loss = NAN, last_loss = NAN, total_time = 0.0;
-  std::optional<double> last_val;
-  int64_t steps = 0;
-  actmem::IterationStats last_stats;  // the per-stage memory of the last step
+  TrainTensorBoardState tensorboard_state;
+  tensorboard_state.last_logged_iteration = trainer.iteration();
+  TrainTotals totals;
   Trainer::RunOutput out;
   std::optional<actmem::ExitSignalHandler> signals;
   if (o.training.exit_signal_handler) {
@@ -551,17 +601,11 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   const int stopped_by = trainer.run(
       out,
       [&](const actmem::IterationStats& st) {
-        if (tensorboard) write_tensorboard(st);
-        if (std::isnan(first_loss)) first_loss = st.loss;
-        last_loss = st.loss;
-        total_time += st.step_time_s;
-        ++steps;
-        if (st.val_loss) last_val = st.val_loss;
-        last_stats.inflight_activation_bytes_per_stage = st.inflight_activation_bytes_per_stage;
-        last_stats.predicted_inflight_activation_bytes_per_stage =
-            st.predicted_inflight_activation_bytes_per_stage;
-        last_stats.iteration = st.iteration;
-        last_stats.pipeline_schedule_per_stage = st.pipeline_schedule_per_stage;
+        if (tensorboard) {
+          write_train_tensorboard(*tensorboard, o, trainer, dist.world_size, tensorboard_state,
+                                  st);
+        }
+        add_train_step_to_totals(totals, st);
         if (log.is_open()) {
           // Whole lines only (Note [Whole records or nothing]).
           log.write(actmem::to_json(st).dump() + "\n", "iteration " + std::to_string(st.iteration));
@@ -572,13 +616,13 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
   log.close();
   if (tensorboard) tensorboard->flush();
   if (!writer) return 0;
-  if (steps == 0) {
+  if (totals.steps == 0) {
     human << "done: nothing to train (iteration " << trainer.iteration() << " of --train-iters "
           << trainer.config().train_iters << ")\n";
     return 0;
   }
-  print_summary(human, o, first_loss, last_loss, last_val, total_time, steps, last_stats,
-                schedule_plot);
+  print_summary(human, o, totals.first_loss, totals.last_loss, totals.last_val,
+                totals.total_time, totals.steps, totals.last_stats, schedule_plot);
   if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
 }

@@ -194,6 +194,73 @@ void add_parallel_flags(CLI::App& app, TrainOptions& o) {
       ->check(integer_in_range(1, 1 << 20));
 }
 
+// Adds the Gated DeltaNet flags (--experimental-attention-variant, --linear-*).
+void add_gated_delta_net_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
+  // Gated DeltaNet hybrid models (docs/gdn.md), Megatron's flags and defaults.
+  app.add_option("--experimental-attention-variant", m.experimental_attention_variant,
+                 "gdn: GatedDeltaNet (linear attention by the gated delta rule) on the layers "
+                 "--linear-attention-freq marks (gated_delta_net: Megatron's deprecated spelling)")
+      ->check(CLI::IsMember({"gdn", "gated_delta_net", "gdn2", "dsa"}));
+  app.add_option("--linear-attention-freq", m.linear_attention_freq,
+                 "N: every N-th layer is standard attention, the others GatedDeltaNet; or a 0/1 "
+                 "pattern per layer (1 = GDN), e.g. \"([1]*3+[0])*2\"");
+  app.add_option("--linear-conv-kernel-dim", m.linear_conv_kernel_dim,
+                 "GatedDeltaNet's causal convolution kernel")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-key-head-dim", m.linear_key_head_dim,
+                 "GatedDeltaNet's query and key head dimension")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-value-head-dim", m.linear_value_head_dim,
+                 "GatedDeltaNet's value and gate head dimension")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-num-key-heads", m.linear_num_key_heads,
+                 "GatedDeltaNet's query and key heads")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--linear-num-value-heads", m.linear_num_value_heads,
+                 "GatedDeltaNet's value and gate heads (a multiple of the key heads)")
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
+}
+
+// Adds the multi-latent attention flags (and YaRN's, which MLA uses by default).
+void add_multi_latent_attention_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
+  // Multi-latent attention (docs/mla.md), Megatron's flags and CLI defaults.
+  app.add_flag("--multi-latent-attention", m.multi_latent_attention,
+               "Attention through low-rank query and key/value latents (Megatron's MLA)");
+  app.add_option_function<int64_t>(
+         "--q-lora-rank", [&m](const int64_t& v) { m.q_lora_rank = v; },
+         "Rank of the query's latent (default: no query compression)")
+      ->check(integer_in_range(1, kMaxInt));
+  app.add_option("--kv-lora-rank", m.kv_lora_rank, "Rank of the keys' and values' latent")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--qk-head-dim", m.qk_head_dim, "Per-head query/key width without position")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim,
+                 "Per-head width of the decoupled RoPE part of queries and keys")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
+      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+  app.add_flag("--qk-layernorm,!--no-qk-layernorm", m.qk_layernorm,
+               "Norms on each query and key head (q_layernorm, k_layernorm before RoPE); with MLA "
+               "on the query and key/value latents (q_layernorm, kv_layernorm)");
+  app.add_flag("--attention-output-gate,!--no-attention-output-gate", m.attention_output_gate,
+               "Gated attention: linear_qkv also yields a gate per query head; the core "
+               "attention's output is multiplied by sigmoid(gate) before linear_proj");
+  app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
+      ->check(CLI::IsMember({"rope", "yarn"}));
+  app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN's scaling factor")
+      ->capture_default_str()->check(kPositive);
+  app.add_option("--mscale", m.mscale, "YaRN's mscale (MLA)")->capture_default_str();
+  app.add_option("--mscale-all-dim", m.mscale_all_dim, "YaRN's mscale_all_dim (MLA)")
+      ->capture_default_str();
+}
+
 void add_moe_flags(CLI::App& app, TrainOptions& o) {
   auto& m = o.model;
   // Mixture of experts (docs/moe.md), Megatron's flags and defaults.
@@ -264,63 +331,8 @@ void add_moe_flags(CLI::App& app, TrainOptions& o) {
                  "actmem: dropout on the experts' activation, from the expert-parallel random "
                  "stream (Megatron has none; default 0)")
       ->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  // Gated DeltaNet hybrid models (docs/gdn.md), Megatron's flags and defaults.
-  app.add_option("--experimental-attention-variant", m.experimental_attention_variant,
-                 "gdn: GatedDeltaNet (linear attention by the gated delta rule) on the layers "
-                 "--linear-attention-freq marks (gated_delta_net: Megatron's deprecated spelling)")
-      ->check(CLI::IsMember({"gdn", "gated_delta_net", "gdn2", "dsa"}));
-  app.add_option("--linear-attention-freq", m.linear_attention_freq,
-                 "N: every N-th layer is standard attention, the others GatedDeltaNet; or a 0/1 "
-                 "pattern per layer (1 = GDN), e.g. \"([1]*3+[0])*2\"");
-  app.add_option("--linear-conv-kernel-dim", m.linear_conv_kernel_dim,
-                 "GatedDeltaNet's causal convolution kernel")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-key-head-dim", m.linear_key_head_dim,
-                 "GatedDeltaNet's query and key head dimension")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-value-head-dim", m.linear_value_head_dim,
-                 "GatedDeltaNet's value and gate head dimension")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-num-key-heads", m.linear_num_key_heads,
-                 "GatedDeltaNet's query and key heads")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-num-value-heads", m.linear_num_value_heads,
-                 "GatedDeltaNet's value and gate heads (a multiple of the key heads)")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  // Multi-latent attention (docs/mla.md), Megatron's flags and CLI defaults.
-  app.add_flag("--multi-latent-attention", m.multi_latent_attention,
-               "Attention through low-rank query and key/value latents (Megatron's MLA)");
-  app.add_option_function<int64_t>(
-         "--q-lora-rank", [&m](const int64_t& v) { m.q_lora_rank = v; },
-         "Rank of the query's latent (default: no query compression)")
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--kv-lora-rank", m.kv_lora_rank, "Rank of the keys' and values' latent")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--qk-head-dim", m.qk_head_dim, "Per-head query/key width without position")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim,
-                 "Per-head width of the decoupled RoPE part of queries and keys")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_flag("--qk-layernorm,!--no-qk-layernorm", m.qk_layernorm,
-               "Norms on each query and key head (q_layernorm, k_layernorm before RoPE); with MLA "
-               "on the query and key/value latents (q_layernorm, kv_layernorm)");
-  app.add_flag("--attention-output-gate,!--no-attention-output-gate", m.attention_output_gate,
-               "Gated attention: linear_qkv also yields a gate per query head; the core "
-               "attention's output is multiplied by sigmoid(gate) before linear_proj");
-  app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
-      ->check(CLI::IsMember({"rope", "yarn"}));
-  app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN's scaling factor")
-      ->capture_default_str()->check(kPositive);
-  app.add_option("--mscale", m.mscale, "YaRN's mscale (MLA)")->capture_default_str();
-  app.add_option("--mscale-all-dim", m.mscale_all_dim, "YaRN's mscale_all_dim (MLA)")
-      ->capture_default_str();
+  add_gated_delta_net_flags(app, o);
+  add_multi_latent_attention_flags(app, o);
 }
 
 void add_recompute_flags(CLI::App& app, TrainOptions& o) {
@@ -707,6 +719,101 @@ void warn_core_attn_recompute_with_flash(const TransformerConfig& model) {
       "keeps no s x s tensors; core_attn recompute saves only its logsumexp, 4 a s b "
       "bytes per layer)");
 }
+
+// Carries the model's switches (norm, SwiGLU, query groups, biases, positions) into the model.
+void finalize_model_switches(TrainOptions& o) {
+  TransformerConfig& model = o.model;
+  model.normalization = o.normalization_flag;
+  model.gated_linear_unit = o.swiglu;
+  if (o.group_query_attention) {
+    // Megatron's --num-query-groups defaults to 1 (multi-query attention) under the switch.
+    if (model.num_query_groups == 0) model.num_query_groups = 1;
+  } else {
+    TORCH_CHECK(model.num_query_groups == 0,
+                "--num-query-groups needs --group-query-attention "
+                "(Megatron ignores it without the switch; here it is refused rather than "
+                "ignored)");
+  }
+  if (o.swiglu && model.ffn_hidden_size == 0) {
+    // Megatron's validate_args: SwiGLU's two fc1 halves keep the parameters of a 4h GeLU MLP,
+    // rounded down to a multiple of 64 (its TransformerConfig alone would take 4h).
+    model.ffn_hidden_size = 4 * model.hidden_size * 2 / 3 / 64 * 64;
+    TORCH_CHECK(model.ffn_hidden_size > 0, "--swiglu without --ffn-hidden-size takes Megatron's "
+                "int(8h/3/64) x 64, which is 0 for --hidden-size ", model.hidden_size,
+                "; give --ffn-hidden-size");
+  }
+  if (model.sequence_parallel && model.tensor_model_parallel_size == 1) {
+    // Megatron's validate_args: sequence parallelism without tensor parallelism is switched off.
+    TORCH_WARN("Disabling sequence parallelism because tensor model parallelism is disabled");
+    model.sequence_parallel = false;
+  }
+  model.add_bias_linear = !o.disable_bias_linear;
+  model.untie_embeddings_and_output_weights = o.untie;
+  // --use-rotary-position-embeddings is Megatron's deprecated spelling of the type rope; the
+  // type given by name wins (a preset's RoPE is turned off with
+  // --position-embedding-type learned_absolute).
+  model.position_embedding_type = !o.position_embedding_type.empty() ? o.position_embedding_type
+                                  : o.use_rope                         ? "rope"
+                                                                       : "learned_absolute";
+  // Megatron's validate_args (arguments.py), the same RuntimeError text.
+  TORCH_CHECK(!o.no_position_embedding || model.position_embedding_type == "rope",
+              "--no-position-embedding is deprecated, use --position-embedding-type");
+}
+
+// Sets up the tokenizer the flags name and the vocabulary it gives (Megatron's build_tokenizer).
+void finalize_tokenizer_flags(TrainOptions& o) {
+  TransformerConfig& model = o.model;
+  TrainingConfig& training = o.training;
+  if (!training.vocab_file.empty() || !training.merge_file.empty()) {
+    // pretrain_gpt.py's default tokenizer (args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
+    if (training.tokenizer_type.empty()) training.tokenizer_type = "GPT2BPETokenizer";
+    // Absolute, so the checkpoint's args name files `generate` finds from any directory.
+    for (std::string* f : {&training.vocab_file, &training.merge_file}) {
+      if (!f->empty()) *f = std::filesystem::absolute(*f).string();
+    }
+  }
+  // Megatron reads the tiktoken settings for TikTokenizer only (build_tokenizer); elsewhere they
+  // are named in the notice of accepted flags (check_megatron_compat_flags).
+  const bool tiktoken = training.tokenizer_type == "TikTokenizer";
+  if (training.tokenizer_type == "NullTokenizer") {
+    // Megatron's NullTokenizer is --vocab-size ids (the last one ends documents), padded as any
+    // tokenizer's vocabulary is (vocab_size_with_padding).
+    TORCH_CHECK(o.vocab_size_given,
+                "--tokenizer-type NullTokenizer needs --vocab-size (Megatron's "
+                "NullTokenizer has that many ids, the last ending each document)");
+  } else if (!training.tokenizer_type.empty() && !tiktoken) {
+    // (TikTokenizer's size is --vocab-size, default 2^17, as in Megatron's build_tokenizer.)
+    TORCH_CHECK(!o.vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
+                "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
+  } else if (!tiktoken) {
+    TORCH_CHECK(training.tokenizer_model.empty(),
+                "--tokenizer-model needs --tokenizer-type SentencePieceTokenizer, TikTokenizer "
+                "or HuggingFaceTokenizer");
+  }
+  if (!training.tokenizer_type.empty()) {
+    // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
+    if (!training.tokenizer_model.empty()) {
+      training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
+    }
+    TokenizerSpec spec;
+    spec.type = training.tokenizer_type;
+    spec.model = training.tokenizer_model;
+    spec.vocab_file = training.vocab_file;
+    spec.merge_file = training.merge_file;
+    spec.vocab_size = o.vocab_size_given ? model.vocab_size : 0;
+    if (tiktoken) {
+      spec.tiktoken_pattern = training.tiktoken_pattern;
+      spec.tiktoken_num_special_tokens = training.tiktoken_num_special_tokens;
+      spec.special_tokens = training.special_tokens;
+    }
+    const auto tokenizer = make_tokenizer(spec);
+    training.tokenizer_vocab_size = tokenizer->vocab_size();
+    training.eod_id = tokenizer->eod();
+    model.vocab_size =
+        padded_vocab_size(tokenizer->vocab_size(), training.make_vocab_size_divisible_by,
+                          model.tensor_model_parallel_size);
+  }
+}
 }  // namespace
 
 void TrainOptions::finalize() {
@@ -729,41 +836,7 @@ void TrainOptions::finalize() {
   // Megatron's validate_args: a run is iteration-based or sample-based (arguments.py).
   TORCH_CHECK(!(training.train_samples && train_iters_given),
               "expected sample-based training: give --train-samples or --train-iters, not both");
-  model.normalization = normalization_flag;
-  model.gated_linear_unit = swiglu;
-  if (group_query_attention) {
-    // Megatron's --num-query-groups defaults to 1 (multi-query attention) under the switch.
-    if (model.num_query_groups == 0) model.num_query_groups = 1;
-  } else {
-    TORCH_CHECK(model.num_query_groups == 0,
-                "--num-query-groups needs --group-query-attention "
-                "(Megatron ignores it without the switch; here it is refused rather than "
-                "ignored)");
-  }
-  if (swiglu && model.ffn_hidden_size == 0) {
-    // Megatron's validate_args: SwiGLU's two fc1 halves keep the parameters of a 4h GeLU MLP,
-    // rounded down to a multiple of 64 (its TransformerConfig alone would take 4h).
-    model.ffn_hidden_size = 4 * model.hidden_size * 2 / 3 / 64 * 64;
-    TORCH_CHECK(model.ffn_hidden_size > 0, "--swiglu without --ffn-hidden-size takes Megatron's "
-                "int(8h/3/64) x 64, which is 0 for --hidden-size ", model.hidden_size,
-                "; give --ffn-hidden-size");
-  }
-  if (model.sequence_parallel && model.tensor_model_parallel_size == 1) {
-    // Megatron's validate_args: sequence parallelism without tensor parallelism is switched off.
-    TORCH_WARN("Disabling sequence parallelism because tensor model parallelism is disabled");
-    model.sequence_parallel = false;
-  }
-  model.add_bias_linear = !disable_bias_linear;
-  model.untie_embeddings_and_output_weights = untie;
-  // --use-rotary-position-embeddings is Megatron's deprecated spelling of the type rope; the
-  // type given by name wins (a preset's RoPE is turned off with
-  // --position-embedding-type learned_absolute).
-  model.position_embedding_type = !position_embedding_type.empty() ? position_embedding_type
-                                  : use_rope                       ? "rope"
-                                                                   : "learned_absolute";
-  // Megatron's validate_args (arguments.py), the same RuntimeError text.
-  TORCH_CHECK(!no_position_embedding || model.position_embedding_type == "rope",
-              "--no-position-embedding is deprecated, use --position-embedding-type");
+  finalize_model_switches(*this);
   if (device_memory_limit_gib > 0.0) {
     training.device_memory_limit =
         static_cast<int64_t>(std::llround(device_memory_limit_gib * 1024.0 * 1024.0 * 1024.0));
@@ -773,55 +846,7 @@ void TrainOptions::finalize() {
   TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
               dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
               "and no --loss-scale");
-  if (!training.vocab_file.empty() || !training.merge_file.empty()) {
-    // pretrain_gpt.py's default tokenizer (args_defaults={'tokenizer_type': 'GPT2BPETokenizer'}).
-    if (training.tokenizer_type.empty()) training.tokenizer_type = "GPT2BPETokenizer";
-    // Absolute, so the checkpoint's args name files `generate` finds from any directory.
-    for (std::string* f : {&training.vocab_file, &training.merge_file}) {
-      if (!f->empty()) *f = std::filesystem::absolute(*f).string();
-    }
-  }
-  // Megatron reads the tiktoken settings for TikTokenizer only (build_tokenizer); elsewhere they
-  // are named in the notice of accepted flags (check_megatron_compat_flags).
-  const bool tiktoken = training.tokenizer_type == "TikTokenizer";
-  if (training.tokenizer_type == "NullTokenizer") {
-    // Megatron's NullTokenizer is --vocab-size ids (the last one ends documents), padded as any
-    // tokenizer's vocabulary is (vocab_size_with_padding).
-    TORCH_CHECK(vocab_size_given,
-                "--tokenizer-type NullTokenizer needs --vocab-size (Megatron's "
-                "NullTokenizer has that many ids, the last ending each document)");
-  } else if (!training.tokenizer_type.empty() && !tiktoken) {
-    // (TikTokenizer's size is --vocab-size, default 2^17, as in Megatron's build_tokenizer.)
-    TORCH_CHECK(!vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
-                "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
-  } else if (!tiktoken) {
-    TORCH_CHECK(training.tokenizer_model.empty(),
-                "--tokenizer-model needs --tokenizer-type SentencePieceTokenizer, TikTokenizer "
-                "or HuggingFaceTokenizer");
-  }
-  if (!training.tokenizer_type.empty()) {
-    // Absolute, so the checkpoint's args name a file `generate` finds from any directory.
-    if (!training.tokenizer_model.empty()) {
-      training.tokenizer_model = std::filesystem::absolute(training.tokenizer_model).string();
-    }
-    TokenizerSpec spec;
-    spec.type = training.tokenizer_type;
-    spec.model = training.tokenizer_model;
-    spec.vocab_file = training.vocab_file;
-    spec.merge_file = training.merge_file;
-    spec.vocab_size = vocab_size_given ? model.vocab_size : 0;
-    if (tiktoken) {
-      spec.tiktoken_pattern = training.tiktoken_pattern;
-      spec.tiktoken_num_special_tokens = training.tiktoken_num_special_tokens;
-      spec.special_tokens = training.special_tokens;
-    }
-    const auto tokenizer = make_tokenizer(spec);
-    training.tokenizer_vocab_size = tokenizer->vocab_size();
-    training.eod_id = tokenizer->eod();
-    model.vocab_size =
-        padded_vocab_size(tokenizer->vocab_size(), training.make_vocab_size_divisible_by,
-                          model.tensor_model_parallel_size);
-  }
+  finalize_tokenizer_flags(*this);
   model.validate();
   training.validate(model);
   warn_core_attn_recompute_with_flash(model);

@@ -417,10 +417,10 @@ char process_state(pid_t pid) {
   const char* close = std::strrchr(buf, ')');  // the command name may hold spaces and ')'
   return close != nullptr && close[1] == ' ' && close[2] != '\0' ? close[2] : '?';
 }
-}  // namespace
 
-int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
-                   int master_port, std::chrono::milliseconds grace, const LaunchNodes& nodes) {
+// Refuses launch_program's arguments that cannot make a launch, before anything starts.
+void check_launch_arguments(int nproc, const std::vector<std::string>& args,
+                            const LaunchNodes& nodes) {
   TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
   TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
               "actmem launch --nproc-per-node 2 -- train");
@@ -429,6 +429,233 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
               "must be in 0..", nodes.nnodes - 1, " for --nnodes ", nodes.nnodes, ", got ",
               nodes.node_rank);
   TORCH_CHECK(!nodes.master_addr.empty(), "actmem launch: --master-addr is empty");
+}
+
+// What launch_program starts this node's workers with, and names them by.
+struct LaunchSpec {
+  int nproc;
+  const std::string& program;
+  const std::vector<std::string>& args;
+  const LaunchNodes& nodes;
+  int port;
+  std::string omp_threads;
+  int first_rank;
+  int world;
+  pid_t launcher;
+  NodeLink* link;  // Note [Launchers across nodes]; null on a single node
+};
+
+// The workers as the launcher watches them: pids, output, how each ended, the stopping state.
+struct LaunchedWorkers {
+  std::vector<pid_t> pids;
+  std::vector<WorkerOutput> output;
+  std::vector<bool> alive;
+  std::vector<int> codes;
+  int remaining = 0;
+  int64_t order = 0;
+  std::chrono::steady_clock::time_point kill_deadline{};
+  bool stopping = false;
+  int signals_seen = 0;
+  int signal_result = 0;
+};
+
+// In worker r's forked child: sets its rank's environment and stderr, then runs the program.
+[[noreturn]] void exec_launch_worker(const LaunchSpec& spec, int r, int stderr_fd) {
+  prctl(PR_SET_PDEATHSIG, SIGTERM);          // die with the launcher: no orphans
+  if (getppid() != spec.launcher) _exit(1);  // the launcher died before prctl took effect
+  ::dup2(stderr_fd, STDERR_FILENO);          // Note [Worker stderr]
+  setenv("RANK", std::to_string(spec.first_rank + r).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(spec.world).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(spec.nproc).c_str(), 1);
+  setenv("GROUP_RANK", std::to_string(spec.nodes.node_rank).c_str(), 1);
+  setenv("MASTER_ADDR", spec.nodes.master_addr.c_str(), 1);
+  setenv("MASTER_PORT", std::to_string(spec.port).c_str(), 1);
+  setenv("OMP_NUM_THREADS", spec.omp_threads.c_str(), /*overwrite=*/0);
+  if (spec.link) setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
+  std::vector<char*> argv;
+  std::string self = spec.program == "/proc/self/exe" ? "actmem" : spec.program;
+  argv.push_back(self.data());
+  std::vector<std::string> copy = spec.args;
+  for (auto& a : copy) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  execv(spec.program.c_str(), argv.data());
+  std::fprintf(stderr, "error: actmem launch: worker %d could not start: %s\n", r,
+               std::strerror(errno));
+  _exit(127);
+}
+
+// Forks and starts this node's workers, each one's stderr a pipe the launcher reads.
+LaunchedWorkers launch_fork_workers(const LaunchSpec& spec) {
+  const int nproc = spec.nproc;
+  LaunchedWorkers w;
+  w.output.resize(static_cast<size_t>(nproc));
+  for (int r = 0; r < nproc; ++r) {
+    int pipe_fds[2];
+    TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "actmem launch: pipe failed: ",
+                std::strerror(errno));
+    std::fflush(nullptr);
+    const pid_t pid = fork();
+    TORCH_CHECK(pid >= 0, "actmem launch: fork failed: ", std::strerror(errno));
+    if (pid == 0) exec_launch_worker(spec, r, pipe_fds[1]);
+    ::close(pipe_fds[1]);
+    // Read without blocking, so one worker's open pipe never holds up the others' exits.
+    ::fcntl(pipe_fds[0], F_SETFL, ::fcntl(pipe_fds[0], F_GETFL) | O_NONBLOCK);
+    w.output[static_cast<size_t>(r)].fd = pipe_fds[0];
+    w.pids.push_back(pid);
+  }
+  w.alive.assign(static_cast<size_t>(nproc), true);
+  w.codes.assign(static_cast<size_t>(nproc), 0);
+  w.remaining = nproc;
+  return w;
+}
+
+// Before stopping them because another worker failed: a worker that cannot run (stopped by a
+// signal or a debugger) is the likely cause of a collective's timeout elsewhere; say so.
+void launch_name_stuck_workers(const LaunchSpec& spec, const LaunchedWorkers& w) {
+  for (int r = 0; r < spec.nproc; ++r) {
+    const char state = w.alive[r] ? process_state(w.pids[r]) : '?';
+    if (state == 'T' || state == 't') {
+      std::fprintf(stderr,
+                   "actmem launch: worker %d%s was stopped (%s) when the failure came: "
+                   "its peers' collectives waited for it\n",
+                   spec.first_rank + r, spec.link ? " here" : "",
+                   state == 'T' ? "SIGSTOP" : "held by a debugger");
+    }
+  }
+}
+
+// Sends `sig` to every worker still alive.
+void launch_signal_workers(const LaunchSpec& spec, const LaunchedWorkers& w, int sig) {
+  for (int r = 0; r < spec.nproc; ++r) {
+    if (!w.alive[r]) continue;
+    kill(w.pids[r], sig);
+    // A stopped worker (SIGSTOP, a debugger let go) would hold the signal until the grace ends.
+    if (sig != SIGKILL) kill(w.pids[r], SIGCONT);
+  }
+}
+
+// After a failure: names the stuck workers, then stops the others (SIGKILL after the grace).
+void launch_stop_after_failure(const LaunchSpec& spec, LaunchedWorkers& w,
+                               std::chrono::milliseconds grace) {
+  launch_name_stuck_workers(spec, w);
+  std::fflush(stderr);
+  launch_signal_workers(spec, w, SIGTERM);
+  w.stopping = true;
+  w.kill_deadline = std::chrono::steady_clock::now() + grace;
+}
+
+// Forwards the signal the launcher received to the workers (a second one kills them).
+void launch_forward_signal(const LaunchSpec& spec, LaunchedWorkers& w) {
+  // Note [Signals reach the workers]: a SIGTERM or SIGINT sent to the launcher is forwarded.
+  // Workers that handle it (train --exit-signal-handler) finish their step and save; the
+  // launcher waits for them up to kSignalGrace (a step and a save of a large model take time)
+  // and exits 0 when they all did. A second signal kills them at once.
+  constexpr auto kSignalGrace = std::chrono::minutes(5);
+  const int sig = g_forward_signal;
+  g_forward_signal = 0;
+  launch_signal_workers(spec, w, ++w.signals_seen == 1 ? sig : SIGKILL);
+  if (w.signal_result == 0) w.signal_result = 128 + sig;
+  if (!w.stopping) w.kill_deadline = std::chrono::steady_clock::now() + kSignalGrace;
+  w.stopping = true;
+}
+
+// Reads the workers' output so far; returns the worker whose error came first (else `r`).
+int launch_first_error_worker(const LaunchSpec& spec, LaunchedWorkers& w, int r) {
+  // Everything the workers wrote up to now, so the first error is known (Note [Worker
+  // stderr]); the exited worker's pipe is at its end.
+  for (int i = 0; i < 50 && w.output[r].fd >= 0; ++i) pump_worker_output(w.output, w.order, 10);
+  pump_worker_output(w.output, w.order, 0);
+  int first = r;
+  for (int i = 0; i < spec.nproc; ++i) {
+    const auto& out = w.output[i];
+    if (out.error_order >= 0 &&
+        (w.output[first].error_order < 0 || out.error_order < w.output[first].error_order)) {
+      first = i;
+    }
+  }
+  return first;
+}
+
+// Worker r failed: names the job's first failure, stops the rest, returns the exit code.
+int launch_on_worker_failure(const LaunchSpec& spec, LaunchedWorkers& w, int r, int status,
+                             int code, std::chrono::milliseconds grace) {
+  const int first = launch_first_error_worker(spec, w, r);
+  const int result = w.alive[first] ? code : w.codes[first];
+  std::string why;
+  if (w.alive[first]) {
+    why = "reported an error";
+  } else if (first == r && !WIFEXITED(status)) {
+    why = "signal " + std::to_string(WTERMSIG(status));
+  } else {
+    why = "exit code " + std::to_string(w.codes[first]);
+  }
+  const std::string& line = w.output[first].first_error;  // "error: ..." or empty
+  const size_t text = line.empty() ? std::string::npos : line.find_first_not_of(' ', 6);
+  const std::string message = text == std::string::npos ? "" : line.substr(text);
+  const std::string worker =
+      "worker " + std::to_string(spec.first_rank + first) +
+      (spec.link ? " on node " + std::to_string(spec.nodes.node_rank) : std::string());
+  const std::string failure =
+      worker + " failed (" + why + ")" + (message.empty() ? "" : ": " + message);
+  const std::string first_failure = spec.link ? spec.link->record_failure(failure) : failure;
+  if (first_failure.empty() || first_failure == failure) {
+    std::fprintf(stderr, "actmem launch: %s; stopping the other %d%s\n", failure.c_str(),
+                 w.remaining, spec.link ? " here and the other nodes' workers" : "");
+  } else {
+    // Another node's worker failed first: that is the cause to name.
+    std::fprintf(stderr,
+                 "actmem launch: %s first; then %s here (%s)%s%s; stopping the "
+                 "other %d here\n",
+                 first_failure.c_str(), worker.c_str(), why.c_str(),
+                 message.empty() ? "" : ": ", message.c_str(), w.remaining);
+  }
+  launch_stop_after_failure(spec, w, grace);
+  return result;
+}
+
+// Waits for the workers, stopping all after a failure; returns the failure's exit code, or 0.
+int launch_supervise_workers(const LaunchSpec& spec, LaunchedWorkers& w,
+                             std::chrono::milliseconds grace) {
+  int result = 0;
+  while (w.remaining > 0) {
+    if (g_forward_signal != 0) launch_forward_signal(spec, w);
+    int status = 0;
+    const pid_t pid = waitpid(-1, &status, WNOHANG);
+    if (pid > 0) {
+      const int r =
+          static_cast<int>(std::find(w.pids.begin(), w.pids.end(), pid) - w.pids.begin());
+      if (r >= spec.nproc) continue;
+      w.alive[r] = false;
+      --w.remaining;
+      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+      w.codes[r] = code;
+      if (code != 0 && !w.stopping) {
+        result = launch_on_worker_failure(spec, w, r, status, code, grace);
+      }
+      continue;
+    }
+    if (w.stopping && std::chrono::steady_clock::now() > w.kill_deadline) {
+      launch_signal_workers(spec, w, SIGKILL);
+    }
+    if (spec.link && !w.stopping) {
+      const std::string remote = spec.link->poll();
+      if (!remote.empty()) {
+        std::fprintf(stderr, "actmem launch: %s; stopping the %d worker%s here\n", remote.c_str(),
+                     w.remaining, w.remaining == 1 ? "" : "s");
+        launch_stop_after_failure(spec, w, grace);
+        result = 1;
+      }
+    }
+    pump_worker_output(w.output, w.order, 20);
+  }
+  return result;
+}
+}  // namespace
+
+int launch_program(int nproc, const std::string& program, const std::vector<std::string>& args,
+                   int master_port, std::chrono::milliseconds grace, const LaunchNodes& nodes) {
+  check_launch_arguments(nproc, args, nodes);
   const int port = launch_port(master_port, nodes);
   std::optional<NodeLink> link;  // Note [Launchers across nodes]
   if (nodes.nnodes > 1) link.emplace(nodes, port);
@@ -437,45 +664,17 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   const std::string omp_threads = std::to_string(std::max(1, available_cores() / nproc));
   const int first_rank = nodes.node_rank * nproc, world = nodes.nnodes * nproc;
   const pid_t launcher = getpid();
-  std::vector<pid_t> pids;
-  std::vector<WorkerOutput> output(static_cast<size_t>(nproc));
-  for (int r = 0; r < nproc; ++r) {
-    int pipe_fds[2];
-    TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "actmem launch: pipe failed: ",
-                std::strerror(errno));
-    std::fflush(nullptr);
-    const pid_t pid = fork();
-    TORCH_CHECK(pid >= 0, "actmem launch: fork failed: ", std::strerror(errno));
-    if (pid == 0) {
-      prctl(PR_SET_PDEATHSIG, SIGTERM);      // die with the launcher: no orphans
-      if (getppid() != launcher) _exit(1);   // the launcher died before prctl took effect
-      ::dup2(pipe_fds[1], STDERR_FILENO);    // Note [Worker stderr]
-      setenv("RANK", std::to_string(first_rank + r).c_str(), 1);
-      setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
-      setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
-      setenv("LOCAL_WORLD_SIZE", std::to_string(nproc).c_str(), 1);
-      setenv("GROUP_RANK", std::to_string(nodes.node_rank).c_str(), 1);
-      setenv("MASTER_ADDR", nodes.master_addr.c_str(), 1);
-      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
-      setenv("OMP_NUM_THREADS", omp_threads.c_str(), /*overwrite=*/0);
-      if (link) setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);
-      std::vector<char*> argv;
-      std::string self = program == "/proc/self/exe" ? "actmem" : program;
-      argv.push_back(self.data());
-      std::vector<std::string> copy = args;
-      for (auto& a : copy) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      execv(program.c_str(), argv.data());
-      std::fprintf(stderr, "error: actmem launch: worker %d could not start: %s\n", r,
-                   std::strerror(errno));
-      _exit(127);
-    }
-    ::close(pipe_fds[1]);
-    // Read without blocking, so one worker's open pipe never holds up the others' exits.
-    ::fcntl(pipe_fds[0], F_SETFL, ::fcntl(pipe_fds[0], F_GETFL) | O_NONBLOCK);
-    output[static_cast<size_t>(r)].fd = pipe_fds[0];
-    pids.push_back(pid);
-  }
+  const LaunchSpec spec{.nproc = nproc,
+                        .program = program,
+                        .args = args,
+                        .nodes = nodes,
+                        .port = port,
+                        .omp_threads = omp_threads,
+                        .first_rank = first_rank,
+                        .world = world,
+                        .launcher = launcher,
+                        .link = link ? &*link : nullptr};
+  LaunchedWorkers workers = launch_fork_workers(spec);
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
@@ -483,132 +682,16 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
 
-  std::vector<bool> alive(nproc, true);
-  std::vector<int> codes(nproc, 0);
-  int remaining = nproc, result = 0;
-  int64_t order = 0;
-  // Before stopping them because another worker failed: a worker that cannot run (stopped by a
-  // signal or a debugger) is the likely cause of a collective's timeout elsewhere; say so.
-  auto name_stuck_workers = [&]() {
-    for (int r = 0; r < nproc; ++r) {
-      const char state = alive[r] ? process_state(pids[r]) : '?';
-      if (state == 'T' || state == 't') {
-        std::fprintf(stderr,
-                     "actmem launch: worker %d%s was stopped (%s) when the failure came: "
-                     "its peers' collectives waited for it\n",
-                     first_rank + r, link ? " here" : "",
-                     state == 'T' ? "SIGSTOP" : "held by a debugger");
-      }
-    }
-  };
-  auto stop_all = [&](int sig) {
-    for (int r = 0; r < nproc; ++r) {
-      if (!alive[r]) continue;
-      kill(pids[r], sig);
-      // A stopped worker (SIGSTOP, a debugger let go) would hold the signal until the grace ends.
-      if (sig != SIGKILL) kill(pids[r], SIGCONT);
-    }
-  };
-  std::chrono::steady_clock::time_point kill_deadline{};
-  bool stopping = false;
-  // Note [Signals reach the workers]: a SIGTERM or SIGINT sent to the launcher is forwarded.
-  // Workers that handle it (train --exit-signal-handler) finish their step and save; the
-  // launcher waits for them up to kSignalGrace (a step and a save of a large model take time)
-  // and exits 0 when they all did. A second signal kills them at once.
-  constexpr auto kSignalGrace = std::chrono::minutes(5);
-  int signals_seen = 0, signal_result = 0;
-  while (remaining > 0) {
-    if (g_forward_signal != 0) {
-      const int sig = g_forward_signal;
-      g_forward_signal = 0;
-      stop_all(++signals_seen == 1 ? sig : SIGKILL);
-      if (signal_result == 0) signal_result = 128 + sig;
-      if (!stopping) kill_deadline = std::chrono::steady_clock::now() + kSignalGrace;
-      stopping = true;
-    }
-    int status = 0;
-    const pid_t pid = waitpid(-1, &status, WNOHANG);
-    if (pid > 0) {
-      const int r = static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
-      if (r >= nproc) continue;
-      alive[r] = false;
-      --remaining;
-      const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-      codes[r] = code;
-      if (code != 0 && !stopping) {
-        // Everything the workers wrote up to now, so the first error is known (Note [Worker
-        // stderr]); the exited worker's pipe is at its end.
-        for (int i = 0; i < 50 && output[r].fd >= 0; ++i) pump_worker_output(output, order, 10);
-        pump_worker_output(output, order, 0);
-        int first = r;
-        for (int i = 0; i < nproc; ++i) {
-          const auto& w = output[i];
-          if (w.error_order >= 0 &&
-              (output[first].error_order < 0 || w.error_order < output[first].error_order)) {
-            first = i;
-          }
-        }
-        result = alive[first] ? code : codes[first];
-        std::string why;
-        if (alive[first]) {
-          why = "reported an error";
-        } else if (first == r && !WIFEXITED(status)) {
-          why = "signal " + std::to_string(WTERMSIG(status));
-        } else {
-          why = "exit code " + std::to_string(codes[first]);
-        }
-        const std::string& line = output[first].first_error;  // "error: ..." or empty
-        const size_t text = line.empty() ? std::string::npos : line.find_first_not_of(' ', 6);
-        const std::string message = text == std::string::npos ? "" : line.substr(text);
-        const std::string worker =
-            "worker " + std::to_string(first_rank + first) +
-            (link ? " on node " + std::to_string(nodes.node_rank) : std::string());
-        const std::string failure =
-            worker + " failed (" + why + ")" + (message.empty() ? "" : ": " + message);
-        const std::string first_failure = link ? link->record_failure(failure) : failure;
-        if (first_failure.empty() || first_failure == failure) {
-          std::fprintf(stderr, "actmem launch: %s; stopping the other %d%s\n", failure.c_str(),
-                       remaining, link ? " here and the other nodes' workers" : "");
-        } else {
-          // Another node's worker failed first: that is the cause to name.
-          std::fprintf(stderr,
-                       "actmem launch: %s first; then %s here (%s)%s%s; stopping the "
-                       "other %d here\n",
-                       first_failure.c_str(), worker.c_str(), why.c_str(),
-                       message.empty() ? "" : ": ", message.c_str(), remaining);
-        }
-        name_stuck_workers();
-        std::fflush(stderr);
-        stop_all(SIGTERM);
-        stopping = true;
-        kill_deadline = std::chrono::steady_clock::now() + grace;
-      }
-      continue;
-    }
-    if (stopping && std::chrono::steady_clock::now() > kill_deadline) stop_all(SIGKILL);
-    if (link && !stopping) {
-      const std::string remote = link->poll();
-      if (!remote.empty()) {
-        std::fprintf(stderr, "actmem launch: %s; stopping the %d worker%s here\n", remote.c_str(),
-                     remaining, remaining == 1 ? "" : "s");
-        name_stuck_workers();
-        std::fflush(stderr);
-        stop_all(SIGTERM);
-        stopping = true;
-        kill_deadline = std::chrono::steady_clock::now() + grace;
-        result = 1;
-      }
-    }
-    pump_worker_output(output, order, 20);
-  }
+  int result = launch_supervise_workers(spec, workers, grace);
   // The rest of what the workers wrote.
-  while (std::any_of(output.begin(), output.end(), [](const WorkerOutput& w) { return w.fd >= 0; })) {
-    pump_worker_output(output, order, 100);
+  while (std::any_of(workers.output.begin(), workers.output.end(),
+                     [](const WorkerOutput& w) { return w.fd >= 0; })) {
+    pump_worker_output(workers.output, workers.order, 100);
   }
   sigaction(SIGINT, &old_int, nullptr);
   sigaction(SIGTERM, &old_term, nullptr);
   if (link) {
-    const std::string later = link->finish(result != 0 || stopping);
+    const std::string later = link->finish(result != 0 || workers.stopping);
     if (!later.empty() && result == 0) {
       std::fprintf(stderr, "actmem launch: %s (after this node's workers had finished)\n",
                    later.c_str());
@@ -617,9 +700,10 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   }
   // After a forwarded signal: success when every worker exited 0 (they handled it), else the
   // signal's status, as a shell reports a process it ended.
-  if (result == 0 && signal_result != 0 &&
+  const std::vector<int>& codes = workers.codes;
+  if (result == 0 && workers.signal_result != 0 &&
       std::any_of(codes.begin(), codes.end(), [](int c) { return c != 0; })) {
-    result = signal_result;
+    result = workers.signal_result;
   }
   return result;
 }

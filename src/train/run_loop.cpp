@@ -1,6 +1,5 @@
-// run_loop.cpp — Trainer::run (the training loop with its log, validation, saves and exit on a
-// signal) and Trainer::evaluate.
-#include "actmem/train/trainer.h"
+// run_loop.cpp — the training loop (run_loop.h): its log, validation, saves, trace and exits.
+#include "actmem/train/run_loop.h"
 
 #include "actmem/base/output_file.h"
 #include "actmem/base/trace.h"
@@ -24,9 +23,6 @@ namespace actmem {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 // Gathers one int64 per rank (rank order) over the tensor-parallel group; the value travels on
 // the training device (NCCL takes device tensors only).
 // Whether `mine` holds on any rank of the world (tensor, data and pipeline groups together span
@@ -52,51 +48,6 @@ std::vector<int64_t> signal_per_rank(int64_t value, const at::Device& device) {
 }
 
 }  // namespace
-
-double Trainer::evaluate() {
-  TORCH_CHECK(valid_sampler_ != nullptr, "actmem::Trainer::evaluate: no validation data (with "
-              "--data-path, validation samples are built only when --eval-interval > 0)");
-  at::NoGradGuard no_grad;
-  model_->eval();
-  double total = 0.0;
-  if (pipeline_parallel_group().size > 1) {
-    // The schedule's forward-only form: each batch through the stages; the last stage's losses
-    // reported by all.
-    const PipelineP2P p2p = pipeline_p2p();
-    auto forward = [&](int64_t i, int64_t chunk, const at::Tensor& input) {
-      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
-      at::Tensor out =
-          model_->forward_stage(batch.first.to(device_), batch.second.to(device_), input, chunk);
-      if (!model_->chunk_post_process(chunk)) return out;
-      total += out.item<double>();
-      return at::Tensor();
-    };
-    if (model_->num_model_chunks() == 1) {
-      run_one_f_one_b(
-          p2p, config_.eval_iters,
-          [&](int64_t i, const at::Tensor& input) { return forward(i, 0, input); }, {},
-          /*forward_only=*/true);
-    } else {
-      // Each batch round the ring once per model chunk (no micro-batch grouping rules: nothing
-      // waits for a backward).
-      for (int64_t i = 0; i < config_.eval_iters; ++i) {
-        for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
-          const at::Tensor input = model_->chunk_pre_process(c) ? at::Tensor() : p2p.recv_forward();
-          const at::Tensor out = forward(i, c, input);
-          if (!model_->chunk_post_process(c)) p2p.send_forward(out);
-        }
-      }
-    }
-    total = from_last_stage(total);
-  } else {
-    for (int64_t i = 0; i < config_.eval_iters; ++i) {
-      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
-      total += model_->forward(batch.first.to(device_), batch.second.to(device_)).item<double>();
-    }
-  }
-  model_->train();
-  return total / static_cast<double>(config_.eval_iters);
-}
 
 namespace {
 // Note [Offload that moves nothing]: with Megatron's default --min-offloaded-tensor-size (2^20
@@ -174,25 +125,6 @@ std::vector<OffloadSummaryRank> gather_offload_summary(const std::vector<Offload
 }  // namespace
 
 namespace {
-// The log's window: steps since the last progress line.
-struct LogWindow {
-  double time_s = 0.0;
-  int64_t steps = 0;
-  int64_t skipped = 0;  // Megatron's "number of skipped iterations" per log line
-};
-
-// What the progress line shows besides the step's statistics.
-struct ProgressContext {
-  int64_t total = 0;                 // the run's last iteration
-  std::optional<double> loss_scale;  // with loss scaling
-  bool capacity_factor = false;      // MoE with a capacity: the dropped share
-  // --log-throughput's model FLOPs of one iteration / world size (else unset).
-  std::optional<double> flops_per_rank_step;
-  bool per_sequence_balancing = false;  // seq_aux_loss's name for the balancing loss
-  bool batch_schedule = false;          // --step-batch-size-schedule: the step's global batch
-  // For the ETA: the samples consumed when the run started and after its last step.
-  int64_t first_samples = 0, last_samples = 0;
-};
 
 // One progress line, Megatron's fields in its order where it has them.
 void print_progress_line(std::ostream& os, const IterationStats& st, const ProgressContext& ctx,
@@ -253,151 +185,181 @@ void print_progress_line(std::ostream& os, const IterationStats& st, const Progr
 }
 }  // namespace
 
-void Trainer::report_first_step(const RunOutput& out, const IterationStats& st) {
-  if (!offloader_) return;
-  // Every rank gathers (a collective); the progress stream's rank prints.
-  const auto summary = gather_offload_summary(offloader_->summary(), device_);
-  const bool any = std::any_of(summary.begin(), summary.end(),
-                               [](const OffloadSummaryRank& r) { return !r.rows.empty(); });
-  if (out.progress != nullptr && any) print_offload_summary(*out.progress, summary);
-  if (out.warnings != nullptr && st.offloaded_bytes == 0) {
-    *out.warnings << zero_offload_warning(*offloader_) << std::endl;
+RunLoop::RunLoop(Trainer& trainer, const Trainer::RunOutput& out)
+    : t_(trainer), out_(out), progress_(out.progress), saved_at_(trainer.iteration()) {}
+
+void RunLoop::save() {
+  const auto t0 = Clock::now();
+  const std::string where = t_.save_checkpoint(t_.config().save);
+  saved_at_ = t_.iteration();
+  if (progress_ != nullptr) {
+    *progress_ << "saved checkpoint at iteration " << t_.iteration() << " to " << where << " in "
+               << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
   }
 }
 
-int Trainer::exit_signal(const RunOutput& out) const {
-  if (out.exit_signals == nullptr) return 0;
+void RunLoop::save_unless_saved() {
+  if (!t_.config().save.empty() && saved_at_ != t_.iteration()) save();
+}
+
+void RunLoop::report_first_step(const IterationStats& st) {
+  ActivationOffloader* offloader = t_.offloader();
+  if (offloader == nullptr) return;
+  // Every rank gathers (a collective); the progress stream's rank prints.
+  const auto summary = gather_offload_summary(offloader->summary(), t_.device());
+  const bool any = std::any_of(summary.begin(), summary.end(),
+                               [](const OffloadSummaryRank& r) { return !r.rows.empty(); });
+  if (progress_ != nullptr && any) print_offload_summary(*progress_, summary);
+  if (out_.warnings != nullptr && st.offloaded_bytes == 0) {
+    *out_.warnings << zero_offload_warning(*offloader) << std::endl;
+  }
+}
+
+int RunLoop::exit_signal() const {
+  if (out_.exit_signals == nullptr) return 0;
   // Every rank stops after the same step: the ranks agree on whether any received one.
-  int signal = out.exit_signals->received();
+  int signal = out_.exit_signals->received();
   if (tensor_parallel_group().size > 1) {
-    for (const int64_t r : signal_per_rank(signal, device_)) {
+    for (const int64_t r : signal_per_rank(signal, t_.device())) {
       signal = std::max(signal, static_cast<int>(r));
     }
   }
   return signal;
 }
 
-int Trainer::run(const RunOutput& out,
-                 const std::function<void(const IterationStats&)>& on_step,
-                 bool compute_digest) {
-  TraceRecorder recorder;
-  const int64_t first = iteration_ + 1;  // after a loaded checkpoint, the step that follows it
-  const int64_t traced = std::min<int64_t>(first + 1, config_.train_iters);
-  const int64_t total = config_.train_iters;
-  int64_t saved_at = iteration_;  // a loaded checkpoint need not be saved again
-  const auto run_start = Clock::now();
-  std::ostream* progress = out.progress;
-  auto save = [&] {
-    const auto t0 = Clock::now();
-    const std::string where = save_checkpoint(config_.save);
-    saved_at = iteration_;
-    if (progress != nullptr) {
-      *progress << "saved checkpoint at iteration " << iteration_ << " to " << where << " in "
-                << std::fixed << std::setprecision(2) << seconds_since(t0) << " s\n";
-    }
-  };
-  LogWindow window;
-  ProgressContext ctx;
-  ctx.total = total;
-  ctx.capacity_factor = model_config_.moe_expert_capacity_factor.has_value();
-  ctx.per_sequence_balancing = model_config_.moe_router_load_balancing_type == "seq_aux_loss";
-  ctx.batch_schedule = batches_.stepped();
-  ctx.first_samples = consumed_train_samples();
-  ctx.last_samples =
-      batches_.samples_after(std::max<int64_t>(total - iteration_, 0), ctx.first_samples);
+void RunLoop::start() {
+  const TrainingConfig& config = t_.config();
+  const TransformerConfig& model = t_.model().config();
+  const GlobalBatchSchedule& batches = t_.batch_schedule();
+  first_ = t_.iteration() + 1;  // after a loaded checkpoint, the step that follows it
+  total_ = config.train_iters;
+  traced_ = std::min<int64_t>(first_ + 1, total_);
+  ctx_.total = total_;
+  ctx_.capacity_factor = model.moe_expert_capacity_factor.has_value();
+  ctx_.per_sequence_balancing = model.moe_router_load_balancing_type == "seq_aux_loss";
+  ctx_.batch_schedule = batches.stepped();
+  ctx_.first_samples = t_.consumed_train_samples();
+  ctx_.last_samples =
+      batches.samples_after(std::max<int64_t>(total_ - t_.iteration(), 0), ctx_.first_samples);
   // Every global batch the run's steps reach, checked before the first (Megatron finds a size
   // the layout cannot run when training reaches it).
-  if (batches_.stepped()) check_batch_sizes(std::max<int64_t>(total - iteration_, 0));
-  const int64_t world =
+  if (batches.stepped()) t_.check_batch_sizes(std::max<int64_t>(total_ - t_.iteration(), 0));
+  world_ =
       tensor_parallel_group().size * data_parallel_group().size * pipeline_parallel_group().size;
-  int64_t batch = next_global_batch();
-  for (int64_t it = first; it <= total; ++it) {
-    if (const int64_t next = next_global_batch(); next != batch) {
-      // Megatron's train loop: when the number of micro-batches changes (not on the run's first
-      // step), a checkpoint with --save before the first step at the new size.
-      if (progress != nullptr) {
-        *progress << "global batch size " << batch << " -> " << next << " at "
-                  << consumed_train_samples() << " consumed samples (--step-batch-size-schedule)\n";
-      }
-      batch = next;
-      if (!config_.save.empty() && iteration_ != 0 && saved_at != iteration_) save();
+  batch_ = t_.next_global_batch();
+}
+
+void RunLoop::follow_batch_schedule() {
+  if (const int64_t next = t_.next_global_batch(); next != batch_) {
+    // Megatron's train loop: when the number of micro-batches changes (not on the run's first
+    // step), a checkpoint with --save before the first step at the new size.
+    if (progress_ != nullptr) {
+      *progress_ << "global batch size " << batch_ << " -> " << next << " at "
+                 << t_.consumed_train_samples()
+                 << " consumed samples (--step-batch-size-schedule)\n";
     }
-    const bool trace_now = out.trace != nullptr && it == traced;
-    if (trace_now) set_trace(&recorder);
-    IterationStats st = train_step(compute_digest);
-    st.elapsed_s = seconds_since(run_start);
-    if (trace_now) {
-      set_trace(nullptr);
-      // Copies of this step may still be running: wait for the streams to drain first.
-      if (offloader_) offloader_->wait_idle();
-      out.trace->write(recorder.json(), "the trace of iteration " + std::to_string(it));
-      out.trace->close();
-      if (progress != nullptr) {
-        *progress << "trace of iteration " << it << ": " << out.trace->path() << "\n";
-      }
+    batch_ = next;
+    if (!t_.config().save.empty() && t_.iteration() != 0 && saved_at_ != t_.iteration()) save();
+  }
+}
+
+IterationStats RunLoop::step(int64_t it, bool compute_digest) {
+  const bool trace_now = out_.trace != nullptr && it == traced_;
+  if (trace_now) t_.set_trace(&recorder_);
+  IterationStats st = t_.train_step(compute_digest);
+  st.elapsed_s = seconds_since(run_start_);
+  if (trace_now) {
+    t_.set_trace(nullptr);
+    // Copies of this step may still be running: wait for the streams to drain first.
+    if (t_.offloader() != nullptr) t_.offloader()->wait_idle();
+    out_.trace->write(recorder_.json(), "the trace of iteration " + std::to_string(it));
+    out_.trace->close();
+    if (progress_ != nullptr) {
+      *progress_ << "trace of iteration " << it << ": " << out_.trace->path() << "\n";
     }
-    if (it == first) report_first_step(out, st);
-    window.time_s += st.step_time_s;
-    ++window.steps;
-    if (st.skipped) ++window.skipped;
-    if (config_.eval_interval > 0 && (it % config_.eval_interval == 0 || it == total)) {
-      st.val_loss = evaluate();
+  }
+  return st;
+}
+
+void RunLoop::log(int64_t it, const IterationStats& st) {
+  const TrainingConfig& config = t_.config();
+  if (progress_ != nullptr && (it % config.log_interval == 0 || it == first_ || it == total_)) {
+    ctx_.loss_scale = t_.loss_scale();
+    // Megatron's num_floating_point_operations(args, this step's global batch) / world size.
+    if (config.log_throughput) {
+      ctx_.flops_per_rank_step = megatron_model_flops(t_.model().config(), st.global_batch_size) /
+                                 static_cast<double>(world_);
     }
-    if (progress != nullptr && (it % config_.log_interval == 0 || it == first || it == total)) {
-      ctx.loss_scale =
-          optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt;
-      // Megatron's num_floating_point_operations(args, this step's global batch) / world size.
-      if (config_.log_throughput) {
-        ctx.flops_per_rank_step =
-            megatron_model_flops(model_config_, st.global_batch_size) / static_cast<double>(world);
-      }
-      print_progress_line(*progress, st, ctx, window);
-      window = LogWindow{};
+    print_progress_line(*progress_, st, ctx_, window_);
+    window_ = LogWindow{};
+  }
+  if (progress_ != nullptr && st.val_loss) {
+    *progress_ << "validation at iter " << it << " | loss " << std::fixed << std::setprecision(4)
+               << *st.val_loss << " | ppl " << std::setprecision(2) << std::exp(*st.val_loss)
+               << "\n";
+  }
+  if (progress_ != nullptr) progress_->flush();
+}
+
+std::optional<int> RunLoop::exit_after(int64_t it) {
+  const TrainingConfig& config = t_.config();
+  if (const int signal = exit_signal(); signal != 0) {
+    save_unless_saved();
+    if (progress_ != nullptr) {
+      *progress_ << "exiting after iteration " << t_.iteration() << " on signal " << signal
+                 << (config.save.empty() ? " (no --save: nothing saved)" : "") << "\n";
+      progress_->flush();
     }
-    if (progress != nullptr && st.val_loss) {
-      *progress << "validation at iter " << it << " | loss " << std::fixed << std::setprecision(4)
-                << *st.val_loss << " | ppl " << std::setprecision(2) << std::exp(*st.val_loss)
-                << "\n";
-    }
-    if (progress != nullptr) progress->flush();
-    if (on_step) on_step(st);
-    if (!config_.save.empty() && config_.save_interval > 0 && it % config_.save_interval == 0) {
-      save();
-    }
-    if (const int signal = exit_signal(out); signal != 0) {
-      if (!config_.save.empty() && saved_at != iteration_) save();
-      if (progress != nullptr) {
-        *progress << "exiting after iteration " << iteration_ << " on signal " << signal
-                  << (config_.save.empty() ? " (no --save: nothing saved)" : "") << "\n";
-        progress->flush();
-      }
-      return signal;
-    }
-    // Megatron's checkpoint_and_decide_exit (training.py): the time limit, then the interval.
-    if (config_.exit_duration_in_mins) {
-      const double minutes = seconds_since(kProgramStart) / 60.0;
-      if (on_any_rank(minutes > *config_.exit_duration_in_mins, device_)) {
-        if (!config_.save.empty() && saved_at != iteration_) save();
-        if (progress != nullptr) {
-          *progress << "exiting program after " << std::setprecision(4) << minutes
-                    << " minutes (--exit-duration-in-mins " << *config_.exit_duration_in_mins
-                    << ")\n";
-          progress->flush();
-        }
-        return 0;
-      }
-    }
-    if (config_.exit_interval && it % *config_.exit_interval == 0) {
-      if (!config_.save.empty() && saved_at != iteration_) save();
-      if (progress != nullptr) {
-        *progress << "exiting program at iteration " << it << " (--exit-interval "
-                  << *config_.exit_interval << ")\n";
-        progress->flush();
+    return signal;
+  }
+  // Megatron's checkpoint_and_decide_exit (training.py): the time limit, then the interval.
+  if (config.exit_duration_in_mins) {
+    const double minutes = seconds_since(kProgramStart) / 60.0;
+    if (on_any_rank(minutes > *config.exit_duration_in_mins, t_.device())) {
+      save_unless_saved();
+      if (progress_ != nullptr) {
+        *progress_ << "exiting program after " << std::setprecision(4) << minutes
+                   << " minutes (--exit-duration-in-mins " << *config.exit_duration_in_mins
+                   << ")\n";
+        progress_->flush();
       }
       return 0;
     }
   }
-  if (!config_.save.empty() && saved_at != iteration_) save();
+  if (config.exit_interval && it % *config.exit_interval == 0) {
+    save_unless_saved();
+    if (progress_ != nullptr) {
+      *progress_ << "exiting program at iteration " << it << " (--exit-interval "
+                 << *config.exit_interval << ")\n";
+      progress_->flush();
+    }
+    return 0;
+  }
+  return std::nullopt;
+}
+
+int RunLoop::run(const std::function<void(const IterationStats&)>& on_step, bool compute_digest) {
+  const TrainingConfig& config = t_.config();
+  run_start_ = Clock::now();
+  start();
+  for (int64_t it = first_; it <= total_; ++it) {
+    follow_batch_schedule();
+    IterationStats st = step(it, compute_digest);
+    if (it == first_) report_first_step(st);
+    window_.time_s += st.step_time_s;
+    ++window_.steps;
+    if (st.skipped) ++window_.skipped;
+    if (config.eval_interval > 0 && (it % config.eval_interval == 0 || it == total_)) {
+      st.val_loss = t_.evaluate();
+    }
+    log(it, st);
+    if (on_step) on_step(st);
+    if (!config.save.empty() && config.save_interval > 0 && it % config.save_interval == 0) {
+      save();
+    }
+    if (const std::optional<int> code = exit_after(it)) return *code;
+  }
+  save_unless_saved();
   return 0;
 }
 

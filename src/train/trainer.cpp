@@ -2,6 +2,8 @@
 // forward-backward schedules (schedules.h).
 #include "actmem/train/trainer.h"
 
+#include "actmem/train/run_loop.h"
+
 #include "actmem/base/digest.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/offload/activation_offloader.h"
@@ -38,9 +40,6 @@ namespace actmem {
 
 namespace {
 using Clock = std::chrono::steady_clock;
-double seconds_since(Clock::time_point t0) {
-  return std::chrono::duration<double>(Clock::now() - t0).count();
-}
 // Note [Trainer RNG stream]
 // Dropout draws from libtorch's default generators, as in Megatron. A Trainer owns its stream:
 // it starts as manual_seed(model.seed) would leave it, is swapped into the default generators for
@@ -671,6 +670,60 @@ double Trainer::from_last_stage(double value) const {
   return group_all_reduce_sum(
              pp, at::tensor({model_->post_process() ? value : 0.0}, at::kDouble).to(device_))
       .item<double>();
+}
+
+double Trainer::evaluate() {
+  TORCH_CHECK(valid_sampler_ != nullptr, "actmem::Trainer::evaluate: no validation data (with "
+              "--data-path, validation samples are built only when --eval-interval > 0)");
+  at::NoGradGuard no_grad;
+  model_->eval();
+  double total = 0.0;
+  if (pipeline_parallel_group().size > 1) {
+    // The schedule's forward-only form: each batch through the stages; the last stage's losses
+    // reported by all.
+    const PipelineP2P p2p = pipeline_p2p();
+    auto forward = [&](int64_t i, int64_t chunk, const at::Tensor& input) {
+      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+      at::Tensor out =
+          model_->forward_stage(batch.first.to(device_), batch.second.to(device_), input, chunk);
+      if (!model_->chunk_post_process(chunk)) return out;
+      total += out.item<double>();
+      return at::Tensor();
+    };
+    if (model_->num_model_chunks() == 1) {
+      run_one_f_one_b(
+          p2p, config_.eval_iters,
+          [&](int64_t i, const at::Tensor& input) { return forward(i, 0, input); }, {},
+          /*forward_only=*/true);
+    } else {
+      // Each batch round the ring once per model chunk (no micro-batch grouping rules: nothing
+      // waits for a backward).
+      for (int64_t i = 0; i < config_.eval_iters; ++i) {
+        for (int64_t c = 0; c < model_->num_model_chunks(); ++c) {
+          const at::Tensor input = model_->chunk_pre_process(c) ? at::Tensor() : p2p.recv_forward();
+          const at::Tensor out = forward(i, c, input);
+          if (!model_->chunk_post_process(c)) p2p.send_forward(out);
+        }
+      }
+    }
+    total = from_last_stage(total);
+  } else {
+    for (int64_t i = 0; i < config_.eval_iters; ++i) {
+      auto batch = valid_sampler_->fixed(i, config_.eval_iters);
+      total += model_->forward(batch.first.to(device_), batch.second.to(device_)).item<double>();
+    }
+  }
+  model_->train();
+  return total / static_cast<double>(config_.eval_iters);
+}
+
+int Trainer::run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
+                 bool compute_digest) {
+  return RunLoop(*this, out).run(on_step, compute_digest);
+}
+
+std::optional<double> Trainer::loss_scale() const {
+  return optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt;
 }
 
 }  // namespace actmem

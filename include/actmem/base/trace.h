@@ -9,6 +9,11 @@
 
 namespace actmem {
 
+/// Seconds of the steady clock since `t0`.
+inline double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
 class TraceRecorder {
  public:
   TraceRecorder();

@@ -492,6 +492,16 @@ struct TrainingConfig {
                                      int64_t data_parallel_size = 1) const;
   /// Throws a clear error for inconsistent values (given the model's micro-batch size).
   void validate(const TransformerConfig& model) const;
+
+ private:
+  // validate()'s parts, in its order (training_config.cpp).
+  void validate_batch(const TransformerConfig& model) const;
+  void validate_schedule(const TransformerConfig& model) const;
+  void validate_optimizer(const TransformerConfig& model) const;
+  void validate_run(const TransformerConfig& model) const;
+  void validate_data_and_checkpoints(const TransformerConfig& model) const;
+
+ public:
   /// With train_samples: train_iters from it (Megatron's update_train_iters: one batch size
   /// rounds down, the last partial batch is not run; a schedule runs until train_samples are
   /// consumed); a clear error below one batch.

@@ -147,7 +147,7 @@ class Trainer {
   /// train_step()).
   /// Steps run from iteration() + 1 (after a load) to train_iters. With --save it saves every
   /// save_interval iterations and at the end. Returns the signal that stopped it early, or 0.
-  /// (run_loop.cpp)
+  /// (The loop is RunLoop's, run_loop.h.)
   int run(const RunOutput& out, const std::function<void(const IterationStats&)>& on_step,
           bool compute_digest = true);
 
@@ -178,6 +178,8 @@ class Trainer {
   /// The learning rate the next step will run at (what Megatron logs as a step's
   /// "learning-rate": its scheduler has stepped by then).
   double next_learning_rate() const { return scheduler_.next_lr(); }
+  /// The loss scale the next step runs at, with loss scaling (16-bit), else nullopt.
+  std::optional<double> loss_scale() const;
   /// Records the saved tensors of the first micro-batch's forward of each following step into
   /// `ledger` (cleared per step; parameters, buffers and the batch excluded). nullptr stops.
   void set_ledger(ActivationLedger* ledger) { ledger_ = ledger; }
@@ -206,10 +208,6 @@ class Trainer {
   void seed_random_streams();
   // Elements per gradient bucket (grad_reducer.h, distributed_optimizer.h); nullopt: one bucket.
   std::optional<int64_t> ddp_bucket_size() const;
-  // run()'s pieces (run_loop.cpp): the offload summary and warning after the first step, and the
-  // exit signal every rank agrees on (0: none).
-  void report_first_step(const RunOutput& out, const IterationStats& st);
-  int exit_signal(const RunOutput& out) const;
   // The run's parts a checkpoint saves and restores.
   TrainState train_state();
   // The steps of train_step() (Note [The steps of a training step] in trainer.cpp).

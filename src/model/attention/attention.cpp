@@ -1,5 +1,5 @@
-// attention.cpp — core attention, rotary embeddings, SelfAttention and MLASelfAttention
-// (attention.h).
+// attention.cpp — core attention, rotary embeddings, SelfAttention and generation's key/value
+// cache (attention.h).
 #include "actmem/model/attention/attention.h"
 
 #include "actmem/model/weight_init.h"

@@ -168,39 +168,23 @@ TopKRouter::TopKRouter(const TransformerConfig& config, at::ScalarType dtype) : 
   if (config.add_bias_linear) bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
 }
 
-Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats,
-                            int64_t batch_size) {
-  const TransformerConfig& c = config_;
-  const int64_t T = h.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
-  // Megatron attaches the auxiliary losses only while training with grad enabled (so not in a
-  // recompute's first, graph-less forward; its replay attaches them).
-  const bool attach = is_training() && at::GradMode::is_enabled();
+at::Tensor TopKRouter::gating_logits(const at::Tensor& h) const {
   // [T, E] in the input's type, or in --moe-router-dtype's (Megatron's router_gating_linear).
+  const TransformerConfig& c = config_;
   const at::ScalarType router_dtype = c.moe_router_dtype == "fp64"   ? at::kDouble
                                       : c.moe_router_dtype == "fp32" ? at::kFloat
                                                                      : h.scalar_type();
-  at::Tensor logits = router_dtype == h.scalar_type()
-                          ? at::linear(h, weight, bias)
-                          : RouterGatingLinear::apply(
-                                h, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
-                                static_cast<int64_t>(router_dtype));
-  // With sequence parallelism (required for MoE under tensor parallelism) this rank routes its
-  // s/t tokens; the router's weight gradient is summed over the tensor ranks (it is a sequence-
-  // parallel parameter, GPTModel::sequence_parallel_parameters), so each rank's share of the
-  // auxiliary losses is scaled to make that sum the loss over all s tokens (router.py).
-  const TensorParallelGroup& tp = tensor_parallel_group();
-  const int64_t sp = c.sequence_parallel ? tp.size : 1;
-  if (c.moe_z_loss_coeff && attach && *c.moe_z_loss_coeff > 0.0) {
-    // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k;
-    // apply_z_loss divides the coefficient by the tensor-parallel size.
-    const at::Tensor z = at::logsumexp(logits.to(at::kFloat), {-1}).pow(2).mean();
-    logits = attach_aux_loss(logits, z * (*c.moe_z_loss_coeff / static_cast<double>(sp)), aux_scale);
-    if (stats != nullptr) {
-      stats->z_loss += z.item<double>();
-      ++stats->z_loss_count;
-    }
-  }
+  return router_dtype == h.scalar_type()
+             ? at::linear(h, weight, bias)
+             : RouterGatingLinear::apply(
+                   h, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
+                   static_cast<int64_t>(router_dtype));
+}
+
+std::pair<at::Tensor, at::Tensor> TopKRouter::top_k(const at::Tensor& logits) const {
   // topk_routing_with_score_function: scores in fp32, probabilities back in the logits' type.
+  const TransformerConfig& c = config_;
+  const int64_t k = c.moe_router_topk;
   at::Tensor top_probs, top_index;
   if (c.moe_router_score_function == "softmax") {
     if (c.moe_router_pre_softmax) {
@@ -216,7 +200,92 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
     top_probs = k > 1 ? top_scores / (top_scores.sum(-1, /*keepdim=*/true) + 1e-20) : top_scores;
   }
   if (c.moe_router_topk_scaling_factor) top_probs = top_probs * *c.moe_router_topk_scaling_factor;
-  top_probs = top_probs.to(logits.scalar_type());
+  return {top_probs.to(logits.scalar_type()), top_index};
+}
+
+void TopKRouter::drop_over_capacity(Routing& r, at::Tensor& routing_map) const {
+  // moe_utils.apply_router_token_dropping on this rank's tokens.
+  const TransformerConfig& c = config_;
+  const int64_t T = routing_map.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
+  const int64_t cap = moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor);
+  {
+    at::NoGradGuard no_grad;
+    at::Tensor keep;
+    if (cap > T) {
+      keep = at::ones({T, E}, routing_map.options());
+    } else if (c.moe_token_drop_policy == "probs") {
+      keep = capacity_mask(r.probs.detach().to(at::kFloat), cap);
+    } else {
+      keep = capacity_mask(routing_map.to(at::kFloat), cap);
+    }
+    r.dropped = r.routed - (routing_map & keep).sum().item<int64_t>();
+    routing_map = c.moe_pad_expert_input_to_capacity ? keep : (routing_map & keep);
+  }
+  r.probs = r.probs * routing_map;
+}
+
+at::Tensor TopKRouter::load_balancing_loss(const at::Tensor& logits, int64_t batch_size) const {
+  // compute_routing_scores_for_aux_loss + switch_load_balancing_loss_func: the scores over all
+  // experts, the top-k counts of those scores, sum(P_i * f_i) * E * coeff / (k * T * T).
+  // seq_aux_loss (router.py _apply_seq_aux_loss, DeepSeek-V2's): the same per sequence, the
+  // batch folded into the expert dimension ([s, b * E]), divided by the batch size.
+  const TransformerConfig& c = config_;
+  const int64_t T = logits.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
+  const TensorParallelGroup& tp = tensor_parallel_group();
+  const int64_t sp = c.sequence_parallel ? tp.size : 1;
+  const bool per_sequence = c.moe_router_load_balancing_type == "seq_aux_loss";
+  TORCH_CHECK(batch_size >= 1 && T % batch_size == 0, "actmem::TopKRouter: ", T,
+              " tokens are not ", batch_size, " sequences");
+  const int64_t groups = per_sequence ? batch_size : 1;
+  const int64_t rows = T / groups;  // this rank's tokens of one sequence (all tokens for aux_loss)
+  at::Tensor scores;
+  if (c.moe_router_score_function == "softmax") {
+    scores = at::softmax(logits, -1, at::kFloat);
+  } else {
+    const at::Tensor s = at::sigmoid(logits.to(at::kFloat));
+    scores = s / (s.sum(-1, /*keepdim=*/true) + 1e-20);
+  }
+  at::Tensor tokens_per_expert;
+  {
+    at::NoGradGuard no_grad;
+    const at::Tensor idx = std::get<1>(at::topk(scores, k));
+    tokens_per_expert = at::zeros({T, E}, scores.options())
+                            .scatter_(1, idx, 1.0)
+                            .reshape({rows, groups * E})
+                            .sum(0);
+    // get_tokens_per_expert_and_token_count: the counts over the tensor ranks' tokens.
+    if (sp > 1) tokens_per_expert = group_all_reduce_sum(tp, tokens_per_expert);
+  }
+  const int64_t total = rows * sp;  // the tokens (of one sequence) of all tensor ranks
+  const double norm = static_cast<double>(E) /
+                      static_cast<double>(k * total * total * groups);  // / bsz for seq_aux_loss
+  return (scores.reshape({rows, groups * E}).sum(0) * tokens_per_expert).sum() * norm;
+}
+
+Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Layer* stats,
+                            int64_t batch_size) {
+  const TransformerConfig& c = config_;
+  const int64_t T = h.size(0), E = c.num_moe_experts, k = c.moe_router_topk;
+  // Megatron attaches the auxiliary losses only while training with grad enabled (so not in a
+  // recompute's first, graph-less forward; its replay attaches them).
+  const bool attach = is_training() && at::GradMode::is_enabled();
+  at::Tensor logits = gating_logits(h);
+  // With sequence parallelism (required for MoE under tensor parallelism) this rank routes its
+  // s/t tokens; the router's weight gradient is summed over the tensor ranks (it is a sequence-
+  // parallel parameter, GPTModel::sequence_parallel_parameters), so each rank's share of the
+  // auxiliary losses is scaled to make that sum the loss over all s tokens (router.py).
+  const int64_t sp = c.sequence_parallel ? tensor_parallel_group().size : 1;
+  if (c.moe_z_loss_coeff && attach && *c.moe_z_loss_coeff > 0.0) {
+    // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k;
+    // apply_z_loss divides the coefficient by the tensor-parallel size.
+    const at::Tensor z = at::logsumexp(logits.to(at::kFloat), {-1}).pow(2).mean();
+    logits = attach_aux_loss(logits, z * (*c.moe_z_loss_coeff / static_cast<double>(sp)), aux_scale);
+    if (stats != nullptr) {
+      stats->z_loss += z.item<double>();
+      ++stats->z_loss_count;
+    }
+  }
+  const auto [top_probs, top_index] = top_k(logits);
   Routing r;
   r.probs = at::zeros_like(logits).scatter(1, top_index, top_probs);
   at::Tensor routing_map;
@@ -229,61 +298,12 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
     const at::Tensor per_expert = routing_map.sum(0).cpu();
     r.routed_per_expert.assign(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + E);
   }
-  if (c.moe_expert_capacity_factor) {
-    // moe_utils.apply_router_token_dropping on this rank's tokens.
-    const int64_t cap = moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor);
-    at::Tensor keep;
-    {
-      at::NoGradGuard no_grad;
-      if (cap > T) {
-        keep = at::ones({T, E}, routing_map.options());
-      } else if (c.moe_token_drop_policy == "probs") {
-        keep = capacity_mask(r.probs.detach().to(at::kFloat), cap);
-      } else {
-        keep = capacity_mask(routing_map.to(at::kFloat), cap);
-      }
-      r.dropped = r.routed - (routing_map & keep).sum().item<int64_t>();
-      routing_map = c.moe_pad_expert_input_to_capacity ? keep : (routing_map & keep);
-    }
-    r.probs = r.probs * routing_map;
-  }
+  if (c.moe_expert_capacity_factor) drop_over_capacity(r, routing_map);
   const std::string& balancing = c.moe_router_load_balancing_type;
   const bool aux =
       (balancing == "aux_loss" || balancing == "seq_aux_loss") && c.moe_aux_loss_coeff > 0.0;
   if (aux && attach) {
-    // compute_routing_scores_for_aux_loss + switch_load_balancing_loss_func: the scores over all
-    // experts, the top-k counts of those scores, sum(P_i * f_i) * E * coeff / (k * T * T).
-    // seq_aux_loss (router.py _apply_seq_aux_loss, DeepSeek-V2's): the same per sequence, the
-    // batch folded into the expert dimension ([s, b * E]), divided by the batch size.
-    const bool per_sequence = balancing == "seq_aux_loss";
-    TORCH_CHECK(batch_size >= 1 && T % batch_size == 0, "actmem::TopKRouter: ", T,
-                " tokens are not ", batch_size, " sequences");
-    const int64_t groups = per_sequence ? batch_size : 1;
-    const int64_t rows =
-        T / groups;  // this rank's tokens of one sequence (all tokens for aux_loss)
-    at::Tensor scores;
-    if (c.moe_router_score_function == "softmax") {
-      scores = at::softmax(logits, -1, at::kFloat);
-    } else {
-      const at::Tensor s = at::sigmoid(logits.to(at::kFloat));
-      scores = s / (s.sum(-1, /*keepdim=*/true) + 1e-20);
-    }
-    at::Tensor tokens_per_expert;
-    {
-      at::NoGradGuard no_grad;
-      const at::Tensor idx = std::get<1>(at::topk(scores, k));
-      tokens_per_expert = at::zeros({T, E}, scores.options())
-                              .scatter_(1, idx, 1.0)
-                              .reshape({rows, groups * E})
-                              .sum(0);
-      // get_tokens_per_expert_and_token_count: the counts over the tensor ranks' tokens.
-      if (sp > 1) tokens_per_expert = group_all_reduce_sum(tp, tokens_per_expert);
-    }
-    const int64_t total = rows * sp;  // the tokens (of one sequence) of all tensor ranks
-    const double norm = static_cast<double>(E) /
-                        static_cast<double>(k * total * total * groups);  // / bsz for seq_aux_loss
-    const at::Tensor balance =
-        (scores.reshape({rows, groups * E}).sum(0) * tokens_per_expert).sum() * norm;
+    const at::Tensor balance = load_balancing_loss(logits, batch_size);
     r.probs = attach_aux_loss(r.probs, balance * c.moe_aux_loss_coeff, aux_scale);
     if (stats != nullptr) {
       stats->load_balancing_loss += balance.item<double>();

@@ -108,6 +108,12 @@ class TopKRouter : public torch::nn::Module, public DeclaresParameters {
   at::Tensor bias;  // undefined without add_bias_linear
 
  private:
+  // forward()'s steps: the gating logits [T, E], the top-k probabilities and experts of each
+  // token, the capacity's drops (routing_map narrowed), the load-balancing loss (unscaled).
+  at::Tensor gating_logits(const at::Tensor& h) const;
+  std::pair<at::Tensor, at::Tensor> top_k(const at::Tensor& logits) const;
+  void drop_over_capacity(Routing& r, at::Tensor& routing_map) const;
+  at::Tensor load_balancing_loss(const at::Tensor& logits, int64_t batch_size) const;
   TransformerConfig config_;
 };
 
