@@ -3,8 +3,8 @@
 #pragma once
 
 #include "actmem/base/blas.h"
-#include "actmem/config/config.h"
 #include "actmem/base/report.h"
+#include "actmem/config/config.h"
 #include "actmem/train/step_rounds.h"
 #include "actmem/train/trainer.h"
 
@@ -39,7 +39,9 @@ inline void use_reference_model(TransformerConfig& c) {
 
 /// The BLAS and its threads (blas.h): a line on stderr at start-up, so every
 /// benchmark's numbers say which library produced them.
-inline void print_blas() { std::cerr << blas_report().summary() << std::endl; }
+inline void print_blas() {
+  std::cerr << blas_report().summary() << std::endl;
+}
 
 /// A strategy the round-robin benchmarks compare: a name and its change to the base config.
 struct Strategy {
@@ -97,18 +99,20 @@ inline RoundRobin step_round_robin(const char* program, const TransformerConfig&
   }
   r.times.resize(strategies.size());
   const size_t n = strategies.size();
-  run_shuffled_rounds(order, warmup + iters, /*compute_digest=*/true,
-                     [&](int it, const std::vector<IterationStats>& st) {
-                       r.last = st;
-                       for (size_t i = 0; i < n; ++i) {
-                         if (it >= warmup) r.times[i].push_back(st[i].step_time_s);
-                         TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss,
-                                     program, ": ", strategies[i].name, " is not bitwise equal to "
-                                     "the plain run at step ", it + 1);
-                       }
-                       std::cerr << "step " << it + 1 << "/" << warmup + iters
-                                 << " done for all strategies\n";
-                     });
+  run_shuffled_rounds(
+      order, warmup + iters, /*compute_digest=*/true,
+      [&](int it, const std::vector<IterationStats>& st) {
+        r.last = st;
+        for (size_t i = 0; i < n; ++i) {
+          if (it >= warmup) r.times[i].push_back(st[i].step_time_s);
+          TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss, program,
+                      ": ", strategies[i].name,
+                      " is not bitwise equal to "
+                      "the plain run at step ",
+                      it + 1);
+        }
+        std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all strategies\n";
+      });
   return r;
 }
 
@@ -134,7 +138,8 @@ inline nlohmann::json print_strategy_table(std::ostream& os, const std::vector<S
               static_cast<double>(run.last[0].activation_bytes)
        << "%" << std::setw(13) << format_bytes(static_cast<double>(st.offloaded_bytes))
        << std::setw(12) << format_bytes(static_cast<double>(st.predicted_activation_bytes))
-       << std::setw(7) << "yes" << "\n";
+       << std::setw(7) << "yes"
+       << "\n";
     rows.push_back({{"name", list[i].name},
                     {"step_time_s", step},
                     {"ratio", step / plain},

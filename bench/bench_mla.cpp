@@ -30,7 +30,8 @@ std::vector<Strategy> strategies() {
           {"recompute layernorm mla_up_proj", selective({"layernorm", "mla_up_proj"})},
           {"offload qkv_linear", offload({"qkv_linear"})},
           {"offload core_attn attn_proj", offload({"core_attn", "attn_proj"})},
-          {"offload qkv_linear+rec. mla_up_proj", both(offload({"qkv_linear"}), selective({"mla_up_proj"}))},
+          {"offload qkv_linear+rec. mla_up_proj",
+           both(offload({"qkv_linear"}), selective({"mla_up_proj"}))},
           {"offload core_attn+rec. mla_up_proj",
            both(offload({"core_attn", "attn_proj"}), selective({"mla_up_proj"}))}};
 }

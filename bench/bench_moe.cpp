@@ -84,11 +84,10 @@ int main(int argc, char** argv) {
     nlohmann::json out = {{"model", actmem::to_json(base)},
                           {"plain_step_s", actmem::median(run.times[0])}};
     std::cout << "MoE model: " << base.num_layers << " layers, h " << base.hidden_size << ", s "
-              << base.seq_length << ", b " << base.micro_batch_size << ", "
-              << base.num_moe_experts << " experts top-" << base.moe_router_topk << " of ffn "
-              << base.moe_ffn() << ", shared ffn "
-              << base.moe_shared_expert_intermediate_size.value_or(0) << ", " << base.precision()
-              << "\n\n";
+              << base.seq_length << ", b " << base.micro_batch_size << ", " << base.num_moe_experts
+              << " experts top-" << base.moe_router_topk << " of ffn " << base.moe_ffn()
+              << ", shared ffn " << base.moe_shared_expert_intermediate_size.value_or(0) << ", "
+              << base.precision() << "\n\n";
     out["strategies"] = actmem::bench::print_strategy_table(std::cout, list, run);
     if (balance_steps > 0) {
       // Part 2: same seed and data, with and without the load-balancing loss.
@@ -100,8 +99,9 @@ int main(int argc, char** argv) {
       actmem::Trainer a(with, tb), b(without, tb);
       std::cout << "\nload balancing over " << balance_steps
                 << " steps (busiest expert's routed tokens / mean, worst layer; 1 = balanced)\n"
-                << std::setw(8) << "step" << std::setw(18) << "aux coeff " + c10::str(with.moe_aux_loss_coeff)
-                << std::setw(14) << "no aux loss" << std::setw(22) << "load_balancing_loss\n";
+                << std::setw(8) << "step" << std::setw(18)
+                << "aux coeff " + c10::str(with.moe_aux_loss_coeff) << std::setw(14)
+                << "no aux loss" << std::setw(22) << "load_balancing_loss\n";
       nlohmann::json curve = nlohmann::json::array();
       double window_a = 0, window_b = 0;
       int n = 0;
@@ -110,12 +110,13 @@ int main(int argc, char** argv) {
         window_a += sa.expert_load_imbalance;
         window_b += sb.expert_load_imbalance;
         ++n;
-        curve.push_back({{"step", step}, {"with_aux", sa.expert_load_imbalance},
+        curve.push_back({{"step", step},
+                         {"with_aux", sa.expert_load_imbalance},
                          {"without_aux", sb.expert_load_imbalance},
                          {"load_balancing_loss", sa.load_balancing_loss.value_or(0.0)}});
         if (step % 25 == 0 || step == balance_steps) {
-          std::cout << std::setw(8) << step << std::setw(18) << std::setprecision(3)
-                    << window_a / n << std::setw(14) << window_b / n << std::setw(21)
+          std::cout << std::setw(8) << step << std::setw(18) << std::setprecision(3) << window_a / n
+                    << std::setw(14) << window_b / n << std::setw(21)
                     << sa.load_balancing_loss.value_or(0.0) << "\n";
           window_a = window_b = 0;
           n = 0;
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
       const int steps = 8;
       tp.train_iters = steps;
       actmem::Trainer exact(c, tp), classes(c, tp);
-      exact.offloader()->set_moe_size_classes(false);
+      exact.offloader()->set_size_classes(false);
       for (int i = 0; i < steps; ++i) {
         exact.train_step(false);
         classes.train_step(false);

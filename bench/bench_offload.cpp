@@ -58,30 +58,38 @@ int main(int argc, char** argv) {
       actmem::TransformerConfig fg = o.model;
       fg.fine_grained_activation_offloading = true;
       fg.offload_modules = {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"};
-      runs.push_back({"fine-grained all, " + link, std::make_unique<actmem::Trainer>(fg, tb), {}, {}, {}, {}});
+      runs.push_back(
+          {"fine-grained all, " + link, std::make_unique<actmem::Trainer>(fg, tb), {}, {}, {}, {}});
       actmem::TransformerConfig layer = o.model;
       layer.cpu_offloading_num_layers = layer.num_layers / 2;
-      runs.push_back({"layer-level " + std::to_string(layer.cpu_offloading_num_layers) + ", " + link,
-                      std::make_unique<actmem::Trainer>(layer, tb), {}, {}, {}, {}});
+      runs.push_back(
+          {"layer-level " + std::to_string(layer.cpu_offloading_num_layers) + ", " + link,
+           std::make_unique<actmem::Trainer>(layer, tb),
+           {},
+           {},
+           {},
+           {}});
     }
     // Every run steps once per round, in a new order each round (Note [Step round order]).
     std::vector<actmem::Trainer*> order;
     for (auto& r : runs) order.push_back(r.trainer.get());
-    actmem::run_shuffled_rounds(order, warmup + iters, /*compute_digest=*/true,
-                               [&](int it, const std::vector<actmem::IterationStats>& st) {
-      for (size_t i = 0; i < runs.size(); ++i) {
-        auto& r = runs[i];
-        r.last = st[i];
-        TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss,
-                    "bench_offload: ", r.name, " is not bitwise equal to the plain run at step ", it + 1);
-        if (it >= warmup) {
-          r.times.push_back(r.last.step_time_s);
-          r.waits.push_back(r.last.offload_wait_s);
-          r.copies.push_back(r.last.offload_copy_s);
-        }
-      }
-      std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all runs\n";
-    });
+    actmem::run_shuffled_rounds(
+        order, warmup + iters, /*compute_digest=*/true,
+        [&](int it, const std::vector<actmem::IterationStats>& st) {
+          for (size_t i = 0; i < runs.size(); ++i) {
+            auto& r = runs[i];
+            r.last = st[i];
+            TORCH_CHECK(st[i].grad_digest == st[0].grad_digest && st[i].loss == st[0].loss,
+                        "bench_offload: ", r.name,
+                        " is not bitwise equal to the plain run at step ", it + 1);
+            if (it >= warmup) {
+              r.times.push_back(r.last.step_time_s);
+              r.waits.push_back(r.last.offload_wait_s);
+              r.copies.push_back(r.last.offload_copy_s);
+            }
+          }
+          std::cerr << "step " << it + 1 << "/" << warmup + iters << " done for all runs\n";
+        });
     const double plain = actmem::median(runs[0].times);
     nlohmann::json out = {{"plain_step_s", plain}, {"runs", nlohmann::json::array()}};
     std::cout << std::left << std::setw(34) << "run" << std::right << std::setw(9) << "step s"
@@ -89,7 +97,8 @@ int main(int argc, char** argv) {
               << "activations" << std::setw(11) << "act. peak" << std::setw(10) << "copy s"
               << std::setw(10) << "wait s" << std::setw(10) << "hidden\n";
     for (const auto& r : runs) {
-      const double step = actmem::median(r.times), wait = actmem::median(r.waits), copy = actmem::median(r.copies);
+      const double step = actmem::median(r.times), wait = actmem::median(r.waits),
+                   copy = actmem::median(r.copies);
       const double hidden = copy > 0 ? std::max(0.0, 1.0 - wait / copy) : 0.0;
       std::cout << std::left << std::setw(34) << r.name << std::right << std::fixed
                 << std::setprecision(3) << std::setw(9) << step << std::setw(8) << step / plain
@@ -98,11 +107,14 @@ int main(int argc, char** argv) {
                 << actmem::format_bytes(r.last.activation_peak_bytes) << std::setw(10) << copy
                 << std::setw(10) << wait << std::setw(9) << std::setprecision(0) << 100 * hidden
                 << "%\n";
-      out["runs"].push_back({{"name", r.name}, {"step_time_s", step}, {"ratio", step / plain},
+      out["runs"].push_back({{"name", r.name},
+                             {"step_time_s", step},
+                             {"ratio", step / plain},
                              {"offloaded_bytes", r.last.offloaded_bytes},
                              {"activation_bytes", r.last.activation_bytes},
                              {"activation_peak_bytes", r.last.activation_peak_bytes},
-                             {"offload_copy_s", copy}, {"offload_wait_s", wait},
+                             {"offload_copy_s", copy},
+                             {"offload_wait_s", wait},
                              {"copy_hidden_fraction", hidden}});
     }
     std::cout << "hidden = 1 - wait / copy: the share of copy time the compute did not wait for\n";

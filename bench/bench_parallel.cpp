@@ -1,9 +1,9 @@
 // bench_parallel.cpp — per-rank activation memory and step time of tensor and sequence
 // parallelism on the 4x512 reference model, and of data parallelism with and without the
 // overlapped bucketed gradient reduction and the distributed optimizer. Each configuration is a
-// real run of `actmem launch --nproc-per-node N -- train ... --log-json FILE` (one process runs train
-// directly); this program reads the JSON logs (rank 0 logs every rank's memory) and prints one
-// table.
+// real run of `actmem launch --nproc-per-node N -- train ... --log-json FILE` (one process runs
+// train directly); this program reads the JSON logs (rank 0 logs every rank's memory) and prints
+// one table.
 //
 //   bench_parallel [--steps N] [--small] [--only SUBSTRING] [--json FILE]
 //
@@ -88,7 +88,8 @@ int main(int argc, char** argv) {
   int steps = 3;
   bool small = false;
   std::string json_path, only;
-  app.add_option("--only", only, "Run only the configurations whose name contains SUBSTRING "
+  app.add_option("--only", only,
+                 "Run only the configurations whose name contains SUBSTRING "
                  "(the first configuration always runs: the ratios' baseline)");
   app.add_option("--steps", steps, "Optimizer steps per configuration (the first is untimed)")
       ->capture_default_str();
@@ -108,8 +109,9 @@ int main(int argc, char** argv) {
         << ref.ffn() << " --seq-length " << ref.seq_length << " --micro-batch-size "
         << ref.micro_batch_size;
     }
-    const std::string full = "--recompute-granularity full --recompute-method uniform "
-                             "--recompute-num-layers 1";
+    const std::string full =
+        "--recompute-granularity full --recompute-method uniform "
+        "--recompute-num-layers 1";
     const std::vector<Case> cases = {
         {"t=1", 1, ""},
         {"t=2", 2, ""},
@@ -144,20 +146,24 @@ int main(int argc, char** argv) {
               << std::left << std::setw(28) << "configuration" << std::right << std::setw(16)
               << "act/rank MiB" << std::setw(16) << "act peak MiB" << std::setw(16)
               << "device peak MiB" << std::setw(12) << "predicted" << std::setw(10) << "vs t=1"
-              << std::setw(10) << "step s" << std::setw(10) << "time x" << "\n";
+              << std::setw(10) << "step s" << std::setw(10) << "time x"
+              << "\n";
     nlohmann::json out = nlohmann::json::array();
     for (const auto& r : results) {
       std::cout << std::left << std::setw(28) << r.name << std::right << std::setw(16)
                 << per_rank(r.act) << std::setw(16) << per_rank(r.act_peak) << std::setw(16)
-                << per_rank(r.device_peak) << std::setw(12) << actmem::bench::mib(r.predicted) << std::setw(10)
-                << std::fixed << std::setprecision(3) << r.act[0] / base_act << std::setw(10)
-                << r.step_s << std::setw(10) << r.step_s / base_time << "\n";
-      out.push_back({{"configuration", r.name}, {"tensor_model_parallel_size", r.t},
+                << per_rank(r.device_peak) << std::setw(12) << actmem::bench::mib(r.predicted)
+                << std::setw(10) << std::fixed << std::setprecision(3) << r.act[0] / base_act
+                << std::setw(10) << r.step_s << std::setw(10) << r.step_s / base_time << "\n";
+      out.push_back({{"configuration", r.name},
+                     {"tensor_model_parallel_size", r.t},
                      {"activation_bytes_per_rank", r.act},
                      {"activation_peak_bytes_per_rank", r.act_peak},
                      {"peak_device_bytes_per_rank", r.device_peak},
-                     {"predicted_activation_bytes", r.predicted}, {"step_time_s", r.step_s},
-                     {"step_time_ratio_vs_t1", r.step_s / base_time}, {"final_loss", r.loss}});
+                     {"predicted_activation_bytes", r.predicted},
+                     {"step_time_s", r.step_s},
+                     {"step_time_ratio_vs_t1", r.step_s / base_time},
+                     {"final_loss", r.loss}});
     }
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
     return 0;

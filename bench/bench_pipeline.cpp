@@ -1,6 +1,7 @@
 // bench_pipeline.cpp — step time, per-stage activation memory and the schedule's idle share of
-// pipeline parallelism (1F1B and interleaved 1F1B) against one process, on a small model. Each configuration is a real
-// run of `actmem launch --nproc-per-node p -- train --pipeline-model-parallel-size p ...
+// pipeline parallelism (1F1B and interleaved 1F1B) against one process, on a small model. Each
+// configuration is a real run of `actmem launch --nproc-per-node p -- train
+// --pipeline-model-parallel-size p ...
 // --log-json FILE` (p = 1 runs train directly); this program reads the JSON logs (rank 0 logs
 // every stage's memory and schedule) and prints one table.
 //
@@ -33,10 +34,10 @@ struct Case {
 };
 
 struct Result {
-  std::vector<double> step_times;             // every timed step of every round
-  std::vector<int64_t> held, predicted;      // in flight per stage (last step)
-  int64_t one_microbatch = 0;                // activation_bytes (the largest micro-batch)
-  std::vector<double> idle;                  // per stage: idle share of the last step's schedule
+  std::vector<double> step_times;        // every timed step of every round
+  std::vector<int64_t> held, predicted;  // in flight per stage (last step)
+  int64_t one_microbatch = 0;            // activation_bytes (the largest micro-batch)
+  std::vector<double> idle;              // per stage: idle share of the last step's schedule
   double loss = 0.0;
 };
 
@@ -140,9 +141,9 @@ int main(int argc, char** argv) {
               << std::left << std::setw(20) << "configuration" << std::setw(30)
               << "in flight per stage MiB" << std::right << std::setw(4) << "" << std::setw(12)
               << "first/last" << std::setw(9) << "vs p=1" << std::setw(8) << "expect"
-              << std::setw(8) << "idle"
-              << std::setw(10) << "bubble" << std::setw(10) << "step ms" << std::setw(9)
-              << "time x" << "\n";
+              << std::setw(8) << "idle" << std::setw(10) << "bubble" << std::setw(10) << "step ms"
+              << std::setw(9) << "time x"
+              << "\n";
     const double base_time = actmem::median(results[0].step_times);
     const double base_act = static_cast<double>(results[0].one_microbatch);
     nlohmann::json out = nlohmann::json::array();
@@ -159,23 +160,30 @@ int main(int argc, char** argv) {
           c.v > 1 ? 1.0 + static_cast<double>(c.p - 1) / static_cast<double>(c.p * c.v) : 1.0;
       const double first_last =
           static_cast<double>(r.held.front()) / static_cast<double>(r.held.back());
-      std::cout << std::left << std::setw(20) << c.name << std::setw(30) << actmem::bench::mib_joined(r.held, 2)
-                << std::right << std::setw(4) << (r.held == r.predicted ? "=" : "!=")
-                << std::fixed << std::setprecision(2) << std::setw(12) << first_last
-                << std::setw(9) << static_cast<double>(r.held.front()) / base_act << std::setw(8)
-                << korthikanti << std::setw(8) << idle << std::setw(10) << bubble << std::setprecision(1) << std::setw(10)
-                << 1e3 * t << std::setprecision(2) << std::setw(9) << t / base_time << "\n";
-      out.push_back({{"configuration", c.name}, {"pipeline_model_parallel_size", c.p},
-                     {"virtual_pipeline_model_parallel_size", c.v},
-                     {"first_stage_over_one_microbatch", static_cast<double>(r.held.front()) / base_act},
-                     {"korthikanti_first_stage_factor", korthikanti},
-                     {"micro_batches", micro},
-                     {"inflight_activation_bytes_per_stage", r.held},
-                     {"predicted_inflight_activation_bytes_per_stage", r.predicted},
-                     {"activation_bytes_one_microbatch", r.one_microbatch},
-                     {"first_over_last_stage", first_last}, {"idle_share_per_stage", r.idle},
-                     {"bubble", bubble}, {"step_time_s", t},
-                     {"step_time_ratio_vs_p1", t / base_time}, {"final_loss", r.loss}});
+      std::cout << std::left << std::setw(20) << c.name << std::setw(30)
+                << actmem::bench::mib_joined(r.held, 2) << std::right << std::setw(4)
+                << (r.held == r.predicted ? "=" : "!=") << std::fixed << std::setprecision(2)
+                << std::setw(12) << first_last << std::setw(9)
+                << static_cast<double>(r.held.front()) / base_act << std::setw(8) << korthikanti
+                << std::setw(8) << idle << std::setw(10) << bubble << std::setprecision(1)
+                << std::setw(10) << 1e3 * t << std::setprecision(2) << std::setw(9) << t / base_time
+                << "\n";
+      out.push_back(
+          {{"configuration", c.name},
+           {"pipeline_model_parallel_size", c.p},
+           {"virtual_pipeline_model_parallel_size", c.v},
+           {"first_stage_over_one_microbatch", static_cast<double>(r.held.front()) / base_act},
+           {"korthikanti_first_stage_factor", korthikanti},
+           {"micro_batches", micro},
+           {"inflight_activation_bytes_per_stage", r.held},
+           {"predicted_inflight_activation_bytes_per_stage", r.predicted},
+           {"activation_bytes_one_microbatch", r.one_microbatch},
+           {"first_over_last_stage", first_last},
+           {"idle_share_per_stage", r.idle},
+           {"bubble", bubble},
+           {"step_time_s", t},
+           {"step_time_ratio_vs_p1", t / base_time},
+           {"final_loss", r.loss}});
     }
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
     return 0;

@@ -25,12 +25,15 @@ int main(int argc, char** argv) {
   double tolerance = 0.05;
   int threads = 0;
   std::string json_path;
-  app.add_option("--train-iters", iters, "Steps per run")->capture_default_str()
+  app.add_option("--train-iters", iters, "Steps per run")
+      ->capture_default_str()
       ->check(CLI::PositiveNumber);
   app.add_option("--eval-interval", eval_interval, "Validate every N steps")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--tolerance", tolerance, "Largest accepted |final val loss bf16 - fp32|, nats")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
@@ -46,19 +49,23 @@ int main(int argc, char** argv) {
       training.train_iters = iters;
       training.eval_interval = eval_interval;
       actmem::Trainer trainer(model, training);
-      nlohmann::json r = {{"precision", precision}, {"val_loss", nlohmann::json::array()},
+      nlohmann::json r = {{"precision", precision},
+                          {"val_loss", nlohmann::json::array()},
                           {"iteration", nlohmann::json::array()}};
       double time_s = 0.0;
-      trainer.run({}, [&](const actmem::IterationStats& st) {
-        time_s += st.step_time_s;
-        r["final_train_loss"] = st.loss;
-        if (st.val_loss) {
-          r["iteration"].push_back(st.iteration);
-          r["val_loss"].push_back(*st.val_loss);
-          std::cerr << precision << " iter " << st.iteration << ": val loss " << std::fixed
-                    << std::setprecision(4) << *st.val_loss << "\n";
-        }
-      }, /*compute_digest=*/false);
+      trainer.run(
+          {},
+          [&](const actmem::IterationStats& st) {
+            time_s += st.step_time_s;
+            r["final_train_loss"] = st.loss;
+            if (st.val_loss) {
+              r["iteration"].push_back(st.iteration);
+              r["val_loss"].push_back(*st.val_loss);
+              std::cerr << precision << " iter " << st.iteration << ": val loss " << std::fixed
+                        << std::setprecision(4) << *st.val_loss << "\n";
+            }
+          },
+          /*compute_digest=*/false);
       r["step_time_s"] = time_s / static_cast<double>(iters);
       runs[precision] = r;
     }
@@ -67,7 +74,8 @@ int main(int argc, char** argv) {
     const double diff = b - a;
     const bool pass = std::abs(diff) <= tolerance;
     std::cout << std::left << std::setw(10) << "iter" << std::setw(12) << "fp32" << std::setw(12)
-              << "bf16" << "bf16 - fp32\n";
+              << "bf16"
+              << "bf16 - fp32\n";
     for (size_t i = 0; i < runs["fp32"]["val_loss"].size(); ++i) {
       const double x = runs["fp32"]["val_loss"][i].get<double>();
       const double y = runs["bf16"]["val_loss"][i].get<double>();
@@ -76,13 +84,16 @@ int main(int argc, char** argv) {
                 << std::showpos << y - x << std::noshowpos << "\n";
     }
     std::cout << "final validation loss: fp32 " << a << ", bf16 " << b << " (difference "
-              << std::showpos << diff << std::noshowpos << ", tolerance " << tolerance << "): "
-              << (pass ? "pass" : "FAIL") << "\n"
+              << std::showpos << diff << std::noshowpos << ", tolerance " << tolerance
+              << "): " << (pass ? "pass" : "FAIL") << "\n"
               << "mean step time: fp32 " << std::setprecision(1)
               << runs["fp32"]["step_time_s"].get<double>() * 1e3 << " ms, bf16 "
               << runs["bf16"]["step_time_s"].get<double>() * 1e3 << " ms\n";
-    nlohmann::json out = {{"runs", runs}, {"difference", diff}, {"tolerance", tolerance},
-                          {"pass", pass}, {"blas", actmem::blas_report().to_json()}};
+    nlohmann::json out = {{"runs", runs},
+                          {"difference", diff},
+                          {"tolerance", tolerance},
+                          {"pass", pass},
+                          {"blas", actmem::blas_report().to_json()}};
     if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
     return pass ? 0 : 1;
   } catch (const c10::Error& e) {

@@ -26,7 +26,6 @@
 
 namespace {
 
-
 using actmem::bench::Strategy;
 
 std::vector<Strategy> strategies(int64_t L) {
@@ -46,7 +45,8 @@ std::vector<Strategy> strategies(int64_t L) {
   return {{"plain", [](actmem::TransformerConfig&) {}},
           {"full uniform 1", full("uniform", 1)},
           {"full uniform " + std::to_string(L), full("uniform", L)},
-          {"full block " + std::to_string(std::max<int64_t>(1, L / 2)), full("block", std::max<int64_t>(1, L / 2))},
+          {"full block " + std::to_string(std::max<int64_t>(1, L / 2)),
+           full("block", std::max<int64_t>(1, L / 2))},
           {"selective core_attn", sel({"core_attn"})},
           {"selective mlp", sel({"mlp"})},
           {"selective layernorm", sel({"layernorm"})},
@@ -73,7 +73,8 @@ double time_core_attention(const actmem::TransformerConfig& c, int iters) {
   attn.train();
   const int64_t d = c.kv_channels();
   auto make = [&] {
-    return at::randn({c.seq_length, c.micro_batch_size, c.num_attention_heads, d}).requires_grad_(true);
+    return at::randn({c.seq_length, c.micro_batch_size, c.num_attention_heads, d})
+        .requires_grad_(true);
   };
   const at::Tensor q = make(), k = make(), v = make();
   const at::Tensor mask = actmem::make_causal_mask(c.seq_length);
@@ -130,8 +131,8 @@ int main(int argc, char** argv) {
                           {"strategies", nlohmann::json::array()}};
     std::cout << std::fixed << "plain step " << std::setprecision(3) << plain << " s; forward "
               << fwd << " s; core attention forward (all layers) " << core << " s\n"
-              << "ideal ratios: full recompute " << (plain + fwd) / plain << ", selective core_attn "
-              << (plain + core) / plain << "\n\n"
+              << "ideal ratios: full recompute " << (plain + fwd) / plain
+              << ", selective core_attn " << (plain + core) / plain << "\n\n"
               << std::left << std::setw(24) << "strategy" << std::right << std::setw(10) << "step s"
               << std::setw(8) << "ratio" << std::setw(14) << "activations" << std::setw(12)
               << "vs plain" << std::setw(14) << "act. peak" << std::setw(9) << "exact\n";
@@ -141,9 +142,10 @@ int main(int argc, char** argv) {
       std::cout << std::left << std::setw(24) << list[i].name << std::right << std::setw(10)
                 << std::setprecision(3) << step << std::setw(8) << step / plain << std::setw(14)
                 << actmem::format_bytes(st.activation_bytes) << std::setw(11)
-                << std::setprecision(1)
-                << 100.0 * st.activation_bytes / last[0].activation_bytes << "%" << std::setw(14)
-                << actmem::format_bytes(st.activation_peak_bytes) << std::setw(8) << "yes" << "\n";
+                << std::setprecision(1) << 100.0 * st.activation_bytes / last[0].activation_bytes
+                << "%" << std::setw(14) << actmem::format_bytes(st.activation_peak_bytes)
+                << std::setw(8) << "yes"
+                << "\n";
       out["strategies"].push_back({{"name", list[i].name},
                                    {"step_time_s", step},
                                    {"ratio", step / plain},

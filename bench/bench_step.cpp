@@ -16,8 +16,8 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
-#include <optional>
 #include <iostream>
+#include <optional>
 
 namespace {
 
@@ -33,7 +33,6 @@ std::vector<Preset> presets() {
   return {{"default", small}, {"4x512", large}};
 }
 
-
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -42,12 +41,15 @@ int main(int argc, char** argv) {
   std::string which = "all", json_path, precision = "fp32";
   int iters = 5, warmup = 2, threads = 0;
   app.add_option("--config", which, "default, 4x512 or all")->capture_default_str();
-  app.add_option("--iters", iters, "Timed steps")->capture_default_str()->check(CLI::PositiveNumber);
+  app.add_option("--iters", iters, "Timed steps")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
   app.add_option("--precision", precision,
                  "fp32, bf16, or both (each model at fp32 then bf16, with the bf16/fp32 ratios)")
-      ->capture_default_str()->check(CLI::IsMember({"fp32", "bf16", "both"}));
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16", "both"}));
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
   actmem::bench::print_blas();
@@ -104,9 +106,8 @@ int main(int argc, char** argv) {
         if (prec == "bf16" && fp32_result) {
           // Ratios against the fp32 run of the same model in this process.
           r["step_time_ratio_vs_fp32"] = step / (*fp32_result)["step_time_s"].get<double>();
-          r["activation_bytes_ratio_vs_fp32"] =
-              static_cast<double>(last.activation_bytes) /
-              (*fp32_result)["activation_bytes"].get<double>();
+          r["activation_bytes_ratio_vs_fp32"] = static_cast<double>(last.activation_bytes) /
+                                                (*fp32_result)["activation_bytes"].get<double>();
           std::cerr << preset.name << " bf16/fp32: step time x"
                     << r["step_time_ratio_vs_fp32"].get<double>() << ", activations x"
                     << r["activation_bytes_ratio_vs_fp32"].get<double>() << "\n";

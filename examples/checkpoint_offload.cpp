@@ -3,8 +3,8 @@
 // the last ones offloaded to host memory (actmem::ActivationOffloader, one OffloadRegion per
 // block). Three SGD steps with dropout on must give bitwise the same losses and gradients as the
 // plain run, with fewer activation bytes held between forward and backward. Exits 1 otherwise.
-#include <actmem/offload/activation_offloader.h>
 #include <actmem/memory/memory_tracker.h>
+#include <actmem/offload/activation_offloader.h>
 #include <actmem/recompute/recompute.h>
 
 #include <torch/torch.h>
@@ -71,7 +71,9 @@ Run train(Strategy strategy) {
         // The first block's input needs grad for the checkpoint to carry gradients.
         if (!h.requires_grad()) h = h.detach().requires_grad_(true);
         h = actmem::checkpoint(
-            [&block](const actmem::TensorList& in) { return actmem::TensorList{block->forward(in[0])}; },
+            [&block](const actmem::TensorList& in) {
+              return actmem::TensorList{block->forward(in[0])};
+            },
             /*distribute_saved_activations=*/false, {h})[0];
       } else {
         // Offloaded: what the block saves goes to the host when it ends, and comes back when

@@ -2,9 +2,11 @@
 #pragma once
 
 #include "actmem/base/compat.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
+#include "actmem/recompute/recompute.h"
 #include "actmem/train/mixed_precision.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
@@ -15,9 +17,12 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <initializer_list>
 #include <map>
 #include <memory>
+#include <ostream>
 #include <string>
+#include <tuple>
 #include <vector>
 
 namespace actmem::testing {
@@ -158,9 +163,90 @@ inline void expect_bitwise_equal_to_plain(
   expect_bitwise_equal_training(*it->second, candidate, per_step);
 }
 
+/// A named edit of a configuration: a variant of a suite's model, or a strategy.
+struct ConfigEdit {
+  const char* name;
+  void (*apply)(TransformerConfig&);
+};
+inline void PrintTo(const ConfigEdit& e, std::ostream* os) {
+  *os << e.name;
+}
+
+/// One case of a layer kind's exactness suite: a variant of its model, a strategy, a precision.
+using ExactnessCase = std::tuple<ConfigEdit, ConfigEdit, const char*>;
+
+/// Every variant with every strategy at fp32, and at 16 bits for the variants named in
+/// `sixteen_bit` (the others repeat the same paths).
+template <typename Variants, typename Strategies>
+std::vector<ExactnessCase> exactness_cases(const Variants& variants, const Strategies& strategies,
+                                           std::initializer_list<std::string> sixteen_bit) {
+  std::vector<ExactnessCase> out;
+  for (const ConfigEdit& v : variants) {
+    for (const ConfigEdit& s : strategies) {
+      for (const char* p : kPrecisions) {
+        if (std::string(p) == "fp32" ||
+            std::find(sixteen_bit.begin(), sixteen_bit.end(), v.name) != sixteen_bit.end()) {
+          out.emplace_back(v, s, p);
+        }
+      }
+    }
+  }
+  return out;
+}
+
+/// The case's test name: variant_strategy_precision.
+inline std::string exactness_case_name(const ::testing::TestParamInfo<ExactnessCase>& info) {
+  return std::string(std::get<0>(info.param).name) + "_" + std::get<1>(info.param).name + "_" +
+         std::get<2>(info.param);
+}
+
+/// What a suite adds to the shared case: edits of the plain and the strategy's configuration
+/// after the case's (MoE's shared experts, Qwen3-Next's selective set), of the training, and a
+/// check of each step's statistics.
+struct ExactnessHooks {
+  std::function<void(TransformerConfig& plain, TransformerConfig& strategy)> adjust;
+  std::function<void(TrainingConfig&)> training;
+  std::function<void(const IterationStats&)> per_step;
+};
+
+/// Note [One exactness harness]
+/// Every layer kind's suite runs the same check: its model edited by the case's variant, at the
+/// case's precision, two micro-batches per step, three steps under the case's strategy, bitwise
+/// equal to the plain run of the same model (expect_bitwise_equal_to_plain: losses, gradient
+/// norms and digests, the generators' states, the parameters); and the strategy must act — it
+/// recomputed something, or (a plan without recompute) it offloaded bytes — so a strategy that
+/// silently does nothing cannot pass.
+inline void expect_strategy_exact(TransformerConfig model, const ExactnessCase& c,
+                                  const ExactnessHooks& hooks = {}) {
+  const auto& [variant, strategy, precision] = c;
+  TrainingConfig t;
+  set_precision(model, t, precision);
+  variant.apply(model);
+  TransformerConfig strat = model;
+  strategy.apply(strat);
+  if (hooks.adjust) hooks.adjust(model, strat);
+  t.global_batch_size = 4;  // two micro-batches per step
+  t.eval_interval = 0;
+  if (hooks.training) hooks.training(t);
+  Trainer other(strat, t);
+  recompute_counters().reset();
+  int64_t offloaded = 0;
+  expect_bitwise_equal_to_plain(model, t, other, 3, [&](const IterationStats& s) {
+    offloaded += s.offloaded_bytes;
+    if (hooks.per_step) hooks.per_step(s);
+  });
+  const auto& rc = recompute_counters();
+  if (make_activation_plan(strat).granularity == RecomputeGranularity::kNone) {
+    EXPECT_GT(offloaded, 0) << "the strategy moved nothing";
+  } else {
+    EXPECT_GT(rc.recomputes.load() + rc.output_recomputes.load(), 0) << "nothing was recomputed";
+  }
+}
+
 /// One training step of `c`: the exact predictor (given the step's MoE routing) equals the
 /// tracker's activation bytes to the byte, and the trainer's own prediction; the activation
-/// ledger agrees with it module by module (within one random-state snapshot: the ledger does not count them).
+/// ledger agrees with it module by module (within one random-state snapshot: the ledger does not
+/// count them).
 inline void expect_predictor_matches_tracker(const TransformerConfig& c, const std::string& what) {
   TrainingConfig t;
   t.eval_interval = 0;

@@ -26,10 +26,14 @@ inline TransformerConfig shaped_model(int64_t layers, int64_t hidden, int64_t he
 }
 
 /// 2 layers, h 64, 4 heads, s 32, b 4: trains visibly in a few dozen steps.
-inline TransformerConfig tiny_model() { return shaped_model(2, 64, 4, 0, 32, 4); }
+inline TransformerConfig tiny_model() {
+  return shaped_model(2, 64, 4, 0, 32, 4);
+}
 
 /// 4 layers, h 32, ffn 48, s 24, b 2: enough layers for every recompute chunking.
-inline TransformerConfig small_model() { return shaped_model(4, 32, 4, 48, 24, 2); }
+inline TransformerConfig small_model() {
+  return shaped_model(4, 32, 4, 48, 24, 2);
+}
 
 /// The precisions the exactness and memory suites run at: fp32, bf16 and fp16 (float16 has CPU
 /// kernels in the PyTorch 2.x this project builds against).
@@ -64,24 +68,29 @@ inline TransformerConfig offload_model() {
 inline const std::pair<const char*, void (*)(TransformerConfig&)> kRecomputePolicies[] = {
     {"plain", [](TransformerConfig&) {}},
     {"core_attn", [](TransformerConfig& c) { c.recompute_granularity = "selective"; }},
-    {"mlp", [](TransformerConfig& c) {
+    {"mlp",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "selective";
        c.recompute_modules = std::vector<std::string>{"mlp"};
      }},
-    {"layernorm", [](TransformerConfig& c) {
+    {"layernorm",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "selective";
        c.recompute_modules = std::vector<std::string>{"layernorm"};
      }},
-    {"all", [](TransformerConfig& c) {
+    {"all",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "selective";
        c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
      }},
-    {"uniform2", [](TransformerConfig& c) {
+    {"uniform2",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 2;
      }},
-    {"block1", [](TransformerConfig& c) {
+    {"block1",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "block";
        c.recompute_num_layers = 1;

@@ -17,8 +17,8 @@ using nlohmann::json;
 // Runs `nproc` worker ranks; returns each rank's JSON (rank order). Fails the test on error.
 std::vector<json> run_workers(int nproc, std::vector<std::string> args) {
   static int counter = 0;
-  const std::string dir = ::testing::TempDir() + "tp_" + std::to_string(::getpid()) + "_" +
-                          std::to_string(counter++);
+  const std::string dir =
+      ::testing::TempDir() + "tp_" + std::to_string(::getpid()) + "_" + std::to_string(counter++);
   EXPECT_EQ(std::system(("mkdir -p " + dir).c_str()), 0);
   std::vector<std::string> argv = {args.at(0), dir};
   argv.insert(argv.end(), args.begin() + 1, args.end());

@@ -1,8 +1,8 @@
 // test_activation_plan.cpp — the plan is resolved once and read by both the model and the
 // predictor: for a sweep of plans (from flags, and per-layer plans no flag can express) the
 // bytes each layer saves, measured by the ledger, equal the predictor's for that layer.
-#include "actmem/config/activation_plan.h"
 #include "actmem/base/compat.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
@@ -77,8 +77,8 @@ std::map<int64_t, int64_t> measured_per_layer(GPTModel& model) {
 void expect_layers_agree(GPTModel& model, const std::string& what) {
   const auto measured = measured_per_layer(model);
   // The predictor walks the very plan the model executes.
-  const auto predicted =
-      per_layer(predict_activation_bytes(model.config(), model.plan(), /*dtype_bytes=*/8).by_module);
+  const auto predicted = per_layer(
+      predict_activation_bytes(model.config(), model.plan(), /*dtype_bytes=*/8).by_module);
   for (int64_t i = -1; i < model.config().num_layers; ++i) {
     const int64_t m = measured.count(i) ? measured.at(i) : 0;
     const int64_t p = predicted.count(i) ? predicted.at(i) : 0;
@@ -89,17 +89,20 @@ void expect_layers_agree(GPTModel& model, const std::string& what) {
 // Beyond the shared sweep: the chunkings that shape the plan most (one layer per chunk, a clamped
 // tail, a block of two).
 const std::pair<const char*, void (*)(TransformerConfig&)> kMoreChunkings[] = {
-    {"full uniform 1", [](TransformerConfig& c) {
+    {"full uniform 1",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 1;
      }},
-    {"full uniform 3 (clamped tail)", [](TransformerConfig& c) {
+    {"full uniform 3 (clamped tail)",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 3;
      }},
-    {"full block 2", [](TransformerConfig& c) {
+    {"full block 2",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "block";
        c.recompute_num_layers = 2;
@@ -172,8 +175,9 @@ TEST(ActivationPlan, ResolvesMegatronsDefaultsOnce) {
   p = make_activation_plan(c);
   EXPECT_TRUE(p.layers[3].offloads(OffloadModule::kAttnProj));
   EXPECT_FALSE(p.layers[3].offloads(OffloadModule::kQkvLinear));
-  EXPECT_EQ(p.summary(), "recompute none | offload modules: attn_norm core_attn attn_proj, "
-                         "tensors of at least 1048576 elements");
+  EXPECT_EQ(p.summary(),
+            "recompute none | offload modules: attn_norm core_attn attn_proj, "
+            "tensors of at least 1048576 elements");
 }
 
 TEST(ActivationPlan, NamesRoundTripThroughTheOneTable) {

@@ -2,8 +2,8 @@
 // strategy, at fp32, bf16 and fp16, and under tensor parallelism), the crash-safe save protocol,
 // refusals of checkpoints that do not fit, the load options, the exit-signal handler, and
 // Python's torch.load reading what libtorch wrote.
-#include "actmem/train/checkpoint.h"
 #include "actmem/base/digest.h"
+#include "actmem/train/checkpoint.h"
 #include "actmem/train/mixed_precision.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
@@ -42,7 +42,9 @@ Steps run_steps(Trainer& trainer, int n) {
   return s;
 }
 
-std::vector<at::Tensor> parameters_of(Trainer& t) { return t.model().ordered_parameters(); }
+std::vector<at::Tensor> parameters_of(Trainer& t) {
+  return t.model().ordered_parameters();
+}
 
 TrainingConfig resume_training() {
   TrainingConfig t = testing::tiny_training();
@@ -60,17 +62,20 @@ TransformerConfig resume_model(const std::string& precision, TrainingConfig& tra
 // What the second half of a resumed run may change: how activations are kept.
 const std::pair<const char*, void (*)(TransformerConfig&)> kResumeStrategies[] = {
     {"same", [](TransformerConfig&) {}},
-    {"full_uniform", [](TransformerConfig& c) {
+    {"full_uniform",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 2;
      }},
-    {"selective_all", [](TransformerConfig& c) {
+    {"selective_all",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "selective";
        c.recompute_modules = std::vector<std::string>{"core_attn", "mlp", "layernorm"};
      }},
     {"layer_offload", [](TransformerConfig& c) { c.cpu_offloading_num_layers = 2; }},
-    {"fine_grained_offload", [](TransformerConfig& c) {
+    {"fine_grained_offload",
+     [](TransformerConfig& c) {
        c.fine_grained_activation_offloading = true;
        c.offload_modules = {"core_attn", "mlp_norm"};
      }},
@@ -117,14 +122,14 @@ TEST_P(ResumeTest, SaveHalfwayLoadAndContinueIsBitwiseTheUninterruptedRun) {
   fs::remove_all(dir);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Strategies, ResumeTest,
-    ::testing::Combine(::testing::ValuesIn(testing::kPrecisions),
-                       ::testing::Range<size_t>(0, std::size(kResumeStrategies))),
-    [](const auto& info) {
-      return std::string(std::get<0>(info.param)) + "_" +
-             kResumeStrategies[std::get<1>(info.param)].first;
-    });
+INSTANTIATE_TEST_SUITE_P(Strategies, ResumeTest,
+                         ::testing::Combine(::testing::ValuesIn(testing::kPrecisions),
+                                            ::testing::Range<size_t>(0,
+                                                                     std::size(kResumeStrategies))),
+                         [](const auto& info) {
+                           return std::string(std::get<0>(info.param)) + "_" +
+                                  kResumeStrategies[std::get<1>(info.param)].first;
+                         });
 
 TEST(CheckpointFiles, LayoutIsMegatrons) {
   EXPECT_EQ(checkpoint_iteration_dir("/d", 100), "/d/iter_0000100");
@@ -201,12 +206,18 @@ TEST(CheckpointFiles, RefusesAnotherShapeOrPrecisionNamingTheField) {
     const char* needle;
   };
   const Case cases[] = {
-      {"hidden_size", [](TransformerConfig& c) { c.hidden_size = 32; }, "hidden_size = 64 but this run has hidden_size = 32"},
-      {"num_layers", [](TransformerConfig& c) { c.num_layers = 3; }, "num_layers = 2 but this run has num_layers = 3"},
-      {"ffn_hidden_size", [](TransformerConfig& c) { c.ffn_hidden_size = 128; }, "ffn_hidden_size = 256"},
-      {"precision", [](TransformerConfig& c) { testing::set_precision(c, "bf16"); }, "precision = \"fp32\" but this run has precision = \"bf16\""},
-      {"gated_linear_unit", [](TransformerConfig& c) { c.gated_linear_unit = true; }, "gated_linear_unit = false"},
-      {"max_position_embeddings", [](TransformerConfig& c) { c.max_position_embeddings = 64; }, "max_position_embeddings = 32"},
+      {"hidden_size", [](TransformerConfig& c) { c.hidden_size = 32; },
+       "hidden_size = 64 but this run has hidden_size = 32"},
+      {"num_layers", [](TransformerConfig& c) { c.num_layers = 3; },
+       "num_layers = 2 but this run has num_layers = 3"},
+      {"ffn_hidden_size", [](TransformerConfig& c) { c.ffn_hidden_size = 128; },
+       "ffn_hidden_size = 256"},
+      {"precision", [](TransformerConfig& c) { testing::set_precision(c, "bf16"); },
+       "precision = \"fp32\" but this run has precision = \"bf16\""},
+      {"gated_linear_unit", [](TransformerConfig& c) { c.gated_linear_unit = true; },
+       "gated_linear_unit = false"},
+      {"max_position_embeddings", [](TransformerConfig& c) { c.max_position_embeddings = 64; },
+       "max_position_embeddings = 32"},
   };
   for (const auto& k : cases) {
     TransformerConfig other = model;
@@ -260,7 +271,8 @@ TEST(CheckpointFiles, LoadOptionsRestoreWhatTheySay) {
     EXPECT_EQ(t.iteration(), 0);
     EXPECT_EQ(t.consumed_train_samples(), 0);
     const auto ckpt = read_checkpoint_file(checkpoint_file(dir, 2, 0));
-    const at::Tensor w = ckpt.at("model").toGenericDict().at("embedding.word_embeddings.weight").toTensor();
+    const at::Tensor w =
+        ckpt.at("model").toGenericDict().at("embedding.word_embeddings.weight").toTensor();
     EXPECT_TRUE(testing::bitwise_equal(t.model().word_embeddings, w));
     const IterationStats st = t.train_step(false);
     EXPECT_EQ(st.iteration, 1);
@@ -294,7 +306,8 @@ TEST(CheckpointFiles, DamagedFilesAreClearErrors) {
   Trainer t(testing::tiny_model(), testing::tiny_training());
   {
     std::ofstream(dir + "/" + kLatestCheckpointFile) << "twelve";
-    expect_error_containing([&] { t.load_checkpoint(dir); }, "should hold an iteration number, found 'twelve'");
+    expect_error_containing([&] { t.load_checkpoint(dir); },
+                            "should hold an iteration number, found 'twelve'");
     std::ofstream(dir + "/" + kLatestCheckpointFile) << "9";
     expect_error_containing([&] { t.load_checkpoint(dir); }, "names iteration 9 but");
     std::ofstream(dir + "/" + kLatestCheckpointFile) << "2";
@@ -381,8 +394,8 @@ TEST(CheckpointFiles, PickleLengthsAndMemoIndicesBeyondTheFileAreRefusedBeforeAn
 }
 
 TEST(CheckpointFiles, ArgsRoundTripThroughPickledValues) {
-  const nlohmann::json j = {{"a", 1}, {"b", 2.5}, {"c", "x"}, {"d", nullptr}, {"e", true},
-                            {"f", {1, 2, 3}}, {"g", {{"h", "i"}}}};
+  const nlohmann::json j = {{"a", 1},    {"b", 2.5},       {"c", "x"},         {"d", nullptr},
+                            {"e", true}, {"f", {1, 2, 3}}, {"g", {{"h", "i"}}}};
   EXPECT_EQ(ivalue_to_json(json_to_ivalue(j)), j);
 }
 
@@ -428,19 +441,20 @@ std::string latest_of(const std::string& dir) {
 
 TEST(CheckpointCrash, AKillAtAnyPointOfASaveLeavesThePreviousCheckpointLoadable) {
   const std::string ref_log = testing::fresh_temp_dir("crash_ref") + "/ref.jsonl";
-  auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --log-json " + ref_log);
+  auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --log-json " +
+                               ref_log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ref = logged_steps(ref_log);
   for (const char* stage : {"mid-file", "before-publish", "before-latest"}) {
     const std::string dir = testing::fresh_temp_dir(std::string("crash_") + stage);
-    r = testing::run_actmem(std::string("train") + kTinyFlags +
-                            " --train-iters 4 --save " + dir + " --save-interval 2");
+    r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --save " + dir +
+                            " --save-interval 2");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     // Kill the process inside the save of iteration 4 (a fresh directory each time).
     const std::string crashed = dir + "/crashed";
-    const std::string cmd = std::string("ACTMEM_CHECKPOINT_FAULT=") + stage + "@4 " + ACTMEM_BINARY +
-                            " train" + kTinyFlags + " --train-iters 4 --save " + crashed +
-                            " --save-interval 2 >/dev/null 2>&1";
+    const std::string cmd = std::string("ACTMEM_CHECKPOINT_FAULT=") + stage + "@4 " +
+                            ACTMEM_BINARY + " train" + kTinyFlags + " --train-iters 4 --save " +
+                            crashed + " --save-interval 2 >/dev/null 2>&1";
     const int status = std::system(cmd.c_str());
     ASSERT_TRUE(WIFEXITED(status) || WIFSIGNALED(status));
     EXPECT_NE(status, 0) << stage << ": the fault point was not reached";
@@ -473,14 +487,18 @@ TEST(CheckpointCrash, AKillAtAnyPointOfASaveLeavesThePreviousCheckpointLoadable)
 }
 
 TEST(CheckpointCli, FlagsThatNeedALoadOrASaveAreRefused) {
-  for (const char* flag : {"--no-load-optim", "--no-load-rng", "--finetune",
-                           "--override-opt_param-scheduler"}) {
-    const auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 " + flag);
+  for (const char* flag :
+       {"--no-load-optim", "--no-load-rng", "--finetune", "--override-opt_param-scheduler"}) {
+    const auto r =
+        testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 " + flag);
     EXPECT_NE(r.exit_code, 0) << flag;
-    EXPECT_NE(r.stderr_text.find(std::string(flag) + " applies to loading a checkpoint; give --load DIR"),
-              std::string::npos) << r.stderr_text;
+    EXPECT_NE(
+        r.stderr_text.find(std::string(flag) + " applies to loading a checkpoint; give --load DIR"),
+        std::string::npos)
+        << r.stderr_text;
   }
-  const auto r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 --save-interval 5");
+  const auto r =
+      testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 1 --save-interval 5");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("needs a directory to save in (--save DIR)"), std::string::npos)
       << r.stderr_text;
@@ -491,11 +509,14 @@ TEST(CheckpointCli, FlagsThatNeedALoadOrASaveAreRefused) {
 // the wait status and fills `text` with its output.
 int train_until_sigterm(const std::string& command, const std::string& dir, std::string& text) {
   const std::string log = dir + "/log.jsonl", out = dir + "/out.txt";
-  const std::string cmd =
-      std::string(ACTMEM_BINARY) + " " + command + " --train-iters 1000000 --save " + dir +
-      "/ckpt --exit-signal-handler --log-json " + log + " >" + out + " 2>&1 & pid=$!; "
-      "for i in $(seq 600); do [ -f " + log + " ] && [ $(wc -l < " + log + ") -ge 4 ] && break; "
-      "sleep 0.05; done; kill -TERM $pid; wait $pid";
+  const std::string cmd = std::string(ACTMEM_BINARY) + " " + command +
+                          " --train-iters 1000000 --save " + dir +
+                          "/ckpt --exit-signal-handler --log-json " + log + " >" + out +
+                          " 2>&1 & pid=$!; "
+                          "for i in $(seq 600); do [ -f " +
+                          log + " ] && [ $(wc -l < " + log +
+                          ") -ge 4 ] && break; "
+                          "sleep 0.05; done; kill -TERM $pid; wait $pid";
   const int status = std::system(cmd.c_str());
   std::ifstream o(out);
   text.assign((std::istreambuf_iterator<char>(o)), std::istreambuf_iterator<char>());
@@ -512,7 +533,8 @@ TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
   const int64_t last = steps.rbegin()->first;
   EXPECT_LT(last, 1000000);
   EXPECT_NE(text.find("exiting after iteration " + std::to_string(last) + " on signal 15"),
-            std::string::npos) << text;
+            std::string::npos)
+      << text;
   EXPECT_EQ(latest_of(dir + "/ckpt"), std::to_string(last));
   fs::remove_all(dir);
 }
@@ -520,10 +542,9 @@ TEST(CheckpointCli, SigtermSavesAfterTheCurrentStepAndExits) {
 TEST(CheckpointCli, SigtermToTheLauncherSavesEveryRankAndExitsZero) {
   const std::string dir = testing::fresh_temp_dir("sigterm_tp");
   std::string text;
-  const int status = train_until_sigterm(
-      std::string("launch --nproc-per-node 2 -- train") + kTinyFlags +
-          " --tensor-model-parallel-size 2",
-      dir, text);
+  const int status = train_until_sigterm(std::string("launch --nproc-per-node 2 -- train") +
+                                             kTinyFlags + " --tensor-model-parallel-size 2",
+                                         dir, text);
   ASSERT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status << "\n" << text;
   const int64_t last = logged_steps(dir + "/log.jsonl").rbegin()->first;
   EXPECT_EQ(latest_of(dir + "/ckpt"), std::to_string(last));
@@ -534,20 +555,23 @@ TEST(CheckpointCli, SigtermToTheLauncherSavesEveryRankAndExitsZero) {
 
 TEST(CheckpointCli, TensorParallelResumeIsBitwiseAndAnotherSizeIsRefused) {
   const std::string dir = testing::fresh_temp_dir("tp_resume");
-  const std::string tp = std::string(kTinyFlags) + " --tensor-model-parallel-size 2 --train-iters 4";
+  const std::string tp =
+      std::string(kTinyFlags) + " --tensor-model-parallel-size 2 --train-iters 4";
   const std::string launch = "launch --nproc-per-node 2 -- train";
   auto r = testing::run_actmem(launch + tp + " --log-json " + dir + "/ref.jsonl");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Halfway: save at 2, and die inside the save of 4 (latest stays at 2).
   const std::string cmd = "ACTMEM_CHECKPOINT_FAULT=before-latest@4 " + std::string(ACTMEM_BINARY) +
-                          " " + launch + tp + " --save " + dir + "/ckpt --save-interval 2 >/dev/null 2>&1";
+                          " " + launch + tp + " --save " + dir +
+                          "/ckpt --save-interval 2 >/dev/null 2>&1";
   EXPECT_NE(std::system(cmd.c_str()), 0);
   ASSERT_EQ(latest_of(dir + "/ckpt"), "2");
   EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 1)));  // one file per rank
   // Continue with another strategy (full recompute): bitwise, every rank.
-  r = testing::run_actmem(launch + tp + " --load " + dir + "/ckpt --recompute-granularity full "
-                          "--recompute-method uniform --recompute-num-layers 1 --log-json " + dir +
-                          "/resumed.jsonl");
+  r = testing::run_actmem(launch + tp + " --load " + dir +
+                          "/ckpt --recompute-granularity full "
+                          "--recompute-method uniform --recompute-num-layers 1 --log-json " +
+                          dir + "/resumed.jsonl");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto ref = logged_steps(dir + "/ref.jsonl"), resumed = logged_steps(dir + "/resumed.jsonl");
   ASSERT_EQ(resumed.size(), 2u);
@@ -556,19 +580,23 @@ TEST(CheckpointCli, TensorParallelResumeIsBitwiseAndAnotherSizeIsRefused) {
     EXPECT_EQ(step.digest, ref.at(it).digest) << "iteration " << it;  // every rank's
   }
   // One process cannot load the two-rank checkpoint.
-  r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --load " + dir + "/ckpt");
+  r = testing::run_actmem(std::string("train") + kTinyFlags + " --train-iters 4 --load " + dir +
+                          "/ckpt");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("tensor_model_parallel_size = 2 but this run has "
                                "tensor_model_parallel_size = 1"),
-            std::string::npos) << r.stderr_text;
+            std::string::npos)
+      << r.stderr_text;
   fs::remove_all(dir);
 }
 
 // `launch` + `flags` for 4 iterations (the reference, logged to DIR/ref.jsonl); then a run that
 // saves to DIR/ckpt at 2 and dies inside the save of 4 (latest stays at 2); then a resume from
 // it, whose iterations 3 and 4 must equal the reference's bitwise (loss and gradient digest).
-void expect_bitwise_resume(const std::string& launch, const std::string& flags, const std::string& dir) {
-  auto r = testing::run_actmem(launch + flags + " --train-iters 4 --log-json " + dir + "/ref.jsonl");
+void expect_bitwise_resume(const std::string& launch, const std::string& flags,
+                           const std::string& dir) {
+  auto r =
+      testing::run_actmem(launch + flags + " --train-iters 4 --log-json " + dir + "/ref.jsonl");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string cmd = "ACTMEM_CHECKPOINT_FAULT=before-latest@4 " + std::string(ACTMEM_BINARY) +
                           " " + launch + flags + " --train-iters 4 --save " + dir +
@@ -595,9 +623,11 @@ TEST(CheckpointCli, DataParallelResumeIsBitwiseAndLoadsIntoOneProcess) {
   const std::string launch = "launch --nproc-per-node 2 -- train";
   expect_bitwise_resume(launch, flags, dir);
   if (::testing::Test::HasFatalFailure()) return;
-  const auto r = testing::run_actmem(std::string("train") + flags + " --train-iters 4 --load " + dir + "/ckpt");
+  const auto r = testing::run_actmem(std::string("train") + flags + " --train-iters 4 --load " +
+                                     dir + "/ckpt");
   EXPECT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("continuing at iteration 3, 8 samples consumed"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("continuing at iteration 3, 8 samples consumed"), std::string::npos)
+      << r.output;
   fs::remove_all(dir);
 }
 
@@ -622,7 +652,8 @@ TEST(CheckpointCli, ExpertParallelResumeIsBitwiseWithOneFilePerExpertRank) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("expert_model_parallel_size = 2 but this run has "
                           "expert_model_parallel_size = 1"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("was saved with expert parallelism"), std::string::npos) << r.output;
@@ -668,7 +699,8 @@ TEST(CheckpointCli, PipelineAndExpertParallelResumeIsBitwiseWithOneFilePerStageA
       EXPECT_TRUE(fs::exists(checkpoint_file(dir + "/ckpt", 2, 0, ep, pp))) << pp << " " << ep;
     }
   }
-  const auto r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
+  const auto r =
+      testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("was saved with pipeline and expert parallelism"), std::string::npos)
       << r.output;
@@ -677,12 +709,13 @@ TEST(CheckpointCli, PipelineAndExpertParallelResumeIsBitwiseWithOneFilePerStageA
 
 TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
   // Pipeline 2 x data 2 under 1F1B (four processes, four micro-batches, the tied embedding kept
-  // over the embedding group, dropout on): each stage of the first replica writes its layers to its own file
-  // (Megatron's mp_rank_TT_PPP), every rank resumes from its stage's file, and the resumed
+  // over the embedding group, dropout on): each stage of the first replica writes its layers to its
+  // own file (Megatron's mp_rank_TT_PPP), every rank resumes from its stage's file, and the resumed
   // iterations equal the uninterrupted run's bitwise. Another pipeline size names the mismatch;
   // generate (single-process inference) refuses clearly.
   const std::string dir = testing::fresh_temp_dir("pp_resume");
-  const std::string flags = std::string(kTinyFlags) + " --global-batch-size 16 "
+  const std::string flags = std::string(kTinyFlags) +
+                            " --global-batch-size 16 "
                             "--pipeline-model-parallel-size 2";
   expect_bitwise_resume("launch --nproc-per-node 4 -- train", flags, dir);
   if (::testing::Test::HasFatalFailure()) return;
@@ -696,7 +729,8 @@ TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("pipeline_model_parallel_size = 2 but this run has "
                           "pipeline_model_parallel_size = 1"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt ab --max-new-tokens 2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("was saved with pipeline parallelism"), std::string::npos) << r.output;
@@ -706,7 +740,8 @@ TEST(CheckpointCli, PipelineResumeIsBitwiseWithOneFilePerStage) {
 
 // Python's torch.load reads the file as a dict of Megatron-named tensors with the same values.
 TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
-  if (std::system((std::string(ACTMEM_PYTHON) + " -c 'import torch' >/dev/null 2>&1").c_str()) != 0) {
+  if (std::system((std::string(ACTMEM_PYTHON) + " -c 'import torch' >/dev/null 2>&1").c_str()) !=
+      0) {
     GTEST_SKIP() << ACTMEM_PYTHON << " has no torch";
   }
   TransformerConfig model = testing::tiny_model();
@@ -735,7 +770,8 @@ TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
   std::ifstream in(listing);
   std::string line;
   std::getline(in, line);
-  EXPECT_EQ(line, "keys args checkpoint_version iteration model opt_param_scheduler optimizer rng_state");
+  EXPECT_EQ(line,
+            "keys args checkpoint_version iteration model opt_param_scheduler optimizer rng_state");
   std::getline(in, line);
   EXPECT_EQ(line, "iteration 1 3.0");
   const auto params = t.model().named_parameters(true);
@@ -754,7 +790,8 @@ TEST(CheckpointPython, TorchLoadReadsTheModelUnderMegatronNames) {
     std::string hex;
     for (int64_t i = 0; i < values.numel(); ++i) {
       ls >> hex;
-      ASSERT_EQ(std::strtod(hex.c_str(), nullptr), values[i].item<float>()) << name << "[" << i << "]";
+      ASSERT_EQ(std::strtod(hex.c_str(), nullptr), values[i].item<float>())
+          << name << "[" << i << "]";
     }
     ++seen;
   }

@@ -17,8 +17,9 @@ struct ConfigCase {
   std::function<void(TransformerConfig&)> mutate;
   const char* message;
 };
-inline void PrintTo(const ConfigCase& c, std::ostream* os) { *os << c.name; }
-
+inline void PrintTo(const ConfigCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class ConfigValidation : public ::testing::TestWithParam<ConfigCase> {};
 
@@ -93,8 +94,9 @@ struct TrainingCase {
   std::function<void(TrainingConfig&)> mutate;
   const char* message;
 };
-inline void PrintTo(const TrainingCase& c, std::ostream* os) { *os << c.name; }
-
+inline void PrintTo(const TrainingCase& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class TrainingValidation : public ::testing::TestWithParam<TrainingCase> {};
 
@@ -276,7 +278,8 @@ TEST(TrainingConfig, PartialActivationCheckpointsNeedAPipelineAndBlockRecompute)
   model.recompute_method = "block";
   t.validate(model);
   model.fine_grained_activation_offloading = true;
-  expect_error_containing([&] { t.validate(model); }, "together with activation offload is not implemented");
+  expect_error_containing([&] { t.validate(model); },
+                          "together with activation offload is not implemented");
   model.fine_grained_activation_offloading = false;
   t.num_microbatches_with_partial_activation_checkpoints = -1;
   expect_error_containing([&] { t.validate(model); }, "must be >= 0, got -1");
@@ -289,7 +292,8 @@ TEST(TransformerConfig, RecomputeDefaultsFollowMegatron) {
   EXPECT_FALSE(recomputes(RecomputeModule::kCoreAttn));  // no granularity: nothing recomputed
   c.recompute_granularity = "selective";
   c.validate();
-  EXPECT_TRUE(recomputes(RecomputeModule::kCoreAttn));  // recompute_modules defaults to {"core_attn"}
+  EXPECT_TRUE(
+      recomputes(RecomputeModule::kCoreAttn));  // recompute_modules defaults to {"core_attn"}
   EXPECT_FALSE(recomputes(RecomputeModule::kMlp));
   c.recompute_modules = std::vector<std::string>{"mlp", "layernorm"};
   c.validate();

@@ -2,8 +2,8 @@
 // and train bitwise like one process, the overlapped bucketed reduction, the distributed
 // optimizer, dropout, and the launch and batch rules.
 #include "actmem/parallel/distributed.h"
-#include "actmem/recompute/rng.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
 #include "test_util.h"
@@ -25,15 +25,16 @@ namespace actmem {
 namespace {
 
 using actmem::testing::expect_error_containing;
+using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
-using actmem::testing::rel;
 
 // The steps of a data-parallel launch against a reference launch of the same global batch.
 void expect_same_steps(const json& a, const json& b, const std::string& what) {
   ASSERT_EQ(a["steps"].size(), b["steps"].size());
   for (size_t i = 0; i < a["steps"].size(); ++i) {
-    EXPECT_EQ(a["steps"][i]["loss"].get<double>(), b["steps"][i]["loss"].get<double>()) << what << " step " << i;
+    EXPECT_EQ(a["steps"][i]["loss"].get<double>(), b["steps"][i]["loss"].get<double>())
+        << what << " step " << i;
     EXPECT_EQ(a["steps"][i]["grad_norm"].get<double>(), b["steps"][i]["grad_norm"].get<double>())
         << what << " step " << i;
     EXPECT_EQ(a["steps"][i]["grad_digest"], b["steps"][i]["grad_digest"]) << what << " step " << i;
@@ -53,7 +54,8 @@ TEST(DataParallel, RanksSplitTheGlobalBatchAndTrainBitwiseLikeOneProcess) {
   ASSERT_EQ(two.size(), 2u);
   EXPECT_EQ(two[1]["data"]["dp_rank"], 1);
   EXPECT_EQ(two[1]["data"]["dp_size"], 2);
-  for (const auto& r : two) expect_same_steps(r["data"], one[0]["data"], "dp 2 rank " + r["rank"].dump());
+  for (const auto& r : two)
+    expect_same_steps(r["data"], one[0]["data"], "dp 2 rank " + r["rank"].dump());
   // Tensor 2 x data 2 (four processes) against tensor 2: each tensor-parallel rank's gradient
   // shard is the same in both, on both data-parallel ranks (ranks 0, 2 hold tp rank 0).
   const auto tp = run_workers(2, {"data", "--no-dropout", "--tp", "2", "--global-batch", "8"});
@@ -116,7 +118,8 @@ TEST(DataParallel, OverlappedBucketedReductionIsBitwiseTheSameAndStartsDuringBac
       {4, {"--pp", "2", "--vp", "2", "--layers", "8"}, "p 2 x v 2 x d 2"},
   };
   for (const auto& k : cases) {
-    std::vector<std::string> args = {"overlap", "--tp", "1", "--global-batch", "16", "--bucket", "20000"};
+    std::vector<std::string> args = {"overlap", "--tp",     "1",    "--global-batch",
+                                     "16",      "--bucket", "20000"};
     args.insert(args.end(), k.args.begin(), k.args.end());
     const auto ranks = run_workers(k.nproc, args);
     ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
@@ -159,13 +162,22 @@ TEST(DataParallel, DistributedOptimizerIsBitwiseTheReplicatedOneWithItsStateShar
   };
   const std::vector<Case> cases = {
       {2, {"--tp", "1", "--layers", "2", "--bucket", "0"}, 8, "d 2 fp32"},
-      {2, {"--tp", "1", "--layers", "2", "--bucket", "20000", "--variant", "bf16"}, 12,
+      {2,
+       {"--tp", "1", "--layers", "2", "--bucket", "20000", "--variant", "bf16"},
+       12,
        "d 2 bf16, overlapped 20000-element buckets"},
-      {4, {"--tp", "1", "--pp", "2", "--layers", "4", "--bucket", "20000"}, 8,
+      {4,
+       {"--tp", "1", "--pp", "2", "--layers", "4", "--bucket", "20000"},
+       8,
        "p 2 x d 2 fp32, overlapped"},
-      {4, {"--tp", "2", "--layers", "2", "--bucket", "0", "--variant", "bf16"}, 12, "t 2 x d 2 bf16"},
+      {4,
+       {"--tp", "2", "--layers", "2", "--bucket", "0", "--variant", "bf16"},
+       12,
+       "t 2 x d 2 bf16"},
       // Dense weights over d = 4, the experts over their expert-data-parallel group of 2.
-      {4, {"--tp", "1", "--ep", "2", "--layers", "2", "--bucket", "0", "--variant", "moe"}, 8,
+      {4,
+       {"--tp", "1", "--ep", "2", "--layers", "2", "--bucket", "0", "--variant", "moe"},
+       8,
        "MoE e 2 x d 4"},
   };
   for (const auto& k : cases) {
@@ -184,7 +196,8 @@ TEST(DataParallel, DistributedOptimizerIsBitwiseTheReplicatedOneWithItsStateShar
       ASSERT_EQ(dist["steps"].size(), 3u) << what;
       for (size_t i = 0; i < 3; ++i) {
         EXPECT_EQ(dist["steps"][i]["loss"], plain["steps"][i]["loss"]) << what << " step " << i;
-        EXPECT_EQ(dist["steps"][i]["grad_norm"], plain["steps"][i]["grad_norm"]) << what << " step " << i;
+        EXPECT_EQ(dist["steps"][i]["grad_norm"], plain["steps"][i]["grad_norm"])
+            << what << " step " << i;
         EXPECT_EQ(dist["steps"][i]["grad_digest"], plain["steps"][i]["grad_digest"])
             << what << " step " << i;
       }
@@ -237,7 +250,8 @@ TEST(DataParallel, LaunchSizeAndBatchRules) {
   const auto odd = actmem::testing::run_actmem(
       "launch --nproc-per-node 3 -- train --tensor-model-parallel-size 2 --train-iters 1");
   EXPECT_NE(odd.exit_code, 0);
-  EXPECT_NE(odd.output.find("the launch must be a multiple of it"), std::string::npos) << odd.output;
+  EXPECT_NE(odd.output.find("the launch must be a multiple of it"), std::string::npos)
+      << odd.output;
   const auto batch = actmem::testing::run_actmem(
       "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
       "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --train-iters 1");

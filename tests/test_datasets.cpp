@@ -28,7 +28,8 @@ using testing::expect_error_containing;
 namespace fs = std::filesystem;
 
 bool python_has_numpy() {
-  return std::system((std::string(ACTMEM_PYTHON) + " -c 'import numpy' >/dev/null 2>&1").c_str()) == 0;
+  return std::system((std::string(ACTMEM_PYTHON) + " -c 'import numpy' >/dev/null 2>&1").c_str()) ==
+         0;
 }
 
 // Documents of pseudo-random lengths and tokens below `vocab`.
@@ -126,27 +127,28 @@ TEST(IndexedDataset, ReadsAFileWrittenByMegatronsWriterInPython) {
   if (!python_has_numpy()) GTEST_SKIP() << ACTMEM_PYTHON << " has no numpy";
   const std::string dir = testing::fresh_temp_dir("idx_python");
   const std::string script = dir + "/write.py", prefix = dir + "/py";
-  std::ofstream(script) <<
-      "import struct, sys, numpy as np\n"
-      "prefix = sys.argv[1]\n"
-      "rng = np.random.RandomState(5)\n"
-      "docs = [rng.randint(0, 50000, size=rng.randint(1, 300)).astype(np.uint16) for _ in range(40)]\n"
-      "with open(prefix + '.bin', 'wb') as f:\n"
-      "    for d in docs: f.write(d.tobytes(order='C'))\n"
-      "lengths = [len(d) for d in docs]\n"
-      "pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * 2\n"
-      "document_indices = list(range(len(docs) + 1))\n"
-      "with open(prefix + '.idx', 'wb') as f:\n"
-      "    f.write(b'MMIDIDX\\x00\\x00')\n"
-      "    f.write(struct.pack('<Q', 1))\n"
-      "    f.write(struct.pack('<B', 8))\n"
-      "    f.write(struct.pack('<Q', len(lengths)))\n"
-      "    f.write(struct.pack('<Q', len(document_indices)))\n"
-      "    f.write(np.array(lengths, dtype=np.int32).tobytes(order='C'))\n"
-      "    f.write(pointers.tobytes(order='C'))\n"
-      "    f.write(np.array(document_indices, dtype=np.int64).tobytes(order='C'))\n"
-      "with open(prefix + '.txt', 'w') as f:\n"
-      "    for d in docs: f.write(' '.join(map(str, d.tolist())) + '\\n')\n";
+  std::ofstream(script)
+      << "import struct, sys, numpy as np\n"
+         "prefix = sys.argv[1]\n"
+         "rng = np.random.RandomState(5)\n"
+         "docs = [rng.randint(0, 50000, size=rng.randint(1, 300)).astype(np.uint16) for _ in "
+         "range(40)]\n"
+         "with open(prefix + '.bin', 'wb') as f:\n"
+         "    for d in docs: f.write(d.tobytes(order='C'))\n"
+         "lengths = [len(d) for d in docs]\n"
+         "pointers = np.concatenate([[0], np.cumsum(lengths)[:-1]]).astype(np.int64) * 2\n"
+         "document_indices = list(range(len(docs) + 1))\n"
+         "with open(prefix + '.idx', 'wb') as f:\n"
+         "    f.write(b'MMIDIDX\\x00\\x00')\n"
+         "    f.write(struct.pack('<Q', 1))\n"
+         "    f.write(struct.pack('<B', 8))\n"
+         "    f.write(struct.pack('<Q', len(lengths)))\n"
+         "    f.write(struct.pack('<Q', len(document_indices)))\n"
+         "    f.write(np.array(lengths, dtype=np.int32).tobytes(order='C'))\n"
+         "    f.write(pointers.tobytes(order='C'))\n"
+         "    f.write(np.array(document_indices, dtype=np.int64).tobytes(order='C'))\n"
+         "with open(prefix + '.txt', 'w') as f:\n"
+         "    for d in docs: f.write(' '.join(map(str, d.tolist())) + '\\n')\n";
   ASSERT_EQ(std::system((std::string(ACTMEM_PYTHON) + " " + script + " " + prefix).c_str()), 0);
   const IndexedDataset ds(prefix);
   ASSERT_EQ(ds.num_documents(), 40);
@@ -189,9 +191,11 @@ TEST(GPTDataset, ShufflesAsNumpysRandomState) {
   // Sizes that need the bounded draw's rejection (not powers of two), and two shuffles in a row
   // from one state, as GPTDataset draws its document and shuffle indices.
   const std::string cmd =
-      std::string(ACTMEM_PYTHON) + " -c \"import numpy as np; r = np.random.RandomState(1234); "
+      std::string(ACTMEM_PYTHON) +
+      " -c \"import numpy as np; r = np.random.RandomState(1234); "
       "a = np.arange(1000, dtype=np.int32); r.shuffle(a); b = np.arange(77, dtype=np.uint32); "
-      "r.shuffle(b); print(' '.join(map(str, a.tolist() + b.tolist())))\" > " + out;
+      "r.shuffle(b); print(' '.join(map(str, a.tolist() + b.tolist())))\" > " +
+      out;
   ASSERT_EQ(std::system(cmd.c_str()), 0);
   std::ifstream in(out);
   std::vector<int64_t> want;
@@ -489,13 +493,15 @@ for split in sys.argv[1:]:
     for (size_t i = 0; i < 3; ++i) {
       std::string field;
       in >> field;
-      const std::string mine = got[i].first == got[i].second && field == "-"
-                                   ? "-"
-                                   : std::to_string(got[i].first) + ":" + std::to_string(got[i].second);
+      const std::string mine =
+          got[i].first == got[i].second && field == "-"
+              ? "-"
+              : std::to_string(got[i].first) + ":" + std::to_string(got[i].second);
       if (field == "-") {
         // None: no dataset; actmem's range is empty.
         if (got[i].first != got[i].second && ++mismatches <= 5) {
-          ADD_FAILURE() << split << " n=" << n << " split " << i << ": Python None, actmem " << mine;
+          ADD_FAILURE() << split << " n=" << n << " split " << i << ": Python None, actmem "
+                        << mine;
         }
       } else if (mine != field && ++mismatches <= 5) {
         ADD_FAILURE() << split << " n=" << n << " split " << i << ": Python " << field
@@ -549,22 +555,24 @@ TEST(GPTDataset, SplitsAndIndexesSequencesNotDocuments) {
   write_documents(dir + "/empty", with_empty);
   write_documents(dir + "/sentences", sentences);
   ASSERT_EQ(n_seq_empty, 36);
-  for (const auto& [name, n_seq] :
-       std::vector<std::pair<std::string, int64_t>>{{"empty", n_seq_empty}, {"sentences", n_seq_sentences}}) {
+  for (const auto& [name, n_seq] : std::vector<std::pair<std::string, int64_t>>{
+           {"empty", n_seq_empty}, {"sentences", n_seq_sentences}}) {
     SCOPED_TRACE(name);
     const IndexedDataset data(dir + "/" + name);
     ASSERT_EQ(data.num_sequences(), n_seq);
     // 969,30,1 of the sequence count, by Megatron's rule (worked here, not by split_ranges).
-    const int64_t train_end = static_cast<int64_t>(std::nearbyint(0.969 * static_cast<double>(n_seq)));
-    const int64_t valid_end = static_cast<int64_t>(std::nearbyint(0.999 * static_cast<double>(n_seq)));
+    const int64_t train_end =
+        static_cast<int64_t>(std::nearbyint(0.969 * static_cast<double>(n_seq)));
+    const int64_t valid_end =
+        static_cast<int64_t>(std::nearbyint(0.999 * static_cast<double>(n_seq)));
     ASSERT_LT(train_end, valid_end);
     int64_t train_tokens = 0, valid_tokens = 0;
     for (int64_t i = 0; i < n_seq; ++i) {
       (i < train_end ? train_tokens : valid_tokens) += i < valid_end ? data.sequence_length(i) : 0;
     }
     const int64_t seq = 8;
-    const GPTSplits splits = build_gpt_splits(DataBlend{{dir + "/" + name}, {}}, "969,30,1", seq, 1234,
-                                              {20, 2, 0}, "");
+    const GPTSplits splits =
+        build_gpt_splits(DataBlend{{dir + "/" + name}, {}}, "969,30,1", seq, 1234, {20, 2, 0}, "");
     auto* train = dynamic_cast<const GPTDataset*>(splits.train.get());
     auto* valid = dynamic_cast<const GPTDataset*>(splits.valid.get());
     ASSERT_TRUE(train != nullptr && valid != nullptr);
@@ -575,7 +583,8 @@ TEST(GPTDataset, SplitsAndIndexesSequencesNotDocuments) {
           std::tuple{valid, train_end, valid_end, valid_tokens}}) {
       std::vector<int64_t> count(static_cast<size_t>(n_seq), 0);
       for (const int32_t id : ds->document_index()) {
-        ASSERT_TRUE(id >= lo && id < hi) << "sequence " << id << " outside [" << lo << ", " << hi << ")";
+        ASSERT_TRUE(id >= lo && id < hi)
+            << "sequence " << id << " outside [" << lo << ", " << hi << ")";
         ++count[static_cast<size_t>(id)];
       }
       for (int64_t i = lo; i < hi; ++i) EXPECT_EQ(count[static_cast<size_t>(i)], ds->num_epochs());
@@ -599,7 +608,9 @@ TEST(GPTDataset, TrainsOnAFileWithEmptyDocuments) {
   {
     std::ofstream in(dir + "/in.jsonl");
     for (int i = 0; i < 60; ++i) {
-      in << "{\"text\": \"" << (i % 7 == 2 ? std::string() : "document " + std::to_string(i) + " says hello to the model")
+      in << "{\"text\": \""
+         << (i % 7 == 2 ? std::string()
+                        : "document " + std::to_string(i) + " says hello to the model")
          << "\"}\n";
     }
   }
@@ -609,7 +620,8 @@ TEST(GPTDataset, TrainsOnAFileWithEmptyDocuments) {
   const IndexedDataset data(dir + "/d_text_document");
   EXPECT_EQ(data.num_documents(), 60);
   EXPECT_EQ(data.num_sequences(), 51);
-  r = testing::run_actmem("train --data-path " + dir + "/d_text_document --tokenizer-type ByteTokenizer "
+  r = testing::run_actmem("train --data-path " + dir +
+                          "/d_text_document --tokenizer-type ByteTokenizer "
                           "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --seq-length 16 "
                           "--micro-batch-size 2 --train-iters 2 --eval-interval 2 --eval-iters 1 "
                           "--threads 1");
@@ -624,8 +636,9 @@ TEST(GPTDataset, SamplesRunAcrossDocumentsInTheDocumentIndexOrder) {
   auto data = std::make_shared<const IndexedDataset>(dir + "/d");
   const int64_t seq = 16;
   // More samples than one epoch holds: several epochs.
-  const int64_t tokens = std::accumulate(docs.begin(), docs.end(), int64_t{0},
-                                         [](int64_t a, const auto& d) { return a + static_cast<int64_t>(d.size()); });
+  const int64_t tokens =
+      std::accumulate(docs.begin(), docs.end(), int64_t{0},
+                      [](int64_t a, const auto& d) { return a + static_cast<int64_t>(d.size()); });
   const int64_t requested = 3 * tokens / seq;
   const GPTDataset ds(data, {0, 30}, requested, seq, 99, "train", "");
   EXPECT_GE(ds.size(), requested);
@@ -637,7 +650,8 @@ TEST(GPTDataset, SamplesRunAcrossDocumentsInTheDocumentIndexOrder) {
   // The stream the samples cut: the documents in document-index order, concatenated.
   std::vector<int64_t> stream;
   for (const int32_t d : ds.document_index()) {
-    stream.insert(stream.end(), docs[static_cast<size_t>(d)].begin(), docs[static_cast<size_t>(d)].end());
+    stream.insert(stream.end(), docs[static_cast<size_t>(d)].begin(),
+                  docs[static_cast<size_t>(d)].end());
   }
   // Unshuffled sample k is stream[k*seq, k*seq + seq + 1): consecutive samples share one token.
   std::vector<bool> seen(static_cast<size_t>(ds.size()), false);
@@ -762,7 +776,8 @@ TEST(BlendedDataset, DrawsInProportionToTheWeights) {
   EXPECT_NEAR(static_cast<double>(from_a) / n, 0.3, 0.01);
   // Every prefix of the blend keeps the proportion too (the greedy rule), not only the total.
   int64_t a_first_1000 = 0;
-  for (int64_t i = 0; i < 1000; ++i) a_first_1000 += blended.dataset_index()[static_cast<size_t>(i)] == 0;
+  for (int64_t i = 0; i < 1000; ++i)
+    a_first_1000 += blended.dataset_index()[static_cast<size_t>(i)] == 0;
   EXPECT_NEAR(a_first_1000 / 1000.0, 0.3, 0.01);
   std::vector<int64_t> s;
   splits.train->sample(n - 1, s);
@@ -883,11 +898,15 @@ TEST(Preprocess, SentencePieceTrainedOnTheBuiltinCorpusTrainsAModel) {
   EXPECT_EQ(tok->detokenize(ids), text);
   // 200 steps on it: the validation loss falls well below its start.
   const std::string log = dir + "/train.jsonl";
-  r = testing::run_actmem("train --data-path " + dir + "/sp_text_document --tokenizer-type "
-                          "SentencePieceTokenizer --tokenizer-model " + dir + "/sp.model "
+  r = testing::run_actmem("train --data-path " + dir +
+                          "/sp_text_document --tokenizer-type "
+                          "SentencePieceTokenizer --tokenizer-model " +
+                          dir +
+                          "/sp.model "
                           "--train-iters 200 --eval-interval 100 --split 949,50,1 --num-layers 1 "
                           "--hidden-size 64 --num-attention-heads 2 --seq-length 64 "
-                          "--micro-batch-size 4 --log-json " + log + " --save " + dir + "/ckpt");
+                          "--micro-batch-size 4 --log-json " +
+                          log + " --save " + dir + "/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto json = testing::read_json_log(log);
   EXPECT_EQ(json.config["model"]["vocab_size"], 128);  // 128 pieces: a multiple of 128 already
@@ -898,7 +917,8 @@ TEST(Preprocess, SentencePieceTrainedOnTheBuiltinCorpusTrainsAModel) {
   ASSERT_EQ(val.size(), 2u);
   EXPECT_LT(val.back(), 0.5 * std::log(128.0)) << "validation loss " << val.back();
   // And it writes: generation with the tokenizer the checkpoint recorded.
-  r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt 'The engineer' "
+  r = testing::run_actmem("generate --load " + dir +
+                          "/ckpt --prompt 'The engineer' "
                           "--max-new-tokens 30 --top-k 5");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.output.rfind("The engineer", 0), 0u) << r.output;
@@ -930,7 +950,8 @@ TEST(DataPath, TrainsOnABlendResumesBitwiseAndRefusesTokensBeyondTheVocabulary) 
   }
   Trainer second(model, training);
   ASSERT_EQ(second.load_checkpoint(dir + "/ckpt"), 3);
-  for (int i = 3; i < 6; ++i) EXPECT_EQ(second.train_step().grad_digest, ref[static_cast<size_t>(i)]);
+  for (int i = 3; i < 6; ++i)
+    EXPECT_EQ(second.train_step().grad_digest, ref[static_cast<size_t>(i)]);
   // Tokens of a larger vocabulary than the model's: a clear error naming the sample.
   write_dataset(dir + "/big", random_documents(50, 1000, 23, 100), kUInt16);
   training.data_paths = {dir + "/big"};
@@ -946,20 +967,23 @@ TEST(DataPath, TensorParallelRanksBuildAndCacheTheSameIndices) {
                                "/bytes --tokenizer-type ByteTokenizer --append-eod");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string train =
-      "launch --nproc-per-node 2 -- train --data-path " + dir + "/bytes_text_document "
+      "launch --nproc-per-node 2 -- train --data-path " + dir +
+      "/bytes_text_document "
       "--tokenizer-type ByteTokenizer --tensor-model-parallel-size 2 --num-layers 1 "
       "--hidden-size 64 --num-attention-heads 2 --seq-length 32 --micro-batch-size 2 "
-      "--train-iters 3 --eval-interval 3 --split 90,10 --log-json " + dir + "/log.jsonl";
+      "--train-iters 3 --eval-interval 3 --split 90,10 --log-json " +
+      dir + "/log.jsonl";
   r = testing::run_actmem(train);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto first = testing::read_json_log(dir + "/log.jsonl");
   EXPECT_EQ(first.config["model"]["vocab_size"], 512);  // 257 padded to a multiple of 128 x 2
-  r = testing::run_actmem(train);  // now from the cache
+  r = testing::run_actmem(train);                       // now from the cache
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto second = testing::read_json_log(dir + "/log.jsonl");
   ASSERT_EQ(second.iterations.size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_EQ(second.iterations[i]["grad_digest_per_rank"], first.iterations[i]["grad_digest_per_rank"]);
+    EXPECT_EQ(second.iterations[i]["grad_digest_per_rank"],
+              first.iterations[i]["grad_digest_per_rank"]);
   }
   fs::remove_all(dir);
 }

@@ -3,8 +3,8 @@
 // against the plain run with the predictor exact per rank, expert dropout across ranks, and the
 // launch rules.
 #include "actmem/parallel/distributed.h"
-#include "actmem/recompute/rng.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
 #include "test_util.h"
@@ -26,9 +26,9 @@ namespace actmem {
 namespace {
 
 using actmem::testing::expect_error_containing;
+using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
-using actmem::testing::rel;
 
 TEST(ExpertParallel, AllToAllDispatchDeliversEveryRowToItsExpertAndBack) {
   // Note [All-to-all dispatch]: two and three ranks, each with its own number of tokens routed to
@@ -46,7 +46,8 @@ TEST(ExpertParallel, AllToAllDispatchDeliversEveryRowToItsExpertAndBack) {
   }
 }
 
-// ---- expert-parallel training ------------------------------------------------------------------------
+// ---- expert-parallel training
+// ------------------------------------------------------------------------
 
 // The steps of strategy `name` in an experts-scenario result.
 const json& expert_steps(const json& rank, const std::string& name) {
@@ -65,9 +66,11 @@ void expect_strategies_bitwise_and_predicted(const json& rank, const std::string
     EXPECT_EQ(run["param_digest"], plain["param_digest"]) << what;
     for (size_t i = 0; i < 3; ++i) {
       EXPECT_EQ(run["steps"][i]["loss"], plain["steps"][i]["loss"]) << what << " step " << i;
-      EXPECT_EQ(run["steps"][i]["grad_digest"], plain["steps"][i]["grad_digest"]) << what << " step " << i;
+      EXPECT_EQ(run["steps"][i]["grad_digest"], plain["steps"][i]["grad_digest"])
+          << what << " step " << i;
       if (name.rfind("offload", 0) != 0) {
-        EXPECT_EQ(run["steps"][i]["activation_bytes"], run["steps"][i]["predicted_activation_bytes"])
+        EXPECT_EQ(run["steps"][i]["activation_bytes"],
+                  run["steps"][i]["predicted_activation_bytes"])
             << what << " step " << i;
       }
     }
@@ -79,7 +82,8 @@ void expect_strategies_bitwise_and_predicted(const json& rank, const std::string
 void expect_steps_within_tolerance(const json& steps, const json& ref, const std::string& what) {
   ASSERT_EQ(steps.size(), 3u);
   for (size_t i = 0; i < 3; ++i) {
-    EXPECT_LT(rel(steps[i]["loss"].get<double>(), ref[i]["loss"].get<double>()), 1e-5) << what << " step " << i;
+    EXPECT_LT(rel(steps[i]["loss"].get<double>(), ref[i]["loss"].get<double>()), 1e-5)
+        << what << " step " << i;
     EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-5)
         << what << " step " << i;
     for (const char* aux : {"load_balancing_loss", "z_loss"}) {
@@ -105,18 +109,20 @@ TEST(ExpertParallel, TrainsLikeOneProcessWithinTolerance) {
   std::map<int64_t, json> reference;
   for (const Case& k : {Case{2, "alltoall", 8}, Case{2, "allgather", 8}, Case{4, "alltoall", 16}}) {
     if (!reference.count(k.global_batch)) {
-      const auto one = run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only",
-                                       "plain", "--global-batch", std::to_string(k.global_batch)});
+      const auto one =
+          run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only", "plain",
+                          "--global-batch", std::to_string(k.global_batch)});
       ASSERT_EQ(one.size(), 1u);
       reference[k.global_batch] = one[0];
     }
-    const auto ranks = run_workers(k.nproc, {"experts", "--no-dropout", "--tp", "1", "--ep", "2",
-                                             "--only", "plain", "--dispatcher", k.dispatcher,
-                                             "--global-batch", std::to_string(k.global_batch)});
+    const auto ranks = run_workers(
+        k.nproc, {"experts", "--no-dropout", "--tp", "1", "--ep", "2", "--only", "plain",
+                  "--dispatcher", k.dispatcher, "--global-batch", std::to_string(k.global_batch)});
     ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc));
     const json& ref = expert_steps(reference[k.global_batch], "plain");
     for (const auto& r : ranks) {
-      const std::string what = k.dispatcher + " " + std::to_string(k.nproc) + " ranks, rank " + r["rank"].dump();
+      const std::string what =
+          k.dispatcher + " " + std::to_string(k.nproc) + " ranks, rank " + r["rank"].dump();
       EXPECT_EQ(r["experts"]["ep_size"], 2) << what;
       EXPECT_EQ(r["experts"]["edp_size"], k.nproc / 2) << what;
       // The logged auxiliary losses are averaged over the data-parallel ranks (Megatron's
@@ -132,8 +138,10 @@ TEST(ExpertParallel, TrainsLikeOneProcessWithinTolerance) {
 TEST(ExpertParallel, WithDropoutTheLossStaysWithinTheMaskNoise) {
   // With dropout each expert-parallel rank draws its experts' masks from its own stream (and the
   // replicas' dense masks as data parallelism's do): within 1% of one process, not bitwise.
-  const auto one = run_workers(1, {"experts", "--tp", "1", "--ep", "1", "--only", "plain", "--global-batch", "8"});
-  const auto two = run_workers(2, {"experts", "--tp", "1", "--ep", "2", "--only", "plain", "--global-batch", "8"});
+  const auto one = run_workers(
+      1, {"experts", "--tp", "1", "--ep", "1", "--only", "plain", "--global-batch", "8"});
+  const auto two = run_workers(
+      2, {"experts", "--tp", "1", "--ep", "2", "--only", "plain", "--global-batch", "8"});
   ASSERT_EQ(two.size(), 2u);
   for (size_t i = 0; i < 3; ++i) {
     const double a = expert_steps(one[0], "plain")[i]["loss"].get<double>();
@@ -186,15 +194,17 @@ TEST(ExpertTensorParallel, TrainsLikeOneProcessWithinTolerance) {
                         Case{4, 2, "alltoall", "base"}, Case{4, 2, "allgather", "base"},
                         Case{2, 1, "alltoall", "gated_bias"}, Case{2, 1, "alltoall", "seq_aux"}}) {
     if (!reference.count(k.variant)) {
-      const auto one = run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only",
-                                       "plain", "--global-batch", "8", "--variant", k.variant});
+      const auto one =
+          run_workers(1, {"experts", "--no-dropout", "--tp", "1", "--ep", "1", "--only", "plain",
+                          "--global-batch", "8", "--variant", k.variant});
       ASSERT_EQ(one.size(), 1u);
       reference[k.variant] = one[0];
     }
     const json& ref = expert_steps(reference[k.variant], "plain");
-    const auto ranks = run_workers(k.nproc, {"experts", "--no-dropout", "--tp", "2", "--ep",
-                                             std::to_string(k.ep), "--only", "plain", "--dispatcher",
-                                             k.dispatcher, "--global-batch", "8", "--variant", k.variant});
+    const auto ranks =
+        run_workers(k.nproc, {"experts", "--no-dropout", "--tp", "2", "--ep", std::to_string(k.ep),
+                              "--only", "plain", "--dispatcher", k.dispatcher, "--global-batch",
+                              "8", "--variant", k.variant});
     ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc));
     for (const auto& r : ranks) {
       const std::string what = k.dispatcher + "/" + k.variant + " tp 2 ep " + std::to_string(k.ep) +
@@ -232,14 +242,15 @@ TEST(ExpertTensorParallel, EveryStrategyIsBitwiseEqualToThePlainRunAndThePredict
     std::string dispatcher, variant;
   };
   for (const Case& k : {Case{4, 2, "alltoall", "base"}, Case{2, 1, "allgather", "capacity"}}) {
-    const auto ranks = run_workers(k.nproc, {"experts", "--tp", "2", "--ep", std::to_string(k.ep),
-                                             "--global-batch", "8", "--dispatcher", k.dispatcher,
-                                             "--variant", k.variant});
+    const auto ranks = run_workers(
+        k.nproc, {"experts", "--tp", "2", "--ep", std::to_string(k.ep), "--global-batch", "8",
+                  "--dispatcher", k.dispatcher, "--variant", k.variant});
     ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc));
     for (const auto& r : ranks) {
       expect_strategies_bitwise_and_predicted(r, k.dispatcher + "/" + k.variant);
       if (k.variant != "base") {
-        EXPECT_GT(r["experts"]["strategies"]["plain"]["steps"][0]["dropped"].get<int64_t>(), 0) << k.variant;
+        EXPECT_GT(r["experts"]["strategies"]["plain"]["steps"][0]["dropped"].get<int64_t>(), 0)
+            << k.variant;
       }
     }
   }
@@ -263,31 +274,40 @@ TEST(ExpertParallel, ExpertDropoutMasksDifferAcrossExpertRanks) {
 
 TEST(ExpertParallel, LaunchRulesAndTheTrainLog) {
   const std::string moe =
-      " --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2"
+      " --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size "
+      "2"
       " --num-experts 4 --moe-router-topk 2 --moe-grouped-gemm --moe-expert-capacity-factor 1"
       " --eval-interval 0 --threads 1";
   const auto odd = actmem::testing::run_actmem("launch --nproc-per-node 3 -- train" + moe +
                                                " --expert-model-parallel-size 2 --train-iters 1");
   EXPECT_NE(odd.exit_code, 0);
-  EXPECT_NE(odd.output.find("--expert-model-parallel-size 2 = 2; the launch must be a multiple of it"),
-            std::string::npos) << odd.output;
-  const auto experts = actmem::testing::run_actmem("launch --nproc-per-node 2 -- train" + moe +
-                                                   " --num-experts 3 --expert-model-parallel-size 2 "
-                                                   "--train-iters 1");
+  EXPECT_NE(
+      odd.output.find("--expert-model-parallel-size 2 = 2; the launch must be a multiple of it"),
+      std::string::npos)
+      << odd.output;
+  const auto experts =
+      actmem::testing::run_actmem("launch --nproc-per-node 2 -- train" + moe +
+                                  " --num-experts 3 --expert-model-parallel-size 2 "
+                                  "--train-iters 1");
   EXPECT_NE(experts.exit_code, 0);
-  EXPECT_NE(experts.output.find("Number of experts should be a multiple of expert model parallel_size."),
-            std::string::npos) << experts.output;
-  const auto single = actmem::testing::run_actmem("train" + moe + " --expert-model-parallel-size 2 --train-iters 1");
+  EXPECT_NE(
+      experts.output.find("Number of experts should be a multiple of expert model parallel_size."),
+      std::string::npos)
+      << experts.output;
+  const auto single = actmem::testing::run_actmem(
+      "train" + moe + " --expert-model-parallel-size 2 --train-iters 1");
   EXPECT_NE(single.exit_code, 0);
   const auto ok = actmem::testing::run_actmem("launch --nproc-per-node 2 -- train" + moe +
                                               " --expert-model-parallel-size 2 --train-iters 2");
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_NE(ok.output.find("expert parallel 2 ranks (2 experts each, allgather dispatcher)"),
-            std::string::npos) << ok.output;
+            std::string::npos)
+      << ok.output;
   EXPECT_NE(ok.output.find("| dropped "), std::string::npos) << ok.output;
 }
 
-// ---- data parallelism -----------------------------------------------------------------------------
+// ---- data parallelism
+// -----------------------------------------------------------------------------
 
 }  // namespace
 }  // namespace actmem

@@ -50,10 +50,7 @@ TransformerConfig gated_model() {
   return c;
 }
 
-struct GatedCase {
-  const char* name;
-  void (*apply)(TransformerConfig&);
-};
+using GatedCase = actmem::testing::ConfigEdit;
 
 // ---- rules, names, shapes ---------------------------------------------------------------------
 
@@ -253,56 +250,28 @@ const GatedCase kGatedStrategies[] = {
      }},
 };
 
-class GatedExactness
-    : public ::testing::TestWithParam<std::tuple<GatedCase, GatedCase, const char*>> {};
+class GatedExactness : public ::testing::TestWithParam<actmem::testing::ExactnessCase> {};
 
 TEST_P(GatedExactness, BitwiseEqualToPlainOverThreeSteps) {
-  const auto& [variant, strategy, precision] = GetParam();
-  TransformerConfig base = gated_model();
-  TrainingConfig t;
-  actmem::testing::set_precision(base, t, precision);
-  variant.apply(base);
-  TransformerConfig strat = base;
-  strategy.apply(strat);
-  if (std::string(variant.name) == "Qwen3NextMini" && strat.recompute_granularity == "selective") {
-    // Every MLP is an MoE layer: its parts instead of mlp; and the GDN layers' norm.
-    auto& m = *strat.recompute_modules;
-    m.erase(std::remove(m.begin(), m.end(), "mlp"), m.end());
-    m.insert(m.end(), {"moe_act", "shared_experts", "gdn_norm_out"});
+  actmem::testing::ExactnessHooks hooks;
+  if (std::string(std::get<0>(GetParam()).name) == "Qwen3NextMini") {
+    hooks.adjust = [](TransformerConfig&, TransformerConfig& strat) {
+      if (strat.recompute_granularity != "selective") return;
+      // Every MLP is an MoE layer: its parts instead of mlp; and the GDN layers' norm.
+      auto& m = *strat.recompute_modules;
+      m.erase(std::remove(m.begin(), m.end(), "mlp"), m.end());
+      m.insert(m.end(), {"moe_act", "shared_experts", "gdn_norm_out"});
+    };
   }
-  t.global_batch_size = 4;  // two micro-batches per step
-  t.eval_interval = 0;
-  Trainer other(strat, t);
-  actmem::recompute_counters().reset();
-  int64_t offloaded = 0;
-  actmem::testing::expect_bitwise_equal_to_plain(
-      base, t, other, 3, [&](const actmem::IterationStats& s) { offloaded += s.offloaded_bytes; });
-  const auto& rc = actmem::recompute_counters();
-  if (strat.recompute_granularity.empty()) {
-    EXPECT_GT(offloaded, 0) << "the strategy moved nothing";
-  } else {
-    EXPECT_GT(rc.recomputes.load() + rc.output_recomputes.load(), 0) << "nothing was recomputed";
-  }
+  actmem::testing::expect_strategy_exact(gated_model(), GetParam(), hooks);
 }
 
-std::vector<std::tuple<GatedCase, GatedCase, const char*>> gated_exactness_cases() {
-  std::vector<std::tuple<GatedCase, GatedCase, const char*>> out;
-  for (const auto& v : kGatedVariants) {
-    for (const auto& s : kGatedStrategies) {
-      for (const char* p : actmem::testing::kPrecisions) {
-        // 16 bits on the grouped model (the others repeat the same paths).
-        if (std::string(p) == "fp32" || std::string(v.name) == "Grouped") out.emplace_back(v, s, p);
-      }
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Strategies, GatedExactness, ::testing::ValuesIn(gated_exactness_cases()),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::get<1>(info.param).name + "_" + std::get<2>(info.param);
-                         });
+// 16 bits on the grouped model (the others repeat the same paths).
+INSTANTIATE_TEST_SUITE_P(Strategies, GatedExactness,
+                         ::testing::ValuesIn(actmem::testing::exactness_cases(kGatedVariants,
+                                                                              kGatedStrategies,
+                                                                              {"Grouped"})),
+                         actmem::testing::exactness_case_name);
 
 // ---- memory ------------------------------------------------------------------------------------
 

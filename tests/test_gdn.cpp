@@ -48,10 +48,7 @@ TransformerConfig gdn_model() {
   return c;
 }
 
-struct GDNCase {
-  const char* name;
-  void (*apply)(TransformerConfig&);
-};
+using GDNCase = actmem::testing::ConfigEdit;
 
 // ---- validation and pattern
 // ----------------------------------------------------------------------
@@ -281,49 +278,17 @@ const GDNCase kGDNStrategies[] = {
      }},
 };
 
-class GDNExactness : public ::testing::TestWithParam<std::tuple<GDNCase, GDNCase, const char*>> {};
+class GDNExactness : public ::testing::TestWithParam<actmem::testing::ExactnessCase> {};
 
 TEST_P(GDNExactness, BitwiseEqualToPlainOverThreeSteps) {
-  const auto& [variant, strategy, precision] = GetParam();
-  TransformerConfig base = gdn_model();
-  TrainingConfig t;
-  actmem::testing::set_precision(base, t, precision);
-  variant.apply(base);
-  TransformerConfig strat = base;
-  strategy.apply(strat);
-  t.global_batch_size = 4;  // two micro-batches per step
-  t.eval_interval = 0;
-  Trainer other(strat, t);
-  actmem::recompute_counters().reset();
-  int64_t offloaded = 0;
-  actmem::testing::expect_bitwise_equal_to_plain(
-      base, t, other, 3, [&](const actmem::IterationStats& s) { offloaded += s.offloaded_bytes; });
-  const auto& rc = actmem::recompute_counters();
-  if (strat.recompute_granularity.empty()) {
-    EXPECT_GT(offloaded, 0) << "the strategy moved nothing";
-  } else {
-    EXPECT_GT(rc.recomputes.load() + rc.output_recomputes.load(), 0) << "nothing was recomputed";
-  }
+  actmem::testing::expect_strategy_exact(gdn_model(), GetParam());
 }
 
-std::vector<std::tuple<GDNCase, GDNCase, const char*>> gdn_exactness_cases() {
-  std::vector<std::tuple<GDNCase, GDNCase, const char*>> out;
-  for (const auto& v : kGDNVariants) {
-    for (const auto& s : kGDNStrategies) {
-      for (const char* p : actmem::testing::kPrecisions) {
-        // 16 bits on the grouped hybrid (the other repeats the same paths).
-        if (std::string(p) == "fp32" || std::string(v.name) == "Hybrid") out.emplace_back(v, s, p);
-      }
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Strategies, GDNExactness, ::testing::ValuesIn(gdn_exactness_cases()),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::get<1>(info.param).name + "_" + std::get<2>(info.param);
-                         });
+// 16 bits on the grouped hybrid (the other repeats the same paths).
+INSTANTIATE_TEST_SUITE_P(
+    Strategies, GDNExactness,
+    ::testing::ValuesIn(actmem::testing::exactness_cases(kGDNVariants, kGDNStrategies, {"Hybrid"})),
+    actmem::testing::exactness_case_name);
 
 // ---- memory ------------------------------------------------------------------------------------
 

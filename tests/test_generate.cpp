@@ -1,8 +1,8 @@
 // test_generate.cpp — the KV cache computes the model's logits, sampling does what its options
 // say, and `actmem generate` continues a prompt from a saved checkpoint.
+#include "actmem/model/model.h"
 #include "actmem/train/checkpoint.h"
 #include "actmem/train/generate.h"
-#include "actmem/model/model.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
@@ -188,7 +188,8 @@ TEST(Sampling, OptionsDoWhatTheySay) {
   EXPECT_EQ(seen_four, (std::set<int64_t>{0, 1, 2, 3}));
   SamplingOptions bad;
   bad.temperature = 0.0;
-  expect_error_containing([&] { sample_token(logits, bad, gen); }, "--temperature must be positive");
+  expect_error_containing([&] { sample_token(logits, bad, gen); },
+                          "--temperature must be positive");
   // The same seed, the same text.
   GPTModel model(testing::tiny_model());
   SamplingOptions s;
@@ -205,12 +206,16 @@ TEST(Sampling, OptionsDoWhatTheySay) {
 
 TEST(GenerateCli, ContinuesAPromptFromASavedRunAndRefusesWhatItCannotLoad) {
   const std::string dir = testing::fresh_temp_dir("generate");
-  auto r = testing::run_actmem("train --num-layers 1 --hidden-size 64 --num-attention-heads 2 "
-                               "--seq-length 64 --micro-batch-size 8 --train-iters 150 "
-                               "--eval-interval 0 --save " + dir + "/ckpt");
+  auto r = testing::run_actmem(
+      "train --num-layers 1 --hidden-size 64 --num-attention-heads 2 "
+      "--seq-length 64 --micro-batch-size 8 --train-iters 150 "
+      "--eval-interval 0 --save " +
+      dir + "/ckpt");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  r = testing::run_actmem("generate --load " + dir + "/ckpt --prompt 'The engineer ' "
-                          "--max-new-tokens 40 --greedy --log-json " + dir + "/gen.json");
+  r = testing::run_actmem("generate --load " + dir +
+                          "/ckpt --prompt 'The engineer ' "
+                          "--max-new-tokens 40 --greedy --log-json " +
+                          dir + "/gen.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(r.output.rfind("The engineer ", 0), 0u) << r.output;  // the prompt, then more
   std::ifstream in(dir + "/gen.json");
@@ -226,10 +231,12 @@ TEST(GenerateCli, ContinuesAPromptFromASavedRunAndRefusesWhatItCannotLoad) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("has no latest_checkpointed_iteration.txt"), std::string::npos)
       << r.stderr_text;
-  r = testing::run_actmem("launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 64 "
-                          "--num-attention-heads 2 --seq-length 32 --micro-batch-size 2 "
-                          "--train-iters 1 --eval-interval 0 --tensor-model-parallel-size 2 "
-                          "--save " + dir + "/tp");
+  r = testing::run_actmem(
+      "launch --nproc-per-node 2 -- train --num-layers 1 --hidden-size 64 "
+      "--num-attention-heads 2 --seq-length 32 --micro-batch-size 2 "
+      "--train-iters 1 --eval-interval 0 --tensor-model-parallel-size 2 "
+      "--save " +
+      dir + "/tp");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   r = testing::run_actmem("generate --load " + dir + "/tp --prompt x");
   EXPECT_NE(r.exit_code, 0);

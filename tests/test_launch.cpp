@@ -1,8 +1,8 @@
 // test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, two launchers as
 // two nodes, the workers' thread count, a failing worker fails the launch with its message, and
 // no worker outlives the launcher (SIGTERM or SIGKILL).
-#include "actmem/parallel/distributed.h"
 #include "actmem/base/environment.h"
+#include "actmem/parallel/distributed.h"
 #include "test_util.h"
 
 #include <dirent.h>
@@ -37,7 +37,9 @@ int processes_tagged(const std::string& tag) {
   return n;
 }
 
-std::string fresh_tag() { return std::to_string(std::random_device{}()); }
+std::string fresh_tag() {
+  return std::to_string(std::random_device{}());
+}
 
 int wait_until_no_process(const std::string& tag, int seconds) {
   for (int i = 0; i < seconds * 10; ++i) {
@@ -55,10 +57,12 @@ TEST(Launch, TwoProcessAllReduceOverGloo) {
 
 TEST(Launch, TrainUnderLaunchLogsFromRankZeroOnly) {
   const std::string log = ::testing::TempDir() + "launch_train.jsonl";
-  const auto r = run_actmem("launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
-                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
-                            "--seq-length 16 --micro-batch-size 2 --threads 1 "
-                            "--train-iters 2 --eval-interval 0 --log-json " + log);
+  const auto r = run_actmem(
+      "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
+      "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --threads 1 "
+      "--train-iters 2 --eval-interval 0 --log-json " +
+      log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   size_t headers = 0;
   for (size_t p = r.output.find("actmem train:"); p != std::string::npos;
@@ -109,10 +113,12 @@ TEST(Launch, SignalsReachTheWorkersAndKillingTheLauncherKillsThem) {
     // Rank 0 never joins, so rank 1 waits in the rendezvous: both are alive until stopped.
     const std::string cmd = "ACTMEM_TEST_TAG=" + tag + " " + std::string(ACTMEM_BINARY) +
                             " launch --nproc-per-node 2 -- dist-check --hang-rank 0 2>/dev/null & "
-                            "pid=$!; sleep 1.5; kill -" + sig + " $pid; wait $pid; exit $?";
+                            "pid=$!; sleep 1.5; kill -" +
+                            sig + " $pid; wait $pid; exit $?";
     const int status = std::system(cmd.c_str());
     EXPECT_NE(status, 0) << sig;
-    EXPECT_EQ(wait_until_no_process(tag, 10), 0) << "workers outlived the launcher after SIG" << sig;
+    EXPECT_EQ(wait_until_no_process(tag, 10), 0)
+        << "workers outlived the launcher after SIG" << sig;
   }
 }
 
@@ -162,7 +168,8 @@ TEST(Launch, TwoNodesOnLoopbackFormOneWorld) {
   };
   EXPECT_EQ(read("rc0"), "0\n") << read("node0.txt");
   EXPECT_EQ(read("rc1"), "0\n") << read("node1.txt");
-  EXPECT_NE(read("node0.txt").find("all-reduce ok on 2 ranks"), std::string::npos) << read("node0.txt");
+  EXPECT_NE(read("node0.txt").find("all-reduce ok on 2 ranks"), std::string::npos)
+      << read("node0.txt");
   EXPECT_NE(read("node0.txt").find("tp        [[0, 1]]"), std::string::npos) << read("node0.txt");
   EXPECT_EQ(read("node1.txt").find("all-reduce ok"), std::string::npos) << read("node1.txt");
 }
@@ -325,26 +332,30 @@ TEST(Launch, TwoNodesAHungWorkerEndsEveryProcessAfterTheDistributedTimeout) {
 TEST(Launch, WorkersShareTheCoresUnlessOmpNumThreadsIsSet) {
   // Each of N workers gets OMP_NUM_THREADS = cores / N (at least 1), as torchrun sets it, and
   // train without --threads uses it; a value the user set is kept.
-  const std::string train = "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
-                            "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
-                            "--seq-length 16 --micro-batch-size 2 --train-iters 1 --eval-interval 0";
+  const std::string train =
+      "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 "
+      "--num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --train-iters 1 --eval-interval 0";
   const int expected = std::max(1, available_cores() / 2);
   unsetenv("OMP_NUM_THREADS");
   auto r = run_actmem(train);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("| " + std::to_string(expected) + " threads\n"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("| " + std::to_string(expected) + " threads\n"), std::string::npos)
+      << r.output;
   setenv("OMP_NUM_THREADS", "1", 1);
   r = run_actmem(train);
   unsetenv("OMP_NUM_THREADS");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("| 1 threads\n"), std::string::npos) << r.output;
   setenv("OMP_NUM_THREADS", "two", 1);
-  r = run_actmem("train --train-iters 1 --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
-                 "--seq-length 16 --micro-batch-size 2 --eval-interval 0");
+  r = run_actmem(
+      "train --train-iters 1 --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --eval-interval 0");
   unsetenv("OMP_NUM_THREADS");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("OMP_NUM_THREADS must be a positive integer (or unset), got 'two'"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
 }
 
 // The workers get each word after -- as given: a list-looking value ([0,1]) is not split at its
@@ -378,13 +389,15 @@ TEST(Launch, PassesWordsAsGivenAndPresetsExpandInTheWorkers) {
 TEST(Launch, BadInputIsAClearError) {
   auto r = run_actmem("launch --nproc-per-node 0 -- dist-check");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("--nproc-per-node must be at least 1"), std::string::npos) << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("--nproc-per-node must be at least 1"), std::string::npos)
+      << r.stderr_text;
   r = run_actmem("launch --nproc-per-node 2");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.stderr_text.find("command"), std::string::npos) << r.stderr_text;
   r = run_actmem("launch --nnodes 2 --node-rank 2 --nproc-per-node 1 -- dist-check");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("--node-rank must be in 0..1 for --nnodes 2, got 2"), std::string::npos)
+  EXPECT_NE(r.stderr_text.find("--node-rank must be in 0..1 for --nnodes 2, got 2"),
+            std::string::npos)
       << r.stderr_text;
   // Megatron's --distributed-timeout-minutes: positive, finite, at most a year.
   for (const char* bad : {"0", "-1", "nan", "x"}) {
@@ -425,9 +438,11 @@ TEST(DistEnv, ParsesAndValidatesTheVariables) {
   EXPECT_EQ(e.master_port, 1234);
   EXPECT_TRUE(e.from_environment);
   setenv("RANK", "2", 1);
-  expect_error_containing([] { dist_env_from_environment(); }, "RANK (2) must be below WORLD_SIZE (2)");
+  expect_error_containing([] { dist_env_from_environment(); },
+                          "RANK (2) must be below WORLD_SIZE (2)");
   setenv("RANK", "x", 1);
-  expect_error_containing([] { dist_env_from_environment(); }, "RANK='x' is not a non-negative integer");
+  expect_error_containing([] { dist_env_from_environment(); },
+                          "RANK='x' is not a non-negative integer");
   setenv("RANK", "1", 1);
   setenv("TORCHELASTIC_USE_AGENT_STORE", "True", 1);  // torchrun's: the launcher hosts the store
   EXPECT_TRUE(dist_env_from_environment().agent_store);
@@ -438,7 +453,8 @@ TEST(DistEnv, ParsesAndValidatesTheVariables) {
   EXPECT_FALSE(dist_env_from_environment().agent_store);
   setenv("RANK", "0", 1);
   unsetenv("WORLD_SIZE");
-  expect_error_containing([] { dist_env_from_environment(); }, "RANK and WORLD_SIZE must be set together");
+  expect_error_containing([] { dist_env_from_environment(); },
+                          "RANK and WORLD_SIZE must be set together");
   unsetenv("RANK");
   unsetenv("MASTER_PORT");
   EXPECT_FALSE(dist_env_from_environment().from_environment);

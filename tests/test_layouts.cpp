@@ -43,7 +43,8 @@ std::vector<Step> train(int nproc, const std::string& model, const std::string& 
   if (r.exit_code != 0) return steps;
   for (const auto& j : read_json_log(log).iterations) {
     EXPECT_FALSE(j["grad_norm"].is_null()) << layout;
-    steps.push_back({j["loss"].get<double>(), j["grad_norm"].is_null() ? 0.0 : j["grad_norm"].get<double>()});
+    steps.push_back(
+        {j["loss"].get<double>(), j["grad_norm"].is_null() ? 0.0 : j["grad_norm"].get<double>()});
   }
   std::filesystem::remove_all(dir);
   return steps;
@@ -97,12 +98,14 @@ TEST(Layouts, EveryDenseLayoutTrainsTheOneProcessModel) {
           {2, ""},  // data parallel
           {2, "--use-distributed-optimizer --overlap-grad-reduce"},
           {4, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2"},
-          {4, "--tensor-model-parallel-size 2 --sequence-parallel"},  // x data parallel 2
+          {4, "--tensor-model-parallel-size 2 --sequence-parallel"},            // x data parallel 2
           {4, "--pipeline-model-parallel-size 2 --use-distributed-optimizer"},  // x data 2
-          {4, "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
-              "--tensor-model-parallel-size 2 --sequence-parallel"},
-          {8, "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-              "--use-distributed-optimizer"},  // x data parallel 2
+          {4,
+           "--pipeline-model-parallel-size 2 --num-virtual-stages-per-pipeline-rank 2 "
+           "--tensor-model-parallel-size 2 --sequence-parallel"},
+          {8,
+           "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+           "--use-distributed-optimizer"},  // x data parallel 2
       });
 }
 
@@ -119,10 +122,12 @@ TEST(Layouts, EveryMoELayoutTrainsTheOneProcessModel) {
           {2, "--tensor-model-parallel-size 2 --sequence-parallel"},
           {2, ""},  // data parallel, the experts replicated
           {4, "--expert-model-parallel-size 2 --use-distributed-optimizer"},  // x data 2
-          {4, "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 "
-              "--num-virtual-stages-per-pipeline-rank 2"},
-          {8, "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
-              "--pipeline-model-parallel-size 2"},
+          {4,
+           "--expert-model-parallel-size 2 --pipeline-model-parallel-size 2 "
+           "--num-virtual-stages-per-pipeline-rank 2"},
+          {8,
+           "--expert-model-parallel-size 2 --tensor-model-parallel-size 2 --sequence-parallel "
+           "--pipeline-model-parallel-size 2"},
       });
 }
 

@@ -2,10 +2,10 @@
 // 3% of measured over a sweep of shapes and every strategy, the hook stack, the paper's numbers
 // for the 7B worked example (docs/memory-model.md), and the SVG plot.
 #include "actmem/base/compat.h"
-#include "actmem/memory/ledger.h"
-#include "actmem/memory/memory_tracker.h"
 #include "actmem/flags/presets.h"
+#include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/memory/memory_tracker.h"
 #include "actmem/model/activation_bytes.h"
 #include "actmem/train/plot.h"
 #include "actmem/train/trainer.h"
@@ -122,13 +122,17 @@ TEST(ActivationLedger, CountsStoragesOnceExcludesParametersAndNamesModulesAndOps
   EXPECT_EQ(ledger.total_bytes(), 0);
 }
 
-TransformerConfig sweep_base() { return actmem::testing::shaped_model(3, 48, 4, 72, 24, 3); }
+TransformerConfig sweep_base() {
+  return actmem::testing::shaped_model(3, 48, 4, 72, 24, 3);
+}
 
 struct Shape {
   const char* name;
   void (*apply)(TransformerConfig&);
 };
-inline void PrintTo(const Shape& s, std::ostream* os) { *os << s.name; }
+inline void PrintTo(const Shape& s, std::ostream* os) {
+  *os << s.name;
+}
 
 const Shape kShapes[] = {
     {"Base", [](TransformerConfig&) {}},
@@ -153,8 +157,8 @@ const Shape kShapes[] = {
        c.attention_dropout = c.hidden_dropout = 0.0;
        c.attention_backend = "unfused";  // auto would run flash without attention dropout
      }},
-    // The flash kernel (Note [The flash kernel's layout] in attention/attention.cpp): auto picks it when
-    // the attention dropout is 0; with grouped-query attention its k and v stay at G heads.
+    // The flash kernel (Note [The flash kernel's layout] in attention/attention.cpp): auto picks it
+    // when the attention dropout is 0; with grouped-query attention its k and v stay at G heads.
     {"FlashAuto", [](TransformerConfig& c) { c.attention_dropout = 0.0; }},
     {"FlashOddSizesMultiQuery",
      [](TransformerConfig& c) {
@@ -178,8 +182,9 @@ const Shape kShapes[] = {
        c.attention_dropout = 0.0;
        c.attention_backend = "flash";
      }},
-    // Grouped-query attention (Note [What standard attention keeps] in attention/attention_part.cpp):
-    // 2 groups of 2 heads with learned positions, and one group (multi-query) with RoPE.
+    // Grouped-query attention (Note [What standard attention keeps] in
+    // attention/attention_part.cpp): 2 groups of 2 heads with learned positions, and one group
+    // (multi-query) with RoPE.
     {"GroupedQuery", [](TransformerConfig& c) { c.num_query_groups = 2; }},
     {"MultiQuery", [](TransformerConfig& c) { c.num_query_groups = 1; }},  // q stays a view
     {"MultiQueryRope",
@@ -266,12 +271,12 @@ TEST(Estimate, SeedSevenBillionExample) {
   const PaperShape m = paper_preset("7b");
   const LayerBytes l = paper_layer_bytes(m);
   const double GiB = 1024.0 * 1024 * 1024, MiB = 1024.0 * 1024;
-  EXPECT_NEAR(l.none / GiB, 3.03, 0.005);       // 194 sbh / t
-  EXPECT_NEAR(l.none * 16 / GiB, 48.5, 0.05);   // 16 layers per stage
-  EXPECT_NEAR(l.s2_fraction, 0.825, 0.0005);    // 160 / 194
-  EXPECT_DOUBLE_EQ(l.selective / GiB, 0.5);     // 32 sbh / t
+  EXPECT_NEAR(l.none / GiB, 3.03, 0.005);      // 194 sbh / t
+  EXPECT_NEAR(l.none * 16 / GiB, 48.5, 0.05);  // 16 layers per stage
+  EXPECT_NEAR(l.s2_fraction, 0.825, 0.0005);   // 160 / 194
+  EXPECT_DOUBLE_EQ(l.selective / GiB, 0.5);    // 32 sbh / t
   EXPECT_DOUBLE_EQ(l.selective * 16 / GiB, 8.0);
-  EXPECT_DOUBLE_EQ(l.full / MiB, 32.0);         // 2 sbh / t
+  EXPECT_DOUBLE_EQ(l.full / MiB, 32.0);  // 2 sbh / t
   EXPECT_DOUBLE_EQ(l.full * 16 / MiB, 512.0);
   EXPECT_NEAR(offload_round_trip_seconds(8 * GiB, 50.0), 0.34, 0.005);
 }
@@ -338,7 +343,8 @@ TEST(Estimate, WeightAndOptimizerMemoryAsMegatronCountsIt) {
 TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   const auto r = actmem::testing::run_actmem("estimate");
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  for (const char* want : {"3.03 GiB", "48.5 GiB", "82.5%", "512 MiB", "8.00 GiB", "32.0 MiB", "0.34 s"}) {
+  for (const char* want :
+       {"3.03 GiB", "48.5 GiB", "82.5%", "512 MiB", "8.00 GiB", "32.0 MiB", "0.34 s"}) {
     EXPECT_NE(r.output.find(want), std::string::npos) << want << "\n" << r.output;
   }
   const auto j = actmem::testing::run_actmem("estimate --json");
@@ -352,11 +358,13 @@ TEST(Estimate, CliPrintsTheSevenBillionNumbersAndJson) {
   EXPECT_DOUBLE_EQ(parsed["device_bytes_per_rank"]["selective"].get<double>(),
                    w["total_bytes"].get<double>() + 2 * 8.0 * (1 << 30));  // p = 2 in flight
   EXPECT_NE(r.output.find("18 B/param"), std::string::npos) << r.output;
-  const auto d = actmem::testing::run_actmem("estimate --json --use-distributed-optimizer "
-                                             "--data-parallel-size 4");
+  const auto d = actmem::testing::run_actmem(
+      "estimate --json --use-distributed-optimizer "
+      "--data-parallel-size 4");
   ASSERT_EQ(d.exit_code, 0) << d.output;
-  EXPECT_DOUBLE_EQ(nlohmann::json::parse(d.output)["weights_and_optimizer"]["bytes_per_parameter"]
-                       .get<double>(), 9.0);
+  EXPECT_DOUBLE_EQ(
+      nlohmann::json::parse(d.output)["weights_and_optimizer"]["bytes_per_parameter"].get<double>(),
+      9.0);
   EXPECT_NEAR(parsed["s2_fraction"].get<double>(), 0.825, 0.0005);
   const auto bad = actmem::testing::run_actmem("estimate --hidden-size -3");
   EXPECT_NE(bad.exit_code, 0);
@@ -368,7 +376,8 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
   // min(2 (p - r - 1) + (v - 1) p + 1, M v) chunk-micro-batches, i.e. p (1 + (p - 1)/(p v))
   // stage-micro-batches on the first stage (Korthikanti et al. 2022's interleaved factor).
   auto stages = [](const std::string& flags) {
-    const auto r = actmem::testing::run_actmem("estimate --json --preset 7b --num-layers 32 " + flags);
+    const auto r =
+        actmem::testing::run_actmem("estimate --json --preset 7b --num-layers 32 " + flags);
     EXPECT_EQ(r.exit_code, 0) << r.output;
     return nlohmann::json::parse(r.output);
   };
@@ -383,7 +392,8 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
   }
   const auto few = stages("--pipeline-model-parallel-size 4 --num-microbatches 2");
   EXPECT_DOUBLE_EQ(few["per_pipeline_stage"][0]["microbatches_in_flight"].get<double>(), 2.0);
-  const auto inter = stages("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4");
+  const auto inter =
+      stages("--pipeline-model-parallel-size 4 --num-layers-per-virtual-pipeline-stage 4");
   EXPECT_EQ(inter["schedule"], "interleaved 1F1B");
   EXPECT_DOUBLE_EQ(inter["virtual_pipeline_size"].get<double>(), 2.0);  // 8 layers per stage / 4
   EXPECT_DOUBLE_EQ(inter["per_pipeline_stage"][0]["microbatches_in_flight"].get<double>(),
@@ -393,7 +403,8 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
   EXPECT_DOUBLE_EQ(inter["device_bytes_per_rank"]["selective"].get<double>(),
                    inter["weights_and_optimizer"]["total_bytes"].get<double>() +
                        5.5 * inter["per_stage_bytes"]["selective"].get<double>());
-  const auto same = stages("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2");
+  const auto same =
+      stages("--pipeline-model-parallel-size 4 --num-virtual-stages-per-pipeline-rank 2");
   EXPECT_EQ(same["per_pipeline_stage"], inter["per_pipeline_stage"]);
   const auto bad = actmem::testing::run_actmem(
       "estimate --preset 7b --num-layers 32 --pipeline-model-parallel-size 4 "
@@ -407,7 +418,8 @@ TEST(Estimate, PerStageActivationsFollowTheScheduleInFlight) {
       "--num-layers-per-virtual-pipeline-stage 3");
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.output.find("divisible number of layers per virtual pipeline stage"),
-            std::string::npos) << uneven.output;
+            std::string::npos)
+      << uneven.output;
 }
 
 TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
@@ -415,9 +427,10 @@ TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
   // tied embeddings): nothing comes from the 7b preset. Parameters by Megatron's
   // compute_weight_and_optimizer_memory (theoretical_memory_usage.py), worked here:
   // per layer 4h^2 (attention) + 2 h ffn (MLP) + 2h x 2 (norms), plus V h and the final norm 2h.
-  const std::string sizes = "estimate --json --num-layers 24 --hidden-size 2048 "
-                            "--num-attention-heads 16 --seq-length 2048 --micro-batch-size 1 "
-                            "--vocab-size 51200";
+  const std::string sizes =
+      "estimate --json --num-layers 24 --hidden-size 2048 "
+      "--num-attention-heads 16 --seq-length 2048 --micro-batch-size 1 "
+      "--vocab-size 51200";
   const auto r = actmem::testing::run_actmem(sizes);
   ASSERT_EQ(r.exit_code, 0) << r.output << r.stderr_text;
   const auto j = nlohmann::json::parse(r.output);
@@ -430,17 +443,20 @@ TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
   EXPECT_EQ(j["model"]["tensor_model_parallel_size"].get<double>(), 1);
   EXPECT_EQ(j["model"]["pipeline_model_parallel_size"].get<double>(), 1);
   const double per_layer = 4 * h * h + 2 * h * ffn + 4 * h;
-  EXPECT_DOUBLE_EQ(j["weights_and_optimizer"]["parameters"].get<double>(), L * per_layer + V * h + 2 * h);
+  EXPECT_DOUBLE_EQ(j["weights_and_optimizer"]["parameters"].get<double>(),
+                   L * per_layer + V * h + 2 * h);
   // --swiglu without --ffn-hidden-size: Megatron's int((4h x 2/3) / 64) x 64 = 5440 for h 2048.
-  const auto g = actmem::testing::run_actmem(sizes + " --swiglu --untie-embeddings-and-output-weights");
+  const auto g =
+      actmem::testing::run_actmem(sizes + " --swiglu --untie-embeddings-and-output-weights");
   ASSERT_EQ(g.exit_code, 0) << g.stderr_text;
   const auto jg = nlohmann::json::parse(g.output);
   EXPECT_EQ(jg["model"]["ffn_hidden_size"].get<double>(), 5440);
   EXPECT_DOUBLE_EQ(jg["weights_and_optimizer"]["parameters"].get<double>(),
                    L * (4 * h * h + 2 * h * 5440 * 1.5 + 4 * h) + 2 * V * h + 2 * h);
   // A preset named is the base, and what it brings can be switched off and is printed.
-  const auto p = actmem::testing::run_actmem("estimate --json --preset 7b --no-swiglu "
-                                             "--tie-embeddings-and-output-weights");
+  const auto p = actmem::testing::run_actmem(
+      "estimate --json --preset 7b --no-swiglu "
+      "--tie-embeddings-and-output-weights");
   ASSERT_EQ(p.exit_code, 0) << p.stderr_text;
   const auto jp = nlohmann::json::parse(p.output);
   EXPECT_EQ(jp["model"]["base"], "7b");
@@ -448,16 +464,18 @@ TEST(Estimate, ExplicitSizesDescribeExactlyTheirModel) {
   EXPECT_FALSE(jp["model"]["untied"].get<bool>());
   const auto text = actmem::testing::run_actmem("estimate --preset 7b --num-layers 16");
   EXPECT_NE(text.output.find("7b (with the flags given)"), std::string::npos) << text.output;
-  EXPECT_NE(text.output.find("SwiGLU, untied embeddings, LayerNorm"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("SwiGLU, untied embeddings, LayerNorm"), std::string::npos)
+      << text.output;
   // Sizes that leave the model unsaid are refused, naming what is missing.
   const auto bad = actmem::testing::run_actmem("estimate --hidden-size 2048 --num-layers 24");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.stderr_text.find("missing: --num-attention-heads, --seq-length, "
                                  "--micro-batch-size, --vocab-size"),
-            std::string::npos) << bad.stderr_text;
+            std::string::npos)
+      << bad.stderr_text;
   // A switch and its negation: the last one given wins, as with Megatron's argparse.
-  for (const auto& [flags, swiglu] : {std::pair{"--swiglu --no-swiglu", false},
-                                      std::pair{"--no-swiglu --swiglu", true}}) {
+  for (const auto& [flags, swiglu] :
+       {std::pair{"--swiglu --no-swiglu", false}, std::pair{"--no-swiglu --swiglu", true}}) {
     const auto both = actmem::testing::run_actmem(std::string("estimate --json ") + flags);
     ASSERT_EQ(both.exit_code, 0) << both.stderr_text;
     EXPECT_EQ(nlohmann::json::parse(both.output)["model"]["swiglu"].get<bool>(), swiglu) << flags;
@@ -568,11 +586,13 @@ TEST(Estimate, PresetInterleavingFollowsTheFlags) {
   EXPECT_NE(uneven.exit_code, 0);
   EXPECT_NE(uneven.stderr_text.find("the 8 layers of a pipeline stage cannot be split into 3 "
                                     "virtual stages"),
-            std::string::npos) << uneven.stderr_text;
+            std::string::npos)
+      << uneven.stderr_text;
   EXPECT_EQ(run("--num-layers 64 --num-virtual-stages-per-pipeline-rank 2").exit_code, 0);
   // The interleaved count prints as a number (31/3 micro-batches), not 1e+01.
   const auto text = actmem::testing::run_actmem("estimate --preset 175b");
-  EXPECT_NE(text.output.find("holds 10.33 micro-batches in flight"), std::string::npos) << text.output;
+  EXPECT_NE(text.output.find("holds 10.33 micro-batches in flight"), std::string::npos)
+      << text.output;
   EXPECT_EQ(text.output.find("e+01"), std::string::npos) << text.output;
 }
 
@@ -620,14 +640,16 @@ TEST(Compare, WritesAValidSvgWithPeaksInOrder) {
   const auto r = actmem::testing::run_actmem(
       "compare --num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 64 "
       "--micro-batch-size 2 --iters 2 --strategies plain selective-core_attn full-uniform-1 "
-      "--svg " + dir + "cmp.svg --json " + dir + "cmp.json");
+      "--svg " +
+      dir + "cmp.svg --json " + dir + "cmp.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // A real XML parser (Python's, installed with libtorch-dev) must accept the file.
   const std::string check =
       "python3 -c \"import sys,xml.etree.ElementTree as E; t=E.parse(sys.argv[1]); "
       "ns='{http://www.w3.org/2000/svg}'; "
       "print(' '.join(g.get('data-name')+'='+g.get('data-peak-bytes') for g in t.iter(ns+'g') "
-      "if g.get('class')=='series'))\" " + dir + "cmp.svg";
+      "if g.get('class')=='series'))\" " +
+      dir + "cmp.svg";
   FILE* pipe = popen(check.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
   char buf[1024] = {0};
@@ -637,7 +659,8 @@ TEST(Compare, WritesAValidSvgWithPeaksInOrder) {
   std::map<std::string, int64_t> peak;
   std::stringstream ss(series);
   std::string item;
-  while (ss >> item) peak[item.substr(0, item.find('='))] = std::stoll(item.substr(item.find('=') + 1));
+  while (ss >> item)
+    peak[item.substr(0, item.find('='))] = std::stoll(item.substr(item.find('=') + 1));
   ASSERT_EQ(peak.size(), 3u) << series;
   EXPECT_GT(peak["plain"], peak["selective-core_attn"]);
   EXPECT_GT(peak["selective-core_attn"], peak["full-uniform-1"]);
@@ -658,7 +681,8 @@ TEST(Compare, RejectsUnknownStrategies) {
             std::string::npos)
       << r.stderr_text;
   // An unknown module is named, with the modules there are (from activation_plan.h's table).
-  const auto m = actmem::testing::run_actmem("compare --strategies selective-core_attn+attn --svg ''");
+  const auto m =
+      actmem::testing::run_actmem("compare --strategies selective-core_attn+attn --svg ''");
   EXPECT_NE(m.exit_code, 0);
   EXPECT_NE(m.stderr_text.find("unknown recompute module 'attn'"), std::string::npos)
       << m.stderr_text;
@@ -668,8 +692,8 @@ TEST(Compare, RejectsUnknownStrategies) {
   const auto big = actmem::testing::run_actmem(
       "compare --num-layers 2 --strategies plain full-block-5 --svg ''");
   EXPECT_NE(big.exit_code, 0);
-  EXPECT_NE(big.stderr_text.find("strategy 'full-block-5' cannot run: "),
-            std::string::npos) << big.stderr_text;
+  EXPECT_NE(big.stderr_text.find("strategy 'full-block-5' cannot run: "), std::string::npos)
+      << big.stderr_text;
   // The default set runs on a one-layer model (its block recompute takes the one layer).
   const auto one = actmem::testing::run_actmem(
       "compare --num-layers 1 --hidden-size 32 --seq-length 16 --warmup 0 --iters 1 --svg ''");

@@ -11,7 +11,9 @@ namespace {
 
 using actmem::testing::expect_error_containing;
 
-DeviceMemory& cpu() { return device_memory(c10::Device(c10::kCPU)); }
+DeviceMemory& cpu() {
+  return device_memory(c10::Device(c10::kCPU));
+}
 
 TEST(MemoryTracker, CountsKnownAllocationsExactly) {
   auto& mem = cpu();

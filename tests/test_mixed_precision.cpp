@@ -5,8 +5,8 @@
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
-#include "actmem/train/mixed_precision.h"
 #include "actmem/model/model.h"
+#include "actmem/train/mixed_precision.h"
 #include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
@@ -90,8 +90,8 @@ TEST(MixedPrecisionOptimizer, Fp16OverflowSkipsTheStepHalvesAfterHysteresisAndKe
     return skipped;
   };
   // 2^20 * 2 and 2^16 * 2 overflow float16; 2^15 * 2 = 65536 still does; 2^14 * 2 fits.
-  const std::vector<double> expected_scale_before = {0x1p20, 0x1p20, 0x1p19, 0x1p18, 0x1p17,
-                                                     0x1p16, 0x1p15, 0x1p14};
+  const std::vector<double> expected_scale_before = {0x1p20, 0x1p20, 0x1p19, 0x1p18,
+                                                     0x1p17, 0x1p16, 0x1p15, 0x1p14};
   for (size_t i = 0; i + 1 < expected_scale_before.size(); ++i) {
     EXPECT_EQ(opt.loss_scale(), expected_scale_before[i]) << "step " << i;
     EXPECT_TRUE(step()) << "step " << i << " must overflow";
@@ -187,11 +187,13 @@ TEST(MixedPrecisionFp16, DynamicScalingSkipsHalvesAndGrowsThroughTheTrainer) {
     if (st.skipped) {
       ++skipped;
       EXPECT_TRUE(std::isnan(st.grad_norm)) << "step " << step;
-      EXPECT_TRUE(params_same && main_same) << "step " << step << ": a skipped step changed weights";
+      EXPECT_TRUE(params_same && main_same)
+          << "step " << step << ": a skipped step changed weights";
     } else {
       ++applied;
       EXPECT_TRUE(std::isfinite(st.grad_norm)) << "step " << step;
-      EXPECT_FALSE(params_same || main_same) << "step " << step << ": an applied step changed nothing";
+      EXPECT_FALSE(params_same || main_same)
+          << "step " << step << ": an applied step changed nothing";
     }
     // After a skipped step the schedule has not advanced: the same learning rate again.
     if (previous_skipped) EXPECT_EQ(st.lr, previous_lr) << "step " << step;
@@ -210,16 +212,19 @@ TEST(MixedPrecisionFp16, DynamicScalingSkipsHalvesAndGrowsThroughTheTrainer) {
 constexpr double kFp16SkipScale = 0x1p20;
 TEST(MixedPrecisionFp16, StrategiesStayBitwiseThroughSkippedSteps) {
   const std::pair<const char*, void (*)(TransformerConfig&)> strategies[] = {
-      {"full uniform 1", [](TransformerConfig& c) {
+      {"full uniform 1",
+       [](TransformerConfig& c) {
          c.recompute_granularity = "full";
          c.recompute_method = "uniform";
          c.recompute_num_layers = 1;
        }},
-      {"selective all", [](TransformerConfig& c) {
+      {"selective all",
+       [](TransformerConfig& c) {
          actmem::testing::selective(c, {"core_attn", "mlp", "layernorm"});
        }},
       {"layer offload 2", [](TransformerConfig& c) { c.cpu_offloading_num_layers = 2; }},
-      {"fine-grained offload", [](TransformerConfig& c) {
+      {"fine-grained offload",
+       [](TransformerConfig& c) {
          actmem::testing::offload(c, {"attn_norm", "core_attn", "mlp_norm"});
        }},
   };
@@ -283,9 +288,8 @@ TEST(MixedPrecision, PowerOfTwoLossScaleIsBitwiseInvisible) {
   TrainingConfig scaled = quick_training();
   scaled.loss_scale = 1024.0;
   Trainer plain(c, quick_training()), other(c, scaled);
-  actmem::testing::expect_bitwise_equal_training(plain, other, 3, [](const IterationStats& st) {
-    EXPECT_EQ(st.loss_scale, 1024.0);
-  });
+  actmem::testing::expect_bitwise_equal_training(
+      plain, other, 3, [](const IterationStats& st) { EXPECT_EQ(st.loss_scale, 1024.0); });
 }
 
 // A loss scale near fp32's maximum overflows bf16 gradients (bf16 has fp32's range): the step

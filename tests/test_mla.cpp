@@ -2,15 +2,15 @@
 // attention against an independent per-token reference (decoupled RoPE, YaRN tables and softmax
 // scale from their formulas), every recompute and offload strategy bitwise equal to the plain run,
 // and the exact predictor and the estimate's terms against the tracker and the ledger.
-#include "actmem/config/activation_plan.h"
-#include "actmem/train/checkpoint.h"
 #include "actmem/base/compat.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
 #include "actmem/model/mla/mla.h"
 #include "actmem/model/model.h"
 #include "actmem/recompute/recompute.h"
+#include "actmem/train/checkpoint.h"
 #include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
@@ -25,8 +25,8 @@
 namespace {
 
 using actmem::GPTModel;
-using actmem::TrainingConfig;
 using actmem::Trainer;
+using actmem::TrainingConfig;
 using actmem::TransformerConfig;
 using actmem::testing::expect_error_containing;
 using actmem::testing::offload;
@@ -53,31 +53,41 @@ TransformerConfig mla_model() {
 // ---- validation --------------------------------------------------------------------------------
 
 TEST(MLAConfig, MegatronsRulesWithItsMessages) {
-  auto refused = [](const std::function<void(TransformerConfig&)>& edit, const std::string& needle) {
+  auto refused = [](const std::function<void(TransformerConfig&)>& edit,
+                    const std::string& needle) {
     TransformerConfig c = mla_model();
     edit(c);
     expect_error_containing([&] { c.validate(); }, needle);
   };
   EXPECT_NO_THROW(mla_model().validate());
-  refused([](TransformerConfig& c) {
-    c.multi_latent_attention = false;
-    c.q_lora_rank.reset();
-    c.qk_layernorm = false;
-    selective(c, {"mla_up_proj"});
-  }, "mla_up_proj in recompute_modules is only supported with multi_latent_attention.");
-  refused([](TransformerConfig& c) {
-    c.multi_latent_attention = false;
-    c.q_lora_rank.reset();
-    c.qk_layernorm = false;
-    c.rope_type = "yarn";
-  }, "Common attention only support rope_type=\"rope\", but got yarn.");
+  refused(
+      [](TransformerConfig& c) {
+        c.multi_latent_attention = false;
+        c.q_lora_rank.reset();
+        c.qk_layernorm = false;
+        selective(c, {"mla_up_proj"});
+      },
+      "mla_up_proj in recompute_modules is only supported with multi_latent_attention.");
+  refused(
+      [](TransformerConfig& c) {
+        c.multi_latent_attention = false;
+        c.q_lora_rank.reset();
+        c.qk_layernorm = false;
+        c.rope_type = "yarn";
+      },
+      "Common attention only support rope_type=\"rope\", but got yarn.");
   refused([](TransformerConfig& c) { c.rope_type = "ntk"; },
           "Unsupported RoPE type: ntk, supported types are 'rope' and 'yarn'");
-  refused([](TransformerConfig& c) { c.multi_latent_attention = false; c.qk_layernorm = false; },
-          "q_lora_rank needs --multi-latent-attention");
+  refused(
+      [](TransformerConfig& c) {
+        c.multi_latent_attention = false;
+        c.qk_layernorm = false;
+      },
+      "q_lora_rank needs --multi-latent-attention");
   refused([](TransformerConfig& c) { c.q_lora_rank = 0; }, "q_lora_rank must be positive");
   refused([](TransformerConfig& c) { c.kv_lora_rank = 0; }, "kv_lora_rank must be positive");
-  refused([](TransformerConfig& c) { c.qk_pos_emb_head_dim = 3; }, "qk_pos_emb_head_dim must be even");
+  refused([](TransformerConfig& c) { c.qk_pos_emb_head_dim = 3; },
+          "qk_pos_emb_head_dim must be even");
   refused([](TransformerConfig& c) { c.rotary_scaling_factor = 0.0; },
           "rotary_scaling_factor must be a positive number");
   // Tensor parallelism splits the heads (Note [MLA under tensor parallelism]); the heads must
@@ -94,7 +104,8 @@ TEST(MLAConfig, MegatronsRulesWithItsMessages) {
       "--micro-batch-size 1 --train-iters 1 --multi-latent-attention --kv-lora-rank 8 "
       "--qk-head-dim 4 --qk-pos-emb-head-dim 5");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_NE(r.stderr_text.find("qk_pos_emb_head_dim must be even"), std::string::npos) << r.stderr_text;
+  EXPECT_NE(r.stderr_text.find("qk_pos_emb_head_dim must be even"), std::string::npos)
+      << r.stderr_text;
 }
 
 // ---- the module --------------------------------------------------------------------------------
@@ -129,14 +140,19 @@ TEST(MLAModel, MegatronsParameterNamesAndShapes) {
   std::map<std::string, std::vector<int64_t>> names;
   for (const auto& p : with_q.named_parameters()) {
     if (p.key().rfind("decoder.layers.0.self_attention.", 0) == 0) {
-      names[p.key().substr(std::string("decoder.layers.0.self_attention.").size())] = p.value().sizes().vec();
+      names[p.key().substr(std::string("decoder.layers.0.self_attention.").size())] =
+          p.value().sizes().vec();
     }
   }
   const std::map<std::string, std::vector<int64_t>> expected = {
-      {"linear_proj.weight", {32, 4 * 6}},       {"linear_proj.bias", {32}},
-      {"linear_q_down_proj.weight", {16, 32}},   {"linear_q_up_proj.weight", {4 * 12, 16}},
-      {"linear_kv_down_proj.weight", {12 + 4, 32}}, {"linear_kv_up_proj.weight", {4 * (8 + 6), 12}},
-      {"q_layernorm.weight", {16}},              {"kv_layernorm.weight", {12}},
+      {"linear_proj.weight", {32, 4 * 6}},
+      {"linear_proj.bias", {32}},
+      {"linear_q_down_proj.weight", {16, 32}},
+      {"linear_q_up_proj.weight", {4 * 12, 16}},
+      {"linear_kv_down_proj.weight", {12 + 4, 32}},
+      {"linear_kv_up_proj.weight", {4 * (8 + 6), 12}},
+      {"q_layernorm.weight", {16}},
+      {"kv_layernorm.weight", {12}},
   };
   EXPECT_EQ(names, expected);
   TransformerConfig c = mla_model();
@@ -147,12 +163,12 @@ TEST(MLAModel, MegatronsParameterNamesAndShapes) {
   for (const auto& p : without_q.named_parameters()) {
     if (p.key().rfind("decoder.layers.0.self_attention.", 0) == 0) attn.push_back(p.key());
   }
-  EXPECT_EQ(attn, (std::vector<std::string>{
-                      "decoder.layers.0.self_attention.linear_proj.weight",
-                      "decoder.layers.0.self_attention.linear_proj.bias",
-                      "decoder.layers.0.self_attention.linear_q_proj.weight",
-                      "decoder.layers.0.self_attention.linear_kv_down_proj.weight",
-                      "decoder.layers.0.self_attention.linear_kv_up_proj.weight"}));
+  EXPECT_EQ(attn,
+            (std::vector<std::string>{"decoder.layers.0.self_attention.linear_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_proj.bias",
+                                      "decoder.layers.0.self_attention.linear_q_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_kv_down_proj.weight",
+                                      "decoder.layers.0.self_attention.linear_kv_up_proj.weight"}));
 }
 
 // YaRN's frequencies and concentration factor, written from their definition (Peng et al. 2023,
@@ -207,10 +223,12 @@ TEST(MLAModel, AttentionEqualsAnIndependentPerTokenReference) {
     if (c.resolved_rope_type() == "yarn") {
       std::tie(inv, conc) = yarn_reference(c);
     } else {
-      for (int64_t i = 0; i < dr / 2; ++i) inv[static_cast<size_t>(i)] = std::pow(c.rotary_base, -2.0 * i / dr);
+      for (int64_t i = 0; i < dr / 2; ++i)
+        inv[static_cast<size_t>(i)] = std::pow(c.rotary_base, -2.0 * i / dr);
     }
     auto norm = [&](const at::Tensor& v, const at::Tensor& w, const at::Tensor& bias) {
-      if (c.normalization == "RMSNorm") return v / at::sqrt(v.pow(2).mean() + c.layernorm_epsilon) * w;
+      if (c.normalization == "RMSNorm")
+        return v / at::sqrt(v.pow(2).mean() + c.layernorm_epsilon) * w;
       const at::Tensor centred = v - v.mean();
       return centred / at::sqrt(centred.pow(2).mean() + c.layernorm_epsilon) * w + bias;
     };
@@ -227,7 +245,9 @@ TEST(MLAModel, AttentionEqualsAnIndependentPerTokenReference) {
       }
       return out;
     };
-    const double m = c.rotary_scaling_factor <= 1 ? 1.0 : 0.1 * c.mscale_all_dim * std::log(c.rotary_scaling_factor) + 1.0;
+    const double m = c.rotary_scaling_factor <= 1
+                         ? 1.0
+                         : 0.1 * c.mscale_all_dim * std::log(c.rotary_scaling_factor) + 1.0;
     const double scale = m * m / std::sqrt(static_cast<double>(qk + dr));
     for (int64_t bi = 0; bi < b; ++bi) {
       std::vector<at::Tensor> qs, ks, vs;  // per position: [a, qk + dr], [a, qk + dr], [a, dv]
@@ -288,38 +308,43 @@ TEST(MLAModel, YarnTablesAndSoftmaxScaleFollowTheirFormulas) {
   ASSERT_EQ(cos.size(0), 64);
   for (int64_t p : {0, 1, 17, 63}) {
     for (int64_t i = 0; i < c.qk_pos_emb_head_dim; ++i) {
-      const double th = static_cast<double>(p) * inv[static_cast<size_t>(i % (c.qk_pos_emb_head_dim / 2))];
+      const double th =
+          static_cast<double>(p) * inv[static_cast<size_t>(i % (c.qk_pos_emb_head_dim / 2))];
       EXPECT_NEAR(cos[p][0][0][i].item<double>(), std::cos(th) * conc, 1e-12) << p << " " << i;
       EXPECT_NEAR(sin[p][0][0][i].item<double>(), std::sin(th) * conc, 1e-12) << p << " " << i;
     }
   }
   // A factor > 1 interpolates the high dims: some frequency differs from plain RoPE.
-  EXPECT_LT(inv.back(), std::pow(c.rotary_base, -2.0 * (c.qk_pos_emb_head_dim / 2 - 1) / c.qk_pos_emb_head_dim));
+  EXPECT_LT(inv.back(), std::pow(c.rotary_base,
+                                 -2.0 * (c.qk_pos_emb_head_dim / 2 - 1) / c.qk_pos_emb_head_dim));
   const double m = 0.1 * 0.707 * std::log(40.0) + 1.0;
-  EXPECT_DOUBLE_EQ(model.decoder->layers[0]->mixer_as<actmem::MLASelfAttention>()->softmax_scale(), m * m / std::sqrt(12.0));
+  EXPECT_DOUBLE_EQ(model.decoder->layers[0]->mixer_as<actmem::MLASelfAttention>()->softmax_scale(),
+                   m * m / std::sqrt(12.0));
 }
 
 // ---- exactness ---------------------------------------------------------------------------------
 
-struct Case {
-  const char* name;
-  void (*apply)(TransformerConfig&);
-};
-void PrintTo(const Case& v, std::ostream* os) { *os << v.name; }
+using Case = actmem::testing::ConfigEdit;
+void PrintTo(const Case& v, std::ostream* os) {
+  *os << v.name;
+}
 
 const Case kMLAVariants[] = {
-    {"DeepSeek", [](TransformerConfig& c) {
+    {"DeepSeek",
+     [](TransformerConfig& c) {
        c.gated_linear_unit = true;
        c.add_bias_linear = false;
        c.position_embedding_type = "rope";
      }},
-    {"NoQLoraLayerNormRope", [](TransformerConfig& c) {
+    {"NoQLoraLayerNormRope",
+     [](TransformerConfig& c) {
        c.q_lora_rank.reset();
        c.qk_layernorm = false;
        c.normalization = "LayerNorm";
        c.rope_type = "rope";
      }},
-    {"WithMoE", [](TransformerConfig& c) {
+    {"WithMoE",
+     [](TransformerConfig& c) {
        c.add_bias_linear = false;
        c.num_moe_experts = 4;
        c.moe_ffn_hidden_size = 24;
@@ -333,92 +358,76 @@ const Case kMLAVariants[] = {
 const Case kMLAStrategies[] = {
     {"RecomputeCoreAttn", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
     {"RecomputeMlaUpProj", [](TransformerConfig& c) { selective(c, {"mla_up_proj"}); }},
-    {"RecomputeMlaUpProjCoreAttn", [](TransformerConfig& c) { selective(c, {"mla_up_proj", "core_attn"}); }},
-    {"RecomputeLayernormMlaUpProj", [](TransformerConfig& c) { selective(c, {"layernorm", "mla_up_proj"}); }},
-    {"RecomputeEverySelective", [](TransformerConfig& c) {
+    {"RecomputeMlaUpProjCoreAttn",
+     [](TransformerConfig& c) {
+       selective(c, {"mla_up_proj", "core_attn"});
+     }},
+    {"RecomputeLayernormMlaUpProj",
+     [](TransformerConfig& c) {
+       selective(c, {"layernorm", "mla_up_proj"});
+     }},
+    {"RecomputeEverySelective",
+     [](TransformerConfig& c) {
        if (c.num_moe_experts > 0) {
-         selective(c, {"core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts"});
+         selective(c,
+                   {"core_attn", "layernorm", "mla_up_proj", "mlp", "moe_act", "shared_experts"});
        } else {
          selective(c, {"core_attn", "layernorm", "mla_up_proj", "mlp"});
        }
      }},
-    {"FullUniform2", [](TransformerConfig& c) {
+    {"FullUniform2",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 2;
      }},
     {"OffloadQkvLinear", [](TransformerConfig& c) { offload(c, {"qkv_linear"}); }},
-    {"OffloadAttnNormCoreAttnAttnProj", [](TransformerConfig& c) {
+    {"OffloadAttnNormCoreAttnAttnProj",
+     [](TransformerConfig& c) {
        offload(c, {"attn_norm", "core_attn", "attn_proj"});
      }},
-    {"OffloadQkvLinearRecomputeMlaUpProj", [](TransformerConfig& c) {
+    {"OffloadQkvLinearRecomputeMlaUpProj",
+     [](TransformerConfig& c) {
        // The checkpoint's inputs are offloaded with the group: the hook's replay reloads them.
        offload(c, {"qkv_linear"});
        selective(c, {"mla_up_proj"});
      }},
-    {"OffloadCoreAttnRecomputeMlaUpProj", [](TransformerConfig& c) {
+    {"OffloadCoreAttnRecomputeMlaUpProj",
+     [](TransformerConfig& c) {
        // q, k, v are freed by the recompute, so core_attn's group does not copy them.
        offload(c, {"core_attn", "attn_proj"});
        selective(c, {"mla_up_proj"});
      }},
-    {"OffloadAllRecomputeLayernormMlaUpProj", [](TransformerConfig& c) {
+    {"OffloadAllRecomputeLayernormMlaUpProj",
+     [](TransformerConfig& c) {
        if (c.num_moe_experts > 0) {
-         offload(c, {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1", "moe_act"});
+         offload(c, {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm", "expert_fc1",
+                     "moe_act"});
          selective(c, {"layernorm", "mla_up_proj", "moe_act"});
        } else {
          offload(c, {"attn_norm", "qkv_linear", "core_attn", "attn_proj", "mlp_norm"});
          selective(c, {"layernorm", "mla_up_proj"});
        }
      }},
-    {"LayerOffload2", [](TransformerConfig& c) {
+    {"LayerOffload2",
+     [](TransformerConfig& c) {
        c.cpu_offloading_num_layers = 2;
        c.min_offloaded_tensor_size = 64;
      }},
 };
 
-class MLAExactness : public ::testing::TestWithParam<std::tuple<Case, Case, const char*>> {};
+class MLAExactness : public ::testing::TestWithParam<actmem::testing::ExactnessCase> {};
 
 TEST_P(MLAExactness, BitwiseEqualToPlainOverThreeSteps) {
-  const auto& [variant, strategy, precision] = GetParam();
-  TransformerConfig base = mla_model();
-  TrainingConfig t;
-  actmem::testing::set_precision(base, t, precision);
-  variant.apply(base);
-  TransformerConfig strat = base;
-  strategy.apply(strat);
-  t.global_batch_size = 4;  // two micro-batches per step
-  t.eval_interval = 0;
-  Trainer other(strat, t);
-  actmem::recompute_counters().reset();
-  int64_t offloaded = 0;
-  actmem::testing::expect_bitwise_equal_to_plain(
-      base, t, other, 3, [&](const actmem::IterationStats& s) { offloaded += s.offloaded_bytes; });
-  const auto& rc = actmem::recompute_counters();
-  if (strat.recompute_granularity.empty()) {
-    EXPECT_GT(offloaded, 0) << "the strategy moved nothing";
-  } else {
-    EXPECT_GT(rc.recomputes.load() + rc.output_recomputes.load(), 0) << "nothing was recomputed";
-  }
+  actmem::testing::expect_strategy_exact(mla_model(), GetParam());
 }
 
-std::vector<std::tuple<Case, Case, const char*>> mla_exactness_cases() {
-  std::vector<std::tuple<Case, Case, const char*>> out;
-  for (const auto& v : kMLAVariants) {
-    for (const auto& s : kMLAStrategies) {
-      // 16 bits on the DeepSeek variant (the others repeat the same paths).
-      for (const char* p : actmem::testing::kPrecisions) {
-        if (std::string(p) == "fp32" || std::string(v.name) == "DeepSeek") out.emplace_back(v, s, p);
-      }
-    }
-  }
-  return out;
-}
-
-INSTANTIATE_TEST_SUITE_P(Strategies, MLAExactness, ::testing::ValuesIn(mla_exactness_cases()),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::get<1>(info.param).name + "_" + std::get<2>(info.param);
-                         });
+// 16 bits on the DeepSeek variant (the others repeat the same paths).
+INSTANTIATE_TEST_SUITE_P(Strategies, MLAExactness,
+                         ::testing::ValuesIn(actmem::testing::exactness_cases(kMLAVariants,
+                                                                              kMLAStrategies,
+                                                                              {"DeepSeek"})),
+                         actmem::testing::exactness_case_name);
 
 TEST(MLARecompute, UpProjectionReplaysOncePerLayerAndFreesQkv) {
   auto run = [](void (*apply)(TransformerConfig&)) {
@@ -436,7 +445,7 @@ TEST(MLARecompute, UpProjectionReplaysOncePerLayerAndFreesQkv) {
   const auto plain = run([](TransformerConfig&) {});
   const auto up = run([](TransformerConfig& c) { selective(c, {"mla_up_proj"}); });
   EXPECT_EQ(std::get<0>(plain), 0);
-  EXPECT_EQ(std::get<0>(up), 4);  // one output-discarding replay per layer
+  EXPECT_EQ(std::get<0>(up), 4);                   // one output-discarding replay per layer
   EXPECT_EQ(std::get<1>(up), std::get<1>(plain));  // core attention is not replayed
   // q, k, v (T a (2(qk + pos) + v) elements per layer) are gone; the checkpoint adds one random
   // state snapshot per layer.
@@ -455,10 +464,17 @@ TEST_P(MLAPredictor, ExactAgainstTheTrackerAndTheLedgerPerModule) {
       {"plain", [](TransformerConfig&) {}},
       {"core_attn", [](TransformerConfig& c) { selective(c, {"core_attn"}); }},
       {"mla_up_proj", [](TransformerConfig& c) { selective(c, {"mla_up_proj"}); }},
-      {"mla_up_proj+core_attn", [](TransformerConfig& c) { selective(c, {"mla_up_proj", "core_attn"}); }},
-      {"layernorm+mla_up_proj", [](TransformerConfig& c) { selective(c, {"layernorm", "mla_up_proj"}); }},
+      {"mla_up_proj+core_attn",
+       [](TransformerConfig& c) {
+         selective(c, {"mla_up_proj", "core_attn"});
+       }},
+      {"layernorm+mla_up_proj",
+       [](TransformerConfig& c) {
+         selective(c, {"layernorm", "mla_up_proj"});
+       }},
       {"no attention dropout", [](TransformerConfig& c) { c.attention_dropout = 0.0; }},
-      {"full block 2", [](TransformerConfig& c) {
+      {"full block 2",
+       [](TransformerConfig& c) {
          c.recompute_granularity = "full";
          c.recompute_method = "block";
          c.recompute_num_layers = 2;
@@ -490,8 +506,10 @@ TEST(MLAPredictor, StepPeakBoundCoversMLAModels) {
     t.eval_interval = 0;
     Trainer trainer(c, t);
     int64_t peak = 0;
-    for (int step = 0; step < 2; ++step) peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
-    EXPECT_GE(actmem::predict_step_peak_bound(c), static_cast<double>(peak)) << kMLAVariants[i].name;
+    for (int step = 0; step < 2; ++step)
+      peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
+    EXPECT_GE(actmem::predict_step_peak_bound(c), static_cast<double>(peak))
+        << kMLAVariants[i].name;
   }
 }
 
@@ -508,7 +526,8 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
     m.h = static_cast<double>(c.hidden_size), m.a = static_cast<double>(c.num_attention_heads);
     m.mla.q_lora = static_cast<double>(c.q_lora_rank.value_or(0));
     m.mla.kv_lora = static_cast<double>(c.kv_lora_rank);
-    m.mla.qk = static_cast<double>(c.qk_head_dim), m.mla.pos = static_cast<double>(c.qk_pos_emb_head_dim);
+    m.mla.qk = static_cast<double>(c.qk_head_dim),
+    m.mla.pos = static_cast<double>(c.qk_pos_emb_head_dim);
     m.mla.v = static_cast<double>(c.v_head_dim), m.mla.qk_layernorm = c.qk_layernorm;
     const actmem::MLAAttentionBytes estimate = actmem::paper_mla_attention_bytes(m);
     for (const char* policy : {"none", "mla_up_proj"}) {
@@ -519,7 +538,8 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
       for (const auto& [module, bytes] : predicted.by_module) {
         if (module.rfind("decoder.layers.0.self_attention.", 0) == 0) attn += bytes;
       }
-      const double expect = std::string(policy) == "none" ? estimate.none() : estimate.none() - estimate.qkv;
+      const double expect =
+          std::string(policy) == "none" ? estimate.none() : estimate.none() - estimate.qkv;
       EXPECT_EQ(static_cast<double>(attn), expect) << "variant " << variant << " " << policy;
     }
   }
@@ -530,21 +550,26 @@ TEST(MLAEstimate, TermsEqualThePredictorsAttentionModulesAtBf16) {
       "--tensor-model-parallel-size 1 --pipeline-model-parallel-size 1 --no-sequence-parallel";
   const auto dense = actmem::testing::run_actmem(model);
   const auto mla = actmem::testing::run_actmem(
-      model + " --multi-latent-attention --q-lora-rank 512 --kv-lora-rank 256 --qk-head-dim 128 "
-              "--qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm");
+      model +
+      " --multi-latent-attention --q-lora-rank 512 --kv-lora-rank 256 --qk-head-dim 128 "
+      "--qk-pos-emb-head-dim 64 --v-head-dim 128 --qk-layernorm");
   ASSERT_EQ(dense.exit_code, 0) << dense.stderr_text;
   ASSERT_EQ(mla.exit_code, 0) << mla.stderr_text;
   const auto jd = nlohmann::json::parse(dense.output), jm = nlohmann::json::parse(mla.output);
   const double sbh = 4096.0 * 2048, sb = 4096.0, as2b = 16.0 * 4096 * 4096;
-  const double latents = 2 * sbh + 2 * sb * 512 * 2 + 4 * sb + 2 * sb * (256 + 64) + 2 * sb * 256 + 4 * sb;
+  const double latents =
+      2 * sbh + 2 * sb * 512 * 2 + 4 * sb + 2 * sb * (256 + 64) + 2 * sb * 256 + 4 * sb;
   const double qkv = 2 * sb * 16 * (2 * 192 + 128), context = 2 * sb * 16 * 128;
   EXPECT_DOUBLE_EQ(jm["mla"]["terms"]["latents"].get<double>(), latents);
-  EXPECT_DOUBLE_EQ(jm["mla"]["attention_bytes"]["none"].get<double>(), latents + qkv + 5 * as2b + context);
-  EXPECT_DOUBLE_EQ(jm["per_layer_bytes"]["none"].get<double>() - jd["per_layer_bytes"]["none"].get<double>(),
-                   latents + qkv + context - 10 * sbh);
+  EXPECT_DOUBLE_EQ(jm["mla"]["attention_bytes"]["none"].get<double>(),
+                   latents + qkv + 5 * as2b + context);
+  EXPECT_DOUBLE_EQ(
+      jm["per_layer_bytes"]["none"].get<double>() - jd["per_layer_bytes"]["none"].get<double>(),
+      latents + qkv + context - 10 * sbh);
   const auto bad = actmem::testing::run_actmem("estimate --q-lora-rank 64");
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.stderr_text.find("q_lora_rank needs --multi-latent-attention"), std::string::npos) << bad.stderr_text;
+  EXPECT_NE(bad.stderr_text.find("q_lora_rank needs --multi-latent-attention"), std::string::npos)
+      << bad.stderr_text;
 }
 
 TEST(MLAEstimate, WeightCountEqualsTheModelsParameters) {
@@ -584,7 +609,8 @@ TEST(MLAEstimate, WeightCountEqualsTheModelsParameters) {
     if (c.multi_latent_attention) {
       m.mla.q_lora = static_cast<double>(c.q_lora_rank.value_or(0));
       m.mla.kv_lora = static_cast<double>(c.kv_lora_rank);
-      m.mla.qk = static_cast<double>(c.qk_head_dim), m.mla.pos = static_cast<double>(c.qk_pos_emb_head_dim);
+      m.mla.qk = static_cast<double>(c.qk_head_dim),
+      m.mla.pos = static_cast<double>(c.qk_pos_emb_head_dim);
       m.mla.v = static_cast<double>(c.v_head_dim), m.mla.qk_layernorm = true;
     }
     if (c.is_moe()) {
@@ -629,13 +655,17 @@ TEST(MLAEstimate, DeepSeekV3CountsItsPublishedParameters) {
   EXPECT_DOUBLE_EQ(w["expert_parameters_on_rank"].get<double>(), 58.0 * 4 * 3 * 7168 * 2048);
 }
 
-// ---- commands -------------------------------------------------------------------------------------
+// ---- commands
+// -------------------------------------------------------------------------------------
 
 TEST(MLACli, CompareAddsTheUpProjectionAndTrainDescribesTheAttention) {
   const std::string model =
-      "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
-      "--multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 --v-head-dim 4";
-  const auto cmp = actmem::testing::run_actmem("compare " + model + " --iters 1 --warmup 0 --svg ''");
+      "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size "
+      "2 "
+      "--multi-latent-attention --kv-lora-rank 8 --qk-head-dim 4 --qk-pos-emb-head-dim 4 "
+      "--v-head-dim 4";
+  const auto cmp =
+      actmem::testing::run_actmem("compare " + model + " --iters 1 --warmup 0 --svg ''");
   ASSERT_EQ(cmp.exit_code, 0) << cmp.output;
   for (const char* name : {"selective-mla_up_proj ", "selective-core_attn+mla_up_proj "}) {
     const size_t at = cmp.output.find(name);
@@ -645,13 +675,15 @@ TEST(MLACli, CompareAddsTheUpProjectionAndTrainDescribesTheAttention) {
   }
   const auto train = actmem::testing::run_actmem("train " + model + " --train-iters 1");
   ASSERT_EQ(train.exit_code, 0) << train.output;
-  EXPECT_NE(train.output.find("MLA: q_lora_rank none, kv_lora_rank 8, head dims qk 4 + rope 4, v 4, "
-                              "yarn (factor 1)"),
-            std::string::npos)
+  EXPECT_NE(
+      train.output.find("MLA: q_lora_rank none, kv_lora_rank 8, head dims qk 4 + rope 4, v 4, "
+                        "yarn (factor 1)"),
+      std::string::npos)
       << train.output;
 }
 
-// ---- checkpoints ----------------------------------------------------------------------------------
+// ---- checkpoints
+// ----------------------------------------------------------------------------------
 
 TEST(MLACheckpoint, ResumesBitwiseAndRefusesStandardAttention) {
   TransformerConfig c = mla_model();
@@ -680,7 +712,8 @@ TEST(MLACheckpoint, ResumesBitwiseAndRefusesStandardAttention) {
   first.model().eval();
   at::NoGradGuard g;
   const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);
-  EXPECT_TRUE(actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
+  EXPECT_TRUE(
+      actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
 }
 
 }  // namespace

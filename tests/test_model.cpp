@@ -1,7 +1,7 @@
 // test_model.cpp — GPTModel against an independent composition of libtorch ops, finite-difference
 // gradient checks in double, Megatron's parameter names, causality and dropout behaviour.
-#include "actmem/model/mlp/mlp.h"
 #include "actmem/model/activation_bytes.h"
+#include "actmem/model/mlp/mlp.h"
 #include "actmem/model/model.h"
 #include "test_util.h"
 
@@ -75,14 +75,18 @@ at::Tensor reference_logits(const GPTModel& model, const at::Tensor& tokens) {
   const int64_t b = tokens.size(0), s = tokens.size(1), h = c.hidden_size;
   const int64_t a = c.num_attention_heads, d = h / a;
   const bool bias = c.add_bias_linear;
-  const at::Tensor onehot = at::one_hot(tokens, c.vocab_size).to(p.at("embedding.word_embeddings.weight").dtype());
+  const at::Tensor onehot =
+      at::one_hot(tokens, c.vocab_size).to(p.at("embedding.word_embeddings.weight").dtype());
   at::Tensor x = at::matmul(onehot, p.at("embedding.word_embeddings.weight"));  // [b, s, h]
-  if (!c.use_rope()) x = x + p.at("embedding.position_embeddings.weight").slice(0, 0, s).unsqueeze(0);
+  if (!c.use_rope())
+    x = x + p.at("embedding.position_embeddings.weight").slice(0, 0, s).unsqueeze(0);
   x = x.permute({1, 0, 2});  // [s, b, h]
   for (int64_t l = 0; l < c.num_layers; ++l) {
     const std::string pre = "decoder.layers." + std::to_string(l) + ".";
-    const at::Tensor ln1 = ref_norm(x, p, pre + "input_layernorm", c.use_rmsnorm(), c.layernorm_epsilon);
-    const at::Tensor qkv = ref_linear(ln1, p, pre + "self_attention.linear_qkv", bias);  // [s, b, 3h]
+    const at::Tensor ln1 =
+        ref_norm(x, p, pre + "input_layernorm", c.use_rmsnorm(), c.layernorm_epsilon);
+    const at::Tensor qkv =
+        ref_linear(ln1, p, pre + "self_attention.linear_qkv", bias);  // [s, b, 3h]
     // Megatron's interleaving per key/value group: [s, b, G, (a/G + 2) d] -> the group's a/G
     // query heads, its key, its value; the key and value serve each of the group's query heads.
     const int64_t G = c.query_groups(), per = a / G;
@@ -105,7 +109,8 @@ at::Tensor reference_logits(const GPTModel& model, const at::Tensor& tokens) {
     const at::Tensor probs = e / e.sum({-1}, true);
     const at::Tensor ctx = at::einsum("bast,batd->sbad", {probs, v}).reshape({s, b, h});
     x = x + ref_linear(ctx, p, pre + "self_attention.linear_proj", bias);
-    const at::Tensor ln2 = ref_norm(x, p, pre + "pre_mlp_layernorm", c.use_rmsnorm(), c.layernorm_epsilon);
+    const at::Tensor ln2 =
+        ref_norm(x, p, pre + "pre_mlp_layernorm", c.use_rmsnorm(), c.layernorm_epsilon);
     const at::Tensor fc1 = ref_linear(ln2, p, pre + "mlp.linear_fc1", bias);
     at::Tensor act;
     if (c.gated_linear_unit) {
@@ -135,8 +140,9 @@ struct Variant {
   const char* name;
   void (*apply)(TransformerConfig&);
 };
-inline void PrintTo(const Variant& c, std::ostream* os) { *os << c.name; }
-
+inline void PrintTo(const Variant& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class ModelNumerics : public ::testing::TestWithParam<Variant> {};
 
@@ -166,7 +172,8 @@ TEST_P(ModelNumerics, GradientsMatchReferenceInDouble) {
   const at::Tensor labels = at::randint(0, 256, {c.micro_batch_size, c.seq_length}, gen, at::kLong);
   const auto params = model.ordered_parameters();
   const auto got = torch::autograd::grad({model.forward(tokens, labels)}, params);
-  const auto want = torch::autograd::grad({reference_loss(reference_logits(model, tokens), labels)}, params);
+  const auto want =
+      torch::autograd::grad({reference_loss(reference_logits(model, tokens), labels)}, params);
   for (size_t i = 0; i < params.size(); ++i) {
     EXPECT_TRUE(at::allclose(got[i], want[i], 1e-8, 1e-11)) << "parameter " << i;
   }
@@ -217,19 +224,18 @@ TEST(GPTModel, ParameterNamesFollowMegatron) {
   GPTModel model(c);
   std::vector<std::string> names;
   for (const auto& item : model.named_parameters()) names.push_back(item.key());
-  const std::vector<std::string> layer0 = {
-      "decoder.layers.0.input_layernorm.weight",
-      "decoder.layers.0.input_layernorm.bias",
-      "decoder.layers.0.self_attention.linear_qkv.weight",
-      "decoder.layers.0.self_attention.linear_qkv.bias",
-      "decoder.layers.0.self_attention.linear_proj.weight",
-      "decoder.layers.0.self_attention.linear_proj.bias",
-      "decoder.layers.0.pre_mlp_layernorm.weight",
-      "decoder.layers.0.pre_mlp_layernorm.bias",
-      "decoder.layers.0.mlp.linear_fc1.weight",
-      "decoder.layers.0.mlp.linear_fc1.bias",
-      "decoder.layers.0.mlp.linear_fc2.weight",
-      "decoder.layers.0.mlp.linear_fc2.bias"};
+  const std::vector<std::string> layer0 = {"decoder.layers.0.input_layernorm.weight",
+                                           "decoder.layers.0.input_layernorm.bias",
+                                           "decoder.layers.0.self_attention.linear_qkv.weight",
+                                           "decoder.layers.0.self_attention.linear_qkv.bias",
+                                           "decoder.layers.0.self_attention.linear_proj.weight",
+                                           "decoder.layers.0.self_attention.linear_proj.bias",
+                                           "decoder.layers.0.pre_mlp_layernorm.weight",
+                                           "decoder.layers.0.pre_mlp_layernorm.bias",
+                                           "decoder.layers.0.mlp.linear_fc1.weight",
+                                           "decoder.layers.0.mlp.linear_fc1.bias",
+                                           "decoder.layers.0.mlp.linear_fc2.weight",
+                                           "decoder.layers.0.mlp.linear_fc2.bias"};
   ASSERT_GE(names.size(), 2 + 2 * layer0.size() + 2);
   EXPECT_EQ(names[0], "embedding.word_embeddings.weight");
   EXPECT_EQ(names[1], "embedding.position_embeddings.weight");
@@ -298,8 +304,10 @@ TEST(GPTModel, InitialisationIsAPureFunctionOfTheSeed) {
   for (size_t i = 0; i < pa.size(); ++i) EXPECT_TRUE(bitwise_equal(pa[i], pb[i])) << i;
   EXPECT_FALSE(bitwise_equal(pa[0], pd[0]));
   // Megatron's scaled init for the residual projections: std / sqrt(2 L).
-  const double proj_std = a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_proj->weight.std().item<double>();
-  const double qkv_std = a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_qkv->weight.std().item<double>();
+  const double proj_std =
+      a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_proj->weight.std().item<double>();
+  const double qkv_std =
+      a.decoder->layers[0]->mixer_as<SelfAttention>()->linear_qkv->weight.std().item<double>();
   EXPECT_NEAR(qkv_std, 0.02, 0.003);
   EXPECT_NEAR(proj_std, 0.02 / std::sqrt(2.0 * c.num_layers), 0.003);
 }
@@ -313,7 +321,8 @@ TEST(GPTModel, IsCausal) {
   const at::Tensor before = model.logits(tokens);
   tokens.select(1, 4).fill_(7);
   const at::Tensor after = model.logits(tokens);
-  EXPECT_TRUE(at::equal(before.slice(0, 0, 4), after.slice(0, 0, 4)));  // earlier positions unchanged
+  EXPECT_TRUE(
+      at::equal(before.slice(0, 0, 4), after.slice(0, 0, 4)));  // earlier positions unchanged
   EXPECT_FALSE(at::allclose(before.slice(0, 4), after.slice(0, 4)));
 }
 
@@ -441,11 +450,12 @@ TEST(GradCheck, MLPGeLUAndSwiGLU) {
       at::NoGradGuard no_grad;
       for (auto& p : mlp.parameters()) p.normal_();
     }
-    gradcheck([&](const std::vector<at::Tensor>& in) {
-                auto [out, bias] = mlp.forward(in[0]);
-                return out + bias;
-              },
-              {at::randn({3, 2, 6}, at::kDouble)});
+    gradcheck(
+        [&](const std::vector<at::Tensor>& in) {
+          auto [out, bias] = mlp.forward(in[0]);
+          return out + bias;
+        },
+        {at::randn({3, 2, 6}, at::kDouble)});
   }
 }
 
@@ -468,8 +478,11 @@ TEST(GradCheck, TransformerLayer) {
     at::NoGradGuard no_grad;
     for (auto& p : layer.parameters()) p.normal_(0, 0.5);
   }
-  gradcheck([&](const std::vector<at::Tensor>& in) { return layer.forward(in[0], LayerContext{nullptr, make_causal_mask(4)}); },
-            {at::randn({4, 2, 8}, at::kDouble)});
+  gradcheck(
+      [&](const std::vector<at::Tensor>& in) {
+        return layer.forward(in[0], LayerContext{nullptr, make_causal_mask(4)});
+      },
+      {at::randn({4, 2, 8}, at::kDouble)});
 }
 
 }  // namespace

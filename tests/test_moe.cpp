@@ -1,9 +1,8 @@
 // test_moe.cpp — the MoE layer: Megatron's validation rules and messages, the router's maths
 // against independent formulas, the layer against a per-token reference, and every MoE recompute
 // and offload strategy bitwise equal to the plain run.
-#include "actmem/config/activation_plan.h"
-#include "actmem/train/checkpoint.h"
 #include "actmem/base/compat.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
@@ -11,6 +10,7 @@
 #include "actmem/model/model.h"
 #include "actmem/model/moe/moe.h"
 #include "actmem/recompute/recompute.h"
+#include "actmem/train/checkpoint.h"
 #include "actmem/train/trainer.h"
 #include "exactness.h"
 #include "fixtures.h"
@@ -30,10 +30,10 @@ using actmem::GPTModel;
 using actmem::GroupedLinear;
 using actmem::Linear;
 using actmem::LinearParallel;
-using actmem::ParameterAttributes;
 using actmem::MoELayer;
-using actmem::TrainingConfig;
+using actmem::ParameterAttributes;
 using actmem::Trainer;
+using actmem::TrainingConfig;
 using actmem::TransformerConfig;
 using actmem::testing::expect_error_containing;
 using actmem::testing::offload;
@@ -61,33 +61,40 @@ void check_refused(const std::function<void(TransformerConfig&)>& edit, const st
 
 TEST(MoEConfig, MegatronsRulesWithItsMessages) {
   check_refused([](auto& c) { c.num_moe_experts = -1; }, "num_moe_experts must be non-negative.");
-  check_refused([](auto& c) {
-    c.num_moe_experts = 0;
-    c.moe_ffn_hidden_size.reset();
-    c.moe_aux_loss_coeff = 0;
-    c.moe_z_loss_coeff.reset();
-    c.moe_expert_dropout = 0;
-    c.moe_grouped_gemm = false;
-    c.expert_model_parallel_size = 2;
-  }, "num_moe_experts must be non None to use expert-parallel.");
-  check_refused([](auto& c) {
-    c.num_moe_experts = 0;
-    c.moe_aux_loss_coeff = 0;
-    c.moe_z_loss_coeff.reset();
-    c.moe_expert_dropout = 0;
-    c.moe_grouped_gemm = false;
-  }, "moe_ffn_hidden_size is set but num_moe_experts is None. Please set num_moe_experts or "
-     "remove moe_ffn_hidden_size.");
+  check_refused(
+      [](auto& c) {
+        c.num_moe_experts = 0;
+        c.moe_ffn_hidden_size.reset();
+        c.moe_aux_loss_coeff = 0;
+        c.moe_z_loss_coeff.reset();
+        c.moe_expert_dropout = 0;
+        c.moe_grouped_gemm = false;
+        c.expert_model_parallel_size = 2;
+      },
+      "num_moe_experts must be non None to use expert-parallel.");
+  check_refused(
+      [](auto& c) {
+        c.num_moe_experts = 0;
+        c.moe_aux_loss_coeff = 0;
+        c.moe_z_loss_coeff.reset();
+        c.moe_expert_dropout = 0;
+        c.moe_grouped_gemm = false;
+      },
+      "moe_ffn_hidden_size is set but num_moe_experts is None. Please set num_moe_experts or "
+      "remove moe_ffn_hidden_size.");
   check_refused([](auto& c) { c.moe_router_topk = 5; }, "moe_router_topk must be between 1 and");
   check_refused([](auto& c) { c.moe_router_topk = 1; },
                 "Please use --moe-router-pre-softmax when topk is 1.");
-  check_refused([](auto& c) { c.moe_router_score_function = "relu"; }, "Invalid score_function: relu");
+  check_refused([](auto& c) { c.moe_router_score_function = "relu"; },
+                "Invalid score_function: relu");
   check_refused([](auto& c) { c.moe_token_dispatcher_type = "flex2"; },
                 "Unsupported token dispatcher type: flex2");
-  check_refused([](auto& c) {
-    c.moe_expert_capacity_factor = 1.0;
-    c.moe_token_drop_policy = "random";
-  }, "Invalid drop_policy: random");
+  check_refused(
+      [](auto& c) {
+        c.moe_expert_capacity_factor = 1.0;
+        c.moe_token_drop_policy = "random";
+      },
+      "Invalid drop_policy: random");
   check_refused([](auto& c) { c.moe_pad_expert_input_to_capacity = true; },
                 "moe_expert_capacity_factor must be set to use moe_pad_expert_input_to_capacity");
   check_refused([](auto& c) { c.moe_shared_expert_intermediate_size = 0; },
@@ -96,51 +103,69 @@ TEST(MoEConfig, MegatronsRulesWithItsMessages) {
   check_refused([](auto& c) { c.moe_shared_expert_intermediate_size = 32; },
                 "bias is not supported in the shared experts, please set "
                 "'--disable-bias-linear' instead.");
-  check_refused([](auto& c) { c.num_moe_experts = 6; c.expert_model_parallel_size = 4; },
-                "Number of experts should be a multiple of expert model parallel_size.");
+  check_refused(
+      [](auto& c) {
+        c.num_moe_experts = 6;
+        c.expert_model_parallel_size = 4;
+      },
+      "Number of experts should be a multiple of expert model parallel_size.");
   // MoELayer.forward's rule for tensor parallelism (refused up front), and the experts' columns
   // must split over the expert tensor-parallel ranks.
   check_refused([](auto& c) { c.tensor_model_parallel_size = 2; },
                 "During training, performance may degrade if MoE and tensor parallelism are "
                 "enabled without also enabling sequence parallelism.");
-  check_refused([](auto& c) {
-    c.tensor_model_parallel_size = 2;
-    c.sequence_parallel = true;
-    c.moe_ffn_hidden_size = 33;
-  }, "moe_ffn_hidden_size (33) must be divisible by expert_tensor_parallel_size (2)");
+  check_refused(
+      [](auto& c) {
+        c.tensor_model_parallel_size = 2;
+        c.sequence_parallel = true;
+        c.moe_ffn_hidden_size = 33;
+      },
+      "moe_ffn_hidden_size (33) must be divisible by expert_tensor_parallel_size (2)");
   check_refused([](auto& c) { c.moe_router_load_balancing_type = "sinkhorn"; },
                 "moe_router_load_balancing_type sinkhorn is not implemented");
   // Recompute rules 12 and 18 of validate_args, and the modules this model does not have.
-  check_refused([](auto& c) {
-    c.moe_grouped_gemm = false;
-    c.recompute_granularity = "selective";
-    c.recompute_modules = std::vector<std::string>{"moe_act"};
-  }, "moe_act in recompute_modules is only supported with moe_grouped_gemm.");
-  check_refused([](auto& c) {
-    c.moe_layer_recompute = true;
-    c.recompute_granularity = "full";
-    c.recompute_method = "uniform";
-    c.recompute_num_layers = 1;
-  }, "Do not set --moe-layer-recompute with full recompute granularity.");
-  check_refused([](auto& c) {
-    c.recompute_granularity = "selective";
-    c.recompute_modules = std::vector<std::string>{"mlp"};
-  }, "mlp in recompute_modules applies to dense layers");
-  check_refused([](auto& c) {
-    c.recompute_granularity = "selective";
-    c.recompute_modules = std::vector<std::string>{"shared_experts"};
-  }, "shared_experts in recompute_modules needs shared experts");
-  check_refused([](auto& c) {
-    c.fine_grained_activation_offloading = true;
-    c.offload_modules = {"expert_fc1"};
-    c.moe_grouped_gemm = false;
-  }, "need the grouped experts (--moe-grouped-gemm)");
-  check_refused([](auto& c) {
-    c.fine_grained_activation_offloading = true;
-    c.offload_modules = {"moe_act"};
-    c.recompute_granularity = "selective";
-    c.recompute_modules = std::vector<std::string>{"moe"};
-  }, "cannot be offloaded when moe recomputes the whole MoE layer");
+  check_refused(
+      [](auto& c) {
+        c.moe_grouped_gemm = false;
+        c.recompute_granularity = "selective";
+        c.recompute_modules = std::vector<std::string>{"moe_act"};
+      },
+      "moe_act in recompute_modules is only supported with moe_grouped_gemm.");
+  check_refused(
+      [](auto& c) {
+        c.moe_layer_recompute = true;
+        c.recompute_granularity = "full";
+        c.recompute_method = "uniform";
+        c.recompute_num_layers = 1;
+      },
+      "Do not set --moe-layer-recompute with full recompute granularity.");
+  check_refused(
+      [](auto& c) {
+        c.recompute_granularity = "selective";
+        c.recompute_modules = std::vector<std::string>{"mlp"};
+      },
+      "mlp in recompute_modules applies to dense layers");
+  check_refused(
+      [](auto& c) {
+        c.recompute_granularity = "selective";
+        c.recompute_modules = std::vector<std::string>{"shared_experts"};
+      },
+      "shared_experts in recompute_modules needs shared experts");
+  check_refused(
+      [](auto& c) {
+        c.fine_grained_activation_offloading = true;
+        c.offload_modules = {"expert_fc1"};
+        c.moe_grouped_gemm = false;
+      },
+      "need the grouped experts (--moe-grouped-gemm)");
+  check_refused(
+      [](auto& c) {
+        c.fine_grained_activation_offloading = true;
+        c.offload_modules = {"moe_act"};
+        c.recompute_granularity = "selective";
+        c.recompute_modules = std::vector<std::string>{"moe"};
+      },
+      "cannot be offloaded when moe recomputes the whole MoE layer");
   // A dense model refuses the MoE modules.
   TransformerConfig dense = actmem::testing::small_model();
   dense.recompute_granularity = "selective";
@@ -398,7 +423,8 @@ TEST(MoERouter, AuxLossGradientIsTheScaledLossGradient) {
   const auto [top, idx] = at::topk(logits, 2);
   const at::Tensor probs = at::zeros_like(logits).scatter(1, idx, at::softmax(top, -1));
   const at::Tensor scores = at::softmax(logits, -1);
-  const at::Tensor counts = at::zeros_like(logits).scatter(1, std::get<1>(at::topk(scores.detach(), 2)), 1.0).sum(0);
+  const at::Tensor counts =
+      at::zeros_like(logits).scatter(1, std::get<1>(at::topk(scores.detach(), 2)), 1.0).sum(0);
   const at::Tensor balance = (scores.sum(0) * counts).sum() * (4.0 / (2.0 * 24 * 24));
   const at::Tensor z = at::logsumexp(logits, {-1}).pow(2).mean();
   ((probs * w).sum() + scale * (1e-2 * balance + 1e-3 * z)).backward();
@@ -457,7 +483,7 @@ TEST(MoERouter, CapacityKeepsTheHighestProbabilitiesOrTheEarliestTokens) {
   c.hidden_size = 8;
   c.moe_expert_capacity_factor = 0.5;
   const int64_t T = 32, cap = actmem::moe_expert_capacity(T, 2, 4, 0.5);
-  EXPECT_EQ(cap, 8);  // ceil(32 * 2 / 4 * 0.5)
+  EXPECT_EQ(cap, 8);                                        // ceil(32 * 2 / 4 * 0.5)
   EXPECT_EQ(actmem::moe_expert_capacity(5, 2, 4, 1.1), 3);  // ceil(2.75)
   const at::Tensor x = randn({T, 8}, 6);
   for (const char* policy : {"probs", "position"}) {
@@ -482,7 +508,8 @@ TEST(MoERouter, CapacityKeepsTheHighestProbabilitiesOrTheEarliestTokens) {
       if (n_routed <= cap) continue;
       if (std::string(policy) == "probs") {
         const double min_kept = all.probs.select(1, e).masked_select(kept).min().item<double>();
-        const double max_dropped = all.probs.select(1, e).masked_select(routed & ~kept).max().item<double>();
+        const double max_dropped =
+            all.probs.select(1, e).masked_select(routed & ~kept).max().item<double>();
         EXPECT_GE(min_kept, max_dropped);
       } else {
         const int64_t last_kept = at::nonzero(kept).max().item<int64_t>();
@@ -522,7 +549,8 @@ TEST(MoELayerMath, EachTokenIsTheProbabilityWeightedSumOfItsExperts) {
         at::NoGradGuard g;
         uint64_t seed = 100;
         for (auto& p : model.named_parameters()) {
-          if (p.key().find("bias") != std::string::npos) p.value().copy_(randn(p.value().sizes(), seed++) * 0.1);
+          if (p.key().find("bias") != std::string::npos)
+            p.value().copy_(randn(p.value().sizes(), seed++) * 0.1);
         }
       }
       MoELayer& moe = *model.decoder->layers[0]->mlp_as<MoELayer>();
@@ -539,7 +567,8 @@ TEST(MoELayerMath, EachTokenIsTheProbabilityWeightedSumOfItsExperts) {
           if (grouped) {
             w1 = moe.experts->linear_fc1->weights[e];
             w2 = moe.experts->linear_fc2->weights[e];
-            if (!gated) b1 = moe.experts->linear_fc1->biases[e], b2 = moe.experts->linear_fc2->biases[e];
+            if (!gated)
+              b1 = moe.experts->linear_fc1->biases[e], b2 = moe.experts->linear_fc2->biases[e];
           } else {
             w1 = moe.experts->local_experts[e]->fc1_weight;
             w2 = moe.experts->local_experts[e]->fc2_weight;
@@ -548,17 +577,19 @@ TEST(MoELayerMath, EachTokenIsTheProbabilityWeightedSumOfItsExperts) {
           }
           at::Tensor h1 = at::matmul(w1, tokens[t]);
           if (b1.defined()) h1 = h1 + b1;
-          const at::Tensor act = gated ? at::silu(h1.narrow(0, 0, 32)) * h1.narrow(0, 32, 32)
-                                       : at::gelu(h1);
+          const at::Tensor act =
+              gated ? at::silu(h1.narrow(0, 0, 32)) * h1.narrow(0, 32, 32) : at::gelu(h1);
           at::Tensor out = at::matmul(w2, act);
           if (b2.defined()) out = out + b2;
-          expect = expect + r.probs[t][e] * out;  // the bias too is weighted (Megatron's _apply_bias)
+          expect =
+              expect + r.probs[t][e] * out;  // the bias too is weighted (Megatron's _apply_bias)
         }
         if (gated) {
           auto& se = *moe.shared_experts;
           const at::Tensor h1 = at::matmul(se.linear_fc1->weight, tokens[t]);
           const at::Tensor act = at::silu(h1.narrow(0, 0, 16)) * h1.narrow(0, 16, 16);
-          const double gate = at::sigmoid(at::dot(moe.shared_expert_gate[0], tokens[t])).item<double>();
+          const double gate =
+              at::sigmoid(at::dot(moe.shared_expert_gate[0], tokens[t])).item<double>();
           expect = expect + at::matmul(se.linear_fc2->weight, act) * gate;
         }
         EXPECT_TRUE(at::allclose(y[t], expect, 1e-10, 1e-12))
@@ -570,16 +601,8 @@ TEST(MoELayerMath, EachTokenIsTheProbabilityWeightedSumOfItsExperts) {
 
 // ---- exactness --------------------------------------------------------------------------------
 
-struct MoEVariant {
-  const char* name;
-  void (*apply)(TransformerConfig&);
-};
-struct MoEStrategy {
-  const char* name;
-  void (*apply)(TransformerConfig&);
-};
-void PrintTo(const MoEVariant& v, std::ostream* os) { *os << v.name; }
-void PrintTo(const MoEStrategy& s, std::ostream* os) { *os << s.name; }
+using MoEVariant = actmem::testing::ConfigEdit;
+using MoEStrategy = actmem::testing::ConfigEdit;
 
 void shared(TransformerConfig& c) {
   c.add_bias_linear = false;
@@ -590,21 +613,25 @@ void shared(TransformerConfig& c) {
 const MoEVariant kVariants[] = {
     {"Dropless", [](TransformerConfig&) {}},
     {"Capacity", [](TransformerConfig& c) { c.moe_expert_capacity_factor = 1.0; }},
-    {"CapacityPaddedByPosition", [](TransformerConfig& c) {
+    {"CapacityPaddedByPosition",
+     [](TransformerConfig& c) {
        c.moe_expert_capacity_factor = 0.75;
        c.moe_pad_expert_input_to_capacity = true;
        c.moe_token_drop_policy = "position";
      }},
-    {"SharedSwiGLURMSNorm", [](TransformerConfig& c) {
+    {"SharedSwiGLURMSNorm",
+     [](TransformerConfig& c) {
        shared(c);
        c.gated_linear_unit = true;
        c.normalization = "RMSNorm";
      }},
-    {"MixedEveryOtherLayerShared", [](TransformerConfig& c) {
+    {"MixedEveryOtherLayerShared",
+     [](TransformerConfig& c) {
        shared(c);
        c.moe_layer_freq = "2";
      }},
-    {"SigmoidTop1Capacity", [](TransformerConfig& c) {
+    {"SigmoidTop1Capacity",
+     [](TransformerConfig& c) {
        c.moe_router_score_function = "sigmoid";
        c.moe_router_topk = 1;
        c.moe_router_topk_scaling_factor = 2.0;
@@ -615,101 +642,80 @@ const MoEVariant kVariants[] = {
 const MoEStrategy kMoEStrategies[] = {
     {"RecomputeMoe", [](TransformerConfig& c) { selective(c, {"moe"}); }},
     {"RecomputeMoeAct", [](TransformerConfig& c) { selective(c, {"moe_act"}); }},
-    {"RecomputeLayernormMoeAct", [](TransformerConfig& c) { selective(c, {"layernorm", "moe_act"}); }},
-    {"RecomputeSharedExperts", [](TransformerConfig& c) {
+    {"RecomputeLayernormMoeAct",
+     [](TransformerConfig& c) {
+       selective(c, {"layernorm", "moe_act"});
+     }},
+    {"RecomputeSharedExperts",
+     [](TransformerConfig& c) {
        if (!c.moe_shared_expert_intermediate_size) shared(c);
        selective(c, {"shared_experts"});
      }},
-    {"RecomputeAllMoE", [](TransformerConfig& c) {
+    {"RecomputeAllMoE",
+     [](TransformerConfig& c) {
        selective(c, {"core_attn", "layernorm", "moe", "moe_act"});
        if (c.moe_shared_expert_intermediate_size) c.recompute_modules->push_back("shared_experts");
      }},
     {"MoeLayerRecomputeAlias", [](TransformerConfig& c) { c.moe_layer_recompute = true; }},
-    {"FullUniform2", [](TransformerConfig& c) {
+    {"FullUniform2",
+     [](TransformerConfig& c) {
        c.recompute_granularity = "full";
        c.recompute_method = "uniform";
        c.recompute_num_layers = 2;
      }},
     {"OffloadExpertFc1", [](TransformerConfig& c) { offload(c, {"expert_fc1"}); }},
     {"OffloadMoeAct", [](TransformerConfig& c) { offload(c, {"moe_act"}); }},
-    {"OffloadAndRecomputeMoeAct", [](TransformerConfig& c) {
+    {"OffloadAndRecomputeMoeAct",
+     [](TransformerConfig& c) {
        offload(c, {"moe_act"});
        selective(c, {"moe_act"});
      }},
-    {"OffloadMlpNormExpertsRecomputeLayernormMoeAct", [](TransformerConfig& c) {
+    {"OffloadMlpNormExpertsRecomputeLayernormMoeAct",
+     [](TransformerConfig& c) {
        offload(c, {"mlp_norm", "expert_fc1", "moe_act"});
        selective(c, {"layernorm", "moe_act"});
      }},
-    {"LayerOffload2", [](TransformerConfig& c) {
+    {"LayerOffload2",
+     [](TransformerConfig& c) {
        c.cpu_offloading_num_layers = 2;
        c.min_offloaded_tensor_size = 64;
      }},
 };
 
-class MoEExactness
-    : public ::testing::TestWithParam<std::tuple<MoEVariant, MoEStrategy, const char*>> {};
+class MoEExactness : public ::testing::TestWithParam<actmem::testing::ExactnessCase> {};
 
 TEST_P(MoEExactness, BitwiseEqualToPlainOverThreeSteps) {
-  const auto& [variant, strategy, precision] = GetParam();
-  TransformerConfig base = moe_model();
-  TrainingConfig t;
-  actmem::testing::set_precision(base, t, precision);
-  variant.apply(base);
-  TransformerConfig strat = base;
-  strategy.apply(strat);
-  // The shared-experts strategy adds shared experts; the plain run gets the same model.
-  if (strat.moe_shared_expert_intermediate_size && !base.moe_shared_expert_intermediate_size) shared(base);
-  t.global_batch_size = 4;  // two micro-batches per step
-  t.train_iters = 3;
-  t.eval_interval = 0;
-  Trainer other(strat, t);
-  actmem::recompute_counters().reset();
-  int64_t offloaded = 0;
-  actmem::testing::expect_bitwise_equal_to_plain(base, t, other, 3,
-                                                 [&](const actmem::IterationStats& s) {
-                                                   offloaded += s.offloaded_bytes;
-                                                   EXPECT_TRUE(s.moe);
-                                                   // The auxiliary losses were attached (and
-                                                   // logged) once per micro-batch, replays
-                                                   // included.
-                                                   if (base.moe_aux_loss_coeff > 0) {
-                                                     EXPECT_TRUE(s.load_balancing_loss.has_value());
-                                                   }
-                                                 });
-  const auto& rc = actmem::recompute_counters();
-  if (strat.recompute_granularity.empty() && !strat.moe_layer_recompute) {
-    EXPECT_GT(offloaded, 0) << "the strategy moved nothing";
-  } else {
-    EXPECT_GT(rc.recomputes.load() + rc.output_recomputes.load(), 0) << "nothing was recomputed";
-  }
-}
-
-std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> moe_exactness_cases() {
-  std::vector<std::tuple<MoEVariant, MoEStrategy, const char*>> out;
-  for (const auto& v : kVariants) {
-    for (const auto& s : kMoEStrategies) {
-      // 16 bits for the dropless and shared variants (the others repeat the same paths).
-      for (const char* p : actmem::testing::kPrecisions) {
-        if (std::string(p) != "fp32" && std::string(v.name) != "Dropless" &&
-            std::string(v.name) != "SharedSwiGLURMSNorm") {
-          continue;
-        }
-        out.emplace_back(v, s, p);
-      }
+  actmem::testing::ExactnessHooks hooks;
+  hooks.adjust = [](TransformerConfig& plain, TransformerConfig& strat) {
+    // The shared-experts strategy adds shared experts; the plain run gets the same model.
+    if (strat.moe_shared_expert_intermediate_size && !plain.moe_shared_expert_intermediate_size) {
+      shared(plain);
     }
-  }
-  return out;
+  };
+  hooks.training = [](TrainingConfig& t) { t.train_iters = 3; };
+  double aux_loss_coeff = 0.0;
+  hooks.per_step = [&aux_loss_coeff](const actmem::IterationStats& s) {
+    EXPECT_TRUE(s.moe);
+    // The auxiliary losses were attached (and logged) once per micro-batch, replays included.
+    if (aux_loss_coeff > 0) EXPECT_TRUE(s.load_balancing_loss.has_value());
+  };
+  TransformerConfig base = moe_model();
+  std::get<0>(GetParam()).apply(base);
+  aux_loss_coeff = base.moe_aux_loss_coeff;
+  actmem::testing::expect_strategy_exact(moe_model(), GetParam(), hooks);
 }
 
-INSTANTIATE_TEST_SUITE_P(Strategies, MoEExactness, ::testing::ValuesIn(moe_exactness_cases()),
-                         [](const auto& info) {
-                           return std::string(std::get<0>(info.param).name) + "_" +
-                                  std::get<1>(info.param).name + "_" + std::get<2>(info.param);
-                         });
+// 16 bits for the dropless and shared variants (the others repeat the same paths).
+INSTANTIATE_TEST_SUITE_P(Strategies, MoEExactness,
+                         ::testing::ValuesIn(actmem::testing::exactness_cases(
+                             kVariants, kMoEStrategies, {"Dropless", "SharedSwiGLURMSNorm"})),
+                         actmem::testing::exactness_case_name);
 
 TEST(MoEExactnessSequential, OneMlpPerExpertUnderMoeAndSharedRecompute) {
   // Without --moe-grouped-gemm (SequentialMLP): moe and shared_experts recompute, full recompute.
-  for (auto apply : {+[](TransformerConfig& c) { selective(c, {"moe", "shared_experts"}); },
+  for (auto apply : {+[](TransformerConfig& c) {
+                       selective(c, {"moe", "shared_experts"});
+                     },
                      +[](TransformerConfig& c) {
                        c.recompute_granularity = "full";
                        c.recompute_method = "block";
@@ -750,8 +756,8 @@ TEST(MoEMemory, TheProcessDoesNotGrowFromStepToStep) {
   for (int i = 0; i < 30; ++i) trainer.train_step(false);
   const int64_t warm = held();
   for (int i = 0; i < 30; ++i) trainer.train_step(false);
-  EXPECT_LT(held() - warm, int64_t{16} << 20) << "malloc held " << warm << " bytes after 30 steps, "
-                                              << held() << " after 60";
+  EXPECT_LT(held() - warm, int64_t{16} << 20)
+      << "malloc held " << warm << " bytes after 30 steps, " << held() << " after 60";
 }
 
 TEST(MoEOffload, ARowSegmentBelowTheThresholdGoesWithItsOffloadedStorage) {
@@ -801,14 +807,17 @@ TEST_P(MoEPredictor, ExactAgainstTheTrackerAndTheLedgerPerModule) {
       {"plain", [](TransformerConfig&) {}},
       {"moe", [](TransformerConfig& c) { selective(c, {"moe"}); }},
       {"moe_act", [](TransformerConfig& c) { selective(c, {"moe_act"}); }},
-      {"layernorm+moe_act+core_attn", [](TransformerConfig& c) {
+      {"layernorm+moe_act+core_attn",
+       [](TransformerConfig& c) {
          selective(c, {"layernorm", "moe_act", "core_attn"});
        }},
-      {"shared_experts", [](TransformerConfig& c) {
+      {"shared_experts",
+       [](TransformerConfig& c) {
          if (c.moe_shared_expert_intermediate_size) selective(c, {"shared_experts"});
        }},
       {"sequential", [](TransformerConfig& c) { c.moe_grouped_gemm = false; }},
-      {"full", [](TransformerConfig& c) {
+      {"full",
+       [](TransformerConfig& c) {
          c.recompute_granularity = "full";
          c.recompute_method = "block";
          c.recompute_num_layers = 2;
@@ -843,7 +852,8 @@ TEST(MoEPredictor, StepPeakBoundCoversMoEModels) {
     t.eval_interval = 0;
     Trainer trainer(c, t);
     int64_t peak = 0;
-    for (int step = 0; step < 2; ++step) peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
+    for (int step = 0; step < 2; ++step)
+      peak = std::max(peak, trainer.train_step(false).peak_device_bytes);
     EXPECT_GE(actmem::predict_step_peak_bound(c), static_cast<double>(peak)) << "config " << i;
   }
 }
@@ -854,8 +864,7 @@ TEST(MoEPredictorRouting, DroplessAndPaddedNeedNoRoutingCapacityDoes) {
   EXPECT_EQ(actmem::moe_expert_rows(c, 0), T * 2);
   c.moe_expert_capacity_factor = 0.5;
   EXPECT_FALSE(actmem::moe_expert_rows(c, 0).has_value());
-  expect_error_containing([&] { actmem::predict_activation_bytes(c); },
-                          "pass the router's counts");
+  expect_error_containing([&] { actmem::predict_activation_bytes(c); }, "pass the router's counts");
   const actmem::MoERouting routing(4, std::vector<int64_t>{12, 12, 5, 3});
   EXPECT_EQ(actmem::moe_expert_rows(c, 2, &routing), 32);
   c.moe_pad_expert_input_to_capacity = true;
@@ -871,13 +880,15 @@ TEST(MoEEstimate, TermsEqualThePredictorsMoEModulesAtBf16) {
   };
   const Case cases[] = {
       {"dropless GeLU", [](TransformerConfig&) {}},
-      {"SwiGLU, shared experts, no z-loss", [](TransformerConfig& c) {
+      {"SwiGLU, shared experts, no z-loss",
+       [](TransformerConfig& c) {
          c.gated_linear_unit = true;
          c.add_bias_linear = false;
          c.moe_shared_expert_intermediate_size = 24;
          c.moe_z_loss_coeff.reset();
        }},
-      {"padded capacity, no aux loss", [](TransformerConfig& c) {
+      {"padded capacity, no aux loss",
+       [](TransformerConfig& c) {
          c.moe_expert_capacity_factor = 0.75;
          c.moe_pad_expert_input_to_capacity = true;
          c.moe_aux_loss_coeff = 0.0;
@@ -926,7 +937,9 @@ TEST(MoEEstimate, TermsEqualThePredictorsMoEModulesAtBf16) {
   EXPECT_EQ(j["moe"]["rows_per_layer"].get<double>(), 4096 * 2);
   const auto bad = actmem::testing::run_actmem("estimate --num-experts 4 --moe-router-topk 8");
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.stderr_text.find("moe_router_topk must be between 1 and num_moe_experts (4)"), std::string::npos) << bad.stderr_text;
+  EXPECT_NE(bad.stderr_text.find("moe_router_topk must be between 1 and num_moe_experts (4)"),
+            std::string::npos)
+      << bad.stderr_text;
 }
 
 TEST(MoECheckpoint, ResumesBitwiseRefusesAnotherExpertCountAndGenerates) {
@@ -956,8 +969,9 @@ TEST(MoECheckpoint, ResumesBitwiseRefusesAnotherExpertCountAndGenerates) {
   expect_error_containing([&] { wrong.load_checkpoint(dir); }, "num_moe_experts");
   TransformerConfig dense = actmem::testing::small_model();
   Trainer dense_run(dense, t);
-  expect_error_containing([&] { dense_run.load_checkpoint(dir); },
-                          "the checkpoint has num_moe_experts = 4 but this run has num_moe_experts = null");
+  expect_error_containing(
+      [&] { dense_run.load_checkpoint(dir); },
+      "the checkpoint has num_moe_experts = 4 but this run has num_moe_experts = null");
   // Inference rebuilds the MoE model from the checkpoint's args: the same logits as training's.
   const actmem::LoadedModel loaded = actmem::load_model_for_inference(dir);
   ASSERT_TRUE(loaded.model->decoder->layers[0]->mlp_as<MoELayer>());
@@ -965,7 +979,8 @@ TEST(MoECheckpoint, ResumesBitwiseRefusesAnotherExpertCountAndGenerates) {
   first.model().eval();
   at::NoGradGuard g;
   const at::Tensor tokens = at::randint(0, 256, {2, 24}, at::kLong);
-  EXPECT_TRUE(actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
+  EXPECT_TRUE(
+      actmem::testing::bitwise_equal(first.model().logits(tokens), loaded.model->logits(tokens)));
 }
 
 TEST(MoETraining, ExpertDropoutDrawsFromTheExpertStream) {

@@ -11,8 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
-#include <functional>
 #include <fstream>
+#include <functional>
 #include <set>
 
 namespace actmem {
@@ -22,7 +22,7 @@ using actmem::testing::bitwise_equal;
 using actmem::testing::expect_error_containing;
 
 TEST(CopyStream, CopiesInOrderAndHonoursTheBandwidthCap) {
-  CopyStream stream("test", 100e6);  // 100 MB/s
+  CopyStream stream("test", 100e6);            // 100 MB/s
   const at::Tensor src = at::randn({250000});  // 1 MB
   at::Tensor a = at::empty_like(src), b = at::empty_like(src);
   const auto t0 = std::chrono::steady_clock::now();
@@ -34,7 +34,8 @@ TEST(CopyStream, CopiesInOrderAndHonoursTheBandwidthCap) {
   EXPECT_TRUE(bitwise_equal(b, src));
   EXPECT_GE(s, 0.019);  // two 1 MB copies at 100 MB/s
   EXPECT_GE(stream.busy_seconds(), 0.019);
-  expect_error_containing([&] { stream.copy_async(at::empty({3}), src); }, "destination has 12 bytes");
+  expect_error_containing([&] { stream.copy_async(at::empty({3}), src); },
+                          "destination has 12 bytes");
 }
 
 TEST(HostPool, ReusesBuffersAndStaysOutsideDeviceMemory) {
@@ -99,8 +100,9 @@ TEST(OffloadSchedule, MarginPerChunkOnlyWhereTheOwnBackwardFollowsAndPrefetchSta
   EXPECT_TRUE(schedule.offloads(0, 1, true, true));  // the warmup offloads everything asked
   EXPECT_FALSE(schedule.offloads(0, 1, false, true));
   schedule.end_warmup({{0, {group("qkv"), group("mlp"), group("qkv"), group("mlp")}},
-                       {1, {group("qkv"), group("mlp"), group("qkv"), group("mlp"), group("qkv"),
-                            group("mlp"), group("layer", GroupKind::kLayer)}}});
+                       {1,
+                        {group("qkv"), group("mlp"), group("qkv"), group("mlp"), group("qkv"),
+                         group("mlp"), group("layer", GroupKind::kLayer)}}});
   EXPECT_FALSE(schedule.in_warmup());
   std::vector<bool> chunk0, chunk1, chunk0_far;
   for (size_t i = 0; i < 4; ++i) chunk0.push_back(schedule.offloads(0, i, true, true));
@@ -109,8 +111,8 @@ TEST(OffloadSchedule, MarginPerChunkOnlyWhereTheOwnBackwardFollowsAndPrefetchSta
   EXPECT_EQ(chunk0, (std::vector<bool>{true, true, false, false}));
   EXPECT_EQ(chunk1, (std::vector<bool>{true, true, true, true, false, false, true}));
   EXPECT_EQ(chunk0_far, (std::vector<bool>{true, true, true, true}));
-  EXPECT_TRUE(schedule.offloads(0, 9, true, true));   // beyond the warmup's count
-  EXPECT_TRUE(schedule.offloads(5, 2, true, true));   // a chunk the warmup never saw
+  EXPECT_TRUE(schedule.offloads(0, 9, true, true));  // beyond the warmup's count
+  EXPECT_TRUE(schedule.offloads(5, 2, true, true));  // a chunk the warmup never saw
   EXPECT_FALSE(schedule.offloads(0, 0, false, false));
 
   // Prefetch: module groups one group ahead within their own forward, never across into the
@@ -125,7 +127,8 @@ TEST(OffloadSchedule, MarginPerChunkOnlyWhereTheOwnBackwardFollowsAndPrefetchSta
     }
   }
   auto at = [&](int i) -> const GroupInfo* {
-    return i >= 0 && i < static_cast<int>(groups.size()) ? &groups[static_cast<size_t>(i)] : nullptr;
+    return i >= 0 && i < static_cast<int>(groups.size()) ? &groups[static_cast<size_t>(i)]
+                                                         : nullptr;
   };
   EXPECT_EQ(schedule.prefetch_target(3, BackwardPoint::kStart, at), 2);
   EXPECT_EQ(schedule.prefetch_target(2, BackwardPoint::kStart, at), -1);  // forward 1's first
@@ -219,12 +222,15 @@ TEST(LayerOffloadMemory, PeakDropsByTheOffloadedBytesAndThePoolStopsGrowing) {
 TEST(LayerOffload, ValidationFollowsMegatron) {
   TransformerConfig c = offload_model();
   c.cpu_offloading_num_layers = 4;
-  expect_error_containing([&] { c.validate(); }, "CPU offloading can be done only for layers less than 4");
+  expect_error_containing([&] { c.validate(); },
+                          "CPU offloading can be done only for layers less than 4");
   c.cpu_offloading_num_layers = -1;
-  expect_error_containing([&] { c.validate(); }, "CPU offloading can be done only for layers less than 4");
+  expect_error_containing([&] { c.validate(); },
+                          "CPU offloading can be done only for layers less than 4");
   c.cpu_offloading_num_layers = 1;
   c.recompute_granularity = "selective";
-  expect_error_containing([&] { c.validate(); }, "CPU offloading does not work when activation recomputation is enabled");
+  expect_error_containing([&] { c.validate(); },
+                          "CPU offloading does not work when activation recomputation is enabled");
   c.recompute_granularity = "";
   c.min_offloaded_tensor_size = -1;
   expect_error_containing([&] { c.validate(); }, "min_offloaded_tensor_size must be >= 0");
@@ -252,10 +258,12 @@ struct FineGrained {
   std::vector<std::string> modules;
   std::vector<std::string> recompute;  // selective targets, empty = none
 };
-inline void PrintTo(const FineGrained& f, std::ostream* os) { *os << f.name; }
+inline void PrintTo(const FineGrained& f, std::ostream* os) {
+  *os << f.name;
+}
 
-class FineGrainedExactness
-    : public ::testing::TestWithParam<std::tuple<FineGrained, const char*>> {};
+class FineGrainedExactness : public ::testing::TestWithParam<std::tuple<FineGrained, const char*>> {
+};
 
 TEST_P(FineGrainedExactness, BitwiseEqualToPlainOverThreeSteps) {
   const FineGrained& param = std::get<0>(GetParam());
@@ -350,14 +358,18 @@ TEST(FineGrained, ValidationMessages) {
     return c;
   };
   expect_error_containing([&] { with({}).validate(); }, "offload_modules must name at least one");
-  expect_error_containing([&] { with({"core_attn", "fc9"}).validate(); },
-                          "Invalid choices for offload_modules: {'fc9'}");
+  expect_error_containing(
+      [&] {
+        with({"core_attn", "fc9"}).validate();
+      },
+      "Invalid choices for offload_modules: {'fc9'}");
   expect_error_containing([&] { with({"attn_proj"}).validate(); },
                           "attn_proj cannot be set to offload_modules alone without core_attn");
   expect_error_containing([&] { with({"moe_act"}).validate(); }, "need MoE layers");
   auto both = with({"core_attn"});
   both.recompute_granularity = "selective";
-  expect_error_containing([&] { both.validate(); }, "core_attn cannot be both offloaded and recomputed");
+  expect_error_containing([&] { both.validate(); },
+                          "core_attn cannot be both offloaded and recomputed");
   auto layer = with({"core_attn"});
   layer.cpu_offloading_num_layers = 1;
   expect_error_containing([&] { layer.validate(); }, "cannot be enabled with cpu_offloading");
@@ -376,7 +388,8 @@ TEST(FineGrained, TraceHasComputeAndBothCopyStreams) {
   const auto r = actmem::testing::run_actmem(
       "train --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 "
       "--micro-batch-size 2 --train-iters 2 --eval-interval 0 --fine-grained-activation-offloading "
-      "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 1024 --trace " + trace);
+      "--offload-modules core_attn attn_proj --min-offloaded-tensor-size 1024 --trace " +
+      trace);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("Activation Offload Summary (MB)"), std::string::npos) << r.output;
   std::ifstream in(trace);
@@ -387,7 +400,6 @@ TEST(FineGrained, TraceHasComputeAndBothCopyStreams) {
   }
   EXPECT_EQ(tracks, (std::set<std::string>{"compute", "d2h", "h2d"}));
 }
-
 
 // ---- the CUDA copy engine (builds with CUDA; skipped without a CUDA device) ------------------
 

@@ -10,8 +10,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 // TensorParallelGroup's process-group pointer needs the complete type to be destroyed.
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 namespace {
 
@@ -31,8 +31,10 @@ TEST(ParallelLayout, MegatronsDocumentedExamples) {
   // initialize_model_parallel's docstring: 16 GPUs, tensor 2, pipeline 4.
   const ParallelLayout l = ParallelLayout::make(16, 2, 4);
   EXPECT_EQ(l.dp, 2);
-  EXPECT_EQ(l.dp_groups, (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
-  EXPECT_EQ(l.tp_groups, (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}, {12, 13}, {14, 15}}));
+  EXPECT_EQ(l.dp_groups,
+            (Groups{{0, 2}, {1, 3}, {4, 6}, {5, 7}, {8, 10}, {9, 11}, {12, 14}, {13, 15}}));
+  EXPECT_EQ(l.tp_groups,
+            (Groups{{0, 1}, {2, 3}, {4, 5}, {6, 7}, {8, 9}, {10, 11}, {12, 13}, {14, 15}}));
   EXPECT_EQ(l.pp_groups, (Groups{{0, 4, 8, 12}, {1, 5, 9, 13}, {2, 6, 10, 14}, {3, 7, 11, 15}}));
   EXPECT_EQ(l.embedding_groups, (Groups{{0, 12}, {1, 13}, {2, 14}, {3, 15}}));
   EXPECT_EQ(ParallelLayout::index_in(l.pp_groups, 9), 2);  // rank 9 is stage 2
@@ -102,8 +104,9 @@ TEST(ParallelLayout, RefusesSizesThatDoNotDivideTheWorld) {
   actmem::testing::expect_error_containing(
       [] { ParallelLayout::make(8, 2, 1, 8); },
       "is not divisible by expert_tensor_model_pipeline_parallel size (16)");
-  actmem::testing::expect_error_containing([] { RankGenerator(2, 1, 2, 2, 1, "tp-dp"); },
-                                           "The size of (pp) is (2), but you haven't specified the order");
+  actmem::testing::expect_error_containing(
+      [] { RankGenerator(2, 1, 2, 2, 1, "tp-dp"); },
+      "The size of (pp) is (2), but you haven't specified the order");
   // A dimension of size 1 may be left out of the order: it is appended.
   EXPECT_EQ(RankGenerator(2, 1, 2, 1, 1, "tp-dp").order(), "tp-dp-pp-ep-cp");
 }
@@ -122,11 +125,13 @@ TEST(ParallelLayout, GroupsOnC10dAllReduceWithinTheirMembers) {
   const auto pipeline = actmem::testing::run_actmem(
       "launch --nproc-per-node 4 -- dist-check --pipeline-model-parallel-size 2");
   ASSERT_EQ(pipeline.exit_code, 0) << pipeline.output;
-  EXPECT_NE(pipeline.output.find("pp        [[0, 2], [1, 3]]"), std::string::npos) << pipeline.output;
+  EXPECT_NE(pipeline.output.find("pp        [[0, 2], [1, 3]]"), std::string::npos)
+      << pipeline.output;
   const auto bad = actmem::testing::run_actmem(
       "launch --nproc-per-node 2 -- dist-check --tensor-model-parallel-size 4");
   EXPECT_NE(bad.exit_code, 0);
-  EXPECT_NE(bad.output.find("world_size (2) is not divisible by 4"), std::string::npos) << bad.output;
+  EXPECT_NE(bad.output.find("world_size (2) is not divisible by 4"), std::string::npos)
+      << bad.output;
 }
 
 }  // namespace
@@ -138,7 +143,8 @@ namespace {
 // Rank `rank`'s range of each parameter (numels given) in a group of `d`.
 std::vector<std::pair<int64_t, int64_t>> shard_ranges(const std::vector<int64_t>& numels, int d,
                                                       int rank, std::optional<int64_t> bucket,
-                                                      int64_t own = -1, int64_t* buckets = nullptr) {
+                                                      int64_t own = -1,
+                                                      int64_t* buckets = nullptr) {
   actmem::TensorParallelGroup g;  // only the layout is computed: no process group needed
   g.rank = rank;
   g.size = d;
@@ -193,12 +199,22 @@ TEST(DistributedOptimizerLayout, BadInputIsRefused) {
   actmem::TensorParallelGroup g;
   std::vector<at::Tensor> params = {at::zeros({4}), at::zeros({4})};
   actmem::testing::expect_error_containing(
-      [&] { actmem::OptimizerShards(params, {{&g, {0}}}, std::nullopt); }, "is in no group");
+      [&] {
+        actmem::OptimizerShards(params, {{&g, {0}}}, std::nullopt);
+      },
+      "is in no group");
   actmem::testing::expect_error_containing(
-      [&] { actmem::OptimizerShards(params, {{&g, {0, 1}}}, 0); }, "bucket_size must be positive");
+      [&] {
+        actmem::OptimizerShards(params, {{&g, {0, 1}}}, 0);
+      },
+      "bucket_size must be positive");
   actmem::testing::expect_error_containing(
-      [&] { actmem::OptimizerShards(params, {{&g, {0, 1, 1}}}, std::nullopt); }, "in two groups");
+      [&] {
+        actmem::OptimizerShards(params, {{&g, {0, 1, 1}}}, std::nullopt);
+      },
+      "in two groups");
   const actmem::OptimizerShards shards(params, {{&g, {0, 1}}}, std::nullopt);
-  actmem::testing::expect_error_containing([&] { shards.shard(at::zeros({5}), 0); },
-                                  "expected a contiguous tensor of parameter 0's 4 elements");
+  actmem::testing::expect_error_containing(
+      [&] { shards.shard(at::zeros({5}), 0); },
+      "expected a contiguous tensor of parameter 0's 4 elements");
 }

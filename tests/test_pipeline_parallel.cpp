@@ -2,8 +2,8 @@
 // interleaved schedule train like one process, every recompute and offload strategy bitwise with
 // the predictor per stage, MoE stages, Megatron's rules, and the schedules train records and plots.
 #include "actmem/parallel/distributed.h"
-#include "actmem/recompute/rng.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
 #include "test_util.h"
@@ -25,9 +25,9 @@ namespace actmem {
 namespace {
 
 using actmem::testing::expect_error_containing;
+using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
-using actmem::testing::rel;
 
 const json& pipeline_run(const json& rank, const std::string& strategy) {
   return rank["pipeline"]["strategies"][strategy];
@@ -58,7 +58,8 @@ void expect_stages_hold_one_process_parameters(const std::vector<json>& ranks,
     if (untied) {
       EXPECT_EQ(stages, single) << what << ": parameters after three steps";
     } else {
-      EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight")) << what;
+      EXPECT_EQ(stages.at("embedding.word_embeddings.weight"), stages.at("output_layer.weight"))
+          << what;
       EXPECT_EQ(stages.size(), single.size() + 1) << what;
     }
   }
@@ -150,12 +151,11 @@ void expect_interleaved_strategies_equal_plain(const json& rank, const std::stri
   const int stage = rank["pipeline"]["pp_rank"].get<int>();
   const std::set<std::string> names =
       expect_stage_strategies_equal_plain(rank, what, equal_chunks, stage == 0, 8);
-  EXPECT_EQ(names, (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2",
-                                          "full_block_2", "full_block_1_partial_1",
-                                          "selective_core_attn", "selective_mlp",
-                                          "selective_layernorm", "selective_all",
-                                          "offload_fine_grained",
-                                          "offload_fine_grained_selective"}))
+  EXPECT_EQ(names,
+            (std::set<std::string>{"plain", "full_uniform_1", "full_uniform_2", "full_block_2",
+                                   "full_block_1_partial_1", "selective_core_attn", "selective_mlp",
+                                   "selective_layernorm", "selective_all", "offload_fine_grained",
+                                   "offload_fine_grained_selective"}))
       << what;
 }
 
@@ -190,13 +190,17 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
       // (every layout is checked bitwise untied).
       if (!untied && k.what != cases.front().what) continue;
       if (!reference.count(k.tp)) {
-        reference[k.tp] = run_workers(k.tp, {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp), "--pp", "1",
-                                             "--global-batch", "16", "--only", "plain", "--variant", variant});
+        reference[k.tp] = run_workers(
+            k.tp, {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp), "--pp", "1",
+                   "--global-batch", "16", "--only", "plain", "--variant", variant});
       }
       const auto& one = reference[k.tp];
-      std::vector<std::string> args = {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp),
-                                       "--pp", std::to_string(k.pp), "--global-batch", "16",
-                                       "--only", "plain", "--variant", variant};
+      std::vector<std::string> args = {"pipeline",       "--no-dropout",
+                                       "--tp",           std::to_string(k.tp),
+                                       "--pp",           std::to_string(k.pp),
+                                       "--global-batch", "16",
+                                       "--only",         "plain",
+                                       "--variant",      variant};
       args.insert(args.end(), k.extra.begin(), k.extra.end());
       const auto ranks = run_workers(k.nproc, args);
       ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
@@ -213,7 +217,8 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
           } else {
             EXPECT_LT(rel(a, b), 1e-5) << what << " step " << i;
           }
-          EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()), 1e-6)
+          EXPECT_LT(rel(steps[i]["grad_norm"].get<double>(), ref[i]["grad_norm"].get<double>()),
+                    1e-6)
               << what << " step " << i;
           // The trainer's up-front bound covers the stage's measured peak (an uneven first
           // stage holds more than the whole model's one micro-batch: 3 x 2 layers of 4 here).
@@ -225,7 +230,8 @@ TEST(Pipeline, StagesTrainBitwiseLikeOneProcessWhenUntiedAndWithinToleranceWhenT
       // Layers land where Megatron's split puts them.
       int64_t layers = 0;
       for (const auto& r : ranks) {
-        if (r["pipeline"]["tp_rank"].get<int>() == 0) layers += pipeline_run(r, "plain")["stage_layers"].get<int64_t>();
+        if (r["pipeline"]["tp_rank"].get<int>() == 0)
+          layers += pipeline_run(r, "plain")["stage_layers"].get<int64_t>();
       }
       EXPECT_EQ(layers, 4) << what;
       expect_stages_hold_one_process_parameters(ranks, one, k.tp, untied, what);
@@ -247,7 +253,8 @@ TEST(Pipeline, EveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictor
     ASSERT_EQ(ranks.size(), static_cast<size_t>(2 * tp));
     for (const auto& r : ranks) {
       const int stage = r["pipeline"]["pp_rank"].get<int>();
-      const std::string what = "tp " + std::to_string(tp) + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
+      const std::string what = "tp " + std::to_string(tp) + " rank " + r["rank"].dump() +
+                               " stage " + std::to_string(stage);
       const json& plain = pipeline_run(r, "plain");
       // 1F1B: every forward of a stage keeps its margin (the last stage) or none.
       const size_t strategies = expect_stage_strategies_equal_plain(r, what, true, true, 4).size();
@@ -288,8 +295,9 @@ TEST(Pipeline, RulesFollowMegatron) {
   TransformerConfig c;
   c.num_layers = 6;
   c.pipeline_model_parallel_size = 4;
-  expect_error_containing([&] { c.validate(); },
-                          "Number of layers should be divisible by the pipeline-model-parallel size");
+  expect_error_containing(
+      [&] { c.validate(); },
+      "Number of layers should be divisible by the pipeline-model-parallel size");
   // Uneven splits (Megatron's get_num_layers_to_build): 3 + 1 + 1 + 1.
   c.decoder_first_pipeline_num_layers = 3;
   c.decoder_last_pipeline_num_layers = 1;
@@ -328,15 +336,17 @@ TEST(Pipeline, RulesFollowMegatron) {
   c.recompute_method = "block";
   EXPECT_EQ(chunks(), (std::vector<std::pair<int64_t, int64_t>>{{0, 1}, {1, 2}, {3, 4}, {4, 5}}));
   c.recompute_num_layers = 4;
-  expect_error_containing([&] { c.validate(); },
-                          "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: 3");
+  expect_error_containing(
+      [&] { c.validate(); },
+      "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: 3");
   c.recompute_granularity.clear();
   c.recompute_method.clear();
   c.recompute_num_layers.reset();
   // Megatron's refusal, and what is not built yet, refused with a clear message.
   c.cpu_offloading_num_layers = 1;
-  expect_error_containing([&] { c.validate(); },
-                          "Currently there is no support for Pipeline parallelism with CPU offloading");
+  expect_error_containing(
+      [&] { c.validate(); },
+      "Currently there is no support for Pipeline parallelism with CPU offloading");
   c.cpu_offloading_num_layers = 0;
   // Fine-grained offload runs under pipeline parallelism (Note [Offload under pipeline
   // schedules]); its own rules still apply.
@@ -344,19 +354,23 @@ TEST(Pipeline, RulesFollowMegatron) {
   c.offload_modules = {"core_attn"};
   EXPECT_NO_THROW(c.validate());
   c.offload_modules = {"attn_proj"};
-  expect_error_containing([&] { c.validate(); }, "attn_proj cannot be set to offload_modules alone");
+  expect_error_containing([&] { c.validate(); },
+                          "attn_proj cannot be set to offload_modules alone");
   c.fine_grained_activation_offloading = false;
   c.offload_modules.clear();
   TrainingConfig t;
   t.save = "/tmp/never";
   EXPECT_NO_THROW(t.validate(c));  // one file per stage (CheckpointCli.PipelineResume...)
   // One process is not a pipeline.
-  expect_error_containing([&] { GPTModel model(c); },
-                          "pipeline_model_parallel_size is 2 but this process is in a pipeline of 1");
+  expect_error_containing(
+      [&] { GPTModel model(c); },
+      "pipeline_model_parallel_size is 2 but this process is in a pipeline of 1");
   const auto launch = actmem::testing::run_actmem(
-      "launch --nproc-per-node 3 -- train --pipeline-model-parallel-size 2 --num-layers 2 --train-iters 1");
+      "launch --nproc-per-node 3 -- train --pipeline-model-parallel-size 2 --num-layers 2 "
+      "--train-iters 1");
   EXPECT_NE(launch.exit_code, 0);
-  EXPECT_NE(launch.output.find("--pipeline-model-parallel-size 2 = 2; the launch must be a multiple of it"),
+  EXPECT_NE(launch.output.find(
+                "--pipeline-model-parallel-size 2 = 2; the launch must be a multiple of it"),
             std::string::npos)
       << launch.output;
 }
@@ -395,8 +409,8 @@ TEST(Pipeline, TrainRecordsTheOneFOneBScheduleEveryStageRanAndPlotsIt) {
   const auto r = actmem::testing::run_actmem(
       "launch --nproc-per-node 3 -- train --pipeline-model-parallel-size 3 --num-layers 3 "
       "--hidden-size 32 --num-attention-heads 2 --seq-length 16 --micro-batch-size 2 "
-      "--global-batch-size 10 --train-iters 2 --eval-interval 0 --log-json " + log +
-      " --pipeline-plot " + svg);
+      "--global-batch-size 10 --train-iters 2 --eval-interval 0 --log-json " +
+      log + " --pipeline-plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto iterations = actmem::testing::read_json_log(log).iterations;
   ASSERT_EQ(iterations.size(), 2u);
@@ -431,10 +445,13 @@ TEST(Pipeline, TrainRecordsTheOneFOneBScheduleEveryStageRanAndPlotsIt) {
     };
     for (int m = 0; m < M; ++m) {
       for (int s = 1; s < p; ++s) {
-        EXPECT_GT(find(s, "F", m)["start_s"].get<double>(), find(s - 1, "F", m)["end_s"].get<double>())
+        EXPECT_GT(find(s, "F", m)["start_s"].get<double>(),
+                  find(s - 1, "F", m)["end_s"].get<double>())
             << "F" << m << " on stage " << s << " began before stage " << s - 1 << " sent it";
-        EXPECT_GT(find(s - 1, "B", m)["start_s"].get<double>(), find(s, "B", m)["end_s"].get<double>())
-            << "B" << m << " on stage " << s - 1 << " began before stage " << s << " sent its gradient";
+        EXPECT_GT(find(s - 1, "B", m)["start_s"].get<double>(),
+                  find(s, "B", m)["end_s"].get<double>())
+            << "B" << m << " on stage " << s - 1 << " began before stage " << s
+            << " sent its gradient";
       }
     }
   }
@@ -443,7 +460,8 @@ TEST(Pipeline, TrainRecordsTheOneFOneBScheduleEveryStageRanAndPlotsIt) {
   const std::string plot((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   auto count = [&](const std::string& needle) {
     size_t n = 0;
-    for (size_t at = plot.find(needle); at != std::string::npos; at = plot.find(needle, at + 1)) ++n;
+    for (size_t at = plot.find(needle); at != std::string::npos; at = plot.find(needle, at + 1))
+      ++n;
     return n;
   };
   EXPECT_EQ(count("data-op=\"F\""), static_cast<size_t>(p * M));
@@ -452,9 +470,11 @@ TEST(Pipeline, TrainRecordsTheOneFOneBScheduleEveryStageRanAndPlotsIt) {
     EXPECT_EQ(count("at most " + std::to_string(std::min(p - s, M)) + " in flight"), 1u) << s;
   }
   // Without a pipeline there is no schedule to draw.
-  const auto bad = actmem::testing::run_actmem("train --num-layers 1 --hidden-size 32 "
-                                               "--num-attention-heads 2 --seq-length 16 "
-                                               "--train-iters 1 --pipeline-plot " + svg + ".x");
+  const auto bad = actmem::testing::run_actmem(
+      "train --num-layers 1 --hidden-size 32 "
+      "--num-attention-heads 2 --seq-length 16 "
+      "--train-iters 1 --pipeline-plot " +
+      svg + ".x");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("--pipeline-plot draws a pipeline's schedule"), std::string::npos)
       << bad.output;
@@ -483,10 +503,13 @@ TEST(Pipeline, InterleavedTrainsBitwiseLikeOneProcessWhenUntied) {
       if (variant == "base" && k.pp != 2) continue;
       const bool untied = variant == "swiglu";
       auto args = [&](int pp, int vp) {
-        std::vector<std::string> a = {"pipeline", "--no-dropout", "--tp", std::to_string(k.tp),
-                                      "--pp", std::to_string(pp), "--layers", std::to_string(k.layers),
-                                      "--global-batch", std::to_string(k.batch), "--only", "plain",
-                                      "--variant", variant};
+        std::vector<std::string> a = {"pipeline",       "--no-dropout",
+                                      "--tp",           std::to_string(k.tp),
+                                      "--pp",           std::to_string(pp),
+                                      "--layers",       std::to_string(k.layers),
+                                      "--global-batch", std::to_string(k.batch),
+                                      "--only",         "plain",
+                                      "--variant",      variant};
         if (vp > 1) a.insert(a.end(), {"--vp", std::to_string(vp)});
         return a;
       };
@@ -504,7 +527,8 @@ TEST(Pipeline, InterleavedTrainsBitwiseLikeOneProcessWhenUntied) {
         const int stage = r["pipeline"]["pp_rank"].get<int>();
         for (int c = 0; c < k.vp; ++c) {
           EXPECT_EQ(run["chunk_offsets"][static_cast<size_t>(c)].get<int>(),
-                    c * k.layers / k.vp + stage * per_piece) << what;
+                    c * k.layers / k.vp + stage * per_piece)
+              << what;
         }
         for (size_t i = 0; i < 3; ++i) {
           const json& st = run["steps"][i];
@@ -527,15 +551,16 @@ TEST(Pipeline, InterleavedTrainsBitwiseLikeOneProcessWhenUntied) {
   }
 }
 
-TEST(Pipeline, InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
+TEST(Pipeline,
+     InterleavedEveryRecomputeAndOffloadStrategyBitwiseEqualsPlainAndThePredictorHoldsPerStage) {
   // Dropout on, eight layers on two stages of two chunks (two layers per chunk), four
   // micro-batches: every recompute strategy whose n fits a chunk, and fine-grained offload with
   // and without selective recompute (expect_offload_equals_plain), gives each stage the plain
   // run's losses, gradient digests and parameters bitwise, and each stage holds what the
   // predictor says (per chunk's micro-batch its layers' bytes, counted over the schedule's steps
   // with the queued inputs and gradients); the first stage holds more than the last.
-  const auto ranks = run_workers(2, {"pipeline", "--tp", "1", "--pp", "2", "--vp", "2",
-                                     "--layers", "8", "--global-batch", "16"});
+  const auto ranks = run_workers(2, {"pipeline", "--tp", "1", "--pp", "2", "--vp", "2", "--layers",
+                                     "8", "--global-batch", "16"});
   ASSERT_EQ(ranks.size(), 2u);
   std::vector<int64_t> inflight(2);
   for (const auto& r : ranks) {
@@ -554,13 +579,12 @@ TEST(Pipeline, InterleavedUnevenSplitTrainsBitwiseLikeOneProcessAndThePredictorH
   // every parameter after three steps bitwise equal. With dropout, every recompute strategy
   // whose n fits the largest chunk and fine-grained offload bitwise equal to the plain run, and
   // each stage holds what the predictor says over the schedule (chunks of different sizes).
-  const auto one = run_workers(1, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "1",
-                                   "--layers", "6", "--global-batch", "16", "--only", "plain",
-                                   "--variant", "swiglu"});
-  const auto ranks = run_workers(2, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "2",
-                                     "--vp", "2", "--first", "2", "--layers", "6",
-                                     "--global-batch", "16", "--only", "plain", "--variant",
-                                     "swiglu"});
+  const auto one =
+      run_workers(1, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "1", "--layers", "6",
+                      "--global-batch", "16", "--only", "plain", "--variant", "swiglu"});
+  const auto ranks = run_workers(
+      2, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "2", "--vp", "2", "--first", "2",
+          "--layers", "6", "--global-batch", "16", "--only", "plain", "--variant", "swiglu"});
   ASSERT_EQ(one.size(), 1u);
   ASSERT_EQ(ranks.size(), 2u);
   const json& ref = pipeline_run(one[0], "plain")["steps"];
@@ -592,16 +616,17 @@ TEST(Pipeline, MoEStagesTrainLikeOneProcessAndLogEveryStagesLayers) {
   // (each stage routed its own: the log gathers them, as Megatron's tracker reduces over the
   // pipeline group) and the routed and dropped token counts are equal; the later steps within
   // 1e-5 (the tied embedding's gradient is summed in another order, see above).
-  const auto one = run_workers(1, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "1", "--global-batch", "16",
-                                   "--only", "plain", "--variant", "moe_capacity"});
+  const auto one =
+      run_workers(1, {"pipeline", "--no-dropout", "--tp", "1", "--pp", "1", "--global-batch", "16",
+                      "--only", "plain", "--variant", "moe_capacity"});
   ASSERT_EQ(one.size(), 1u);
   const json& ref = pipeline_run(one[0], "plain")["steps"];
   ASSERT_GT(ref[0]["dropped"].get<int64_t>(), 0) << "the case needs dropped tokens";
-  for (const auto& [nproc, extra] : std::vector<std::pair<int, std::vector<std::string>>>{
-           {2, {}}, {3, {"--first", "2"}}}) {
-    std::vector<std::string> args = {"pipeline", "--no-dropout", "--tp", "1", "--pp", std::to_string(nproc),
-                                     "--global-batch", "16", "--only", "plain", "--variant",
-                                     "moe_capacity"};
+  for (const auto& [nproc, extra] :
+       std::vector<std::pair<int, std::vector<std::string>>>{{2, {}}, {3, {"--first", "2"}}}) {
+    std::vector<std::string> args = {
+        "pipeline",       "--no-dropout", "--tp",   "1",     "--pp",      std::to_string(nproc),
+        "--global-batch", "16",           "--only", "plain", "--variant", "moe_capacity"};
     args.insert(args.end(), extra.begin(), extra.end());
     const auto ranks = run_workers(nproc, args);
     ASSERT_EQ(ranks.size(), static_cast<size_t>(nproc));
@@ -636,29 +661,35 @@ TEST(Pipeline, MoEEveryStrategyBitwiseEqualsPlainAndThePredictorFollowsEachMicro
     std::string what;
     bool interleaved;
   };
-  for (const Case& k : {Case{2, {}, "pp 2", false},
-                        Case{4, {"--ep", "2", "--vp", "2", "--global-batch", "32"},
-                             "pp 2 x ep 2 interleaved", true}}) {
-    std::vector<std::string> args = {"pipeline", "--tp", "1", "--pp", "2", "--variant", "moe_capacity",
-                                     "--global-batch", "16"};
+  for (const Case& k :
+       {Case{2, {}, "pp 2", false}, Case{4,
+                                         {"--ep", "2", "--vp", "2", "--global-batch", "32"},
+                                         "pp 2 x ep 2 interleaved",
+                                         true}}) {
+    std::vector<std::string> args = {
+        "pipeline", "--tp", "1", "--pp", "2", "--variant", "moe_capacity", "--global-batch", "16"};
     args.insert(args.end(), k.extra.begin(), k.extra.end());
     const auto ranks = run_workers(k.nproc, args);
     ASSERT_EQ(ranks.size(), static_cast<size_t>(k.nproc)) << k.what;
     for (const auto& r : ranks) {
       const int stage = r["pipeline"]["pp_rank"].get<int>();
-      const std::string what = k.what + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
+      const std::string what =
+          k.what + " rank " + r["rank"].dump() + " stage " + std::to_string(stage);
       const json& plain = pipeline_run(r, "plain");
       // The capped strategy offloads dense tensors (the same bytes every forward): one forward
       // leaves the predictor's bytes for its routing less its share (see the dense test). The
       // strategies: moe_strategies() with full_uniform_2 (not under the interleaved schedule: one
       // layer per chunk) and offload beside selective core_attn, moe_act and layernorm recompute.
-      const size_t strategies = expect_stage_strategies_equal_plain(
-          r, what, true, !k.interleaved || stage == 0, k.interleaved ? 8 : 4).size();
+      const size_t strategies =
+          expect_stage_strategies_equal_plain(r, what, true, !k.interleaved || stage == 0,
+                                              k.interleaved ? 8 : 4)
+              .size();
       EXPECT_EQ(strategies, k.interleaved ? 9u : 10u) << what;
       if (stage == 0) {
         const json& st = plain["steps"][0];
         EXPECT_GT(st["inflight_activation_bytes"].get<int64_t>(),
-                  st["activation_bytes"].get<int64_t>()) << what;
+                  st["activation_bytes"].get<int64_t>())
+            << what;
       }
     }
   }
@@ -697,8 +728,9 @@ TEST(Pipeline, InterleavedRulesFollowMegatron) {
   c.num_layers = 8;
   c.pipeline_model_parallel_size = 2;
   c.num_layers_per_virtual_pipeline_stage = 3;
-  expect_error_containing([&] { c.validate(); }, "number of layers per pipeline stage must be "
-                                                 "divisible number of layers per virtual pipeline stage");
+  expect_error_containing([&] { c.validate(); },
+                          "number of layers per pipeline stage must be "
+                          "divisible number of layers per virtual pipeline stage");
   c.num_layers_per_virtual_pipeline_stage = 2;
   c.validate();
   EXPECT_EQ(c.virtual_pipeline_size(), 2);
@@ -711,7 +743,8 @@ TEST(Pipeline, InterleavedRulesFollowMegatron) {
   expect_error_containing([&] { c.validate(); }, "No more than one of the following arguments");
   c.num_virtual_stages_per_pipeline_rank.reset();
   c.decoder_first_pipeline_num_layers = 2;
-  expect_error_containing([&] { c.validate(); }, "please use --num-virtual-stages-per-pipeline-rank");
+  expect_error_containing([&] { c.validate(); },
+                          "please use --num-virtual-stages-per-pipeline-rank");
   {
     // Uneven and interleaved (Megatron's get_transformer_layer_offset with a vp_stage): 10 layers,
     // p 3, v 2, first stage 2 and last 4 layers. Each chunk takes 1/v of its stage's layers, one
@@ -744,20 +777,24 @@ TEST(Pipeline, InterleavedRulesFollowMegatron) {
     // Megatron's rules: the first and last stages' layers, and each middle stage's, divide by v.
     u.decoder_first_pipeline_num_layers = 3;
     u.decoder_last_pipeline_num_layers = 3;
-    expect_error_containing([&] { u.validate(); }, "number of layers at first stage: 3 must be "
-                                                   "divisible by virtual pipeline parallel degree 2");
+    expect_error_containing([&] { u.validate(); },
+                            "number of layers at first stage: 3 must be "
+                            "divisible by virtual pipeline parallel degree 2");
     u.decoder_first_pipeline_num_layers = 2;
-    expect_error_containing([&] { u.validate(); }, "number of layers at last stage: 3 must be "
-                                                   "divisible by virtual pipeline parallel degree 2");
+    expect_error_containing([&] { u.validate(); },
+                            "number of layers at last stage: 3 must be "
+                            "divisible by virtual pipeline parallel degree 2");
     u.num_layers = 9;
     u.decoder_last_pipeline_num_layers = 4;
-    expect_error_containing([&] { u.validate(); }, "number of layers on each middle pipeline rank: "
-                                                   "3 must be divisible by virtual pipeline parallel "
-                                                   "degree 2");
+    expect_error_containing([&] { u.validate(); },
+                            "number of layers on each middle pipeline rank: "
+                            "3 must be divisible by virtual pipeline parallel "
+                            "degree 2");
   }
   c.decoder_first_pipeline_num_layers.reset();
   c.pipeline_model_parallel_size = 1;
-  expect_error_containing([&] { c.validate(); }, "pipeline-model-parallel size should be greater than 1");
+  expect_error_containing([&] { c.validate(); },
+                          "pipeline-model-parallel size should be greater than 1");
   c.pipeline_model_parallel_size = 2;
   // recompute_num_layers counts a chunk's layers (Megatron's TransformerBlock per chunk).
   c.recompute_granularity = "full";
@@ -777,7 +814,9 @@ TEST(Pipeline, InterleavedRulesFollowMegatron) {
       "--microbatch-group-size-per-virtual-pipeline-stage 3 --train-iters 1");
   EXPECT_NE(bad.exit_code, 0);
   EXPECT_NE(bad.output.find("should be 0, or larger than or equal to the pipeline-parallel size, "
-                            "but it is 1"), std::string::npos) << bad.output;
+                            "but it is 1"),
+            std::string::npos)
+      << bad.output;
 }
 
 TEST(Pipeline, TrainRecordsTheInterleavedScheduleAndValidates) {
@@ -795,7 +834,8 @@ TEST(Pipeline, TrainRecordsTheInterleavedScheduleAndValidates) {
       "launch --nproc-per-node 2 -- train --pipeline-model-parallel-size 2 "
       "--num-layers-per-virtual-pipeline-stage 1 --num-layers 4 --hidden-size 32 "
       "--num-attention-heads 2 --seq-length 16 --micro-batch-size 2 --global-batch-size 8 "
-      "--train-iters 2 --eval-interval 2 --eval-iters 3 --log-json " + log + " --pipeline-plot " + svg);
+      "--train-iters 2 --eval-interval 2 --eval-iters 3 --log-json " +
+      log + " --pipeline-plot " + svg);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("validation loss"), std::string::npos) << r.output;
   const auto iterations = actmem::testing::read_json_log(log).iterations;
@@ -809,7 +849,8 @@ TEST(Pipeline, TrainRecordsTheInterleavedScheduleAndValidates) {
   for (const auto& it : iterations) {
     const json& stages = it["pipeline_schedule_per_stage"];
     ASSERT_EQ(stages.size(), static_cast<size_t>(p));
-    EXPECT_EQ(it["inflight_activation_bytes_per_stage"], it["predicted_inflight_activation_bytes_per_stage"]);
+    EXPECT_EQ(it["inflight_activation_bytes_per_stage"],
+              it["predicted_inflight_activation_bytes_per_stage"]);
     auto find = [&](int s, const std::string& op, int m, int c) {
       for (const auto& e : stages[static_cast<size_t>(s)]) {
         if (e["op"] == op && e["microbatch"] == m && e["chunk"] == c) return e;
@@ -836,14 +877,17 @@ TEST(Pipeline, TrainRecordsTheInterleavedScheduleAndValidates) {
         if (s == 0 && c == 0) continue;
         const json before = s > 0 ? find(s - 1, "F", m, c) : find(p - 1, "F", m, c - 1);
         EXPECT_GT(find(s, "F", m, c)["start_s"].get<double>(), before["end_s"].get<double>())
-            << "F" << m << " chunk " << c << " on stage " << s << " began before its input was sent";
+            << "F" << m << " chunk " << c << " on stage " << s
+            << " began before its input was sent";
       }
     }
   }
   std::ifstream in(svg);
   const std::string plot((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   size_t boxes = 0;
-  for (size_t at = plot.find("data-op="); at != std::string::npos; at = plot.find("data-op=", at + 1)) ++boxes;
+  for (size_t at = plot.find("data-op="); at != std::string::npos;
+       at = plot.find("data-op=", at + 1))
+    ++boxes;
   EXPECT_EQ(boxes, static_cast<size_t>(2 * p * M * v));
 }
 

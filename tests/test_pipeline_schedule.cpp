@@ -36,11 +36,10 @@ TEST(InterleavedSchedule, TableMatchesMegatronsDocumentedExamples) {
 }
 
 TEST(InterleavedSchedule, MicroBatchRulesFollowMegatron) {
-  actmem::testing::expect_error_containing(
-      [] { actmem::check_interleaved_microbatches(4, 2, 4); },
-      "should range in [PP=4 , M=2]");
-  actmem::testing::expect_error_containing(
-      [] { actmem::check_interleaved_microbatches(4, 8, 3); }, "should range in [PP=4 , M=8]");
+  actmem::testing::expect_error_containing([] { actmem::check_interleaved_microbatches(4, 2, 4); },
+                                           "should range in [PP=4 , M=2]");
+  actmem::testing::expect_error_containing([] { actmem::check_interleaved_microbatches(4, 8, 3); },
+                                           "should range in [PP=4 , M=8]");
   // 6 micro-batches in groups of 4: a last group of 2 < p.
   actmem::testing::expect_error_containing(
       [] { actmem::check_interleaved_microbatches(4, 6, 4); },
@@ -97,8 +96,7 @@ TEST(InterleavedSchedule, WarmupAndOrdersFollowMegatron) {
       const std::string what = describe(k) + " rank " + std::to_string(r);
       EXPECT_EQ(fwd, table) << what;
       EXPECT_EQ(bwd, table) << what;
-      EXPECT_EQ(before_first_backward,
-                std::min(2 * (k.p - r - 1) + (k.v - 1) * k.n + 1, k.m * k.v))
+      EXPECT_EQ(before_first_backward, std::min(2 * (k.p - r - 1) + (k.v - 1) * k.n + 1, k.m * k.v))
           << what;
     }
   }
@@ -146,7 +144,8 @@ void run_all_ranks(const ScheduleCase& k, bool forward_only) {
       const auto c = static_cast<size_t>(std::max<int64_t>(s.chunk, 0));
       if (s.kind == Kind::kForward) {
         if (!(r == 0 && s.chunk == 0)) {
-          ASSERT_FALSE(inputs[ri][c].empty()) << what << " rank " << r << ": no input for chunk " << c;
+          ASSERT_FALSE(inputs[ri][c].empty())
+              << what << " rank " << r << ": no input for chunk " << c;
           const Payload in = inputs[ri][c].front();
           inputs[ri][c].pop_front();
           const Payload expected = r > 0 ? Payload{r - 1, s.microbatch, s.chunk}
@@ -159,7 +158,8 @@ void run_all_ranks(const ScheduleCase& k, bool forward_only) {
       } else if (s.kind == Kind::kBackward) {
         EXPECT_TRUE(forwarded.count({r, s.microbatch, s.chunk})) << what << ": backward first";
         if (!(r == p - 1 && s.chunk == k.v - 1)) {
-          ASSERT_FALSE(grads[ri][c].empty()) << what << " rank " << r << ": no gradient for chunk " << c;
+          ASSERT_FALSE(grads[ri][c].empty())
+              << what << " rank " << r << ": no gradient for chunk " << c;
           const Payload g = grads[ri][c].front();
           grads[ri][c].pop_front();
           const Payload expected = r < p - 1 ? Payload{r + 1, s.microbatch, s.chunk}
@@ -195,7 +195,8 @@ void run_all_ranks(const ScheduleCase& k, bool forward_only) {
         }
         const Posted& post = *posted[ri];
         bool done = true;
-        for (const auto& [link, i] : post.sends) done = done && static_cast<size_t>(received[link]) > i;
+        for (const auto& [link, i] : post.sends)
+          done = done && static_cast<size_t>(received[link]) > i;
         for (const auto& [link, i] : post.recvs) done = done && sent[link].size() > i;
         if (!done) continue;
         for (size_t j = 0; j < post.recvs.size(); ++j) {
@@ -252,7 +253,8 @@ TEST(InterleavedSchedule, FirstStageHoldsKorthikantisMicroBatches) {
           << describe(k) << " rank " << r;
       if (r == 0 && k.n == k.p && k.m * k.v > mem.peak_at_forward_end) {
         const double korthikanti =
-            static_cast<double>(k.p) * (1.0 + static_cast<double>(k.p - 1) / static_cast<double>(k.p * k.v));
+            static_cast<double>(k.p) *
+            (1.0 + static_cast<double>(k.p - 1) / static_cast<double>(k.p * k.v));
         EXPECT_DOUBLE_EQ(static_cast<double>(mem.peak_at_forward_end) / static_cast<double>(k.v),
                          korthikanti)
             << describe(k);
@@ -310,8 +312,8 @@ TEST(PipelineComputeOrder, OneFOneBAndInterleavedOrdersEachMicroBatchOnce) {
       }
     }
   }
-  actmem::testing::expect_error_containing(
-      [] { actmem::pipeline_compute_order(2, 2, 1, 4, 2); }, "needs a stage in [0, 2)");
+  actmem::testing::expect_error_containing([] { actmem::pipeline_compute_order(2, 2, 1, 4, 2); },
+                                           "needs a stage in [0, 2)");
 }
 
 }  // namespace

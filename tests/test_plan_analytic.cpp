@@ -75,9 +75,9 @@ TEST(PlanAnalytic, ActivationTermsSumToThePapersFormulas) {
   const double sbh = m.sbh(), t = m.t;
   const double per_layer = sbh * (10 + 24 / t + 5 * m.a * m.s / (m.h * t));
   // Full recompute keeps each layer's (replicated) input, 2sbh.
-  EXPECT_NEAR(static_cast<double>(find(all, "plain").kept_bytes -
-                                  find(all, "full uniform 1").kept_bytes),
-              m.L * (per_layer - 2 * sbh), 4.0);
+  EXPECT_NEAR(
+      static_cast<double>(find(all, "plain").kept_bytes - find(all, "full uniform 1").kept_bytes),
+      m.L * (per_layer - 2 * sbh), 4.0);
 }
 
 TEST(PlanAnalytic, StepRatiosAreTheFlopCountsWhenOnlyGemmsCost) {
@@ -418,7 +418,8 @@ TEST(PlanCli, PlansAPresetAnalytically) {
   const auto plan = nlohmann::json::parse(std::ifstream(dir + "/p.json"));
   // The budget defaults to the GPU's memory; the choice fits it and is on the front.
   EXPECT_EQ(plan["memory_budget_bytes"].get<double>(), 80.0 * 1024 * 1024 * 1024);
-  EXPECT_LE(plan["chosen"]["peak_bytes"].get<int64_t>(), plan["memory_budget_bytes"].get<int64_t>());
+  EXPECT_LE(plan["chosen"]["peak_bytes"].get<int64_t>(),
+            plan["memory_budget_bytes"].get<int64_t>());
   EXPECT_NE(r.output.find("flags: "), std::string::npos);
   std::stringstream svg;
   svg << std::ifstream(dir + "/p.svg").rdbuf();
@@ -429,8 +430,10 @@ TEST(PlanCli, PlansAPresetAnalytically) {
   }
   EXPECT_EQ(dots, plan["legal_strategies"].get<size_t>());
   // Shape and layout flags change the preset.
-  r = testing::run_actmem("plan --preset 7b --seq-length 8192 --pipeline-model-parallel-size 1 "
-                          "--memory-budget 120GiB --json " + dir + "/q.json");
+  r = testing::run_actmem(
+      "plan --preset 7b --seq-length 8192 --pipeline-model-parallel-size 1 "
+      "--memory-budget 120GiB --json " +
+      dir + "/q.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto q = nlohmann::json::parse(std::ifstream(dir + "/q.json"));
   EXPECT_EQ(q["shape"]["s"].get<double>(), 8192.0);

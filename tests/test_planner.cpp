@@ -58,9 +58,9 @@ TEST(Planner, LegalStrategiesAreTheOnesTheTrainerAcceptsEachOnce) {
   EXPECT_FALSE(has("selective moe"));
   EXPECT_FALSE(has("layer offload 4"));
   for (const auto& s : all) {
-    EXPECT_TRUE(s.offload_layers == 0 || (s.recompute_modules.empty() &&
-                                          s.full_method == RecomputeMethod::kNone &&
-                                          s.offload_modules.empty()))
+    EXPECT_TRUE(s.offload_layers == 0 ||
+                (s.recompute_modules.empty() && s.full_method == RecomputeMethod::kNone &&
+                 s.offload_modules.empty()))
         << s.name();
   }
   // 7 selective sets (+ none) with 23 offload sets minus the core_attn conflicts, 4 + 4 full,
@@ -97,16 +97,17 @@ TEST(Planner, MemoryBudgetsParseWithUnitsAndRefuseNonsense) {
 TEST(Planner, FinalistsAreTheFastestPredictedStrategiesThatFit) {
   auto estimate = [](std::vector<std::string> modules, int64_t peak, double ratio) {
     PlanEstimate e;
-    for (const auto& name : modules) e.strategy.recompute_modules.push_back(*parse_recompute_module(name));
+    for (const auto& name : modules)
+      e.strategy.recompute_modules.push_back(*parse_recompute_module(name));
     e.peak_bytes = peak;
     e.step_ratio = ratio;
     return e;
   };
   const std::vector<PlanEstimate> estimates = {
-      estimate({}, 100, 1.0),                 // plain
+      estimate({}, 100, 1.0),  // plain
       estimate({"core_attn"}, 60, 1.30),
       estimate({"mlp"}, 70, 1.10),
-      estimate({"layernorm"}, 90, 1.02),      // does not fit 80
+      estimate({"layernorm"}, 90, 1.02),  // does not fit 80
       estimate({"core_attn", "mlp"}, 40, 1.40),
       estimate({"layernorm", "mlp"}, 65, 1.10),  // ties mlp's ratio with a smaller peak
   };
@@ -162,7 +163,8 @@ TEST(Planner, WarnsWhenAnOffloadPlanLetsCopiesStayInFlight) {
   recompute.recompute_modules = {RecomputeModule::kCoreAttn};
   for (const Strategy& s : {layer, groups}) {
     EXPECT_NE(copies_in_flight_note(c, s).find("--fine-grained-offloading-max-inflight-offloads 0"),
-              std::string::npos) << s.name();
+              std::string::npos)
+        << s.name();
   }
   EXPECT_EQ(copies_in_flight_note(c, recompute), "");  // nothing is copied
   c.fine_grained_offloading_max_inflight_offloads = 0;
@@ -204,8 +206,8 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   std::vector<Strategy> checked;
   for (const auto& f : front) checked.push_back(f.strategy);
   for (const auto& e : estimates) {
-    if (e.strategy.full_method == RecomputeMethod::kUniform || e.strategy.offload_modules.size() >= 3 ||
-        e.strategy.offload_layers > 0) {
+    if (e.strategy.full_method == RecomputeMethod::kUniform ||
+        e.strategy.offload_modules.size() >= 3 || e.strategy.offload_layers > 0) {
       checked.push_back(e.strategy);
     }
   }
@@ -266,7 +268,8 @@ TEST(Planner, PredictedPeaksMatchTheTrackerAndEveryBudgetsChoiceFits) {
   c.fine_grained_offloading_max_inflight_offloads = 0;
   c.min_offloaded_tensor_size = 4096;
   Strategy idle, busy;
-  idle.offload_modules = {OffloadModule::kCoreAttn, OffloadModule::kAttnNorm, OffloadModule::kMlpNorm};
+  idle.offload_modules = {OffloadModule::kCoreAttn, OffloadModule::kAttnNorm,
+                          OffloadModule::kMlpNorm};
   busy.offload_modules = {OffloadModule::kCoreAttn};
   EXPECT_EQ(measured_peak(idle.apply(c)), measured_peak(busy.apply(c)));
   EXPECT_LT(measured_peak(busy.apply(c)), measured_peak(Strategy{}.apply(c)));  // scores moved
@@ -278,11 +281,12 @@ TEST(Planner, PredictedPeaksMatchTheTrackerForAnMoEModel) {
 
 TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   const std::string dir = testing::fresh_temp_dir("plan");
-  const std::string flags = " --num-layers 4 --hidden-size 32 --num-attention-heads 4 "
-                            "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
-                            "--min-offloaded-tensor-size 256 --fine-grained-offloading-max-inflight-offloads 0 "
-                            "--threads 1 --profile-steps 1 "
-                            "--verify-steps 2 --max-timed-rounds 12";
+  const std::string flags =
+      " --num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
+      "--min-offloaded-tensor-size 256 --fine-grained-offloading-max-inflight-offloads 0 "
+      "--threads 1 --profile-steps 1 "
+      "--verify-steps 2 --max-timed-rounds 12";
   // A budget between the smallest and the largest peak: first read the front.
   // The profile is kept in --costs and reused by the runs after it (same model and machine; the
   // speed check is off here: another test may load the machine meanwhile).
@@ -310,7 +314,8 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
     const std::string text = svg.str();
     auto count = [&text](const std::string& needle) {
       size_t n = 0;
-      for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1)) ++n;
+      for (size_t at = text.find(needle); at != std::string::npos; at = text.find(needle, at + 1))
+        ++n;
       return n;
     };
     const auto plan = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
@@ -320,13 +325,14 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
     EXPECT_EQ(count("class=\"budget\""), 1u);
     // Megatron's standard settings labelled: plain, selective core_attn, full uniform 1, full
     // block 1 and 2.
-    EXPECT_EQ(count("font-size=\"11\""), 5u + (plan["chosen"]["strategy"] == "plain" ||
-                                                  plan["chosen"]["strategy"] == "selective core_attn" ||
-                                                  plan["chosen"]["strategy"] == "full uniform 1" ||
-                                                  plan["chosen"]["strategy"] == "full block 1" ||
-                                                  plan["chosen"]["strategy"] == "full block 2"
-                                              ? 0u
-                                              : 1u));
+    EXPECT_EQ(count("font-size=\"11\""),
+              5u + (plan["chosen"]["strategy"] == "plain" ||
+                            plan["chosen"]["strategy"] == "selective core_attn" ||
+                            plan["chosen"]["strategy"] == "full uniform 1" ||
+                            plan["chosen"]["strategy"] == "full block 1" ||
+                            plan["chosen"]["strategy"] == "full block 2"
+                        ? 0u
+                        : 1u));
   }
   EXPECT_NE(r.output.find("flags: --"), std::string::npos) << r.output;
   const auto plan = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
@@ -342,7 +348,8 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
     EXPECT_LE(f["peak_bytes"].get<int64_t>(), budget) << f;
     EXPECT_GT(f["finalist_step_ratio"].get<double>(), 0) << f;
     EXPECT_GE(f["finalist_step_ratio"].get<double>(),
-              plan["chosen"]["finalist_step_ratio"].get<double>()) << f;
+              plan["chosen"]["finalist_step_ratio"].get<double>())
+        << f;
     slowest_predicted = std::max(slowest_predicted, f["step_ratio"].get<double>());
   }
   for (const auto& e : plan["front"]) {
@@ -367,9 +374,9 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   EXPECT_LE(plan["verify_rounds"].get<int>(), 12);
   // The finalists are verified too, beside the choice.
   for (const auto& f : finalists) {
-    EXPECT_TRUE(std::any_of(plan["verified"].begin(), plan["verified"].end(),
-                            [&f](const auto& v) { return v["strategy"] == f["strategy"]; }))
-        << f;
+    EXPECT_TRUE(std::any_of(plan["verified"].begin(), plan["verified"].end(), [&f](const auto& v) {
+      return v["strategy"] == f["strategy"];
+    })) << f;
   }
   ASSERT_GE(plan["verified"].size(), 2u);  // the plain run and at least one other
   for (const auto& v : plan["verified"]) {
@@ -385,10 +392,11 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
       << r.output;
   EXPECT_NE(r.output.find("--tensor-model-parallel-size"), std::string::npos) << r.output;
   // train --memory-budget plans the same way and trains within the budget.
-  const std::string model = " --num-layers 4 --hidden-size 32 --num-attention-heads 4 "
-                            "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
-                            "--min-offloaded-tensor-size 256 "
-                            "--fine-grained-offloading-max-inflight-offloads 0 --threads 1";
+  const std::string model =
+      " --num-layers 4 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
+      "--min-offloaded-tensor-size 256 "
+      "--fine-grained-offloading-max-inflight-offloads 0 --threads 1";
   const std::string train_costs = " --costs " + dir + "/train-costs.json --costs-speed-tolerance 0";
   r = testing::run_actmem("train" + model + " --train-iters 3 --eval-interval 0 --memory-budget " +
                           std::to_string(budget) + " --log-json " + dir + "/train.jsonl" +
@@ -402,7 +410,8 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   // Runs that choose by the prediction alone plan from the kept costs, and so choose the same.
   std::string plans[2];
   for (std::string& plan_line : plans) {
-    r = testing::run_actmem("train" + model + " --train-iters 1 --eval-interval 0 --memory-budget " +
+    r = testing::run_actmem("train" + model +
+                            " --train-iters 1 --eval-interval 0 --memory-budget " +
                             std::to_string(budget) + train_costs + " --finalists 0");
     ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_NE(r.output.find("costs reused from"), std::string::npos) << r.output;
@@ -411,29 +420,35 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
     EXPECT_EQ(plan_line.find("finalists"), std::string::npos) << plan_line;
   }
   EXPECT_EQ(plans[0], plans[1]);
-  r = testing::run_actmem("train" + model + " --train-iters 1 --costs " + dir + "/train-costs.json");
+  r = testing::run_actmem("train" + model + " --train-iters 1 --costs " + dir +
+                          "/train-costs.json");
   EXPECT_NE(r.exit_code, 0);  // --costs without --memory-budget plans nothing
   EXPECT_NE(r.output.find("give both"), std::string::npos) << r.output;
-  r = testing::run_actmem("train" + model + " --train-iters 1 --memory-budget 1GiB "
+  r = testing::run_actmem("train" + model +
+                          " --train-iters 1 --memory-budget 1GiB "
                           "--costs-speed-tolerance 5");
   EXPECT_NE(r.exit_code, 0);  // nothing to check without --costs
   EXPECT_NE(r.output.find("--costs-speed-tolerance checks the costs kept in --costs"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   std::ifstream log(dir + "/train.jsonl");
   std::string line;
   int steps = 0;
   std::getline(log, line);  // the config record
   while (std::getline(log, line)) {
     const auto step = nlohmann::json::parse(line);
-    if (step["iteration"].get<int>() > 1) EXPECT_LE(step["peak_device_bytes"].get<int64_t>(), budget) << line;
+    if (step["iteration"].get<int>() > 1)
+      EXPECT_LE(step["peak_device_bytes"].get<int64_t>(), budget) << line;
     ++steps;
   }
   EXPECT_EQ(steps, 3);
-  r = testing::run_actmem("train" + model + " --train-iters 1 --memory-budget 1GiB "
+  r = testing::run_actmem("train" + model +
+                          " --train-iters 1 --memory-budget 1GiB "
                           "--recompute-granularity selective");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("--memory-budget chooses the recompute and offload flags itself"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   // Another model does not reuse the costs; a file that is no cost record is refused.
   r = testing::run_actmem("plan" + flags + " --hidden-size 16 --num-layers 2" + costs);
   ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -445,7 +460,8 @@ TEST(PlanCli, VerifiesTheChoiceFitsIsPredictedAndIsBitwiseThePlainRun) {
   r = testing::run_actmem("plan" + flags + " --finalists 2");
   EXPECT_NE(r.exit_code, 0);  // nothing to choose without a budget
   EXPECT_NE(r.output.find("--finalists chooses among strategies for --memory-budget"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   r = testing::run_actmem("plan" + flags + " --memory-budget 12XB");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_NE(r.output.find("unknown unit"), std::string::npos) << r.output;
@@ -499,9 +515,11 @@ TEST(PlanCli, ComparesTheKernelsWhenAutoChoseFlash) {
 TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
   const std::string dir = testing::fresh_temp_dir("plan-speed");
   const std::string path = dir + "/costs.json";
-  const std::string flags = " --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
-                            "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
-                            "--threads 1 --profile-steps 1 --costs " + path;
+  const std::string flags =
+      " --num-layers 2 --hidden-size 32 --num-attention-heads 4 "
+      "--ffn-hidden-size 48 --seq-length 32 --micro-batch-size 2 "
+      "--threads 1 --profile-steps 1 --costs " +
+      path;
   auto r = testing::run_actmem("plan" + flags);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("costs written to"), std::string::npos) << r.output;
@@ -512,7 +530,8 @@ TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
   r = testing::run_actmem("plan" + flags + " --costs-speed-tolerance 1000");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("costs reused from " + path + "; the plain step alone takes"),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   // A profile made when the plain step took ten times as long: measured again, and rewritten.
   auto j = record();
   j["costs"]["solo_plain_step_s"] = 10 * solo;
@@ -520,7 +539,8 @@ TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
   r = testing::run_actmem("plan" + flags);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("costs profiled again: the machine's speed changed since " + path),
-            std::string::npos) << r.output;
+            std::string::npos)
+      << r.output;
   EXPECT_NE(r.output.find("more than the tolerance of 10%"), std::string::npos) << r.output;
   EXPECT_LT(record()["costs"]["solo_plain_step_s"].get<double>(), 5 * solo);
   // --verify: its rounds' plain step against the profile's.
@@ -529,9 +549,10 @@ TEST(PlanCli, CostsAreProfiledAgainWhenTheMachinesSpeedChanged) {
   j["costs"]["plain_step_s"] = plain / 100;
   std::ofstream(path) << j.dump();
   const int64_t budget = j["costs"]["static_bytes"].get<int64_t>() * 100;  // everything fits
-  r = testing::run_actmem("plan" + flags + " --costs-speed-tolerance 1000 --verify "
-                          "--verify-steps 1 --memory-budget " + std::to_string(budget) +
-                          " --json " + dir + "/plan.json");
+  r = testing::run_actmem("plan" + flags +
+                          " --costs-speed-tolerance 1000 --verify "
+                          "--verify-steps 1 --memory-budget " +
+                          std::to_string(budget) + " --json " + dir + "/plan.json");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("WARNING: the plain step took"), std::string::npos) << r.output;
   const auto plan = nlohmann::json::parse(std::ifstream(dir + "/plan.json"));
@@ -552,8 +573,9 @@ TEST(Strategy, CompareGrammarRoundTripsEveryPlannedStrategy) {
   EXPECT_EQ(s.recompute_modules,
             (std::vector<RecomputeModule>{RecomputeModule::kCoreAttn, RecomputeModule::kMlp}));
   EXPECT_EQ(s.offload_modules, std::vector<OffloadModule>{OffloadModule::kMlpNorm});
-  EXPECT_EQ(s.flags(), "--recompute-granularity selective --recompute-modules core_attn mlp "
-                       "--fine-grained-activation-offloading --offload-modules mlp_norm");
+  EXPECT_EQ(s.flags(),
+            "--recompute-granularity selective --recompute-modules core_attn mlp "
+            "--fine-grained-activation-offloading --offload-modules mlp_norm");
   const Strategy block = parse_strategy("full-block-2");
   EXPECT_EQ(block.full_method, RecomputeMethod::kBlock);
   EXPECT_EQ(block.full_layers, 2);
@@ -577,10 +599,8 @@ TEST(Strategy, CompareGrammarRoundTripsEveryPlannedStrategy) {
   }
   for (const char* bad : {"full-diagonal-2", "selective-attn", "layer-offload-0", "selective-",
                           "offload-", "offload-mlp", "plain,", "full-block-x", "fast"}) {
-    testing::expect_error_containing([bad] { parse_strategy(bad); },
-                                     std::string("'") + bad);
+    testing::expect_error_containing([bad] { parse_strategy(bad); }, std::string("'") + bad);
   }
 }
 }  // namespace
 }  // namespace actmem
-

@@ -1,10 +1,10 @@
 // test_recompute.cpp — checkpoint and CheckpointWithoutOutput mechanisms, and every recompute
 // strategy of the model: bitwise exactness against the plain run over several optimizer steps,
 // re-execution counts, chunk layouts and the memory each strategy saves.
-#include "actmem/memory/memory_tracker.h"
-#include "actmem/model/model.h"
 #include "actmem/memory/memory_model.h"
+#include "actmem/memory/memory_tracker.h"
 #include "actmem/model/activation_bytes.h"
+#include "actmem/model/model.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
@@ -22,15 +22,17 @@ using actmem::testing::expect_error_containing;
 using actmem::testing::gradcheck;
 using actmem::testing::selective;
 
-at::Tensor cpu_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+at::Tensor cpu_state() {
+  return at::detail::getDefaultCPUGenerator().get_state();
+}
 
 // ---- checkpoint (CheckpointFunction) ----------------------------------------------------------
 
 TEST(Checkpoint, AddsLikeMegatronsTest) {  // test_checkpoint
   const at::Tensor a = at::ones({16}).requires_grad_(true);
   const at::Tensor b = (2 * at::ones({16})).requires_grad_(true);
-  const auto out = checkpoint([](const TensorList& in) { return TensorList{in[0] + in[1]}; },
-                              false, {a, b});
+  const auto out =
+      checkpoint([](const TensorList& in) { return TensorList{in[0] + in[1]}; }, false, {a, b});
   EXPECT_TRUE(at::equal(out[0], 3 * at::ones({16})));
   out[0].sum().backward();
   EXPECT_TRUE(at::equal(a.grad(), at::ones({16})));
@@ -68,7 +70,8 @@ TEST(Checkpoint, BitwiseEqualToPlainWithDropoutAndLeavesTheAmbientStream) {
 
 TEST(Checkpoint, RefusesAutogradGrad) {
   const at::Tensor x = at::randn({4}).requires_grad_(true);
-  const auto out = checkpoint([](const TensorList& in) { return TensorList{in[0] * 2}; }, false, {x});
+  const auto out =
+      checkpoint([](const TensorList& in) { return TensorList{in[0] * 2}; }, false, {x});
   expect_error_containing([&] { torch::autograd::grad({out[0].sum()}, {x}); },
                           "not compatible with torch::autograd::grad()");
 }
@@ -124,7 +127,8 @@ TEST(Checkpoint, InputGradientsKeepTheLayoutThePlainGraphGivesThem) {
   // would add in another order than the plain graph's.
   const int64_t s = 128, b = 2, a = 8, d = 48, shared = 16;
   const auto opts = at::TensorOptions().dtype(at::kFloat);
-  const at::Tensor q = at::randn({b * a, s, d}, opts), nope0 = at::randn({s, b, a, d - shared}, opts);
+  const at::Tensor q = at::randn({b * a, s, d}, opts),
+                   nope0 = at::randn({s, b, a, d - shared}, opts);
   const at::Tensor part0 = at::randn({s, b, 1, shared}, opts);
   auto scores = [&](const at::Tensor& k) {  // q k^T with k [s, b, a, d] read as [b*a, d, s]
     return at::bmm(q, k.reshape({s, b * a, d}).permute({1, 2, 0}));
@@ -137,8 +141,12 @@ TEST(Checkpoint, InputGradientsKeepTheLayoutThePlainGraphGivesThem) {
     at::Tensor out;
     CheckpointWithoutOutput discard;
     if (mode == 0) out = scores(k);
-    if (mode == 1) out = checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; }, false, {k})[0];
-    if (mode == 2) out = discard.checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; }, {k})[0];
+    if (mode == 1)
+      out = checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; }, false,
+                       {k})[0];
+    if (mode == 2)
+      out = discard.checkpoint([&](const TensorList& in) { return TensorList{scores(in[0])}; },
+                               {k})[0];
     out.backward(grad_out);
     return part.grad();
   };
@@ -154,10 +162,10 @@ TEST(CheckpointWithoutOutput, MatchesPlainLikeMegatronsTest) {  // test_checkpoi
   auto run = [&](bool discard) {
     const at::Tensor x = x0.clone().requires_grad_(true);
     CheckpointWithoutOutput ckpt;
-    const at::Tensor y = discard ? ckpt.checkpoint([](const TensorList& in) {
-                                     return TensorList{at::gelu(in[0])};
-                                   }, {x})[0]
-                                 : at::gelu(x);
+    const at::Tensor y =
+        discard ? ckpt.checkpoint([](const TensorList& in) { return TensorList{at::gelu(in[0])}; },
+                                  {x})[0]
+                : at::gelu(x);
     const at::Tensor z = y * x;
     if (discard) ckpt.discard_output_and_register_recompute(z);
     z.sum().backward();
@@ -203,8 +211,8 @@ TEST(CheckpointWithoutOutput, FreesTheStorageAndReattachesItForEveryView) {
 TEST(CheckpointWithoutOutput, RecomputesInItsOwnBackwardWhenNeverDiscarded) {
   const at::Tensor x = at::randn({8}).requires_grad_(true);
   CheckpointWithoutOutput ckpt;
-  const at::Tensor y = ckpt.checkpoint([](const TensorList& in) { return TensorList{in[0].exp()}; },
-                                       {x})[0];
+  const at::Tensor y =
+      ckpt.checkpoint([](const TensorList& in) { return TensorList{in[0].exp()}; }, {x})[0];
   (y * 3).sum().backward();
   EXPECT_TRUE(at::allclose(x.grad(), 3 * x.detach().exp()));
   expect_error_containing([&] { ckpt.checkpoint([](const TensorList& in) { return in; }, {x}); },
@@ -214,8 +222,8 @@ TEST(CheckpointWithoutOutput, RecomputesInItsOwnBackwardWhenNeverDiscarded) {
 TEST(CheckpointWithoutOutput, RefusesAutogradGrad) {
   const at::Tensor x = at::randn({8}).requires_grad_(true);
   CheckpointWithoutOutput ckpt;
-  const at::Tensor y = ckpt.checkpoint([](const TensorList& in) { return TensorList{in[0].exp()}; },
-                                       {x})[0];
+  const at::Tensor y =
+      ckpt.checkpoint([](const TensorList& in) { return TensorList{in[0].exp()}; }, {x})[0];
   const at::Tensor z = y * 2;
   ckpt.discard_output_and_register_recompute(z);
   expect_error_containing([&] { torch::autograd::grad({z.sum()}, {x}); },
@@ -226,9 +234,9 @@ TEST(CheckpointWithoutOutput, FiniteDifferenceGradCheckInDouble) {
   gradcheck(
       [](const std::vector<at::Tensor>& in) {
         CheckpointWithoutOutput ckpt;  // the state lives on in the graph
-        const at::Tensor y = ckpt.checkpoint([](const TensorList& t) {
-                                   return TensorList{at::sin(t[0]) * t[1]};
-                                 }, {in[0], in[1]})[0];
+        const at::Tensor y =
+            ckpt.checkpoint([](const TensorList& t) { return TensorList{at::sin(t[0]) * t[1]}; },
+                            {in[0], in[1]})[0];
         const at::Tensor z = y * in[0];
         ckpt.discard_output_and_register_recompute(z);
         return z;
@@ -244,7 +252,9 @@ struct Strategy {
   const char* name;
   void (*apply)(TransformerConfig&);
 };
-inline void PrintTo(const Strategy& s, std::ostream* os) { *os << s.name; }
+inline void PrintTo(const Strategy& s, std::ostream* os) {
+  *os << s.name;
+}
 
 void full(TransformerConfig& c, const char* method, int64_t n) {
   c.recompute_granularity = "full";
@@ -292,8 +302,7 @@ const Strategy kStrategies[] = {
      }},
 };
 
-class RecomputeExactness
-    : public ::testing::TestWithParam<std::tuple<Strategy, const char*>> {};
+class RecomputeExactness : public ::testing::TestWithParam<std::tuple<Strategy, const char*>> {};
 
 TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   const Strategy& strategy = std::get<0>(GetParam());
@@ -320,7 +329,8 @@ TEST_P(RecomputeExactness, BitwiseEqualToPlainOverThreeSteps) {
   recompute_counters().reset();
   actmem::testing::expect_bitwise_equal_to_plain(base, t, other, 3);
   // The strategy really recomputed something (otherwise this test could not fail).
-  EXPECT_GT(recompute_counters().recomputes.load() + recompute_counters().output_recomputes.load(), 0);
+  EXPECT_GT(recompute_counters().recomputes.load() + recompute_counters().output_recomputes.load(),
+            0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Strategies, RecomputeExactness,
@@ -346,8 +356,8 @@ Counts count_one_step(void (*apply)(TransformerConfig&)) {
   trainer.train_step(false);
   auto& f = forward_counters();
   auto& r = recompute_counters();
-  return {f.layer.load(), f.core_attention.load(), f.mlp.load(), f.norm.load(),
-          r.checkpoints.load(), r.output_recomputes.load()};
+  return {f.layer.load(), f.core_attention.load(), f.mlp.load(),
+          f.norm.load(),  r.checkpoints.load(),    r.output_recomputes.load()};
 }
 
 TEST(RecomputeCounts, ForwardReExecutionsPerStrategy) {
@@ -435,7 +445,9 @@ int64_t activation_bytes(void (*apply)(TransformerConfig&), const TransformerCon
   return st.activation_bytes;
 }
 
-TransformerConfig memory_model() { return actmem::testing::shaped_model(4, 64, 4, 0, 64, 2); }
+TransformerConfig memory_model() {
+  return actmem::testing::shaped_model(4, 64, 4, 0, 64, 2);
+}
 
 // A checkpoint's random-state snapshot: the CPU generator and the three tracker streams' states.
 const int64_t kSnapshotSlack = checkpoint_snapshot_bytes();
@@ -445,7 +457,8 @@ TEST(RecomputeMemory, SelectiveCoreAttnSavesNoSquareTensor) {
   const int64_t L = m.num_layers, a = m.num_attention_heads, s = m.seq_length,
                 b = m.micro_batch_size;
   const int64_t plain = activation_bytes(nullptr, m);
-  const int64_t core = activation_bytes([](TransformerConfig& c) { selective(c, {"core_attn"}); }, m);
+  const int64_t core =
+      activation_bytes([](TransformerConfig& c) { selective(c, {"core_attn"}); }, m);
   // fp32 softmax output + 1-byte dropout mask + fp32 dropped probabilities, per layer.
   const int64_t square = L * 9 * a * s * s * b;
   EXPECT_LE(plain - core, square);
@@ -466,7 +479,8 @@ TEST(RecomputeMemory, FullRecomputeKeepsOneInputPerChunk) {
   const int64_t L = m.num_layers, sbh = m.seq_length * m.micro_batch_size * m.hidden_size;
   int64_t peak1 = 0;
   const int64_t plain = activation_bytes(nullptr, m);
-  const int64_t one_chunk = activation_bytes([](TransformerConfig& c) { full(c, "uniform", 4); }, m);
+  const int64_t one_chunk =
+      activation_bytes([](TransformerConfig& c) { full(c, "uniform", 4); }, m);
   const int64_t per_layer =
       activation_bytes([](TransformerConfig& c) { full(c, "uniform", 1); }, m, &peak1);
   // L chunks keep L inputs, one chunk keeps one: (L - 1) more [s, b, h] fp32 inputs.

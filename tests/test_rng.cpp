@@ -16,7 +16,9 @@ at::Tensor fresh_seeded_state(uint64_t seed) {
   return g.get_state();
 }
 
-at::Tensor default_state() { return at::detail::getDefaultCPUGenerator().get_state(); }
+at::Tensor default_state() {
+  return at::detail::getDefaultCPUGenerator().get_state();
+}
 
 class RngTest : public ::testing::Test {
  protected:
@@ -121,8 +123,8 @@ TEST_F(RngTest, ModelParallelManualSeedFormulas) {
   ASSERT_EQ(states.size(), 3u);
   EXPECT_TRUE(bitwise_equal(states.at(kDataParallelRng), fresh_seeded_state(100)));
   EXPECT_TRUE(bitwise_equal(states.at(kModelParallelRng), fresh_seeded_state(100 + 2718 + 3)));
-  EXPECT_TRUE(bitwise_equal(states.at(kExpertParallelRng),
-                            fresh_seeded_state(100 + 1024 + 100 * 2 + 1)));
+  EXPECT_TRUE(
+      bitwise_equal(states.at(kExpertParallelRng), fresh_seeded_state(100 + 1024 + 100 * 2 + 1)));
   EXPECT_TRUE(bitwise_equal(default_state(), fresh_seeded_state(100)));  // default = dp stream
   // Calling it again resets rather than failing on duplicate seeds.
   model_parallel_manual_seed(100);

@@ -2,19 +2,19 @@
 // write is checked and whole, corpora load in bounded memory, divergence stops the run, silent
 // no-ops are refused or warned about, outputs are opened before the work, repeated flags take
 // their last value, and the JSON log starts with the run's configuration.
-#include "actmem/config/activation_plan.h"
 #include "actmem/base/compat.h"
+#include "actmem/base/output_file.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/data/data.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
-#include "actmem/base/output_file.h"
 #include "actmem/train/step_rounds.h"
 #include "actmem/train/trainer.h"
 #include "fixtures.h"
 #include "test_util.h"
 
-#include <nlohmann/json.hpp>
 #include <torch/version.h>
+#include <nlohmann/json.hpp>
 
 #include <fcntl.h>
 #include <sys/resource.h>
@@ -42,7 +42,9 @@ const std::string kTiny =
     " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
     "--micro-batch-size 2 --threads 1 ";
 
-std::string temp_path(const std::string& name) { return ::testing::TempDir() + name; }
+std::string temp_path(const std::string& name) {
+  return ::testing::TempDir() + name;
+}
 
 std::string write_file(const std::string& name, const std::string& content) {
   const std::string path = temp_path(name);
@@ -71,17 +73,17 @@ TEST(OutputsAndInputs, AnOutputNamingTheCorpusIsRefusedAndTheCorpusSurvives) {
   const std::string dir = data.substr(0, data.rfind('/') + 1);
   for (const std::string& out : {data, link, dir + "./corpus_guard.txt"}) {
     for (const char* flag : {"--log-json", "--trace"}) {
-      const auto r = run_actmem("train" + kTiny + "--train-iters 2 --data " + data + " " + flag +
-                                " " + out);
+      const auto r =
+          run_actmem("train" + kTiny + "--train-iters 2 --data " + data + " " + flag + " " + out);
       EXPECT_NE(r.exit_code, 0) << flag << " " << out;
-      EXPECT_TRUE(contains(r.stderr_text, std::string(flag) + " '" + out +
-                                              "' names the same file as --data"))
+      EXPECT_TRUE(contains(r.stderr_text,
+                           std::string(flag) + " '" + out + "' names the same file as --data"))
           << r.stderr_text;
       EXPECT_EQ(read_file(data), text) << "the corpus was changed through " << flag << " " << out;
     }
   }
-  const auto c = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --data " + data +
-                            " --svg " + link);
+  const auto c = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --data " +
+                            data + " --svg " + link);
   EXPECT_NE(c.exit_code, 0);
   EXPECT_TRUE(contains(c.stderr_text, "names the same file as --data")) << c.stderr_text;
   EXPECT_EQ(read_file(data), text);
@@ -94,7 +96,8 @@ TEST(OutputsAndInputs, TwoOutputsNamingOneFileAreRefused) {
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text, "--trace '" + out + "' names the same file as --log-json"))
       << r.stderr_text;
-  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + out + " --json " + out);
+  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + out +
+                 " --json " + out);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text, "--json '" + out + "' names the same file as --svg"))
       << r.stderr_text;
@@ -107,10 +110,15 @@ TEST(OutputsAndInputs, CheckComparesIdentityNotSpelling) {
   const std::string hard = temp_path("identity_hard.txt");
   std::remove(hard.c_str());
   ASSERT_EQ(::link(a.c_str(), hard.c_str()), 0);
-  expect_error_containing([&] { check_distinct_files({{"--data", a}}, {{"--log-json", hard}}); },
-                          "names the same file as --data");
   expect_error_containing(
-      [&] { check_distinct_files({}, {{"--log-json", "-"}, {"--trace", "-"}}); },
+      [&] {
+        check_distinct_files({{"--data", a}}, {{"--log-json", hard}});
+      },
+      "names the same file as --data");
+  expect_error_containing(
+      [&] {
+        check_distinct_files({}, {{"--log-json", "-"}, {"--trace", "-"}});
+      },
       "both write to standard output");
 }
 
@@ -264,8 +272,9 @@ TEST(Corpus, EndlessOrSizelessFilesAreBounded) {
   const auto start = std::chrono::steady_clock::now();
   const auto r = run_actmem("train" + kTiny + "--data /dev/zero");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.stderr_text, "'/dev/zero' is not a regular file and goes on beyond 256 "
-                                      "MiB"))
+  EXPECT_TRUE(contains(r.stderr_text,
+                       "'/dev/zero' is not a regular file and goes on beyond 256 "
+                       "MiB"))
       << r.stderr_text;
   EXPECT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(), 60);
   // A pipe with an end is read whole.
@@ -356,13 +365,16 @@ TEST(Divergence, ANonFiniteLossOrGradientNormStopsBeforeTheOptimizerStep) {
 TEST(SilentNoOps, AnOffloadThatMovesNothingWarnsOnceNamingTheLargestTensor) {
   for (const char* offload : {"--fine-grained-activation-offloading --offload-modules core_attn",
                               "--cpu-offloading-num-layers 1"}) {
-    const std::string run = "train --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
-                            "--seq-length 16 --micro-batch-size 2 --threads 1 --train-iters 3 "
-                            "--eval-interval 0 " + std::string(offload);
+    const std::string run =
+        "train --num-layers 2 --hidden-size 32 --num-attention-heads 2 "
+        "--seq-length 16 --micro-batch-size 2 --threads 1 --train-iters 3 "
+        "--eval-interval 0 " +
+        std::string(offload);
     const auto r = run_actmem(run);
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    const std::string w = "warning: offload moved 0 bytes in its warmup step: every saved tensor "
-                          "is below --min-offloaded-tensor-size 1048576 elements; the largest";
+    const std::string w =
+        "warning: offload moved 0 bytes in its warmup step: every saved tensor "
+        "is below --min-offloaded-tensor-size 1048576 elements; the largest";
     EXPECT_TRUE(contains(r.stderr_text, w)) << offload << "\n" << r.stderr_text;
     EXPECT_EQ(r.stderr_text.find(w), r.stderr_text.rfind(w)) << "warned more than once";
     const auto moved = run_actmem(run + " --min-offloaded-tensor-size 64");
@@ -382,8 +394,8 @@ TEST(SilentNoOps, CommandsRefuseFlagsTheyWouldIgnore) {
                 contains(r.stderr_text, "was not expected"))
         << flag << ": " << r.stderr_text;
   }
-  for (const std::string& flag : {"--log-json x.jsonl", "--trace x.json", "--lr 0.1",
-                                  "--train-iters 5", "--eval-iters 2"}) {
+  for (const std::string& flag :
+       {"--log-json x.jsonl", "--trace x.json", "--lr 0.1", "--train-iters 5", "--eval-iters 2"}) {
     const auto r = run_actmem("inspect" + kTiny + flag);
     EXPECT_NE(r.exit_code, 0) << "inspect accepted " << flag;
   }
@@ -400,7 +412,8 @@ TEST(SilentNoOps, OffloadSettingsWithoutOffloadAreRefused) {
                                             " applies to activation offloading, which is off"))
         << flag << ": " << r.stderr_text;
     // With an offload on, the same setting is taken.
-    const auto ok = run_actmem("train" + kTiny + flag + " --num-layers 2 "
+    const auto ok = run_actmem("train" + kTiny + flag +
+                               " --num-layers 2 "
                                "--cpu-offloading-num-layers 1 --train-iters 1 --eval-interval 0");
     EXPECT_EQ(ok.exit_code, 0) << flag << ": " << ok.stderr_text;
   }
@@ -429,7 +442,9 @@ struct BadValue {
   std::string args;
   const char* message;
 };
-void PrintTo(const BadValue& c, std::ostream* os) { *os << c.name; }
+void PrintTo(const BadValue& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class BadValues : public ::testing::TestWithParam<BadValue> {};
 
@@ -487,7 +502,8 @@ TEST(LateChecks, AnUnwritableOutputFailsBeforeTheFirstStep) {
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(contains(r.stderr_text, "cannot write --trace '" + bad + ".json'")) << r.output;
   EXPECT_FALSE(contains(r.output, "iter ")) << "a step ran before the check:\n" << r.output;
-  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + bad + ".svg");
+  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + bad +
+                 ".svg");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(contains(r.stderr_text, "cannot write --svg '" + bad + ".svg'")) << r.output;
   EXPECT_FALSE(contains(r.stderr_text, "compare: round")) << r.output;
@@ -498,8 +514,9 @@ TEST(LateChecks, LaunchReportsTheWorkerThatFailedFirstWithItsMessage) {
   const auto r = run_actmem("launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2" +
                             kTiny + "--train-iters 2 --trace /nonexistent/dir/t.json");
   EXPECT_NE(r.exit_code, 0);
-  EXPECT_TRUE(contains(r.stderr_text, "actmem launch: worker 0 failed (exit code 1): actmem: "
-                                      "cannot write --trace '/nonexistent/dir/t.json'"))
+  EXPECT_TRUE(contains(r.stderr_text,
+                       "actmem launch: worker 0 failed (exit code 1): actmem: "
+                       "cannot write --trace '/nonexistent/dir/t.json'"))
       << r.stderr_text;
   EXPECT_FALSE(contains(r.stderr_text, "worker 1 failed")) << r.stderr_text;
 }
@@ -561,11 +578,13 @@ TEST(AttentionBackend, TheHeaderSaysWhichKernelRanAndWhyAndFlashWarnsAboutCoreAt
 
 TEST(MegatronHabits, ARepeatedFlagTakesItsLastValue) {
   const std::string log = temp_path("repeated.jsonl");
-  const auto r = run_actmem("train --num-layers 3 --hidden-size 32 --num-attention-heads 2 "
-                            "--seq-length 16 --micro-batch-size 2 --threads 1 --train-iters 1 "
-                            "--eval-interval 0 --num-layers 1 --recompute-granularity selective "
-                            "--recompute-modules core_attn --recompute-modules mlp layernorm "
-                            "--seed 5 --seed=7 --log-json " + log);
+  const auto r = run_actmem(
+      "train --num-layers 3 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --threads 1 --train-iters 1 "
+      "--eval-interval 0 --num-layers 1 --recompute-granularity selective "
+      "--recompute-modules core_attn --recompute-modules mlp layernorm "
+      "--seed 5 --seed=7 --log-json " +
+      log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto parsed = read_json_log(log);
   EXPECT_EQ(parsed.config["model"]["num_layers"], 1);
@@ -593,9 +612,11 @@ TEST(MegatronHabits, LogJsonDashWritesTheLogToStandardOutput) {
 
 TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
   const std::string log = temp_path("config_record.jsonl");
-  const auto r = run_actmem("train" + kTiny + "--train-iters 1 --eval-interval 0 --swiglu "
+  const auto r = run_actmem("train" + kTiny +
+                            "--train-iters 1 --eval-interval 0 --swiglu "
                             "--fine-grained-activation-offloading --offload-modules core_attn "
-                            "--min-offloaded-tensor-size 64 --lr 0.002 --log-json " + log);
+                            "--min-offloaded-tensor-size 64 --lr 0.002 --log-json " +
+                            log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   const auto parsed = read_json_log(log);
   const auto& c = parsed.config;
@@ -666,16 +687,18 @@ TEST(CompareTiming, EveryRoundHasANewOrderAndNoTrainerAlwaysFollowsTheSameOne) {
     }
     EXPECT_GT(firsts.size(), 1u) << n;  // no trainer always first
     for (size_t i = 0; n > 2 && i < n; ++i) {
-      EXPECT_GT(predecessors[i].size(), 1u) << "trainer " << i << " of " << n
-                                            << " always ran after the same one";
+      EXPECT_GT(predecessors[i].size(), 1u)
+          << "trainer " << i << " of " << n << " always ran after the same one";
     }
   }
 }
 
 TEST(CompareTiming, WarmUpIsExcludedAndTooFewStepsAreWarnedAbout) {
   const std::string json = temp_path("compare_timing.json");
-  auto r = run_actmem("compare" + kTiny + "--strategies plain selective --warmup 2 --iters 5 "
-                      "--svg '' --json " + json);
+  auto r = run_actmem("compare" + kTiny +
+                      "--strategies plain selective --warmup 2 --iters 5 "
+                      "--svg '' --json " +
+                      json);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto j = nlohmann::json::parse(read_file(json));
   EXPECT_EQ(j["warmup_steps"], 2);

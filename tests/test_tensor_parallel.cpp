@@ -4,8 +4,8 @@
 // against the TP = 2 plain run with dropout, dropout masks across ranks, and per-rank memory
 // against the predictor.
 #include "actmem/parallel/distributed.h"
-#include "actmem/recompute/rng.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
 #include "test_util.h"
@@ -42,8 +42,8 @@ TEST_P(TwoRanksMatchOneRank, WithoutDropoutWithAndWithoutSequenceParallel) {
       run_workers(1, {"strategies", "--no-dropout", "--only", "plain", "--variant", variant});
   ASSERT_EQ(one.size(), 1u);
   for (const bool sp : {false, true}) {
-    std::vector<std::string> args = {"strategies", "--no-dropout", "--only", "plain",
-                                     "--variant", variant};
+    std::vector<std::string> args = {"strategies", "--no-dropout", "--only",
+                                     "plain",      "--variant",    variant};
     if (sp) args.push_back("--sp");
     const auto two = run_workers(2, args);
     ASSERT_EQ(two.size(), 2u);
@@ -287,10 +287,10 @@ TEST(TensorParallel, SingleProcessRefusesTensorParallelSize) {
 TEST(TensorParallel, SingleRankMappingsAreIdentity) {
   ASSERT_EQ(tensor_parallel_group().size, 1);
   const at::Tensor x = at::randn({4, 2, 3});
-  for (const auto& y : {copy_to_tensor_parallel_region(x), reduce_from_tensor_parallel_region(x),
-                        scatter_to_sequence_parallel_region(x),
-                        gather_from_sequence_parallel_region(x),
-                        reduce_scatter_to_sequence_parallel_region(x)}) {
+  for (const auto& y :
+       {copy_to_tensor_parallel_region(x), reduce_from_tensor_parallel_region(x),
+        scatter_to_sequence_parallel_region(x), gather_from_sequence_parallel_region(x),
+        reduce_scatter_to_sequence_parallel_region(x)}) {
     EXPECT_TRUE(y.is_same(x));  // the very tensor: a single process builds its old graph
   }
   EXPECT_TRUE(actmem::testing::bitwise_equal(
@@ -302,7 +302,8 @@ TEST(TensorParallel, TrainUnderLaunchLogsEveryRanksMemory) {
   const auto r = actmem::testing::run_actmem(
       "launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2 --sequence-parallel "
       "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
-      "--micro-batch-size 2 --train-iters 2 --eval-interval 2 --threads 1 --log-json " + log);
+      "--micro-batch-size 2 --train-iters 2 --eval-interval 2 --threads 1 --log-json " +
+      log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tensor parallel 2 ranks with sequence parallelism"), std::string::npos)
       << r.output;
@@ -328,7 +329,8 @@ TEST(TensorParallel, TrainUnderLaunchLogsEveryRanksMemory) {
   EXPECT_EQ(lines, 2);
 }
 
-// ---- expert parallelism's token exchange ---------------------------------------------------------
+// ---- expert parallelism's token exchange
+// ---------------------------------------------------------
 
 }  // namespace
 }  // namespace actmem

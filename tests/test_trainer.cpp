@@ -31,7 +31,8 @@ TEST(Trainer, LossFallsOnTheBuiltinCorpus) {
   const double val_after = trainer.evaluate();
   EXPECT_NEAR(losses.front(), std::log(256.0), 0.3);  // starts near uniform over bytes
   const double tail = (losses[37] + losses[38] + losses[39]) / 3;
-  EXPECT_LT(tail, losses.front() - 1.5) << "loss did not fall: " << losses.front() << " -> " << tail;
+  EXPECT_LT(tail, losses.front() - 1.5)
+      << "loss did not fall: " << losses.front() << " -> " << tail;
   EXPECT_LT(val_after, val_before - 1.5);
 }
 
@@ -150,12 +151,12 @@ TEST(Trainer, TimelineMarksEveryLayerForwardAndBackward) {
   trainer.train_step(false);
   std::vector<std::string> labels;
   for (const auto& e : trainer.last_timeline().entries()) labels.push_back(e.label);
-  const std::vector<std::string> want = {"fwd start", "fwd embedding", "fwd layer 0", "fwd layer 1",
-                                         "fwd loss",  "bwd head",      "bwd layer 1", "bwd layer 0",
-                                         "bwd end"};
+  const std::vector<std::string> want = {"fwd start",   "fwd embedding", "fwd layer 0",
+                                         "fwd layer 1", "fwd loss",      "bwd head",
+                                         "bwd layer 1", "bwd layer 0",   "bwd end"};
   ASSERT_EQ(labels, want);
   const auto& e = trainer.last_timeline().entries();
-  EXPECT_GT(e[4].current_bytes, e[0].current_bytes);  // forward accumulates activations
+  EXPECT_GT(e[4].current_bytes, e[0].current_bytes);      // forward accumulates activations
   EXPECT_LT(e.back().current_bytes, e[4].current_bytes);  // backward releases them
 }
 
@@ -185,9 +186,8 @@ TEST(IterationStats, JsonHasEveryFieldAndDoublesRoundTrip) {
   const auto j = nlohmann::json::parse(line);
   for (const char* key : {"iteration", "loss", "grad_norm", "grad_digest", "lr", "step_time_s",
                           "tokens_per_s", "peak_device_bytes", "activation_bytes",
-                          "activation_peak_bytes", "predicted_activation_bytes",
-                          "offloaded_bytes", "host_peak_bytes", "offload_wait_s",
-                          "consumed_samples", "elapsed_s"}) {
+                          "activation_peak_bytes", "predicted_activation_bytes", "offloaded_bytes",
+                          "host_peak_bytes", "offload_wait_s", "consumed_samples", "elapsed_s"}) {
     EXPECT_TRUE(j.contains(key)) << key;
   }
   EXPECT_EQ(j["loss"].get<double>(), st.loss);
@@ -301,9 +301,11 @@ TEST(Cli, RecomputeFlagsMapOntoTheConfig) {
 
 TEST(Cli, TrainWritesOneJsonLinePerIteration) {
   const std::string log = ::testing::TempDir() + "train_log.jsonl";
-  const auto r = run_actmem("train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
-                            "--seq-length 16 --micro-batch-size 2 --global-batch-size 4 "
-                            "--train-iters 3 --eval-interval 2 --log-json " + log);
+  const auto r = run_actmem(
+      "train --num-layers 1 --hidden-size 32 --num-attention-heads 2 "
+      "--seq-length 16 --micro-batch-size 2 --global-batch-size 4 "
+      "--train-iters 3 --eval-interval 2 --log-json " +
+      log);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("iter 3/3"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("validation at iter 2"), std::string::npos) << r.output;
@@ -322,8 +324,9 @@ struct BadInput {
   std::string args;
   const char* message;
 };
-inline void PrintTo(const BadInput& c, std::ostream* os) { *os << c.name; }
-
+inline void PrintTo(const BadInput& c, std::ostream* os) {
+  *os << c.name;
+}
 
 class CliErrors : public ::testing::TestWithParam<BadInput> {};
 
@@ -353,23 +356,39 @@ INSTANTIATE_TEST_SUITE_P(
         BadInput{"NoSubcommand", "", "A subcommand is required"},
         BadInput{"UnknownFlag", "train --no-such-flag", "--no-such-flag"},
         BadInput{"NotANumber", "train --num-layers two", "--num-layers"},
-        BadInput{"NegativeSize", "train --hidden-size -4", "--hidden-size: expected a positive number, got '-4'"},
-        BadInput{"HeadsDoNotDivide", "train --num-attention-heads 5", "num_attention_heads (5) must divide hidden_size (128)"},
+        BadInput{"NegativeSize", "train --hidden-size -4",
+                 "--hidden-size: expected a positive number, got '-4'"},
+        BadInput{"HeadsDoNotDivide", "train --num-attention-heads 5",
+                 "num_attention_heads (5) must divide hidden_size (128)"},
         BadInput{"DropoutOne", "train --hidden-dropout 1", "hidden_dropout must be in [0, 1)"},
-        BadInput{"BadGlobalBatch", "train --global-batch-size 12", "must be a multiple of micro_batch_size"},
-        BadInput{"MissingData", "train --data /nonexistent/corpus.txt", "cannot open '/nonexistent/corpus.txt'"},
+        BadInput{"BadGlobalBatch", "train --global-batch-size 12",
+                 "must be a multiple of micro_batch_size"},
+        BadInput{"MissingData", "train --data /nonexistent/corpus.txt",
+                 "cannot open '/nonexistent/corpus.txt'"},
         BadInput{"EmptyData", "train --data " + empty_file(), "is empty"},
-        BadInput{"SequenceLongerThanCorpus", "train --data " + short_file(), "needs at least seq_length + 1"},
-        BadInput{"TooBigForMemory", "train --num-layers 96 --hidden-size 65536 --num-attention-heads 64", "of device memory"},
+        BadInput{"SequenceLongerThanCorpus", "train --data " + short_file(),
+                 "needs at least seq_length + 1"},
+        BadInput{"TooBigForMemory",
+                 "train --num-layers 96 --hidden-size 65536 --num-attention-heads 64",
+                 "of device memory"},
         BadInput{"TooBigForLimit", "train --device-memory-limit 0.001", "but the limit is"},
         BadInput{"BadDevice", "train --device tpu", "device must be cpu, cuda or cuda:N"},
-        BadInput{"RemovedCheckpointActivations", "train --checkpoint-activations", "--checkpoint-activations is no longer valid, use --recompute-activations"},
+        BadInput{"RemovedCheckpointActivations", "train --checkpoint-activations",
+                 "--checkpoint-activations is no longer valid, use --recompute-activations"},
         BadInput{"BadGranularity", "train --recompute-granularity some", "--recompute-granularity"},
-        BadInput{"FullWithoutMethod", "train --recompute-granularity full --recompute-num-layers 1", "recompute_method must be \"block\" or \"uniform\""},
-        BadInput{"SelectiveWithNumLayers", "train --recompute-activations --recompute-num-layers 1", "recompute_num_layers must be None"},
-        BadInput{"UnknownModule", "train --recompute-granularity selective --recompute-modules core_attn qkv", "Invalid choices for recompute_modules: {'qkv'}"},
-        BadInput{"ModulesWithoutSelective", "train --recompute-modules mlp", "recompute_modules only applies to recompute_granularity selective"},
-        BadInput{"DistributeWithoutTP", "train --recompute-granularity full --recompute-method uniform --recompute-num-layers 1 --distribute-saved-activations", "distribute_saved_activations requires tensor_model_parallel_size > 1"}),
+        BadInput{"FullWithoutMethod", "train --recompute-granularity full --recompute-num-layers 1",
+                 "recompute_method must be \"block\" or \"uniform\""},
+        BadInput{"SelectiveWithNumLayers", "train --recompute-activations --recompute-num-layers 1",
+                 "recompute_num_layers must be None"},
+        BadInput{"UnknownModule",
+                 "train --recompute-granularity selective --recompute-modules core_attn qkv",
+                 "Invalid choices for recompute_modules: {'qkv'}"},
+        BadInput{"ModulesWithoutSelective", "train --recompute-modules mlp",
+                 "recompute_modules only applies to recompute_granularity selective"},
+        BadInput{"DistributeWithoutTP",
+                 "train --recompute-granularity full --recompute-method uniform "
+                 "--recompute-num-layers 1 --distribute-saved-activations",
+                 "distribute_saved_activations requires tensor_model_parallel_size > 1"}),
     [](const auto& info) { return std::string(info.param.name); });
 
 }  // namespace

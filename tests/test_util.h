@@ -5,15 +5,15 @@
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <torch/autograd.h>
+#include <nlohmann/json.hpp>
 
+#include <unistd.h>
 #include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
-#include <unistd.h>
 #include <fstream>
 #include <functional>
 #include <string>
@@ -34,7 +34,9 @@ inline void expect_error_containing(const std::function<void()>& fn, const std::
 
 /// True when a and b have the same dtype, shape and bytes.
 /// |a - b| / |b|: how far a is from the reference b, relatively.
-inline double rel(double a, double b) { return std::abs(a - b) / std::max(std::abs(b), 1e-30); }
+inline double rel(double a, double b) {
+  return std::abs(a - b) / std::max(std::abs(b), 1e-30);
+}
 
 inline bool bitwise_equal(const at::Tensor& a, const at::Tensor& b) {
   if (a.scalar_type() != b.scalar_type() || a.sizes() != b.sizes()) return false;

@@ -48,9 +48,9 @@
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Parallel.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
-#include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <csignal>
 #include <fstream>
@@ -271,7 +271,9 @@ nlohmann::json run_masks(int t, bool sp) {
     const at::Tensor all = actmem::all_gather_dim0(mask.to(at::kByte).unsqueeze(0));
     bool same = true;
     for (int64_t r = 1; r < all.size(0); ++r) same = same && at::equal(all[0], all[r]);
-    out.push_back({{"module", module}, {"shape", mask.sizes().vec()}, {"same_on_all_ranks", same},
+    out.push_back({{"module", module},
+                   {"shape", mask.sizes().vec()},
+                   {"same_on_all_ranks", same},
                    {"dropped_fraction", 1.0 - mask.to(at::kDouble).mean().item<double>()}});
   }
   return out;
@@ -288,8 +290,8 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
   const int ep = group.size, rank = group.rank;
   const int64_t E = 2 * ep, local = 2, h = 6;
   struct Data {
-    at::Tensor x, c;                             // tokens [T, h], the loss's weights [T, h]
-    std::vector<std::vector<int64_t>> experts;   // per token, its two experts
+    at::Tensor x, c;                            // tokens [T, h], the loss's weights [T, h]
+    std::vector<std::vector<int64_t>> experts;  // per token, its two experts
     std::vector<std::vector<double>> probs;
   };
   auto make = [&](int r) {
@@ -302,7 +304,8 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
     for (int64_t t = 0; t < T; ++t) {
       const at::Tensor pick = at::randperm(E, gen, at::TensorOptions().dtype(at::kLong));
       d.experts.push_back({pick[0].item<int64_t>(), pick[1].item<int64_t>()});
-      d.probs.push_back({at::rand({1}, gen, f64).item<double>(), at::rand({1}, gen, f64).item<double>()});
+      d.probs.push_back(
+          {at::rand({1}, gen, f64).item<double>(), at::rand({1}, gen, f64).item<double>()});
     }
     return d;
   };
@@ -344,16 +347,19 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
         }
       }
     }
-    TORCH_CHECK(d.tokens_per_local_expert[static_cast<size_t>(j)] ==
-                    static_cast<int64_t>(expect_rows.size()) -
-                        (j == 0 ? 0 : d.tokens_per_local_expert[0]),
-                "dispatch: expert ", g, " got ", d.tokens_per_local_expert[static_cast<size_t>(j)], " rows");
+    TORCH_CHECK(
+        d.tokens_per_local_expert[static_cast<size_t>(j)] ==
+            static_cast<int64_t>(expect_rows.size()) - (j == 0 ? 0 : d.tokens_per_local_expert[0]),
+        "dispatch: expert ", g, " got ", d.tokens_per_local_expert[static_cast<size_t>(j)],
+        " rows");
   }
   TORCH_CHECK(at::equal(d.tokens, at::stack(expect_rows)), "dispatch: rank ", rank,
               "'s experts received other rows than those routed to them");
-  TORCH_CHECK(at::equal(d.probs, at::tensor(expect_probs, at::kDouble)), "dispatch: probabilities differ");
+  TORCH_CHECK(at::equal(d.probs, at::tensor(expect_probs, at::kDouble)),
+              "dispatch: probabilities differ");
   // The experts, combine, unpermute; then backward.
-  const at::Tensor w = at::arange(rank * local + 1, rank * local + local + 1, at::kDouble).requires_grad_(true);
+  const at::Tensor w =
+      at::arange(rank * local + 1, rank * local + local + 1, at::kDouble).requires_grad_(true);
   const at::Tensor scale = w.repeat_interleave(at::tensor(d.tokens_per_local_expert, at::kLong));
   const at::Tensor y = d.tokens * (scale * d.probs).unsqueeze(1);
   const at::Tensor back = dispatcher.combine(y);
@@ -361,10 +367,14 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
   (out * me.c).sum().backward();
   for (size_t t = 0; t < me.experts.size(); ++t) {
     double f = 0;
-    for (int k = 0; k < 2; ++k) f += static_cast<double>(me.experts[t][static_cast<size_t>(k)] + 1) * me.probs[t][static_cast<size_t>(k)];
+    for (int k = 0; k < 2; ++k)
+      f += static_cast<double>(me.experts[t][static_cast<size_t>(k)] + 1) *
+           me.probs[t][static_cast<size_t>(k)];
     const int64_t ti = static_cast<int64_t>(t);
-    TORCH_CHECK(at::allclose(out[ti], me.x[ti] * f, 1e-12, 1e-12), "combine: token ", t, " of rank ", rank);
-    TORCH_CHECK(at::allclose(x.grad()[ti], me.c[ti] * f, 1e-12, 1e-12), "backward: token ", t, " of rank ", rank);
+    TORCH_CHECK(at::allclose(out[ti], me.x[ti] * f, 1e-12, 1e-12), "combine: token ", t,
+                " of rank ", rank);
+    TORCH_CHECK(at::allclose(x.grad()[ti], me.c[ti] * f, 1e-12, 1e-12), "backward: token ", t,
+                " of rank ", rank);
   }
   for (int64_t j = 0; j < local; ++j) {  // each expert learns from every rank's tokens
     const int64_t g = rank * local + j;
@@ -373,13 +383,15 @@ nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
       for (size_t t = 0; t < s.experts.size(); ++t) {
         for (int k = 0; k < 2; ++k) {
           if (s.experts[t][static_cast<size_t>(k)] != g) continue;
-          expect += s.probs[t][static_cast<size_t>(k)] *
-                    at::dot(s.x[static_cast<int64_t>(t)], s.c[static_cast<int64_t>(t)]).item<double>();
+          expect +=
+              s.probs[t][static_cast<size_t>(k)] *
+              at::dot(s.x[static_cast<int64_t>(t)], s.c[static_cast<int64_t>(t)]).item<double>();
         }
       }
     }
     TORCH_CHECK(std::abs(w.grad()[j].item<double>() - expect) < 1e-10 * (1 + std::abs(expect)),
-                "backward: expert ", g, "'s gradient ", w.grad()[j].item<double>(), ", expected ", expect);
+                "backward: expert ", g, "'s gradient ", w.grad()[j].item<double>(), ", expected ",
+                expect);
   }
   return {{"rows_received", d.tokens.size(0)}, {"rows_sent", permuted.size(0)}};
 }
@@ -413,10 +425,11 @@ nlohmann::json three_steps(const TransformerConfig& c, int64_t global_batch,
 }
 
 // Pipeline parallelism: three steps per recompute and fine-grained offload strategy (layer-level
-// offload is refused under pipeline parallelism, as in Megatron) without gradient clipping, so the parameters after them depend on the gradients alone
-// (the reported norm is computed per stage and summed). Each rank reports its steps, its stage,
-// and every parameter's digest under its single-process name (decoder.layers.<global index>...;
-// the last stage's copy of a tied embedding as output_layer.weight).
+// offload is refused under pipeline parallelism, as in Megatron) without gradient clipping, so the
+// parameters after them depend on the gradients alone (the reported norm is computed per stage and
+// summed). Each rank reports its steps, its stage, and every parameter's digest under its
+// single-process name (decoder.layers.<global index>...; the last stage's copy of a tied embedding
+// as output_layer.weight).
 TransformerConfig moe_config(int tp, int ep, bool dropout, const std::string& dispatcher,
                              const std::string& variant);
 std::vector<std::pair<std::string, Mutator>> moe_strategies();
@@ -458,7 +471,8 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
   });
   for (const auto& [name, mutate] : all) {
     if (!only.empty() && name != only) continue;
-    if (name.rfind("offload_layers", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0)) continue;
+    if (name.rfind("offload_layers", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0))
+      continue;
     TransformerConfig c =
         moe ? moe_config(t, ep, dropout, "alltoall", variant == "moe" ? "base" : "capacity")
             : base_config(t, false, dropout, variant);
@@ -484,22 +498,24 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
     tc.global_batch_size = global_batch;
     tc.eval_interval = 0;
     tc.clip_grad = 0.0;
-    if (name == "full_block_1_partial_1") tc.num_microbatches_with_partial_activation_checkpoints = 1;
+    if (name == "full_block_1_partial_1")
+      tc.num_microbatches_with_partial_activation_checkpoints = 1;
     actmem::Trainer trainer(c, tc);
     nlohmann::json r;
     for (int i = 0; i < 3; ++i) {
       const actmem::IterationStats st = trainer.train_step(true);
-      r["steps"].push_back({{"loss", st.loss}, {"grad_norm", st.grad_norm},
-                            {"grad_digest", st.grad_digest},
-                            {"activation_bytes", st.activation_bytes},
-                            {"predicted_activation_bytes", st.predicted_activation_bytes},
-                            {"inflight_activation_bytes", st.inflight_activation_bytes},
-                            {"predicted_inflight_activation_bytes",
-                             st.predicted_inflight_activation_bytes},
-                            {"peak_device_bytes", st.peak_device_bytes},
-                            {"offloaded_bytes", st.offloaded_bytes},
-                            {"offload_wait_s", st.offload_wait_s},
-                            {"host_peak_bytes", st.host_peak_bytes}});
+      r["steps"].push_back(
+          {{"loss", st.loss},
+           {"grad_norm", st.grad_norm},
+           {"grad_digest", st.grad_digest},
+           {"activation_bytes", st.activation_bytes},
+           {"predicted_activation_bytes", st.predicted_activation_bytes},
+           {"inflight_activation_bytes", st.inflight_activation_bytes},
+           {"predicted_inflight_activation_bytes", st.predicted_inflight_activation_bytes},
+           {"peak_device_bytes", st.peak_device_bytes},
+           {"offloaded_bytes", st.offloaded_bytes},
+           {"offload_wait_s", st.offload_wait_s},
+           {"host_peak_bytes", st.host_peak_bytes}});
       if (moe) {
         r["steps"].back().update({{"load_balancing_loss", st.load_balancing_loss.value_or(-1.0)},
                                   {"z_loss", st.z_loss.value_or(-1.0)},
@@ -508,7 +524,8 @@ nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_
                                   {"imbalance", st.expert_load_imbalance}});
       }
     }
-    // The trainer's up-front bound for this stage (Note [Memory pre-check] in activation_bytes.cpp).
+    // The trainer's up-front bound for this stage (Note [Memory pre-check] in
+    // activation_bytes.cpp).
     const auto& pp_group = actmem::pipeline_parallel_group();
     const int64_t n_micro =
         tc.num_microbatches(c.micro_batch_size, actmem::data_parallel_group().size);
@@ -620,8 +637,8 @@ nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropo
     nlohmann::json r;
     for (int i = 0; i < 3; ++i) {
       const actmem::IterationStats st = trainer.train_step(true);
-      nlohmann::json step = {{"loss", st.loss}, {"grad_norm", st.grad_norm},
-                             {"grad_digest", st.grad_digest}};
+      nlohmann::json step = {
+          {"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest}};
       if (const actmem::GradReducer* reducer = trainer.grad_reducer()) {
         step["buckets"] = reducer->buckets();
         step["started_in_backward"] = reducer->started_in_backward();
@@ -700,8 +717,8 @@ nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bo
     return std::make_unique<actmem::Trainer>(c, tc);
   };
   auto step_json = [](const actmem::IterationStats& st) {
-    return nlohmann::json{{"loss", st.loss}, {"grad_norm", st.grad_norm},
-                          {"grad_digest", st.grad_digest}};
+    return nlohmann::json{
+        {"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest}};
   };
   nlohmann::json out;
   for (const bool dist : {false, true}) {
@@ -714,10 +731,10 @@ nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bo
     r["peak"] = trainer->memory().peak_bytes();
     if (pp == 1) {
       // The trainer's memory pre-check, with the optimizer state split d ways.
-      const int64_t d = std::min(actmem::data_parallel_group().size,
-                                 actmem::expert_data_parallel_group().size);
-      r["peak_bound"] = actmem::predict_step_peak_bound(trainer->model().config(), 0, 0, 1,
-                                                        dist ? d : 1);
+      const int64_t d =
+          std::min(actmem::data_parallel_group().size, actmem::expert_data_parallel_group().size);
+      r["peak_bound"] =
+          actmem::predict_step_peak_bound(trainer->model().config(), 0, 0, 1, dist ? d : 1);
     }
     if (const actmem::OptimizerShards* shards = trainer->optimizer_shards()) {
       r["owned"] = shards->owned_elements();
@@ -830,7 +847,8 @@ nlohmann::json run_expert_masks() {
       experts.forward(x, counts, probs, nullptr);
     }
     std::swap(actmem::get_rng_tracker(), streams);
-    TORCH_CHECK(collector.masks.size() == 1, "expert masks: ", collector.masks.size(), " masks saved");
+    TORCH_CHECK(collector.masks.size() == 1, "expert masks: ", collector.masks.size(),
+                " masks saved");
     return collector.masks[0].second.to(at::kByte);
   };
   const at::Tensor mine = draw(ep.rank);
@@ -848,7 +866,8 @@ nlohmann::json run_expert_masks() {
 int main(int argc, char** argv) {
   actmem::set_reproducible_blas();  // Note [Reproducible products] in blas.h
   try {
-    TORCH_CHECK(argc >= 3, "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
+    TORCH_CHECK(argc >= 3,
+                "usage: actmem_tp_worker strategies|masks OUT_DIR [--sp] "
                 "[--no-dropout] [--only NAME]");
     const std::string scenario = argv[1], out_dir = argv[2];
     bool sp = false, dropout = true;
@@ -908,19 +927,21 @@ int main(int argc, char** argv) {
     } else if (scenario == "dispatch") {
       result["dispatch"] = run_dispatch(group);
     } else if (scenario == "pipeline") {
-      result["pipeline"] = run_pipeline(std::max(tp, 1), pp, ep, dropout, global_batch, only, variant,
-                                        first_layers, last_layers, layers, vp);
+      result["pipeline"] = run_pipeline(std::max(tp, 1), pp, ep, dropout, global_batch, only,
+                                        variant, first_layers, last_layers, layers, vp);
     } else if (scenario == "pipeline_fault") {
       result["pipeline_fault"] = run_pipeline_fault(die_stage);
     } else if (scenario == "overlap") {
-      result["overlap"] = run_overlap(std::max(tp, 1), pp, vp, layers, dropout, global_batch, bucket);
+      result["overlap"] =
+          run_overlap(std::max(tp, 1), pp, vp, layers, dropout, global_batch, bucket);
     } else if (scenario == "distopt") {
       result["distopt"] = run_distopt(std::max(tp, 1), pp, ep, vp, layers, dropout, global_batch,
                                       bucket, variant, out_dir);
     } else if (scenario == "data") {
       result["data"] = run_data(group.size, dropout, global_batch, batch_schedule);
     } else if (scenario == "experts") {
-      result["experts"] = run_experts(std::max(tp, 1), ep, dropout, global_batch, dispatcher, only, variant);
+      result["experts"] =
+          run_experts(std::max(tp, 1), ep, dropout, global_batch, dispatcher, only, variant);
     } else if (scenario == "expert_masks") {
       result["expert_masks"] = run_expert_masks();
     } else {

@@ -5,9 +5,9 @@
 #include <ATen/Parallel.h>
 #include <nlohmann/json.hpp>
 
+#include <dlfcn.h>
 #include <climits>
 #include <cstdlib>
-#include <dlfcn.h>
 #include <sstream>
 
 namespace actmem {

@@ -12,9 +12,13 @@
 namespace actmem::compat {
 
 #ifdef ACTMEM_WITH_CUDA
-bool cuda_available() { return c10::cuda::device_count() > 0; }
+bool cuda_available() {
+  return c10::cuda::device_count() > 0;
+}
 
-int cuda_device_count() { return c10::cuda::device_count(); }
+int cuda_device_count() {
+  return c10::cuda::device_count();
+}
 
 std::string cuda_compiled_version() {
   return std::to_string(CUDART_VERSION / 1000) + "." + std::to_string(CUDART_VERSION % 1000 / 10);
@@ -39,15 +43,22 @@ void cuda_synchronize(int device) {
   c10::cuda::device_synchronize();
 }
 #else
-bool cuda_available() { return false; }
+bool cuda_available() {
+  return false;
+}
 
-int cuda_device_count() { return 0; }
+int cuda_device_count() {
+  return 0;
+}
 
-std::string cuda_compiled_version() { return {}; }
+std::string cuda_compiled_version() {
+  return {};
+}
 
 CudaMemoryStats cuda_memory_stats(int) {
-  TORCH_CHECK(false, "actmem::compat::cuda_memory_stats: this build has no CUDA support "
-                     "(configure with a CUDA libtorch and -DACTMEM_CUDA=ON)");
+  TORCH_CHECK(false,
+              "actmem::compat::cuda_memory_stats: this build has no CUDA support "
+              "(configure with a CUDA libtorch and -DACTMEM_CUDA=ON)");
 }
 
 void cuda_reset_peak(int) {

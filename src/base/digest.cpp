@@ -10,8 +10,12 @@ namespace actmem {
 
 namespace {
 constexpr uint64_t kPrime = 0x9E3779B185EBCA87ull;
-inline uint64_t rotl(uint64_t x, int r) { return (x << r) | (x >> (64 - r)); }
-inline uint64_t mix(uint64_t lane, uint64_t word) { return rotl(lane ^ (word * kPrime), 31) * kPrime; }
+inline uint64_t rotl(uint64_t x, int r) {
+  return (x << r) | (x >> (64 - r));
+}
+inline uint64_t mix(uint64_t lane, uint64_t word) {
+  return rotl(lane ^ (word * kPrime), 31) * kPrime;
+}
 }  // namespace
 
 void Digest::update(const void* data, size_t bytes) {

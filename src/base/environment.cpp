@@ -5,11 +5,11 @@
 #include "actmem/base/compat.h"
 
 #include <ATen/Parallel.h>
-#include <nlohmann/json.hpp>
 #include <torch/version.h>
+#include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <sched.h>
+#include <algorithm>
 #include <string>
 #include <thread>
 
@@ -50,7 +50,8 @@ nlohmann::json runtime_info() {
 std::string runtime_summary() {
   const std::string cuda = compat::cuda_compiled_version();
   const int gpus = compat::cuda_device_count();
-  std::string s = "actmem " + std::string(ACTMEM_VERSION) + " | libtorch " + torch_version() + " | ";
+  std::string s =
+      "actmem " + std::string(ACTMEM_VERSION) + " | libtorch " + torch_version() + " | ";
   if (cuda.empty()) return s + "CPU-only build";
   s += "CUDA " + cuda + " compiled in, ";
   if (gpus == 0) return s + "no GPU visible";

@@ -4,14 +4,14 @@
 
 #include <c10/util/Exception.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <cerrno>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
 #include <iostream>
 #include <optional>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <utility>
 
 namespace actmem {
@@ -38,7 +38,9 @@ std::optional<Identity> identity_of(const std::string& path) {
   return Identity{st.st_dev, st.st_ino, p.filename().string()};
 }
 
-std::string errno_text(int err) { return std::strerror(err); }
+std::string errno_text(int err) {
+  return std::strerror(err);
+}
 
 }  // namespace
 
@@ -63,8 +65,11 @@ void check_distinct_files(const std::vector<NamedPath>& inputs,
     for (const auto& [named, other] : seen) {
       TORCH_CHECK(!(other == *id), "actmem: ", out.flag, " '", out.path,
                   "' names the same file as ", named->flag, " '", named->path,
-                  "'; writing it would destroy ", named->flag == "--data" ? "the input" : "the "
-                  "other output", ": give ", out.flag, " another path");
+                  "'; writing it would destroy ",
+                  named->flag == "--data" ? "the input"
+                                          : "the "
+                                            "other output",
+                  ": give ", out.flag, " another path");
     }
     seen.emplace_back(&out, *id);
   }
@@ -77,8 +82,8 @@ OutputFile::OutputFile(NamedPath target) : target_(std::move(target)) {
     return;
   }
   fd_ = ::open(target_.path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  TORCH_CHECK(fd_ >= 0, "actmem: cannot write ", target_.flag, " '", target_.path, "': ",
-              errno_text(errno));
+  TORCH_CHECK(fd_ >= 0, "actmem: cannot write ", target_.flag, " '", target_.path,
+              "': ", errno_text(errno));
   struct stat st {};
   seekable_ = ::fstat(fd_, &st) == 0 && S_ISREG(st.st_mode);
 }
@@ -131,8 +136,8 @@ void OutputFile::write(std::string_view record, const std::string& what) {
     // Note [Whole records or nothing]: drop the partial record.
     const bool cut = done > 0 && seekable_ && ::ftruncate(fd_, written_) == 0 &&
                      ::lseek(fd_, written_, SEEK_SET) == written_;
-    std::string held = last_record_.empty() ? std::string("no complete record")
-                                            : "records up to " + last_record_;
+    std::string held =
+        last_record_.empty() ? std::string("no complete record") : "records up to " + last_record_;
     if (done > 0 && !cut) held += " and part of the next";
     TORCH_CHECK(false, "actmem: writing ", target_.flag, " '", target_.path, "' failed",
                 what.empty() ? std::string() : " at " + what, ": ", errno_text(err),

@@ -29,10 +29,13 @@ void print_offload_summary(std::ostream& os, const std::vector<OffloadSummaryRan
   const std::string title = "Activation Offload Summary (MB)";
   os << std::string(total_width, '=') << "\n"
      << std::string(std::max(0, (total_width - static_cast<int>(title.size())) / 2), ' ') << title
-     << "\n" << std::string(total_width, '=') << "\n" << std::setw(lw) << std::left << "Rank"
-     << std::right;
+     << "\n"
+     << std::string(total_width, '=') << "\n"
+     << std::setw(lw) << std::left << "Rank" << std::right;
   for (const auto& n : names) os << std::setw(width) << n;
-  os << std::setw(width) << "Total" << "\n" << std::string(total_width, '-') << "\n";
+  os << std::setw(width) << "Total"
+     << "\n"
+     << std::string(total_width, '-') << "\n";
   os << std::fixed << std::setprecision(2);
   for (const auto& rank : ranks) {
     os << std::setw(lw) << std::left << rank.label << std::right;

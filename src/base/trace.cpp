@@ -37,12 +37,20 @@ std::string TraceRecorder::json() const {
   std::lock_guard<std::mutex> lock(mutex_);
   for (const auto& e : events_) {
     const auto it = tids.emplace(e.track, static_cast<int>(tids.size()) + 1).first;
-    events.push_back({{"name", e.name}, {"cat", e.track}, {"ph", "X"}, {"ts", e.ts_us},
-                      {"dur", e.dur_us}, {"pid", 1}, {"tid", it->second},
+    events.push_back({{"name", e.name},
+                      {"cat", e.track},
+                      {"ph", "X"},
+                      {"ts", e.ts_us},
+                      {"dur", e.dur_us},
+                      {"pid", 1},
+                      {"tid", it->second},
                       {"args", nlohmann::json::parse(e.args)}});
   }
   for (const auto& [track, tid] : tids) {
-    events.push_back({{"name", "thread_name"}, {"ph", "M"}, {"pid", 1}, {"tid", tid},
+    events.push_back({{"name", "thread_name"},
+                      {"ph", "M"},
+                      {"pid", 1},
+                      {"tid", tid},
                       {"args", {{"name", track}}}});
   }
   return nlohmann::json{{"traceEvents", events}, {"displayTimeUnit", "ms"}}.dump() + "\n";
@@ -54,9 +62,13 @@ void TraceRecorder::write(const std::string& path) const {
   file.close();
 }
 
-TraceRecorder* active_trace() { return g_active.load(); }
+TraceRecorder* active_trace() {
+  return g_active.load();
+}
 
 TraceScope::TraceScope(TraceRecorder& recorder) : previous_(g_active.exchange(&recorder)) {}
-TraceScope::~TraceScope() { g_active.store(previous_); }
+TraceScope::~TraceScope() {
+  g_active.store(previous_);
+}
 
 }  // namespace actmem

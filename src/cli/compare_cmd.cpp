@@ -1,13 +1,13 @@
 // compare_cmd.cpp — `actmem compare`: run several recompute strategies from the same seed and
 // print one table (activation bytes measured and predicted, peak, step-time ratio to the plain
 // run, bitwise equality of losses and gradient digests) plus an SVG memory timeline.
-#include "actmem/config/activation_plan.h"
-#include "actmem/config/strategy.h"
 #include "actmem/base/blas.h"
 #include "actmem/base/environment.h"
 #include "actmem/base/output_file.h"
-#include "actmem/train/plot.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/config/strategy.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/train/plot.h"
 #include "actmem/train/step_rounds.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
@@ -19,10 +19,10 @@
 
 #include <algorithm>
 #include <charconv>
-#include <optional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 namespace actmem::cli {
@@ -53,8 +53,8 @@ TransformerConfig apply_strategy(const TransformerConfig& c, const std::string& 
     make_activation_plan(applied);
   } catch (const c10::Error& e) {
     const std::string why = e.msg();
-    TORCH_CHECK(false, "actmem compare: strategy '", name, "' cannot run: ",
-                why.substr(0, why.find('\n')));
+    TORCH_CHECK(false, "actmem compare: strategy '", name,
+                "' cannot run: ", why.substr(0, why.find('\n')));
   }
   return applied;
 }
@@ -111,8 +111,8 @@ CompareRuns run_strategies(const CompareOptions& o, const std::vector<std::strin
   std::vector<std::unique_ptr<Trainer>> trainers;
   for (const auto& c : configs) trainers.push_back(std::make_unique<Trainer>(c, t));
   for (auto& tr : trainers) tr->record_timeline(true);
-  const size_t ref = static_cast<size_t>(
-      std::find(names.begin(), names.end(), "plain") - names.begin());
+  const size_t ref =
+      static_cast<size_t>(std::find(names.begin(), names.end(), "plain") - names.begin());
 
   const size_t n = names.size();
   const int rounds = o.warmup + o.iters;
@@ -122,19 +122,21 @@ CompareRuns run_strategies(const CompareOptions& o, const std::vector<std::strin
   std::vector<Trainer*> order;
   for (auto& tr : trainers) order.push_back(tr.get());
   run_shuffled_rounds(order, rounds, /*compute_digest=*/true,
-                     [&](int round, const std::vector<IterationStats>& st) {
-    last = st;
-    for (size_t i = 0; i < n; ++i) {
-      equal[i] = equal[i] && st[i].loss == st[ref].loss && st[i].grad_digest == st[ref].grad_digest;
-      if (round >= o.warmup) {
-        times[i].push_back(st[i].step_time_s);
-        ratios[i].push_back(st[i].step_time_s / st[ref].step_time_s);
-      }
-    }
-    std::cerr << "\rcompare: round " << round + 1 << "/" << rounds << " of " << n
-              << " strategies" << (round < o.warmup ? " (warm-up, not timed)" : "")
-              << "            " << std::flush;
-  });
+                      [&](int round, const std::vector<IterationStats>& st) {
+                        last = st;
+                        for (size_t i = 0; i < n; ++i) {
+                          equal[i] = equal[i] && st[i].loss == st[ref].loss &&
+                                     st[i].grad_digest == st[ref].grad_digest;
+                          if (round >= o.warmup) {
+                            times[i].push_back(st[i].step_time_s);
+                            ratios[i].push_back(st[i].step_time_s / st[ref].step_time_s);
+                          }
+                        }
+                        std::cerr << "\rcompare: round " << round + 1 << "/" << rounds << " of "
+                                  << n << " strategies"
+                                  << (round < o.warmup ? " (warm-up, not timed)" : "")
+                                  << "            " << std::flush;
+                      });
   std::cerr << "\n";
   std::vector<TimelineSeries> series(n);
   for (size_t i = 0; i < n; ++i) {
@@ -151,8 +153,8 @@ nlohmann::json print_table(const CompareOptions& o, const std::vector<std::strin
   std::cout << "actmem compare: " << m.num_layers << " layers, hidden " << m.hidden_size << ", "
             << m.num_attention_heads << " heads, seq " << m.seq_length << ", micro-batch "
             << m.micro_batch_size << ", dropout " << m.attention_dropout << "/" << m.hidden_dropout
-            << (m.bf16 || m.fp16 ? std::string(", ") + m.precision() : std::string())
-            << "; " << o.warmup << " warm-up + " << o.iters << " timed steps each, same seed, "
+            << (m.bf16 || m.fp16 ? std::string(", ") + m.precision() : std::string()) << "; "
+            << o.warmup << " warm-up + " << o.iters << " timed steps each, same seed, "
             << at::get_num_threads() << " threads\n"
             << runtime_summary() << "\n"
             << blas_report().summary() << "\n\n"
@@ -160,8 +162,10 @@ nlohmann::json print_table(const CompareOptions& o, const std::vector<std::strin
             << "activations" << std::setw(13) << "predicted" << std::setw(9) << "error"
             << std::setw(13) << "act. peak" << std::setw(12) << "step ratio" << std::setw(15)
             << "range" << std::setw(15) << "bitwise equal\n";
-  nlohmann::json out = {{"warmup_steps", o.warmup}, {"timed_steps", o.iters},
-                        {"threads", at::get_num_threads()}, {"runtime", runtime_info()},
+  nlohmann::json out = {{"warmup_steps", o.warmup},
+                        {"timed_steps", o.iters},
+                        {"threads", at::get_num_threads()},
+                        {"runtime", runtime_info()},
                         {"strategies", nlohmann::json::array()}};
   for (size_t i = 0; i < n; ++i) {
     const auto& st = last[i];
@@ -178,8 +182,8 @@ nlohmann::json print_table(const CompareOptions& o, const std::vector<std::strin
               << format_bytes(st.predicted_activation_bytes) << std::setw(8) << std::fixed
               << std::setprecision(2) << err << "%" << std::setw(13)
               << format_bytes(st.activation_peak_bytes) << std::setw(12) << std::setprecision(3)
-              << ratio << std::setw(15) << range.str() << std::setw(14)
-              << (equal[i] ? "yes" : "NO") << "\n";
+              << ratio << std::setw(15) << range.str() << std::setw(14) << (equal[i] ? "yes" : "NO")
+              << "\n";
     out["strategies"].push_back({{"name", names[i]},
                                  {"activation_bytes", st.activation_bytes},
                                  {"predicted_activation_bytes", st.predicted_activation_bytes},
@@ -203,9 +207,10 @@ std::vector<std::string> ratio_warnings(const CompareOptions& o,
   const double plain_spread = (*plain_hi - *plain_lo) / plain_median;
   std::vector<std::string> warnings;
   if (o.iters < kMinTrustedSteps) {
-    warnings.push_back(std::to_string(o.iters) + " timed step(s) per strategy are too few to trust "
-                       "the step ratios; use --iters " + std::to_string(kMinTrustedSteps) +
-                       " or more");
+    warnings.push_back(std::to_string(o.iters) +
+                       " timed step(s) per strategy are too few to trust "
+                       "the step ratios; use --iters " +
+                       std::to_string(kMinTrustedSteps) + " or more");
   }
   if (plain_spread > kMaxTrustedSpread) {
     std::ostringstream w;
@@ -269,16 +274,20 @@ Runner add_compare_command(CLI::App& app) {
   add_flags(*cmd, o->train, kShapeFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--strategies", o->strategies,
                   "Each of parts joined by ',': plain, selective, selective-MOD[+MOD...] (MOD: " +
-                      recompute_module_list(", ") + "), full-uniform-N, full-block-N, "
-                      "offload-GROUP[+GROUP...] (GROUP: " + offload_module_list(", ") +
-                      "), layer-offload-K")
+                      recompute_module_list(", ") +
+                      "), full-uniform-N, full-block-N, "
+                      "offload-GROUP[+GROUP...] (GROUP: " +
+                      offload_module_list(", ") + "), layer-offload-K")
       ->capture_default_str()
       ->expected(1, -1);
   cmd->add_option("--iters", o->iters, "timed steps per strategy (after the warm-up)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1 << 20));
   cmd->add_option("--warmup", o->warmup, "untimed steps per strategy first")
-      ->capture_default_str()->check(integer_in_range(0, 1 << 20));
-  cmd->add_option("--svg", o->svg, "memory-timeline plot to write ('' = none)")->capture_default_str();
+      ->capture_default_str()
+      ->check(integer_in_range(0, 1 << 20));
+  cmd->add_option("--svg", o->svg, "memory-timeline plot to write ('' = none)")
+      ->capture_default_str();
   cmd->add_option("--json", o->json, "also write the table as JSON");
   return [o, cmd]() { return cmd->parsed() ? run(*o) : -1; };
 }

@@ -12,8 +12,8 @@
 #include "actmem/model/part_estimate.h"
 #include "commands.h"
 
-#include <CLI/CLI.hpp>
 #include <c10/util/StringUtil.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -116,7 +116,8 @@ Estimate compute(const PaperShape& shape, const TransformerConfig& config, doubl
   std::vector<KindBytes> kinds;
   for (const auto& [spec, count] : first_stage_kinds(config, e.per_stage)) {
     const LayerBytes with_paper_mlp = spec.mixer->paper_layer_bytes(m, paper);
-    kinds.push_back({spec, count, spec.mixer->paper_layer_bytes(m, spec.mlp->paper_layer_bytes(m, paper)),
+    kinds.push_back({spec, count,
+                     spec.mixer->paper_layer_bytes(m, spec.mlp->paper_layer_bytes(m, paper)),
                      with_paper_mlp});
   }
   e.layer = kinds.front().layer;
@@ -143,7 +144,8 @@ Estimate compute(const PaperShape& shape, const TransformerConfig& config, doubl
       if (std::any_of(e.parts.begin(), e.parts.end(), done)) continue;
       double count = 0;
       for (const KindBytes& other : kinds) {
-        if ((slot == PartSlot::kMlp ? other.spec.mlp : other.spec.mixer) == part) count += other.count;
+        if ((slot == PartSlot::kMlp ? other.spec.mlp : other.spec.mixer) == part)
+          count += other.count;
       }
       PartEstimate out;
       part->paper_estimate({m, count, k.layer, k.with_paper_mlp, &e.w}, out);
@@ -210,10 +212,12 @@ nlohmann::json to_json(const Estimate& e) {
          nlohmann::json rows = nlohmann::json::array();
          for (size_t r = 0; r < stage_in_flight.size(); ++r) {
            const double n = stage_in_flight[r] * per_stage;
-           rows.push_back({{"stage", r}, {"microbatches_in_flight", stage_in_flight[r]},
-                           {"activation_bytes", {{"none", layer.none * n},
-                                                 {"selective", layer.selective * n},
-                                                 {"full", layer.full * n}}}});
+           rows.push_back({{"stage", r},
+                           {"microbatches_in_flight", stage_in_flight[r]},
+                           {"activation_bytes",
+                            {{"none", layer.none * n},
+                             {"selective", layer.selective * n},
+                             {"full", layer.full * n}}}});
          }
          return rows;
        }()},
@@ -298,7 +302,8 @@ void print_layer_table(const Estimate& e) {
 void print_stage_table(const Estimate& e) {
   const PaperShape& m = e.m;
   if (m.p <= 1) return;
-  std::cout << "\nactivations per pipeline stage at the " << e.schedule() << " peak (micro-batches of "
+  std::cout << "\nactivations per pipeline stage at the " << e.schedule()
+            << " peak (micro-batches of "
             << "the stage's " << std::defaultfloat << e.per_stage << " layers"
             << (m.vpp ? ", v = " + c10::str(*m.vpp) + " chunks" : std::string()) << ")\n"
             << std::left << std::setw(8) << "stage" << std::right << std::setw(12) << "in flight"
@@ -320,12 +325,13 @@ void print_weights(const Estimate& e) {
   const WeightMemory& w = e.w;
   auto total = [&e](double per_layer) { return e.device_total(per_layer); };
   std::cout << "\ndevice memory per rank (the first pipeline stage, with the embedding), mixed "
-               "precision, d=" << std::defaultfloat << m.d
+               "precision, d="
+            << std::defaultfloat << m.d
             << (m.distributed_optimizer ? " with the distributed optimizer" : "") << "\n"
-            << "  parameters " << std::fixed
-            << std::setprecision(2) << w.parameters / 1e9 << " B in the model ("
-            << (m.swiglu ? "SwiGLU" : "GeLU") << ", " << (m.untied ? "untied" : "tied")
-            << " embeddings), " << w.parameters_on_rank / 1e9 << " B on this rank\n";
+            << "  parameters " << std::fixed << std::setprecision(2) << w.parameters / 1e9
+            << " B in the model (" << (m.swiglu ? "SwiGLU" : "GeLU") << ", "
+            << (m.untied ? "untied" : "tied") << " embeddings), " << w.parameters_on_rank / 1e9
+            << " B on this rank\n";
   for (const auto& [name, part] : e.parts) std::cout << part.weights;
   auto row = [](const std::string& label, double bytes) {
     std::cout << std::left << std::setw(44) << label << std::right << std::setw(12)
@@ -374,9 +380,9 @@ void print_table(const Estimate& e) {
 // distributed optimizer).
 struct ExactEstimate {
   struct Kind {
-    std::string name;       // LayerSpec::name()
-    int64_t layers = 0;     // in the whole model
-    int64_t first = -1;     // its first layer on the first stage, -1 when the stage has none
+    std::string name;    // LayerSpec::name()
+    int64_t layers = 0;  // in the whole model
+    int64_t first = -1;  // its first layer on the first stage, -1 when the stage has none
   };
   struct Strategy {
     std::string name;
@@ -424,7 +430,8 @@ std::vector<std::vector<RecomputeModule>> exact_selective_sets(
     const TransformerConfig& c, const std::vector<LayerSpec>& kind_specs) {
   std::vector<const LayerPart*> mixers, mlps;
   for (const LayerSpec& spec : kind_specs) {
-    if (std::find(mixers.begin(), mixers.end(), spec.mixer) == mixers.end()) mixers.push_back(spec.mixer);
+    if (std::find(mixers.begin(), mixers.end(), spec.mixer) == mixers.end())
+      mixers.push_back(spec.mixer);
     if (std::find(mlps.begin(), mlps.end(), spec.mlp) == mlps.end()) mlps.push_back(spec.mlp);
   }
   std::sort(mixers.begin(), mixers.end(), [](const LayerPart* a, const LayerPart* b) {
@@ -484,7 +491,8 @@ ExactEstimate compute_exact(const TransformerConfig& c, const PaperShape& m) {
           auto it = std::find_if(x.modules.begin(), x.modules.end(),
                                  [&](const auto& r) { return r.first == rest; });
           if (it == x.modules.end()) {
-            it = x.modules.insert(x.modules.end(), {rest, std::vector<double>(x.kinds.size(), 0.0)});
+            it =
+                x.modules.insert(x.modules.end(), {rest, std::vector<double>(x.kinds.size(), 0.0)});
           }
           it->second[k] += static_cast<double>(bytes);
         }
@@ -593,7 +601,8 @@ void print_exact(const ExactEstimate& x, const TransformerConfig& c, const std::
   }
   std::cout << "\n";
   header("strategy");
-  std::cout << std::setw(14) << "first stage" << std::setw(16) << "x in flight" << "\n";
+  std::cout << std::setw(14) << "first stage" << std::setw(16) << "x in flight"
+            << "\n";
   for (const auto& s : x.strategies) {
     std::cout << std::left << std::setw(w) << ("  " + s.name) << std::right;
     for (size_t k = 0; k < x.kinds.size(); ++k) {
@@ -626,9 +635,11 @@ int run(EstimateOptions& o, const CLI::App& cmd) {
                              "--seq-length", "--micro-batch-size", "--vocab-size"}) {
       if (cmd.count(flag) == 0) missing.emplace_back(flag);
     }
-    TORCH_CHECK(missing.empty(), "actmem estimate: a model given by its sizes needs --num-layers, "
+    TORCH_CHECK(missing.empty(),
+                "actmem estimate: a model given by its sizes needs --num-layers, "
                 "--hidden-size, --num-attention-heads, --seq-length, --micro-batch-size and "
-                "--vocab-size (missing: ", c10::Join(", ", missing), "); or name a --preset (",
+                "--vocab-size (missing: ",
+                c10::Join(", ", missing), "); or name a --preset (",
                 c10::Join(", ", model_preset_names()), ") for the flags to modify");
   }
   const PaperShape shape = describe_model(o.model, o.layout, "actmem estimate");
@@ -661,9 +672,10 @@ int run(EstimateOptions& o, const CLI::App& cmd) {
 
 Runner add_estimate_command(CLI::App& app) {
   auto o = std::make_shared<EstimateOptions>();
-  CLI::App* cmd = app.add_subcommand(
-      "estimate", "Analytic activation memory (paper formulas) of a preset or of the model "
-                  "train's flags describe");
+  CLI::App* cmd =
+      app.add_subcommand("estimate",
+                         "Analytic activation memory (paper formulas) of a preset or of the model "
+                         "train's flags describe");
   add_preset_option(*cmd, o->preset,
                     "the flags of a named model (the default when no size is given), which the "
                     "flags given replace; sizes without --preset describe a model of their own, "
@@ -673,7 +685,8 @@ Runner add_estimate_command(CLI::App& app) {
   add_flags(*cmd, o->model, kShapeFlags | kParallelFlags | kMoEFlags);
   add_described_layout_flags(*cmd, o->model, o->layout, /*optimizer_flags_registered=*/false);
   cmd->add_option("--offload-bandwidth-gbps", o->bandwidth_gbps, "host link, GB/s per direction")
-      ->capture_default_str()->check(positive_number_validator());
+      ->capture_default_str()
+      ->check(positive_number_validator());
   cmd->add_flag("--json", o->json, "print JSON instead of the table");
   return [o, cmd]() { return cmd->parsed() ? run(*o, *cmd) : -1; };
 }

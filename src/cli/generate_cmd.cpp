@@ -1,11 +1,11 @@
 // generate_cmd.cpp — `actmem generate`: text from a saved checkpoint, with a KV cache.
-#include "actmem/train/checkpoint.h"
-#include "actmem/train/generate.h"
-#include "actmem/model/model.h"
 #include "actmem/base/output_file.h"
 #include "actmem/base/report.h"
 #include "actmem/data/tokenizer.h"
 #include "actmem/flags/train_options.h"
+#include "actmem/model/model.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/train/generate.h"
 #include "commands.h"
 
 #include <CLI/CLI.hpp>
@@ -30,15 +30,30 @@ struct GenerateOptions {
   int threads = 0;
 };
 
-int run_generate(GenerateOptions& o) {
-  TORCH_CHECK(!o.load.empty(), "actmem generate: --load DIR is required");
-  TORCH_CHECK(!o.prompt.empty(), "actmem generate: --prompt TEXT is required");
-  OutputFile log;
-  if (!o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
-  apply_thread_count(o.threads);
-  const LoadedModel loaded = load_model_for_inference(o.load);
-  const nlohmann::json args = nlohmann::json::parse(loaded.args_json);
-  // The tokenizer the model was trained with, unless overridden; without one, bytes.
+// The --log-json record of one generation.
+void write_generation_record(OutputFile& log, const GenerateOptions& o, const LoadedModel& loaded,
+                             const std::vector<int64_t>& prompt, const std::vector<int64_t>& made,
+                             const std::string& text, double seconds, int64_t cache_bytes) {
+  const nlohmann::json j = {{"checkpoint", loaded.path},
+                            {"iteration", loaded.iteration},
+                            {"prompt", o.prompt},
+                            {"prompt_tokens", prompt},
+                            {"tokens", made},
+                            {"text", text},
+                            {"seconds", seconds},
+                            {"greedy", o.sampling.greedy},
+                            {"temperature", o.sampling.temperature},
+                            {"top_k", o.sampling.top_k},
+                            {"top_p", o.sampling.top_p},
+                            {"seed", o.sampling.seed},
+                            {"kv_cache_bytes", cache_bytes}};
+  log.write(j.dump() + "\n", "the generation record");
+  log.close();
+}
+
+// The tokenizer the model was trained with (the checkpoint's args), unless the flags name one;
+// an empty type: bytes.
+TokenizerSpec generate_tokenizer_spec(const GenerateOptions& o, const nlohmann::json& args) {
   auto arg = [&args](const char* key) {
     return args.contains(key) && args[key].is_string() ? args[key].get<std::string>()
                                                        : std::string();
@@ -70,6 +85,18 @@ int run_generate(GenerateOptions& o) {
       }
     }
   }
+  return spec;
+}
+
+int run_generate(GenerateOptions& o) {
+  TORCH_CHECK(!o.load.empty(), "actmem generate: --load DIR is required");
+  TORCH_CHECK(!o.prompt.empty(), "actmem generate: --prompt TEXT is required");
+  OutputFile log;
+  if (!o.log_json.empty()) log = OutputFile({"--log-json", o.log_json});
+  apply_thread_count(o.threads);
+  const LoadedModel loaded = load_model_for_inference(o.load);
+  const nlohmann::json args = nlohmann::json::parse(loaded.args_json);
+  const TokenizerSpec spec = generate_tokenizer_spec(o, args);
   const std::string& type = spec.type;
   std::unique_ptr<Tokenizer> tokenizer;
   std::vector<int64_t> prompt;
@@ -88,7 +115,9 @@ int run_generate(GenerateOptions& o) {
     prompt = tokenizer->tokenize(o.prompt);
     if (!o.ignore_eod) o.sampling.stop_token = tokenizer->eod();
     o.sampling.vocab_size = tokenizer->vocab_size();  // never a padding id
-    detokenize = [&tokenizer](const std::vector<int64_t>& ids) { return tokenizer->detokenize(ids); };
+    detokenize = [&tokenizer](const std::vector<int64_t>& ids) {
+      return tokenizer->detokenize(ids);
+    };
   }
   TORCH_CHECK(!prompt.empty(), "actmem generate: the prompt tokenizes to nothing");
   const auto& cfg = loaded.model->config();
@@ -96,11 +125,13 @@ int run_generate(GenerateOptions& o) {
             << cfg.num_layers << " layers, hidden " << cfg.hidden_size << ", vocabulary "
             << cfg.vocab_size << ", " << cfg.precision() << ", "
             << (type.empty() ? std::string("byte tokens") : type) << ") | "
-            << (o.sampling.greedy ? std::string("greedy")
-                                  : "temperature " + c10::str(o.sampling.temperature) +
-                                        (o.sampling.top_k > 0 ? ", top-k " + std::to_string(o.sampling.top_k) : "") +
-                                        (o.sampling.top_p > 0 ? ", top-p " + c10::str(o.sampling.top_p) : "") +
-                                        ", seed " + std::to_string(o.sampling.seed))
+            << (o.sampling.greedy
+                    ? std::string("greedy")
+                    : "temperature " + c10::str(o.sampling.temperature) +
+                          (o.sampling.top_k > 0 ? ", top-k " + std::to_string(o.sampling.top_k)
+                                                : "") +
+                          (o.sampling.top_p > 0 ? ", top-p " + c10::str(o.sampling.top_p) : "") +
+                          ", seed " + std::to_string(o.sampling.seed))
             << "\n";
   // The text streams as it is made: what detokenizing prompt and new tokens together adds
   // beyond the prompt's own text (SentencePiece drops a leading space when decoding a piece
@@ -123,7 +154,8 @@ int run_generate(GenerateOptions& o) {
       printed = text;
     }
   });
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string text = continuation();
   if (text.size() > printed.size() && text.compare(0, printed.size(), printed) == 0) {
     std::cout << text.substr(printed.size());
@@ -133,18 +165,10 @@ int run_generate(GenerateOptions& o) {
   std::cerr << "generated " << made.size() << " tokens in " << std::fixed << std::setprecision(2)
             << seconds << " s (" << std::setprecision(1)
             << static_cast<double>(made.size()) / std::max(seconds, 1e-9) << " tokens/s, prompt "
-            << prompt.size() << " tokens, KV cache " << format_bytes(static_cast<double>(cache_bytes))
-            << ")\n";
+            << prompt.size() << " tokens, KV cache "
+            << format_bytes(static_cast<double>(cache_bytes)) << ")\n";
   if (log.is_open()) {
-    const nlohmann::json j = {{"checkpoint", loaded.path},  {"iteration", loaded.iteration},
-                              {"prompt", o.prompt},         {"prompt_tokens", prompt},
-                              {"tokens", made},             {"text", text},
-                              {"seconds", seconds},         {"greedy", o.sampling.greedy},
-                              {"temperature", o.sampling.temperature},
-                              {"top_k", o.sampling.top_k},  {"top_p", o.sampling.top_p},
-                              {"seed", o.sampling.seed},    {"kv_cache_bytes", cache_bytes}};
-    log.write(j.dump() + "\n", "the generation record");
-    log.close();
+    write_generation_record(log, o, loaded, prompt, made, text, seconds, cache_bytes);
   }
   return 0;
 }
@@ -157,15 +181,19 @@ Runner add_generate_command(CLI::App& app) {
   cmd->add_option("--load", o->load, "Checkpoint directory (its latest checkpoint)");
   cmd->add_option("--prompt", o->prompt, "Text to continue");
   cmd->add_option("--max-new-tokens", o->sampling.max_new_tokens, "Tokens to generate")
-      ->capture_default_str()->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{0}, int64_t{1} << 30));
   cmd->add_flag("--greedy", o->sampling.greedy, "Always take the most likely token");
   cmd->add_option("--temperature", o->sampling.temperature, "Divide the logits by this")
-      ->capture_default_str()->check(CLI::PositiveNumber);
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
   cmd->add_option("--top-k", o->sampling.top_k, "Sample from the k most likely tokens (0: all)")
-      ->capture_default_str()->check(CLI::NonNegativeNumber);
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
   cmd->add_option("--top-p", o->sampling.top_p,
                   "Sample from the most likely tokens that reach probability p (0: all)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1.0));
   cmd->add_option("--seed", o->sampling.seed, "Sampling seed")->capture_default_str();
   cmd->add_option("--tokenizer-type", o->tokenizer_type,
                   "Override the checkpoint's tokenizer: ByteTokenizer or SentencePieceTokenizer");

@@ -1,15 +1,15 @@
 // inspect_cmd.cpp — `actmem inspect`: run one training step and print the activation ledger per
 // module and layer, in bytes, in units of s·b·h (and a·s²·b for the s×s tensors), beside the
 // matching Korthikanti Table 1 term at this run's dtype and the exact predictor.
-#include "actmem/config/activation_plan.h"
 #include "actmem/base/blas.h"
 #include "actmem/base/environment.h"
-#include "actmem/parallel/distributed.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/flags/train_options.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_model.h"
 #include "actmem/model/activation_bytes.h"
+#include "actmem/parallel/distributed.h"
 #include "actmem/parallel/tensor_parallel.h"
-#include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
 
@@ -123,8 +123,9 @@ void print_table(const InspectOptions& o, const TransformerConfig& c, const Insp
             << runtime_summary() << "\n"
             << blas_report().summary() << "\n\n";
   std::cout << std::left << std::setw(52) << "module" << std::right << std::setw(12) << "bytes"
-            << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14)
-            << "Korthikanti" << std::setw(10) << "beyond" << "  what\n";
+            << std::setw(8) << "sbh" << std::setw(8) << "as2b" << std::setw(14) << "Korthikanti"
+            << std::setw(10) << "beyond"
+            << "  what\n";
   for (const auto& [module, bytes] : ledger.bytes_by_module()) {
     // The s x s share of this module: records of 3 or more dims whose last two are both s (the
     // scores [b, a, s, s] or [b a, s, s]; a 2-D [s b, width] matrix whose width happens to
@@ -154,9 +155,9 @@ void print_table(const InspectOptions& o, const TransformerConfig& c, const Insp
                        : "at " + std::string(c.precision()) + " (16-bit terms scaled by " +
                              std::to_string(e / 2) + ", 1-byte masks)")
             << "; beyond: what this implementation keeps beyond the paper's term)\n"
-            << "\nledger total " << ledger.total_bytes() << " B (" << format_bytes(ledger.total_bytes())
-            << "); tracker activation_bytes " << st.activation_bytes << " B; predicted "
-            << predicted.total << " B\n";
+            << "\nledger total " << ledger.total_bytes() << " B ("
+            << format_bytes(ledger.total_bytes()) << "); tracker activation_bytes "
+            << st.activation_bytes << " B; predicted " << predicted.total << " B\n";
   if (c.pipeline_model_parallel_size > 1) {
     // Rank 0 is the first stage: the table covers its layers and embedding (under the
     // interleaved schedule its first model chunk's: the ledger records that chunk's forward).
@@ -176,7 +177,8 @@ void print_table(const InspectOptions& o, const TransformerConfig& c, const Insp
     for (const auto& r : ledger.records()) {
       std::cout << "  " << std::left << std::setw(52) << r.module << std::setw(34) << r.op << " [";
       for (size_t i = 0; i < r.shape.size(); ++i) std::cout << (i ? "," : "") << r.shape[i];
-      std::cout << "] " << r.dtype << " " << r.storage_bytes << (r.counted ? "" : " (shared)") << "\n";
+      std::cout << "] " << r.dtype << " " << r.storage_bytes << (r.counted ? "" : " (shared)")
+                << "\n";
     }
   }
 }

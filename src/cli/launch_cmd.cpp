@@ -1,14 +1,14 @@
 // launch_cmd.cpp — `actmem launch` (start N workers of a subcommand) and `actmem dist-check`
 // (each worker joins the process group and all-reduces its rank: a quick health check).
+#include "actmem/flags/train_options.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/parallel/parallel_layout.h"
-#include "actmem/flags/train_options.h"
 #include "commands.h"
 
 #include <ATen/ATen.h>
 #include <CLI/CLI.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <iostream>
@@ -37,13 +37,19 @@ struct CheckOptions {
 // its group, so a wrong membership or a crossed rendezvous shows.
 void check_groups(const WorldGroup& world, const ParallelLayout& l) {
   const std::vector<std::pair<const char*, const std::vector<std::vector<int>>*>> kinds = {
-      {"tp", &l.tp_groups},          {"dp", &l.dp_groups},        {"pp", &l.pp_groups},
-      {"tp-pp", &l.mp_groups},       {"embedding", &l.embedding_groups},
-      {"ep", &l.ep_groups},          {"expert-tp", &l.etp_groups}, {"expert-dp", &l.edp_groups}};
+      {"tp", &l.tp_groups},
+      {"dp", &l.dp_groups},
+      {"pp", &l.pp_groups},
+      {"tp-pp", &l.mp_groups},
+      {"embedding", &l.embedding_groups},
+      {"ep", &l.ep_groups},
+      {"expert-tp", &l.etp_groups},
+      {"expert-dp", &l.edp_groups}};
   for (const auto& [name, groups] : kinds) {
     const std::vector<int>& g = ParallelLayout::group_of(*groups, world.rank);
-    auto pg = new_subgroup(world, g, std::string(name) + "/" +
-                                         std::to_string(ParallelLayout::group_index(*groups, world.rank)));
+    auto pg = new_subgroup(
+        world, g,
+        std::string(name) + "/" + std::to_string(ParallelLayout::group_index(*groups, world.rank)));
     std::vector<at::Tensor> t = {at::full({4}, static_cast<double>(world.rank + 1), at::kDouble)};
     pg->allreduce(t)->wait();
     double expected = 0;
@@ -96,7 +102,8 @@ Runner add_launch_command(CLI::App& app) {
       "underscore spellings and its form `... pretrain_gpt.py FLAGS` are accepted)");
   cmd->add_option("--nproc-per-node,--nproc_per_node", o->nproc, "Worker processes")
       ->capture_default_str();
-  cmd->add_option("--nnodes", o->nodes.nnodes, "Nodes (machines) of the launch, each running this "
+  cmd->add_option("--nnodes", o->nodes.nnodes,
+                  "Nodes (machines) of the launch, each running this "
                   "command with its --node-rank")
       ->capture_default_str()
       ->check(integer_in_range(1, 1 << 16));
@@ -127,7 +134,8 @@ Runner add_launch_command(CLI::App& app) {
 
 Runner add_dist_check_command(CLI::App& app) {
   auto o = std::make_shared<CheckOptions>();
-  CLI::App* cmd = app.add_subcommand("dist-check", "Join the process group and all-reduce (use under launch)");
+  CLI::App* cmd =
+      app.add_subcommand("dist-check", "Join the process group and all-reduce (use under launch)");
   cmd->add_option("--fail-rank", o->fail_rank, "Testing: this rank exits with an error");
   cmd->add_option("--hang-rank", o->hang_rank, "Testing: this rank never joins");
   cmd->add_option("--tensor-model-parallel-size", o->tp, "Check Megatron's groups for this t")

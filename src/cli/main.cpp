@@ -3,8 +3,8 @@
 #include "actmem/base/blas.h"
 #include "commands.h"
 
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
 
 #include <iostream>
 #include <string>

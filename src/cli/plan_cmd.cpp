@@ -4,14 +4,14 @@
 // (docs/planner.md).
 #include "actmem/base/environment.h"
 #include "actmem/base/output_file.h"
+#include "actmem/base/report.h"
+#include "actmem/flags/presets.h"
+#include "actmem/flags/train_options.h"
 #include "actmem/model/layer_spec.h"
 #include "actmem/plan/plan_analytic.h"
 #include "actmem/plan/planner.h"
 #include "actmem/train/plot.h"
-#include "actmem/base/report.h"
 #include "actmem/train/step_rounds.h"
-#include "actmem/flags/presets.h"
-#include "actmem/flags/train_options.h"
 #include "actmem/train/trainer.h"
 #include "commands.h"
 
@@ -24,13 +24,13 @@
 #include <algorithm>
 #include <chrono>
 #include <cmath>
-#include <set>
 #include <filesystem>
 #include <fstream>
-#include <optional>
 #include <iomanip>
 #include <iostream>
 #include <memory>
+#include <optional>
+#include <set>
 #include <sstream>
 
 namespace actmem::cli {
@@ -39,7 +39,7 @@ namespace {
 
 struct PlanOptions {
   TrainOptions train;
-  std::string budget;  // "" = print the front only
+  std::string budget;     // "" = print the front only
   int profile_steps = 5;  // the fewest; then until profile_precision (Note [Rounds until sure])
   double profile_precision = kDefaultProfilePrecision * 100;  // percent; 0: profile_steps exactly
   bool verify = false;
@@ -68,7 +68,8 @@ bool standard_setting(const Strategy& s, int64_t num_layers) {
   if (!s.offload_modules.empty() || s.offload_layers > 0) return false;
   if (s.recompute_modules == std::vector<RecomputeModule>{RecomputeModule::kCoreAttn}) return true;
   if (s.full_method == RecomputeMethod::kUniform) return s.full_layers == 1;
-  if (s.full_method == RecomputeMethod::kBlock) return s.full_layers == 1 || s.full_layers == std::max<int64_t>(1, num_layers / 2);
+  if (s.full_method == RecomputeMethod::kBlock)
+    return s.full_layers == 1 || s.full_layers == std::max<int64_t>(1, num_layers / 2);
   return false;
 }
 
@@ -109,7 +110,8 @@ std::string planned_ratio_text(const PlanEstimate& e) {
   os << std::fixed << std::setprecision(3);
   if (e.confirmed_ratio > 0) {
     os << e.confirmed_ratio << " measured (standard error " << e.confirmed_ratio_error << ", "
-       << e.confirmed_rounds << " rounds against the plain step; predicted " << ratio_text(e) << ")";
+       << e.confirmed_rounds << " rounds against the plain step; predicted " << ratio_text(e)
+       << ")";
   } else {
     os << e.finalist_ratio << " ±" << e.finalist_ratio_spread << " measured (predicted "
        << ratio_text(e) << ")";
@@ -120,8 +122,8 @@ std::string planned_ratio_text(const PlanEstimate& e) {
 // The front as a table, the chosen entry marked.
 void print_front(const std::vector<PlanEstimate>& front, const PlanEstimate* chosen) {
   std::cout << "\nPareto front (predicted device peak against step time):\n"
-            << std::right << std::setw(14) << "peak" << std::setw(16) << "step ratio" << "  "
-            << std::left << "strategy\n";
+            << std::right << std::setw(14) << "peak" << std::setw(16) << "step ratio"
+            << "  " << std::left << "strategy\n";
   for (const auto& e : front) {
     std::cout << std::right << std::setw(14) << format_bytes(static_cast<double>(e.peak_bytes))
               << std::setw(16) << ratio_text(e) << "  " << std::left << e.strategy.name()
@@ -154,8 +156,8 @@ void write_front_svg(OutputFile& file, const std::string& path,
     const bool on_front = std::any_of(front.begin(), front.end(), [&e](const PlanEstimate& f) {
       return f.strategy == e.strategy;
     });
-    points.push_back({e.strategy.name(), static_cast<double>(e.peak_bytes), e.step_ratio,
-                      on_front, standard_setting(e.strategy, num_layers),
+    points.push_back({e.strategy.name(), static_cast<double>(e.peak_bytes), e.step_ratio, on_front,
+                      standard_setting(e.strategy, num_layers),
                       chosen != nullptr && chosen->strategy == e.strategy});
   }
   file.write(plan_front_svg(points, static_cast<double>(budget), title), "the plot");
@@ -193,11 +195,10 @@ Verification verify(const TransformerConfig& base, const TrainingConfig& trainin
   }
   std::vector<Strategy> strategies;
   for (const auto& e : runs) strategies.push_back(e.strategy);  // runs[0] is plain
-  out.time = measure_step_ratios(
-      base, training, strategies, rounds, [](const std::string& line) {
-        std::cerr << "\rplan: verifying step times and exactness, " << line << "            "
-                  << std::flush;
-      });
+  out.time = measure_step_ratios(base, training, strategies, rounds, [](const std::string& line) {
+    std::cerr << "\rplan: verifying step times and exactness, " << line << "            "
+              << std::flush;
+  });
   std::cerr << "\n";
   return out;
 }
@@ -276,7 +277,8 @@ std::string parts_summary(const PaperShape& m) {
   for (const PartSlot slot : {PartSlot::kMlp, PartSlot::kMixer}) {
     for (const LayerSpec& spec : layer_specs(c)) {
       const LayerPart* part = slot == PartSlot::kMlp ? spec.mlp : spec.mixer;
-      auto it = std::find_if(parts.begin(), parts.end(), [&](const auto& p) { return p.first == part; });
+      auto it =
+          std::find_if(parts.begin(), parts.end(), [&](const auto& p) { return p.first == part; });
       if (it == parts.end()) it = parts.insert(parts.end(), {part, 0});
       it->second += 1;
     }
@@ -292,8 +294,13 @@ std::string parts_summary(const PaperShape& m) {
 
 // Refuses the flags given that a preset's plan would not use (Note [Plan a preset]).
 void check_preset_plan_flags(const CLI::App& cmd) {
-  std::set<std::string> allowed = {"--preset", "--gpu", "--memory-budget", "--json", "--svg",
-                                   "--global-batch-size", "--use-distributed-optimizer"};
+  std::set<std::string> allowed = {"--preset",
+                                   "--gpu",
+                                   "--memory-budget",
+                                   "--json",
+                                   "--svg",
+                                   "--global-batch-size",
+                                   "--use-distributed-optimizer"};
   {
     TrainOptions scratch;
     DescribedLayout layout;
@@ -306,7 +313,8 @@ void check_preset_plan_flags(const CLI::App& cmd) {
   for (const CLI::Option* opt : cmd.get_options()) {
     if (opt->count() > 0 && !allowed.count(opt->get_name())) refused.push_back(opt->get_name());
   }
-  TORCH_CHECK(refused.empty(), "actmem plan --preset: ", c10::Join(", ", refused), " not used: "
+  TORCH_CHECK(refused.empty(), "actmem plan --preset: ", c10::Join(", ", refused),
+              " not used: "
               "a preset is planned analytically, nothing runs (it takes the model and layout "
               "flags, --gpu, --data-parallel-size, --memory-budget, --json and --svg)");
 }
@@ -323,8 +331,8 @@ void print_preset_plan_header(const PlanOptions& o, const PaperShape& m, const D
             << m.p;
   if (m.vpp) std::cout << " (" << *m.vpp << " virtual stages)";
   std::cout << ", d " << m.d << (m.distributed_optimizer ? " (distributed optimizer)" : "")
-            << "; bf16; attention " << o.train.model.attention_summary() << "; "
-            << legal_strategies << " legal strategies\n"
+            << "; bf16; attention " << o.train.model.attention_summary() << "; " << legal_strategies
+            << " legal strategies\n"
             << "GPU " << gpu.name << ": " << gpu.source << "; costed at " << std::setprecision(3)
             << gpu.matmul_flops / 1e12 << " TFLOP/s for GEMMs, " << gpu.memory_bandwidth / 1e12
             << " TB/s for element-wise ops, " << gpu.d2h_bandwidth / 1e9 << "/"
@@ -384,8 +392,8 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
   check_preset_plan_flags(cmd);
   const PaperShape m = describe_model(o.train, o.layout, "actmem plan --preset");
   const DeviceSpec gpu = device_spec(o.gpu);
-  const int64_t budget = o.budget.empty() ? static_cast<int64_t>(gpu.memory_bytes)
-                                          : parse_memory_budget(o.budget);
+  const int64_t budget =
+      o.budget.empty() ? static_cast<int64_t>(gpu.memory_bytes) : parse_memory_budget(o.budget);
   check_distinct_files({}, {{"--svg", o.svg}, {"--json", o.json}});
   OutputFile json_file, svg_file;
   if (!o.json.empty()) json_file = OutputFile({"--json", o.json});
@@ -420,8 +428,7 @@ int run_preset(PlanOptions& o, const CLI::App& cmd) {
     std::ostringstream title;
     title << "Activation strategies of preset " << o.preset << " (t " << m.t << ", p " << m.p
           << ") on " << gpu.name << ": predicted device peak and step time";
-    write_front_svg(svg_file, o.svg, estimates, front, chosen, budget, chunk_layers_n,
-                    title.str());
+    write_front_svg(svg_file, o.svg, estimates, front, chosen, budget, chunk_layers_n, title.str());
   }
   if (json_file.is_open()) {
     nlohmann::json out = {{"preset", o.preset},
@@ -684,9 +691,10 @@ nlohmann::json print_measured_kernels(const PlanOptions& o, const TransformerCon
 
 int run(PlanOptions& o, const CLI::App& cmd) {
   if (!o.preset.empty()) return run_preset(o, cmd);
-  for (const char* flag : {"--gpu", "--data-parallel-size", "--num-microbatches",
-                           "--expert-tensor-parallel-size"}) {
-    TORCH_CHECK(cmd.count(flag) == 0, "actmem plan: ", flag, " applies with --preset (a paper "
+  for (const char* flag :
+       {"--gpu", "--data-parallel-size", "--num-microbatches", "--expert-tensor-parallel-size"}) {
+    TORCH_CHECK(cmd.count(flag) == 0, "actmem plan: ", flag,
+                " applies with --preset (a paper "
                 "model planned analytically); without it the model is measured here, in one "
                 "process");
   }
@@ -705,7 +713,8 @@ int run(PlanOptions& o, const CLI::App& cmd) {
   const MeasuredPlan plan = measured_plan(
       base, o.train.training,
       TimedRounds::until_sure(o.profile_steps, kMaxProfileRounds, o.profile_precision / 100),
-      o.costs, [&profiled](const std::string& line) {
+      o.costs,
+      [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplan: " << line << "            " << std::flush;
       },
@@ -773,53 +782,65 @@ Runner add_plan_command(CLI::App& app) {
       "plan", "Find the fastest activation strategy that fits a device-memory budget");
   // The strategies are the planner's: the recompute and offload flags are not accepted here.
   // The parallel flags serve --preset (the measured plan refuses t, p > 1 with a clear message).
-  add_flags(*cmd, o->train,
-            kShapeFlags | kParallelFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
+  add_flags(
+      *cmd, o->train,
+      kShapeFlags | kParallelFlags | kMoEFlags | kOptimizerFlags | kDataFlags | kRuntimeFlags);
   cmd->add_option("--min-offloaded-tensor-size", o->train.model.min_offloaded_tensor_size,
                   "offload keeps saved tensors of fewer elements on the device (as train)")
-      ->capture_default_str()->check(integer_in_range(0, int64_t{1} << 62));
+      ->capture_default_str()
+      ->check(integer_in_range(0, int64_t{1} << 62));
   cmd->add_option("--fine-grained-offloading-max-inflight-offloads",
                   o->train.model.fine_grained_offloading_max_inflight_offloads,
                   "offload copies of one group name in flight before compute waits (-1: no cap; "
                   "as train)")
-      ->capture_default_str()->check(integer_in_range(-1, 1 << 20));
+      ->capture_default_str()
+      ->check(integer_in_range(-1, 1 << 20));
   cmd->add_option("--memory-budget", o->budget,
                   "device bytes a step may hold: bytes or with a unit (8GiB, 7.5G, 900MiB)");
   cmd->add_option("--profile-steps", o->profile_steps,
                   "the fewest timed rounds of the profiling run (then until --profile-precision)")
-      ->capture_default_str()->check(integer_in_range(1, 1000));
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1000));
   cmd->add_option("--profile-precision", o->profile_precision,
                   "percent: profile until every mechanism's step ratio has this standard error, "
-                  "at most " + std::to_string(kMaxProfileRounds) + " rounds (0: --profile-steps "
-                  "exactly)")
-      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+                  "at most " +
+                      std::to_string(kMaxProfileRounds) +
+                      " rounds (0: --profile-steps "
+                      "exactly)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--finalists", o->finalists,
                   "with --memory-budget: time this many fastest-predicted strategies that fit "
                   "side by side and choose the one measured fastest (0: the prediction's choice)")
-      ->capture_default_str()->check(integer_in_range(0, 64));
+      ->capture_default_str()
+      ->check(integer_in_range(0, 64));
   cmd->add_option("--finalist-steps", o->finalist_steps,
                   "timed rounds of the finalists, and the fewest of the choice's confirmation")
-      ->capture_default_str()->check(integer_in_range(1, 1000));
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1000));
   cmd->add_option("--ratio-precision", o->ratio_precision,
                   "percent: time the choice's confirmation and --verify until the chosen plan's "
                   "step ratio has this standard error (0: the fewest rounds only)")
-      ->capture_default_str()->check(CLI::Range(0.0, 100.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 100.0));
   cmd->add_option("--max-timed-rounds", o->max_timed_rounds,
                   "the most timed rounds --ratio-precision may take")
-      ->capture_default_str()->check(integer_in_range(1, 10000));
+      ->capture_default_str()
+      ->check(integer_in_range(1, 10000));
   cmd->add_flag("--verify", o->verify,
                 "run the chosen strategy, the other finalists (or its front neighbours), the "
                 "standard settings that fit and the plain run, and compare");
   cmd->add_option("--verify-steps", o->verify_steps,
                   "the fewest timed rounds of --verify (then until --ratio-precision)")
-      ->capture_default_str()->check(integer_in_range(1, 1000));
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1000));
   cmd->add_option("--json", o->json, "also write the front, the costs and the choice as JSON");
   cmd->add_option("--svg", o->svg, "plot every strategy and the front (peak against step time)");
   add_preset_option(*cmd, o->preset,
                     "plan a named model analytically instead of measuring one here, with the "
                     "model flags given replacing its own (docs/planner.md)");
-  cmd->add_option("--gpu", o->gpu, "with --preset: the GPU costed (" +
-                      c10::Join(", ", device_spec_names()) + ")")
+  cmd->add_option("--gpu", o->gpu,
+                  "with --preset: the GPU costed (" + c10::Join(", ", device_spec_names()) + ")")
       ->capture_default_str()
       ->check(CLI::IsMember(device_spec_names()));
   add_described_layout_flags(*cmd, o->train, o->layout, /*optimizer_flags_registered=*/true);
@@ -829,7 +850,8 @@ Runner add_plan_command(CLI::App& app) {
   cmd->add_option("--costs-speed-tolerance", o->costs_speed_tolerance,
                   "percent the plain step may have moved since the --costs profile before it is "
                   "profiled again; --verify warns beyond it (0: not checked)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1000.0));
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 1000.0));
   return [o, cmd]() { return cmd->parsed() ? run(*o, *cmd) : -1; };
 }
 

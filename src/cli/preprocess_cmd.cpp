@@ -1,14 +1,14 @@
 // preprocess_cmd.cpp — `actmem preprocess`: JSON lines to Megatron's indexed dataset, as
 // Megatron-LM's tools/preprocess_data.py (one document per line, PREFIX_KEY_document.bin/.idx),
 // optionally training a SentencePiece model on the input first.
+#include "actmem/base/report.h"
 #include "actmem/data/data.h"
 #include "actmem/data/indexed_dataset.h"
-#include "actmem/base/report.h"
 #include "actmem/data/tokenizer.h"
 #include "commands.h"
 
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
+#include <CLI/CLI.hpp>
 #include <nlohmann/json.hpp>
 
 #include <chrono>
@@ -113,9 +113,9 @@ class DocumentReader {
 
 void progress_line(std::ostream& err, const DocumentReader& reader, int64_t docs, int64_t tokens,
                    double seconds, bool final) {
-  const double frac = reader.total_bytes() > 0
-                          ? static_cast<double>(reader.read_bytes()) / static_cast<double>(reader.total_bytes())
-                          : 1.0;
+  const double frac = reader.total_bytes() > 0 ? static_cast<double>(reader.read_bytes()) /
+                                                     static_cast<double>(reader.total_bytes())
+                                               : 1.0;
   const int width = 30;
   const int filled = static_cast<int>(frac * width);
   err << "\rpreprocess [" << std::string(static_cast<size_t>(filled), '#')
@@ -181,7 +181,8 @@ std::vector<std::vector<std::vector<int64_t>>> tokenize_in_parallel(
 }
 
 int run_preprocess(PreprocessOptions& o) {
-  TORCH_CHECK(o.builtin != !o.input.empty(), "actmem preprocess: give --input FILE.jsonl or "
+  TORCH_CHECK(o.builtin != !o.input.empty(),
+              "actmem preprocess: give --input FILE.jsonl or "
               "--builtin-corpus (one of them)");
   TORCH_CHECK(!o.output_prefix.empty(), "actmem preprocess: --output-prefix is required");
   TORCH_CHECK(o.workers >= 1, "actmem preprocess: --workers must be at least 1");
@@ -261,8 +262,8 @@ int run_preprocess(PreprocessOptions& o) {
   }
   progress_line(std::cerr, reader, docs, tokens, seconds(), true);
   for (size_t k = 0; k < builders.size(); ++k) {
-    TORCH_CHECK(written[k] > 0, "actmem preprocess: the input holds no non-empty '",
-                o.json_keys[k], "' document");
+    TORCH_CHECK(written[k] > 0, "actmem preprocess: the input holds no non-empty '", o.json_keys[k],
+                "' document");
   }
   for (auto& b : builders) b->finalize();
   for (size_t k = 0; k < prefixes.size(); ++k) {
@@ -273,7 +274,8 @@ int run_preprocess(PreprocessOptions& o) {
               << "), tokens stored as " << (code == kUInt16 ? "uint16" : "int32") << "\n";
   }
   if (empty > 0) {
-    std::cout << empty << " empty document(s) written without a sequence (as Megatron's "
+    std::cout << empty
+              << " empty document(s) written without a sequence (as Megatron's "
                  "preprocess_data.py writes them; they yield no sample)\n";
   }
   return 0;
@@ -284,13 +286,15 @@ int run_preprocess(PreprocessOptions& o) {
 Runner add_preprocess_command(CLI::App& app) {
   auto o = std::make_shared<PreprocessOptions>();
   CLI::App* cmd = app.add_subcommand(
-      "preprocess", "Tokenize JSON lines into Megatron's indexed dataset (PREFIX_KEY_document.bin/.idx)");
+      "preprocess",
+      "Tokenize JSON lines into Megatron's indexed dataset (PREFIX_KEY_document.bin/.idx)");
   cmd->add_option("--input", o->input, "JSON lines, one document per line");
   cmd->add_flag("--builtin-corpus", o->builtin,
                 "Use the built-in corpus (one document per paragraph) instead of --input");
   cmd->add_option("--json-keys", o->json_keys, "Keys of the text to tokenize (default: text)")
       ->expected(1, -1);
-  cmd->add_option("--output-prefix", o->output_prefix, "Output files: PREFIX_KEY_document.bin/.idx");
+  cmd->add_option("--output-prefix", o->output_prefix,
+                  "Output files: PREFIX_KEY_document.bin/.idx");
   cmd->add_option("--tokenizer-type", o->tokenizer_type,
                   "ByteTokenizer, SentencePieceTokenizer, GPT2BPETokenizer, TikTokenizer or "
                   "HuggingFaceTokenizer")
@@ -316,7 +320,8 @@ Runner add_preprocess_command(CLI::App& app) {
       ->check(CLI::Range(int64_t{8}, int64_t{1} << 24));
   cmd->add_flag("--append-eod", o->append_eod, "Append the end-of-document token to each document");
   cmd->add_option("--workers", o->workers, "Tokenizer threads")
-      ->capture_default_str()->check(CLI::Range(1, 1024));
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1024));
   return [o, cmd]() { return cmd->parsed() ? run_preprocess(*o) : -1; };
 }
 

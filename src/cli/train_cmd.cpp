@@ -79,9 +79,12 @@ std::string moe_summary(const actmem::TransformerConfig& m) {
   } else {
     os << "dropless";
   }
-  os << " | aux loss " << (m.moe_router_load_balancing_type == "aux_loss" && m.moe_aux_loss_coeff > 0
-                               ? "coeff " + c10::str(m.moe_aux_loss_coeff) : std::string("off"))
-     << ", z-loss " << (m.moe_z_loss_coeff ? "coeff " + c10::str(*m.moe_z_loss_coeff) : std::string("off"));
+  os << " | aux loss "
+     << (m.moe_router_load_balancing_type == "aux_loss" && m.moe_aux_loss_coeff > 0
+             ? "coeff " + c10::str(m.moe_aux_loss_coeff)
+             : std::string("off"))
+     << ", z-loss "
+     << (m.moe_z_loss_coeff ? "coeff " + c10::str(*m.moe_z_loss_coeff) : std::string("off"));
   if (m.moe_shared_expert_intermediate_size) {
     os << " | shared experts ffn " << *m.moe_shared_expert_intermediate_size
        << (m.moe_shared_expert_gate ? " (gated)" : "");
@@ -120,7 +123,8 @@ std::string mla_summary(const actmem::TransformerConfig& m) {
   os << "  MLA: q_lora_rank " << (m.q_lora_rank ? c10::str(*m.q_lora_rank) : std::string("none"))
      << ", kv_lora_rank " << m.kv_lora_rank << ", head dims qk " << m.qk_head_dim << " + rope "
      << m.qk_pos_emb_head_dim << ", v " << m.v_head_dim << ", " << m.resolved_rope_type()
-     << (m.resolved_rope_type() == "yarn" ? " (factor " + c10::str(m.rotary_scaling_factor) + ")" : "")
+     << (m.resolved_rope_type() == "yarn" ? " (factor " + c10::str(m.rotary_scaling_factor) + ")"
+                                          : "")
      << (m.qk_layernorm ? ", latent norms" : "") << "\n";
   return os.str();
 }
@@ -185,16 +189,16 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << shards->owned_elements() << " of " << shards->total_elements() << " elements ("
         << actmem::format_bytes(static_cast<double>(shards->owned_elements() * per_element))
         << " instead of "
-        << actmem::format_bytes(static_cast<double>(shards->total_elements() * per_element))
-        << ", " << shards->buckets() << (shards->buckets() == 1 ? " bucket" : " buckets") << ")\n";
+        << actmem::format_bytes(static_cast<double>(shards->total_elements() * per_element)) << ", "
+        << shards->buckets() << (shards->buckets() == 1 ? " bucket" : " buckets") << ")\n";
   }
   if (const auto& n = t.num_microbatches_with_partial_activation_checkpoints) {
     out << "  partial activation checkpoints: the first " << *n << " forwards of each window of "
         << "a stage's outstanding micro-batches checkpoint " << *m.recompute_num_layers
         << (*m.recompute_num_layers == 1 ? " layer" : " layers") << ", the others every layer\n";
   }
-  out << "  parameters " << model.num_parameters() << " | dropout attention "
-      << m.attention_dropout << " hidden " << m.hidden_dropout << " | ";
+  out << "  parameters " << model.num_parameters() << " | dropout attention " << m.attention_dropout
+      << " hidden " << m.hidden_dropout << " | ";
   if (corpus.train.defined()) {
     out << "corpus " << corpus.source << " (" << corpus.train.numel() << " train / "
         << corpus.valid.numel() << " validation tokens"
@@ -205,16 +209,14 @@ void print_header(std::ostream& out, const actmem::Trainer& trainer, const actme
         << corpus.train_samples << " train / " << corpus.valid_samples << " validation samples, "
         << (corpus.memory_mapped ? "memory-mapped" : "generated") << ")";
   }
-  out << " | device "
-      << t.device << " | " << at::get_num_threads() << " threads\n"
-      << mla_summary(m) << moe_summary(m)
-      << memory_settings(model.plan(), t) << "\n"
+  out << " | device " << t.device << " | " << at::get_num_threads() << " threads\n"
+      << mla_summary(m) << moe_summary(m) << memory_settings(model.plan(), t) << "\n"
       << "  " << actmem::runtime_summary() << "\n"
       << "  " << blas_report().summary() << "\n";
   if (m.tensor_model_parallel_size > 1) {
     out << "  tensor parallel " << m.tensor_model_parallel_size << " ranks"
-        << (m.sequence_parallel ? " with sequence parallelism" : "")
-        << " | parameters per rank " << model.num_parameters() << " | numbers below are "
+        << (m.sequence_parallel ? " with sequence parallelism" : "") << " | parameters per rank "
+        << model.num_parameters() << " | numbers below are "
         << "rank 0's; the JSON log has every rank's memory\n";
   }
   if (resumed) {
@@ -245,7 +247,8 @@ nlohmann::json config_record(const TrainOptions& o, Trainer& trainer, int world_
         {"total_elements", shards->total_elements()},
         {"buckets", shards->buckets()},
         {"state_bytes_rank0", shards->owned_elements() * optimizer_bytes_per_element(o.model)},
-        {"state_bytes_replicated", shards->total_elements() * optimizer_bytes_per_element(o.model)}};
+        {"state_bytes_replicated",
+         shards->total_elements() * optimizer_bytes_per_element(o.model)}};
   }
   const auto& c = trainer.corpus();
   if (c.train.defined()) {
@@ -282,8 +285,11 @@ struct BudgetOptions {
 void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_size) {
   const std::string& budget_text = b.budget;
   const int64_t budget = actmem::parse_memory_budget(budget_text);
-  TORCH_CHECK(world_size == 1, "actmem train: --memory-budget plans on one process; under launch "
-              "run `actmem plan --memory-budget ", budget_text, "` once and pass the flags it "
+  TORCH_CHECK(world_size == 1,
+              "actmem train: --memory-budget plans on one process; under launch "
+              "run `actmem plan --memory-budget ",
+              budget_text,
+              "` once and pass the flags it "
               "prints to train");
   const actmem::TransformerConfig& m = o.model;
   TORCH_CHECK(m.recompute_granularity.empty() && !m.moe_layer_recompute &&
@@ -294,8 +300,10 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   bool profiled = false;  // progress lines were printed: end them
   const actmem::MeasuredPlan plan = actmem::measured_plan(
       m, o.training,
-      actmem::TimedRounds::until_sure(3, actmem::kMaxProfileRounds, actmem::kDefaultProfilePrecision),
-      b.costs, [&profiled](const std::string& line) {
+      actmem::TimedRounds::until_sure(3, actmem::kMaxProfileRounds,
+                                      actmem::kDefaultProfilePrecision),
+      b.costs,
+      [&profiled](const std::string& line) {
         profiled = true;
         std::cerr << "\rplanning: " << line << "            " << std::flush;
       },
@@ -306,7 +314,8 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
   if (b.finalists > 0) {
     const std::vector<actmem::PlanEstimate> finalists = actmem::timed_finalists(
         m, o.training, plan.estimates, budget, b.finalists, actmem::kDefaultFinalistSteps,
-        actmem::TimedRounds::until_sure(actmem::kDefaultFinalistSteps, actmem::kDefaultMaxTimedRounds,
+        actmem::TimedRounds::until_sure(actmem::kDefaultFinalistSteps,
+                                        actmem::kDefaultMaxTimedRounds,
                                         actmem::kDefaultRatioPrecision),
         [](const std::string& line) {
           std::cerr << "\rplanning: timing the finalists, " << line << "            " << std::flush;
@@ -316,15 +325,16 @@ void plan_for_budget(actmem::TrainOptions& o, const BudgetOptions& b, int world_
       chosen = finalists.front();
     }
   }
-  std::cout << "planned for a memory budget of " << actmem::format_bytes(static_cast<double>(budget))
-            << ": " << chosen.strategy.name() << " (predicted peak "
-            << actmem::format_bytes(static_cast<double>(chosen.peak_bytes)) << ", step ratio "
-            << std::fixed << std::setprecision(3) << chosen.planned_ratio() << std::defaultfloat
-            << (chosen.confirmed_ratio > 0   ? " measured against the plain step"
+  std::cout << "planned for a memory budget of "
+            << actmem::format_bytes(static_cast<double>(budget)) << ": " << chosen.strategy.name()
+            << " (predicted peak " << actmem::format_bytes(static_cast<double>(chosen.peak_bytes))
+            << ", step ratio " << std::fixed << std::setprecision(3) << chosen.planned_ratio()
+            << std::defaultfloat
+            << (chosen.confirmed_ratio > 0  ? " measured against the plain step"
                 : chosen.finalist_ratio > 0 ? " measured among the finalists"
                                             : "")
-            << ")"
-            << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags()) << "\n";
+            << ")" << (chosen.strategy.plain() ? "" : "; flags: " + chosen.strategy.flags())
+            << "\n";
   const std::string note = actmem::copies_in_flight_note(m, chosen.strategy);
   if (!note.empty()) std::cerr << "planning: " << note << "\n";
   o.model = chosen.strategy.apply(m);
@@ -420,8 +430,10 @@ void check_train_files(const actmem::TrainOptions& o, const BudgetOptions& budge
     inputs.push_back({"--data-path", p + ".bin"});
     inputs.push_back({"--data-path", p + ".idx"});
   }
-  check_distinct_files(inputs, {{"--log-json", o.log_json}, {"--trace", o.trace},
-                                {"--pipeline-plot", o.pipeline_plot}, {"--costs", budget.costs}});
+  check_distinct_files(inputs, {{"--log-json", o.log_json},
+                                {"--trace", o.trace},
+                                {"--pipeline-plot", o.pipeline_plot},
+                                {"--costs", budget.costs}});
 }
 
 // Refuses the planner's flags given without the --memory-budget (or --costs) they serve.
@@ -505,8 +517,7 @@ void write_train_tensorboard(actmem::EventFileWriter& tensorboard, const actmem:
       // Megatron's 'throughput' (TFLOP/s per GPU there, per rank here): the model FLOPs of
       // this step's global batch (num_floating_point_operations).
       const double step_flops = actmem::megatron_model_flops(o.model, st.global_batch_size);
-      tensorboard.add_scalar("throughput",
-                             actmem::tflops_per_rank(step_flops, seconds, world_size),
+      tensorboard.add_scalar("throughput", actmem::tflops_per_rank(step_flops, seconds, world_size),
                              st.iteration);
     }
     state.last_logged_elapsed = st.elapsed_s;
@@ -602,8 +613,7 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
       out,
       [&](const actmem::IterationStats& st) {
         if (tensorboard) {
-          write_train_tensorboard(*tensorboard, o, trainer, dist.world_size, tensorboard_state,
-                                  st);
+          write_train_tensorboard(*tensorboard, o, trainer, dist.world_size, tensorboard_state, st);
         }
         add_train_step_to_totals(totals, st);
         if (log.is_open()) {
@@ -621,8 +631,8 @@ int run_train(actmem::TrainOptions& o, const BudgetOptions& budget) {
           << trainer.config().train_iters << ")\n";
     return 0;
   }
-  print_summary(human, o, totals.first_loss, totals.last_loss, totals.last_val,
-                totals.total_time, totals.steps, totals.last_stats, schedule_plot);
+  print_summary(human, o, totals.first_loss, totals.last_loss, totals.last_val, totals.total_time,
+                totals.steps, totals.last_stats, schedule_plot);
   if (!o.log_json.empty() && !log.is_stdout()) human << "JSON log: " << o.log_json << "\n";
   return 0;
 }
@@ -646,14 +656,18 @@ Runner add_train_command(CLI::App& app) {
   cmd->add_option("--costs", budget->costs,
                   "with --memory-budget: the planner's cost file (as `actmem plan --costs`): "
                   "reused when it holds this model's costs, else written");
-  CLI::Option* finalists = cmd->add_option("--finalists", budget->finalists,
-                  "with --memory-budget: time this many fastest-predicted strategies that fit "
-                  "side by side and train the one measured fastest (0: the prediction's choice)");
+  CLI::Option* finalists = cmd->add_option(
+      "--finalists", budget->finalists,
+      "with --memory-budget: time this many fastest-predicted strategies that fit "
+      "side by side and train the one measured fastest (0: the prediction's choice)");
   finalists->capture_default_str()->check(CLI::Range(0, 64));
-  CLI::Option* tolerance = cmd->add_option("--costs-speed-tolerance", budget->costs_speed_tolerance,
-                  "with --costs: percent the plain step may have moved since the profile before "
-                  "it is profiled again (0: not checked)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1000.0));
+  CLI::Option* tolerance =
+      cmd->add_option(
+             "--costs-speed-tolerance", budget->costs_speed_tolerance,
+             "with --costs: percent the plain step may have moved since the profile before "
+             "it is profiled again (0: not checked)")
+          ->capture_default_str()
+          ->check(CLI::Range(0.0, 1000.0));
   return [options, budget, cmd, tolerance, finalists]() {
     budget->costs_speed_tolerance_given = tolerance->count() > 0;
     budget->finalists_given = finalists->count() > 0;

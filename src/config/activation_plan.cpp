@@ -90,93 +90,9 @@ std::vector<TransformerConfig::StageLayers> model_pieces(const TransformerConfig
   return pieces;
 }
 
-// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
-// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
-// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
-// are marked "fixed" or "refused". Fills the recompute half of `plan`.
-void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
-  const std::string& g = c.recompute_granularity;
-  if (!g.empty()) {
-    TORCH_CHECK(g == "full" || g == "selective", "actmem::TransformerConfig: recompute_granularity: ",
-                g, " must be \"full\" or \"selective\".");
-    TORCH_CHECK(c.recompute_method.empty() || c.recompute_method == "block" ||
-                    c.recompute_method == "uniform",
-                "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
-                " must be \"block\" or \"uniform\".");
-    plan.granularity = g == "full" ? RecomputeGranularity::kFull : RecomputeGranularity::kSelective;
-    // A model chunk's layers (a stage's without interleaving): Megatron's TransformerBlock counts
-    // len(self.layers), one chunk's, as num_layers_per_pipeline_rank. With an uneven split the
-    // largest chunk's (n is clamped to a smaller chunk's layers there).
-    int64_t per_stage = 0;
-    for (const auto& piece : model_pieces(c)) per_stage = std::max(per_stage, piece.count);
-    if (plan.granularity == RecomputeGranularity::kFull) {
-      TORCH_CHECK(!c.recompute_method.empty(), "actmem::TransformerConfig: Using "
-                  "recompute_granularity: full so recompute_method must be \"block\" or "
-                  "\"uniform\"");
-      // Megatron only checks for None; the range is checked here too (fixed).
-      TORCH_CHECK(c.recompute_num_layers.has_value() && *c.recompute_num_layers >= 1 &&
-                      *c.recompute_num_layers <= per_stage,
-                  "actmem::TransformerConfig: When using recompute_granularity: full, "
-                  "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: ",
-                  per_stage, (c.recompute_num_layers ? ", got " + std::to_string(*c.recompute_num_layers)
-                                                     : std::string(", got none")));
-      plan.method = c.recompute_method == "uniform" ? RecomputeMethod::kUniform
-                                                    : RecomputeMethod::kBlock;
-      plan.recompute_num_layers = *c.recompute_num_layers;
-    } else {
-      TORCH_CHECK(!c.recompute_num_layers.has_value(), "actmem::TransformerConfig: When using "
-                  "recompute_granularity: selective, recompute_num_layers must be None.");
-      TORCH_CHECK(c.recompute_method.empty(), "actmem::TransformerConfig: recompute method is not "
-                  "yet supported for selective recomputing granularity");
-    }
-    TORCH_CHECK(!(c.distribute_saved_activations && c.sequence_parallel),
-                "actmem::TransformerConfig: distribute_saved_activations: ",
-                c.distribute_saved_activations, " must be false when sequence parallel is enabled: ",
-                c.sequence_parallel);
-  }
-  if (c.distribute_saved_activations) {
-    TORCH_CHECK(c.tensor_model_parallel_size > 1, "actmem::TransformerConfig: "
-                "distribute_saved_activations requires tensor_model_parallel_size > 1, got ",
-                c.tensor_model_parallel_size);
-    TORCH_CHECK(plan.full_recompute() && !c.recompute_method.empty(), "actmem::TransformerConfig: "
-                "distribute_saved_activations requires recompute_granularity full with a "
-                "recompute_method");
-    plan.distribute_saved_activations = true;
-  }
-  if (plan.granularity == RecomputeGranularity::kSelective) {
-    const std::vector<std::string> names =
-        c.recompute_modules.value_or(std::vector<std::string>{"core_attn"});  // Megatron's default
-    const auto invalid = resolve_names(names, kRecomputeModuleNames, plan.recompute_modules);
-    TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for "
-                "recompute_modules: ", join_set(invalid), ". Allowed modules are: ",
-                join_names(kRecomputeModuleNames));
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct) || c.moe_grouped_gemm,
-                "actmem::TransformerConfig: moe_act in recompute_modules is only supported with "
-                "moe_grouped_gemm.");
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention,
-                "actmem::TransformerConfig: mla_up_proj in recompute_modules is only supported "
-                "with multi_latent_attention.");
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut) || c.gated_delta_net(),
-                "actmem::TransformerConfig: gdn_norm_out in recompute_modules is only supported "
-                "with experimental_attention_variant='gdn' or 'gdn2'.");
-  } else {
-    TORCH_CHECK(!c.recompute_modules.has_value(), "actmem::TransformerConfig: recompute_modules "
-                "only applies to recompute_granularity selective (got granularity \"", g, "\")");
-  }
-  // Rule 18 of validate_args (after the others, so the appended "moe" is not re-validated): the
-  // deprecated --moe-layer-recompute forces selective granularity and adds "moe" to the modules,
-  // which default to core_attn as always (so it recomputes core_attn and moe, as in Megatron).
-  if (c.moe_layer_recompute) {
-    TORCH_CHECK(plan.granularity != RecomputeGranularity::kFull, "actmem::TransformerConfig: Do "
-                "not set --moe-layer-recompute with full recompute granularity.");
-    if (plan.granularity == RecomputeGranularity::kNone) {
-      plan.granularity = RecomputeGranularity::kSelective;
-      plan.recompute_modules = {RecomputeModule::kCoreAttn};
-    }
-    if (!plan.recomputes(RecomputeModule::kMoe)) plan.recompute_modules.push_back(RecomputeModule::kMoe);
-  }
-  // Megatron silently ignores a module the model does not have (mlp on an all-MoE model, moe on
-  // a dense one); a user asking for one expects an effect, so it is refused here (fixed).
+// Megatron silently ignores a module the model does not have (mlp on an all-MoE model, moe on a
+// dense one); a user asking for one expects an effect, so it is refused here (fixed).
+void check_modules_the_model_has(const TransformerConfig& c, const ActivationPlan& plan) {
   const std::vector<bool> moe = c.moe_layers();
   const bool any_moe = std::find(moe.begin(), moe.end(), true) != moe.end();
   const bool any_dense = std::find(moe.begin(), moe.end(), false) != moe.end();
@@ -189,7 +105,8 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
                   c.moe_shared_expert_intermediate_size.has_value(),
               "actmem::TransformerConfig: shared_experts in recompute_modules needs shared experts "
               "(moe_shared_expert_intermediate_size)");
-  TORCH_CHECK(any_dense || !plan.recomputes(RecomputeModule::kMlp), "actmem::TransformerConfig: "
+  TORCH_CHECK(any_dense || !plan.recomputes(RecomputeModule::kMlp),
+              "actmem::TransformerConfig: "
               "mlp in recompute_modules applies to dense layers and every layer of this model is "
               "MoE; recompute the MoE layer with moe (or its parts with moe_act, shared_experts)");
   // Likewise a hybrid model whose every layer is GatedDeltaNet has no core attention (fixed).
@@ -206,12 +123,113 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
               "output norm with gdn_norm_out");
 }
 
+// Megatron's recompute rules for a dense model (the recompute checks of TransformerConfig's
+// __post_init__ in megatron/core/transformer/transformer_config.py, then those of validate_args in
+// megatron/training/arguments.py), in its order and with its conditions; deliberate differences
+// are marked "fixed" or "refused". Fills the recompute half of `plan`.
+void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
+  const std::string& g = c.recompute_granularity;
+  if (!g.empty()) {
+    TORCH_CHECK(g == "full" || g == "selective",
+                "actmem::TransformerConfig: recompute_granularity: ", g,
+                " must be \"full\" or \"selective\".");
+    TORCH_CHECK(c.recompute_method.empty() || c.recompute_method == "block" ||
+                    c.recompute_method == "uniform",
+                "actmem::TransformerConfig: recompute_method: ", c.recompute_method,
+                " must be \"block\" or \"uniform\".");
+    plan.granularity = g == "full" ? RecomputeGranularity::kFull : RecomputeGranularity::kSelective;
+    // A model chunk's layers (a stage's without interleaving): Megatron's TransformerBlock counts
+    // len(self.layers), one chunk's, as num_layers_per_pipeline_rank. With an uneven split the
+    // largest chunk's (n is clamped to a smaller chunk's layers there).
+    int64_t per_stage = 0;
+    for (const auto& piece : model_pieces(c)) per_stage = std::max(per_stage, piece.count);
+    if (plan.granularity == RecomputeGranularity::kFull) {
+      TORCH_CHECK(!c.recompute_method.empty(),
+                  "actmem::TransformerConfig: Using "
+                  "recompute_granularity: full so recompute_method must be \"block\" or "
+                  "\"uniform\"");
+      // Megatron only checks for None; the range is checked here too (fixed).
+      TORCH_CHECK(c.recompute_num_layers.has_value() && *c.recompute_num_layers >= 1 &&
+                      *c.recompute_num_layers <= per_stage,
+                  "actmem::TransformerConfig: When using recompute_granularity: full, "
+                  "recompute_num_layers must be between 1 and num_layers_per_pipeline_rank: ",
+                  per_stage,
+                  (c.recompute_num_layers ? ", got " + std::to_string(*c.recompute_num_layers)
+                                          : std::string(", got none")));
+      plan.method =
+          c.recompute_method == "uniform" ? RecomputeMethod::kUniform : RecomputeMethod::kBlock;
+      plan.recompute_num_layers = *c.recompute_num_layers;
+    } else {
+      TORCH_CHECK(!c.recompute_num_layers.has_value(),
+                  "actmem::TransformerConfig: When using "
+                  "recompute_granularity: selective, recompute_num_layers must be None.");
+      TORCH_CHECK(c.recompute_method.empty(),
+                  "actmem::TransformerConfig: recompute method is not "
+                  "yet supported for selective recomputing granularity");
+    }
+    TORCH_CHECK(
+        !(c.distribute_saved_activations && c.sequence_parallel),
+        "actmem::TransformerConfig: distribute_saved_activations: ", c.distribute_saved_activations,
+        " must be false when sequence parallel is enabled: ", c.sequence_parallel);
+  }
+  if (c.distribute_saved_activations) {
+    TORCH_CHECK(c.tensor_model_parallel_size > 1,
+                "actmem::TransformerConfig: "
+                "distribute_saved_activations requires tensor_model_parallel_size > 1, got ",
+                c.tensor_model_parallel_size);
+    TORCH_CHECK(plan.full_recompute() && !c.recompute_method.empty(),
+                "actmem::TransformerConfig: "
+                "distribute_saved_activations requires recompute_granularity full with a "
+                "recompute_method");
+    plan.distribute_saved_activations = true;
+  }
+  if (plan.granularity == RecomputeGranularity::kSelective) {
+    const std::vector<std::string> names =
+        c.recompute_modules.value_or(std::vector<std::string>{"core_attn"});  // Megatron's default
+    const auto invalid = resolve_names(names, kRecomputeModuleNames, plan.recompute_modules);
+    TORCH_CHECK(invalid.empty(),
+                "actmem::TransformerConfig: Invalid choices for "
+                "recompute_modules: ",
+                join_set(invalid), ". Allowed modules are: ", join_names(kRecomputeModuleNames));
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoeAct) || c.moe_grouped_gemm,
+                "actmem::TransformerConfig: moe_act in recompute_modules is only supported with "
+                "moe_grouped_gemm.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMlaUpProj) || c.multi_latent_attention,
+                "actmem::TransformerConfig: mla_up_proj in recompute_modules is only supported "
+                "with multi_latent_attention.");
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut) || c.gated_delta_net(),
+                "actmem::TransformerConfig: gdn_norm_out in recompute_modules is only supported "
+                "with experimental_attention_variant='gdn' or 'gdn2'.");
+  } else {
+    TORCH_CHECK(!c.recompute_modules.has_value(),
+                "actmem::TransformerConfig: recompute_modules "
+                "only applies to recompute_granularity selective (got granularity \"",
+                g, "\")");
+  }
+  // Rule 18 of validate_args (after the others, so the appended "moe" is not re-validated): the
+  // deprecated --moe-layer-recompute forces selective granularity and adds "moe" to the modules,
+  // which default to core_attn as always (so it recomputes core_attn and moe, as in Megatron).
+  if (c.moe_layer_recompute) {
+    TORCH_CHECK(plan.granularity != RecomputeGranularity::kFull,
+                "actmem::TransformerConfig: Do "
+                "not set --moe-layer-recompute with full recompute granularity.");
+    if (plan.granularity == RecomputeGranularity::kNone) {
+      plan.granularity = RecomputeGranularity::kSelective;
+      plan.recompute_modules = {RecomputeModule::kCoreAttn};
+    }
+    if (!plan.recomputes(RecomputeModule::kMoe))
+      plan.recompute_modules.push_back(RecomputeModule::kMoe);
+  }
+  check_modules_the_model_has(c, plan);
+}
+
 // The in-flight cap of offload copies (Megatron's fine_grained_offloading_max_inflight_offloads),
 // checked for either kind of offload.
 int64_t inflight_cap(const TransformerConfig& c) {
   TORCH_CHECK(c.fine_grained_offloading_max_inflight_offloads >= -1,
               "actmem::TransformerConfig: fine_grained_offloading_max_inflight_offloads must be "
-              ">= 0 (or -1 for no cap), got ", c.fine_grained_offloading_max_inflight_offloads);
+              ">= 0 (or -1 for no cap), got ",
+              c.fine_grained_offloading_max_inflight_offloads);
   return c.fine_grained_offloading_max_inflight_offloads;
 }
 
@@ -223,9 +241,11 @@ void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(c.cpu_offloading_num_layers > 0 && c.cpu_offloading_num_layers < c.num_layers,
                 "actmem::TransformerConfig: CPU offloading can be done only for layers less than ",
                 c.num_layers, " (cpu_offloading_num_layers = ", c.cpu_offloading_num_layers, ")");
-    TORCH_CHECK(c.pipeline_model_parallel_size == 1, "actmem::TransformerConfig: Currently there "
+    TORCH_CHECK(c.pipeline_model_parallel_size == 1,
+                "actmem::TransformerConfig: Currently there "
                 "is no support for Pipeline parallelism with CPU offloading");
-    TORCH_CHECK(c.recompute_granularity.empty(), "actmem::TransformerConfig: CPU offloading does "
+    TORCH_CHECK(c.recompute_granularity.empty(),
+                "actmem::TransformerConfig: CPU offloading does "
                 "not work when activation recomputation is enabled");
     plan.cpu_offloading_num_layers = c.cpu_offloading_num_layers;
     // Our extension: Megatron's in-flight cap is a fine-grained setting (Transformer Engine's
@@ -235,8 +255,10 @@ void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
     // which is what `actmem plan` predicts (docs/offload.md, docs/planner.md).
     plan.max_inflight_offloads = inflight_cap(c);
   }
-  TORCH_CHECK(c.min_offloaded_tensor_size >= 0, "actmem::TransformerConfig: "
-              "min_offloaded_tensor_size must be >= 0, got ", c.min_offloaded_tensor_size);
+  TORCH_CHECK(c.min_offloaded_tensor_size >= 0,
+              "actmem::TransformerConfig: "
+              "min_offloaded_tensor_size must be >= 0, got ",
+              c.min_offloaded_tensor_size);
   plan.min_offloaded_tensor_size = c.min_offloaded_tensor_size;
 }
 
@@ -245,30 +267,37 @@ void resolve_layer_offload(const TransformerConfig& c, ActivationPlan& plan) {
 // marked. Runs after resolve_recompute (it reads the recompute decisions).
 void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& plan) {
   if (!c.fine_grained_activation_offloading) {
-    TORCH_CHECK(c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules only "
+    TORCH_CHECK(c.offload_modules.empty(),
+                "actmem::TransformerConfig: offload_modules only "
                 "applies with fine_grained_activation_offloading");
     return;
   }
-  TORCH_CHECK(c.cpu_offloading_num_layers == 0, "actmem::TransformerConfig: "
+  TORCH_CHECK(c.cpu_offloading_num_layers == 0,
+              "actmem::TransformerConfig: "
               "fine_grained_activation_offloading cannot be enabled with cpu_offloading.");
-  TORCH_CHECK(!c.offload_modules.empty(), "actmem::TransformerConfig: offload_modules must name "
+  TORCH_CHECK(!c.offload_modules.empty(),
+              "actmem::TransformerConfig: offload_modules must name "
               "at least one module when fine_grained_activation_offloading is on");
   const auto invalid = resolve_names(c.offload_modules, kOffloadModuleNames, plan.offload_modules);
-  TORCH_CHECK(invalid.empty(), "actmem::TransformerConfig: Invalid choices for offload_modules: ",
-              join_set(invalid), ". Allowed modules are: ", join_names(kOffloadModuleNames));
+  TORCH_CHECK(invalid.empty(),
+              "actmem::TransformerConfig: Invalid choices for offload_modules: ", join_set(invalid),
+              ". Allowed modules are: ", join_names(kOffloadModuleNames));
   const bool expert_groups =
       plan.offloads(OffloadModule::kExpertFc1) || plan.offloads(OffloadModule::kMoeAct);
   if (expert_groups) {
     const std::vector<bool> moe = c.moe_layers();
-    TORCH_CHECK(std::find(moe.begin(), moe.end(), true) != moe.end(), "actmem::TransformerConfig: "
+    TORCH_CHECK(std::find(moe.begin(), moe.end(), true) != moe.end(),
+                "actmem::TransformerConfig: "
                 "expert_fc1 and moe_act in offload_modules need MoE layers, and this model is "
                 "dense");
     // Megatron places both groups in TEGroupedMLP's forward (megatron/core/transformer/moe/
     // experts.py); one MLP per expert has no single fc1 input or activation to offload.
-    TORCH_CHECK(c.moe_grouped_gemm, "actmem::TransformerConfig: expert_fc1 and moe_act in "
+    TORCH_CHECK(c.moe_grouped_gemm,
+                "actmem::TransformerConfig: expert_fc1 and moe_act in "
                 "offload_modules need the grouped experts (--moe-grouped-gemm)");
     // Inside a recomputed MoE layer nothing is kept until backward, so there is nothing to move.
-    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoe), "actmem::TransformerConfig: expert_fc1 "
+    TORCH_CHECK(!plan.recomputes(RecomputeModule::kMoe),
+                "actmem::TransformerConfig: expert_fc1 "
                 "and moe_act cannot be offloaded when moe recomputes the whole MoE layer: remove "
                 "them from offload_modules or moe from recompute_modules");
   }
@@ -277,12 +306,13 @@ void resolve_fine_grained_offload(const TransformerConfig& c, ActivationPlan& pl
               "without core_attn because the input of attn_proj is the output of core_attn, which "
               "is needed in core_attn.backward().");
   // Megatron silently skips core_attn offload when core_attn is recomputed; refused here.
-  TORCH_CHECK(!(plan.offloads(OffloadModule::kCoreAttn) &&
-                plan.recomputes(RecomputeModule::kCoreAttn)),
-              "actmem::TransformerConfig: core_attn cannot be both offloaded and recomputed: "
-              "remove it from offload_modules or from recompute_modules");
+  TORCH_CHECK(
+      !(plan.offloads(OffloadModule::kCoreAttn) && plan.recomputes(RecomputeModule::kCoreAttn)),
+      "actmem::TransformerConfig: core_attn cannot be both offloaded and recomputed: "
+      "remove it from offload_modules or from recompute_modules");
   // Our restriction: whole-layer checkpoints and module offload groups do not compose here.
-  TORCH_CHECK(!plan.full_recompute(), "actmem::TransformerConfig: "
+  TORCH_CHECK(!plan.full_recompute(),
+              "actmem::TransformerConfig: "
               "fine_grained_activation_offloading works with selective recompute only, not with "
               "recompute_granularity full");
   plan.max_inflight_offloads = inflight_cap(c);
@@ -310,7 +340,9 @@ std::vector<CheckpointChunk> checkpoint_chunks(const ActivationPlan& plan,
 
 }  // namespace
 
-const char* to_string(RecomputeModule m) { return name_in(kRecomputeModuleNames, m); }
+const char* to_string(RecomputeModule m) {
+  return name_in(kRecomputeModuleNames, m);
+}
 
 std::string recompute_module_list(std::string_view sep) {
   return names_joined(kRecomputeModuleNames, sep, [](RecomputeModule) { return true; });
@@ -318,7 +350,9 @@ std::string recompute_module_list(std::string_view sep) {
 std::string offload_module_list(std::string_view sep) {
   return names_joined(kOffloadModuleNames, sep, [](OffloadModule) { return true; });
 }
-const char* to_string(OffloadModule m) { return name_in(kOffloadModuleNames, m); }
+const char* to_string(OffloadModule m) {
+  return name_in(kOffloadModuleNames, m);
+}
 std::optional<RecomputeModule> parse_recompute_module(std::string_view name) {
   return parse_in(kRecomputeModuleNames, name);
 }
@@ -328,18 +362,24 @@ std::optional<OffloadModule> parse_offload_module(std::string_view name) {
 
 const char* to_string(RecomputeGranularity g) {
   switch (g) {
-    case RecomputeGranularity::kNone: return "none";
-    case RecomputeGranularity::kFull: return "full";
-    case RecomputeGranularity::kSelective: return "selective";
+    case RecomputeGranularity::kNone:
+      return "none";
+    case RecomputeGranularity::kFull:
+      return "full";
+    case RecomputeGranularity::kSelective:
+      return "selective";
   }
   return "?";
 }
 
 const char* to_string(RecomputeMethod m) {
   switch (m) {
-    case RecomputeMethod::kNone: return "none";
-    case RecomputeMethod::kUniform: return "uniform";
-    case RecomputeMethod::kBlock: return "block";
+    case RecomputeMethod::kNone:
+      return "none";
+    case RecomputeMethod::kUniform:
+      return "uniform";
+    case RecomputeMethod::kBlock:
+      return "block";
   }
   return "?";
 }
@@ -355,6 +395,18 @@ bool LayerPlan::recomputes_any() const {
 
 bool ActivationPlan::offloads(OffloadModule m) const {
   return std::find(offload_modules.begin(), offload_modules.end(), m) != offload_modules.end();
+}
+
+ActivationPlan keep_everything_plan(const TransformerConfig& c) {
+  c.validate_shape();
+  ActivationPlan plan;
+  const std::vector<bool> moe = c.moe_layers(), gdn = c.gdn_layers();
+  plan.layers.resize(static_cast<size_t>(c.num_layers));
+  for (size_t i = 0; i < plan.layers.size(); ++i) {
+    plan.layers[i].moe = moe[i];
+    plan.layers[i].gdn = gdn[i];
+  }
+  return plan;
 }
 
 ActivationPlan make_activation_plan(const TransformerConfig& c) {
@@ -404,8 +456,10 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
   for (size_t k = 0; k < plan.chunks.size(); ++k) {
     const CheckpointChunk& chunk = plan.chunks[k];
     TORCH_CHECK(chunk.start >= next && chunk.start < chunk.end && chunk.end <= c.num_layers, api,
-                "chunk ", k, " [", chunk.start, ", ", chunk.end, ") is empty, overlaps the one "
-                "before or runs past layer ", c.num_layers);
+                "chunk ", k, " [", chunk.start, ", ", chunk.end,
+                ") is empty, overlaps the one "
+                "before or runs past layer ",
+                c.num_layers);
     for (int64_t i = chunk.start; i < chunk.end; ++i) {
       const LayerPlan& l = plan.layers[static_cast<size_t>(i)];
       TORCH_CHECK(l.chunk == static_cast<int>(k) && l.starts_chunk == (i == chunk.start), api,
@@ -413,9 +467,10 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
     }
     for (const auto& layers : model_pieces(c)) {
       TORCH_CHECK(layers.contains(chunk.start) == layers.contains(chunk.end - 1), api, "chunk ", k,
-                  " [", chunk.start, ", ", chunk.end, ") crosses the boundary of the pipeline "
-                  "stage (or model chunk) of layers ", layers.offset, "..",
-                  layers.offset + layers.count - 1);
+                  " [", chunk.start, ", ", chunk.end,
+                  ") crosses the boundary of the pipeline "
+                  "stage (or model chunk) of layers ",
+                  layers.offset, "..", layers.offset + layers.count - 1);
     }
     next = chunk.end;
   }
@@ -461,15 +516,16 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
                   (l.offloads(OffloadModule::kExpertFc1) || l.offloads(OffloadModule::kMoeAct))),
                 api, "layer ", i,
                 ": expert groups cannot be offloaded inside a recomputed MoE layer");
-    TORCH_CHECK(c.moe_grouped_gemm || (!l.offloads(OffloadModule::kExpertFc1) &&
-                                       !l.offloads(OffloadModule::kMoeAct)),
+    TORCH_CHECK(c.moe_grouped_gemm ||
+                    (!l.offloads(OffloadModule::kExpertFc1) && !l.offloads(OffloadModule::kMoeAct)),
                 api, "layer ", i, ": the expert offload groups need moe_grouped_gemm");
     const bool module_offload =
         std::any_of(l.offload_module.begin(), l.offload_module.end(), [](bool b) { return b; });
-    TORCH_CHECK(l.chunk < static_cast<int>(plan.chunks.size()), api, "layer ", i,
-                " names chunk ", l.chunk, " of ", plan.chunks.size());
-    TORCH_CHECK(!l.in_chunk() || (!selective && !module_offload && !l.layer_group), api,
-                "layer ", i, " runs in a full-recompute chunk and cannot also recompute or "
+    TORCH_CHECK(l.chunk < static_cast<int>(plan.chunks.size()), api, "layer ", i, " names chunk ",
+                l.chunk, " of ", plan.chunks.size());
+    TORCH_CHECK(!l.in_chunk() || (!selective && !module_offload && !l.layer_group), api, "layer ",
+                i,
+                " runs in a full-recompute chunk and cannot also recompute or "
                 "offload its modules");
     TORCH_CHECK(!(l.offload_layer && module_offload), api, "layer ", i,
                 " offloads the whole layer and module groups at once");
@@ -480,7 +536,8 @@ void check_activation_plan(const TransformerConfig& c, const ActivationPlan& pla
   }
   TORCH_CHECK(!plan.distribute_saved_activations ||
                   (!plan.chunks.empty() && c.tensor_model_parallel_size > 1),
-              api, "distribute_saved_activations needs full-recompute chunks and "
+              api,
+              "distribute_saved_activations needs full-recompute chunks and "
               "tensor_model_parallel_size > 1");
 }
 
@@ -552,14 +609,15 @@ nlohmann::json ActivationPlan::to_json() const {
 
 void print_activation_plan(std::ostream& os, const ActivationPlan& plan) {
   os << plan.summary() << "\n\n"
-     << std::left << std::setw(8) << "layer" << std::setw(44) << "recompute" << "offload\n";
+     << std::left << std::setw(8) << "layer" << std::setw(44) << "recompute"
+     << "offload\n";
   for (size_t i = 0; i < plan.layers.size(); ++i) {
     const LayerPlan& l = plan.layers[i];
     std::string recompute;
     if (l.in_chunk()) {
       const CheckpointChunk& c = plan.chunks[static_cast<size_t>(l.chunk)];
-      recompute = "full, chunk " + std::to_string(l.chunk) + " (layers " +
-                  std::to_string(c.start) + "-" + std::to_string(c.end - 1) + ")" +
+      recompute = "full, chunk " + std::to_string(l.chunk) + " (layers " + std::to_string(c.start) +
+                  "-" + std::to_string(c.end - 1) + ")" +
                   (l.starts_chunk ? (plan.distribute_saved_activations ? ": keeps 1/t of its input"
                                                                        : ": keeps its input")
                                   : "");

@@ -19,8 +19,8 @@ void check_positive(int64_t value, const char* name) {
   TORCH_CHECK(value > 0, "actmem::TransformerConfig: ", name, " must be positive, got ", value);
 }
 void check_dropout(double p, const char* name) {
-  TORCH_CHECK(p >= 0.0 && p < 1.0, "actmem::TransformerConfig: ", name,
-              " must be in [0, 1), got ", p);
+  TORCH_CHECK(p >= 0.0 && p < 1.0, "actmem::TransformerConfig: ", name, " must be in [0, 1), got ",
+              p);
 }
 }  // namespace
 
@@ -77,7 +77,8 @@ class PatternParser {
     } else if (eat('[')) {
       v.is_list = true;
       if (!eat(']')) {
-        do v.list.push_back(number()); while (eat(','));
+        do v.list.push_back(number());
+        while (eat(','));
         check(eat(']'), "missing ']'");
       }
     } else {
@@ -95,7 +96,8 @@ class PatternParser {
       check(n <= 1 << 20 && static_cast<int64_t>(list.list.size()) * n <= 1 << 20, "too long");
       Value out;
       out.is_list = true;
-      for (int64_t i = 0; i < n; ++i) out.list.insert(out.list.end(), list.list.begin(), list.list.end());
+      for (int64_t i = 0; i < n; ++i)
+        out.list.insert(out.list.end(), list.list.begin(), list.list.end());
       v = std::move(out);
     }
     return v;
@@ -131,53 +133,71 @@ void validate_pipeline(const TransformerConfig& c) {
   const auto& last = c.decoder_last_pipeline_num_layers;
   const auto& per_vp = c.num_layers_per_virtual_pipeline_stage;
   const auto& vp = c.num_virtual_stages_per_pipeline_rank;
-  TORCH_CHECK(!(per_vp && vp), api, "No more than one of the following arguments can be set at the "
+  TORCH_CHECK(!(per_vp && vp), api,
+              "No more than one of the following arguments can be set at the "
               "same time: --num-layers-per-virtual-pipeline-stage, "
-              "--num-virtual-stages-per-pipeline-rank (got ", *per_vp, " and ", vp.value_or(0), ")");
+              "--num-virtual-stages-per-pipeline-rank (got ",
+              *per_vp, " and ", vp.value_or(0), ")");
   if (per_vp || vp) {
-    TORCH_CHECK(!per_vp || (!first && !last), api, "please use --num-virtual-stages-per-pipeline-"
+    TORCH_CHECK(!per_vp || (!first && !last), api,
+                "please use --num-virtual-stages-per-pipeline-"
                 "rank to specify virtual pipeline parallel degree when enable uneven pipeline "
                 "parallelism");
-    TORCH_CHECK(first || last || c.num_layers % p == 0, api, "number of layers of the model must "
-                "be divisible pipeline model parallel size (num_layers ", c.num_layers,
-                ", pipeline size ", p, ")");
+    TORCH_CHECK(first || last || c.num_layers % p == 0, api,
+                "number of layers of the model must "
+                "be divisible pipeline model parallel size (num_layers ",
+                c.num_layers, ", pipeline size ", p, ")");
     const int64_t per_stage = c.num_layers / p;
     if (first || last) {
       // Uneven and interleaved (TransformerConfig.__post_init__'s "Uneven PP" with a virtual
       // size): the first and last stages' layers split into v chunks each; the middle stages'
       // checks follow below.
-      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
-      TORCH_CHECK(!first || *first % *vp == 0, api, "number of layers at first stage: ",
-                  *first, " must be divisible by virtual pipeline parallel degree ", *vp);
+      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ",
+                  *vp);
+      TORCH_CHECK(!first || *first % *vp == 0, api, "number of layers at first stage: ", *first,
+                  " must be divisible by virtual pipeline parallel degree ", *vp);
       TORCH_CHECK(!last || *last % *vp == 0, api, "number of layers at last stage: ", *last,
                   " must be divisible by virtual pipeline parallel degree ", *vp);
     } else if (per_vp) {
       TORCH_CHECK(*per_vp >= 1, api, "num_layers_per_virtual_pipeline_stage must be positive, got ",
                   *per_vp);
-      TORCH_CHECK(per_stage % *per_vp == 0, api, "number of layers per pipeline stage must be "
-                  "divisible number of layers per virtual pipeline stage (", per_stage, " layers "
-                  "per stage, ", *per_vp, " per virtual stage)");
+      TORCH_CHECK(per_stage % *per_vp == 0, api,
+                  "number of layers per pipeline stage must be "
+                  "divisible number of layers per virtual pipeline stage (",
+                  per_stage,
+                  " layers "
+                  "per stage, ",
+                  *per_vp, " per virtual stage)");
     } else {
-      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ", *vp);
-      TORCH_CHECK(per_stage % *vp == 0, api, "the ", per_stage, " layers of a pipeline stage cannot "
-                  "be split into ", *vp, " virtual stages of equal size");
+      TORCH_CHECK(*vp >= 1, api, "num_virtual_stages_per_pipeline_rank must be positive, got ",
+                  *vp);
+      TORCH_CHECK(per_stage % *vp == 0, api, "the ", per_stage,
+                  " layers of a pipeline stage cannot "
+                  "be split into ",
+                  *vp, " virtual stages of equal size");
     }
     // Megatron asserts p > 2 unless --overlap-p2p-comm: NCCL's batched send/recv between the same
     // two ranks (p = 2 makes the previous and the next stage one rank). Here every message is
     // posted on its own with a tag per direction, so p = 2 is safe (fixed); p = 1 has no pipeline.
-    TORCH_CHECK(c.virtual_pipeline_size() == 1 || p > 1, api, "When interleaved schedule is used, "
+    TORCH_CHECK(c.virtual_pipeline_size() == 1 || p > 1, api,
+                "When interleaved schedule is used, "
                 "pipeline-model-parallel size should be greater than 1");
   }
   if (const auto& g = c.microbatch_group_size_per_vp_stage) {
-    TORCH_CHECK(c.virtual_pipeline_size() > 1, api, "microbatch_group_size_per_vp_stage applies "
+    TORCH_CHECK(c.virtual_pipeline_size() > 1, api,
+                "microbatch_group_size_per_vp_stage applies "
                 "to the interleaved schedule only (set --num-layers-per-virtual-pipeline-stage or "
                 "--num-virtual-stages-per-pipeline-rank)");
-    TORCH_CHECK(*g >= p, api, "The number of contiguous micro-batches in a virtual pipeline stage "
-                "should range in [PP=", p, " , M]: got ", *g);
+    TORCH_CHECK(*g >= p, api,
+                "The number of contiguous micro-batches in a virtual pipeline stage "
+                "should range in [PP=",
+                p, " , M]: got ", *g);
   }
   if (!first && !last) {
-    TORCH_CHECK(c.num_layers % p == 0, api, "Number of layers should be divisible by the "
-                "pipeline-model-parallel size (num_layers ", c.num_layers, ", pipeline size ", p, ")");
+    TORCH_CHECK(c.num_layers % p == 0, api,
+                "Number of layers should be divisible by the "
+                "pipeline-model-parallel size (num_layers ",
+                c.num_layers, ", pipeline size ", p, ")");
     return;
   }
   int64_t layers = c.num_layers, stages = p;
@@ -195,15 +215,22 @@ void validate_pipeline(const TransformerConfig& c) {
   }
   // Megatron's "Mismatch" check; a negative remainder (more layers asked for than the model has)
   // is refused here too (Megatron would go on with a negative count).
-  TORCH_CHECK(layers >= 0 && stages >= 0 && (layers != 0) == (stages != 0), api, "Mismatch: ",
-              layers, " middle layers remaining but ", stages, " middle PP stages available "
-              "(num_layers ", c.num_layers, ", pipeline size ", p, ")");
-  TORCH_CHECK(stages == 0 || layers % stages == 0, api, "number of layers at middle stage: ",
-              layers, " must be divisible by the middle pipeline model parallel size ", stages);
+  TORCH_CHECK(layers >= 0 && stages >= 0 && (layers != 0) == (stages != 0), api,
+              "Mismatch: ", layers, " middle layers remaining but ", stages,
+              " middle PP stages available "
+              "(num_layers ",
+              c.num_layers, ", pipeline size ", p, ")");
+  TORCH_CHECK(stages == 0 || layers % stages == 0, api,
+              "number of layers at middle stage: ", layers,
+              " must be divisible by the middle pipeline model parallel size ", stages);
   if (vp) {
-    TORCH_CHECK(stages == 0 || (layers / stages) % *vp == 0, api, "number of layers on each "
-                "middle pipeline rank: ", layers / stages, " must be divisible by virtual pipeline "
-                "parallel degree ", *vp);
+    TORCH_CHECK(stages == 0 || (layers / stages) % *vp == 0, api,
+                "number of layers on each "
+                "middle pipeline rank: ",
+                layers / stages,
+                " must be divisible by virtual pipeline "
+                "parallel degree ",
+                *vp);
   }
 }
 }  // namespace
@@ -257,7 +284,8 @@ TransformerConfig::StageLayers TransformerConfig::model_chunk_layers(int64_t sta
 
 TransformerConfig::StageLayers TransformerConfig::pipeline_stage_layers(int64_t stage) const {
   const int64_t p = pipeline_model_parallel_size;
-  TORCH_CHECK(virtual_pipeline_size() == 1, "actmem::TransformerConfig::pipeline_stage_layers: "
+  TORCH_CHECK(virtual_pipeline_size() == 1,
+              "actmem::TransformerConfig::pipeline_stage_layers: "
               "with virtual pipeline stages a rank's layers are not contiguous; use "
               "model_chunk_layers(stage, chunk)");
   TORCH_CHECK(stage >= 0 && stage < p, "actmem::TransformerConfig::pipeline_stage_layers: stage ",
@@ -283,8 +311,10 @@ std::vector<bool> TransformerConfig::moe_layers() const {
     return std::isdigit(static_cast<unsigned char>(ch));
   });
   if (is_int) {
-    TORCH_CHECK(f.size() <= 9 && std::stoll(f) >= 1, "actmem::TransformerConfig: moe_layer_freq "
-                "must be a positive integer or a list pattern, got ", f);
+    TORCH_CHECK(f.size() <= 9 && std::stoll(f) >= 1,
+                "actmem::TransformerConfig: moe_layer_freq "
+                "must be a positive integer or a list pattern, got ",
+                f);
     const int64_t n = std::stoll(f);
     for (size_t i = 0; i < out.size(); ++i) out[i] = static_cast<int64_t>(i) % n == 0;
     return out;
@@ -293,12 +323,15 @@ std::vector<bool> TransformerConfig::moe_layers() const {
                   f.find_first_not_of("0123456789,[]()+* ") == std::string::npos,
               "actmem::TransformerConfig: Invalid pattern: ", f);
   const std::vector<int64_t> pattern = PatternParser(f).parse();
-  TORCH_CHECK(static_cast<int64_t>(pattern.size()) == num_layers, "actmem::TransformerConfig: "
-              "Invalid length of moe_layer_pattern: ", pattern.size(), ", expected ", num_layers,
-              ", current moe layer pattern: ", f);
+  TORCH_CHECK(static_cast<int64_t>(pattern.size()) == num_layers,
+              "actmem::TransformerConfig: "
+              "Invalid length of moe_layer_pattern: ",
+              pattern.size(), ", expected ", num_layers, ", current moe layer pattern: ", f);
   for (size_t i = 0; i < pattern.size(); ++i) {
-    TORCH_CHECK(pattern[i] == 0 || pattern[i] == 1, "actmem::TransformerConfig: Invalid layer "
-                "pattern: ", f, " (entries must be 0 or 1)");
+    TORCH_CHECK(pattern[i] == 0 || pattern[i] == 1,
+                "actmem::TransformerConfig: Invalid layer "
+                "pattern: ",
+                f, " (entries must be 0 or 1)");
     out[i] = pattern[i] == 1;
   }
   return out;
@@ -358,7 +391,8 @@ void validate_moe(const TransformerConfig& c) {
                 "num_moe_experts must be non None to use expert-parallel.");
     // Megatron only warns (and ignores it) when moe_layer_freq leaves dense layers; a dense model
     // has no MoE layer to size, so it is refused either way here (fixed).
-    TORCH_CHECK(!c.moe_ffn_hidden_size, api, "moe_ffn_hidden_size is set but num_moe_experts is "
+    TORCH_CHECK(!c.moe_ffn_hidden_size, api,
+                "moe_ffn_hidden_size is set but num_moe_experts is "
                 "None. Please set num_moe_experts or remove moe_ffn_hidden_size.");
     TORCH_CHECK(!c.moe_shared_expert_intermediate_size && !c.moe_grouped_gemm &&
                     !c.moe_layer_recompute && c.moe_expert_dropout == 0.0 &&
@@ -369,15 +403,17 @@ void validate_moe(const TransformerConfig& c) {
   }
   c.moe_layers();  // the pattern's own errors
   const int64_t E = c.num_moe_experts;
-  TORCH_CHECK(c.moe_router_topk >= 1 && c.moe_router_topk <= E, api, "moe_router_topk must be "
-              "between 1 and num_moe_experts (", E, "), got ", c.moe_router_topk);  // fixed
+  TORCH_CHECK(c.moe_router_topk >= 1 && c.moe_router_topk <= E, api,
+              "moe_router_topk must be "
+              "between 1 and num_moe_experts (",
+              E, "), got ", c.moe_router_topk);  // fixed
   TORCH_CHECK(!c.moe_ffn_hidden_size || *c.moe_ffn_hidden_size > 0, api,
               "moe_ffn_hidden_size must be positive, got ", c.moe_ffn_hidden_size.value_or(0));
   TORCH_CHECK(c.moe_router_score_function == "softmax" || c.moe_router_score_function == "sigmoid",
               api, "Invalid score_function: ", c.moe_router_score_function);
-  TORCH_CHECK(c.moe_token_dispatcher_type == "allgather" ||
-                  c.moe_token_dispatcher_type == "alltoall",
-              api, "Unsupported token dispatcher type: ", c.moe_token_dispatcher_type);
+  TORCH_CHECK(
+      c.moe_token_dispatcher_type == "allgather" || c.moe_token_dispatcher_type == "alltoall", api,
+      "Unsupported token dispatcher type: ", c.moe_token_dispatcher_type);
   TORCH_CHECK(c.moe_token_drop_policy == "probs" || c.moe_token_drop_policy == "position", api,
               "Invalid drop_policy: ", c.moe_token_drop_policy);
   const std::string& lb = c.moe_router_load_balancing_type;
@@ -386,33 +422,42 @@ void validate_moe(const TransformerConfig& c) {
               " is not implemented (aux_loss, seq_aux_loss or none)");
   TORCH_CHECK(c.moe_aux_loss_coeff >= 0.0 && std::isfinite(c.moe_aux_loss_coeff), api,
               "moe_aux_loss_coeff must be a finite number >= 0, got ", c.moe_aux_loss_coeff);
-  TORCH_CHECK(!c.moe_z_loss_coeff || (*c.moe_z_loss_coeff >= 0.0 && std::isfinite(*c.moe_z_loss_coeff)),
-              api, "moe_z_loss_coeff must be a finite number >= 0, got ", c.moe_z_loss_coeff.value_or(0));
+  TORCH_CHECK(
+      !c.moe_z_loss_coeff || (*c.moe_z_loss_coeff >= 0.0 && std::isfinite(*c.moe_z_loss_coeff)),
+      api, "moe_z_loss_coeff must be a finite number >= 0, got ", c.moe_z_loss_coeff.value_or(0));
   TORCH_CHECK(!(c.moe_router_topk == 1 && c.moe_router_score_function == "softmax" &&
                 !c.moe_router_pre_softmax),
               api, "Please use --moe-router-pre-softmax when topk is 1.");
-  TORCH_CHECK(!c.moe_router_topk_scaling_factor || (*c.moe_router_topk_scaling_factor > 0.0 &&
-                                                    std::isfinite(*c.moe_router_topk_scaling_factor)),
-              api, "moe_router_topk_scaling_factor must be a positive number");
+  TORCH_CHECK(
+      !c.moe_router_topk_scaling_factor || (*c.moe_router_topk_scaling_factor > 0.0 &&
+                                            std::isfinite(*c.moe_router_topk_scaling_factor)),
+      api, "moe_router_topk_scaling_factor must be a positive number");
   if (c.moe_shared_expert_intermediate_size) {
     const int64_t v = *c.moe_shared_expert_intermediate_size;
-    TORCH_CHECK(v > 0, api, "moe_shared_expert_intermediate_size must be num_shared_experts * "
-                "ffn_size_of_each_shared_expert, but got ", v);
+    TORCH_CHECK(v > 0, api,
+                "moe_shared_expert_intermediate_size must be num_shared_experts * "
+                "ffn_size_of_each_shared_expert, but got ",
+                v);
     // megatron/core/transformer/moe/shared_experts.py. Megatron's assert message loses its
     // second half to a line break ("bias is not supported in the shared experts, " and the
     // advice on the next line is a separate expression): actmem prints both halves.
-    TORCH_CHECK(!c.add_bias_linear, api, "bias is not supported in the shared experts, please "
+    TORCH_CHECK(!c.add_bias_linear, api,
+                "bias is not supported in the shared experts, please "
                 "set '--disable-bias-linear' instead.");
     TORCH_CHECK(v % c.tensor_model_parallel_size == 0, api, "moe_shared_expert_intermediate_size (",
-                v, ") must be divisible by tensor_model_parallel_size (", c.tensor_model_parallel_size, ")");
+                v, ") must be divisible by tensor_model_parallel_size (",
+                c.tensor_model_parallel_size, ")");
   } else {
-    TORCH_CHECK(!c.moe_shared_expert_gate, api, "moe_shared_expert_gate needs shared experts "
+    TORCH_CHECK(!c.moe_shared_expert_gate, api,
+                "moe_shared_expert_gate needs shared experts "
                 "(moe_shared_expert_intermediate_size)");
   }
   if (c.moe_expert_capacity_factor) {
     TORCH_CHECK(std::isfinite(*c.moe_expert_capacity_factor) && *c.moe_expert_capacity_factor > 0.0,
-                api, "moe_expert_capacity_factor must be a positive number (unset for dropless "
-                "routing), got ", *c.moe_expert_capacity_factor);
+                api,
+                "moe_expert_capacity_factor must be a positive number (unset for dropless "
+                "routing), got ",
+                *c.moe_expert_capacity_factor);
     TORCH_CHECK(lb == "aux_loss" || lb == "seq_aux_loss" || lb == "none", api,
                 "moe_expert_capacity_factor only works with "
                 "aux_loss, seq_aux_loss, global_aux_loss or none load balancing");
@@ -428,11 +473,14 @@ void validate_moe(const TransformerConfig& c) {
   if (t > 1) {
     // MoELayer.forward (megatron/core/transformer/moe/moe_layer.py) raises this when training;
     // refused up front here (Megatron's message, with the space its concatenation drops).
-    TORCH_CHECK(c.sequence_parallel, api, "During training, performance may degrade if MoE and "
+    TORCH_CHECK(c.sequence_parallel, api,
+                "During training, performance may degrade if MoE and "
                 "tensor parallelism are enabled without also enabling sequence parallelism.");
     // The experts are split over the expert tensor-parallel ranks (etp = t, Megatron's default).
-    TORCH_CHECK(c.moe_ffn() % t == 0, api, "moe_ffn_hidden_size (", c.moe_ffn(), ") must be "
-                "divisible by expert_tensor_parallel_size (", t, ")");
+    TORCH_CHECK(c.moe_ffn() % t == 0, api, "moe_ffn_hidden_size (", c.moe_ffn(),
+                ") must be "
+                "divisible by expert_tensor_parallel_size (",
+                t, ")");
   }
 }
 // Megatron's MLA rules (MLATransformerConfig.__post_init__ in
@@ -518,8 +566,10 @@ void validate_mla(const TransformerConfig& c) {
   check_positive(c.qk_head_dim, "qk_head_dim");
   check_positive(c.qk_pos_emb_head_dim, "qk_pos_emb_head_dim");
   check_positive(c.v_head_dim, "v_head_dim");
-  TORCH_CHECK(c.qk_pos_emb_head_dim % 2 == 0, api, "qk_pos_emb_head_dim must be even (RoPE "
-              "rotates pairs), got ", c.qk_pos_emb_head_dim);
+  TORCH_CHECK(c.qk_pos_emb_head_dim % 2 == 0, api,
+              "qk_pos_emb_head_dim must be even (RoPE "
+              "rotates pairs), got ",
+              c.qk_pos_emb_head_dim);
   TORCH_CHECK(std::isfinite(c.rotary_scaling_factor) && c.rotary_scaling_factor > 0.0, api,
               "rotary_scaling_factor must be a positive number, got ", c.rotary_scaling_factor);
   TORCH_CHECK(std::isfinite(c.mscale) && std::isfinite(c.mscale_all_dim), api,
@@ -528,7 +578,9 @@ void validate_mla(const TransformerConfig& c) {
 }
 }  // namespace
 
-void TransformerConfig::validate() const { make_activation_plan(*this); }
+void TransformerConfig::validate() const {
+  make_activation_plan(*this);
+}
 
 void TransformerConfig::validate_shape() const {
   check_positive(num_layers, "num_layers");
@@ -546,22 +598,29 @@ void TransformerConfig::validate_shape() const {
               ") must divide hidden_size (", hidden_size,
               "), or give the head width with "
               "--kv-channels");
-  TORCH_CHECK(ffn_hidden_size >= 0, "actmem::TransformerConfig: ffn_hidden_size must be positive "
-              "(or 0 for 4 * hidden_size), got ", ffn_hidden_size);
+  TORCH_CHECK(ffn_hidden_size >= 0,
+              "actmem::TransformerConfig: ffn_hidden_size must be positive "
+              "(or 0 for 4 * hidden_size), got ",
+              ffn_hidden_size);
   check_positive(seq_length, "seq_length");
-  TORCH_CHECK(max_position_embeddings >= 0, "actmem::TransformerConfig: max_position_embeddings "
-              "must be positive (or 0 for seq_length), got ", max_position_embeddings);
+  TORCH_CHECK(max_position_embeddings >= 0,
+              "actmem::TransformerConfig: max_position_embeddings "
+              "must be positive (or 0 for seq_length), got ",
+              max_position_embeddings);
   TORCH_CHECK(max_positions() >= seq_length, "actmem::TransformerConfig: max_position_embeddings (",
               max_positions(), ") must be at least seq_length (", seq_length, ")");
   check_positive(micro_batch_size, "micro_batch_size");
   check_positive(vocab_size, "vocab_size");
   check_dropout(attention_dropout, "attention_dropout");
   check_dropout(hidden_dropout, "hidden_dropout");
-  TORCH_CHECK(normalization == "LayerNorm" || normalization == "RMSNorm",
-              "actmem::TransformerConfig: normalization must be \"LayerNorm\" or \"RMSNorm\", got \"",
-              normalization, "\"");
-  TORCH_CHECK(layernorm_epsilon > 0.0, "actmem::TransformerConfig: layernorm_epsilon must be "
-              "positive, got ", layernorm_epsilon);
+  TORCH_CHECK(
+      normalization == "LayerNorm" || normalization == "RMSNorm",
+      "actmem::TransformerConfig: normalization must be \"LayerNorm\" or \"RMSNorm\", got \"",
+      normalization, "\"");
+  TORCH_CHECK(layernorm_epsilon > 0.0,
+              "actmem::TransformerConfig: layernorm_epsilon must be "
+              "positive, got ",
+              layernorm_epsilon);
   TORCH_CHECK(position_embedding_type == "learned_absolute" || position_embedding_type == "rope" ||
                   position_embedding_type == "none",
               "actmem::TransformerConfig: position_embedding_type must be \"learned_absolute\", "
@@ -578,12 +637,15 @@ void TransformerConfig::validate_shape() const {
               ", must be even and positive");
   TORCH_CHECK(rotary_base > 0.0, "actmem::TransformerConfig: rotary_base must be positive, got ",
               rotary_base);
-  TORCH_CHECK(init_method_std > 0.0, "actmem::TransformerConfig: init_method_std must be "
-              "positive, got ", init_method_std);
+  TORCH_CHECK(init_method_std > 0.0,
+              "actmem::TransformerConfig: init_method_std must be "
+              "positive, got ",
+              init_method_std);
   TORCH_CHECK(seed >= 1 && seed <= kMaxSeed, "actmem::TransformerConfig: seed must be in [1, ",
               kMaxSeed, "] (Megatron requires seed > 0), got ", seed);
   // Megatron's arguments.py: "assert not args.bf16" under fp16, and the converse.
-  TORCH_CHECK(!(bf16 && fp16), "actmem::TransformerConfig: bf16 and fp16 are exclusive; choose "
+  TORCH_CHECK(!(bf16 && fp16),
+              "actmem::TransformerConfig: bf16 and fp16 are exclusive; choose "
               "one of --bf16 and --fp16");
   // Tensor and sequence parallelism (docs/parallelism.md): heads, the MLP's columns and, with
   // sequence parallelism, the sequence are split evenly across the t ranks.
@@ -612,11 +674,16 @@ void TransformerConfig::validate_shape() const {
   TORCH_CHECK(ffn() % t == 0, "actmem::TransformerConfig: ffn_hidden_size (", ffn(),
               ") must be divisible by tensor_model_parallel_size (", t, ")");
   validate_pipeline(*this);
-  TORCH_CHECK(!sequence_parallel || t > 1, "actmem::TransformerConfig: "
+  TORCH_CHECK(!sequence_parallel || t > 1,
+              "actmem::TransformerConfig: "
               "sequence_parallel requires tensor_model_parallel_size > 1");
-  TORCH_CHECK(!sequence_parallel || seq_length % t == 0, "actmem::TransformerConfig: "
-              "sequence_parallel needs seq_length (", seq_length, ") divisible by "
-              "tensor_model_parallel_size (", t, ")");
+  TORCH_CHECK(!sequence_parallel || seq_length % t == 0,
+              "actmem::TransformerConfig: "
+              "sequence_parallel needs seq_length (",
+              seq_length,
+              ") divisible by "
+              "tensor_model_parallel_size (",
+              t, ")");
   validate_moe(*this);
   validate_mla(*this);
   validate_gdn(*this);
@@ -632,18 +699,18 @@ const char* to_string(AttentionKernel kernel) {
 // Megatron's --attention-backend picks among TransformerEngine's kernels (flash, fused = cuDNN,
 // unfused), or the local (non-TE) spec, whose core attention is unfused too; auto lets TE choose
 // flash, then fused, then unfused by what each supports. actmem's kernels are libtorch's: the
-// unfused path (model/attention/attention.cpp: scores, mask, softmax, dropout and the product with V, each kept
-// for backward as Korthikanti et al. count them) and scaled-dot-product attention's flash kernel
-// (at::_scaled_dot_product_flash_attention_for_cpu): online softmax, backward recomputes the
-// probabilities inside the kernel, so it keeps only q, k, v, its output and the logsumexp per row
-// (4 a s b bytes in fp32) -- the paper's 5as^2b term is gone (docs/memory-model.md, "Attention
-// backends"). That kernel has no attention dropout (it refuses dropout_p > 0) and needs one head
-// dimension for q, k and v; it takes fewer key/value heads than query heads as they are (GQA
-// without repeating K and V). So auto, Megatron's default and actmem's, runs flash when the
-// attention dropout is 0 and the head dims agree, and the unfused path otherwise, saying why.
-// fused (cuDNN) and CUDA's flash and memory-efficient SDPA kernels are not wired: no GPU has been
-// lent to check them, so an explicit fused is refused and a CUDA run of flash is refused at the
-// trainer.
+// unfused path (model/attention/attention.cpp: scores, mask, softmax, dropout and the product with
+// V, each kept for backward as Korthikanti et al. count them) and scaled-dot-product attention's
+// flash kernel (at::_scaled_dot_product_flash_attention_for_cpu): online softmax, backward
+// recomputes the probabilities inside the kernel, so it keeps only q, k, v, its output and the
+// logsumexp per row (4 a s b bytes in fp32) -- the paper's 5as^2b term is gone
+// (docs/memory-model.md, "Attention backends"). That kernel has no attention dropout (it refuses
+// dropout_p > 0) and needs one head dimension for q, k and v; it takes fewer key/value heads than
+// query heads as they are (GQA without repeating K and V). So auto, Megatron's default and
+// actmem's, runs flash when the attention dropout is 0 and the head dims agree, and the unfused
+// path otherwise, saying why. fused (cuDNN) and CUDA's flash and memory-efficient SDPA kernels are
+// not wired: no GPU has been lent to check them, so an explicit fused is refused and a CUDA run of
+// flash is refused at the trainer.
 TransformerConfig::AttentionChoice TransformerConfig::attention_choice() const {
   const std::string& b = attention_backend;
   TORCH_CHECK(b == "auto" || b == "flash" || b == "fused" || b == "unfused" || b == "local",
@@ -752,8 +819,9 @@ nlohmann::json to_json(const TransformerConfig& c) {
   auto opt = [](const auto& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
   j["decoder_first_pipeline_num_layers"] = opt(c.decoder_first_pipeline_num_layers);
   j["decoder_last_pipeline_num_layers"] = opt(c.decoder_last_pipeline_num_layers);
-  j["virtual_pipeline_model_parallel_size"] =
-      c.virtual_pipeline_size() > 1 ? nlohmann::json(c.virtual_pipeline_size()) : nlohmann::json(nullptr);
+  j["virtual_pipeline_model_parallel_size"] = c.virtual_pipeline_size() > 1
+                                                  ? nlohmann::json(c.virtual_pipeline_size())
+                                                  : nlohmann::json(nullptr);
   if (c.virtual_pipeline_size() > 1) {
     j["microbatch_group_size_per_vp_stage"] = c.microbatch_group_size();
   }

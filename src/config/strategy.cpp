@@ -11,7 +11,8 @@
 namespace actmem {
 
 bool Strategy::recomputes(RecomputeModule m) const {
-  return std::find(recompute_modules.begin(), recompute_modules.end(), m) != recompute_modules.end();
+  return std::find(recompute_modules.begin(), recompute_modules.end(), m) !=
+         recompute_modules.end();
 }
 
 bool Strategy::offloads(OffloadModule g) const {
@@ -32,7 +33,8 @@ std::string join_names(const std::vector<OffloadModule>& groups, const std::stri
 
 std::string Strategy::name() const {
   std::vector<std::string> parts;
-  if (!recompute_modules.empty()) parts.push_back("selective " + join_names(recompute_modules, "+"));
+  if (!recompute_modules.empty())
+    parts.push_back("selective " + join_names(recompute_modules, "+"));
   if (full_method != RecomputeMethod::kNone) {
     parts.push_back(std::string("full ") + to_string(full_method) + " " +
                     std::to_string(full_layers));
@@ -44,9 +46,11 @@ std::string Strategy::name() const {
 
 std::string Strategy::spec() const {
   std::vector<std::string> parts;
-  if (!recompute_modules.empty()) parts.push_back("selective-" + join_names(recompute_modules, "+"));
+  if (!recompute_modules.empty())
+    parts.push_back("selective-" + join_names(recompute_modules, "+"));
   if (full_method != RecomputeMethod::kNone) {
-    parts.push_back(std::string("full-") + to_string(full_method) + "-" + std::to_string(full_layers));
+    parts.push_back(std::string("full-") + to_string(full_method) + "-" +
+                    std::to_string(full_layers));
   }
   if (!offload_modules.empty()) parts.push_back("offload-" + join_names(offload_modules, "+"));
   if (offload_layers > 0) parts.push_back("layer-offload-" + std::to_string(offload_layers));
@@ -67,7 +71,8 @@ std::string Strategy::flags() const {
     f.push_back("--fine-grained-activation-offloading --offload-modules " +
                 join_names(offload_modules, " "));
   }
-  if (offload_layers > 0) f.push_back("--cpu-offloading-num-layers " + std::to_string(offload_layers));
+  if (offload_layers > 0)
+    f.push_back("--cpu-offloading-num-layers " + std::to_string(offload_layers));
   return c10::Join(" ", f);
 }
 
@@ -135,9 +140,10 @@ Strategy parse_strategy(const std::string& text) {
   auto bad = [&text](const std::string& part, const std::string& why) {
     TORCH_CHECK(false, "actmem::parse_strategy: '", part, "' in strategy '", text, "': ", why,
                 "; expected parts joined by ',': plain, selective, selective-MOD[+MOD...] (MOD: ",
-                recompute_module_list(", "), "), full-uniform-N, full-block-N, "
-                "offload-GROUP[+GROUP...] (GROUP: ", offload_module_list(", "),
-                ") or layer-offload-K");
+                recompute_module_list(", "),
+                "), full-uniform-N, full-block-N, "
+                "offload-GROUP[+GROUP...] (GROUP: ",
+                offload_module_list(", "), ") or layer-offload-K");
   };
   Strategy s;
   if (text == "plain") return s;

@@ -66,8 +66,10 @@ void TrainingConfig::validate(const TransformerConfig& model) const {
 
 // The global batch, or the step batch-size schedule, and the micro-batch.
 void TrainingConfig::validate_batch(const TransformerConfig& model) const {
-  TORCH_CHECK(global_batch_size >= 0, "actmem::TrainingConfig: global_batch_size must be positive, "
-              "got ", global_batch_size);
+  TORCH_CHECK(global_batch_size >= 0,
+              "actmem::TrainingConfig: global_batch_size must be positive, "
+              "got ",
+              global_batch_size);
   if (!step_batch_size_schedule.empty()) {
     // Megatron's validate_args, its ValueError's text.
     TORCH_CHECK(global_batch_size == 0,
@@ -135,15 +137,18 @@ void TrainingConfig::validate_schedule(const TransformerConfig& model) const {
               "actmem::TrainingConfig: --lr-warmup-init must be in [0, lr] (Megatron's "
               "OptimizerParamScheduler asserts init_lr <= max_lr), got ",
               lr_warmup_init);
-  TORCH_CHECK(lr > 0.0 && std::isfinite(lr), "actmem::TrainingConfig: lr must be positive, got ", lr);
-  TORCH_CHECK(min_lr >= 0.0 && min_lr <= lr, "actmem::TrainingConfig: min_lr must be in [0, lr], "
-              "got ", min_lr);
+  TORCH_CHECK(lr > 0.0 && std::isfinite(lr), "actmem::TrainingConfig: lr must be positive, got ",
+              lr);
+  TORCH_CHECK(min_lr >= 0.0 && min_lr <= lr,
+              "actmem::TrainingConfig: min_lr must be in [0, lr], "
+              "got ",
+              min_lr);
   TORCH_CHECK(lr_warmup_iters >= 0, "actmem::TrainingConfig: lr_warmup_iters must be >= 0, got ",
               lr_warmup_iters);
-  TORCH_CHECK(lr_decay_style == "constant" || lr_decay_style == "linear" ||
-                  lr_decay_style == "cosine",
-              "actmem::TrainingConfig: lr_decay_style must be constant, linear or cosine, got \"",
-              lr_decay_style, "\"");
+  TORCH_CHECK(
+      lr_decay_style == "constant" || lr_decay_style == "linear" || lr_decay_style == "cosine",
+      "actmem::TrainingConfig: lr_decay_style must be constant, linear or cosine, got \"",
+      lr_decay_style, "\"");
 }
 
 // AdamW, clipping and mixed precision (Megatron's arguments.py and optimizer/__init__.py).
@@ -172,7 +177,8 @@ void TrainingConfig::validate_optimizer(const TransformerConfig& model) const {
   TORCH_CHECK(!accumulate_allreduce_grads_in_fp32.value_or(false) || model.bf16 || model.fp16,
               "actmem::TrainingConfig: accumulate_allreduce_grads_in_fp32 applies to --bf16 or "
               "--fp16 (fp32 training already accumulates in fp32)");
-  TORCH_CHECK(!loss_scale || model.bf16 || model.fp16, "actmem::TrainingConfig: loss_scale "
+  TORCH_CHECK(!loss_scale || model.bf16 || model.fp16,
+              "actmem::TrainingConfig: loss_scale "
               "applies to --fp16 or --bf16 training");
   TORCH_CHECK(!loss_scale || (*loss_scale > 0.0 && std::isfinite(*loss_scale)),
               "actmem::TrainingConfig: loss_scale must be positive and finite, got ",
@@ -180,10 +186,12 @@ void TrainingConfig::validate_optimizer(const TransformerConfig& model) const {
   TORCH_CHECK(initial_loss_scale > 0.0 && std::isfinite(initial_loss_scale) &&
                   min_loss_scale > 0.0 && min_loss_scale <= initial_loss_scale,
               "actmem::TrainingConfig: the dynamic loss scale needs 0 < min_loss_scale <= "
-              "initial_loss_scale (finite), got ", min_loss_scale, " and ", initial_loss_scale);
-  TORCH_CHECK(loss_scale_window >= 1 && hysteresis >= 1, "actmem::TrainingConfig: "
-              "loss_scale_window and hysteresis must be at least 1, got ", loss_scale_window,
-              " and ", hysteresis);
+              "initial_loss_scale (finite), got ",
+              min_loss_scale, " and ", initial_loss_scale);
+  TORCH_CHECK(loss_scale_window >= 1 && hysteresis >= 1,
+              "actmem::TrainingConfig: "
+              "loss_scale_window and hysteresis must be at least 1, got ",
+              loss_scale_window, " and ", hysteresis);
 }
 
 // Evaluation, logging, the device and offload link, the gradient buckets, the partially
@@ -199,25 +207,30 @@ void TrainingConfig::validate_run(const TransformerConfig& model) const {
                           device.find_first_not_of("0123456789", 5) == std::string::npos;
   TORCH_CHECK(device == "cpu" || device == "cuda" || cuda_index,
               "actmem::TrainingConfig: device must be cpu, cuda or cuda:N, got \"", device, "\"");
-  TORCH_CHECK(offload_bandwidth_gbps == 0.0 ||
-                  (offload_bandwidth_gbps >= kMinOffloadBandwidthGbps &&
-                   offload_bandwidth_gbps <= kMaxOffloadBandwidthGbps),
-              "actmem::TrainingConfig: offload_bandwidth_gbps must be 0 (uncapped) or in [",
-              kMinOffloadBandwidthGbps, ", ", kMaxOffloadBandwidthGbps, "] GB/s, got ",
-              offload_bandwidth_gbps);
-  TORCH_CHECK(!ddp_bucket_size || *ddp_bucket_size > 0, "actmem::TrainingConfig: "
-              "ddp_bucket_size must be positive, got ", ddp_bucket_size.value_or(0));
+  TORCH_CHECK(
+      offload_bandwidth_gbps == 0.0 || (offload_bandwidth_gbps >= kMinOffloadBandwidthGbps &&
+                                        offload_bandwidth_gbps <= kMaxOffloadBandwidthGbps),
+      "actmem::TrainingConfig: offload_bandwidth_gbps must be 0 (uncapped) or in [",
+      kMinOffloadBandwidthGbps, ", ", kMaxOffloadBandwidthGbps, "] GB/s, got ",
+      offload_bandwidth_gbps);
+  TORCH_CHECK(!ddp_bucket_size || *ddp_bucket_size > 0,
+              "actmem::TrainingConfig: "
+              "ddp_bucket_size must be positive, got ",
+              ddp_bucket_size.value_or(0));
   // Megatron sets the bucket size to None (one bucket) without overlap_grad_reduce: refused
   // rather than ignored.
-  TORCH_CHECK(!ddp_bucket_size || overlap_grad_reduce, "actmem::TrainingConfig: "
+  TORCH_CHECK(!ddp_bucket_size || overlap_grad_reduce,
+              "actmem::TrainingConfig: "
               "--ddp-bucket-size applies with --overlap-grad-reduce (without it the gradients "
               "reduce in one all-reduce after backward)");
   if (const auto& n = num_microbatches_with_partial_activation_checkpoints) {
     // Megatron's schedules pass the choice to the model, whose mcore GPT ignores it (the flag has
     // no effect there); here it applies, so its preconditions are checked rather than ignored.
-    const char* api = "actmem::TrainingConfig: num_microbatches_with_partial_activation_checkpoints";
+    const char* api =
+        "actmem::TrainingConfig: num_microbatches_with_partial_activation_checkpoints";
     TORCH_CHECK(*n >= 0, api, " must be >= 0, got ", *n);
-    TORCH_CHECK(model.pipeline_model_parallel_size > 1, api, " applies to the pipeline schedules "
+    TORCH_CHECK(model.pipeline_model_parallel_size > 1, api,
+                " applies to the pipeline schedules "
                 "(--pipeline-model-parallel-size > 1); without a pipeline every micro-batch runs "
                 "the same plan");
     TORCH_CHECK(model.recompute_granularity == "full" && model.recompute_method == "block", api,
@@ -234,9 +247,12 @@ void TrainingConfig::validate_data_and_checkpoints(const TransformerConfig& mode
   TORCH_CHECK(!decoupled_min_lr || decoupled_lr,
               "actmem::TrainingConfig: --decoupled-min-lr "
               "applies with --decoupled-lr (the word embedding and output layer's own schedule)");
-  TORCH_CHECK(device_memory_limit >= 0, "actmem::TrainingConfig: device_memory_limit must be >= 0, "
-              "got ", device_memory_limit);
-  TORCH_CHECK(data_path.empty() || data_paths.empty(), "actmem::TrainingConfig: --data (a text "
+  TORCH_CHECK(device_memory_limit >= 0,
+              "actmem::TrainingConfig: device_memory_limit must be >= 0, "
+              "got ",
+              device_memory_limit);
+  TORCH_CHECK(data_path.empty() || data_paths.empty(),
+              "actmem::TrainingConfig: --data (a text "
               "file) and --data-path (indexed datasets) are exclusive");
   // Megatron's validate_args: "A single data source must be provided in training mode, else
   // None" (--mock-data, --data-path; actmem's --data is a third).
@@ -261,11 +277,13 @@ void TrainingConfig::validate_data_and_checkpoints(const TransformerConfig& mode
   TORCH_CHECK(save_interval == 0 || !save.empty(), "actmem::TrainingConfig: save_interval (",
               save_interval, ") needs a directory to save in (--save DIR)");
   // Flags that only modify a load do nothing without one: refused rather than ignored.
-  for (const auto& [on, flag] : {std::pair<bool, const char*>{no_load_optim, "--no-load-optim"},
-                                 {no_load_rng, "--no-load-rng"},
-                                 {finetune, "--finetune"},
-                                 {override_opt_param_scheduler, "--override-opt_param-scheduler"}}) {
-    TORCH_CHECK(!on || !load.empty(), "actmem::TrainingConfig: ", flag, " applies to loading a "
+  for (const auto& [on, flag] :
+       {std::pair<bool, const char*>{no_load_optim, "--no-load-optim"},
+        {no_load_rng, "--no-load-rng"},
+        {finetune, "--finetune"},
+        {override_opt_param_scheduler, "--override-opt_param-scheduler"}}) {
+    TORCH_CHECK(!on || !load.empty(), "actmem::TrainingConfig: ", flag,
+                " applies to loading a "
                 "checkpoint; give --load DIR");
   }
 }

@@ -3,6 +3,10 @@
 
 #include <ATen/ATen.h>
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <algorithm>
 #include <array>
 #include <cctype>
@@ -10,13 +14,9 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <fcntl.h>
 #include <memory>
 #include <numeric>
 #include <sstream>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include <vector>
 
 namespace actmem {
@@ -46,24 +46,25 @@ std::string ByteTokenizer::decode(const at::Tensor& tokens) {
 // falls visibly within a few dozen steps.
 std::string builtin_corpus(size_t bytes) {
   static const std::array<const char*, 16> kSubjects = {
-      "the engineer", "a small model", "the scheduler", "every layer", "the optimizer",
-      "our team",     "the allocator", "a tired student", "the old machine", "each worker",
-      "the compiler", "a careful reader", "the gradient",  "my neighbour", "the river",
-      "a quiet cat"};
+      "the engineer",    "a small model", "the scheduler", "every layer",
+      "the optimizer",   "our team",      "the allocator", "a tired student",
+      "the old machine", "each worker",   "the compiler",  "a careful reader",
+      "the gradient",    "my neighbour",  "the river",     "a quiet cat"};
   static const std::array<const char*, 16> kVerbs = {
-      "keeps", "recomputes", "offloads", "measures", "writes", "reads", "moves", "saves",
-      "checks", "trains", "finds", "loses", "counts", "copies", "builds", "watches"};
+      "keeps",  "recomputes", "offloads", "measures", "writes", "reads",  "moves",  "saves",
+      "checks", "trains",     "finds",    "loses",    "counts", "copies", "builds", "watches"};
   static const std::array<const char*, 16> kObjects = {
-      "the activations", "a long sequence", "every tensor", "the hidden state", "its memory",
-      "the attention scores", "a paper", "the weights", "two numbers", "the host buffer",
-      "the first batch", "a green light", "the loss curve", "an old book", "the last page",
-      "a bright star"};
+      "the activations", "a long sequence",      "every tensor",    "the hidden state",
+      "its memory",      "the attention scores", "a paper",         "the weights",
+      "two numbers",     "the host buffer",      "the first batch", "a green light",
+      "the loss curve",  "an old book",          "the last page",   "a bright star"};
   static const std::array<const char*, 12> kPlaces = {
-      "in the morning", "on the device", "before the backward pass", "after lunch",
-      "on every step", "in host memory", "at night", "without a copy", "near the window",
-      "during warmup", "by the river", "in one pass"};
+      "in the morning", "on the device",  "before the backward pass",
+      "after lunch",    "on every step",  "in host memory",
+      "at night",       "without a copy", "near the window",
+      "during warmup",  "by the river",   "in one pass"};
   static const std::array<const char*, 6> kJoins = {" and then ", " because ", " while ",
-                                                    ", so ", " but ", " until "};
+                                                    ", so ",      " but ",     " until "};
   std::string out;
   out.reserve(bytes + 256);
   uint64_t state = 0x5EEDC0DEull;
@@ -106,7 +107,8 @@ namespace {
 at::Tensor host_bytes_tensor(int64_t bytes) {
   void* p = std::malloc(static_cast<size_t>(std::max<int64_t>(1, bytes)));
   TORCH_CHECK(p != nullptr, "actmem::load_corpus: out of host memory for ", bytes, " bytes");
-  return at::from_blob(p, {bytes}, [](void* q) { std::free(q); }, at::kByte);
+  return at::from_blob(
+      p, {bytes}, [](void* q) { std::free(q); }, at::kByte);
 }
 
 // Closes a file descriptor on every path out of read_text_file.
@@ -121,11 +123,11 @@ struct FdGuard {
 at::Tensor read_file_bytes(const std::string& path, bool& mapped) {
   mapped = false;
   const FdGuard file{::open(path.c_str(), O_RDONLY | O_CLOEXEC)};
-  TORCH_CHECK(file.fd >= 0, "actmem::read_text_file: cannot open '", path, "': ",
-              std::strerror(errno));
+  TORCH_CHECK(file.fd >= 0, "actmem::read_text_file: cannot open '", path,
+              "': ", std::strerror(errno));
   struct stat st {};
-  TORCH_CHECK(::fstat(file.fd, &st) == 0, "actmem::read_text_file: cannot read '", path, "': ",
-              std::strerror(errno));
+  TORCH_CHECK(::fstat(file.fd, &st) == 0, "actmem::read_text_file: cannot read '", path,
+              "': ", std::strerror(errno));
   TORCH_CHECK(!S_ISDIR(st.st_mode), "actmem::read_text_file: '", path,
               "' is a directory, expected a text file");
   if (S_ISREG(st.st_mode)) {
@@ -133,8 +135,8 @@ at::Tensor read_file_bytes(const std::string& path, bool& mapped) {
     const auto bytes = static_cast<int64_t>(st.st_size);
     TORCH_CHECK(bytes > 0, "actmem::read_text_file: '", path, "' is empty");
     void* p = ::mmap(nullptr, static_cast<size_t>(bytes), PROT_READ, MAP_PRIVATE, file.fd, 0);
-    TORCH_CHECK(p != MAP_FAILED, "actmem::read_text_file: cannot map '", path, "' (",
-                bytes, " bytes): ", std::strerror(errno));
+    TORCH_CHECK(p != MAP_FAILED, "actmem::read_text_file: cannot map '", path, "' (", bytes,
+                " bytes): ", std::strerror(errno));
     ::madvise(p, static_cast<size_t>(bytes), MADV_RANDOM);  // batches read scattered windows
     mapped = true;
     return at::from_blob(
@@ -159,14 +161,14 @@ at::Tensor read_file_bytes(const std::string& path, bool& mapped) {
     }
     const ssize_t n = ::read(file.fd, buffer.get() + size, capacity - size);
     if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n >= 0, "actmem::read_text_file: error while reading '", path, "': ",
-                std::strerror(errno));
+    TORCH_CHECK(n >= 0, "actmem::read_text_file: error while reading '", path,
+                "': ", std::strerror(errno));
     if (n == 0) break;
     size += static_cast<size_t>(n);
   }
   TORCH_CHECK(size > 0, "actmem::read_text_file: '", path, "' is empty");
-  return at::from_blob(buffer.release(), {static_cast<int64_t>(size)},
-                       [](void* q) { std::free(q); }, at::kByte);
+  return at::from_blob(
+      buffer.release(), {static_cast<int64_t>(size)}, [](void* q) { std::free(q); }, at::kByte);
 }
 
 }  // namespace
@@ -192,12 +194,14 @@ std::vector<double> parse_split(const std::string& split) {
     while (used < item.size() && std::isspace(static_cast<unsigned char>(item[used]))) ++used;
     TORCH_CHECK(used == item.size() && !item.empty() && w >= 0.0 && std::isfinite(w),
                 "actmem::split_corpus: --split must be 2 or 3 non-negative comma-separated "
-                "weights such as \"95,5\", got \"", split, "\"");
+                "weights such as \"95,5\", got \"",
+                split, "\"");
     weights.push_back(w);
   }
   TORCH_CHECK(weights.size() == 2 || weights.size() == 3,
               "actmem::split_corpus: --split must be 2 or 3 non-negative comma-separated weights "
-              "such as \"95,5\", got \"", split, "\"");
+              "such as \"95,5\", got \"",
+              split, "\"");
   TORCH_CHECK(weights[0] > 0.0 && weights[1] > 0.0,
               "actmem::split_corpus: --split needs positive train and validation weights, got \"",
               split, "\"");
@@ -217,10 +221,13 @@ Corpus split_corpus(const at::Tensor& tokens, const std::string& split, int64_t 
   const int64_t need = seq_length + 1;
   TORCH_CHECK(n_train >= need && n_valid >= need, "actmem::split_corpus: ", source, " has ", n,
               " tokens; with --split ", split, " the training part has ", n_train,
-              " and the validation part ", n_valid, ", but each needs at least seq_length + 1 = ",
-              need, " (use a longer file or a shorter --seq-length)");
-  TORCH_CHECK(tokens.dim() == 1 && tokens.device().is_cpu(), "actmem::split_corpus: expected a "
-              "1-D host token stream, got ", tokens.sizes(), " on ", tokens.device());
+              " and the validation part ", n_valid,
+              ", but each needs at least seq_length + 1 = ", need,
+              " (use a longer file or a shorter --seq-length)");
+  TORCH_CHECK(tokens.dim() == 1 && tokens.device().is_cpu(),
+              "actmem::split_corpus: expected a "
+              "1-D host token stream, got ",
+              tokens.sizes(), " on ", tokens.device());
   return {tokens.narrow(0, 0, n_train), tokens.narrow(0, n_train, n_valid), source,
           static_cast<int64_t>(tokens.nbytes()), false};
 }
@@ -244,13 +251,16 @@ BatchSampler::BatchSampler(at::Tensor stream, int64_t seq_length, int64_t micro_
                            uint64_t seed)
     : stream_(std::move(stream)), seq_(seq_length), batch_(micro_batch_size), seed_(seed) {
   const auto type = stream_.scalar_type();
-  TORCH_CHECK(stream_.dim() == 1 && stream_.is_contiguous() &&
-                  (type == at::kByte || type == at::kShort || type == at::kInt ||
-                   type == at::kLong),
-              "actmem::BatchSampler: expected a contiguous 1-D uint8, int16, int32 or int64 token "
-              "stream, got ", stream_.sizes(), " ", type);
-  TORCH_CHECK(seq_ > 0 && batch_ > 0, "actmem::BatchSampler: seq_length and micro_batch_size must "
-              "be positive, got ", seq_, " and ", batch_);
+  TORCH_CHECK(
+      stream_.dim() == 1 && stream_.is_contiguous() &&
+          (type == at::kByte || type == at::kShort || type == at::kInt || type == at::kLong),
+      "actmem::BatchSampler: expected a contiguous 1-D uint8, int16, int32 or int64 token "
+      "stream, got ",
+      stream_.sizes(), " ", type);
+  TORCH_CHECK(seq_ > 0 && batch_ > 0,
+              "actmem::BatchSampler: seq_length and micro_batch_size must "
+              "be positive, got ",
+              seq_, " and ", batch_);
   TORCH_CHECK(stream_.numel() >= seq_ + 1, "actmem::BatchSampler: stream of ", stream_.numel(),
               " tokens is shorter than seq_length + 1 = ", seq_ + 1);
 }
@@ -258,8 +268,8 @@ BatchSampler::BatchSampler(at::Tensor stream, int64_t seq_length, int64_t micro_
 namespace {
 // Widens the windows [offset, offset + seq] of `src` into int64 tokens and labels.
 template <typename T>
-void gather_windows(const T* src, const std::vector<int64_t>& offsets, int64_t seq,
-                    int64_t* tokens, int64_t* labels) {
+void gather_windows(const T* src, const std::vector<int64_t>& offsets, int64_t seq, int64_t* tokens,
+                    int64_t* labels) {
   for (size_t i = 0; i < offsets.size(); ++i) {
     const T* w = src + offsets[i];
     int64_t* t = tokens + static_cast<int64_t>(i) * seq;
@@ -312,8 +322,10 @@ void BatchSource::seek(int64_t batches) {
 }
 
 std::pair<at::Tensor, at::Tensor> BatchSampler::fixed(int64_t i, int64_t count) const {
-  TORCH_CHECK(count > 0 && i >= 0 && i < count, "actmem::BatchSampler::fixed: expected 0 <= i < "
-              "count, got i=", i, " count=", count);
+  TORCH_CHECK(count > 0 && i >= 0 && i < count,
+              "actmem::BatchSampler::fixed: expected 0 <= i < "
+              "count, got i=",
+              i, " count=", count);
   const int64_t windows = stream_.numel() - seq_;
   const int64_t total = count * batch_;
   std::vector<int64_t> offsets(batch_);

@@ -76,8 +76,10 @@ std::vector<double> parse_split(const std::string& split) {
     w.push_back(v);
     i = j;
   }
-  TORCH_CHECK(w.size() >= 1 && w.size() <= 3, "actmem: --split takes 1 to 3 weights (train, "
-              "validation, test), got '", split, "'");
+  TORCH_CHECK(w.size() >= 1 && w.size() <= 3,
+              "actmem: --split takes 1 to 3 weights (train, "
+              "validation, test), got '",
+              split, "'");
   while (w.size() < 3) w.push_back(0.0);  // Megatron pads with zeros
   const double sum = std::accumulate(w.begin(), w.end(), 0.0);
   TORCH_CHECK(sum > 0, "actmem: --split weights sum to 0 ('", split, "')");
@@ -117,9 +119,13 @@ namespace {
 template <typename T>
 const char* npy_descr();
 template <>
-const char* npy_descr<int32_t>() { return "<i4"; }
+const char* npy_descr<int32_t>() {
+  return "<i4";
+}
 template <>
-const char* npy_descr<int64_t>() { return "<i8"; }
+const char* npy_descr<int64_t>() {
+  return "<i8";
+}
 
 std::string npy_header(const char* descr, const std::vector<int64_t>& shape) {
   std::ostringstream os;
@@ -146,7 +152,8 @@ void write_npy(const std::string& path, const std::vector<T>& v, std::vector<int
     const uint16_t len = static_cast<uint16_t>(header.size());
     out.write(reinterpret_cast<const char*>(&len), 2);
     out << header;
-    out.write(reinterpret_cast<const char*>(v.data()), static_cast<std::streamsize>(v.size() * sizeof(T)));
+    out.write(reinterpret_cast<const char*>(v.data()),
+              static_cast<std::streamsize>(v.size() * sizeof(T)));
     TORCH_CHECK(out.good(), "actmem::GPTDataset: writing the index cache ", tmp, " failed");
   }
   fs::rename(tmp, path);  // whole files only: a crash leaves no half-written cache entry
@@ -164,7 +171,8 @@ bool read_npy(const std::string& path, std::vector<T>& v, const std::vector<int6
   int64_t n = 1;
   for (const int64_t s : shape) n *= s;
   v.resize(static_cast<size_t>(n));
-  if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T)))) return false;
+  if (!in.read(reinterpret_cast<char*>(v.data()), static_cast<std::streamsize>(n * sizeof(T))))
+    return false;
   return in.peek() == std::char_traits<char>::eof();
 }
 
@@ -177,7 +185,8 @@ GPTDataset::GPTDataset(std::shared_ptr<const LowLevelDataset> data,
                        int64_t seq_length, uint32_t seed, const std::string& split_name,
                        const std::string& cache_dir)
     : data_(std::move(data)), sequences_(sequences), seq_length_(seq_length) {
-  TORCH_CHECK(seq_length_ > 0 && num_samples >= 0, "actmem::GPTDataset: seq_length must be positive "
+  TORCH_CHECK(seq_length_ > 0 && num_samples >= 0,
+              "actmem::GPTDataset: seq_length must be positive "
               "and num_samples non-negative");
   // Megatron's GPTDataset indexes sequences, not documents (numel_low_level_dataset): a
   // document of several sequences (preprocess_data.py --split-sentences) contributes each, an
@@ -203,7 +212,8 @@ GPTDataset::GPTDataset(std::shared_ptr<const LowLevelDataset> data,
   Digest d;
   d.update(text.data(), text.size());
   const std::string base =
-      cache_dir.empty() ? std::string() : (fs::path(cache_dir) / (d.hex() + "-GPTDataset-" + split_name)).string();
+      cache_dir.empty() ? std::string()
+                        : (fs::path(cache_dir) / (d.hex() + "-GPTDataset-" + split_name)).string();
   if (!base.empty()) {
     std::ifstream meta(base + "-description.txt");
     std::string cached((std::istreambuf_iterator<char>(meta)), std::istreambuf_iterator<char>());
@@ -365,7 +375,8 @@ void GPTDataset::build(int64_t num_samples, uint32_t seed) {
           data_->sequence_length(document_index_[static_cast<size_t>(doc_pos)]) - doc_offset;
       remaining -= doc_length;
       if (remaining <= 0) {
-        doc_offset += remaining + doc_length - 1;  // the next sample starts at this one's last token
+        doc_offset +=
+            remaining + doc_length - 1;  // the next sample starts at this one's last token
         remaining = 0;
       } else {
         ++doc_pos;
@@ -390,8 +401,8 @@ void GPTDataset::build(int64_t num_samples, uint32_t seed) {
 }
 
 void GPTDataset::sample(int64_t i, std::vector<int64_t>& out) const {
-  TORCH_CHECK(i >= 0 && i < size(), "actmem::GPTDataset: sample ", i, " out of range [0, ",
-              size(), ")");
+  TORCH_CHECK(i >= 0 && i < size(), "actmem::GPTDataset: sample ", i, " out of range [0, ", size(),
+              ")");
   const int64_t s = shuffle_index_[static_cast<size_t>(i)];
   const int64_t beg = sample_index_[static_cast<size_t>(2 * s)];
   const int64_t beg_off = sample_index_[static_cast<size_t>(2 * s + 1)];
@@ -410,8 +421,7 @@ void GPTDataset::sample(int64_t i, std::vector<int64_t>& out) const {
 BlendedDataset::BlendedDataset(std::vector<std::shared_ptr<const SampleSource>> datasets,
                                std::vector<double> weights, int64_t size)
     : datasets_(std::move(datasets)) {
-  TORCH_CHECK(!datasets_.empty() && datasets_.size() == weights.size() &&
-                  datasets_.size() < 32768,
+  TORCH_CHECK(!datasets_.empty() && datasets_.size() == weights.size() && datasets_.size() < 32768,
               "actmem::BlendedDataset: expected one weight per dataset");
   // helpers.cpp: build_blending_indices.
   std::vector<int64_t> current(datasets_.size(), 0);
@@ -448,14 +458,19 @@ void BlendedDataset::sample(int64_t i, std::vector<int64_t>& out) const {
 
 DatasetBatches::DatasetBatches(std::shared_ptr<const SampleSource> source, int64_t seq_length,
                                int64_t micro_batch_size, int64_t vocab_size, std::string what)
-    : source_(std::move(source)), seq_(seq_length), batch_(micro_batch_size), vocab_(vocab_size),
+    : source_(std::move(source)),
+      seq_(seq_length),
+      batch_(micro_batch_size),
+      vocab_(vocab_size),
       what_(std::move(what)) {
   TORCH_CHECK(source_ && source_->size() >= batch_, "actmem::DatasetBatches: the ", what_,
-              " data has ", source_ ? source_->size() : 0, " samples, fewer than one micro-batch of ",
-              batch_);
+              " data has ", source_ ? source_->size() : 0,
+              " samples, fewer than one micro-batch of ", batch_);
 }
 
-std::pair<at::Tensor, at::Tensor> DatasetBatches::next() { return batch(drawn_++); }
+std::pair<at::Tensor, at::Tensor> DatasetBatches::next() {
+  return batch(drawn_++);
+}
 
 std::pair<at::Tensor, at::Tensor> DatasetBatches::fixed(int64_t i, int64_t) const {
   return batch(i);
@@ -465,7 +480,8 @@ std::pair<at::Tensor, at::Tensor> DatasetBatches::batch(int64_t k) const {
   const int64_t first = k * batch_;
   TORCH_CHECK(first + batch_ <= source_->size(), "actmem::DatasetBatches: micro-batch ", k,
               " needs samples up to ", first + batch_, " but the ", what_, " data was built with ",
-              source_->size(), " (as Megatron's, it is sized for --train-iters x "
+              source_->size(),
+              " (as Megatron's, it is sized for --train-iters x "
               "--global-batch-size samples)");
   at::Tensor tokens = at::empty({batch_, seq_}, at::kLong);
   at::Tensor labels = at::empty({batch_, seq_}, at::kLong);
@@ -477,7 +493,8 @@ std::pair<at::Tensor, at::Tensor> DatasetBatches::batch(int64_t k) const {
                           " tokens, expected ", seq_ + 1);
     for (const int64_t t : buf) {
       TORCH_CHECK(t >= 0 && t < vocab_, "actmem: token ", t, " in ", what_, " sample ", first + j,
-                  " is outside the model's vocabulary [0, ", vocab_, "); train with the tokenizer "
+                  " is outside the model's vocabulary [0, ", vocab_,
+                  "); train with the tokenizer "
                   "the data was made with (--tokenizer-type, --tokenizer-model) or a larger "
                   "--vocab-size");
     }
@@ -496,16 +513,18 @@ DataBlend parse_data_path(const std::vector<std::string>& args) {
     blend.prefixes = args;
     return blend;
   }
-  TORCH_CHECK(args.size() % 2 == 0, "actmem: --data-path with several datasets takes weight-prefix "
-              "pairs (--data-path 0.3 A 0.7 B), got ", args.size(), " values");
+  TORCH_CHECK(args.size() % 2 == 0,
+              "actmem: --data-path with several datasets takes weight-prefix "
+              "pairs (--data-path 0.3 A 0.7 B), got ",
+              args.size(), " values");
   double sum = 0.0;
   for (size_t i = 0; i < args.size(); i += 2) {
     char* end = nullptr;
     const double w = std::strtod(args[i].c_str(), &end);
-    TORCH_CHECK(end == args[i].c_str() + args[i].size() && !args[i].empty() && std::isfinite(w) &&
-                    w > 0,
-                "actmem: --data-path expects a positive weight before each prefix, got '", args[i],
-                "' before '", args[i + 1], "'");
+    TORCH_CHECK(
+        end == args[i].c_str() + args[i].size() && !args[i].empty() && std::isfinite(w) && w > 0,
+        "actmem: --data-path expects a positive weight before each prefix, got '", args[i],
+        "' before '", args[i + 1], "'");
     blend.weights.push_back(w);
     blend.prefixes.push_back(args[i + 1]);
     sum += w;

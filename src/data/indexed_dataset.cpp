@@ -69,17 +69,27 @@ void append_as_int64(const char* src, int64_t n, std::vector<int64_t>& out) {
 
 int64_t token_bytes(int code) {
   switch (code) {
-    case kUInt8: case kInt8: return 1;
-    case kInt16: case kUInt16: return 2;
-    case kInt32: case kFloat32: return 4;
-    case kInt64: case kFloat64: return 8;
+    case kUInt8:
+    case kInt8:
+      return 1;
+    case kInt16:
+    case kUInt16:
+      return 2;
+    case kInt32:
+    case kFloat32:
+      return 4;
+    case kInt64:
+    case kFloat64:
+      return 8;
     default:
       TORCH_CHECK(false, "actmem::token_bytes: unknown dtype code ", code,
                   " (Megatron's codes are 1 to 8)");
   }
 }
 
-int optimal_dtype_code(int64_t vocab_size) { return vocab_size < 65500 ? kUInt16 : kInt32; }
+int optimal_dtype_code(int64_t vocab_size) {
+  return vocab_size < 65500 ? kUInt16 : kInt32;
+}
 
 IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   const std::string idx = prefix + ".idx", bin = prefix + ".bin";
@@ -87,7 +97,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
   try {
     const char* p = static_cast<const char*>(idx_map_);
     TORCH_CHECK(idx_bytes_ >= kHeaderBytes && std::memcmp(p, kMagic, 9) == 0,
-                "actmem::IndexedDataset: ", idx, " is not a Megatron indexed-dataset index (no "
+                "actmem::IndexedDataset: ", idx,
+                " is not a Megatron indexed-dataset index (no "
                 "MMIDIDX header); the legacy and lazy formats are not supported");
     const auto version = read_le<uint64_t>(p + 9);
     TORCH_CHECK(version == 1, "actmem::IndexedDataset: ", idx, " has version ", version,
@@ -102,8 +113,8 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
     // The arrays must lie inside the file (overflow-safe: counts are bounded by the size first).
     const auto room = static_cast<uint64_t>(idx_bytes_ - kHeaderBytes);
     TORCH_CHECK(s <= room / 12 && d <= room / 8 && s * 12 + d * 8 <= room,
-                "actmem::IndexedDataset: ", idx, " is truncated: it declares ", s, " sequences and ",
-                d, " document indices but holds ", idx_bytes_, " bytes");
+                "actmem::IndexedDataset: ", idx, " is truncated: it declares ", s,
+                " sequences and ", d, " document indices but holds ", idx_bytes_, " bytes");
     num_sequences_ = static_cast<int64_t>(s);
     num_doc_indices_ = static_cast<int64_t>(d);
     // mmap is page-aligned and the header is 34 bytes: the arrays are not naturally aligned, so
@@ -137,8 +148,10 @@ IndexedDataset::IndexedDataset(const std::string& prefix) : prefix_(prefix) {
                   "; expected indices increasing from 0 to the sequence count ", num_sequences_);
       prev = v;
     }
-    TORCH_CHECK(prev == num_sequences_, "actmem::IndexedDataset: ", idx, ": the last document index "
-                "is ", prev, ", expected the sequence count ", num_sequences_);
+    TORCH_CHECK(prev == num_sequences_, "actmem::IndexedDataset: ", idx,
+                ": the last document index "
+                "is ",
+                prev, ", expected the sequence count ", num_sequences_);
   } catch (...) {
     if (idx_map_ != nullptr) ::munmap(idx_map_, static_cast<size_t>(idx_bytes_));
     if (bin_map_ != nullptr) ::munmap(bin_map_, static_cast<size_t>(bin_bytes_));
@@ -173,18 +186,33 @@ int64_t IndexedDataset::sequence_length(int64_t i) const {
 void IndexedDataset::read(int64_t i, int64_t offset, int64_t length,
                           std::vector<int64_t>& out) const {
   const int64_t n = sequence_length(i);
-  TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= n, "actmem::IndexedDataset::read: "
-              "tokens [", offset, ", ", offset + length, ") of sequence ", i, " of length ", n);
+  TORCH_CHECK(offset >= 0 && length >= 0 && offset + length <= n,
+              "actmem::IndexedDataset::read: "
+              "tokens [",
+              offset, ", ", offset + length, ") of sequence ", i, " of length ", n);
   const auto ptr = read_le<int64_t>(pointers_ + 8 * i);
   const char* src = static_cast<const char*>(bin_map_) + ptr + offset * item_bytes_;
   switch (code_) {
-    case kUInt8: append_as_int64<uint8_t>(src, length, out); break;
-    case kInt8: append_as_int64<int8_t>(src, length, out); break;
-    case kInt16: append_as_int64<int16_t>(src, length, out); break;
-    case kUInt16: append_as_int64<uint16_t>(src, length, out); break;
-    case kInt32: append_as_int64<int32_t>(src, length, out); break;
-    case kInt64: append_as_int64<int64_t>(src, length, out); break;
-    default: TORCH_INTERNAL_ASSERT(false);
+    case kUInt8:
+      append_as_int64<uint8_t>(src, length, out);
+      break;
+    case kInt8:
+      append_as_int64<int8_t>(src, length, out);
+      break;
+    case kInt16:
+      append_as_int64<int16_t>(src, length, out);
+      break;
+    case kUInt16:
+      append_as_int64<uint16_t>(src, length, out);
+      break;
+    case kInt32:
+      append_as_int64<int32_t>(src, length, out);
+      break;
+    case kInt64:
+      append_as_int64<int64_t>(src, length, out);
+      break;
+    default:
+      TORCH_INTERNAL_ASSERT(false);
   }
 }
 
@@ -201,8 +229,8 @@ constexpr size_t kBuilderBuffer = size_t{1} << 20;
 
 void write_all(int fd, const char* data, size_t n, const std::string& path) {
   const int err = write_fully(fd, data, n);
-  TORCH_CHECK(err == 0, "actmem::IndexedDatasetBuilder: writing ", path, " failed: ",
-              std::strerror(err));
+  TORCH_CHECK(err == 0, "actmem::IndexedDatasetBuilder: writing ", path,
+              " failed: ", std::strerror(err));
 }
 
 template <typename T>
@@ -214,8 +242,10 @@ void put(std::vector<char>& buf, T v) {
 
 IndexedDatasetBuilder::IndexedDatasetBuilder(const std::string& prefix, int code)
     : prefix_(prefix), code_(code), item_bytes_(token_bytes(code)) {
-  TORCH_CHECK(code != kFloat32 && code != kFloat64, "actmem::IndexedDatasetBuilder: token ids "
-              "need an integer dtype, got code ", code);
+  TORCH_CHECK(code != kFloat32 && code != kFloat64,
+              "actmem::IndexedDatasetBuilder: token ids "
+              "need an integer dtype, got code ",
+              code);
   const std::string tmp = prefix_ + ".bin.tmp";
   fd_ = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd_ >= 0, "actmem::IndexedDatasetBuilder: cannot create ", tmp, ": ",
@@ -238,24 +268,43 @@ void IndexedDatasetBuilder::flush() {
 void IndexedDatasetBuilder::add_item(const std::vector<int64_t>& tokens) {
   TORCH_CHECK(!finalized_, "actmem::IndexedDatasetBuilder: add_item after finalize");
   TORCH_CHECK(tokens.size() <= static_cast<size_t>(std::numeric_limits<int32_t>::max()),
-              "actmem::IndexedDatasetBuilder: a sequence of ", tokens.size(), " tokens does not fit "
+              "actmem::IndexedDatasetBuilder: a sequence of ", tokens.size(),
+              " tokens does not fit "
               "the format's int32 lengths");
-  const int64_t lo = code_ == kUInt8 ? 0 : code_ == kInt8 ? -128 : code_ == kInt16 ? -32768
-                     : code_ == kUInt16 ? 0 : code_ == kInt32 ? std::numeric_limits<int32_t>::min()
-                     : std::numeric_limits<int64_t>::min();
-  const int64_t hi = code_ == kUInt8 ? 255 : code_ == kInt8 ? 127 : code_ == kInt16 ? 32767
-                     : code_ == kUInt16 ? 65535 : code_ == kInt32 ? std::numeric_limits<int32_t>::max()
-                     : std::numeric_limits<int64_t>::max();
+  const int64_t lo = code_ == kUInt8    ? 0
+                     : code_ == kInt8   ? -128
+                     : code_ == kInt16  ? -32768
+                     : code_ == kUInt16 ? 0
+                     : code_ == kInt32  ? std::numeric_limits<int32_t>::min()
+                                        : std::numeric_limits<int64_t>::min();
+  const int64_t hi = code_ == kUInt8    ? 255
+                     : code_ == kInt8   ? 127
+                     : code_ == kInt16  ? 32767
+                     : code_ == kUInt16 ? 65535
+                     : code_ == kInt32  ? std::numeric_limits<int32_t>::max()
+                                        : std::numeric_limits<int64_t>::max();
   for (const int64_t t : tokens) {
     TORCH_CHECK(t >= lo && t <= hi, "actmem::IndexedDatasetBuilder: token ", t,
                 " does not fit dtype code ", code_, " [", lo, ", ", hi, "]");
     switch (code_) {
-      case kUInt8: put(buffer_, static_cast<uint8_t>(t)); break;
-      case kInt8: put(buffer_, static_cast<int8_t>(t)); break;
-      case kInt16: put(buffer_, static_cast<int16_t>(t)); break;
-      case kUInt16: put(buffer_, static_cast<uint16_t>(t)); break;
-      case kInt32: put(buffer_, static_cast<int32_t>(t)); break;
-      default: put(buffer_, t); break;
+      case kUInt8:
+        put(buffer_, static_cast<uint8_t>(t));
+        break;
+      case kInt8:
+        put(buffer_, static_cast<int8_t>(t));
+        break;
+      case kInt16:
+        put(buffer_, static_cast<int16_t>(t));
+        break;
+      case kUInt16:
+        put(buffer_, static_cast<uint16_t>(t));
+        break;
+      case kInt32:
+        put(buffer_, static_cast<int32_t>(t));
+        break;
+      default:
+        put(buffer_, t);
+        break;
     }
     if (buffer_.size() >= kBuilderBuffer) flush();
   }
@@ -296,8 +345,8 @@ void IndexedDatasetBuilder::finalize() {
   // The .bin first: an .idx never describes a .bin that is not there yet.
   TORCH_CHECK(std::rename((prefix_ + ".bin.tmp").c_str(), (prefix_ + ".bin").c_str()) == 0 &&
                   std::rename(idx_tmp.c_str(), (prefix_ + ".idx").c_str()) == 0,
-              "actmem::IndexedDatasetBuilder: cannot publish ", prefix_, ".bin/.idx: ",
-              std::strerror(errno));
+              "actmem::IndexedDatasetBuilder: cannot publish ", prefix_,
+              ".bin/.idx: ", std::strerror(errno));
   finalized_ = true;
 }
 

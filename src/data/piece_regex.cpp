@@ -15,9 +15,9 @@ namespace regex_detail {
 // A member of a character class.
 struct ClassItem {
   enum Kind { kRange, kCategories, kSpace, kDigit, kWord } kind = kRange;
-  uint32_t lo = 0, hi = 0;           // kRange
-  uint32_t categories = 0;           // kCategories: bit c for Category c
-  bool negated = false;              // \P{..}, \S, \D, \W
+  uint32_t lo = 0, hi = 0;  // kRange
+  uint32_t categories = 0;  // kCategories: bit c for Category c
+  bool negated = false;     // \P{..}, \S, \D, \W
 
   bool contains(uint32_t cp) const {
     bool in = false;

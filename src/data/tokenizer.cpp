@@ -71,8 +71,10 @@ Child spawn_helper(const std::vector<std::string>& args, bool capture_stderr) {
     ::close(to_child[1]);
     ::close(from_child[0]);
     if (capture_stderr) ::close(err_pipe[0]);
-    TORCH_CHECK(false, "actmem: cannot start ", args[0], " (SentencePiece runs in it; it is built "
-                "and installed with actmem): ", std::strerror(rc));
+    TORCH_CHECK(false, "actmem: cannot start ", args[0],
+                " (SentencePiece runs in it; it is built "
+                "and installed with actmem): ",
+                std::strerror(rc));
   }
   c.in = to_child[1];
   c.out = from_child[0];
@@ -251,7 +253,8 @@ class NullTokenizer final : public Tokenizer {
 class SentencePieceTokenizer final : public Tokenizer {
  public:
   explicit SentencePieceTokenizer(const std::string& path) {
-    TORCH_CHECK(!path.empty(), "actmem: --tokenizer-type SentencePieceTokenizer needs "
+    TORCH_CHECK(!path.empty(),
+                "actmem: --tokenizer-type SentencePieceTokenizer needs "
                 "--tokenizer-model M.model");
     TORCH_CHECK(::access(path.c_str(), R_OK) == 0, "actmem: cannot read the SentencePiece model ",
                 path, ": ", std::strerror(errno));
@@ -260,7 +263,8 @@ class SentencePieceTokenizer final : public Tokenizer {
     const spm::Client::Info info = client_.info(path);
     vocab_ = info.pieces;
     eod_ = info.eos;
-    TORCH_CHECK(eod_ >= 0, "actmem: the SentencePiece model ", path, " has no </s> piece to end "
+    TORCH_CHECK(eod_ >= 0, "actmem: the SentencePiece model ", path,
+                " has no </s> piece to end "
                 "documents with");
   }
   ~SentencePieceTokenizer() override {
@@ -357,23 +361,26 @@ std::unique_ptr<Tokenizer> make_tokenizer(const std::string& type, const std::st
 }
 
 int64_t padded_vocab_size(int64_t vocab_size, int64_t divisible_by, int64_t tp_size) {
-  TORCH_CHECK(vocab_size > 0 && divisible_by > 0 && tp_size > 0, "actmem::padded_vocab_size: "
-              "expected positive sizes, got ", vocab_size, ", ", divisible_by, ", ", tp_size);
+  TORCH_CHECK(vocab_size > 0 && divisible_by > 0 && tp_size > 0,
+              "actmem::padded_vocab_size: "
+              "expected positive sizes, got ",
+              vocab_size, ", ", divisible_by, ", ", tp_size);
   const int64_t multiple = divisible_by * tp_size;
   return (vocab_size + multiple - 1) / multiple * multiple;
 }
 
 void train_sentencepiece(const std::string& input, const std::string& model_prefix,
                          int64_t vocab_size, int threads) {
-  TORCH_CHECK(vocab_size >= 8, "actmem: --vocab-size ", vocab_size, " is too small for a "
+  TORCH_CHECK(vocab_size >= 8, "actmem: --vocab-size ", vocab_size,
+              " is too small for a "
               "SentencePiece model");
   // --minloglevel quiets SentencePiece's informational lines; its errors come back on stderr.
-  Child c = spawn_helper({sentencepiece_helper(), "train", "--input=" + input,
-                          "--model_prefix=" + model_prefix,
-                          "--vocab_size=" + std::to_string(vocab_size),
-                          "--num_threads=" + std::to_string(std::max(1, threads)),
-                          "--character_coverage=1.0", "--minloglevel=2"},
-                         /*capture_stderr=*/true);
+  Child c =
+      spawn_helper({sentencepiece_helper(), "train", "--input=" + input,
+                    "--model_prefix=" + model_prefix, "--vocab_size=" + std::to_string(vocab_size),
+                    "--num_threads=" + std::to_string(std::max(1, threads)),
+                    "--character_coverage=1.0", "--minloglevel=2"},
+                   /*capture_stderr=*/true);
   ::close(c.in);
   std::string err, out;
   char buf[4096];
@@ -392,12 +399,15 @@ void train_sentencepiece(const std::string& input, const std::string& model_pref
     size_t end = err.find('\n', pos);
     if (end == std::string::npos) end = err.size();
     const std::string line = err.substr(pos, end - pos);
-    if (!line.empty() && line.find("LOG(INFO)") == std::string::npos) kept += (kept.empty() ? "" : "; ") + line;
+    if (!line.empty() && line.find("LOG(INFO)") == std::string::npos)
+      kept += (kept.empty() ? "" : "; ") + line;
     pos = end + 1;
   }
   err = kept;
-  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0, "actmem: training a SentencePiece "
-              "model of ", vocab_size, " pieces on ", input, " failed: ",
+  TORCH_CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0,
+              "actmem: training a SentencePiece "
+              "model of ",
+              vocab_size, " pieces on ", input, " failed: ",
               err.empty() ? std::string("actmem-sentencepiece exited abnormally") : err);
 }
 

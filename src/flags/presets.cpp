@@ -5,9 +5,9 @@
 #include "actmem/parallel/pipeline.h"
 #include "actmem/train/training_setup.h"
 
-#include <CLI/CLI.hpp>
 #include <c10/util/Exception.h>
 #include <c10/util/StringUtil.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <limits>
@@ -117,7 +117,7 @@ std::vector<std::string> words(const std::string& text) {
   return out;
 }
 
-const char* const kSizeFlags[] = {"--num-layers", "--hidden-size", "--num-attention-heads",
+const char* const kSizeFlags[] = {"--num-layers", "--hidden-size",      "--num-attention-heads",
                                   "--seq-length", "--micro-batch-size", "--vocab-size"};
 }  // namespace
 
@@ -159,9 +159,8 @@ std::vector<std::string> expand_model_preset(std::vector<std::string> args) {
   const std::vector<std::string> chunks = {"--num-layers-per-virtual-pipeline-stage",
                                            "--num-virtual-stages-per-pipeline-rank"};
   const bool chunks_given = std::any_of(args.begin() + 1, given_end, [&](const std::string& a) {
-    return std::any_of(chunks.begin(), chunks.end(), [&](const std::string& c) {
-      return a == c || a.rfind(c + "=", 0) == 0;
-    });
+    return std::any_of(chunks.begin(), chunks.end(),
+                       [&](const std::string& c) { return a == c || a.rfind(c + "=", 0) == 0; });
   });
   for (size_t i = 0; chunks_given && i < flags.size();) {
     if (std::find(chunks.begin(), chunks.end(), flags[i]) != chunks.end()) {
@@ -190,7 +189,8 @@ void add_described_layout_flags(CLI::App& app, TrainOptions& o, DescribedLayout&
   app.add_option("--data-parallel-size", layout.data_parallel_size,
                  "d: data-parallel ranks (the launch's in train; divides the optimizer state "
                  "with --use-distributed-optimizer)")
-      ->capture_default_str()->check(integer_in_range(1, int64_t{1} << 40));
+      ->capture_default_str()
+      ->check(integer_in_range(1, int64_t{1} << 40));
   app.add_option_function<int64_t>(
          "--num-microbatches", [&layout](const int64_t& m) { layout.num_microbatches = m; },
          "micro-batches per step (or --global-batch-size; default: as many as the schedule "
@@ -213,15 +213,18 @@ PaperShape describe_model(TrainOptions& o, const DescribedLayout& layout, const 
   TransformerConfig& c = o.model;
   TrainingConfig& t = o.training;
   const int64_t d = layout.data_parallel_size;
-  TORCH_CHECK(!(layout.num_microbatches && t.global_batch_size > 0), api, ": give "
+  TORCH_CHECK(!(layout.num_microbatches && t.global_batch_size > 0), api,
+              ": give "
               "--num-microbatches or --global-batch-size, not both");
-  if (layout.num_microbatches) t.global_batch_size = *layout.num_microbatches * c.micro_batch_size * d;
+  if (layout.num_microbatches)
+    t.global_batch_size = *layout.num_microbatches * c.micro_batch_size * d;
   o.finalize();
   // What the paper's formulas describe: stages of equal layers, Megatron's default groups.
   TORCH_CHECK(!c.decoder_first_pipeline_num_layers && !c.decoder_last_pipeline_num_layers, api,
               ": the paper's formulas describe pipeline stages of equal layers; "
               "--decoder-first/last-pipeline-num-layers are not modelled");
-  TORCH_CHECK(!c.microbatch_group_size_per_vp_stage, api, ": the interleaved schedule is "
+  TORCH_CHECK(!c.microbatch_group_size_per_vp_stage, api,
+              ": the interleaved schedule is "
               "modelled with Megatron's default groups of p micro-batches; "
               "--microbatch-group-size-per-virtual-pipeline-stage is not");
   if (t.global_batch_size > 0) check_batch_layout(c, t, d);
@@ -235,13 +238,15 @@ PaperShape describe_model(TrainOptions& o, const DescribedLayout& layout, const 
     const int64_t etp = layout.expert_tensor_parallel_size.value_or(c.tensor_model_parallel_size);
     m.moe.etp = static_cast<double>(etp);
     // Megatron's expert layout: etp x ep ranks carve each t x d group of a pipeline stage.
-    TORCH_CHECK((c.tensor_model_parallel_size * d) % (etp * c.expert_model_parallel_size) == 0,
-                api, ": world_size (t x d x p = ", c.tensor_model_parallel_size * d *
-                c.pipeline_model_parallel_size, ") is not divisible by "
-                "expert_tensor_model_pipeline_parallel size (", etp * c.expert_model_parallel_size *
-                c.pipeline_model_parallel_size, ")");
+    TORCH_CHECK((c.tensor_model_parallel_size * d) % (etp * c.expert_model_parallel_size) == 0, api,
+                ": world_size (t x d x p = ",
+                c.tensor_model_parallel_size * d * c.pipeline_model_parallel_size,
+                ") is not divisible by "
+                "expert_tensor_model_pipeline_parallel size (",
+                etp * c.expert_model_parallel_size * c.pipeline_model_parallel_size, ")");
   } else {
-    TORCH_CHECK(!layout.expert_tensor_parallel_size, api, ": --expert-tensor-parallel-size needs "
+    TORCH_CHECK(!layout.expert_tensor_parallel_size, api,
+                ": --expert-tensor-parallel-size needs "
                 "--num-experts");
   }
   return m;
@@ -258,6 +263,8 @@ TrainOptions preset_options(const std::string& name) {
   return o;
 }
 
-PaperShape paper_preset(const std::string& name) { return paper_shape(preset_options(name).model); }
+PaperShape paper_preset(const std::string& name) {
+  return paper_shape(preset_options(name).model);
+}
 
 }  // namespace actmem

@@ -1,11 +1,14 @@
-// train_options.cpp — CLI11 bindings for the model and training flags.
+// train_options.cpp — CLI11 bindings for the training flags (the model's are model_flags.cpp's),
+// the flag groups put together, the thread count and TrainOptions::finalize.
 #include "actmem/flags/train_options.h"
+
 #include "actmem/flags/megatron_compat.h"
 #include "actmem/parallel/distributed.h"
+#include "flag_groups.h"
 
-#include "actmem/config/activation_plan.h"
 #include "actmem/base/blas.h"
 #include "actmem/base/environment.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/data/tokenizer.h"
 
 #include <CLI/CLI.hpp>
@@ -40,11 +43,19 @@ CLI::Validator finite_number(bool zero_allowed) {
       },
       zero_allowed ? "NONNEGATIVE" : "POSITIVE");
 }
-const CLI::Validator kPositive = finite_number(false);
-const CLI::Validator kNonNegative = finite_number(true);
 }  // namespace
 
-const CLI::Validator& positive_number_validator() { return kPositive; }
+const CLI::Validator& positive_number_validator() {
+  static const CLI::Validator positive = finite_number(false);
+  return positive;
+}
+
+namespace flags_detail {
+const CLI::Validator& non_negative_number_validator() {
+  static const CLI::Validator non_negative = finite_number(true);
+  return non_negative;
+}
+}  // namespace flags_detail
 
 CLI::Validator integer_in_range(int64_t lo, int64_t hi) {
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
@@ -57,7 +68,8 @@ CLI::Validator integer_in_range(int64_t lo, int64_t hi) {
         if (ec == std::errc() && v >= lo && v <= hi) return {};
         if (ec != std::errc::result_out_of_range && hi == kMax && (lo == 0 || lo == 1)) {
           return std::string(lo == 1 ? "expected a positive number, got '"
-                                     : "expected a non-negative number, got '") + text + "'";
+                                     : "expected a non-negative number, got '") +
+                 text + "'";
         }
         return "expected an integer in [" + std::to_string(lo) + ", " + std::to_string(hi) +
                "], got '" + text + "'";
@@ -65,339 +77,11 @@ CLI::Validator integer_in_range(int64_t lo, int64_t hi) {
       "INT in [" + std::to_string(lo) + ", " + std::to_string(hi) + "]");
 }
 
+using namespace flags_detail;  // NOLINT: this layer's own flag groups (flag_groups.h)
+
 namespace {
-constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
-
-void add_shape_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  const CLI::Validator positive = integer_in_range(1, kMaxInt);
-  app.add_option("--num-layers", m.num_layers, "Number of transformer layers")
-      ->capture_default_str()->check(positive);
-  app.add_option("--hidden-size", m.hidden_size, "Hidden size h")
-      ->capture_default_str()->check(positive);
-  app.add_option("--num-attention-heads", m.num_attention_heads, "Attention heads a")
-      ->capture_default_str()->check(positive);
-  app.add_option("--ffn-hidden-size", m.ffn_hidden_size, "MLP hidden size (default 4h)")
-      ->check(positive);
-  app.add_flag("--group-query-attention", o.group_query_attention,
-               "Grouped-query attention: keys and values of --num-query-groups heads");
-  app.add_option("--num-query-groups", m.num_query_groups,
-                 "With --group-query-attention: key/value heads G, each shared by heads / G query "
-                 "heads (Megatron's default 1)")
-      ->check(positive);
-  app.add_option("--seq-length", m.seq_length, "Sequence length s")
-      ->capture_default_str()->check(positive);
-  app.add_option("--max-position-embeddings", m.max_position_embeddings,
-                 "Learned position table size (default seq-length)")
-      ->check(positive);
-  app.add_option("--micro-batch-size", m.micro_batch_size, "Micro-batch size b")
-      ->capture_default_str()->check(positive);
-  app.add_option("--vocab-size", m.vocab_size,
-                 "Vocabulary size (>= 256 for bytes; set by --tokenizer-type when given)")
-      ->capture_default_str()->check(positive)
-      ->each([&o](const std::string&) { o.vocab_size_given = true; });
-  app.add_option("--attention-dropout", m.attention_dropout, "Dropout on attention probabilities")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  app.add_option("--hidden-dropout", m.hidden_dropout, "Dropout in bias-dropout-add and embedding")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  app.add_option("--attention-backend", m.attention_backend,
-                 "Core attention kernel (Megatron's names): flash (no s x s tensors kept; no "
-                 "attention dropout), unfused (every s x s tensor kept, as Korthikanti et al. "
-                 "count), local (= unfused), fused (not on CPU), auto (flash where it can run, "
-                 "else unfused, and the header says why)")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"flash", "fused", "unfused", "local", "auto"}));
-  app.add_option("--normalization", o.normalization_flag, "LayerNorm or RMSNorm")
-      ->capture_default_str()->check(CLI::IsMember({"LayerNorm", "RMSNorm"}));
-  app.add_option("--layernorm-epsilon,--norm-epsilon", m.layernorm_epsilon,
-                 "Norm epsilon (--norm-epsilon: Megatron's current name)")
-      ->capture_default_str()
-      ->check(kPositive);
-  app.add_flag("--apply-layernorm-1p,!--no-apply-layernorm-1p", m.layernorm_zero_centered_gamma,
-               "Zero-centred gamma: every norm multiplies by (1 + weight), weights start at 0");
-  // The negations turn off what a preset (flags/presets.h) or an earlier flag turned on: the
-  // last of a flag and its negation wins, as with argparse.
-  app.add_flag("--swiglu,!--no-swiglu", o.swiglu,
-               "Gated linear unit with SiLU (SwiGLU) instead of GeLU (default ffn: Megatron's "
-               "int(8h/3/64) x 64)");
-  app.add_flag("--disable-bias-linear", o.disable_bias_linear, "Linear layers without biases");
-  app.add_flag("--use-rotary-position-embeddings", o.use_rope,
-               "RoPE instead of learned absolute positions (Megatron's deprecated spelling of "
-               "--position-embedding-type rope)");
-  app.add_option("--position-embedding-type", o.position_embedding_type,
-                 "learned_absolute (default), rope or none")
-      ->check(CLI::IsMember({"learned_absolute", "rope", "none"}));
-  app.add_flag("--no-position-embedding", o.no_position_embedding,
-               "Megatron's deprecated switch: allowed with --position-embedding-type rope (where "
-               "it changes nothing), refused otherwise as Megatron refuses it");
-  app.add_option("--rotary-percent", m.rotary_percent,
-                 "Fraction of each head's features RoPE rotates (partial RoPE; the rest pass)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 1.0));
-  app.add_option_function<int64_t>(
-         "--kv-channels", [&m](const int64_t& v) { m.kv_channels_arg = v; },
-         "Width of each attention head (default hidden-size / num-attention-heads)")
-      ->check(positive);
-  app.add_option("--rotary-base", m.rotary_base, "RoPE base")->capture_default_str()->check(kPositive);
-  app.add_flag("--untie-embeddings-and-output-weights,!--tie-embeddings-and-output-weights",
-               o.untie, "Separate output layer instead of the tied word embedding");
-  app.add_option("--init-method-std", m.init_method_std, "Std of the normal initialisation")
-      ->capture_default_str()->check(kPositive);
-  // Precision (docs/mixed-precision.md).
-  app.add_flag("--bf16", m.bf16, "Parameters and activations in bfloat16 (fp32 main parameters, "
-               "gradients accumulated in fp32)");
-  app.add_flag("--fp16", m.fp16, "Parameters and activations in float16 with loss scaling "
-               "(needs half-precision kernels: CUDA)");
-  app.add_flag("--attention-softmax-in-fp32", m.attention_softmax_in_fp32,
-               "Compute the attention softmax in fp32 (16-bit runs)");
-  // Megatron requires seed > 0; the upper bound leaves room for the stream offsets added to it.
-  app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling (> 0)")
-      ->capture_default_str()->check(integer_in_range(1, static_cast<int64_t>(kMaxSeed)));
-}
-
-void add_parallel_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  // Tensor and sequence parallelism (docs/parallelism.md); run under `actmem launch`.
-  app.add_option("--tensor-model-parallel-size", m.tensor_model_parallel_size,
-                 "Tensor-parallel ranks t (= the launch's --nproc-per-node)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_flag("--sequence-parallel,!--no-sequence-parallel", m.sequence_parallel,
-               "Shard norms and dropouts along the sequence across the t ranks (turned off with "
-               "a warning when t = 1, as Megatron does)");
-  app.add_option("--pipeline-model-parallel-size", m.pipeline_model_parallel_size,
-                 "Pipeline stages p (1F1B schedule; the launch has t x p x d processes)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--decoder-first-pipeline-num-layers",
-         [&m](const int64_t& n) { m.decoder_first_pipeline_num_layers = n; },
-         "Layers of the first pipeline stage (uneven split; the others share the rest)")
-      ->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--decoder-last-pipeline-num-layers",
-         [&m](const int64_t& n) { m.decoder_last_pipeline_num_layers = n; },
-         "Layers of the last pipeline stage (uneven split)")
-      ->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--num-layers-per-virtual-pipeline-stage",
-         [&m](const int64_t& n) { m.num_layers_per_virtual_pipeline_stage = n; },
-         "Interleaved 1F1B: layers per model chunk (each rank holds num_layers / p / N chunks)")
-      ->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--num-virtual-stages-per-pipeline-rank",
-         [&m](const int64_t& n) { m.num_virtual_stages_per_pipeline_rank = n; },
-         "Interleaved 1F1B: model chunks per pipeline rank")
-      ->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--microbatch-group-size-per-virtual-pipeline-stage",
-         [&m](const int64_t& n) { m.microbatch_group_size_per_vp_stage = n; },
-         "Interleaved 1F1B: micro-batches a chunk runs before the next takes over (default p)")
-      ->check(integer_in_range(1, 1 << 20));
-}
-
-// Adds the Gated DeltaNet flags (--experimental-attention-variant, --linear-*).
-void add_gated_delta_net_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  // Gated DeltaNet hybrid models (docs/gdn.md), Megatron's flags and defaults.
-  app.add_option("--experimental-attention-variant", m.experimental_attention_variant,
-                 "gdn: GatedDeltaNet (linear attention by the gated delta rule) on the layers "
-                 "--linear-attention-freq marks (gated_delta_net: Megatron's deprecated spelling)")
-      ->check(CLI::IsMember({"gdn", "gated_delta_net", "gdn2", "dsa"}));
-  app.add_option("--linear-attention-freq", m.linear_attention_freq,
-                 "N: every N-th layer is standard attention, the others GatedDeltaNet; or a 0/1 "
-                 "pattern per layer (1 = GDN), e.g. \"([1]*3+[0])*2\"");
-  app.add_option("--linear-conv-kernel-dim", m.linear_conv_kernel_dim,
-                 "GatedDeltaNet's causal convolution kernel")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-key-head-dim", m.linear_key_head_dim,
-                 "GatedDeltaNet's query and key head dimension")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-value-head-dim", m.linear_value_head_dim,
-                 "GatedDeltaNet's value and gate head dimension")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-num-key-heads", m.linear_num_key_heads,
-                 "GatedDeltaNet's query and key heads")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--linear-num-value-heads", m.linear_num_value_heads,
-                 "GatedDeltaNet's value and gate heads (a multiple of the key heads)")
-      ->capture_default_str()
-      ->check(integer_in_range(1, kMaxInt));
-}
-
-// Adds the multi-latent attention flags (and YaRN's, which MLA uses by default).
-void add_multi_latent_attention_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  // Multi-latent attention (docs/mla.md), Megatron's flags and CLI defaults.
-  app.add_flag("--multi-latent-attention", m.multi_latent_attention,
-               "Attention through low-rank query and key/value latents (Megatron's MLA)");
-  app.add_option_function<int64_t>(
-         "--q-lora-rank", [&m](const int64_t& v) { m.q_lora_rank = v; },
-         "Rank of the query's latent (default: no query compression)")
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--kv-lora-rank", m.kv_lora_rank, "Rank of the keys' and values' latent")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--qk-head-dim", m.qk_head_dim, "Per-head query/key width without position")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--qk-pos-emb-head-dim", m.qk_pos_emb_head_dim,
-                 "Per-head width of the decoupled RoPE part of queries and keys")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_option("--v-head-dim", m.v_head_dim, "Per-head value width")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
-  app.add_flag("--qk-layernorm,!--no-qk-layernorm", m.qk_layernorm,
-               "Norms on each query and key head (q_layernorm, k_layernorm before RoPE); with MLA "
-               "on the query and key/value latents (q_layernorm, kv_layernorm)");
-  app.add_flag("--attention-output-gate,!--no-attention-output-gate", m.attention_output_gate,
-               "Gated attention: linear_qkv also yields a gate per query head; the core "
-               "attention's output is multiplied by sigmoid(gate) before linear_proj");
-  app.add_option("--rope-type", m.rope_type, "rope or yarn (default yarn with MLA, rope otherwise)")
-      ->check(CLI::IsMember({"rope", "yarn"}));
-  app.add_option("--rotary-scaling-factor", m.rotary_scaling_factor, "YaRN's scaling factor")
-      ->capture_default_str()->check(kPositive);
-  app.add_option("--mscale", m.mscale, "YaRN's mscale (MLA)")->capture_default_str();
-  app.add_option("--mscale-all-dim", m.mscale_all_dim, "YaRN's mscale_all_dim (MLA)")
-      ->capture_default_str();
-}
-
-void add_moe_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  // Mixture of experts (docs/moe.md), Megatron's flags and defaults.
-  app.add_option("--num-experts", m.num_moe_experts, "Experts per MoE layer (0 = dense)")
-      ->check(integer_in_range(0, 1 << 20));
-  app.add_option("--moe-router-topk", m.moe_router_topk, "Experts each token is routed to")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_option_function<int64_t>(
-         "--moe-ffn-hidden-size", [&m](const int64_t& v) { m.moe_ffn_hidden_size = v; },
-         "Each expert's hidden size (default --ffn-hidden-size)")
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_option("--moe-layer-freq", m.moe_layer_freq,
-                 "MoE every N layers from layer 0, or a 0/1 pattern: \"[1,0,1,0]\", \"([1]*3+[0])*2\"")
-      ->capture_default_str();
-  app.add_option("--moe-router-load-balancing-type", m.moe_router_load_balancing_type,
-                 "aux_loss (Switch load balancing) or none")
-      ->capture_default_str();
-  app.add_option("--moe-aux-loss-coeff", m.moe_aux_loss_coeff, "Load-balancing loss coefficient")
-      ->capture_default_str()->check(kNonNegative);
-  app.add_option_function<double>(
-         "--moe-z-loss-coeff", [&m](const double& v) { m.moe_z_loss_coeff = v; },
-         "Router z-loss coefficient (default off)")
-      ->check(kNonNegative);
-  app.add_option("--moe-router-score-function", m.moe_router_score_function, "softmax or sigmoid")
-      ->capture_default_str();
-  app.add_flag("--moe-router-pre-softmax", m.moe_router_pre_softmax,
-               "Softmax over all experts before the top-k (needed with --moe-router-topk 1)");
-  app.add_option("--moe-router-dtype", m.moe_router_dtype,
-                 "Run the router's gating linear, scores and load-balancing losses in fp32 or "
-                 "fp64 (Megatron's; default: the model's type)")
-      ->check(CLI::IsMember({"fp32", "fp64"}));
-  app.add_option_function<double>(
-         "--moe-router-topk-scaling-factor",
-         [&m](const double& v) { m.moe_router_topk_scaling_factor = v; },
-         "Multiply the routing probabilities by this")
-      ->check(kPositive);
-  app.add_option_function<int64_t>(
-         "--moe-shared-expert-intermediate-size",
-         [&m](const int64_t& v) { m.moe_shared_expert_intermediate_size = v; },
-         "Shared experts' total hidden size (num_shared_experts x each one's ffn)")
-      ->check(integer_in_range(1, kMaxInt));
-  app.add_flag("--moe-shared-expert-gate", m.moe_shared_expert_gate,
-               "Scale the shared-expert output by a learned sigmoid gate");
-  app.add_option_function<double>(
-         "--moe-expert-capacity-factor",
-         [&m](const double& v) {
-           // Megatron: a negative factor means none (dropless).
-           if (v >= 0.0) m.moe_expert_capacity_factor = v; else m.moe_expert_capacity_factor.reset();
-         },
-         "Token dropping: each expert takes at most ceil(tokens x topk / experts x factor) tokens "
-         "(default dropless)");
-  app.add_flag("--moe-pad-expert-input-to-capacity", m.moe_pad_expert_input_to_capacity,
-               "With a capacity factor: every expert computes exactly `capacity` rows");
-  app.add_option("--moe-token-drop-policy", m.moe_token_drop_policy,
-                 "Over capacity, keep the tokens with the highest probs or the earliest position")
-      ->capture_default_str();
-  app.add_flag("--moe-grouped-gemm", m.moe_grouped_gemm,
-               "Experts as one grouped product over the permuted tokens (TEGroupedMLP)");
-  app.add_option("--moe-token-dispatcher-type", m.moe_token_dispatcher_type, "allgather or alltoall")
-      ->capture_default_str();
-  app.add_option("--expert-model-parallel-size", m.expert_model_parallel_size,
-                 "Expert-parallel ranks: the routed experts split e ways (e divides the "
-                 "data-parallel ranks; docs/moe.md)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
-  app.add_flag("--moe-layer-recompute", m.moe_layer_recompute,
-               "Deprecated: --recompute-granularity selective --recompute-modules core_attn moe");
-  app.add_option("--moe-expert-dropout", m.moe_expert_dropout,
-                 "actmem: dropout on the experts' activation, from the expert-parallel random "
-                 "stream (Megatron has none; default 0)")
-      ->capture_default_str()->check(CLI::Range(0.0, 1.0));
-  add_gated_delta_net_flags(app, o);
-  add_multi_latent_attention_flags(app, o);
-}
-
-void add_recompute_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  // Activation recompute (docs/recompute.md).
-  app.add_option("--recompute-granularity", m.recompute_granularity,
-                 "full (whole layers) or selective (--recompute-modules)")
-      ->check(CLI::IsMember({"full", "selective"}));
-  app.add_option("--recompute-method", m.recompute_method,
-                 "Full recompute: uniform (chunks of N layers) or block (first N layers)")
-      ->check(CLI::IsMember({"uniform", "block"}));
-  app.add_option_function<int64_t>(
-         "--recompute-num-layers", [&m](const int64_t& n) { m.recompute_num_layers = n; },
-         "Full recompute: layers per chunk (uniform) or checkpointed layers (block)")
-      ->check(integer_in_range(0, kMaxInt));
-  auto& t = o.training;
-  app.add_option_function<int64_t>(
-         "--num-microbatches-with-partial-activation-checkpoints",
-         [&t](const int64_t& n) { t.num_microbatches_with_partial_activation_checkpoints = n; },
-         "Pipeline schedules with full block recompute: per window of warmup + 1 forwards, the "
-         "first N checkpoint --recompute-num-layers layers, the others every layer")
-      ->check(integer_in_range(0, kMaxInt));
-  app.add_option_function<std::vector<std::string>>(
-         "--recompute-modules", [&m](const std::vector<std::string>& v) { m.recompute_modules = v; },
-         "Selective targets, space-separated: " + recompute_module_list(" ") +
-             " (default core_attn)")
-      ->expected(1, -1);
-  app.add_flag("--recompute-activations", o.recompute_activations,
-               "Legacy: same as --recompute-granularity selective");
-  app.add_flag("--checkpoint-activations", o.checkpoint_activations,
-               "Removed (refused): use --recompute-activations or --recompute-granularity");
-  app.add_flag("--distribute-saved-activations", m.distribute_saved_activations,
-               "Full recompute: keep checkpoint inputs sharded over tensor-parallel ranks");
-}
-
-void add_offload_flags(CLI::App& app, TrainOptions& o) {
-  auto& m = o.model;
-  auto setting = [&o](const char* flag) {
-    return [&o, flag](const std::string&) { o.offload_setting_flag = flag; };
-  };
-  // CPU offload (docs/offload.md).
-  app.add_option("--cpu-offloading-num-layers", m.cpu_offloading_num_layers,
-                 "Offload the saved activations of the first K layers to host memory")
-      ->check(integer_in_range(0, kMaxInt));
-  app.add_flag("--fine-grained-activation-offloading", m.fine_grained_activation_offloading,
-               "Offload what the modules of --offload-modules save");
-  app.add_option("--offload-modules", m.offload_modules,
-                 "Space-separated: " + offload_module_list(" "))
-      ->expected(1, -1);
-  app.add_option("--fine-grained-offloading-max-inflight-offloads",
-                 m.fine_grained_offloading_max_inflight_offloads,
-                 "Groups of one name with copies in flight before compute waits (-1 = no cap)")
-      ->capture_default_str()->check(integer_in_range(-1, kMaxInt))
-      ->each(setting("--fine-grained-offloading-max-inflight-offloads"));
-  app.add_option("--min-offloaded-tensor-size", m.min_offloaded_tensor_size,
-                 "Saved tensors with fewer elements stay on the device")
-      ->capture_default_str()->check(integer_in_range(0, kMaxInt))
-      ->each(setting("--min-offloaded-tensor-size"));
-  app.add_option("--offload-bandwidth-gbps", o.training.offload_bandwidth_gbps,
-                 "Emulated host link for offload copies, GB/s per direction (0 = uncapped; "
-                 "otherwise " + c10::str(kMinOffloadBandwidthGbps) + " to " +
-                 c10::str(kMaxOffloadBandwidthGbps) + ")")
-      ->capture_default_str()->check(kNonNegative)
-      ->each(setting("--offload-bandwidth-gbps"));
-}
+const CLI::Validator& kPositive = positive_number_validator();
+const CLI::Validator& kNonNegative = non_negative_number_validator();
 
 void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
   auto& t = o.training;
@@ -417,7 +101,8 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
       ->check(integer_in_range(1, kMaxInt));
   app.add_option("--lr", t.lr, "Peak learning rate")->capture_default_str()->check(kPositive);
   app.add_option("--min-lr", t.min_lr, "Learning rate at the end of decay")
-      ->capture_default_str()->check(kNonNegative);
+      ->capture_default_str()
+      ->check(kNonNegative);
   // The schedule as Megatron's get_optimizer_param_scheduler builds it (counted in samples;
   // docs/train.md, "Learning-rate schedule").
   app.add_option("--lr-warmup-iters", t.lr_warmup_iters,
@@ -444,12 +129,16 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
          "Samples over which the rate decays to --min-lr (default --train-samples)")
       ->check(integer_in_range(1, int64_t{1} << 62));
   app.add_option("--lr-decay-style", t.lr_decay_style, "constant, linear or cosine")
-      ->capture_default_str()->check(CLI::IsMember({"constant", "linear", "cosine"}));
+      ->capture_default_str()
+      ->check(CLI::IsMember({"constant", "linear", "cosine"}));
   app.add_option("--weight-decay", t.weight_decay, "AdamW weight decay")
-      ->capture_default_str()->check(kNonNegative);
+      ->capture_default_str()
+      ->check(kNonNegative);
   app.add_option("--adam-beta1", t.adam_beta1, "AdamW beta1")->capture_default_str();
   app.add_option("--adam-beta2", t.adam_beta2, "AdamW beta2")->capture_default_str();
-  app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")->capture_default_str()->check(kPositive);
+  app.add_option("--adam-eps", t.adam_eps, "AdamW epsilon")
+      ->capture_default_str()
+      ->check(kPositive);
   app.add_option_function<double>(
          "--decoupled-lr", [&t](const double& v) { t.decoupled_lr = v; },
          "Peak learning rate of the word embedding and output layer (Megatron's; the same "
@@ -464,7 +153,8 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
                "micro-batch and data-parallel rank (Megatron's per-token loss; the default "
                "averages each micro-batch's token mean)");
   app.add_option("--clip-grad", t.clip_grad, "Global gradient-norm clip (0 = off)")
-      ->capture_default_str()->check(kNonNegative);
+      ->capture_default_str()
+      ->check(kNonNegative);
   // Mixed precision (docs/mixed-precision.md).
   app.add_flag_function(
       "--accumulate-allreduce-grads-in-fp32",
@@ -478,22 +168,24 @@ void add_optimizer_flags(CLI::App& app, TrainOptions& o) {
          "--loss-scale", [&t](const double& v) { t.loss_scale = v; },
          "Constant loss scale (16-bit runs; default: dynamic with --fp16, none with --bf16)")
       ->check(kPositive);
-  auto dynamic = [&o](const char* flag) {
-    return [&o, flag] { o.dynamic_scaling_flag = flag; };
-  };
+  auto dynamic = [&o](const char* flag) { return [&o, flag] { o.dynamic_scaling_flag = flag; }; };
   app.add_option("--initial-loss-scale", t.initial_loss_scale, "Dynamic loss scale: start value")
-      ->capture_default_str()->check(kPositive)->each([f = dynamic("--initial-loss-scale")](
-          const std::string&) { f(); });
+      ->capture_default_str()
+      ->check(kPositive)
+      ->each([f = dynamic("--initial-loss-scale")](const std::string&) { f(); });
   app.add_option("--min-loss-scale", t.min_loss_scale, "Dynamic loss scale: lower bound")
-      ->capture_default_str()->check(kPositive)->each([f = dynamic("--min-loss-scale")](
-          const std::string&) { f(); });
+      ->capture_default_str()
+      ->check(kPositive)
+      ->each([f = dynamic("--min-loss-scale")](const std::string&) { f(); });
   app.add_option("--loss-scale-window", t.loss_scale_window,
                  "Dynamic loss scale: steps without overflow before it doubles")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt))
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt))
       ->each([f = dynamic("--loss-scale-window")](const std::string&) { f(); });
   app.add_option("--hysteresis", t.hysteresis,
                  "Dynamic loss scale: overflows tolerated before it halves")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt))
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt))
       ->each([f = dynamic("--hysteresis")](const std::string&) { f(); });
 }
 
@@ -514,14 +206,17 @@ void add_schedule_flags(CLI::App& app, TrainOptions& o) {
          "counts samples: --lr-warmup-samples, --lr-decay-samples)")
       ->check(integer_in_range(1, int64_t{1} << 62));
   app.add_option("--eval-interval", t.eval_interval, "Validate every N steps (0 = never)")
-      ->capture_default_str()->check(integer_in_range(0, kMaxInt));
+      ->capture_default_str()
+      ->check(integer_in_range(0, kMaxInt));
   app.add_option("--eval-iters", t.eval_iters, "Validation micro-batches")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
   app.add_flag("--log-throughput", t.log_throughput,
                "Add the model's TFLOP/s per rank to each progress line (Megatron's "
                "num_floating_point_operations; recompute not counted)");
   app.add_option("--log-interval", t.log_interval, "Progress line every N steps")
-      ->capture_default_str()->check(integer_in_range(1, kMaxInt));
+      ->capture_default_str()
+      ->check(integer_in_range(1, kMaxInt));
 }
 
 void add_data_flags(CLI::App& app, TrainOptions& o) {
@@ -559,9 +254,11 @@ void add_data_flags(CLI::App& app, TrainOptions& o) {
                  "GPT2BPETokenizer's vocab.json (with --merge-file; without --tokenizer-type they "
                  "choose GPT2BPETokenizer, pretrain_gpt.py's default)");
   app.add_option("--merge-file", t.merge_file, "GPT2BPETokenizer's merges.txt (with --vocab-file)");
-  app.add_option("--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
-                 "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
-      ->capture_default_str()->check(integer_in_range(1, 1 << 20));
+  app.add_option(
+         "--make-vocab-size-divisible-by", t.make_vocab_size_divisible_by,
+         "Pad the tokenizer's vocabulary to a multiple of this (times the tensor-parallel size)")
+      ->capture_default_str()
+      ->check(integer_in_range(1, 1 << 20));
   app.add_option(
       "--data-cache-path", t.data_cache_path,
       "Where --data-path caches its sample indices (default: PREFIX/cache/GPTDataset_indices; "
@@ -583,9 +280,10 @@ void add_runtime_flags(CLI::App& app, TrainOptions& o) {
   app.add_option("--device-memory-limit", o.device_memory_limit_gib,
                  "Device memory limit in GiB (CPU; default: physical memory)")
       ->check(kPositive);
-  app.add_option("--threads", o.threads,
-                 "Intra-op CPU threads, at most the cores available (default: OMP_NUM_THREADS when set, "
-                 "else one per core; `actmem launch` sets it to the cores / its workers)")
+  app.add_option(
+         "--threads", o.threads,
+         "Intra-op CPU threads, at most the cores available (default: OMP_NUM_THREADS when set, "
+         "else one per core; `actmem launch` sets it to the cores / its workers)")
       ->check(integer_in_range(1, 1 << 20));
 }
 
@@ -674,14 +372,19 @@ void add_flags(CLI::App& app, TrainOptions& o, unsigned groups) {
   if (groups & kCompatFlags) add_megatron_compat_flags(app, o.megatron_compat_given);
 }
 
-void add_model_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kModelFlags); }
-void add_training_flags(CLI::App& app, TrainOptions& o) { add_flags(app, o, kTrainingFlags); }
+void add_model_flags(CLI::App& app, TrainOptions& o) {
+  add_flags(app, o, kModelFlags);
+}
+void add_training_flags(CLI::App& app, TrainOptions& o) {
+  add_flags(app, o, kTrainingFlags);
+}
 
 int apply_thread_count(int threads) {
   const int cores = available_cores();
   TORCH_CHECK(threads <= cores, "actmem: --threads ", threads, " exceeds the ", cores,
               " core(s) this process may run on; more threads than cores only slow the step "
-              "(give at most ", cores, ")");
+              "(give at most ",
+              cores, ")");
   int n = threads > 0 ? threads : cores;
   if (threads <= 0) {
     // Without --threads: OMP_NUM_THREADS when set (as PyTorch reads it; `actmem launch` sets it
@@ -689,8 +392,10 @@ int apply_thread_count(int threads) {
     if (const char* env = std::getenv("OMP_NUM_THREADS"); env != nullptr && *env != '\0') {
       char* end = nullptr;
       const long v = std::strtol(env, &end, 10);
-      TORCH_CHECK(end != env && *end == '\0' && v >= 1, "actmem: OMP_NUM_THREADS must be a "
-                  "positive integer (or unset), got '", env, "'");
+      TORCH_CHECK(end != env && *end == '\0' && v >= 1,
+                  "actmem: OMP_NUM_THREADS must be a "
+                  "positive integer (or unset), got '",
+                  env, "'");
       n = static_cast<int>(std::min<long>(v, cores));
     }
   }
@@ -704,9 +409,9 @@ namespace {
 // Megatron warns whenever core_attn is recomputed, whatever the backend; actmem warns only when
 // the kernel is flash, since on the unfused path core_attn recompute is what removes the s x s
 // tensors (docs/memory-model.md, "Attention backends", measures what it buys under each).
-void warn_core_attn_recompute_with_flash(const TransformerConfig& model) {
+void warn_core_attn_recompute_with_flash(const TransformerConfig& model,
+                                         const ActivationPlan& plan) {
   if (!model.flash_attention()) return;
-  const ActivationPlan plan = make_activation_plan(model);
   const bool core_attn =
       std::any_of(plan.layers.begin(), plan.layers.end(),
                   [](const LayerPlan& l) { return l.recomputes(RecomputeModule::kCoreAttn); });
@@ -738,9 +443,10 @@ void finalize_model_switches(TrainOptions& o) {
     // Megatron's validate_args: SwiGLU's two fc1 halves keep the parameters of a 4h GeLU MLP,
     // rounded down to a multiple of 64 (its TransformerConfig alone would take 4h).
     model.ffn_hidden_size = 4 * model.hidden_size * 2 / 3 / 64 * 64;
-    TORCH_CHECK(model.ffn_hidden_size > 0, "--swiglu without --ffn-hidden-size takes Megatron's "
-                "int(8h/3/64) x 64, which is 0 for --hidden-size ", model.hidden_size,
-                "; give --ffn-hidden-size");
+    TORCH_CHECK(model.ffn_hidden_size > 0,
+                "--swiglu without --ffn-hidden-size takes Megatron's "
+                "int(8h/3/64) x 64, which is 0 for --hidden-size ",
+                model.hidden_size, "; give --ffn-hidden-size");
   }
   if (model.sequence_parallel && model.tensor_model_parallel_size == 1) {
     // Megatron's validate_args: sequence parallelism without tensor parallelism is switched off.
@@ -753,8 +459,8 @@ void finalize_model_switches(TrainOptions& o) {
   // type given by name wins (a preset's RoPE is turned off with
   // --position-embedding-type learned_absolute).
   model.position_embedding_type = !o.position_embedding_type.empty() ? o.position_embedding_type
-                                  : o.use_rope                         ? "rope"
-                                                                       : "learned_absolute";
+                                  : o.use_rope                       ? "rope"
+                                                                     : "learned_absolute";
   // Megatron's validate_args (arguments.py), the same RuntimeError text.
   TORCH_CHECK(!o.no_position_embedding || model.position_embedding_type == "rope",
               "--no-position-embedding is deprecated, use --position-embedding-type");
@@ -783,7 +489,8 @@ void finalize_tokenizer_flags(TrainOptions& o) {
                 "NullTokenizer has that many ids, the last ending each document)");
   } else if (!training.tokenizer_type.empty() && !tiktoken) {
     // (TikTokenizer's size is --vocab-size, default 2^17, as in Megatron's build_tokenizer.)
-    TORCH_CHECK(!o.vocab_size_given, "--vocab-size and --tokenizer-type are exclusive: the "
+    TORCH_CHECK(!o.vocab_size_given,
+                "--vocab-size and --tokenizer-type are exclusive: the "
                 "tokenizer sets the vocabulary (padded by --make-vocab-size-divisible-by)");
   } else if (!tiktoken) {
     TORCH_CHECK(training.tokenizer_model.empty(),
@@ -817,7 +524,8 @@ void finalize_tokenizer_flags(TrainOptions& o) {
 }  // namespace
 
 void TrainOptions::finalize() {
-  TORCH_CHECK(!checkpoint_activations, "--checkpoint-activations is no longer valid, use "
+  TORCH_CHECK(!checkpoint_activations,
+              "--checkpoint-activations is no longer valid, use "
               "--recompute-activations, or, for more control, --recompute-granularity and "
               "--recompute-method.");
   if (recompute_activations) model.recompute_granularity = "selective";
@@ -844,17 +552,20 @@ void TrainOptions::finalize() {
                 " GiB rounds to 0 bytes; give at least one byte");
   }
   TORCH_CHECK(dynamic_scaling_flag.empty() || training.dynamic_loss_scale(model),
-              dynamic_scaling_flag, " applies to dynamic loss scaling, which runs with --fp16 "
+              dynamic_scaling_flag,
+              " applies to dynamic loss scaling, which runs with --fp16 "
               "and no --loss-scale");
   finalize_tokenizer_flags(*this);
-  model.validate();
+  // The model's flags resolved into its plan, which validates them (Note [One plan]).
+  const ActivationPlan plan = make_activation_plan(model);
   training.validate(model);
-  warn_core_attn_recompute_with_flash(model);
+  warn_core_attn_recompute_with_flash(model, plan);
   // A setting that would do nothing is refused, as --offload-modules without the switch is
   // (after the values' own checks, whose messages say more).
   TORCH_CHECK(offload_setting_flag.empty() || offload_planned_later ||
                   model.cpu_offloading_num_layers > 0 || model.fine_grained_activation_offloading,
-              offload_setting_flag, " applies to activation offloading, which is off: add "
+              offload_setting_flag,
+              " applies to activation offloading, which is off: add "
               "--fine-grained-activation-offloading --offload-modules ... or "
               "--cpu-offloading-num-layers K");
   TORCH_CHECK(pipeline_plot.empty() || model.pipeline_model_parallel_size > 1,

@@ -27,8 +27,12 @@ void on_op_exit(const at::RecordFunction&, at::ObserverContext*) {
 }
 }  // namespace
 
-ModuleScope::ModuleScope(const char* name, int64_t index) { t_modules.push_back({name, index}); }
-ModuleScope::~ModuleScope() { t_modules.pop_back(); }
+ModuleScope::ModuleScope(const char* name, int64_t index) {
+  t_modules.push_back({name, index});
+}
+ModuleScope::~ModuleScope() {
+  t_modules.pop_back();
+}
 
 std::string current_module_path() {
   std::string path;
@@ -81,7 +85,8 @@ std::vector<std::pair<std::string, int64_t>> ActivationLedger::bytes_by_module()
   std::vector<std::pair<std::string, int64_t>> out;
   for (const auto& r : records_) {
     if (!r.counted) continue;
-    auto it = std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == r.module; });
+    auto it =
+        std::find_if(out.begin(), out.end(), [&](const auto& p) { return p.first == r.module; });
     if (it == out.end()) {
       out.emplace_back(r.module, r.storage_bytes);
     } else {
@@ -111,8 +116,8 @@ std::shared_ptr<PackedTensor> ActivationLedger::pack(const at::Tensor& t) {
                                                t.storage().unsafeGetStorageImpl())));
   }
   records_.push_back(std::move(r));
-  storages_.emplace_back(c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
-      t.storage().unsafeGetStorageImpl()));
+  storages_.emplace_back(
+      c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(t.storage().unsafeGetStorageImpl()));
   return nullptr;  // observe only: autograd keeps the tensor as it would without hooks
 }
 

@@ -1,12 +1,11 @@
 // memory_model.cpp — the paper's formulas and Megatron's theoretical terms (memory_model.h).
 #include "actmem/memory/memory_model.h"
 
-
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <limits>
 #include <cmath>
+#include <limits>
 #include <numeric>
 
 namespace actmem {
@@ -119,8 +118,8 @@ WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   double attention = 2.0 * h * h * (1.0 + groups / m.a);
   if (m.is_mla()) {
     const MLAPaperShape& x = m.mla;
-    const double q = x.q_lora > 0 ? x.q_lora * (h + m.a * (x.qk + x.pos) + norm)
-                                  : h * m.a * (x.qk + x.pos);
+    const double q =
+        x.q_lora > 0 ? x.q_lora * (h + m.a * (x.qk + x.pos) + norm) : h * m.a * (x.qk + x.pos);
     attention = q + x.kv_lora * (h + m.a * (x.qk + x.v) + norm) + h * x.pos + m.a * x.v * h;
   }
   const double dense_mlp = 2.0 * h * m.ffn * gated, layernorm = 2.0 * h * norm;
@@ -132,7 +131,8 @@ WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   const double router = m.is_moe() ? h * e.experts : 0.0;
   const double gate = m.is_moe() && e.shared_ffn > 0 && e.shared_gate ? h : 0.0;
   const double embedding = h * m.v;
-  const double tp_sharded = (attention + dense_mlp) * dense_layers + (attention + shared) * moe_layers;
+  const double tp_sharded =
+      (attention + dense_mlp) * dense_layers + (attention + shared) * moe_layers;
   const double replicated =
       layernorm * dense_layers + (layernorm + router + gate) * moe_layers + norm * h;
   const double expert_sharded = routed * moe_layers;
@@ -151,13 +151,15 @@ WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m) {
   const double dense_on_rank = tp_on_rank + replicated_on_rank;
   w.weight_bytes = 2.0 * w.parameters_on_rank;
   w.gradient_bytes = 4.0 * w.parameters_on_rank;  // fp32 main grads, on every data-parallel rank
-  w.optimizer_bytes = optimizer(m.d) * dense_on_rank + optimizer(expert_dp) * w.expert_parameters_on_rank;
+  w.optimizer_bytes =
+      optimizer(m.d) * dense_on_rank + optimizer(expert_dp) * w.expert_parameters_on_rank;
   w.bytes_per_parameter = w.total() / w.parameters_on_rank;
   return w;
 }
 
 double offload_round_trip_seconds(double bytes, double gbps) {
-  TORCH_CHECK(gbps > 0, "actmem::offload_round_trip_seconds: bandwidth must be positive, got ", gbps);
+  TORCH_CHECK(gbps > 0, "actmem::offload_round_trip_seconds: bandwidth must be positive, got ",
+              gbps);
   return 2.0 * bytes / (gbps * 1e9);
 }
 

@@ -8,13 +8,13 @@
 
 #include <malloc.h>
 
+#include <unistd.h>
 #include <atomic>
 #include <cstdlib>
 #include <limits>
 #include <mutex>
 #include <unordered_map>
 #include <vector>
-#include <unistd.h>
 
 namespace actmem {
 
@@ -272,7 +272,9 @@ CpuBlockCacheStats cpu_block_cache_stats() {
   return {cache.reserved, cache.cached};
 }
 
-int64_t release_cached_cpu_blocks() { return release_cached(); }
+int64_t release_cached_cpu_blocks() {
+  return release_cached();
+}
 
 int64_t physical_memory_bytes() {
   const long pages = sysconf(_SC_PHYS_PAGES);
@@ -288,8 +290,7 @@ MemoryTimeline::MemoryTimeline(DeviceMemory& memory)
 }
 
 void MemoryTimeline::mark(const std::string& label) {
-  const double t =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+  const double t = std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
   entries_.push_back({label, t, memory_.current_bytes(), memory_.window_peak_bytes()});
   memory_.reset_window_peak();
 }
@@ -306,7 +307,9 @@ namespace {
 std::atomic<MemoryTimeline*> g_active_timeline{nullptr};
 }  // namespace
 
-MemoryTimeline* active_timeline() { return g_active_timeline.load(); }
+MemoryTimeline* active_timeline() {
+  return g_active_timeline.load();
+}
 
 void timeline_mark(const std::string& label) {
   if (MemoryTimeline* timeline = g_active_timeline.load()) timeline->mark(label);
@@ -315,6 +318,8 @@ void timeline_mark(const std::string& label) {
 TimelineScope::TimelineScope(MemoryTimeline& timeline)
     : previous_(g_active_timeline.exchange(&timeline)) {}
 
-TimelineScope::~TimelineScope() { g_active_timeline.store(previous_); }
+TimelineScope::~TimelineScope() {
+  g_active_timeline.store(previous_);
+}
 
 }  // namespace actmem

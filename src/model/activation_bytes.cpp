@@ -118,9 +118,9 @@ Common common_sizes(const TransformerConfig& c, const PredictOptions& o) {
 }
 
 // One layer outside a full-recompute chunk: its norms and masks, and its parts' bytes.
-void add_layer(Accumulator& acc, const TransformerConfig& c, const Common& k,
-               const LayerSpec& spec, const LayerPlan& lp, const std::string& layer,
-               const PredictOptions& o, const std::map<const LayerPart*, size_t>& kind_index) {
+void add_layer(Accumulator& acc, const TransformerConfig& c, const Common& k, const LayerSpec& spec,
+               const LayerPlan& lp, const std::string& layer, const PredictOptions& o,
+               const std::map<const LayerPart*, size_t>& kind_index) {
   const bool sel_norm = lp.recomputes(RecomputeModule::kLayernorm);
   const int64_t norm = sel_norm ? k.norm_recomputed : k.norm;
   auto part = [&](const LayerPart* p, const std::string& slot) {
@@ -148,7 +148,8 @@ void add_layer(Accumulator& acc, const TransformerConfig& c, const Common& k,
 void add_head(Accumulator& acc, const TransformerConfig& c, const Common& k) {
   const int64_t s = c.seq_length, b = c.micro_batch_size;
   acc.add("decoder.final_layernorm", k.norm);
-  acc.add("output_layer", k.sbh_full * k.e);  // the gathered [s, b, h] input of the replicated layer
+  acc.add("output_layer",
+          k.sbh_full * k.e);  // the gathered [s, b, h] input of the replicated layer
   // The targets are labels.t() flattened: a copy, unless the transpose is already contiguous.
   // At 16 bits the loss runs on the upcast logits: fp32 log-softmax output and total weight.
   acc.add("loss", s * b * c.vocab_size * k.up + (b > 1 && s > 1 ? 8 * s * b : 0) + k.up);
@@ -165,8 +166,10 @@ PredictedBytes predict(const TransformerConfig& c, const ActivationPlan& plan, P
               "actmem::predict_activation_bytes: the plan has ", plan.layers.size(),
               " layers, the config ", c.num_layers);
   if (o.e == 0) o.e = c.element_bytes();
-  TORCH_CHECK(o.e == 2 || o.e == 4 || o.e == 8, "actmem::predict_activation_bytes: dtype_bytes "
-              "must be 2, 4 or 8 (or 0 for the config's precision), got ", o.e);
+  TORCH_CHECK(o.e == 2 || o.e == 4 || o.e == 8,
+              "actmem::predict_activation_bytes: dtype_bytes "
+              "must be 2, 4 or 8 (or 0 for the config's precision), got ",
+              o.e);
   const Common k = common_sizes(c, o);
   const std::vector<LayerSpec> specs = layer_specs(c);
   Accumulator acc;
@@ -186,7 +189,9 @@ PredictedBytes predict(const TransformerConfig& c, const ActivationPlan& plan, P
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
       // With distribute_saved_activations it is this rank's 1/t chunk.
       acc.add(layer, (plan.distribute_saved_activations ? k.sbh_full / c.tensor_model_parallel_size
-                                                        : k.sbh) * k.e + k.snapshot);
+                                                        : k.sbh) *
+                             k.e +
+                         k.snapshot);
     }
   }
   if (o.stage == c.pipeline_model_parallel_size - 1 && o.chunk == c.virtual_pipeline_size() - 1) {
@@ -241,8 +246,10 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& c, const Activa
 double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                                int64_t pipeline_stage, int64_t microbatches_in_flight,
                                int64_t optimizer_shards) {
-  TORCH_CHECK(microbatches_in_flight >= 1, "actmem::predict_step_peak_bound: at least one "
-              "micro-batch in flight, got ", microbatches_in_flight);
+  TORCH_CHECK(microbatches_in_flight >= 1,
+              "actmem::predict_step_peak_bound: at least one "
+              "micro-batch in flight, got ",
+              microbatches_in_flight);
   return predict_step_peak_bound(c, dtype_bytes, pipeline_stage, {microbatches_in_flight}, 2,
                                  optimizer_shards);
 }
@@ -289,8 +296,10 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
                                int64_t pipeline_stage,
                                const std::vector<int64_t>& in_flight_per_chunk,
                                int64_t boundary_tensors, int64_t optimizer_shards) {
-  TORCH_CHECK(optimizer_shards >= 1, "actmem::predict_step_peak_bound: optimizer_shards must be "
-              "at least 1, got ", optimizer_shards);
+  TORCH_CHECK(optimizer_shards >= 1,
+              "actmem::predict_step_peak_bound: optimizer_shards must be "
+              "at least 1, got ",
+              optimizer_shards);
   TORCH_CHECK(static_cast<int64_t>(in_flight_per_chunk.size()) == c.virtual_pipeline_size(),
               "actmem::predict_step_peak_bound: one in-flight count per model chunk (",
               c.virtual_pipeline_size(), "), got ", in_flight_per_chunk.size());
@@ -316,11 +325,7 @@ double predict_step_peak_bound(const TransformerConfig& c, int64_t dtype_bytes,
           ? stage.parameter_tensors *
                 (64.0 + static_cast<double>(std::lcm(optimizer_shards, int64_t{128}))) * state_bytes
           : 0.0;
-  ActivationPlan keep_all = make_activation_plan(c);
-  keep_all.granularity = RecomputeGranularity::kNone;
-  keep_all.distribute_saved_activations = false;
-  keep_all.chunks.clear();
-  for (LayerPlan& lp : keep_all.layers) lp = lp.keeping_everything();
+  const ActivationPlan keep_all = keep_everything_plan(c);
   // What crosses a stage boundary: [s, b, h] ([s/t, b, h] with sequence parallelism).
   const double boundary =
       c.pipeline_model_parallel_size > 1
@@ -440,9 +445,9 @@ ModuleTerms module_terms(const std::string& path, const TransformerConfig& c, in
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
   const double k = static_cast<double>(dtype_bytes) / 2.0;  // 16-bit terms at this dtype
   const int64_t e = c.element_bytes(), up = e == 2 ? 4 : e;
-  const int64_t sb = c.sequence_parallel ? c.seq_length * c.micro_batch_size /
-                                               c.tensor_model_parallel_size
-                                         : c.seq_length * c.micro_batch_size;
+  const int64_t sb = c.sequence_parallel
+                         ? c.seq_length * c.micro_batch_size / c.tensor_model_parallel_size
+                         : c.seq_length * c.micro_batch_size;
   auto add = [&x](int64_t bytes, const std::string& what) {
     x.beyond += bytes;
     x.what += (x.what.empty() ? "" : "; ") + what;
@@ -468,9 +473,11 @@ ModuleTerms module_terms(const std::string& path, const TransformerConfig& c, in
     return x;
   }
   const LayerSpec spec = layer_spec(c, layer);
-  for (const auto& [slot, part] : {std::pair<std::string, const LayerPart*>{"self_attention.", spec.mixer},
-                                   std::pair<std::string, const LayerPart*>{"mlp.", spec.mlp}}) {
-    if (rest.rfind(slot, 0) == 0) return part->module_terms(rest.substr(slot.size()), c, dtype_bytes, cpu);
+  for (const auto& [slot, part] :
+       {std::pair<std::string, const LayerPart*>{"self_attention.", spec.mixer},
+        std::pair<std::string, const LayerPart*>{"mlp.", spec.mlp}}) {
+    if (rest.rfind(slot, 0) == 0)
+      return part->module_terms(rest.substr(slot.size()), c, dtype_bytes, cpu);
   }
   return x;
 }

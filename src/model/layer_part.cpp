@@ -44,6 +44,8 @@ std::vector<RecomputeModule> LayerPart::estimate_units(const TransformerConfig&)
   return {};
 }
 
-std::string LayerPart::summary(const TransformerConfig&, int64_t) const { return ""; }
+std::string LayerPart::summary(const TransformerConfig&, int64_t) const {
+  return "";
+}
 
 }  // namespace actmem

@@ -21,8 +21,8 @@ std::vector<LayerSpec> layer_specs(const TransformerConfig& config) {
   const LayerPart& attention = config.multi_latent_attention ? mla_part() : attention_part();
   std::vector<LayerSpec> specs;
   for (size_t i = 0; i < moe.size(); ++i) {
-    specs.push_back({linear[i] ? &gated_delta_net_part() : &attention,
-                     moe[i] ? &moe_part() : &mlp_part()});
+    specs.push_back(
+        {linear[i] ? &gated_delta_net_part() : &attention, moe[i] ? &moe_part() : &mlp_part()});
   }
   return specs;
 }

@@ -14,7 +14,8 @@ std::optional<RngFork> fork_model_parallel_rng(bool required, const char* api) {
   auto& tracker = get_rng_tracker();
   if (tracker.current_state_name() == kModelParallelRng) return std::nullopt;
   if (!tracker.has(kModelParallelRng)) {
-    TORCH_CHECK(!required, api, " needs the model-parallel random stream (call "
+    TORCH_CHECK(!required, api,
+                " needs the model-parallel random stream (call "
                 "model_parallel_manual_seed first)");
     return std::nullopt;
   }
@@ -103,7 +104,8 @@ Linear::Linear(int64_t in, int64_t out, bool bias_on, bool skip_bias_add, at::Sc
     : skip_bias_add_(skip_bias_add), parallel_(parallel), sequence_parallel_(sequence_parallel) {
   // The caller re-initialises weight with the right std; zeros here keep construction cheap.
   weight = register_parameter("weight", at::zeros({out, in}, at::TensorOptions().dtype(dtype)));
-  if (bias_on) bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
+  if (bias_on)
+    bias = register_parameter("bias", at::zeros({out}, at::TensorOptions().dtype(dtype)));
 }
 
 std::optional<ParameterAttributes> Linear::parameter_attributes(const std::string& name) const {
@@ -123,7 +125,8 @@ std::optional<ParameterAttributes> Linear::parameter_attributes(const std::strin
 std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
   switch (parallel_) {
     case LinearParallel::kColumn:
-      if (skip_bias_add_) return {column_parallel_linear(x, weight, at::Tensor(), sequence_parallel_), bias};
+      if (skip_bias_add_)
+        return {column_parallel_linear(x, weight, at::Tensor(), sequence_parallel_), bias};
       return {column_parallel_linear(x, weight, bias, sequence_parallel_), at::Tensor()};
     case LinearParallel::kRow: {
       // The bias is added after the reduction (once, not once per rank).

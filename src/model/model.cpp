@@ -1,6 +1,6 @@
 // model.cpp — TransformerLayer, TransformerBlock and GPTModel (model.h); the building blocks are
-// in layers.cpp and the parts' folders (layer_part.h). Shapes: s = sequence, b = micro-batch, h = hidden, a = heads,
-// d = head dim, f = ffn hidden, v = vocab.
+// in layers.cpp and the parts' folders (layer_part.h). Shapes: s = sequence, b = micro-batch, h =
+// hidden, a = heads, d = head dim, f = ffn hidden, v = vocab.
 #include "actmem/model/model.h"
 
 #include "actmem/model/weight_init.h"
@@ -8,9 +8,9 @@
 #include "actmem/memory/ledger.h"
 #include "actmem/memory/memory_tracker.h"
 #include "actmem/offload/activation_offloader.h"
+#include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"
-#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -46,7 +46,10 @@ class WeightHolder : public torch::nn::Module, public DeclaresParameters {
 TransformerLayer::TransformerLayer(const TransformerConfig& config, const LayerSpec& spec,
                                    const LayerPlan& plan, int64_t layer_number,
                                    at::ScalarType dtype)
-    : spec_(spec), layer_number_(layer_number), hidden_dropout_(config.hidden_dropout), plan_(plan) {
+    : spec_(spec),
+      layer_number_(layer_number),
+      hidden_dropout_(config.hidden_dropout),
+      plan_(plan) {
   input_layernorm = register_module("input_layernorm", std::make_shared<Norm>(config, dtype));
   self_attention =
       register_module("self_attention", spec.mixer->build(config, plan, layer_number, dtype));
@@ -72,9 +75,8 @@ class LayerNormStep {
   at::Tensor operator()(const at::Tensor& x) {
     if (!discard_) return norm_->forward(x);
     auto norm = norm_;
-    const at::Tensor out =
-        ckpt_.checkpoint([norm](const TensorList& in) { return TensorList{norm->forward(in[0])}; },
-                         {x})[0];
+    const at::Tensor out = ckpt_.checkpoint(
+        [norm](const TensorList& in) { return TensorList{norm->forward(in[0])}; }, {x})[0];
     // A norm output that output-discarding recompute frees is not worth a copy.
     if (offloader_ != nullptr) offloader_->exclude_this_forward(out);
     return out;
@@ -99,7 +101,7 @@ at::Tensor TransformerLayer::norm_module_bda(const at::Tensor& hidden, const Lay
                                              const HalfLayer& half) {
   const bool train = is_training();
   ActivationOffloader* off = train ? ctx.offloader : nullptr;
-  OffloadRegion region(plan_.offloads(half.group) ? off : nullptr, to_string(half.group));
+  OffloadRegion region(plan_.offloads(half.group) ? off : nullptr, half.group);
   LayerNormStep norm(half.norm, plan_.recomputes(RecomputeModule::kLayernorm) && train, off);
   at::Tensor ln;
   {
@@ -124,8 +126,9 @@ at::Tensor TransformerLayer::forward_attention(const at::Tensor& hidden, const L
 }
 
 at::Tensor TransformerLayer::forward_mlp(const at::Tensor& hidden, const LayerContext& ctx) {
-  return norm_module_bda(hidden, ctx, {pre_mlp_layernorm, mlp, OffloadModule::kMlpNorm,
-                                       "pre_mlp_layernorm", "mlp", "mlp_bda"});
+  return norm_module_bda(
+      hidden, ctx,
+      {pre_mlp_layernorm, mlp, OffloadModule::kMlpNorm, "pre_mlp_layernorm", "mlp", "mlp_bda"});
 }
 
 at::Tensor TransformerLayer::forward(const at::Tensor& hidden, const LayerContext& ctx) {
@@ -192,8 +195,8 @@ at::Tensor TransformerBlock::run_layers(at::Tensor hidden, int64_t start, int64_
     // of layer K - 1 (OffloadSchedule's prefetch order).
     OffloadRegion region(lp.layer_group ? off : nullptr, "layer", GroupKind::kLayer,
                          lp.offload_layer);
-    hidden = region.commit(
-        layers[static_cast<size_t>(i - offset_)]->forward(region.enter(hidden), ctx));
+    hidden =
+        region.commit(layers[static_cast<size_t>(i - offset_)]->forward(region.enter(hidden), ctx));
     timeline_mark(prefix + std::to_string(i));
   }
   return hidden;
@@ -220,7 +223,8 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
     for (const auto& chunk : checkpoint_every_layer_ ? every_layer : plan_.chunks) {
       if (chunk.start < offset_ || chunk.start >= L) continue;
       hidden = run_layers(hidden, next, chunk.start, ctx);  // layers before a block chunk: plain
-      ModuleScope scope("layers", chunk.start);  // the chunk's saved input belongs to its first layer
+      ModuleScope scope("layers",
+                        chunk.start);  // the chunk's saved input belongs to its first layer
       hidden = checkpoint(
           [this, start = chunk.start, end = chunk.end, ctx](const TensorList& in) {
             return TensorList{run_layers(in[0], start, end, ctx)};
@@ -240,7 +244,6 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
 
 // ---- GPTModel ---------------------------------------------------------------------------------
 
-
 GPTModel::GPTModel(const TransformerConfig& config, at::ScalarType dtype)
     : GPTModel(config, make_activation_plan(config), dtype) {}  // validates the config
 
@@ -248,20 +251,35 @@ namespace {
 // Throws unless this process's tensor, expert and pipeline groups are the config's layout.
 void check_process_groups(const TransformerConfig& config) {
   const TensorParallelGroup& tp = tensor_parallel_group();
-  TORCH_CHECK(tp.size == config.tensor_model_parallel_size, "actmem::GPTModel: "
-              "tensor_model_parallel_size is ", config.tensor_model_parallel_size, " but this process ",
-              "is in a tensor-parallel group of ", tp.size, tp.size == 1 ? " (run it under `actmem "
-              "launch --nproc-per-node " + std::to_string(config.tensor_model_parallel_size) + "`)" : "");
+  TORCH_CHECK(tp.size == config.tensor_model_parallel_size,
+              "actmem::GPTModel: "
+              "tensor_model_parallel_size is ",
+              config.tensor_model_parallel_size, " but this process ",
+              "is in a tensor-parallel group of ", tp.size,
+              tp.size == 1 ? " (run it under `actmem "
+                             "launch --nproc-per-node " +
+                                 std::to_string(config.tensor_model_parallel_size) + "`)"
+                           : "");
   TORCH_CHECK(expert_parallel_group().size == config.expert_model_parallel_size,
               "actmem::GPTModel: expert_model_parallel_size is ", config.expert_model_parallel_size,
               " but this process is in an expert-parallel group of ", expert_parallel_group().size,
-              expert_parallel_group().size == 1 ? " (run it under `actmem launch` with a multiple of "
-              "tensor x expert parallel sizes as the number of processes)" : "");
+              expert_parallel_group().size == 1
+                  ? " (run it under `actmem launch` with a multiple of "
+                    "tensor x expert parallel sizes as the number of processes)"
+                  : "");
   const TensorParallelGroup& pp = pipeline_parallel_group();
-  TORCH_CHECK(pp.size == config.pipeline_model_parallel_size, "actmem::GPTModel: "
-              "pipeline_model_parallel_size is ", config.pipeline_model_parallel_size, " but this "
-              "process is in a pipeline of ", pp.size, pp.size == 1 ? " (run it under `actmem launch` "
-              "with a multiple of tensor x pipeline parallel sizes as the number of processes)" : "");
+  TORCH_CHECK(
+      pp.size == config.pipeline_model_parallel_size,
+      "actmem::GPTModel: "
+      "pipeline_model_parallel_size is ",
+      config.pipeline_model_parallel_size,
+      " but this "
+      "process is in a pipeline of ",
+      pp.size,
+      pp.size == 1
+          ? " (run it under `actmem launch` "
+            "with a multiple of tensor x pipeline parallel sizes as the number of processes)"
+          : "");
 }
 }  // namespace
 
@@ -272,11 +290,12 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
   config_.validate_shape();
   check_activation_plan(config_, plan_);
   dtype_ = requested == at::ScalarType::Undefined ? params_dtype(config) : requested;
-  TORCH_CHECK(dtype_ == params_dtype(config) ||
-                  (dtype_ == at::kDouble && !is_16bit(params_dtype(config))),
-              "actmem::GPTModel: the config's precision is ", config.precision(),
-              " (parameters in ", params_dtype(config), ") but dtype ", dtype_, " was requested; "
-              "double is accepted for an fp32 config only");
+  TORCH_CHECK(
+      dtype_ == params_dtype(config) || (dtype_ == at::kDouble && !is_16bit(params_dtype(config))),
+      "actmem::GPTModel: the config's precision is ", config.precision(), " (parameters in ",
+      params_dtype(config), ") but dtype ", dtype_,
+      " was requested; "
+      "double is accepted for an fp32 config only");
   check_process_groups(config);
   const TensorParallelGroup& pp = pipeline_parallel_group();
   for (int64_t chunk = 0; chunk < config.virtual_pipeline_size(); ++chunk) {
@@ -344,8 +363,9 @@ void GPTModel::init_layers(const std::vector<LayerSpec>& specs, WeightInit& init
   // Every rank draws the full (t = 1) weights in the same order and keeps its slice (Note [One
   // sequence of draws] in weight_init.h).
   for (int64_t i = 0; i < config_.num_layers; ++i) {
-    const auto mine = std::find_if(chunks_.begin(), chunks_.end(),
-                                   [i](const TransformerConfig::StageLayers& l) { return l.contains(i); });
+    const auto mine =
+        std::find_if(chunks_.begin(), chunks_.end(),
+                     [i](const TransformerConfig::StageLayers& l) { return l.contains(i); });
     if (mine != chunks_.end()) {
       const auto& block = decoders_[static_cast<size_t>(mine - chunks_.begin())];
       block->layers[static_cast<size_t>(i - mine->offset)]->init_weights(init);
@@ -359,9 +379,9 @@ void GPTModel::init_layers(const std::vector<LayerSpec>& specs, WeightInit& init
 void GPTModel::build_output_layer(const at::Tensor& word, WeightInit& init) {
   const int64_t h = config_.hidden_size, v = config_.vocab_size;
   if (config_.untie_embeddings_and_output_weights) {
-    output_weight =
-        register_module("output_layer", std::make_shared<WeightHolder>(init.normal({v, h}, init.std())))
-            ->weight;
+    output_weight = register_module("output_layer",
+                                    std::make_shared<WeightHolder>(init.normal({v, h}, init.std())))
+                        ->weight;
   } else if (pre_process_) {
     output_weight = word_embeddings;
   } else {
@@ -425,7 +445,8 @@ at::Tensor GPTModel::decoder_forward(const at::Tensor& hidden, int64_t chunk) {
 
 std::vector<std::shared_ptr<TransformerLayer>> GPTModel::all_layers() const {
   std::vector<std::shared_ptr<TransformerLayer>> out;
-  for (const auto& block : decoders_) out.insert(out.end(), block->layers.begin(), block->layers.end());
+  for (const auto& block : decoders_)
+    out.insert(out.end(), block->layers.begin(), block->layers.end());
   return out;
 }
 
@@ -438,8 +459,10 @@ at::Tensor GPTModel::output_logits(at::Tensor hidden) {
 }
 
 void GPTModel::check_whole_model(const char* api) const {
-  TORCH_CHECK(pre_process_ && post_process_, api, ": needs the whole model; this is pipeline "
-              "stage ", pipeline_parallel_group().rank, " of ", config_.pipeline_model_parallel_size,
+  TORCH_CHECK(pre_process_ && post_process_, api,
+              ": needs the whole model; this is pipeline "
+              "stage ",
+              pipeline_parallel_group().rank, " of ", config_.pipeline_model_parallel_size,
               " (use forward_stage)");
 }
 
@@ -455,8 +478,10 @@ at::Tensor GPTModel::forward(const at::Tensor& tokens, const at::Tensor& labels)
 
 at::Tensor GPTModel::forward_stage(const at::Tensor& tokens, const at::Tensor& labels,
                                    const at::Tensor& input, int64_t chunk) {
-  TORCH_CHECK(chunk >= 0 && chunk < num_model_chunks(), "actmem::GPTModel::forward_stage: model "
-              "chunk ", chunk, " outside 0..", num_model_chunks() - 1);
+  TORCH_CHECK(chunk >= 0 && chunk < num_model_chunks(),
+              "actmem::GPTModel::forward_stage: model "
+              "chunk ",
+              chunk, " outside 0..", num_model_chunks() - 1);
   TORCH_CHECK(!(pre_process_ && post_process_) || labels.sizes() == tokens.sizes(),
               "actmem::GPTModel::forward: labels ", labels.sizes(), " must match tokens ",
               tokens.sizes());
@@ -465,7 +490,8 @@ at::Tensor GPTModel::forward_stage(const at::Tensor& tokens, const at::Tensor& l
     hidden = embedding_forward(tokens);
   } else {
     TORCH_CHECK(input.defined(), "actmem::GPTModel::forward_stage: pipeline stage ",
-                pipeline_parallel_group().rank, " (model chunk ", chunk, ") needs the previous "
+                pipeline_parallel_group().rank, " (model chunk ", chunk,
+                ") needs the previous "
                 "stage's output as input");
     hidden = input;
   }
@@ -488,7 +514,9 @@ void GPTModel::to_device(const at::Device& device) {
   causal_mask_ = causal_mask_.to(device);
 }
 
-std::vector<at::Tensor> GPTModel::ordered_parameters() const { return parameters(); }
+std::vector<at::Tensor> GPTModel::ordered_parameters() const {
+  return parameters();
+}
 
 // Note [Parameter attributes]
 // Which gradients are summed over which ranks, and which count once in the gradient norm, is a
@@ -522,8 +550,11 @@ std::vector<ParameterAttributes> GPTModel::parameter_attributes() const {
       expert = expert || dynamic_cast<const Experts*>(m) != nullptr;
       if (dot == std::string::npos || dot == 0) break;
     }
-    TORCH_CHECK(declared.has_value(), "actmem::GPTModel::parameter_attributes: no module declares "
-                "how parameter ", name, " is held across ranks (implement DeclaresParameters in "
+    TORCH_CHECK(declared.has_value(),
+                "actmem::GPTModel::parameter_attributes: no module declares "
+                "how parameter ",
+                name,
+                " is held across ranks (implement DeclaresParameters in "
                 "the module that registers it)");
     ParameterAttributes a = *declared;
     a.tensor_parallel = a.tensor_parallel && config_.tensor_model_parallel_size > 1;

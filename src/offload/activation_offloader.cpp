@@ -26,11 +26,16 @@ int64_t nanoseconds_since(Clock::time_point t0) {
 
 const char* to_string(OffloadState s) {
   switch (s) {
-    case OffloadState::kResident: return "resident";
-    case OffloadState::kOffloading: return "offloading";
-    case OffloadState::kOffloaded: return "offloaded";
-    case OffloadState::kReloading: return "reloading";
-    case OffloadState::kReloaded: return "reloaded";
+    case OffloadState::kResident:
+      return "resident";
+    case OffloadState::kOffloading:
+      return "offloading";
+    case OffloadState::kOffloaded:
+      return "offloaded";
+    case OffloadState::kReloading:
+      return "reloading";
+    case OffloadState::kReloaded:
+      return "reloaded";
   }
   return "?";
 }
@@ -61,7 +66,7 @@ struct ActivationOffloader::Entry {
 
 struct ActivationOffloader::Group {
   GroupInfo info;
-  int64_t bytes = 0, tensors = 0;  // what it offloaded in the warmup step
+  int64_t bytes = 0, tensors = 0;             // what it offloaded in the warmup step
   std::vector<std::weak_ptr<Entry>> entries;  // handles (autograd's saved variables) own them
 };
 
@@ -69,8 +74,9 @@ namespace {
 
 // Moves an entry (its mutex held) to `to`, checked against kOffloadTransitions.
 void transition(OffloadState& state, OffloadState to, const char* action) {
-  TORCH_CHECK(is_legal_transition(state, to), "actmem::ActivationOffloader: illegal transition: ",
-              action, " from state ", to_string(state), " to ", to_string(to));
+  TORCH_CHECK(is_legal_transition(state, to),
+              "actmem::ActivationOffloader: illegal transition: ", action, " from state ",
+              to_string(state), " to ", to_string(to));
   state = to;
 }
 
@@ -104,8 +110,7 @@ class OffloadedView final : public PackedTensor {
     {
       std::lock_guard<std::mutex> lock(entry_->mutex);
       // An entry of a group that did not offload (or was not committed) is still resident.
-      bytes = entry_->state == OffloadState::kResident ? entry_->device
-                                                                     : entry_->reloaded;
+      bytes = entry_->state == OffloadState::kResident ? entry_->device : entry_->reloaded;
     }
     TORCH_INTERNAL_ASSERT(bytes.defined(), "offloaded tensor has no device data after reload");
     return at::empty({0}, options_).set_(bytes.storage(), offset_, sizes_, strides_);
@@ -151,14 +156,20 @@ ActivationOffloader::ActivationOffloader(int64_t min_elements, double bytes_per_
       h2d_("h2d", bytes_per_second, device),
       schedule_(max_inflight),
       handle_(c10::make_intrusive<Handle>()) {
-  TORCH_CHECK(min_elements >= 0, "actmem::ActivationOffloader: min_offloaded_tensor_size must be "
-              ">= 0, got ", min_elements);
+  TORCH_CHECK(min_elements >= 0,
+              "actmem::ActivationOffloader: min_offloaded_tensor_size must be "
+              ">= 0, got ",
+              min_elements);
   handle_->owner = this;
 }
 
-ActivationOffloader::~ActivationOffloader() { handle_->owner = nullptr; }
+ActivationOffloader::~ActivationOffloader() {
+  handle_->owner = nullptr;
+}
 
-void ActivationOffloader::exclude(const at::Tensor& t) { weakly_insert(excluded_, t); }
+void ActivationOffloader::exclude(const at::Tensor& t) {
+  weakly_insert(excluded_, t);
+}
 
 void ActivationOffloader::exclude_this_forward(const at::Tensor& t) {
   weakly_insert(excluded_forward_, t);
@@ -194,7 +205,8 @@ void ActivationOffloader::release_forced(bool wait) {
   for (auto& e : later) pending_release_.push_back(std::move(e));
 }
 
-int ActivationOffloader::open_group(const std::string& name, GroupKind kind, bool offload) {
+int ActivationOffloader::open_group(const std::string& name, GroupKind kind, bool offload,
+                                    HostBuffers buffers) {
   release_forced(/*wait=*/false);
   std::lock_guard<std::mutex> lock(mutex_);
   if (forwards_.empty()) forwards_.push_back({});  // a forward nobody announced
@@ -203,6 +215,7 @@ int ActivationOffloader::open_group(const std::string& name, GroupKind kind, boo
   const size_t index = groups_.size();
   g->info.name = name;
   g->info.kind = kind;
+  g->info.buffers = buffers;
   g->info.forward = static_cast<int>(forwards_.size()) - 1;
   g->info.offloads = schedule_.offloads(forward.chunk, index - forward.first_group, offload,
                                         forward.backward_follows);
@@ -218,7 +231,7 @@ const GroupInfo* ActivationOffloader::group_info(int index) const {
 std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
   if (current_ < 0 || !t.defined() || !t.has_storage()) return nullptr;
   if (t.is_leaf() && t.requires_grad()) return nullptr;  // a parameter
-  if (t.device() != device_) return nullptr;  // e.g. a CPU tensor in CUDA training
+  if (t.device() != device_) return nullptr;             // e.g. a CPU tensor in CUDA training
   const void* key = t.storage().unsafeGetStorageImpl();
   std::shared_ptr<Entry> entry;
   {
@@ -245,8 +258,8 @@ std::shared_ptr<PackedTensor> ActivationOffloader::pack(const at::Tensor& t) {
       entry->nbytes = static_cast<int64_t>(t.storage().nbytes());
       entry->where = t.device();
       entry->group = current_;
-      entry->device = at::empty({0}, t.options().dtype(at::kByte))
-                          .set_(t.storage(), 0, {entry->nbytes}, {1});
+      entry->device =
+          at::empty({0}, t.options().dtype(at::kByte)).set_(t.storage(), 0, {entry->nbytes}, {1});
       by_storage_.insert_or_assign(
           key, std::make_pair(c10::weak_intrusive_ptr<c10::StorageImpl>(
                                   c10::intrusive_ptr<c10::StorageImpl>::reclaim_copy(
@@ -269,10 +282,9 @@ void ActivationOffloader::commit(int index, const std::vector<at::Tensor>& force
     g->info.committed = true;
   }
   if (!g->info.offloads) return;
-  // The MoE groups' sizes follow the routing (Megatron gives them fresh host buffers every
-  // step): they reuse buffers by size class instead (docs/moe.md).
-  const bool size_classes =
-      moe_size_classes_ && (g->info.name == "expert_fc1" || g->info.name == "moe_act");
+  // A group whose sizes follow the step's data (the MoE groups follow the routing; Megatron gives
+  // them fresh host buffers every step) reuses buffers by size class instead (docs/moe.md).
+  const bool size_classes = size_classes_ && g->info.buffers == HostBuffers::kSizeClasses;
   std::unordered_set<const void*> forced_storages;
   for (const auto& t : forced) {
     if (t.defined() && t.has_storage()) forced_storages.insert(t.storage().unsafeGetStorageImpl());
@@ -350,15 +362,18 @@ void ActivationOffloader::prefetch(int index) {
     entry->reloaded = h2d_.empty_for_copy(entry->nbytes, entry->where);
     std::weak_ptr<Entry> back = entry;
     HostPool* pool = &pool_;
-    entry->reloaded_event = h2d_.copy_async(entry->reloaded, entry->host, &entry->offloaded, [back, pool] {
-      if (auto e = back.lock()) {
-        std::lock_guard<std::mutex> l(e->mutex);
-        TORCH_INTERNAL_ASSERT(e->offload_finished, "reload ran before its offload finished");
-        pool->release(e->host);
-        e->host = at::Tensor();
-        transition(e->state, OffloadState::kReloaded, "reload finished");
-      }
-    }, /*order_after_caller=*/false);  // its buffer is the H2D stream's own (empty_for_copy)
+    entry->reloaded_event = h2d_.copy_async(
+        entry->reloaded, entry->host, &entry->offloaded,
+        [back, pool] {
+          if (auto e = back.lock()) {
+            std::lock_guard<std::mutex> l(e->mutex);
+            TORCH_INTERNAL_ASSERT(e->offload_finished, "reload ran before its offload finished");
+            pool->release(e->host);
+            e->host = at::Tensor();
+            transition(e->state, OffloadState::kReloaded, "reload finished");
+          }
+        },
+        /*order_after_caller=*/false);  // its buffer is the H2D stream's own (empty_for_copy)
   }
 }
 
@@ -377,7 +392,8 @@ void ActivationOffloader::wait_group(int index) {
     }
     ev.wait();
   }
-  wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  wait_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
 
 void ActivationOffloader::on_commit_backward(int index) {
@@ -424,7 +440,8 @@ void ActivationOffloader::wait_reloaded(Entry& entry) {
     event = entry.reloaded_event;
   }
   event.wait();
-  wait_ns_.fetch_add(std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
+  wait_ns_.fetch_add(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - t0).count());
 }
 
 void ActivationOffloader::begin_step() {
@@ -545,7 +562,8 @@ struct OffloadBackward {
     auto handle = c10::static_intrusive_pointer_cast<ActivationOffloader::Handle>(
         ctx->saved_data.at("offloader").toCapsule());
     ActivationOffloader* owner = handle->owner.load();
-    TORCH_CHECK(owner != nullptr, "actmem::ActivationOffloader: the backward reached an offload "
+    TORCH_CHECK(owner != nullptr,
+                "actmem::ActivationOffloader: the backward reached an offload "
                 "group whose offloader was destroyed; keep the offloader alive until the "
                 "backward of every forward it captured has run");
     return *owner;
@@ -587,14 +605,18 @@ using GroupCommitFunction = GroupBoundaryFunction<BackwardPoint::kCommit>;
 }  // namespace
 
 OffloadRegion::OffloadRegion(ActivationOffloader* offloader, std::string name, GroupKind kind,
-                             bool offload)
+                             bool offload, HostBuffers buffers)
     : offloader_(offloader) {
   if (offloader_ == nullptr || !at::GradMode::is_enabled()) {
     offloader_ = nullptr;
     return;
   }
-  index_ = offloader_->open_group(name, kind, offload);
+  index_ = offloader_->open_group(name, kind, offload, buffers);
 }
+
+OffloadRegion::OffloadRegion(ActivationOffloader* offloader, OffloadModule group,
+                             HostBuffers buffers)
+    : OffloadRegion(offloader, to_string(group), GroupKind::kModule, true, buffers) {}
 
 OffloadRegion::~OffloadRegion() {
   end_capture();

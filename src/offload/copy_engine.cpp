@@ -1,8 +1,8 @@
 // copy_engine.cpp — CopyEvent, CopyStream (CPU worker threads; CUDA streams) and HostPool.
 #include "actmem/offload/copy_engine.h"
 
-#include "actmem/memory/memory_tracker.h"
 #include "actmem/base/trace.h"
+#include "actmem/memory/memory_tracker.h"
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
@@ -75,14 +75,17 @@ CopyStream::CopyStream(std::string name, double bytes_per_second, c10::Device de
     : name_(std::move(name)), bytes_per_second_(bytes_per_second), device_(device) {
   TORCH_CHECK(bytes_per_second >= 0, "actmem::CopyStream: bandwidth must be >= 0, got ",
               bytes_per_second);
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "actmem::CopyStream: expected a cpu or cuda "
-              "device, got ", device.str());
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "actmem::CopyStream: expected a cpu or cuda "
+              "device, got ",
+              device.str());
   if (device.is_cuda()) {
 #ifdef ACTMEM_WITH_CUDA
     cuda_ = std::make_unique<CudaState>(device.has_index() ? device.index()
                                                            : c10::cuda::current_device());
 #else
-    TORCH_CHECK(false, "actmem::CopyStream: ", device.str(), " needs a build with CUDA "
+    TORCH_CHECK(false, "actmem::CopyStream: ", device.str(),
+                " needs a build with CUDA "
                 "(ACTMEM_CUDA=ON)");
 #endif
   }
@@ -102,8 +105,9 @@ CopyEvent CopyStream::copy_async(at::Tensor dst, at::Tensor src, const CopyEvent
                                  std::function<void()> on_done, bool order_after_caller) {
   TORCH_CHECK(dst.nbytes() == src.nbytes(), "actmem::CopyStream::copy_async: ", name_,
               ": destination has ", dst.nbytes(), " bytes, source ", src.nbytes());
-  Job job{std::move(dst), std::move(src), CopyEvent(),
-          after ? std::make_shared<CopyEvent>(*after) : nullptr, std::move(on_done), nullptr};
+  Job job{std::move(dst),     std::move(src),
+          CopyEvent(),        after ? std::make_shared<CopyEvent>(*after) : nullptr,
+          std::move(on_done), nullptr};
 #ifdef ACTMEM_WITH_CUDA
   if (cuda_ && order_after_caller) {
     // Note [CUDA copy engine]: order the copy after the caller's stream's work so far.
@@ -145,8 +149,9 @@ void CopyStream::run() {
       copy(job);
       if (bytes_per_second_ > 0) {
         // Emulated link: the copy takes at least bytes / bandwidth.
-        const auto due = t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
-                                  static_cast<double>(job.src.nbytes()) / bytes_per_second_));
+        const auto due =
+            t0 + std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(
+                     static_cast<double>(job.src.nbytes()) / bytes_per_second_));
         std::this_thread::sleep_until(due);
       }
       const auto t1 = Clock::now();
@@ -173,7 +178,8 @@ at::Tensor CopyStream::empty_for_copy(int64_t bytes, const c10::Device& device) 
   const auto options = at::TensorOptions().dtype(at::kByte).device(device);
 #ifdef ACTMEM_WITH_CUDA
   if (cuda_ && device.is_cuda()) {
-    const c10::cuda::CUDAStream caller = c10::cuda::getCurrentCUDAStream(cuda_->stream.device_index());
+    const c10::cuda::CUDAStream caller =
+        c10::cuda::getCurrentCUDAStream(cuda_->stream.device_index());
     at::Tensor buffer;
     {
       c10::cuda::CUDAStreamGuard guard(cuda_->stream);  // the block belongs to this stream
@@ -208,7 +214,9 @@ void CopyStream::copy(Job& job) {
 
 HostPool::~HostPool() = default;
 
-int64_t HostPool::size_class(int64_t bytes) { return actmem::size_class(bytes); }
+int64_t HostPool::size_class(int64_t bytes) {
+  return actmem::size_class(bytes);
+}
 
 at::Tensor HostPool::acquire(int64_t bytes, bool size_classes) {
   TORCH_CHECK(bytes > 0, "actmem::HostPool::acquire: expected a positive size, got ", bytes);
@@ -235,8 +243,8 @@ at::Tensor HostPool::acquire(int64_t bytes, bool size_classes) {
     void* p = nullptr;
     TORCH_CHECK(posix_memalign(&p, 64, static_cast<size_t>(capacity)) == 0 && p != nullptr,
                 "actmem::HostPool: the system refused ", capacity, " bytes of host memory");
-    buffer = at::from_blob(p, {capacity}, [](void* q) { std::free(q); },
-                           at::TensorOptions().dtype(at::kByte));
+    buffer = at::from_blob(
+        p, {capacity}, [](void* q) { std::free(q); }, at::TensorOptions().dtype(at::kByte));
     std::lock_guard<std::mutex> lock(mutex_);
     owned_.insert(buffer.data_ptr());
     allocated_ += capacity;

@@ -13,7 +13,8 @@ bool OffloadSchedule::offloads(int64_t chunk, size_t index, bool requested,
   return it == margin_.end() || index >= it->second.size() || !it->second[index];
 }
 
-void OffloadSchedule::end_warmup(const std::map<int64_t, std::vector<GroupInfo>>& groups_per_chunk) {
+void OffloadSchedule::end_warmup(
+    const std::map<int64_t, std::vector<GroupInfo>>& groups_per_chunk) {
   if (!warmup_) return;
   warmup_ = false;  // Note [Offload warmup and margin]
   for (const auto& [chunk, groups] : groups_per_chunk) {

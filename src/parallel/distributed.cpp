@@ -65,8 +65,10 @@ DistEnv dist_env_from_environment() {
   TORCH_CHECK(e.world_size >= 1, "actmem: WORLD_SIZE must be at least 1, got ", e.world_size);
   TORCH_CHECK(e.rank < e.world_size, "actmem: RANK (", e.rank, ") must be below WORLD_SIZE (",
               e.world_size, ")");
-  TORCH_CHECK(e.master_port > 0 && e.master_port < 65536, "actmem: MASTER_PORT must be a TCP port, "
-              "got ", e.master_port);
+  TORCH_CHECK(e.master_port > 0 && e.master_port < 65536,
+              "actmem: MASTER_PORT must be a TCP port, "
+              "got ",
+              e.master_port);
   return e;
 }
 
@@ -119,10 +121,13 @@ c10::intrusive_ptr<CollectiveGroup> new_subgroup(const WorldGroup& world,
 
 WorldGroup init_world_group(const DistEnv& env, std::chrono::milliseconds timeout,
                             const c10::Device& device) {
-  TORCH_CHECK(device.is_cpu() || device.is_cuda(), "actmem: process groups for cpu or cuda "
-              "devices, got ", device.str());
+  TORCH_CHECK(device.is_cpu() || device.is_cuda(),
+              "actmem: process groups for cpu or cuda "
+              "devices, got ",
+              device.str());
 #ifndef ACTMEM_WITH_NCCL
-  TORCH_CHECK(device.is_cpu(), "actmem: collectives on ", device.str(), " need NCCL, and this "
+  TORCH_CHECK(device.is_cpu(), "actmem: collectives on ", device.str(),
+              " need NCCL, and this "
               "build has none (a CUDA libtorch whose nccl.h CMake finds; docs/parallelism.md)");
 #endif
   c10d::TCPStoreOptions opts;
@@ -183,7 +188,9 @@ int free_loopback_port() {
 
 namespace {
 volatile sig_atomic_t g_forward_signal = 0;
-void on_signal(int sig) { g_forward_signal = sig; }
+void on_signal(int sig) {
+  g_forward_signal = sig;
+}
 }  // namespace
 
 int launch_workers(int nproc, const std::vector<std::string>& args, int master_port,
@@ -192,8 +199,10 @@ int launch_workers(int nproc, const std::vector<std::string>& args, int master_p
 }
 
 int launch_port(int master_port, const LaunchNodes& nodes) {
-  TORCH_CHECK(master_port >= 0 && master_port < 65536, "actmem launch: --master-port must be a "
-              "TCP port in 1..65535 (or 0 for a free one), got ", master_port);
+  TORCH_CHECK(master_port >= 0 && master_port < 65536,
+              "actmem launch: --master-port must be a "
+              "TCP port in 1..65535 (or 0 for a free one), got ",
+              master_port);
   if (master_port > 0) return master_port;
   return nodes.nnodes > 1 ? 29500 : free_loopback_port();
 }
@@ -422,12 +431,14 @@ char process_state(pid_t pid) {
 void check_launch_arguments(int nproc, const std::vector<std::string>& args,
                             const LaunchNodes& nodes) {
   TORCH_CHECK(nproc >= 1, "actmem launch: --nproc-per-node must be at least 1, got ", nproc);
-  TORCH_CHECK(!args.empty(), "actmem launch: give the command after '--', e.g. "
+  TORCH_CHECK(!args.empty(),
+              "actmem launch: give the command after '--', e.g. "
               "actmem launch --nproc-per-node 2 -- train");
   TORCH_CHECK(nodes.nnodes >= 1, "actmem launch: --nnodes must be at least 1, got ", nodes.nnodes);
-  TORCH_CHECK(nodes.node_rank >= 0 && nodes.node_rank < nodes.nnodes, "actmem launch: --node-rank "
-              "must be in 0..", nodes.nnodes - 1, " for --nnodes ", nodes.nnodes, ", got ",
-              nodes.node_rank);
+  TORCH_CHECK(nodes.node_rank >= 0 && nodes.node_rank < nodes.nnodes,
+              "actmem launch: --node-rank "
+              "must be in 0..",
+              nodes.nnodes - 1, " for --nnodes ", nodes.nnodes, ", got ", nodes.node_rank);
   TORCH_CHECK(!nodes.master_addr.empty(), "actmem launch: --master-addr is empty");
 }
 
@@ -492,8 +503,8 @@ LaunchedWorkers launch_fork_workers(const LaunchSpec& spec) {
   w.output.resize(static_cast<size_t>(nproc));
   for (int r = 0; r < nproc; ++r) {
     int pipe_fds[2];
-    TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "actmem launch: pipe failed: ",
-                std::strerror(errno));
+    TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0,
+                "actmem launch: pipe failed: ", std::strerror(errno));
     std::fflush(nullptr);
     const pid_t pid = fork();
     TORCH_CHECK(pid >= 0, "actmem launch: fork failed: ", std::strerror(errno));
@@ -607,8 +618,8 @@ int launch_on_worker_failure(const LaunchSpec& spec, LaunchedWorkers& w, int r, 
     std::fprintf(stderr,
                  "actmem launch: %s first; then %s here (%s)%s%s; stopping the "
                  "other %d here\n",
-                 first_failure.c_str(), worker.c_str(), why.c_str(),
-                 message.empty() ? "" : ": ", message.c_str(), w.remaining);
+                 first_failure.c_str(), worker.c_str(), why.c_str(), message.empty() ? "" : ": ",
+                 message.c_str(), w.remaining);
   }
   launch_stop_after_failure(spec, w, grace);
   return result;
@@ -623,8 +634,7 @@ int launch_supervise_workers(const LaunchSpec& spec, LaunchedWorkers& w,
     int status = 0;
     const pid_t pid = waitpid(-1, &status, WNOHANG);
     if (pid > 0) {
-      const int r =
-          static_cast<int>(std::find(w.pids.begin(), w.pids.end(), pid) - w.pids.begin());
+      const int r = static_cast<int>(std::find(w.pids.begin(), w.pids.end(), pid) - w.pids.begin());
       if (r >= spec.nproc) continue;
       w.alive[r] = false;
       --w.remaining;
@@ -678,7 +688,8 @@ int launch_program(int nproc, const std::string& program, const std::vector<std:
   struct sigaction sa {};
   sa.sa_handler = on_signal;
   sigemptyset(&sa.sa_mask);
-  struct sigaction old_int {}, old_term {};
+  struct sigaction old_int {
+  }, old_term{};
   sigaction(SIGINT, &sa, &old_int);
   sigaction(SIGTERM, &sa, &old_term);
 

@@ -11,17 +11,22 @@
 namespace actmem {
 
 namespace {
-int64_t round_up(int64_t value, int64_t divisor) { return (value + divisor - 1) / divisor * divisor; }
+int64_t round_up(int64_t value, int64_t divisor) {
+  return (value + divisor - 1) / divisor * divisor;
+}
 }  // namespace
 
 OptimizerShards::OptimizerShards(const std::vector<at::Tensor>& params, std::vector<Group> groups,
                                  std::optional<int64_t> bucket_size, int64_t own_bucket)
     : ranges_(params.size(), {0, 0}), numel_(params.size(), 0) {
-  TORCH_CHECK(!bucket_size || *bucket_size > 0, "actmem::OptimizerShards: bucket_size must be "
-              "positive, got ", bucket_size.value_or(0));
+  TORCH_CHECK(!bucket_size || *bucket_size > 0,
+              "actmem::OptimizerShards: bucket_size must be "
+              "positive, got ",
+              bucket_size.value_or(0));
   std::vector<bool> seen(params.size(), false);
   for (const auto& g : groups) {
-    TORCH_CHECK(g.group != nullptr && g.group->size >= 1, "actmem::OptimizerShards: each group "
+    TORCH_CHECK(g.group != nullptr && g.group->size >= 1,
+                "actmem::OptimizerShards: each group "
                 "needs a process group");
     const int64_t d = g.group->size;
     // Megatron's pad_bucket_end: a multiple of lcm(d, 128), so d pieces of equal size.
@@ -96,9 +101,11 @@ void OptimizerShards::all_gather(const std::vector<at::Tensor>& tensors) const {
       const at::Tensor& t = tensors[m.param];
       TORCH_CHECK(t.numel() == numel_[m.param] && t.is_contiguous() &&
                       t.scalar_type() == first.scalar_type(),
-                  "actmem::OptimizerShards::all_gather: tensor ", m.param, " should be a "
-                  "contiguous ", first.scalar_type(), " tensor of ", numel_[m.param],
-                  " elements, got ", t.scalar_type(), " ", t.sizes());
+                  "actmem::OptimizerShards::all_gather: tensor ", m.param,
+                  " should be a "
+                  "contiguous ",
+                  first.scalar_type(), " tensor of ", numel_[m.param], " elements, got ",
+                  t.scalar_type(), " ", t.sizes());
       const auto [begin, end] = ranges_[m.param];
       if (begin < end) mine.narrow(0, m.offset + begin - lo, end - begin).copy_(shard(t, m.param));
     }

@@ -10,8 +10,8 @@
 
 namespace actmem {
 
-std::vector<GradNormRole> grad_norm_roles(const std::vector<GradNormParameter>& params,
-                                          int tp_rank, int expert_parallel_size) {
+std::vector<GradNormRole> grad_norm_roles(const std::vector<GradNormParameter>& params, int tp_rank,
+                                          int expert_parallel_size) {
   std::vector<GradNormRole> roles;
   roles.reserve(params.size());
   for (const auto& p : params) {
@@ -41,7 +41,8 @@ at::Tensor sum_of_squares(const std::vector<at::Tensor>& grads,
 }
 }  // namespace
 
-double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<GradNormRole>& roles) {
+double global_grad_norm(const std::vector<at::Tensor>& grads,
+                        const std::vector<GradNormRole>& roles) {
   TORCH_CHECK(grads.size() == roles.size(), "actmem::global_grad_norm: ", grads.size(),
               " gradients but ", roles.size(), " roles");
   TORCH_CHECK(!grads.empty(), "actmem::global_grad_norm: no gradients");
@@ -51,9 +52,9 @@ double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<
   // the tensor (or tensor-and-expert) ranks first and then over the stages is the same sum.
   at::Tensor total = all_reduce_sum(sum_of_squares(grads, roles, GradNormRole::kDense, options));
   if (expert_parallel_group().size > 1) {
-    total = total + group_all_reduce_sum(
-                        tensor_and_expert_parallel_group(),
-                        sum_of_squares(grads, roles, GradNormRole::kExpert, options));
+    total =
+        total + group_all_reduce_sum(tensor_and_expert_parallel_group(),
+                                     sum_of_squares(grads, roles, GradNormRole::kExpert, options));
   }
   total = group_all_reduce_sum(pipeline_parallel_group(), total);
   return std::sqrt(total.item<double>());

@@ -53,8 +53,8 @@ GradReducer::GradReducer(std::vector<Group> groups, int64_t bucket_size, double 
   count_.assign(params_.size(), 0);
   golden_.assign(params_.size(), 0);
   for (size_t i = 0; i < params_.size(); ++i) {
-    TORCH_CHECK(params_[i].is_leaf() && params_[i].requires_grad(), "actmem::GradReducer: ",
-                "expected leaf parameters that require grad");
+    TORCH_CHECK(params_[i].is_leaf() && params_[i].requires_grad(),
+                "actmem::GradReducer: ", "expected leaf parameters that require grad");
     auto acc = torch::autograd::impl::grad_accumulator(params_[i]);
     acc->add_post_hook(std::make_unique<GradReady>([this, i] { on_grad_ready(i); }));
     accumulators_.push_back(std::move(acc));  // keeps the hooked accumulator alive
@@ -136,7 +136,8 @@ void GradReducer::finish() {
     for (const size_t i : b.members) b.needed += golden_[i] > 0 ? 1 : 0;
   }
   last_microbatch_ = true;
-  TORCH_CHECK(!late, "actmem::GradReducer::finish: a parameter's gradient changed after its "
+  TORCH_CHECK(!late,
+              "actmem::GradReducer::finish: a parameter's gradient changed after its "
               "bucket's all-reduce had started (it became ready more often in this step's last "
               "backward than in the first step's); the data-parallel ranks' gradients may "
               "differ. Train without --overlap-grad-reduce for this model");

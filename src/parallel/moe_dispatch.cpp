@@ -7,15 +7,17 @@
 #include <ATen/record_function.h>
 #include <c10/util/Exception.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <numeric>
 
 namespace actmem {
 
 namespace {
-int64_t sum(const std::vector<int64_t>& v) { return std::accumulate(v.begin(), v.end(), int64_t{0}); }
+int64_t sum(const std::vector<int64_t>& v) {
+  return std::accumulate(v.begin(), v.end(), int64_t{0});
+}
 
 // One all-to-all of x's rows, in x's own type (Note [16-bit collectives] in tensor_parallel.cpp).
 at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
@@ -23,8 +25,8 @@ at::Tensor exchange(const at::Tensor& x_in, std::vector<int64_t> output_splits,
   RECORD_FUNCTION("actmem::all_to_all", std::vector<c10::IValue>());
   TORCH_CHECK(static_cast<int>(output_splits.size()) == pg.getSize() &&
                   static_cast<int>(input_splits.size()) == pg.getSize(),
-              "actmem::all_to_all: one split per rank of the group (", pg.getSize(), ") expected, got ",
-              output_splits.size(), " and ", input_splits.size());
+              "actmem::all_to_all: one split per rank of the group (", pg.getSize(),
+              ") expected, got ", output_splits.size(), " and ", input_splits.size());
   TORCH_CHECK(x_in.dim() >= 1 && x_in.size(0) == sum(input_splits), "actmem::all_to_all: x has ",
               x_in.dim() >= 1 ? x_in.size(0) : 0, " rows but the input splits add up to ",
               sum(input_splits));
@@ -45,7 +47,8 @@ void save_group(torch::autograd::AutogradContext* ctx, const TensorParallelGroup
 }
 TensorParallelGroup saved_group(torch::autograd::AutogradContext* ctx) {
   TensorParallelGroup g;
-  g.pg = c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+  g.pg =
+      c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
   g.rank = static_cast<int>(ctx->saved_data.at("rank").toInt());
   g.size = static_cast<int>(ctx->saved_data.at("size").toInt());
   return g;
@@ -69,8 +72,8 @@ at::Tensor exchange_rows(const at::Tensor& x, const TensorParallelGroup& g, bool
 // on a given group, with or without split sizes.
 struct RowExchange : torch::autograd::Function<RowExchange> {
   static at::Tensor forward(torch::autograd::AutogradContext* ctx, const at::Tensor& x,
-                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank, int64_t size,
-                            bool gather, std::vector<int64_t> sizes) {
+                            const c10::intrusive_ptr<CollectiveGroup>& pg, int64_t rank,
+                            int64_t size, bool gather, std::vector<int64_t> sizes) {
     const TensorParallelGroup g{pg, static_cast<int>(rank), static_cast<int>(size)};
     save_group(ctx, g);
     ctx->saved_data["gather"] = gather;
@@ -81,7 +84,11 @@ struct RowExchange : torch::autograd::Function<RowExchange> {
                                                  torch::autograd::variable_list grads) {
     return {exchange_rows(grads[0], saved_group(ctx), !ctx->saved_data.at("gather").toBool(),
                           ctx->saved_data.at("sizes").toIntVector()),
-            at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor(),
+            at::Tensor()};
   }
 };
 
@@ -93,7 +100,8 @@ at::Tensor exchange_tokens(const at::Tensor& x, const TensorParallelGroup& g, bo
 }
 
 c10::intrusive_ptr<CollectiveGroup> saved_pg(torch::autograd::AutogradContext* ctx) {
-  return c10::static_intrusive_pointer_cast<CollectiveGroup>(ctx->saved_data.at("group").toCapsule());
+  return c10::static_intrusive_pointer_cast<CollectiveGroup>(
+      ctx->saved_data.at("group").toCapsule());
 }
 
 struct AllToAllFunction : torch::autograd::Function<AllToAllFunction> {
@@ -167,22 +175,26 @@ AlltoAllTokenDispatcher::AlltoAllTokenDispatcher(const TensorParallelGroup& ep,
                   tp.rank < tp.size && tp_ep.size == tp.size * ep.size &&
                   tp_ep.rank == ep.rank * tp.size + tp.rank,
               "actmem::AlltoAllTokenDispatcher: expected the tensor-and-expert-parallel group to "
-              "hold the t x e ranks (tensor rank fastest); got t ", tp.size, ", e ", ep.size,
-              ", t x e group of ", tp_ep.size, " with this rank ", tp_ep.rank);
-  TORCH_CHECK(num_experts % ep.size == 0, "actmem::AlltoAllTokenDispatcher: Number of experts "
+              "hold the t x e ranks (tensor rank fastest); got t ",
+              tp.size, ", e ", ep.size, ", t x e group of ", tp_ep.size, " with this rank ",
+              tp_ep.rank);
+  TORCH_CHECK(num_experts % ep.size == 0,
+              "actmem::AlltoAllTokenDispatcher: Number of experts "
               "should be a multiple of expert model parallel_size.");
   local_ = num_experts / ep.size;
 }
 
 AlltoAllTokenDispatcher::Dispatched AlltoAllTokenDispatcher::dispatch(
-    const at::Tensor& permuted, const at::Tensor& probs, const std::vector<int64_t>& rows_per_expert) {
+    const at::Tensor& permuted, const at::Tensor& probs,
+    const std::vector<int64_t>& rows_per_expert) {
   TORCH_CHECK(static_cast<int64_t>(rows_per_expert.size()) == experts_,
               "actmem::AlltoAllTokenDispatcher::dispatch: ", rows_per_expert.size(),
               " expert counts for ", experts_, " experts");
   const int t = tp_.size, e = ep_.size;
   // 1. Every rank's rows per expert (Megatron's num_global_tokens_per_expert [tp, ep, E]; the
   //    t x e group's rank is ep_rank * t + tp_rank).
-  const at::Tensor all = group_all_gather_dim0(tp_ep_, at::tensor(rows_per_expert, at::kLong)).cpu();
+  const at::Tensor all =
+      group_all_gather_dim0(tp_ep_, at::tensor(rows_per_expert, at::kLong)).cpu();
   const int64_t* c = all.data_ptr<int64_t>();
   auto count = [&](int tp_rank, int ep_rank, int64_t expert) {
     return c[(static_cast<int64_t>(ep_rank) * t + tp_rank) * experts_ + expert];
@@ -234,13 +246,15 @@ AlltoAllTokenDispatcher::Dispatched AlltoAllTokenDispatcher::dispatch(
 }
 
 at::Tensor AlltoAllTokenDispatcher::combine(const at::Tensor& expert_output) {
-  TORCH_CHECK(!received_chunks_.empty(), "actmem::AlltoAllTokenDispatcher::combine: no dispatch "
+  TORCH_CHECK(!received_chunks_.empty(),
+              "actmem::AlltoAllTokenDispatcher::combine: no dispatch "
               "to combine");
   const int sources = tp_.size * ep_.size;
   // The expert-major chunk sizes, and the order that restores source-major.
   std::vector<int64_t> sizes, order;
   for (int64_t j = 0; j < local_; ++j) {
-    for (int src = 0; src < sources; ++src) sizes.push_back(received_chunks_[static_cast<size_t>(src * local_ + j)]);
+    for (int src = 0; src < sources; ++src)
+      sizes.push_back(received_chunks_[static_cast<size_t>(src * local_ + j)]);
   }
   for (int src = 0; src < sources; ++src) {
     for (int64_t j = 0; j < local_; ++j) order.push_back(j * sources + src);

@@ -70,7 +70,8 @@ RankGenerator::RankGenerator(int tp, int ep, int dp, int pp, int cp, const std::
     : world_size_(tp * ep * dp * pp * cp) {
   TORCH_CHECK(tp >= 1 && ep >= 1 && dp >= 1 && pp >= 1 && cp >= 1,
               "actmem::RankGenerator: every parallel size must be at least 1");
-  TORCH_CHECK(ep == 1 || cp == 1, "actmem::RankGenerator: Both EP and CP > 1 in not allow in one "
+  TORCH_CHECK(ep == 1 || cp == 1,
+              "actmem::RankGenerator: Both EP and CP > 1 in not allow in one "
               "rank generator. CP is only included in default RankGenerator, and EP only in "
               "expert RankGenerator.");
   const std::vector<std::pair<std::string, int>> known = {
@@ -79,9 +80,10 @@ RankGenerator::RankGenerator(int tp, int ep, int dp, int pp, int cp, const std::
   std::transform(full.begin(), full.end(), full.begin(), ::tolower);
   std::vector<std::string> names = split(full, '-');
   for (const auto& name : names) {
-    TORCH_CHECK(std::any_of(known.begin(), known.end(), [&](const auto& k) { return k.first == name; }),
-                "actmem::RankGenerator: unknown parallelism '", name, "' in order '", order,
-                "' (tp, cp, ep, dp, pp)");
+    TORCH_CHECK(
+        std::any_of(known.begin(), known.end(), [&](const auto& k) { return k.first == name; }),
+        "actmem::RankGenerator: unknown parallelism '", name, "' in order '", order,
+        "' (tp, cp, ep, dp, pp)");
   }
   for (const auto& [name, size] : known) {
     if (std::find(names.begin(), names.end(), name) != names.end()) continue;
@@ -93,7 +95,9 @@ RankGenerator::RankGenerator(int tp, int ep, int dp, int pp, int cp, const std::
   order_ = full;
   names_ = names;
   for (const auto& n : names_) {
-    sizes_.push_back(std::find_if(known.begin(), known.end(), [&](const auto& k) { return k.first == n; })->second);
+    sizes_.push_back(std::find_if(known.begin(), known.end(), [&](const auto& k) {
+                       return k.first == n;
+                     })->second);
   }
 }
 
@@ -120,7 +124,8 @@ ParallelLayout ParallelLayout::make(int world, int tp, int pp, int ep, int etp, 
               cp, ")");
   const int expert_model = etp * ep * pp;
   TORCH_CHECK(world % expert_model == 0, "actmem::ParallelLayout: world_size (", world,
-              ") is not divisible by expert_tensor_model_pipeline_parallel size (", expert_model, ")");
+              ") is not divisible by expert_tensor_model_pipeline_parallel size (", expert_model,
+              ")");
   ParallelLayout l;
   l.world = world, l.tp = tp, l.pp = pp, l.cp = cp, l.dp = world / model;
   l.ep = ep, l.etp = etp, l.edp = world / expert_model;
@@ -128,7 +133,8 @@ ParallelLayout ParallelLayout::make(int world, int tp, int pp, int ep, int etp, 
   const RankGenerator dense(tp, 1, l.dp, pp, cp, order);
   const RankGenerator expert(etp, ep, l.edp, pp, 1, order);
   l.order = dense.order();
-  TORCH_CHECK(dense.ranks("pp") == expert.ranks("pp"), "actmem::ParallelLayout: Pipeline parallel "
+  TORCH_CHECK(dense.ranks("pp") == expert.ranks("pp"),
+              "actmem::ParallelLayout: Pipeline parallel "
               "groups are expected to be the same for Non-Expert and Expert part");
   l.tp_groups = dense.ranks("tp");
   l.pp_groups = dense.ranks("pp");

@@ -3,8 +3,8 @@
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <algorithm>
 #include <deque>
@@ -92,8 +92,8 @@ int64_t one_f_one_b_in_flight(int64_t stage, int64_t stages, int64_t num_microba
 void run_one_f_one_b(const PipelineP2P& p2p, int64_t num_microbatches,
                      const PipelineForward& forward, const PipelineBackward& backward,
                      bool forward_only) {
-  TORCH_CHECK(num_microbatches >= 1, "actmem::run_one_f_one_b: needs at least one micro-batch, got ",
-              num_microbatches);
+  TORCH_CHECK(num_microbatches >= 1,
+              "actmem::run_one_f_one_b: needs at least one micro-batch, got ", num_microbatches);
   if (forward_only) {
     for (int64_t m = 0; m < num_microbatches; ++m) {
       p2p.send_forward(forward(m, p2p.recv_forward()));
@@ -131,7 +131,8 @@ std::vector<std::pair<int64_t, int64_t>> interleaved_schedule_table(int64_t num_
                                                                     int64_t chunks, int64_t group) {
   TORCH_CHECK(num_microbatches >= 1 && chunks >= 1 && group >= 1,
               "actmem::interleaved_schedule_table: needs positive micro-batches, chunks and group "
-              "size, got ", num_microbatches, ", ", chunks, ", ", group);
+              "size, got ",
+              num_microbatches, ", ", chunks, ", ", group);
   std::vector<std::pair<int64_t, int64_t>> table;
   for (int64_t first = 0; first < num_microbatches; first += group) {
     // The last group takes every micro-batch left (Megatron's ">= num_microbatches" branch).
@@ -145,15 +146,20 @@ std::vector<std::pair<int64_t, int64_t>> interleaved_schedule_table(int64_t num_
 
 void check_interleaved_microbatches(int64_t stages, int64_t num_microbatches, int64_t group) {
   // Megatron's forward_backward_pipelining_with_interleaving, its ValueError and RuntimeError.
-  TORCH_CHECK(group <= num_microbatches && group >= stages, "actmem: The number of contiguous "
-              "micro-batches in a virtual pipeline stage should range in [PP=", stages, " , M=",
-              num_microbatches, "] (got ", group, ")");
+  TORCH_CHECK(group <= num_microbatches && group >= stages,
+              "actmem: The number of contiguous "
+              "micro-batches in a virtual pipeline stage should range in [PP=",
+              stages, " , M=", num_microbatches, "] (got ", group, ")");
   const int64_t last_group = num_microbatches % group;
-  TORCH_CHECK(!(last_group > 0 && last_group < stages), "actmem: The remainder of M (the total "
+  TORCH_CHECK(!(last_group > 0 && last_group < stages),
+              "actmem: The remainder of M (the total "
               "micro-batches) divided by N (number of contiguous micro-batches in a virtual "
               "pipeline stage) should be 0, or larger than or equal to the pipeline-parallel size, "
-              "but it is ", last_group, ". Otherwise, it introduces dependency bubbles in the "
-              "pipeline and reduces throughput. (M = ", num_microbatches, ", N = ", group, ")");
+              "but it is ",
+              last_group,
+              ". Otherwise, it introduces dependency bubbles in the "
+              "pipeline and reduces throughput. (M = ",
+              num_microbatches, ", N = ", group, ")");
 }
 
 // Note [Interleaved 1F1B]
@@ -267,9 +273,10 @@ std::vector<PipelineStep> interleaved_schedule(int64_t stage, int64_t stages, in
 std::vector<PipelineStep> pipeline_compute_order(int64_t stage, int64_t stages, int64_t chunks,
                                                  int64_t num_microbatches, int64_t group) {
   TORCH_CHECK(chunks >= 1 && num_microbatches >= 1 && stage >= 0 && stage < stages,
-              "actmem::pipeline_compute_order: needs a stage in [0, ", stages, "), at least one "
-              "model chunk and one micro-batch, got stage ", stage, ", ", chunks, " chunks, ",
-              num_microbatches, " micro-batches");
+              "actmem::pipeline_compute_order: needs a stage in [0, ", stages,
+              "), at least one "
+              "model chunk and one micro-batch, got stage ",
+              stage, ", ", chunks, " chunks, ", num_microbatches, " micro-batches");
   std::vector<PipelineStep> order;
   auto add = [&](PipelineStep::Kind kind, int64_t m, int64_t chunk) {
     PipelineStep s;
@@ -315,8 +322,8 @@ PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t s
   PipelineMemory out;
   out.max_in_flight.assign(static_cast<size_t>(v), 0);
   std::vector<int64_t> in_flight(static_cast<size_t>(v), 0);
-  int64_t held = 0;               // the in-flight micro-batches' bytes
-  int64_t queued = 0;             // received inputs and gradients not yet consumed
+  int64_t held = 0;                   // the in-flight micro-batches' bytes
+  int64_t queued = 0;                 // received inputs and gradients not yet consumed
   bool output = false, grad = false;  // produced, not yet sent
   for (const PipelineStep& s : steps) {
     const size_t c = static_cast<size_t>(std::max<int64_t>(s.chunk, 0));
@@ -326,8 +333,8 @@ PipelineMemory pipeline_memory(const std::vector<PipelineStep>& steps, int64_t s
         ++in_flight[c];
         held += bytes(s.chunk, s.microbatch);
         output = !(stage == stages - 1 && s.chunk == v - 1);
-        out.peak_at_forward_end = std::max(
-            out.peak_at_forward_end, held + boundary_bytes * (queued + (output ? 1 : 0)));
+        out.peak_at_forward_end =
+            std::max(out.peak_at_forward_end, held + boundary_bytes * (queued + (output ? 1 : 0)));
         break;
       }
       case PipelineStep::Kind::kBackward:
@@ -358,8 +365,10 @@ void run_interleaved_one_f_one_b(const PipelineP2P& p2p, int64_t chunks, int64_t
   std::vector<std::deque<at::Tensor>> inputs(static_cast<size_t>(chunks));
   std::vector<std::deque<at::Tensor>> grads(static_cast<size_t>(chunks));
   auto pop = [](std::deque<at::Tensor>& q, const char* what, int64_t chunk) {
-    TORCH_CHECK(!q.empty(), "actmem::run_interleaved_one_f_one_b: no ", what, " queued for model "
-                "chunk ", chunk);
+    TORCH_CHECK(!q.empty(), "actmem::run_interleaved_one_f_one_b: no ", what,
+                " queued for model "
+                "chunk ",
+                chunk);
     at::Tensor x = std::move(q.front());
     q.pop_front();
     return x;
@@ -382,10 +391,9 @@ void run_interleaved_one_f_one_b(const PipelineP2P& p2p, int64_t chunks, int64_t
         break;
       }
       case PipelineStep::Kind::kCommunicate: {
-        auto [from_prev, from_next] =
-            p2p.communicate(s.send_next ? output : at::Tensor(),
-                            s.send_prev ? input_grad : at::Tensor(), s.recv_prev_chunk >= 0,
-                            s.recv_next_chunk >= 0);
+        auto [from_prev, from_next] = p2p.communicate(
+            s.send_next ? output : at::Tensor(), s.send_prev ? input_grad : at::Tensor(),
+            s.recv_prev_chunk >= 0, s.recv_next_chunk >= 0);
         output = at::Tensor();  // sent: its memory goes before the next step
         input_grad = at::Tensor();
         if (s.recv_prev_chunk >= 0) {

@@ -17,8 +17,8 @@
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
 #include <torch/csrc/autograd/custom_function.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <chrono>
 #include <thread>
@@ -63,7 +63,9 @@ void check_group(const TensorParallelGroup& group, const char* api) {
               " ranks needs a process group");
 }
 
-bool single() { return tensor_parallel_group().size == 1; }
+bool single() {
+  return tensor_parallel_group().size == 1;
+}
 
 void check_dim0(const at::Tensor& x, const char* api) {
   const int t = tensor_parallel_group().size;
@@ -84,7 +86,9 @@ void wait_and_release(c10::intrusive_ptr<c10d::Work> work) {
   }
 }
 
-const TensorParallelGroup& tensor_parallel_group() { return group_storage(); }
+const TensorParallelGroup& tensor_parallel_group() {
+  return group_storage();
+}
 
 void set_tensor_parallel_group(TensorParallelGroup group) {
   check_group(group, "actmem::set_tensor_parallel_group");
@@ -101,16 +105,24 @@ void reset_tensor_parallel_group() {
   embedding_storage() = TensorParallelGroup{};
 }
 
-const TensorParallelGroup& data_parallel_group() { return dp_storage(); }
+const TensorParallelGroup& data_parallel_group() {
+  return dp_storage();
+}
 
 void set_data_parallel_group(TensorParallelGroup group) {
   check_group(group, "actmem::set_data_parallel_group");
   dp_storage() = std::move(group);
 }
 
-const TensorParallelGroup& expert_parallel_group() { return ep_storage(); }
-const TensorParallelGroup& expert_data_parallel_group() { return edp_storage(); }
-const TensorParallelGroup& tensor_and_expert_parallel_group() { return tp_ep_storage(); }
+const TensorParallelGroup& expert_parallel_group() {
+  return ep_storage();
+}
+const TensorParallelGroup& expert_data_parallel_group() {
+  return edp_storage();
+}
+const TensorParallelGroup& tensor_and_expert_parallel_group() {
+  return tp_ep_storage();
+}
 
 void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
                                 TensorParallelGroup tp_ep) {
@@ -122,8 +134,12 @@ void set_expert_parallel_groups(TensorParallelGroup ep, TensorParallelGroup edp,
   tp_ep_storage() = std::move(tp_ep);
 }
 
-const TensorParallelGroup& pipeline_parallel_group() { return pp_storage(); }
-const TensorParallelGroup& embedding_group() { return embedding_storage(); }
+const TensorParallelGroup& pipeline_parallel_group() {
+  return pp_storage();
+}
+const TensorParallelGroup& embedding_group() {
+  return embedding_storage();
+}
 
 void set_pipeline_parallel_groups(TensorParallelGroup pp, TensorParallelGroup embedding) {
   check_group(pp, "actmem::set_pipeline_parallel_groups");
@@ -140,7 +156,9 @@ TensorParallelSession::TensorParallelSession(const DistEnv& env, const c10::Devi
                                         pipeline_parallel_size, timeout);
 }
 
-TensorParallelSession::~TensorParallelSession() { reset_tensor_parallel_group(); }
+TensorParallelSession::~TensorParallelSession() {
+  reset_tensor_parallel_group();
+}
 
 std::string device_for_rank(const std::string& device, const DistEnv& env) {
   if (env.world_size > 1 && device == "cuda") return "cuda:" + std::to_string(env.local_rank);
@@ -165,8 +183,9 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(
     if (g.size == env.world_size) {
       g.pg = world.pg;
     } else if (g.size > 1) {
-      g.pg = new_subgroup(world, members, std::string(name) + "/" +
-                                              std::to_string(ParallelLayout::group_index(groups, env.rank)));
+      g.pg = new_subgroup(
+          world, members,
+          std::string(name) + "/" + std::to_string(ParallelLayout::group_index(groups, env.rank)));
     }
     return g;
   };
@@ -178,10 +197,11 @@ const TensorParallelGroup& init_tensor_parallel_from_environment(
   // Pipeline, then embedding group: the middle stages are in no embedding group (size 1).
   TensorParallelGroup pp = subgroup(layout.pp_groups, "pp");
   const std::vector<int>& pipeline = ParallelLayout::group_of(layout.pp_groups, env.rank);
-  const bool in_embedding = pipeline.size() > 1 &&
-                            (env.rank == pipeline.front() || env.rank == pipeline.back());
-  set_pipeline_parallel_groups(std::move(pp), in_embedding ? subgroup(layout.embedding_groups, "emb")
-                                                           : TensorParallelGroup{});
+  const bool in_embedding =
+      pipeline.size() > 1 && (env.rank == pipeline.front() || env.rank == pipeline.back());
+  set_pipeline_parallel_groups(std::move(pp), in_embedding
+                                                  ? subgroup(layout.embedding_groups, "emb")
+                                                  : TensorParallelGroup{});
   return tensor_parallel_group();
 }
 
@@ -264,8 +284,10 @@ at::Tensor group_all_gather_dim0(const TensorParallelGroup& g, const at::Tensor&
 
 at::Tensor group_split_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
   if (g.size == 1) return x;
-  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0, "actmem::split_dim0: expected dim 0 "
-              "divisible by the group size ", g.size, ", got shape ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0,
+              "actmem::split_dim0: expected dim 0 "
+              "divisible by the group size ",
+              g.size, ", got shape ", x.sizes());
   const int64_t part = x.size(0) / g.size;
   return x.narrow(0, g.rank * part, part).clone();
 }
@@ -273,8 +295,10 @@ at::Tensor group_split_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
 at::Tensor group_reduce_scatter_dim0(const TensorParallelGroup& g, const at::Tensor& x) {
   if (g.size == 1) return x;
   // Note [Reduce-scatter on Gloo]: this rank's slice of the all-reduced tensor.
-  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0, "actmem::reduce_scatter_dim0: expected "
-              "dim 0 divisible by the group size ", g.size, ", got shape ", x.sizes());
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) % g.size == 0,
+              "actmem::reduce_scatter_dim0: expected "
+              "dim 0 divisible by the group size ",
+              g.size, ", got shape ", x.sizes());
   return group_split_dim0(g, all_reduce_on(g, x));
 }
 
@@ -288,17 +312,22 @@ at::Tensor group_reduce_scatter_dim0(const TensorParallelGroup& g, const at::Ten
 // parts in rank order (the same order on every rank).
 at::Tensor group_all_gather_v(const TensorParallelGroup& g, const at::Tensor& x,
                               const std::vector<int64_t>& sizes) {
-  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size, "actmem::all_gather_v: one size per rank "
-              "of the group (", g.size, ") expected, got ", sizes.size());
-  TORCH_CHECK(x.dim() >= 1 && x.size(0) == sizes[static_cast<size_t>(g.rank)], "actmem::all_gather_v: "
-              "x has ", x.dim() >= 1 ? x.size(0) : 0, " rows, this rank's size is ",
+  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size,
+              "actmem::all_gather_v: one size per rank "
+              "of the group (",
+              g.size, ") expected, got ", sizes.size());
+  TORCH_CHECK(x.dim() >= 1 && x.size(0) == sizes[static_cast<size_t>(g.rank)],
+              "actmem::all_gather_v: "
+              "x has ",
+              x.dim() >= 1 ? x.size(0) : 0, " rows, this rank's size is ",
               sizes[static_cast<size_t>(g.rank)]);
   if (g.size == 1) return x;
   std::vector<int64_t> shape = x.sizes().vec();
   shape[0] = total(sizes);
   at::Tensor out = at::empty(shape, x.options());
   // The send buffer: x once per destination rank.
-  at::Tensor send = at::cat(std::vector<at::Tensor>(static_cast<size_t>(g.size), x.contiguous()), 0);
+  at::Tensor send =
+      at::cat(std::vector<at::Tensor>(static_cast<size_t>(g.size), x.contiguous()), 0);
   at::Tensor recv = out;
   std::vector<int64_t> out_splits = sizes;
   std::vector<int64_t> in_splits(static_cast<size_t>(g.size), x.size(0));
@@ -308,8 +337,10 @@ at::Tensor group_all_gather_v(const TensorParallelGroup& g, const at::Tensor& x,
 
 at::Tensor group_reduce_scatter_v(const TensorParallelGroup& g, const at::Tensor& x,
                                   const std::vector<int64_t>& sizes) {
-  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size, "actmem::reduce_scatter_v: one size per "
-              "rank of the group (", g.size, ") expected, got ", sizes.size());
+  TORCH_CHECK(static_cast<int>(sizes.size()) == g.size,
+              "actmem::reduce_scatter_v: one size per "
+              "rank of the group (",
+              g.size, ") expected, got ", sizes.size());
   TORCH_CHECK(x.dim() >= 1 && x.size(0) == total(sizes), "actmem::reduce_scatter_v: x has ",
               x.dim() >= 1 ? x.size(0) : 0, " rows, the sizes add up to ", total(sizes));
   if (g.size == 1) return x;
@@ -360,7 +391,9 @@ using torch::autograd::variable_list;
 
 struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return x.view_as(x); }
-  static variable_list backward(AutogradContext*, variable_list g) { return {all_reduce_sum(g[0])}; }
+  static variable_list backward(AutogradContext*, variable_list g) {
+    return {all_reduce_sum(g[0])};
+  }
 };
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
@@ -370,7 +403,9 @@ struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
 
 struct ScatterToSequence : torch::autograd::Function<ScatterToSequence> {
   static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return split_dim0(x); }
-  static variable_list backward(AutogradContext*, variable_list g) { return {all_gather_dim0(g[0])}; }
+  static variable_list backward(AutogradContext*, variable_list g) {
+    return {all_gather_dim0(g[0])};
+  }
 };
 
 struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
@@ -385,8 +420,12 @@ struct GatherFromSequence : torch::autograd::Function<GatherFromSequence> {
 };
 
 struct ReduceScatterToSequence : torch::autograd::Function<ReduceScatterToSequence> {
-  static at::Tensor forward(AutogradContext*, const at::Tensor& x) { return reduce_scatter_dim0(x); }
-  static variable_list backward(AutogradContext*, variable_list g) { return {all_gather_dim0(g[0])}; }
+  static at::Tensor forward(AutogradContext*, const at::Tensor& x) {
+    return reduce_scatter_dim0(x);
+  }
+  static variable_list backward(AutogradContext*, variable_list g) {
+    return {all_gather_dim0(g[0])};
+  }
 };
 
 // y = all_gather(x) W^T (+ b), saving the shard x rather than the gathered input; backward
@@ -448,7 +487,8 @@ at::Tensor scatter_to_sequence_parallel_region(const at::Tensor& x) {
   return single() ? x : ScatterToSequence::apply(x);
 }
 
-at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x, bool tensor_parallel_output_grad) {
+at::Tensor gather_from_sequence_parallel_region(const at::Tensor& x,
+                                                bool tensor_parallel_output_grad) {
   return single() ? x : GatherFromSequence::apply(x, tensor_parallel_output_grad);
 }
 
@@ -478,8 +518,8 @@ at::Tensor row_parallel_linear(const at::Tensor& x, const at::Tensor& weight,
 at::Tensor split_tensor_into_1d_equal_chunks(const at::Tensor& x) {
   const auto& g = tensor_parallel_group();
   TORCH_CHECK(x.numel() % g.size == 0, "actmem::split_tensor_into_1d_equal_chunks: ",
-              "distribute_saved_activations needs the checkpoint input's element count (", x.numel(),
-              ", shape ", x.sizes(), ") divisible by the tensor-parallel size ", g.size);
+              "distribute_saved_activations needs the checkpoint input's element count (",
+              x.numel(), ", shape ", x.sizes(), ") divisible by the tensor-parallel size ", g.size);
   const int64_t part = x.numel() / g.size;
   return x.reshape({-1}).narrow(0, g.rank * part, part).clone();
 }

@@ -26,18 +26,22 @@ constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 // device memory at 80% of its peak bandwidth, the host link at its measured pinned copy rate.
 const std::map<std::string, DeviceSpec>& devices() {
   static const std::map<std::string, DeviceSpec> table = {
-      {"a100", {"a100", 80 * kGiB, 0.7 * 312e12, 0.8 * 2.039e12, 25e9, 25e9,
-                "A100 80GB SXM: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e, PCIe Gen4 x16 "
-                "(about 25 GB/s pinned)"}},
-      {"h100", {"h100", 80 * kGiB, 0.7 * 989e12, 0.8 * 3.35e12, 55.6e9, 55.6e9,
-                "H100 SXM: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, PCIe Gen5 x16 (55.6 GB/s "
-                "pinned, nvbandwidth)"}},
-      {"h200", {"h200", 141 * kGiB, 0.7 * 989e12, 0.8 * 4.8e12, 55.6e9, 55.6e9,
-                "H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, PCIe Gen5 x16 (55.6 GB/s "
-                "pinned)"}},
-      {"gh200", {"gh200", 96 * kGiB, 0.7 * 989e12, 0.8 * 4.0e12, 297e9, 375e9,
-                 "GH200 96GB: 989 TFLOP/s dense BF16, 4.0 TB/s HBM3, NVLink-C2C (297 GB/s "
-                 "device to host, 375 GB/s host to device, measured)"}},
+      {"a100",
+       {"a100", 80 * kGiB, 0.7 * 312e12, 0.8 * 2.039e12, 25e9, 25e9,
+        "A100 80GB SXM: 312 TFLOP/s dense BF16, 2.04 TB/s HBM2e, PCIe Gen4 x16 "
+        "(about 25 GB/s pinned)"}},
+      {"h100",
+       {"h100", 80 * kGiB, 0.7 * 989e12, 0.8 * 3.35e12, 55.6e9, 55.6e9,
+        "H100 SXM: 989 TFLOP/s dense BF16, 3.35 TB/s HBM3, PCIe Gen5 x16 (55.6 GB/s "
+        "pinned, nvbandwidth)"}},
+      {"h200",
+       {"h200", 141 * kGiB, 0.7 * 989e12, 0.8 * 4.8e12, 55.6e9, 55.6e9,
+        "H200 SXM: 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, PCIe Gen5 x16 (55.6 GB/s "
+        "pinned)"}},
+      {"gh200",
+       {"gh200", 96 * kGiB, 0.7 * 989e12, 0.8 * 4.0e12, 297e9, 375e9,
+        "GH200 96GB: 989 TFLOP/s dense BF16, 4.0 TB/s HBM3, NVLink-C2C (297 GB/s "
+        "device to host, 375 GB/s host to device, measured)"}},
   };
   return table;
 }
@@ -74,7 +78,7 @@ LayerTerms layer_terms(const PaperShape& m, const LayerSpec& spec) {
   const AnalyticTerms mlp = spec.mlp->analytic_terms(m);
   add({{2 * sbh / r, {}, OffloadModule::kAttnNorm}}, true);  // input_layernorm's input
   add(mixer.tensors, true);
-  add({{sbh / r, {}, std::nullopt}}, true);  // self_attn_bda's dropout mask
+  add({{sbh / r, {}, std::nullopt}}, true);                  // self_attn_bda's dropout mask
   add({{2 * sbh / r, {}, OffloadModule::kMlpNorm}}, false);  // pre_mlp_layernorm's input
   add(mlp.tensors, false);
   add({{sbh / r, {}, std::nullopt}}, false);  // mlp_bda's dropout mask
@@ -150,8 +154,10 @@ double repeated_seconds(const LayerTerms& x, const Strategy& s, const DeviceSpec
 // The layer specs of `m`'s model, one per layer.
 std::vector<LayerSpec> shape_specs(const PaperShape& m) {
   const std::vector<LayerSpec> specs = layer_specs(analytic_config(m));
-  TORCH_CHECK(specs.size() == static_cast<size_t>(m.L), "actmem::estimate_plans_analytic: the "
-              "configuration has ", specs.size(), " layers, the shape ", m.L);
+  TORCH_CHECK(specs.size() == static_cast<size_t>(m.L),
+              "actmem::estimate_plans_analytic: the "
+              "configuration has ",
+              specs.size(), " layers, the shape ", m.L);
   return specs;
 }
 
@@ -160,10 +166,10 @@ using KindCounts = std::vector<double>;  // per layer kind of the stage (StageLa
 // The first pipeline stage's layers by kind (their specs): its v model chunks hold layers
 // [j p Lc, j p Lc + Lc) for j < v (Megatron's interleaved assignment; v = 1 without it).
 struct StageLayers {
-  std::vector<LayerSpec> specs;   // each kind once, in order of appearance
+  std::vector<LayerSpec> specs;  // each kind once, in order of appearance
   KindCounts count;
-  std::vector<int64_t> first;     // the first layer of each kind
-  std::vector<int64_t> chunk;     // and its model chunk
+  std::vector<int64_t> first;  // the first layer of each kind
+  std::vector<int64_t> chunk;  // and its model chunk
   // Per model chunk, the layers of each kind among its first n (block recompute's), n = 1..Lc.
   std::vector<std::vector<KindCounts>> chunk_prefix;
 };
@@ -237,9 +243,12 @@ double exposed_copy_s(double bytes, double forward_s, const DeviceSpec& gpu) {
 }  // namespace
 
 nlohmann::json DeviceSpec::to_json() const {
-  return {{"name", name}, {"memory_bytes", memory_bytes}, {"matmul_flops", matmul_flops},
+  return {{"name", name},
+          {"memory_bytes", memory_bytes},
+          {"matmul_flops", matmul_flops},
           {"memory_bandwidth_bytes_per_s", memory_bandwidth},
-          {"d2h_bytes_per_s", d2h_bandwidth}, {"h2d_bytes_per_s", h2d_bandwidth},
+          {"d2h_bytes_per_s", d2h_bandwidth},
+          {"h2d_bytes_per_s", h2d_bandwidth},
           {"source", source}};
 }
 
@@ -251,8 +260,8 @@ std::vector<std::string> device_spec_names() {
 
 DeviceSpec device_spec(const std::string& name) {
   const auto it = devices().find(name);
-  TORCH_CHECK(it != devices().end(), "actmem::device_spec: unknown GPU '", name, "'; known: ",
-              c10::Join(", ", device_spec_names()));
+  TORCH_CHECK(it != devices().end(), "actmem::device_spec: unknown GPU '", name,
+              "'; known: ", c10::Join(", ", device_spec_names()));
   return it->second;
 }
 
@@ -319,8 +328,10 @@ std::vector<Strategy> analytic_strategies(const PaperShape& m) {
 }
 
 nlohmann::json AnalyticBasis::to_json() const {
-  return {{"static_bytes", static_bytes}, {"microbatches_in_flight", microbatches_in_flight},
-          {"layers_per_stage", layers_per_stage}, {"layer_forward_s", layer_forward_s},
+  return {{"static_bytes", static_bytes},
+          {"microbatches_in_flight", microbatches_in_flight},
+          {"layers_per_stage", layers_per_stage},
+          {"layer_forward_s", layer_forward_s},
           {"plain_step_s", plain_step_s}};
 }
 
@@ -419,8 +430,9 @@ bool attention_half(const std::string& module) {
 bool group_moves(OffloadModule g, const std::string& module, const LayerSpec& spec) {
   if (g == OffloadModule::kAttnNorm) return module == "input_layernorm";
   if (g == OffloadModule::kMlpNorm) return module == "pre_mlp_layernorm";
-  for (const auto& [slot, part] : {std::pair<std::string, const LayerPart*>{"self_attention.", spec.mixer},
-                                   std::pair<std::string, const LayerPart*>{"mlp.", spec.mlp}}) {
+  for (const auto& [slot, part] :
+       {std::pair<std::string, const LayerPart*>{"self_attention.", spec.mixer},
+        std::pair<std::string, const LayerPart*>{"mlp.", spec.mlp}}) {
     if (module.rfind(slot, 0) == 0) return part->offload_group(module.substr(slot.size())) == g;
   }
   return false;
@@ -492,8 +504,8 @@ std::vector<PlanEstimate> estimate_plans_analytic(const PaperShape& m,
   const Strategy plain;
   const double Ls = basis.layers_per_stage, v = virtual_stages(m), Lc = Ls / v;
   const double flight = basis.microbatches_in_flight;
-  const double input = kinds.front().x.input;  // the same for every kind
-  double largest = 0;                          // the largest layer's bytes
+  const double input = kinds.front().x.input;     // the same for every kind
+  double largest = 0;                             // the largest layer's bytes
   std::vector<double> plain_bytes(kinds.size());  // each kind's layer without recompute or offload
   for (const Kind& k : kinds) {
     plain_bytes[k.index] = kind_cost(k, plain, exact).plain;

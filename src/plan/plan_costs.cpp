@@ -49,12 +49,17 @@ SecondStep second_step(const TransformerConfig& model, const TrainingConfig& two
 }  // namespace
 
 nlohmann::json PlanCosts::to_json() const {
-  return {{"static_bytes", static_bytes}, {"optimizer_peak_bytes", optimizer_peak_bytes},
-          {"plain_step_s", plain_step_s}, {"solo_plain_step_s", solo_step_s},
+  return {{"static_bytes", static_bytes},
+          {"optimizer_peak_bytes", optimizer_peak_bytes},
+          {"plain_step_s", plain_step_s},
+          {"solo_plain_step_s", solo_step_s},
           {"extra_step_fraction", extra},
           {"extra_step_fraction_spread", spread},
-          {"backward_transient_bytes", transient}, {"offloaded_bytes", offloaded},
-          {"round_step_times_s", round_step_s}, {"timed_rounds", steps}, {"threads", threads}};
+          {"backward_transient_bytes", transient},
+          {"offloaded_bytes", offloaded},
+          {"round_step_times_s", round_step_s},
+          {"timed_rounds", steps},
+          {"threads", threads}};
 }
 
 PlanCosts PlanCosts::from_json(const nlohmann::json& j) {
@@ -90,9 +95,9 @@ nlohmann::json plan_costs_key(const TransformerConfig& base, const TrainingConfi
           {"microbatches_per_step", training.num_microbatches(base.micro_batch_size)},
           {"device", training.device},
           {"runtime", runtime_info()},
-          {"cost_format", 5}};  // 2: with the spread (Note [Planner uncertainty]); 3: layer offload;
-                                // 4: signed extras (Note [Planner cost basis]); 5: the solo
-                                // plain step (Note [Machine speed check])
+          {"cost_format", 5}};  // 2: with the spread (Note [Planner uncertainty]); 3: layer
+                                // offload; 4: signed extras (Note [Planner cost basis]); 5: the
+                                // solo plain step (Note [Machine speed check])
 }
 
 // Note [Machine speed check]
@@ -123,8 +128,10 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
                      const TimedRounds& rounds, const std::string& costs_path,
                      const std::function<void(const std::string&)>& progress, std::string* note,
                      double speed_tolerance) {
-  TORCH_CHECK(speed_tolerance >= 0, "actmem::plan_costs: the speed tolerance is a fraction >= 0 "
-              "(0: not checked), got ", speed_tolerance);
+  TORCH_CHECK(speed_tolerance >= 0,
+              "actmem::plan_costs: the speed tolerance is a fraction >= 0 "
+              "(0: not checked), got ",
+              speed_tolerance);
   const nlohmann::json key = plan_costs_key(base, training);
   std::string said;
   if (!costs_path.empty() && std::filesystem::exists(costs_path)) {
@@ -136,7 +143,8 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
                   "); remove it to profile again");
     }
     TORCH_CHECK(record.is_object() && record.contains("key") && record.contains("costs"),
-                "actmem plan: --costs ", costs_path, " is not a cost record (no key and costs); "
+                "actmem plan: --costs ", costs_path,
+                " is not a cost record (no key and costs); "
                 "remove it to profile again");
     if (record["key"] == key) {
       PlanCosts cached = PlanCosts::from_json(record["costs"]);
@@ -149,8 +157,8 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
       const double change = now / cached.solo_step_s - 1;
       std::ostringstream os;
       os << std::fixed << std::setprecision(1) << "the plain step alone takes " << now * 1e3
-         << " ms now, " << cached.solo_step_s * 1e3 << " ms when profiled ("
-         << std::showpos << change * 100 << std::noshowpos << "%)";
+         << " ms now, " << cached.solo_step_s * 1e3 << " ms when profiled (" << std::showpos
+         << change * 100 << std::noshowpos << "%)";
       if (std::abs(change) <= speed_tolerance) {
         if (note) *note = "costs reused from " + costs_path + "; " + os.str();
         return cached;
@@ -159,7 +167,8 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
              " was measured: " + os.str() + ", more than the tolerance of " +
              std::to_string(static_cast<int>(std::lround(speed_tolerance * 100))) + "%";
     } else {
-      said = "costs profiled again: " + costs_path + " was measured for another model, device, "
+      said = "costs profiled again: " + costs_path +
+             " was measured for another model, device, "
              "thread count or library";
     }
   }
@@ -196,13 +205,16 @@ MeasuredRatios measure_step_ratios(const TransformerConfig& base, const Training
                                    const TimedRounds& rounds,
                                    const std::function<void(const std::string&)>& progress,
                                    bool compute_digest) {
-  TORCH_CHECK(!strategies.empty() && strategies.front().plain(), "actmem::measure_step_ratios: "
+  TORCH_CHECK(!strategies.empty() && strategies.front().plain(),
+              "actmem::measure_step_ratios: "
               "the first strategy must be plain, the reference");
   TORCH_CHECK(rounds.min_rounds >= 1 && rounds.max_rounds >= rounds.min_rounds,
               "actmem::measure_step_ratios: expected 1 <= min_rounds <= max_rounds, got ",
               rounds.min_rounds, " and ", rounds.max_rounds);
-  TORCH_CHECK(rounds.precision >= 0, "actmem::measure_step_ratios: the precision is a standard "
-              "error >= 0 (0: min_rounds exactly), got ", rounds.precision);
+  TORCH_CHECK(rounds.precision >= 0,
+              "actmem::measure_step_ratios: the precision is a standard "
+              "error >= 0 (0: min_rounds exactly), got ",
+              rounds.precision);
   const size_t n = strategies.size();
   std::vector<size_t> watch = rounds.watch;
   if (watch.empty()) {
@@ -236,7 +248,8 @@ MeasuredRatios measure_step_ratios(const TransformerConfig& base, const Training
   say("round 1/" + std::to_string(rounds.min_rounds));
   const auto after = [&](int, const std::vector<IterationStats>& st) {
     for (size_t i = 0; i < n; ++i) {
-      m.bitwise[i] = m.bitwise[i] && st[i].loss == st[0].loss && st[i].grad_digest == st[0].grad_digest;
+      m.bitwise[i] =
+          m.bitwise[i] && st[i].loss == st[0].loss && st[i].grad_digest == st[0].grad_digest;
       ratios[i].push_back(st[i].step_time_s / st[0].step_time_s);
       m.step_s[i].push_back(st[i].step_time_s);
     }
@@ -291,12 +304,14 @@ void measure_memory_costs(const TransformerConfig& base, const TrainingConfig& o
         widest = &o;
       }
     }
-    if (widest != &s || costs.offloaded.count(offload_key(s.recompute_modules, s.offload_modules[0]))) {
+    if (widest != &s ||
+        costs.offloaded.count(offload_key(s.recompute_modules, s.offload_modules[0]))) {
       continue;
     }
     say("measuring what " + s.name() + " offloads");
     const SecondStep run = second_step(s.apply(base), one);
-    for (const auto& g : s.offload_modules) costs.offloaded[offload_key(s.recompute_modules, g)] = 0;
+    for (const auto& g : s.offload_modules)
+      costs.offloaded[offload_key(s.recompute_modules, g)] = 0;
     for (const auto& row : run.trainer->offloader()->summary()) {
       costs.offloaded[offload_key(s.recompute_modules, row.name)] = row.bytes;
     }
@@ -322,7 +337,6 @@ void measure_memory_costs(const TransformerConfig& base, const TrainingConfig& o
     const IterationStats st = second_step(tails[i].probe, one).stats;
     costs.transient[tails[i].key] = st.activation_peak_bytes - st.activation_bytes;
   }
-
 }
 
 // profile_costs' time side: each mechanism alone against the plain step (Note [Planner cost

@@ -4,13 +4,13 @@
 
 #include "planner_detail.h"
 
-#include "actmem/offload/activation_offloader.h"
-#include "actmem/config/activation_plan.h"
 #include "actmem/base/environment.h"
-#include "actmem/memory/memory_model.h"
-#include "actmem/model/activation_bytes.h"
 #include "actmem/base/output_file.h"
 #include "actmem/base/report.h"
+#include "actmem/config/activation_plan.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
+#include "actmem/offload/activation_offloader.h"
 #include "actmem/train/step_rounds.h"
 #include "actmem/train/trainer.h"
 
@@ -127,7 +127,9 @@ std::string offload_key(const std::vector<RecomputeModule>& recompute, OffloadMo
 }
 // Layer-level offload of the first K layers moves everything they save of at least the
 // threshold (no margin: every one of the K groups offloads), measured per K on the whole model.
-std::string layer_offload_key(int64_t k) { return "layer offload " + std::to_string(k); }
+std::string layer_offload_key(int64_t k) {
+  return "layer offload " + std::to_string(k);
+}
 
 // `s` without the offload groups that move nothing under its selective set (every tensor below
 // min_offloaded_tensor_size, or none saved): the same memory as `s`, so its tail is measured once
@@ -168,7 +170,7 @@ std::vector<std::string> mixed_mechanisms(const Strategy& s, const PlanCosts& co
   return out;
 }
 
-}  // namespace
+}  // namespace plan_detail
 
 std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool layer_offload) {
   base.validate_shape();
@@ -219,14 +221,17 @@ std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool l
 
 std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
   base.validate_shape();
-  TORCH_CHECK(base.pipeline_model_parallel_size == 1, "actmem::legal_strategies: pipeline "
-              "parallelism is not planned yet (each stage holds a different number of "
-              "micro-batches); plan one stage's layers with --pipeline-model-parallel-size 1, or a paper "
-              "model's layout analytically with --preset");
-  TORCH_CHECK(base.tensor_model_parallel_size == 1 && base.expert_model_parallel_size == 1,
-              "actmem::legal_strategies: tensor and expert parallelism are not planned yet (the "
-              "profiling run is one process); plan with sizes of one rank's share, or a paper model's "
-              "layout analytically with --preset");
+  TORCH_CHECK(
+      base.pipeline_model_parallel_size == 1,
+      "actmem::legal_strategies: pipeline "
+      "parallelism is not planned yet (each stage holds a different number of "
+      "micro-batches); plan one stage's layers with --pipeline-model-parallel-size 1, or a paper "
+      "model's layout analytically with --preset");
+  TORCH_CHECK(
+      base.tensor_model_parallel_size == 1 && base.expert_model_parallel_size == 1,
+      "actmem::legal_strategies: tensor and expert parallelism are not planned yet (the "
+      "profiling run is one process); plan with sizes of one rank's share, or a paper model's "
+      "layout analytically with --preset");
   TORCH_CHECK(!base.is_moe() || !base.moe_expert_capacity_factor.has_value() ||
                   base.moe_pad_expert_input_to_capacity,
               "actmem::legal_strategies: MoE with a capacity factor and no padding is not planned "
@@ -237,11 +242,14 @@ std::vector<Strategy> legal_strategies(const TransformerConfig& base) {
 
 int64_t parse_memory_budget(const std::string& text) {
   auto bad = [&text](const char* why) {
-    TORCH_CHECK(false, "actmem plan: --memory-budget '", text, "': ", why, "; expected bytes "
+    TORCH_CHECK(false, "actmem plan: --memory-budget '", text, "': ", why,
+                "; expected bytes "
                 "('8589934592') or a number with a unit ('8GiB', '7.5G', '900MiB', '16GB')");
   };
   size_t pos = 0;
-  while (pos < text.size() && (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.')) ++pos;
+  while (pos < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[pos])) || text[pos] == '.'))
+    ++pos;
   if (pos == 0) bad("no number");
   double value = 0;
   try {
@@ -256,11 +264,20 @@ int64_t parse_memory_budget(const std::string& text) {
   std::string u;
   for (char ch : unit) u += static_cast<char>(std::toupper(static_cast<unsigned char>(ch)));
   double scale = 0;
-  const std::vector<std::pair<const char*, double>> units = {
-      {"", 1}, {"B", 1}, {"K", 1024.0}, {"KIB", 1024.0}, {"KB", 1e3},
-      {"M", 1048576.0}, {"MIB", 1048576.0}, {"MB", 1e6}, {"G", 1073741824.0},
-      {"GIB", 1073741824.0}, {"GB", 1e9}, {"T", 1099511627776.0}, {"TIB", 1099511627776.0},
-      {"TB", 1e12}};
+  const std::vector<std::pair<const char*, double>> units = {{"", 1},
+                                                             {"B", 1},
+                                                             {"K", 1024.0},
+                                                             {"KIB", 1024.0},
+                                                             {"KB", 1e3},
+                                                             {"M", 1048576.0},
+                                                             {"MIB", 1048576.0},
+                                                             {"MB", 1e6},
+                                                             {"G", 1073741824.0},
+                                                             {"GIB", 1073741824.0},
+                                                             {"GB", 1e9},
+                                                             {"T", 1099511627776.0},
+                                                             {"TIB", 1099511627776.0},
+                                                             {"TB", 1e12}};
   for (const auto& [name, factor] : units) {
     if (u == name) scale = factor;
   }
@@ -277,8 +294,8 @@ MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& 
                            double speed_tolerance) {
   MeasuredPlan plan;
   plan.strategies = legal_strategies(base);
-  plan.costs = plan_costs(base, training, rounds, costs_path, progress, &plan.costs_note,
-                          speed_tolerance);
+  plan.costs =
+      plan_costs(base, training, rounds, costs_path, progress, &plan.costs_note, speed_tolerance);
   plan.estimates = estimate_plans(base, plan.strategies, plan.costs);
   plan.front = pareto_front(plan.estimates);
   return plan;
@@ -286,8 +303,8 @@ MeasuredPlan measured_plan(const TransformerConfig& base, const TrainingConfig& 
 
 nlohmann::json PlanEstimate::to_json() const {
   nlohmann::json j = {{"strategy", strategy.name()}, {"flags", strategy.flags()},
-                      {"kept_bytes", kept_bytes}, {"peak_bytes", peak_bytes},
-                      {"step_ratio", step_ratio}, {"step_ratio_spread", step_ratio_spread}};
+                      {"kept_bytes", kept_bytes},    {"peak_bytes", peak_bytes},
+                      {"step_ratio", step_ratio},    {"step_ratio_spread", step_ratio_spread}};
   if (finalist_ratio > 0) {
     j["finalist_step_ratio"] = finalist_ratio;
     j["finalist_step_ratio_spread"] = finalist_ratio_spread;
@@ -312,11 +329,12 @@ nlohmann::json PlanEstimate::to_json() const {
 // (measure_step_ratios(), kDefaultFinalistSteps rounds, `--finalist-steps`) and chooses the one
 // measured fastest. The prediction narrows 100-odd strategies to a few; the measurement decides
 // among them, each ratio measured whole, so a plan is no longer favoured for how many errors it
-// sums. What is stated for the choice is measured once more (Note [Confirming the choice]). The front (and its monotonicity) stays the
-// model's; choosing among measured finalists is no longer exact under the model but cannot be
-// slower than the model's choice by more than the measurement's noise, since that is a finalist.
-std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates,
-                                         int64_t budget, int n) {
+// sums. What is stated for the choice is measured once more (Note [Confirming the choice]). The
+// front (and its monotonicity) stays the model's; choosing among measured finalists is no longer
+// exact under the model but cannot be slower than the model's choice by more than the measurement's
+// noise, since that is a finalist.
+std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates, int64_t budget,
+                                         int n) {
   TORCH_CHECK(n >= 1, "actmem::plan_finalists: at least one finalist, got ", n);
   std::vector<PlanEstimate> fits;
   for (const auto& e : estimates) {
@@ -348,15 +366,16 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
                                           const TimedRounds& confirm,
                                           const std::function<void(const std::string&)>& progress) {
   std::vector<PlanEstimate> finalists = plan_finalists(estimates, budget, n);
-  if (finalists.size() < 2) return {};  // nothing to choose between
+  if (finalists.size() < 2) return {};        // nothing to choose between
   std::vector<Strategy> runs = {Strategy{}};  // the reference, plain, first
   for (const auto& f : finalists) {
     if (!f.strategy.plain()) runs.push_back(f.strategy);
   }
-  const MeasuredRatios m = measure_step_ratios(base, training, runs, TimedRounds::fixed(steps),
-                                               progress);
+  const MeasuredRatios m =
+      measure_step_ratios(base, training, runs, TimedRounds::fixed(steps), progress);
   for (auto& f : finalists) {
-    const auto i = static_cast<size_t>(std::find(runs.begin(), runs.end(), f.strategy) - runs.begin());
+    const auto i =
+        static_cast<size_t>(std::find(runs.begin(), runs.end(), f.strategy) - runs.begin());
     f.finalist_ratio = m.ratio[i];
     f.finalist_ratio_spread = m.spread[i];
   }
@@ -368,10 +387,11 @@ std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
   if (chosen.strategy.plain()) return finalists;  // the plain step is its own reference
   TimedRounds again = confirm;
   again.watch = {1};
-  const MeasuredRatios c = measure_step_ratios(
-      base, training, {Strategy{}, chosen.strategy}, again, [&progress](const std::string& line) {
-        if (progress) progress("confirming the choice, " + line);
-      });
+  const MeasuredRatios c = measure_step_ratios(base, training, {Strategy{}, chosen.strategy}, again,
+                                               [&progress](const std::string& line) {
+                                                 if (progress)
+                                                   progress("confirming the choice, " + line);
+                                               });
   chosen.confirmed_ratio = c.ratio[1];
   chosen.confirmed_ratio_error = c.standard_error[1];
   chosen.confirmed_rounds = c.rounds;
@@ -385,8 +405,9 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
   const double L = static_cast<double>(base.num_layers);
   auto extra = [&costs](const std::string& key) {
     const auto it = costs.extra.find(key);
-    TORCH_CHECK(it != costs.extra.end(), "actmem::estimate_plans: the costs have no measurement of '",
-                key, "' (profile the same model)");
+    TORCH_CHECK(it != costs.extra.end(),
+                "actmem::estimate_plans: the costs have no measurement of '", key,
+                "' (profile the same model)");
     return it->second;
   };
   for (const auto& s : strategies) {
@@ -396,17 +417,21 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
     e.kept_bytes = predict_activation_bytes(c).total;
     auto offloaded = [&costs, &s](const std::string& key) {
       const auto it = costs.offloaded.find(key);
-      TORCH_CHECK(it != costs.offloaded.end(), "actmem::estimate_plans: the costs have no "
-                  "measurement of '", key, "' for ", s.name(), " (profile the same model)");
+      TORCH_CHECK(it != costs.offloaded.end(),
+                  "actmem::estimate_plans: the costs have no "
+                  "measurement of '",
+                  key, "' for ", s.name(), " (profile the same model)");
       return it->second;
     };
-    for (const auto& g : s.offload_modules) e.kept_bytes -= offloaded(offload_key(s.recompute_modules, g));
+    for (const auto& g : s.offload_modules)
+      e.kept_bytes -= offloaded(offload_key(s.recompute_modules, g));
     if (s.offload_layers > 0) e.kept_bytes -= offloaded(layer_offload_key(s.offload_layers));
     const auto tail = costs.transient.find(tail_of(base, moving_groups(base, s, costs)).key);
-    TORCH_CHECK(tail != costs.transient.end(), "actmem::estimate_plans: no transient measured for '",
-                s.name(), "' (profile the same model)");
-    e.peak_bytes = std::max(costs.static_bytes + e.kept_bytes + tail->second,
-                            costs.optimizer_peak_bytes);
+    TORCH_CHECK(tail != costs.transient.end(),
+                "actmem::estimate_plans: no transient measured for '", s.name(),
+                "' (profile the same model)");
+    e.peak_bytes =
+        std::max(costs.static_bytes + e.kept_bytes + tail->second, costs.optimizer_peak_bytes);
     double ratio = 1.0, variance = 0.0;
     auto add = [&](const std::string& key, double times) {
       ratio += times * extra(key);
@@ -419,7 +444,8 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
       add("full-layer", static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
     }
     if (s.offload_layers > 0) add("layer-offload", static_cast<double>(s.offload_layers));
-    e.step_ratio = std::max(1.0, ratio);  // nothing is faster than plain (Note [Planner cost basis])
+    e.step_ratio =
+        std::max(1.0, ratio);  // nothing is faster than plain (Note [Planner cost basis])
     e.step_ratio_spread = std::sqrt(variance);
     out.push_back(std::move(e));
   }
@@ -462,10 +488,12 @@ const PlanEstimate& choose_plan(const std::vector<PlanEstimate>& front, int64_t 
     if (e.peak_bytes <= budget) chosen = &e;
   }
   TORCH_CHECK(chosen != nullptr, "actmem plan: no strategy fits a memory budget of ",
-              format_bytes(static_cast<double>(budget)), " (", budget, " bytes): the smallest "
-              "predicted peak is ", format_bytes(static_cast<double>(front.front().peak_bytes)),
-              " (", front.front().peak_bytes, " bytes), with ", front.front().strategy.name(),
-              " (", front.front().strategy.flags(), "). To go lower: ",
+              format_bytes(static_cast<double>(budget)), " (", budget,
+              " bytes): the smallest "
+              "predicted peak is ",
+              format_bytes(static_cast<double>(front.front().peak_bytes)), " (",
+              front.front().peak_bytes, " bytes), with ", front.front().strategy.name(), " (",
+              front.front().strategy.flags(), "). To go lower: ",
               lower_it.empty() ? "more tensor parallelism (--tensor-model-parallel-size with "
                                  "--sequence-parallel splits the activations and the weights), "
                                  "pipeline stages (--pipeline-model-parallel-size), the "

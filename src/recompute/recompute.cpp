@@ -2,8 +2,8 @@
 #include "actmem/recompute/recompute.h"
 
 #include "actmem/base/compat.h"
-#include "actmem/recompute/rng.h"
 #include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 
 #include <ATen/ATen.h>
 #include <ATen/record_function.h>
@@ -53,7 +53,8 @@ void check_some_input_requires_grad(const TensorList& inputs, const char* api) {
   for (const auto& t : inputs) {
     if (t.defined() && t.requires_grad()) return;
   }
-  TORCH_CHECK(false, api, ": no input requires grad, so parameters used inside the checkpoint "
+  TORCH_CHECK(false, api,
+              ": no input requires grad, so parameters used inside the checkpoint "
               "would receive no gradient (the checkpoint needs at least one input that requires "
               "grad)");
 }
@@ -188,9 +189,13 @@ struct CheckpointFunction : torch::autograd::Function<CheckpointFunction> {
 
 }  // namespace
 
-bool is_checkpointing() { return g_checkpointing_depth.load() > 0; }
+bool is_checkpointing() {
+  return g_checkpointing_depth.load() > 0;
+}
 
-bool is_recomputing() { return g_recomputing_depth.load() > 0; }
+bool is_recomputing() {
+  return g_recomputing_depth.load() > 0;
+}
 
 void RecomputeCounters::reset() {
   checkpoints = 0;
@@ -231,10 +236,10 @@ struct CheckpointWithoutOutput::State : torch::CustomClassHolder {
   // node that owns this state (a reference cycle that nothing in C++ would collect).
   std::vector<c10::intrusive_ptr<c10::StorageImpl>> storages;
   std::vector<size_t> nbytes;
-  bool active = false;       // checkpoint() ran with grad: there is something to recompute
+  bool active = false;  // checkpoint() ran with grad: there is something to recompute
   bool discarded = false;
   bool recomputed = false;
-  bool consumed = false;     // the checkpoint's backward ran
+  bool consumed = false;  // the checkpoint's backward ran
   TensorList recomputed_outputs;
   TensorList leaves;
 
@@ -267,7 +272,8 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
     TensorList outputs = state->fn(in);
     state->needs_grad = requires_grad_of(in);
     for (const auto& out : outputs) {
-      TORCH_CHECK(out.defined(), "actmem::CheckpointWithoutOutput: fn returned an undefined tensor");
+      TORCH_CHECK(out.defined(),
+                  "actmem::CheckpointWithoutOutput: fn returned an undefined tensor");
       c10::StorageImpl* impl = out.storage().unsafeGetStorageImpl();
       // Discarding frees the whole storage: it must belong to the outputs alone.
       for (const auto& t : in) {
@@ -294,7 +300,8 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
   static TensorList backward(torch::autograd::AutogradContext* ctx, TensorList grads) {
     auto state = c10::static_intrusive_pointer_cast<CheckpointWithoutOutput::State>(
         ctx->saved_data.at("state").toCapsule());
-    TORCH_CHECK(!state->consumed, "actmem::CheckpointWithoutOutput: backward ran through this "
+    TORCH_CHECK(!state->consumed,
+                "actmem::CheckpointWithoutOutput: backward ran through this "
                 "checkpoint a second time (retain_graph); output-discarding checkpoints support "
                 "one backward");
     state->consumed = true;
@@ -317,7 +324,8 @@ struct OutputDiscardFunction : torch::autograd::Function<OutputDiscardFunction> 
 TensorList CheckpointWithoutOutput::State::saved_inputs() {
   const compat::NodePtr locked = node.lock();  // keeps the node alive while its inputs are read
   auto* n = dynamic_cast<torch::autograd::CppNode<OutputDiscardFunction>*>(locked.get());
-  TORCH_CHECK(n != nullptr, "actmem::CheckpointWithoutOutput: the checkpoint's autograd node is "
+  TORCH_CHECK(n != nullptr,
+              "actmem::CheckpointWithoutOutput: the checkpoint's autograd node is "
               "gone (its graph was freed) before the recompute");
   return n->ctx_.get_saved_variables();
 }
@@ -344,13 +352,13 @@ void CheckpointWithoutOutput::State::recompute(const TensorList& inputs) {
   recompute_counters().output_recomputes.fetch_add(1);
 }
 
-CheckpointWithoutOutput::CheckpointWithoutOutput()
-    : state_(c10::make_intrusive<State>()) {}
+CheckpointWithoutOutput::CheckpointWithoutOutput() : state_(c10::make_intrusive<State>()) {}
 
 CheckpointWithoutOutput::~CheckpointWithoutOutput() = default;
 
 TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const TensorList& inputs) {
-  TORCH_CHECK(!state_->active, "actmem::CheckpointWithoutOutput::checkpoint: this object already "
+  TORCH_CHECK(!state_->active,
+              "actmem::CheckpointWithoutOutput::checkpoint: this object already "
               "holds a checkpoint; use one object per checkpointed call");
   if (!at::GradMode::is_enabled()) return fn(inputs);
   check_some_input_requires_grad(inputs, "actmem::CheckpointWithoutOutput::checkpoint");
@@ -365,7 +373,8 @@ TensorList CheckpointWithoutOutput::checkpoint(const CheckpointFn& fn, const Ten
 void CheckpointWithoutOutput::discard_output_and_register_recompute(const at::Tensor& hook_tensor) {
   State& st = *state_;
   if (!st.active || st.recomputed) return;
-  TORCH_CHECK(!st.discarded, "actmem::CheckpointWithoutOutput::discard_output_and_register_recompute: "
+  TORCH_CHECK(!st.discarded,
+              "actmem::CheckpointWithoutOutput::discard_output_and_register_recompute: "
               "called twice for one checkpoint");
   if (!hook_tensor.requires_grad()) return;
   for (size_t i = 0; i < st.storages.size(); ++i) {

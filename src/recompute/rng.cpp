@@ -34,10 +34,14 @@ std::map<std::string, at::Tensor> deep_copy(const std::map<std::string, at::Tens
   for (const auto& [name, state] : in) out.emplace(name, state.defined() ? state.clone() : state);
   return out;
 }
-bool cuda_in_use() { return compat::cuda_available(); }
+bool cuda_in_use() {
+  return compat::cuda_available();
+}
 }  // namespace
 
-RngStatesTracker::RngStatesTracker() { reset(); }
+RngStatesTracker::RngStatesTracker() {
+  reset();
+}
 
 void RngStatesTracker::reset() {
   TORCH_CHECK(current_ == kDefaultRng, "actmem::RngStatesTracker::reset: called inside fork('",
@@ -53,7 +57,9 @@ at::Generator RngStatesTracker::generator() const {
                           : at::globalContext().defaultGenerator(device_);
 }
 
-std::map<std::string, at::Tensor> RngStatesTracker::get_states() const { return deep_copy(states_); }
+std::map<std::string, at::Tensor> RngStatesTracker::get_states() const {
+  return deep_copy(states_);
+}
 
 void RngStatesTracker::set_states(const std::map<std::string, at::Tensor>& states) {
   TORCH_CHECK(current_ == kDefaultRng || states.count(current_) != 0,
@@ -131,8 +137,8 @@ RngStatesTracker make_model_parallel_tracker(uint64_t seed, int64_t tp_rank, int
               "actmem::model_parallel_manual_seed: ranks must be >= 0, got tp ", tp_rank, " ep ",
               ep_rank, " etp ", etp_rank);
   const uint64_t tp_seed = seed + 2718 + static_cast<uint64_t>(tp_rank);
-  const uint64_t ep_seed = seed + 1024 + 100 * static_cast<uint64_t>(ep_rank) +
-                           static_cast<uint64_t>(etp_rank);
+  const uint64_t ep_seed =
+      seed + 1024 + 100 * static_cast<uint64_t>(ep_rank) + static_cast<uint64_t>(etp_rank);
   RngStatesTracker tracker;
   tracker.set_device(device);
   // add() seeds a state from a fresh seed and leaves the device's generator as it was.
@@ -145,8 +151,10 @@ RngStatesTracker make_model_parallel_tracker(uint64_t seed, int64_t tp_rank, int
 void model_parallel_manual_seed(uint64_t seed, int64_t tp_rank, int64_t ep_rank, int64_t etp_rank,
                                 const c10::Device& device) {
   auto& tracker = get_rng_tracker();
-  TORCH_CHECK(tracker.current_state_name() == kDefaultRng, "actmem::model_parallel_manual_seed: "
-              "called inside fork('", tracker.current_state_name(), "'); leave the fork first");
+  TORCH_CHECK(tracker.current_state_name() == kDefaultRng,
+              "actmem::model_parallel_manual_seed: "
+              "called inside fork('",
+              tracker.current_state_name(), "'); leave the fork first");
   RngStatesTracker seeded = make_model_parallel_tracker(seed, tp_rank, ep_rank, etp_rank, device);
   tracker = std::move(seeded);
   at::manual_seed(seed);  // the default generators are the data-parallel stream

@@ -38,8 +38,8 @@ class StackHooks final : public torch::autograd::SavedVariableHooks {
   at::Tensor call_unpack_hook() override {
     TORCH_CHECK(version_.current_version() == saved_version_,
                 "one of the variables needed for gradient computation has been modified by an "
-                "inplace operation: it is at version ", version_.current_version(),
-                "; expected version ", saved_version_, " instead.");
+                "inplace operation: it is at version ",
+                version_.current_version(), "; expected version ", saved_version_, " instead.");
     return packed_ ? packed_->unpack() : tensor_;
   }
 
@@ -85,6 +85,8 @@ SavedTensorHooksGuard::~SavedTensorHooksGuard() {
   t_stack.pop_back();
 }
 
-size_t saved_tensor_hooks_depth() { return t_stack.size(); }
+size_t saved_tensor_hooks_depth() {
+  return t_stack.size();
+}
 
 }  // namespace actmem

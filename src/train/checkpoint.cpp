@@ -52,7 +52,9 @@ c10::impl::GenericDict string_dict() {
   return c10::impl::GenericDict(c10::StringType::get(), c10::AnyType::get());
 }
 
-at::Tensor host_copy(const at::Tensor& t) { return t.detach().to(at::kCPU).contiguous().clone(); }
+at::Tensor host_copy(const at::Tensor& t) {
+  return t.detach().to(at::kCPU).contiguous().clone();
+}
 
 const c10::IValue& entry(const c10::impl::GenericDict& d, const std::string& key,
                          const std::string& path) {
@@ -163,8 +165,8 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
     TORCH_CHECK(e.key().isInt() && e.key().toInt() >= 0 &&
                     e.key().toInt() < static_cast<int64_t>(params.size()) &&
                     e.value().isGenericDict(),
-                "actmem::Trainer::load_checkpoint: ", path, ": optimizer state entry ",
-                e.key(), " does not belong to any of this model's ", params.size(), " parameters");
+                "actmem::Trainer::load_checkpoint: ", path, ": optimizer state entry ", e.key(),
+                " does not belong to any of this model's ", params.size(), " parameters");
     const auto index = static_cast<size_t>(e.key().toInt());
     const at::Tensor& p = params[index];
     const at::IntArrayRef shape = shards ? full[index].sizes() : p.sizes();
@@ -172,9 +174,9 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
     auto tensor = [&](const char* name) {
       const at::Tensor t = entry(d, name, path).toTensor();
       TORCH_CHECK(t.sizes() == shape && t.scalar_type() == p.scalar_type(),
-                  "actmem::Trainer::load_checkpoint: ", path, ": optimizer ", name, " of parameter ",
-                  e.key().toInt(), " is ", t.sizes(), " ", t.scalar_type(), ", expected ",
-                  shape, " ", p.scalar_type());
+                  "actmem::Trainer::load_checkpoint: ", path, ": optimizer ", name,
+                  " of parameter ", e.key().toInt(), " is ", t.sizes(), " ", t.scalar_type(),
+                  ", expected ", shape, " ", p.scalar_type());
       const at::Tensor here = t.to(p.device());
       return (shards ? shards->shard(here.contiguous(), index) : here).clone();
     };
@@ -188,10 +190,18 @@ void load_adamw_state(torch::optim::AdamW& opt, const std::vector<at::Tensor>& p
 
 // The fields of args a checkpoint must agree with this run on: the ones that decide the
 // parameters' names, shapes and types, and the tensor-parallel layout.
-constexpr const char* kShapeFields[] = {
-    "num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "vocab_size",
-    "normalization", "gated_linear_unit", "add_bias_linear", "position_embedding_type",
-    "untie_embeddings_and_output_weights", "tensor_model_parallel_size", "precision"};
+constexpr const char* kShapeFields[] = {"num_layers",
+                                        "hidden_size",
+                                        "num_attention_heads",
+                                        "ffn_hidden_size",
+                                        "vocab_size",
+                                        "normalization",
+                                        "gated_linear_unit",
+                                        "add_bias_linear",
+                                        "position_embedding_type",
+                                        "untie_embeddings_and_output_weights",
+                                        "tensor_model_parallel_size",
+                                        "precision"};
 
 // "mp_rank_03", "mp_rank_03_001" (expert rank 1 or pipeline stage 1), "mp_rank_03_002_001"
 // (stage 2, expert rank 1): Megatron's get_checkpoint_name.
@@ -224,8 +234,7 @@ std::string checkpoint_iteration_dir(const std::string& dir, int64_t iteration) 
 std::string checkpoint_file(const std::string& dir, int64_t iteration, int64_t tp_rank,
                             int64_t ep_rank, int64_t pp_rank) {
   return (fs::path(checkpoint_iteration_dir(dir, iteration)) /
-          rank_dir_name(tp_rank, ep_rank, pp_rank) /
-          "model_optim_rng.pt")
+          rank_dir_name(tp_rank, ep_rank, pp_rank) / "model_optim_rng.pt")
       .string();
 }
 
@@ -249,12 +258,14 @@ std::optional<int64_t> read_latest_checkpointed_iteration(const std::string& dir
 
 // ---- Trainer: what a checkpoint holds ----------------------------------------------------------
 
-void load_model_state(GPTModel& model, const c10::impl::GenericDict& ckpt, const std::string& path) {
+void load_model_state(GPTModel& model, const c10::impl::GenericDict& ckpt,
+                      const std::string& path) {
   const c10::impl::GenericDict state = dict_entry(ckpt, "model", path);
   const auto named = model.named_parameters(/*recurse=*/true);
   for (const auto& e : state) {
     TORCH_CHECK(e.key().isString() && named.find(e.key().toStringRef()) != nullptr,
-                "actmem::load_checkpoint: ", path, " has a parameter this model does not: ", e.key());
+                "actmem::load_checkpoint: ", path,
+                " has a parameter this model does not: ", e.key());
   }
   at::NoGradGuard no_grad;
   for (const auto& item : named) {
@@ -385,9 +396,10 @@ LoadedModel load_model_for_inference(const std::string& dir) {
                 : pipeline          ? "pipeline parallelism (one file per stage, "
                                     : "expert parallelism (one file per expert-parallel rank, ",
                 split, ", ...); inference loads a single-process checkpoint: train with ",
-                pipeline && experts ? "--pipeline-model-parallel-size 1 --expert-model-parallel-size 1"
-                : pipeline          ? "--pipeline-model-parallel-size 1"
-                                    : "--expert-model-parallel-size 1",
+                pipeline && experts
+                    ? "--pipeline-model-parallel-size 1 --expert-model-parallel-size 1"
+                : pipeline ? "--pipeline-model-parallel-size 1"
+                           : "--expert-model-parallel-size 1",
                 " or load it under the same launch with --load");
   }
   const c10::impl::GenericDict ckpt = read_checkpoint_file(out.path);
@@ -395,8 +407,10 @@ LoadedModel load_model_for_inference(const std::string& dir) {
   out.args_json = args.dump();
   out.iteration = entry(ckpt, "iteration", out.path).toInt();
   const TransformerConfig config = config_from_args(args);
-  TORCH_CHECK(config.tensor_model_parallel_size == 1, "actmem::load_model_for_inference: ", out.path,
-              " is one of ", config.tensor_model_parallel_size, " tensor-parallel shards; "
+  TORCH_CHECK(config.tensor_model_parallel_size == 1,
+              "actmem::load_model_for_inference: ", out.path, " is one of ",
+              config.tensor_model_parallel_size,
+              " tensor-parallel shards; "
               "generation loads a checkpoint of tensor_model_parallel_size 1");
   config.validate_shape();
   out.model = std::make_shared<GPTModel>(config);
@@ -517,7 +531,8 @@ c10::impl::GenericList replica_rng_states(const TrainState& s) {
   return list;
 }
 
-void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, const std::string& path);
+void check_checkpoint_args(const TrainState& s, const nlohmann::json& args,
+                           const std::string& path);
 }  // namespace
 
 std::string save_checkpoint(const std::string& dir, const TrainState& s) {
@@ -545,8 +560,10 @@ std::string save_checkpoint(const std::string& dir, const TrainState& s) {
         if (!leader) return;
         std::error_code ec;
         fs::create_directories(dir, ec);
-        TORCH_CHECK(!ec && fs::is_directory(dir), "actmem::Trainer::save_checkpoint: cannot create "
-                    "the directory ", dir, ": ", ec.message());
+        TORCH_CHECK(!ec && fs::is_directory(dir),
+                    "actmem::Trainer::save_checkpoint: cannot create "
+                    "the directory ",
+                    dir, ": ", ec.message());
         fs::remove_all(tmp_dir, ec);  // a crashed save's leftovers
         TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot remove ", tmp_dir, ": ",
                     ec.message());
@@ -560,8 +577,8 @@ std::string save_checkpoint(const std::string& dir, const TrainState& s) {
             fs::path(tmp_dir) / rank_dir_name(tp.rank, file_ep_rank(), file_pp_rank());
         std::error_code ec;
         fs::create_directories(rank_dir, ec);
-        TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(), ": ",
-                    ec.message());
+        TORCH_CHECK(!ec, "actmem::Trainer::save_checkpoint: cannot create ", rank_dir.string(),
+                    ": ", ec.message());
         const std::vector<char> bytes = save_untagged(state);
         const std::string path = (rank_dir / "model_optim_rng.pt").string();
         write_durably(path, bytes.data(), bytes.size(), iteration);
@@ -579,7 +596,8 @@ std::string save_checkpoint(const std::string& dir, const TrainState& s) {
         const std::string text = std::to_string(iteration);
         write_durably(latest + ".tmp", text.data(), text.size());
         TORCH_CHECK(::rename((latest + ".tmp").c_str(), latest.c_str()) == 0,
-                    "actmem::Trainer::save_checkpoint: cannot rename ", latest, ".tmp: ", errno_text());
+                    "actmem::Trainer::save_checkpoint: cannot rename ", latest,
+                    ".tmp: ", errno_text());
         fsync_path(dir, true);
       });
     } catch (...) {
@@ -589,8 +607,8 @@ std::string save_checkpoint(const std::string& dir, const TrainState& s) {
   // Megatron's save_checkpoint ends at a barrier: every replica returns once the checkpoint is
   // published (a load right after it finds it), or learns that its writer failed.
   if (replicas.size > 1) {
-    const at::Tensor failed = at::full({1}, error ? 1.0f : 0.0f,
-                                       at::TensorOptions().dtype(at::kFloat).device(device));
+    const at::Tensor failed =
+        at::full({1}, error ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device));
     const bool ok = group_all_reduce_sum(replicas, failed).item<float>() == 0.0f;
     if (error) std::rethrow_exception(error);
     TORCH_CHECK(ok, "actmem::Trainer::save_checkpoint: the data-parallel replica that writes ",
@@ -602,16 +620,22 @@ std::string save_checkpoint(const std::string& dir, const TrainState& s) {
 }
 
 namespace {
-void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, const std::string& path) {
+void check_checkpoint_args(const TrainState& s, const nlohmann::json& args,
+                           const std::string& path) {
   const nlohmann::json mine = to_json(s.model_config);
   std::vector<std::string> fields(std::begin(kShapeFields), std::end(kShapeFields));
   if (s.model_config.learned_positions()) fields.emplace_back("max_position_embeddings");
   // MLA fields (checkpoints saved before MLA existed do not record them: standard attention).
-  const bool ckpt_mla = args.contains("multi_latent_attention") && args["multi_latent_attention"].get<bool>();
-  TORCH_CHECK(ckpt_mla == s.model_config.multi_latent_attention, "actmem::Trainer::load_checkpoint: "
-              "the checkpoint has ", ckpt_mla ? "multi-latent" : "standard", " attention but this "
-              "run has ", s.model_config.multi_latent_attention ? "multi-latent" : "standard",
-              " attention (", path, ")");
+  const bool ckpt_mla =
+      args.contains("multi_latent_attention") && args["multi_latent_attention"].get<bool>();
+  TORCH_CHECK(ckpt_mla == s.model_config.multi_latent_attention,
+              "actmem::Trainer::load_checkpoint: "
+              "the checkpoint has ",
+              ckpt_mla ? "multi-latent" : "standard",
+              " attention but this "
+              "run has ",
+              s.model_config.multi_latent_attention ? "multi-latent" : "standard", " attention (",
+              path, ")");
   if (ckpt_mla) {
     for (const char* f :
          {"q_lora_rank", "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim",
@@ -637,9 +661,12 @@ void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, cons
   // MoE fields (checkpoints of dense models saved before MoE existed do not record them: null).
   const bool ckpt_moe = args.contains("num_moe_experts") && !args["num_moe_experts"].is_null();
   if (ckpt_moe || s.model_config.is_moe()) {
-    TORCH_CHECK(ckpt_moe == s.model_config.is_moe(), "actmem::Trainer::load_checkpoint: the "
-                "checkpoint has num_moe_experts = ", ckpt_moe ? args["num_moe_experts"].dump() : "null",
-                " but this run has num_moe_experts = ", mine["num_moe_experts"].dump(), " (", path, ")");
+    TORCH_CHECK(ckpt_moe == s.model_config.is_moe(),
+                "actmem::Trainer::load_checkpoint: the "
+                "checkpoint has num_moe_experts = ",
+                ckpt_moe ? args["num_moe_experts"].dump() : "null",
+                " but this run has num_moe_experts = ", mine["num_moe_experts"].dump(), " (", path,
+                ")");
     for (const char* f : {"num_moe_experts", "moe_ffn_hidden_size", "moe_layer_freq",
                           "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
                           "moe_grouped_gemm", "expert_model_parallel_size"}) {
@@ -652,8 +679,9 @@ void check_checkpoint_args(const TrainState& s, const nlohmann::json& args, cons
                           ? args["pipeline_model_parallel_size"].get<int64_t>()
                           : int64_t{1};
   if (ckpt_p > 1 || s.model_config.pipeline_model_parallel_size > 1) {
-    for (const char* f : {"pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                          "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size"}) {
+    for (const char* f :
+         {"pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+          "decoder_last_pipeline_num_layers", "virtual_pipeline_model_parallel_size"}) {
       fields.emplace_back(f);
     }
   }
@@ -697,8 +725,7 @@ void load_scheduler(const TrainState& s, const c10::impl::GenericDict& ckpt,
   auto text = [](const c10::IValue& v) {  // 0.003, not 0.0030000000000000001
     return v.isString() ? v.toStringRef() : ivalue_to_json(v).dump();
   };
-  auto check = [&](const c10::IValue& mine, const char* key, const char* name,
-                   bool in_samples) {
+  auto check = [&](const c10::IValue& mine, const char* key, const char* name, bool in_samples) {
     const c10::IValue& theirs = entry(sched, key, path);
     TORCH_CHECK(options.override_scheduler || mine == theirs,
                 "OptimizerParamScheduler: class input value ", text(mine), " and checkpoint value ",
@@ -728,11 +755,12 @@ void load_optimizer(const TrainState& s, const c10::impl::GenericDict& ckpt,
   if (MixedPrecisionOptimizer* mixed = s.optimizer.mixed()) {
     TORCH_CHECK(opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
                 " has no fp32 main parameters (saved by an fp32 run)");
-    load_adamw_state(mixed->adamw(), mixed->main_params(), dict_entry(opt, "optimizer", path),
-                     path, shards, params);
+    load_adamw_state(mixed->adamw(), mixed->main_params(), dict_entry(opt, "optimizer", path), path,
+                     shards, params);
     const auto groups = entry(opt, "fp32_from_fp16_params", path).toListRef();
-    TORCH_CHECK(groups.size() == 1 && groups[0].isList(), "actmem::Trainer::load_checkpoint: ",
-                path, ": fp32_from_fp16_params should hold one parameter group");
+    TORCH_CHECK(groups.size() == 1 && groups[0].isList(),
+                "actmem::Trainer::load_checkpoint: ", path,
+                ": fp32_from_fp16_params should hold one parameter group");
     const auto mains = groups[0].toListRef();
     const auto& mine = mixed->main_params();
     TORCH_CHECK(mains.size() == mine.size(), "actmem::Trainer::load_checkpoint: ", path, " has ",
@@ -741,9 +769,8 @@ void load_optimizer(const TrainState& s, const c10::impl::GenericDict& ckpt,
     for (const auto i : c10::irange(mine.size())) {
       const at::Tensor t = mains[i].toTensor();
       TORCH_CHECK(t.sizes() == params[i].sizes() && t.scalar_type() == at::kFloat,
-                  "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i,
-                  " is ", t.sizes(), " ", t.scalar_type(), ", expected ", params[i].sizes(),
-                  " Float");
+                  "actmem::Trainer::load_checkpoint: ", path, ": fp32 main parameter ", i, " is ",
+                  t.sizes(), " ", t.scalar_type(), ", expected ", params[i].sizes(), " Float");
       mine[i].copy_(shards ? shards->shard(t.contiguous(), i) : t);
     }
     const c10::IValue& gs = entry(opt, "grad_scaler", path);
@@ -754,8 +781,8 @@ void load_optimizer(const TrainState& s, const c10::impl::GenericDict& ckpt,
                          entry(d, "hysteresis_tracker", path).toInt());
     }
   } else {
-    TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ",
-                path, " holds a 16-bit run's optimizer");
+    TORCH_CHECK(!opt.contains("fp32_from_fp16_params"), "actmem::Trainer::load_checkpoint: ", path,
+                " holds a 16-bit run's optimizer");
     load_adamw_state(s.optimizer.adamw(), s.optimizer.adamw_params(), opt, path, shards, params);
   }
 }
@@ -767,10 +794,11 @@ void load_rng(const TrainState& s, const c10::impl::GenericDict& ckpt, const std
   // they were anyway; a checkpoint of one replica has one).
   const auto list = entry(ckpt, "rng_state", path).toListRef();
   const auto replicas = static_cast<size_t>(expert_data_parallel_group().size);
-  const size_t mine = list.size() == replicas ? static_cast<size_t>(expert_data_parallel_group().rank) : 0;
-  TORCH_CHECK(!list.empty() && list[mine].isGenericDict(), "actmem::Trainer::load_checkpoint: ",
-              path, ": rng_state should hold one dict per data-parallel replica, has ",
-              list.size(), " entries");
+  const size_t mine =
+      list.size() == replicas ? static_cast<size_t>(expert_data_parallel_group().rank) : 0;
+  TORCH_CHECK(
+      !list.empty() && list[mine].isGenericDict(), "actmem::Trainer::load_checkpoint: ", path,
+      ": rng_state should hold one dict per data-parallel replica, has ", list.size(), " entries");
   const auto rng = list[mine].toGenericDict();
   s.rng_state[0] = entry(rng, "torch_rng_state", path).toTensor().clone();
   if (s.rng_state.size() > 1) {
@@ -805,8 +833,8 @@ std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState&
       for (const int64_t ep_rank : {int64_t{-1}, int64_t{0}}) {
         const std::string first = checkpoint_file(dir, *latest, 0, ep_rank, pp_rank);
         if (fs::exists(first, ec)) {
-          check_checkpoint_args(s, ivalue_to_json(entry(read_checkpoint_file(first), "args", first)),
-                                first);
+          check_checkpoint_args(
+              s, ivalue_to_json(entry(read_checkpoint_file(first), "args", first)), first);
         }
       }
     }
@@ -817,8 +845,9 @@ std::optional<int64_t> load_checkpoint(const std::string& dir, const TrainState&
   const nlohmann::json args = ivalue_to_json(entry(ckpt, "args", path));
   check_checkpoint_args(s, args, path);
   const c10::IValue& version = entry(ckpt, "checkpoint_version", path);
-  TORCH_CHECK(version.isDouble() && version.toDouble() >= 3.0, "actmem::Trainer::load_checkpoint: ",
-              path, " has checkpoint_version ", version, "; actmem reads version 3.0 and later");
+  TORCH_CHECK(version.isDouble() && version.toDouble() >= 3.0,
+              "actmem::Trainer::load_checkpoint: ", path, " has checkpoint_version ", version,
+              "; actmem reads version 3.0 and later");
 
   load_model_state(s.model, ckpt, path);
 

@@ -30,11 +30,12 @@ namespace {
 // dicts, lists, tuples, primitives and tensors (torch._utils._rebuild_tensor_v2 and the storage
 // types). torch::jit::pickle_save tags every dict and list with its element types through the
 // GLOBAL torch.jit._pickle.restore_type_tag, which that unpickler refuses ("Unsupported global").
-// It also writes a list of floats, ints, bools or tensors through torch.jit._pickle.build_doublelist
-// (build_intlist, ...), equally refused. So the value is first rebuilt with generic lists
-// (untyped()), then pickled as pickle_save does (torch/csrc/jit/serialization/pickle.cpp) with
-// the Pickler's tag_aggregates off: the same zip container and tensor records, plain containers,
-// which both Python's torch.load (either mode) and torch::jit::pickle_load read.
+// It also writes a list of floats, ints, bools or tensors through
+// torch.jit._pickle.build_doublelist (build_intlist, ...), equally refused. So the value is first
+// rebuilt with generic lists (untyped()), then pickled as pickle_save does
+// (torch/csrc/jit/serialization/pickle.cpp) with the Pickler's tag_aggregates off: the same zip
+// container and tensor records, plain containers, which both Python's torch.load (either mode) and
+// torch::jit::pickle_load read.
 c10::IValue untyped(const c10::IValue& v) {
   if (v.isList()) {  // every list kind, specialized or generic
     c10::impl::GenericList out(c10::AnyType::get());
@@ -79,7 +80,6 @@ std::vector<char> save_untagged(const c10::IValue& value) {
   }
   return container;
 }
-
 
 namespace {
 // Note [Tensor records cover their tensors]
@@ -155,37 +155,111 @@ enum class PickleArgument : uint8_t {
   kUnknown,  // not an opcode of the table
   kStop,
   kNone,
-  kUint1, kUint2, kUint4, kUint8,
-  kString1, kString4, kString4Signed, kString8,  // a length of n bytes, then the bytes
-  kLine, kTwoLines,                              // text up to a newline
-  kPut1, kPut4, kMemoize, kGet1, kGet4,          // the memo
+  kUint1,
+  kUint2,
+  kUint4,
+  kUint8,
+  kString1,
+  kString4,
+  kString4Signed,
+  kString8,  // a length of n bytes, then the bytes
+  kLine,
+  kTwoLines,  // text up to a newline
+  kPut1,
+  kPut4,
+  kMemoize,
+  kGet1,
+  kGet4,  // the memo
 };
 
 PickleArgument pickle_argument(uint8_t op) {
   using A = PickleArgument;
   switch (op) {
-    case '.': return A::kStop;
-    case 'q': return A::kPut1;
-    case 'r': return A::kPut4;
-    case 0x94: return A::kMemoize;
-    case 'h': return A::kGet1;
-    case 'j': return A::kGet4;
-    case '(': case '0': case '1': case '2': case 'N': case 0x88: case 0x89: case '}': case ']':
-    case ')': case 't': case 0x85: case 0x86: case 0x87: case 'a': case 'e': case 's': case 'u':
-    case 'b': case 'R': case 0x81: case 0x92: case 0x8f: case 0x90: case 0x91: case 0x93:
-    case 'Q': case 'l': case 'd': case 'o': case 0x97: case 0x98:
+    case '.':
+      return A::kStop;
+    case 'q':
+      return A::kPut1;
+    case 'r':
+      return A::kPut4;
+    case 0x94:
+      return A::kMemoize;
+    case 'h':
+      return A::kGet1;
+    case 'j':
+      return A::kGet4;
+    case '(':
+    case '0':
+    case '1':
+    case '2':
+    case 'N':
+    case 0x88:
+    case 0x89:
+    case '}':
+    case ']':
+    case ')':
+    case 't':
+    case 0x85:
+    case 0x86:
+    case 0x87:
+    case 'a':
+    case 'e':
+    case 's':
+    case 'u':
+    case 'b':
+    case 'R':
+    case 0x81:
+    case 0x92:
+    case 0x8f:
+    case 0x90:
+    case 0x91:
+    case 0x93:
+    case 'Q':
+    case 'l':
+    case 'd':
+    case 'o':
+    case 0x97:
+    case 0x98:
       return A::kNone;
-    case 0x80: case 'K': case 0x82: return A::kUint1;
-    case 'M': case 0x83: return A::kUint2;
-    case 'J': case 0x84: return A::kUint4;
-    case 'G': case 0x95: return A::kUint8;
-    case 'U': case 'C': case 0x8c: case 0x8a: return A::kString1;
-    case 'T': case 0x8b: return A::kString4Signed;  // BINSTRING and LONG4: signed lengths
-    case 'B': case 'X': return A::kString4;
-    case 0x8d: case 0x8e: case 0x96: return A::kString8;
-    case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': return A::kLine;
-    case 'c': case 'i': return A::kTwoLines;
-    default: return A::kUnknown;
+    case 0x80:
+    case 'K':
+    case 0x82:
+      return A::kUint1;
+    case 'M':
+    case 0x83:
+      return A::kUint2;
+    case 'J':
+    case 0x84:
+      return A::kUint4;
+    case 'G':
+    case 0x95:
+      return A::kUint8;
+    case 'U':
+    case 'C':
+    case 0x8c:
+    case 0x8a:
+      return A::kString1;
+    case 'T':
+    case 0x8b:
+      return A::kString4Signed;  // BINSTRING and LONG4: signed lengths
+    case 'B':
+    case 'X':
+      return A::kString4;
+    case 0x8d:
+    case 0x8e:
+    case 0x96:
+      return A::kString8;
+    case 'I':
+    case 'L':
+    case 'F':
+    case 'S':
+    case 'V':
+    case 'P':
+      return A::kLine;
+    case 'c':
+    case 'i':
+      return A::kTwoLines;
+    default:
+      return A::kUnknown;
   }
 }
 
@@ -200,40 +274,72 @@ class PickleWalk {
     while (at_ < size_) {
       const uint8_t op = static_cast<uint8_t>(data_[at_++]);
       switch (pickle_argument(op)) {
-        case A::kStop: return;
-        case A::kNone: break;
-        case A::kUint1: uint(1); break;
-        case A::kUint2: uint(2); break;
-        case A::kUint4: uint(4); break;
-        case A::kUint8: uint(8); break;
-        case A::kString1: skip_string(1); break;
-        case A::kString4: skip_string(4); break;
-        case A::kString4Signed:
-          TORCH_CHECK(skip_string(4) < (uint64_t{1} << 31), "actmem::read_checkpoint_file: ",
-                      path_, " is damaged: its pickle states a negative length");
+        case A::kStop:
+          return;
+        case A::kNone:
           break;
-        case A::kString8: skip_string(8); break;
-        case A::kLine: line(); break;
-        case A::kTwoLines: line(); line(); break;
-        case A::kPut1: put(uint(1)); break;
-        case A::kPut4: put(uint(4)); break;
-        case A::kMemoize: ++memo_; break;
-        case A::kGet1: get(uint(1)); break;
-        case A::kGet4: get(uint(4)); break;
+        case A::kUint1:
+          uint(1);
+          break;
+        case A::kUint2:
+          uint(2);
+          break;
+        case A::kUint4:
+          uint(4);
+          break;
+        case A::kUint8:
+          uint(8);
+          break;
+        case A::kString1:
+          skip_string(1);
+          break;
+        case A::kString4:
+          skip_string(4);
+          break;
+        case A::kString4Signed:
+          TORCH_CHECK(skip_string(4) < (uint64_t{1} << 31), "actmem::read_checkpoint_file: ", path_,
+                      " is damaged: its pickle states a negative length");
+          break;
+        case A::kString8:
+          skip_string(8);
+          break;
+        case A::kLine:
+          line();
+          break;
+        case A::kTwoLines:
+          line();
+          line();
+          break;
+        case A::kPut1:
+          put(uint(1));
+          break;
+        case A::kPut4:
+          put(uint(4));
+          break;
+        case A::kMemoize:
+          ++memo_;
+          break;
+        case A::kGet1:
+          get(uint(1));
+          break;
+        case A::kGet4:
+          get(uint(4));
+          break;
         case A::kUnknown:
           TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path_, " is not a checkpoint: its ",
                       "pickle has opcode 0x", c10::str(std::hex, static_cast<int>(op)),
                       " at offset ", at_ - 1);
       }
     }
-    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path_, " is damaged: its pickle has no STOP");
+    TORCH_CHECK(false, "actmem::read_checkpoint_file: ", path_,
+                " is damaged: its pickle has no STOP");
   }
 
  private:
   void need(uint64_t n, const char* what) const {
     TORCH_CHECK(n <= size_ - at_, "actmem::read_checkpoint_file: ", path_, " is damaged: its ",
-                "pickle states ", what, " of ", n, " bytes at offset ", at_, " with ",
-                size_ - at_, " bytes left");
+                "pickle states ", what, " of ", n, " bytes at offset ", at_, " with ", size_ - at_,
+                " bytes left");
   }
   uint64_t uint(size_t bytes) {
     need(bytes, "an argument");
@@ -328,8 +434,8 @@ c10::impl::GenericDict read_checkpoint_file(const std::string& path) {
                 "not a readable torch pickle (truncated or not a checkpoint): ",
                 e.what());
   }
-  TORCH_CHECK(value.isGenericDict(), "actmem::read_checkpoint_file: ", path,
-              " holds a ", value.tagKind(), ", not a checkpoint dict");
+  TORCH_CHECK(value.isGenericDict(), "actmem::read_checkpoint_file: ", path, " holds a ",
+              value.tagKind(), ", not a checkpoint dict");
   check_tensor_records(value, records, path);  // Note [Tensor records cover their tensors]
   return value.toGenericDict();
 }

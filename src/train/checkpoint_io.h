@@ -47,8 +47,11 @@ void on_all_ranks(const at::Device& device, const char* what, Fn&& fn) {
   }
   const bool all_ok = all_ranks_ok(!error, device);
   if (error) std::rethrow_exception(error);
-  TORCH_CHECK(all_ok, "actmem::Trainer::save_checkpoint: another tensor-, expert- or "
-              "pipeline-parallel rank failed ", what, " (its error is in its output); nothing "
+  TORCH_CHECK(all_ok,
+              "actmem::Trainer::save_checkpoint: another tensor-, expert- or "
+              "pipeline-parallel rank failed ",
+              what,
+              " (its error is in its output); nothing "
               "was published");
 }
 

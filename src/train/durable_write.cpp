@@ -43,7 +43,9 @@ namespace fs = std::filesystem;
 // (ACTMEM_CHECKPOINT_FAULT=STAGE[@ITER], STAGE one of mid-file, before-publish, before-latest:
 // the process sends itself SIGKILL there).
 
-std::string errno_text() { return std::strerror(errno); }
+std::string errno_text() {
+  return std::strerror(errno);
+}
 
 // Test-only fault injection (Note [Checkpoint protocol]).
 void maybe_fault(const char* stage, int64_t iteration) {
@@ -58,7 +60,8 @@ void maybe_fault(const char* stage, int64_t iteration) {
 
 void fsync_path(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), directory ? (O_RDONLY | O_DIRECTORY) : O_RDONLY);
-  TORCH_CHECK(fd >= 0, "actmem::save_checkpoint: cannot open ", path, " to sync it: ", errno_text());
+  TORCH_CHECK(fd >= 0, "actmem::save_checkpoint: cannot open ", path,
+              " to sync it: ", errno_text());
   const int rc = ::fsync(fd);
   const std::string err = rc != 0 ? errno_text() : std::string();
   ::close(fd);
@@ -93,8 +96,8 @@ bool all_ranks_ok(bool ok, const at::Device& device) {
       pipeline_parallel_group().size == 1) {
     return ok;
   }
-  const at::Tensor failures = at::full({1}, ok ? 0.0f : 1.0f,
-                                       at::TensorOptions().dtype(at::kFloat).device(device));
+  const at::Tensor failures =
+      at::full({1}, ok ? 0.0f : 1.0f, at::TensorOptions().dtype(at::kFloat).device(device));
   return group_all_reduce_sum(
              pipeline_parallel_group(),
              group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(failures)))
@@ -105,8 +108,10 @@ bool all_ranks_ok(bool ok, const at::Device& device) {
 void publish_directory(const std::string& tmp, const std::string& final) {
   std::error_code ec;
   if (!fs::exists(final, ec)) {
-    TORCH_CHECK(::rename(tmp.c_str(), final.c_str()) == 0, "actmem::save_checkpoint: cannot "
-                "rename ", tmp, " to ", final, ": ", errno_text());
+    TORCH_CHECK(::rename(tmp.c_str(), final.c_str()) == 0,
+                "actmem::save_checkpoint: cannot "
+                "rename ",
+                tmp, " to ", final, ": ", errno_text());
     return;
   }
   // Exchange, then remove the old copy: iter_N names a complete checkpoint at every instant.
@@ -131,7 +136,9 @@ namespace {
 std::atomic<int> g_exit_signal{0};
 std::atomic<bool> g_handler_installed{false};
 struct sigaction g_previous_term, g_previous_int;
-extern "C" void record_exit_signal(int sig) { g_exit_signal.store(sig); }
+extern "C" void record_exit_signal(int sig) {
+  g_exit_signal.store(sig);
+}
 }  // namespace
 
 ExitSignalHandler::ExitSignalHandler() {
@@ -152,6 +159,8 @@ ExitSignalHandler::~ExitSignalHandler() {
   g_handler_installed.store(false);
 }
 
-int ExitSignalHandler::received() const { return g_exit_signal.load(); }
+int ExitSignalHandler::received() const {
+  return g_exit_signal.load();
+}
 
 }  // namespace actmem

@@ -12,7 +12,8 @@
 namespace actmem {
 
 KVCache::KVCache(GPTModel& model) : model_(model), capacity_(model.config().max_positions()) {
-  TORCH_CHECK(model.config().tensor_model_parallel_size == 1, "actmem::KVCache: generation runs "
+  TORCH_CHECK(model.config().tensor_model_parallel_size == 1,
+              "actmem::KVCache: generation runs "
               "on one process; the model has tensor_model_parallel_size ",
               model.config().tensor_model_parallel_size);
   const auto opts = model.word_embeddings.options().requires_grad(false);
@@ -43,8 +44,10 @@ int64_t KVCache::bytes_for(const GPTModel& model) {
 at::Tensor KVCache::feed(const std::vector<int64_t>& tokens) {
   const int64_t n = static_cast<int64_t>(tokens.size());
   TORCH_CHECK(n > 0, "actmem::KVCache::feed: no tokens");
-  TORCH_CHECK(length_ + n <= capacity_, "actmem::KVCache::feed: ", length_ + n, " positions exceed "
-              "the model's max_position_embeddings ", capacity_);
+  TORCH_CHECK(length_ + n <= capacity_, "actmem::KVCache::feed: ", length_ + n,
+              " positions exceed "
+              "the model's max_position_embeddings ",
+              capacity_);
   const auto& cfg = model_.config();
   for (const int64_t t : tokens) {
     TORCH_CHECK(t >= 0 && t < cfg.vocab_size, "actmem::KVCache::feed: token ", t,
@@ -84,8 +87,10 @@ int64_t sample_token(const at::Tensor& all_logits, const SamplingOptions& o, at:
                                    ? all_logits.narrow(0, 0, o.vocab_size)
                                    : all_logits;
   if (o.greedy) return logits_in.argmax().item<int64_t>();
-  TORCH_CHECK(o.temperature > 0.0 && std::isfinite(o.temperature), "actmem: --temperature must be "
-              "positive, got ", o.temperature);
+  TORCH_CHECK(o.temperature > 0.0 && std::isfinite(o.temperature),
+              "actmem: --temperature must be "
+              "positive, got ",
+              o.temperature);
   TORCH_CHECK(o.top_k >= 0, "actmem: --top-k must be >= 0, got ", o.top_k);
   TORCH_CHECK(o.top_p >= 0.0 && o.top_p <= 1.0, "actmem: --top-p must be in [0, 1], got ", o.top_p);
   at::Tensor logits = logits_in.to(at::kFloat) / o.temperature;
@@ -107,12 +112,15 @@ int64_t sample_token(const at::Tensor& all_logits, const SamplingOptions& o, at:
 }
 
 std::vector<int64_t> generate(GPTModel& model, const std::vector<int64_t>& prompt,
-                              const SamplingOptions& o, const std::function<void(int64_t)>& on_token) {
+                              const SamplingOptions& o,
+                              const std::function<void(int64_t)>& on_token) {
   TORCH_CHECK(!prompt.empty(), "actmem::generate: the prompt has no tokens");
   TORCH_CHECK(o.max_new_tokens >= 0, "actmem: --max-new-tokens must be >= 0");
   KVCache cache(model);
-  TORCH_CHECK(static_cast<int64_t>(prompt.size()) < cache.capacity(), "actmem::generate: the "
-              "prompt has ", prompt.size(), " tokens; the model has ", cache.capacity(),
+  TORCH_CHECK(static_cast<int64_t>(prompt.size()) < cache.capacity(),
+              "actmem::generate: the "
+              "prompt has ",
+              prompt.size(), " tokens; the model has ", cache.capacity(),
               " positions (max_position_embeddings), so nothing can follow it");
   at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(o.seed);
   std::vector<int64_t> out;

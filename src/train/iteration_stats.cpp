@@ -1,9 +1,9 @@
 // iteration_stats.cpp — what a training step measured, gathered over the ranks for the log
-// and the JSON record (IterationStats in trainer.h).
-#include "actmem/train/trainer.h"
+// and the JSON record (iteration_stats.h; IterationStats in trainer.h).
+#include "actmem/train/iteration_stats.h"
 
 #include "actmem/base/trace.h"
-#include "actmem/offload/activation_offloader.h"
+#include "actmem/memory/memory_tracker.h"
 #include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
@@ -24,10 +24,10 @@ using Clock = std::chrono::steady_clock;
 // the training device (NCCL takes device tensors only).
 std::vector<int64_t> gather_per_rank(int64_t value, const at::Device& device) {
   const at::Tensor all =
-      all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device))).cpu();
+      all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device)))
+          .cpu();
   return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
 }
-
 
 // The MoE statistics of every stage's layers, on every stage (the log reports the model's).
 MoEStats gather_moe_stats_over_stages(const MoEStats& local, const TransformerConfig& model_config_,
@@ -74,7 +74,8 @@ MoEStats gather_moe_stats_over_stages(const MoEStats& local, const TransformerCo
     l.load_balancing_count = static_cast<int64_t>(p[3]);
     l.z_loss = p[4];
     l.z_loss_count = static_cast<int64_t>(p[5]);
-    for (int64_t j = 0; j < experts; ++j) l.routed_per_expert.push_back(static_cast<int64_t>(p[6 + j]));
+    for (int64_t j = 0; j < experts; ++j)
+      l.routed_per_expert.push_back(static_cast<int64_t>(p[6 + j]));
     out.layers.push_back(std::move(l));
     p += fields;
   }
@@ -127,8 +128,11 @@ nlohmann::json to_json(const IterationStats& s) {
     for (const auto& events : s.pipeline_schedule_per_stage) {
       nlohmann::json row = nlohmann::json::array();
       for (const auto& e : events) {
-        row.push_back({{"op", e.forward ? "F" : "B"}, {"microbatch", e.microbatch},
-                       {"chunk", e.chunk}, {"start_s", e.start_s}, {"end_s", e.end_s}});
+        row.push_back({{"op", e.forward ? "F" : "B"},
+                       {"microbatch", e.microbatch},
+                       {"chunk", e.chunk},
+                       {"start_s", e.start_s},
+                       {"end_s", e.end_s}});
       }
       stages.push_back(std::move(row));
     }
@@ -136,7 +140,9 @@ nlohmann::json to_json(const IterationStats& s) {
   }
   if (s.val_loss) j["val_loss"] = *s.val_loss;
   if (s.moe) {
-    auto opt = [](const std::optional<double>& v) { return v ? nlohmann::json(*v) : nlohmann::json(nullptr); };
+    auto opt = [](const std::optional<double>& v) {
+      return v ? nlohmann::json(*v) : nlohmann::json(nullptr);
+    };
     j["load_balancing_loss"] = opt(s.load_balancing_loss);
     j["z_loss"] = opt(s.z_loss);
     j["expert_load_imbalance"] = s.expert_load_imbalance;
@@ -146,10 +152,13 @@ nlohmann::json to_json(const IterationStats& s) {
   return j;
 }
 
-void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
+StepStatistics::StepStatistics(const TransformerConfig& model, const at::Device& device)
+    : model_config_(model), device_(device) {}
+
+void StepStatistics::finish_forward_backward(IterationStats& st, double loss_sum,
+                                             MoEStats moe) const {
   const TensorParallelGroup& dp = data_parallel_group();
   st.loss = loss_sum;  // the losses were divided by n_micro, so their sum is the mean
-  MoEStats moe = model_->moe_stats();
   if (!moe.layers.empty() && tensor_parallel_group().size > 1) {
     // With sequence parallelism each tensor rank routed its own s/t tokens: the step's counts
     // and load-balancing shares are summed over the tensor ranks, the z-losses (means over a
@@ -189,10 +198,11 @@ void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
     // batch's routed and dropped token counts, and the auxiliary losses averaged over the ranks
     // (Megatron's MoE metrics tracker, needs_dp_avg), in one all-reduce.
     const double d = static_cast<double>(dp.size);
-    const at::Tensor all = data_parallel_all_reduce_sum(at::tensor(
-        {loss_sum, static_cast<double>(st.moe_routed_tokens), static_cast<double>(st.moe_dropped_tokens),
-         st.load_balancing_loss.value_or(0.0), st.z_loss.value_or(0.0)},
-        at::kDouble));
+    const at::Tensor all = data_parallel_all_reduce_sum(
+        at::tensor({loss_sum, static_cast<double>(st.moe_routed_tokens),
+                    static_cast<double>(st.moe_dropped_tokens),
+                    st.load_balancing_loss.value_or(0.0), st.z_loss.value_or(0.0)},
+                   at::kDouble));
     st.loss = all[0].item<double>() / d;
     st.moe_routed_tokens = static_cast<int64_t>(all[1].item<double>());
     st.moe_dropped_tokens = static_cast<int64_t>(all[2].item<double>());
@@ -201,7 +211,7 @@ void Trainer::finish_forward_backward(IterationStats& st, double loss_sum) {
   }
 }
 
-void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {
+void StepStatistics::gather_rank_stats(IterationStats& st, bool compute_digest) const {
   if (tensor_parallel_group().size == 1) return;
   if (compute_digest) {
     const std::string& d = st.grad_digest;
@@ -209,15 +219,16 @@ void Trainer::gather_rank_stats(IterationStats& st, bool compute_digest) {
     std::memcpy(bytes.data_ptr<uint8_t>(), d.data(), d.size());
     const at::Tensor all = all_gather_dim0(bytes.to(device_)).cpu();
     for (int64_t r = 0; r < all.size(0); ++r) {
-      st.grad_digest_per_rank.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()),
-                                           d.size());
+      st.grad_digest_per_rank.emplace_back(
+          reinterpret_cast<const char*>(all[r].data_ptr<uint8_t>()), d.size());
     }
   }
   st.activation_bytes_per_rank = gather_per_rank(st.activation_bytes, device_);
   st.activation_peak_bytes_per_rank = gather_per_rank(st.activation_peak_bytes, device_);
 }
 
-void Trainer::gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const {
+void StepStatistics::gather_schedule(IterationStats& st, const TensorParallelGroup& pp,
+                                     const std::vector<PipelineEvent>& schedule_) const {
   // Every stage ran 2Mv events (M forwards and M backwards per model chunk), so the rows gather
   // evenly; times become
   // seconds from the earliest stage's first event.
@@ -244,49 +255,42 @@ void Trainer::gather_schedule(IterationStats& st, const TensorParallelGroup& pp)
   }
 }
 
-void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
+void StepStatistics::finish(IterationStats& st, double busy_s, int64_t peak,
+                            const std::vector<PipelineEvent>& schedule) const {
   // The whole global batch's tokens (every data-parallel rank's) per second of this rank's step.
-  st.step_time_s = clock.busy_s;
-  st.tokens_per_s =
-      static_cast<double>(st.global_batch_size * model_config_.seq_length) / clock.busy_s;
-  st.peak_device_bytes = clock.peak;
+  st.step_time_s = busy_s;
+  st.tokens_per_s = static_cast<double>(st.global_batch_size * model_config_.seq_length) / busy_s;
+  st.peak_device_bytes = peak;
   if (tensor_parallel_group().size > 1) {
-    st.peak_device_bytes_per_rank = gather_per_rank(clock.peak, device_);
+    st.peak_device_bytes_per_rank = gather_per_rank(peak, device_);
   }
   if (const TensorParallelGroup& pp = pipeline_parallel_group(); pp.size > 1) {
     // Every stage's memory, for the log rank 0 (the first stage) writes.
-    const at::Tensor mine = at::tensor({st.inflight_activation_bytes,
-                                        st.predicted_inflight_activation_bytes, clock.peak},
-                                       at::kLong)
-                                .to(device_);
+    const at::Tensor mine =
+        at::tensor({st.inflight_activation_bytes, st.predicted_inflight_activation_bytes, peak},
+                   at::kLong)
+            .to(device_);
     const at::Tensor all = group_all_gather_dim0(pp, mine).cpu().view({pp.size, 3});
     for (int64_t r = 0; r < pp.size; ++r) {
       st.inflight_activation_bytes_per_stage.push_back(all[r][0].item<int64_t>());
       st.predicted_inflight_activation_bytes_per_stage.push_back(all[r][1].item<int64_t>());
       st.peak_device_bytes_per_stage.push_back(all[r][2].item<int64_t>());
     }
-    gather_schedule(st, pp);
+    gather_schedule(st, pp, schedule);
   }
-  if (trace_ != nullptr) {
-    // Compute spans between consecutive timeline marks of the first micro-batch.
-    const auto& e = timeline_->entries();
-    const auto origin = timeline_->start_time();
-    for (size_t i = 1; i < e.size(); ++i) {
-      trace_->span("compute", e[i].label,
-                   origin + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(e[i - 1].time_s)),
-                   origin + std::chrono::duration_cast<Clock::duration>(
-                                std::chrono::duration<double>(e[i].time_s)),
-                   "{\"device_bytes\": " + std::to_string(e[i].current_bytes) + "}");
-    }
-  }
-  if (offloader_) {
-    offloader_->end_step();  // the first step is the warmup (Note [Offload warmup and margin])
-    const OffloadStats os = offloader_->stats();
-    st.offloaded_bytes = os.offloaded_bytes;
-    st.offload_wait_s = os.wait_s;
-    st.offload_copy_s = os.d2h_busy_s + os.h2d_busy_s;
-    st.host_peak_bytes = offloader_->pool().peak_bytes_in_use();
+}
+
+void trace_timeline(const MemoryTimeline& timeline, TraceRecorder& trace) {
+  // Compute spans between consecutive timeline marks of the first micro-batch.
+  const auto& e = timeline.entries();
+  const auto origin = timeline.start_time();
+  for (size_t i = 1; i < e.size(); ++i) {
+    trace.span("compute", e[i].label,
+               origin + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(e[i - 1].time_s)),
+               origin + std::chrono::duration_cast<Clock::duration>(
+                            std::chrono::duration<double>(e[i].time_s)),
+               "{\"device_bytes\": " + std::to_string(e[i].current_bytes) + "}");
   }
 }
 

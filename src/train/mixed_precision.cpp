@@ -30,10 +30,12 @@ GradScaler GradScaler::dynamic(double initial_scale, double min_scale, int64_t g
   TORCH_CHECK(initial_scale > 0.0 && std::isfinite(static_cast<float>(initial_scale)) &&
                   min_scale > 0.0 && min_scale <= initial_scale,
               "actmem::GradScaler::dynamic: expected 0 < min_scale <= initial_scale (finite in "
-              "fp32), got ", min_scale, " and ", initial_scale);
-  TORCH_CHECK(growth_interval >= 1 && hysteresis >= 1, "actmem::GradScaler::dynamic: "
-              "growth_interval and hysteresis must be at least 1, got ", growth_interval, " and ",
-              hysteresis);
+              "fp32), got ",
+              min_scale, " and ", initial_scale);
+  TORCH_CHECK(growth_interval >= 1 && hysteresis >= 1,
+              "actmem::GradScaler::dynamic: "
+              "growth_interval and hysteresis must be at least 1, got ",
+              growth_interval, " and ", hysteresis);
   GradScaler g;
   g.dynamic_ = true;
   g.scale_ = static_cast<float>(initial_scale);
@@ -47,8 +49,8 @@ GradScaler GradScaler::dynamic(double initial_scale, double min_scale, int64_t g
 void GradScaler::load_state(float scale, int64_t growth_tracker, int64_t hysteresis_left) {
   TORCH_CHECK(std::isfinite(scale) && scale > 0.0f && growth_tracker >= 0 && hysteresis_left >= 0,
               "actmem::GradScaler::load_state: expected a positive finite scale and non-negative "
-              "trackers, got scale ", scale, ", growth tracker ", growth_tracker,
-              ", hysteresis tracker ", hysteresis_left);
+              "trackers, got scale ",
+              scale, ", growth tracker ", growth_tracker, ", hysteresis tracker ", hysteresis_left);
   scale_ = scale;
   growth_tracker_ = growth_tracker;
   hysteresis_tracker_ = hysteresis_left;
@@ -174,14 +176,16 @@ MixedPrecisionOptimizer::MixedPrecisionOptimizer(std::vector<at::Tensor> model_p
   at::NoGradGuard no_grad;
   for (size_t i = 0; i < model_params_.size(); ++i) {
     const at::Tensor& p = model_params_[i];
-    TORCH_CHECK(p.is_leaf() && p.requires_grad(), "actmem::MixedPrecisionOptimizer: expected "
+    TORCH_CHECK(p.is_leaf() && p.requires_grad(),
+                "actmem::MixedPrecisionOptimizer: expected "
                 "leaf parameters that require grad");
     // Megatron: main_param = param.detach().clone().float(); its grad is the main-grad buffer.
     // With the distributed optimizer: this rank's elements of both (Megatron's
     // shard_fp32_from_float16_groups).
     at::Tensor main = model_view(i).clone().to(at::kFloat).set_requires_grad(true);
     at::Tensor main_grad = at::zeros_like(p, p.options().dtype(grad_dtype));
-    if (grad_dtype == at::kFloat) main.mutable_grad() = shards_ ? shards_->shard(main_grad, i) : main_grad;
+    if (grad_dtype == at::kFloat)
+      main.mutable_grad() = shards_ ? shards_->shard(main_grad, i) : main_grad;
     main_params_.push_back(main);
     main_grads_.push_back(main_grad);
     p.mutable_grad().reset();

@@ -92,9 +92,13 @@ void Optimizer::begin_step(double lr, std::optional<double> decoupled_lr) {
   for (auto& g : grads_) g.zero_();
 }
 
-double Optimizer::loss_scale() const { return mixed_ ? mixed_->loss_scale() : 1.0; }
+double Optimizer::loss_scale() const {
+  return mixed_ ? mixed_->loss_scale() : 1.0;
+}
 
-bool Optimizer::scales_loss() const { return mixed_ && mixed_->scaler(); }
+bool Optimizer::scales_loss() const {
+  return mixed_ && mixed_->scaler();
+}
 
 bool Optimizer::unscale_and_check(const std::function<bool(bool)>& found_inf_any_rank) {
   return mixed_ ? mixed_->unscale_and_check(found_inf_any_rank) : false;

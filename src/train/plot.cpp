@@ -15,11 +15,20 @@ std::string escape(const std::string& s) {
   std::string out;
   for (char c : s) {
     switch (c) {
-      case '&': out += "&amp;"; break;
-      case '<': out += "&lt;"; break;
-      case '>': out += "&gt;"; break;
-      case '"': out += "&quot;"; break;
-      default: out += c;
+      case '&':
+        out += "&amp;";
+        break;
+      case '<':
+        out += "&lt;";
+        break;
+      case '>':
+        out += "&gt;";
+        break;
+      case '"':
+        out += "&quot;";
+        break;
+      default:
+        out += c;
     }
   }
   return out;
@@ -36,7 +45,8 @@ const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
                          "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
 }  // namespace
 
-std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title) {
+std::string memory_timeline_svg(const std::vector<TimelineSeries>& series,
+                                const std::string& title) {
   const double W = 1020, H = 540, left = 100, right = 300, top = 50, bottom = 60;
   const double pw = W - left - right, ph = H - top - bottom;
   double t_max = 1e-9, y_max = 1.0;
@@ -46,7 +56,8 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const
     for (const auto& e : s.entries) {
       t_max = std::max(t_max, e.time_s - base.time_s);
       y_max = std::max(y_max, static_cast<double>(e.current_bytes - base.current_bytes));
-      if (e.peak_bytes >= 0) y_max = std::max(y_max, static_cast<double>(e.peak_bytes - base.current_bytes));
+      if (e.peak_bytes >= 0)
+        y_max = std::max(y_max, static_cast<double>(e.peak_bytes - base.current_bytes));
     }
   }
   y_max *= 1.08;
@@ -82,7 +93,8 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const
     const char* color = kColors[i % 10];
     const auto base = s.entries.front();
     o << "<g class=\"series\" data-name=\"" << escape(s.name) << "\" data-peak-bytes=\""
-      << s.peak_bytes << "\" stroke=\"" << color << "\" fill=\"none\">\n<polyline stroke-width=\"2\" points=\"";
+      << s.peak_bytes << "\" stroke=\"" << color
+      << "\" fill=\"none\">\n<polyline stroke-width=\"2\" points=\"";
     // Between two marks the window peak is drawn as a spike at the later mark's time.
     for (const auto& e : s.entries) {
       const double t = X(e.time_s - base.time_s);
@@ -240,8 +252,8 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
         << fill(e) << "\" stroke=\"white\"/>\n";
       if (w >= 14) {
         o << "<text x=\"" << x0 + w / 2 << "\" y=\"" << y + row / 2 + 4
-          << "\" text-anchor=\"middle\" fill=\"white\">" << (e.forward ? 'F' : 'B')
-          << e.microbatch << "</text>\n";
+          << "\" text-anchor=\"middle\" fill=\"white\">" << (e.forward ? 'F' : 'B') << e.microbatch
+          << "</text>\n";
       }
     }
     o << "<text x=\"" << left + pw + 10 << "\" y=\"" << y + row / 2 + 4 << "\">busy "
@@ -256,8 +268,7 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
   for (int i = 0; i <= 5; ++i) {
     const double t = t_max * i / 5.0;
     o << "<text x=\"" << X(t) << "\" y=\"" << axis_y + 16 << "\" text-anchor=\"middle\">"
-      << std::setprecision(t_max < 0.05 ? 1 : 0) << 1e3 * t << std::setprecision(1)
-      << "</text>\n";
+      << std::setprecision(t_max < 0.05 ? 1 : 0) << 1e3 * t << std::setprecision(1) << "</text>\n";
   }
   o << "<text x=\"" << left + pw / 2 << "\" y=\"" << axis_y + 34
     << "\" text-anchor=\"middle\">ms from the step's start (F forward, B backward of micro-batch n"

@@ -43,7 +43,8 @@ const Clock::time_point kProgramStart = Clock::now();
 
 std::vector<int64_t> signal_per_rank(int64_t value, const at::Device& device) {
   const at::Tensor all =
-      all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device))).cpu();
+      all_gather_dim0(at::full({1}, value, at::TensorOptions().dtype(at::kLong).device(device)))
+          .cpu();
   return std::vector<int64_t>(all.data_ptr<int64_t>(), all.data_ptr<int64_t>() + all.numel());
 }
 

@@ -75,8 +75,8 @@ double forward_backward_pipelining(const ScheduleSpec& spec, const PipelineP2P& 
   std::vector<std::deque<InFlight>> in_flight(static_cast<size_t>(chunks));  // per model chunk
   // The schedule's computations in order: each callback checks it is the one expected and looks
   // at the next (Note [Offload under pipeline schedules] in activation_offloader.h).
-  const std::vector<PipelineStep> order = pipeline_compute_order(
-      pp.rank, pp.size, chunks, n_micro, spec.microbatch_group_size);
+  const std::vector<PipelineStep> order =
+      pipeline_compute_order(pp.rank, pp.size, chunks, n_micro, spec.microbatch_group_size);
   const int64_t outstanding =
       std::find_if(order.begin(), order.end(),
                    [](const PipelineStep& s) { return s.kind == PipelineStep::Kind::kBackward; }) -
@@ -124,7 +124,8 @@ double forward_backward_pipelining(const ScheduleSpec& spec, const PipelineP2P& 
     std::deque<InFlight>& queue = in_flight[static_cast<size_t>(chunk)];
     InFlight f = std::move(queue.front());
     queue.pop_front();
-    TORCH_INTERNAL_ASSERT(f.microbatch == m, "backward of micro-batch ", m, " found ", f.microbatch);
+    TORCH_INTERNAL_ASSERT(f.microbatch == m, "backward of micro-batch ", m, " found ",
+                          f.microbatch);
     const Computation c = advance(PipelineStep::Kind::kBackward, m, chunk);
     observer.before_backward(c);
     // The chunk's last backward of the step reduces its gradients (Megatron's interleaved

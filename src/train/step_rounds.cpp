@@ -25,10 +25,10 @@ std::vector<std::vector<size_t>> round_orders(size_t n, int rounds) {
   return orders;
 }
 
-int run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
-                        const std::function<void(int round, const std::vector<IterationStats>&)>&
-                            after_round,
-                        const std::function<bool(int rounds_done)>& stop) {
+int run_shuffled_rounds(
+    const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+    const std::function<void(int round, const std::vector<IterationStats>&)>& after_round,
+    const std::function<bool(int rounds_done)>& stop) {
   std::vector<IterationStats> stats(trainers.size());
   const std::vector<std::vector<size_t>> orders = round_orders(trainers.size(), rounds);
   for (int round = 0; round < rounds; ++round) {
@@ -43,8 +43,10 @@ int run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool 
 
 int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int max_rounds,
                    const std::function<void(int round)>& after_round) {
-  TORCH_CHECK(min_rounds >= 1 && max_rounds >= min_rounds, "actmem::warm_up_rounds: expected 1 <= "
-              "min_rounds <= max_rounds, got ", min_rounds, " and ", max_rounds);
+  TORCH_CHECK(min_rounds >= 1 && max_rounds >= min_rounds,
+              "actmem::warm_up_rounds: expected 1 <= "
+              "min_rounds <= max_rounds, got ",
+              min_rounds, " and ", max_rounds);
   const std::vector<std::vector<size_t>> orders = round_orders(trainers.size(), max_rounds);
   int steady = 0;
   for (int round = 0; round < max_rounds; ++round) {

@@ -5,7 +5,6 @@
 
 #include <c10/util/Exception.h>
 
-
 namespace actmem {
 
 double megatron_model_flops(const TransformerConfig& c, int64_t global_batch) {

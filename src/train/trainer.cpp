@@ -2,23 +2,24 @@
 // forward-backward schedules (schedules.h).
 #include "actmem/train/trainer.h"
 
+#include "actmem/train/iteration_stats.h"
 #include "actmem/train/run_loop.h"
 
 #include "actmem/base/digest.h"
+#include "actmem/base/output_file.h"
+#include "actmem/base/trace.h"
 #include "actmem/memory/ledger.h"
+#include "actmem/memory/memory_model.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/offload/activation_offloader.h"
 #include "actmem/parallel/distributed_optimizer.h"
 #include "actmem/parallel/grad_reducer.h"
-#include "actmem/memory/memory_model.h"
-#include "actmem/model/activation_bytes.h"
+#include "actmem/parallel/pipeline.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "actmem/recompute/rng.h"
 #include "actmem/train/mixed_precision.h"
 #include "actmem/train/schedules.h"
 #include "actmem/train/training_setup.h"
-#include "actmem/base/output_file.h"
-#include "actmem/parallel/pipeline.h"
-#include "actmem/recompute/rng.h"
-#include "actmem/parallel/tensor_parallel.h"
-#include "actmem/base/trace.h"
 
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
@@ -26,6 +27,7 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <array>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -88,9 +90,9 @@ class SwapTracker {
   RngStatesTracker& own_;
 };
 
-// Validates both configs before anything is built; returns the training device.
+// Validates the training config (the model's was by its plan) before anything is built; returns
+// the training device.
 at::Device validated_device(const TransformerConfig& model, const TrainingConfig& training) {
-  model.validate();
   training.validate(model);
   const at::Device device(training.device);
   TORCH_CHECK(device.is_cpu() || !model.flash_attention(),
@@ -113,6 +115,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
     : model_config_(model),
       config_(resolved(model, training)),
       batches_(config_.batch_schedule(model, data_parallel_group().size)),
+      plan_(make_activation_plan(model)),  // validates the model
       device_(validated_device(model, config_)),
       memory_(device_memory(device_)),
       scheduler_(config_, batches_) {
@@ -131,14 +134,14 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
   }
   if (model_config_.fp16 || model_config_.bf16) {
     const auto missing = missing_kernel(params_dtype(model_config_), device_);
-    TORCH_CHECK(!missing, "actmem::Trainer: --", model_config_.precision(), " needs ",
-                params_dtype(model_config_), " kernels on ", device_, ", which this libtorch (",
-                TORCH_VERSION, ") does not have: ", *missing,
-                model_config_.fp16 && device_.is_cpu() ? "; use --bf16 on CPU (or --fp16 on CUDA)"
-                                                       : "");
+    TORCH_CHECK(
+        !missing, "actmem::Trainer: --", model_config_.precision(), " needs ",
+        params_dtype(model_config_), " kernels on ", device_, ", which this libtorch (",
+        TORCH_VERSION, ") does not have: ", *missing,
+        model_config_.fp16 && device_.is_cpu() ? "; use --bf16 on CPU (or --fp16 on CUDA)" : "");
   }
   seed_random_streams();
-  model_ = std::make_shared<GPTModel>(model_config_);
+  model_ = std::make_shared<GPTModel>(model_config_, plan_);
   model_->to_device(device_);
   model_->train();
   groups_ = std::make_unique<ParameterGroups>(*model_);
@@ -182,6 +185,7 @@ Trainer::Trainer(const TransformerConfig& model, const TrainingConfig& training)
         data_parallel_gradient_scale(config_.calculate_per_token_loss));
   }
   timeline_ = std::make_unique<MemoryTimeline>(memory_);
+  stats_ = std::make_unique<StepStatistics>(model_config_, device_);
   const ActivationPlan& plan = model_->plan();
   if (plan.offloads()) {
     // On CUDA the copy engine uses CUDA streams and pinned host buffers (copy_engine.h).
@@ -216,9 +220,9 @@ void Trainer::seed_random_streams() {
   // (megatron/core/tensor_parallel/random.py: model-parallel-rng = seed + 2718 + tp_rank, ...),
   // kept by this trainer and swapped in per step; no global random state is touched.
   // expert-parallel-rng = seed + 1024 + 100 * ep_rank + etp_rank (etp = t, Megatron's default).
-  tracker_ = make_model_parallel_tracker(seed, tensor_parallel_group().rank,
-                                         expert_parallel_group().rank, tensor_parallel_group().rank,
-                                         device_);
+  tracker_ =
+      make_model_parallel_tracker(seed, tensor_parallel_group().rank, expert_parallel_group().rank,
+                                  tensor_parallel_group().rank, device_);
 }
 
 Trainer::~Trainer() = default;
@@ -232,7 +236,7 @@ std::optional<int64_t> Trainer::ddp_bucket_size() const {
 }
 
 TrainState Trainer::train_state() {
-  return {model_config_, config_,  device_,    *model_,    *optimizer_,
+  return {model_config_, config_,         device_,    *model_,    *optimizer_,
           scheduler_,    *train_sampler_, iteration_, rng_state_, tracker_};
 }
 
@@ -310,7 +314,7 @@ IterationStats Trainer::train_step(bool compute_digest) {
   st.skipped = found_inf();
   clock.busy_s += seconds_since(t1);
   if (compute_digest) st.grad_digest = digest_of(optimizer_->gradients());
-  gather_rank_stats(st, compute_digest);
+  stats_->gather_rank_stats(st, compute_digest);
   const auto t2 = Clock::now();
   if (st.skipped) {
     st.grad_norm = std::numeric_limits<double>::quiet_NaN();
@@ -338,8 +342,8 @@ bool Trainer::found_inf() {
         pipeline_parallel_group().size == 1) {
       return local;
     }
-    const at::Tensor flag = at::full({1}, local ? 1.0f : 0.0f,
-                                     at::TensorOptions().dtype(at::kFloat).device(device_));
+    const at::Tensor flag =
+        at::full({1}, local ? 1.0f : 0.0f, at::TensorOptions().dtype(at::kFloat).device(device_));
     return group_all_reduce_sum(pipeline_parallel_group(),
                                 group_all_reduce_sum(expert_parallel_group(), all_reduce_sum(flag)))
                .item<float>() > 0.0f;
@@ -352,9 +356,11 @@ double Trainer::clip_gradients(const IterationStats& st) {
   const double grad_norm = global_grad_norm(optimizer_->gradients(), groups_->grad_norm_roles());
   // Megatron fails on a NaN gradient norm (check_for_nan_in_loss_and_grad); stopping before
   // the optimizer step leaves the parameters as they were.
-  TORCH_CHECK(std::isfinite(st.loss) && std::isfinite(grad_norm), "actmem::Trainer: "
-              "training diverged at iteration ", st.iteration, ": loss ", st.loss,
-              ", gradient norm ", grad_norm, "; stopped before the optimizer step (try a "
+  TORCH_CHECK(std::isfinite(st.loss) && std::isfinite(grad_norm),
+              "actmem::Trainer: "
+              "training diverged at iteration ",
+              st.iteration, ": loss ", st.loss, ", gradient norm ", grad_norm,
+              "; stopped before the optimizer step (try a "
               "lower --lr, a longer --lr-warmup-iters or --clip-grad)");
   actmem::clip_gradients(optimizer_->gradients(), config_.clip_grad, grad_norm);
   return grad_norm;
@@ -378,8 +384,8 @@ PipelineP2P Trainer::pipeline_p2p() const {
   // What crosses a stage boundary: [s, b, h] in the parameters' type, or with sequence
   // parallelism this rank's [s/t, b, h] shard (Megatron's get_tensor_shapes).
   const int64_t t = tensor_parallel_group().size;
-  const int64_t s = model_config_.sequence_parallel ? model_config_.seq_length / t
-                                                    : model_config_.seq_length;
+  const int64_t s =
+      model_config_.sequence_parallel ? model_config_.seq_length / t : model_config_.seq_length;
   return PipelineP2P(pipeline_parallel_group(),
                      {s, model_config_.micro_batch_size, model_config_.hidden_size},
                      at::TensorOptions().dtype(model_->dtype()).device(device_),
@@ -398,27 +404,85 @@ std::unique_ptr<LedgerScope> Trainer::open_ledger(const at::Tensor& tokens,
   return std::make_unique<LedgerScope>(*ledger_);
 }
 
-// What the step measures, offloads and records around each computation of a schedule
-// (schedules.h). Without a pipeline: per micro-batch, its activation bytes (held at the end of
-// its forward) and peak, its time, the first one's timeline and ledger record. Under a pipeline
-// schedule: per forward, the bytes it added and the bytes the stage holds, each micro-batch's
-// predicted bytes, the offloader's forwards and reload prefetches (Note [Offload under pipeline
-// schedules] in activation_offloader.h), and the stage's events for the schedule plot.
-class Trainer::StepObserver : public ScheduleObserver {
+// Note [What a step observes]
+// Around each computation of a schedule (schedules.h) a step does three jobs, each an observer:
+// the offloader's forwards and reload prefetches (OffloadDriver, Note [Offload under pipeline
+// schedules] in activation_offloader.h), what the step measures (StepMeasurement), and what it
+// predicts (StepPrediction). StepObservers runs them in that order at every point, so the
+// prefetch's device buffers are in the baseline a forward's bytes count from, as the reload's
+// are in the measured bytes. Without a pipeline: per micro-batch, its activation bytes (held at
+// the end of its forward) and peak, its time, the first one's timeline and ledger record, and
+// with routing-dependent MoE layers its predicted bytes. Under a pipeline schedule: per forward,
+// the bytes it added and the bytes the stage holds, each micro-batch's predicted bytes, and the
+// stage's events for the schedule plot.
+
+namespace {
+// The wall clock: one clock for every process of a node, and across nodes as aligned as their
+// clocks are (the steady clock's epoch differs between machines).
+double shared_clock_s() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+class Trainer::OffloadDriver : public ScheduleObserver {
  public:
-  StepObserver(Trainer& t, IterationStats& st, StepClock& clock, int64_t boundary_bytes,
-               int64_t step_base)
+  explicit OffloadDriver(Trainer& t)
+      : t_(t),
+        pipelined_(pipeline_parallel_group().size > 1),
+        offload_forwards_(static_cast<size_t>(t.model_->num_model_chunks())) {}
+
+  void before_forward(const Computation& c, const at::Tensor&, const at::Tensor&, bool) override {
+    if (!t_.offloader_) return;
+    if (!pipelined_) {
+      t_.offloader_->begin_forward();  // each micro-batch: a forward of its own
+      return;
+    }
+    prefetch_for(c);
+    const bool own_backward_next = c.next != nullptr &&
+                                   c.next->kind == PipelineStep::Kind::kBackward &&
+                                   c.next->microbatch == c.microbatch && c.next->chunk == c.chunk;
+    offload_forwards_[static_cast<size_t>(c.chunk)].emplace_back(
+        c.microbatch, t_.offloader_->begin_forward(c.chunk, own_backward_next));
+  }
+
+  void before_backward(const Computation& c) override {
+    if (!pipelined_ || !t_.offloader_) return;
+    offload_forwards_[static_cast<size_t>(c.chunk)].pop_front();
+    prefetch_for(c);
+  }
+
+ private:
+  // Before a computation followed by another micro-batch's backward: start that backward's
+  // first reloads, so they overlap this computation.
+  void prefetch_for(const Computation& c) {
+    const PipelineStep* next = c.next;
+    if (next == nullptr || next->kind != PipelineStep::Kind::kBackward ||
+        (next->microbatch == c.microbatch && next->chunk == c.chunk)) {
+      return;
+    }
+    const auto& queue = offload_forwards_[static_cast<size_t>(next->chunk)];
+    TORCH_INTERNAL_ASSERT(!queue.empty() && queue.front().first == next->microbatch,
+                          "the next backward's forward is not the oldest in flight");
+    t_.offloader_->prefetch_backward_start(queue.front().second);
+  }
+
+  Trainer& t_;
+  const bool pipelined_;
+  // Per model chunk, (micro-batch, the offloader's number for its forward) of the forwards in
+  // flight.
+  std::vector<std::deque<std::pair<int64_t, int>>> offload_forwards_;
+};
+
+class Trainer::StepMeasurement : public ScheduleObserver {
+ public:
+  StepMeasurement(Trainer& t, IterationStats& st, StepClock& clock, int64_t boundary_bytes,
+                  int64_t step_base)
       : t_(t),
         st_(st),
         clock_(clock),
         pipelined_(pipeline_parallel_group().size > 1),
         boundary_bytes_(boundary_bytes),
-        step_base_(step_base),
-        offload_forwards_(static_cast<size_t>(t.model_->num_model_chunks())),
-        predicted_(
-            static_cast<size_t>(t.model_->num_model_chunks()),
-            std::vector<int64_t>(static_cast<size_t>(std::max<int64_t>(t.step_microbatches_, 1)))) {
-  }
+        step_base_(step_base) {}
 
   void before_forward(const Computation& c, const at::Tensor& tokens, const at::Tensor& labels,
                       bool received) override {
@@ -429,27 +493,18 @@ class Trainer::StepObserver : public ScheduleObserver {
         timeline_ = std::make_unique<TimelineScope>(*t_.timeline_);
       }
       ledger_ = c.microbatch == 0 ? t_.open_ledger(tokens, labels) : nullptr;
-      if (t_.offloader_) t_.offloader_->begin_forward();  // each micro-batch: a forward of its own
       t_.memory_.reset_peak();
       before_ = t_.memory_.current_bytes();
       t0_ = Clock::now();
       return;
     }
     start_ = shared_clock_s();
-    prefetch_for(c);
-    if (t_.offloader_) {
-      const bool own_backward_next = c.next != nullptr &&
-                                     c.next->kind == PipelineStep::Kind::kBackward &&
-                                     c.next->microbatch == c.microbatch && c.next->chunk == c.chunk;
-      offload_forwards_[static_cast<size_t>(c.chunk)].emplace_back(
-          c.microbatch, t_.offloader_->begin_forward(c.chunk, own_backward_next));
-    }
     // A micro-batch's bytes count from its input's receipt.
     before_ = t_.memory_.current_bytes() - (received ? boundary_bytes_ : 0);
     ledger_ = c.microbatch == 0 && c.chunk == 0 ? t_.open_ledger(tokens, labels) : nullptr;
   }
 
-  void after_forward(const Computation& c, bool every_layer) override {
+  void after_forward(const Computation& c, bool) override {
     ledger_.reset();
     synchronize_device(t_.device_);
     const int64_t after = t_.memory_.current_bytes();
@@ -459,16 +514,11 @@ class Trainer::StepObserver : public ScheduleObserver {
     }
     st_.activation_bytes = std::max(st_.activation_bytes, after - before_);
     st_.inflight_activation_bytes = std::max(st_.inflight_activation_bytes, after - step_base_);
-    predicted_[static_cast<size_t>(c.chunk)][static_cast<size_t>(c.microbatch)] =
-        t_.prediction_->chunk(*t_.model_, c.chunk, boundary_bytes_, every_layer);
     t_.schedule_.push_back({true, c.microbatch, start_, shared_clock_s(), c.chunk});
   }
 
-  void before_backward(const Computation& c) override {
-    if (!pipelined_) return;
-    start_ = shared_clock_s();
-    if (t_.offloader_) offload_forwards_[static_cast<size_t>(c.chunk)].pop_front();
-    prefetch_for(c);
+  void before_backward(const Computation&) override {
+    if (pipelined_) start_ = shared_clock_s();
   }
 
   void after_backward(const Computation& c) override {
@@ -481,48 +531,12 @@ class Trainer::StepObserver : public ScheduleObserver {
     timeline_mark("bwd end");
     const int64_t peak = t_.memory_.peak_bytes();
     st_.activation_bytes = std::max(st_.activation_bytes, after_forward_ - before_);
-    if (t_.prediction_->routing_dependent) {
-      // Exact given each micro-batch's routing (moe_rows.h): the largest over the step's
-      // micro-batches, as activation_bytes is.
-      const MoERouting routing = t_.model_->moe_stats().last_routing();
-      st_.predicted_activation_bytes = std::max(
-          c.microbatch == 0 ? int64_t{0} : st_.predicted_activation_bytes,
-          predict_activation_bytes(t_.model_config_, t_.model_->plan(),
-                                   t_.model_config_.element_bytes(), t_.device_.is_cpu(), &routing)
-              .total);
-    }
     st_.activation_peak_bytes = std::max(st_.activation_peak_bytes, peak - before_);
     clock_.peak = std::max(clock_.peak, peak);
     timeline_.reset();
   }
 
-  /// Per model chunk and micro-batch, the bytes predicted to stay from its forward to its
-  /// backward (pipeline schedules).
-  int64_t predicted(int64_t chunk, int64_t m) const {
-    return predicted_[static_cast<size_t>(chunk)][static_cast<size_t>(m)];
-  }
-
  private:
-  // The wall clock: one clock for every process of a node, and across nodes as aligned as their
-  // clocks are (the steady clock's epoch differs between machines).
-  static double shared_clock_s() {
-    return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch())
-        .count();
-  }
-  // Before a computation followed by another micro-batch's backward: start that backward's
-  // first reloads, so they overlap this computation.
-  void prefetch_for(const Computation& c) {
-    const PipelineStep* next = c.next;
-    if (!t_.offloader_ || next == nullptr || next->kind != PipelineStep::Kind::kBackward ||
-        (next->microbatch == c.microbatch && next->chunk == c.chunk)) {
-      return;
-    }
-    const auto& queue = offload_forwards_[static_cast<size_t>(next->chunk)];
-    TORCH_INTERNAL_ASSERT(!queue.empty() && queue.front().first == next->microbatch,
-                          "the next backward's forward is not the oldest in flight");
-    t_.offloader_->prefetch_backward_start(queue.front().second);
-  }
-
   Trainer& t_;
   IterationStats& st_;
   StepClock& clock_;
@@ -533,10 +547,79 @@ class Trainer::StepObserver : public ScheduleObserver {
   double start_ = 0.0;
   std::unique_ptr<TimelineScope> timeline_;
   std::unique_ptr<LedgerScope> ledger_;
-  // Per model chunk, (micro-batch, the offloader's number for its forward) of the forwards in
-  // flight.
-  std::vector<std::deque<std::pair<int64_t, int>>> offload_forwards_;
+};
+
+class Trainer::StepPrediction : public ScheduleObserver {
+ public:
+  StepPrediction(Trainer& t, IterationStats& st, int64_t boundary_bytes)
+      : t_(t),
+        st_(st),
+        pipelined_(pipeline_parallel_group().size > 1),
+        boundary_bytes_(boundary_bytes),
+        predicted_(
+            static_cast<size_t>(t.model_->num_model_chunks()),
+            std::vector<int64_t>(static_cast<size_t>(std::max<int64_t>(t.step_microbatches_, 1)))) {
+  }
+
+  void after_forward(const Computation& c, bool every_layer) override {
+    if (!pipelined_) return;
+    predicted_[static_cast<size_t>(c.chunk)][static_cast<size_t>(c.microbatch)] =
+        t_.prediction_->chunk(*t_.model_, c.chunk, boundary_bytes_, every_layer);
+  }
+
+  void after_backward(const Computation& c) override {
+    if (pipelined_ || !t_.prediction_->routing_dependent) return;
+    // Exact given each micro-batch's routing (moe_rows.h): the largest over the step's
+    // micro-batches, as activation_bytes is.
+    const MoERouting routing = t_.model_->moe_stats().last_routing();
+    st_.predicted_activation_bytes = std::max(
+        c.microbatch == 0 ? int64_t{0} : st_.predicted_activation_bytes,
+        predict_activation_bytes(t_.model_config_, t_.model_->plan(),
+                                 t_.model_config_.element_bytes(), t_.device_.is_cpu(), &routing)
+            .total);
+  }
+
+  /// Per model chunk and micro-batch, the bytes predicted to stay from its forward to its
+  /// backward (pipeline schedules).
+  int64_t predicted(int64_t chunk, int64_t m) const {
+    return predicted_[static_cast<size_t>(chunk)][static_cast<size_t>(m)];
+  }
+
+ private:
+  Trainer& t_;
+  IterationStats& st_;
+  const bool pipelined_;
+  const int64_t boundary_bytes_;
   std::vector<std::vector<int64_t>> predicted_;
+};
+
+// The three jobs at every point, in Note [What a step observes]'s order.
+class Trainer::StepObservers : public ScheduleObserver {
+ public:
+  StepObservers(Trainer& t, IterationStats& st, StepClock& clock, int64_t boundary_bytes,
+                int64_t step_base)
+      : offload(t),
+        measurement(t, st, clock, boundary_bytes, step_base),
+        prediction(t, st, boundary_bytes) {}
+  void before_forward(const Computation& c, const at::Tensor& tokens, const at::Tensor& labels,
+                      bool received) override {
+    for (ScheduleObserver* o : all()) o->before_forward(c, tokens, labels, received);
+  }
+  void after_forward(const Computation& c, bool every_layer) override {
+    for (ScheduleObserver* o : all()) o->after_forward(c, every_layer);
+  }
+  void before_backward(const Computation& c) override {
+    for (ScheduleObserver* o : all()) o->before_backward(c);
+  }
+  void after_backward(const Computation& c) override {
+    for (ScheduleObserver* o : all()) o->after_backward(c);
+  }
+  OffloadDriver offload;
+  StepMeasurement measurement;
+  StepPrediction prediction;
+
+ private:
+  std::array<ScheduleObserver*, 3> all() { return {&offload, &measurement, &prediction}; }
 };
 
 void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
@@ -574,8 +657,9 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   if (pipeline_parallel_group().size > 1) {
     loss_sum = forward_backward_pipelined(st, clock, spec);
   } else {
-    StepObserver observer(*this, st, clock, 0, 0);
-    loss_sum = forward_backward_no_pipelining(spec, [this] { return next_microbatch(); }, observer);
+    StepObservers observer(*this, st, clock, 0, 0);
+    loss_sum = forward_backward_no_pipelining(
+        spec, [this] { return next_microbatch(); }, observer);
     // One micro-batch in flight at a time.
     st.inflight_activation_bytes = st.activation_bytes;
     st.predicted_inflight_activation_bytes = st.predicted_activation_bytes;
@@ -584,7 +668,7 @@ void Trainer::forward_backward(IterationStats& st, StepClock& clock) {
   // The logged loss is the step's token mean either way (Megatron's train_step reports the
   // summed losses over the summed tokens).
   if (per_token) loss_sum /= tokens_per_microbatch * static_cast<double>(n_micro);
-  finish_forward_backward(st, loss_sum);
+  stats_->finish_forward_backward(st, loss_sum, model_->moe_stats());
 }
 
 void Trainer::backward_from_loss(const at::Tensor& loss) {
@@ -615,7 +699,7 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   }
   const auto t0 = Clock::now();
   schedule_.clear();
-  StepObserver observer(*this, st, clock, p2p.bytes(), step_base);
+  StepObservers observer(*this, st, clock, p2p.bytes(), step_base);
   const double loss_sum = forward_backward_pipelining(spec, p2p, batches, observer);
   synchronize_device(device_);
   clock.busy_s += seconds_since(t0);
@@ -630,7 +714,9 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   // under the interleaved schedule the micro-batches of every chunk in flight, the received
   // inputs and gradients queued for later steps and the output about to be sent
   // (pipeline_memory in pipeline.h).
-  const auto bytes_of = [&observer](int64_t c, int64_t m) { return observer.predicted(c, m); };
+  const auto bytes_of = [&observer](int64_t c, int64_t m) {
+    return observer.prediction.predicted(c, m);
+  };
   st.predicted_activation_bytes = 0;
   for (int64_t c = 0; c < chunks; ++c) {
     for (int64_t m = 0; m < n_micro; ++m) {
@@ -641,9 +727,9 @@ double Trainer::forward_backward_pipelined(IterationStats& st, StepClock& clock,
   }
   if (chunks > 1) {
     st.predicted_inflight_activation_bytes =
-        pipeline_memory(interleaved_schedule(pp.rank, pp.size, chunks, n_micro,
-                                             spec.microbatch_group_size),
-                        pp.rank, pp.size, chunks, bytes_of, p2p.bytes())
+        pipeline_memory(
+            interleaved_schedule(pp.rank, pp.size, chunks, n_micro, spec.microbatch_group_size),
+            pp.rank, pp.size, chunks, bytes_of, p2p.bytes())
             .peak_at_forward_end;
   } else {
     const int64_t output = model_->post_process() ? 0 : p2p.bytes();
@@ -673,7 +759,8 @@ double Trainer::from_last_stage(double value) const {
 }
 
 double Trainer::evaluate() {
-  TORCH_CHECK(valid_sampler_ != nullptr, "actmem::Trainer::evaluate: no validation data (with "
+  TORCH_CHECK(valid_sampler_ != nullptr,
+              "actmem::Trainer::evaluate: no validation data (with "
               "--data-path, validation samples are built only when --eval-interval > 0)");
   at::NoGradGuard no_grad;
   model_->eval();
@@ -724,6 +811,19 @@ int Trainer::run(const RunOutput& out, const std::function<void(const IterationS
 
 std::optional<double> Trainer::loss_scale() const {
   return optimizer_->scales_loss() ? std::optional(optimizer_->loss_scale()) : std::nullopt;
+}
+
+void Trainer::finish_stats(IterationStats& st, const StepClock& clock) {
+  stats_->finish(st, clock.busy_s, clock.peak, schedule_);
+  if (trace_ != nullptr) trace_timeline(*timeline_, *trace_);
+  if (offloader_) {
+    offloader_->end_step();  // the first step is the warmup (Note [Offload warmup and margin])
+    const OffloadStats os = offloader_->stats();
+    st.offloaded_bytes = os.offloaded_bytes;
+    st.offload_wait_s = os.wait_s;
+    st.offload_copy_s = os.d2h_busy_s + os.h2d_busy_s;
+    st.host_peak_bytes = offloader_->pool().peak_bytes_in_use();
+  }
 }
 
 }  // namespace actmem

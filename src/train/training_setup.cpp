@@ -4,8 +4,8 @@
 #include "actmem/base/report.h"
 #include "actmem/data/gpt_dataset.h"
 #include "actmem/memory/memory_model.h"
-#include "actmem/model/activation_bytes.h"
 #include "actmem/memory/memory_tracker.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/model/model.h"
 #include "actmem/parallel/pipeline.h"
 #include "actmem/parallel/tensor_parallel.h"
@@ -21,8 +21,7 @@ void check_batch_layout(const TransformerConfig& model, const TrainingConfig& tr
   check_batch_layout(model, training, data_parallel_group().size);
 }
 
-void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training,
-                        int64_t d) {
+void check_batch_layout(const TransformerConfig& model, const TrainingConfig& training, int64_t d) {
   check_batch_layout(model, training.global_batch(model.micro_batch_size, d), d);
 }
 
@@ -82,13 +81,11 @@ TrainingData load_indexed_datasets(const TransformerConfig& model, const Trainin
   corpus.tokens = splits.tokens;
   corpus.train_samples = splits.train->size();
   corpus.valid_samples = splits.valid ? splits.valid->size() : 0;
-  data.train = std::make_unique<DatasetBatches>(splits.train, model.seq_length,
-                                                model.micro_batch_size, model.vocab_size,
-                                                "training");
+  data.train = std::make_unique<DatasetBatches>(
+      splits.train, model.seq_length, model.micro_batch_size, model.vocab_size, "training");
   if (splits.valid) {
-    data.valid = std::make_unique<DatasetBatches>(splits.valid, model.seq_length,
-                                                  model.micro_batch_size, model.vocab_size,
-                                                  "validation");
+    data.valid = std::make_unique<DatasetBatches>(
+        splits.valid, model.seq_length, model.micro_batch_size, model.vocab_size, "validation");
   }
   return data;
 }
@@ -114,11 +111,11 @@ int64_t checked_device_memory_limit(const TransformerConfig& model, const Traini
   // The tensor-parallel ranks of one launch share this machine's memory, and the corpus held in
   // it (unless memory-mapped) is not available to them.
   const bool explicit_limit = training.device_memory_limit > 0;
-  const int64_t limit =
-      explicit_limit ? training.device_memory_limit
-                     : (physical_memory_bytes() - corpus.resident_bytes()) /
-                           (tensor_parallel_group().size * data_parallel_group().size *
-                            pipeline_parallel_group().size);
+  const int64_t limit = explicit_limit
+                            ? training.device_memory_limit
+                            : (physical_memory_bytes() - corpus.resident_bytes()) /
+                                  (tensor_parallel_group().size * data_parallel_group().size *
+                                   pipeline_parallel_group().size);
   // A pipeline stage: its own weights and the micro-batches 1F1B keeps in flight on it (under
   // the interleaved schedule, per model chunk, with the boundary tensors its queues hold).
   const TensorParallelGroup& pp = pipeline_parallel_group();
@@ -146,18 +143,23 @@ int64_t checked_device_memory_limit(const TransformerConfig& model, const Traini
   } else {
     need = predict_step_peak_bound(model, 0, pp.rank, in_flight, shards);
   }
-  TORCH_CHECK(need <= static_cast<double>(limit), "actmem::Trainer: this configuration needs "
-              "about ", format_bytes(need), " of device memory (parameters, gradients, AdamW "
-              "state", shards > 1 ? " (1/" + std::to_string(shards) + " of it)" : std::string(),
-              " and ", in_flight == 1 ? std::string("one micro-batch") :
-              std::to_string(in_flight) +
-                  (model.virtual_pipeline_size() > 1 ? " model-chunk micro-batches"
-                                                     : " micro-batches") +
-                  " (pipeline stage " + std::to_string(pp.rank) + ")",
+  TORCH_CHECK(need <= static_cast<double>(limit),
+              "actmem::Trainer: this configuration needs "
+              "about ",
+              format_bytes(need),
+              " of device memory (parameters, gradients, AdamW "
+              "state",
+              shards > 1 ? " (1/" + std::to_string(shards) + " of it)" : std::string(), " and ",
+              in_flight == 1 ? std::string("one micro-batch")
+                             : std::to_string(in_flight) +
+                                   (model.virtual_pipeline_size() > 1 ? " model-chunk micro-batches"
+                                                                      : " micro-batches") +
+                                   " (pipeline stage " + std::to_string(pp.rank) + ")",
               " of activations at their peak) but the limit is ",
               format_bytes(static_cast<double>(limit)),
-              explicit_limit ? std::string() : " (physical memory less the corpus's " +
-                  format_bytes(static_cast<double>(corpus.resident_bytes())) + ")",
+              explicit_limit ? std::string()
+                             : " (physical memory less the corpus's " +
+                                   format_bytes(static_cast<double>(corpus.resident_bytes())) + ")",
               "; reduce --num-layers, --hidden-size, --seq-length or --micro-batch-size");
   return limit;
 }
@@ -172,7 +174,8 @@ ActivationPrediction::ActivationPrediction(const TransformerConfig& c, const GPT
   if (!routing_dependent) {
     for (int64_t k = 0; k < model.num_model_chunks(); ++k) {
       chunk_bytes.push_back(
-          predict_activation_bytes(c, model.plan(), c.element_bytes(), cpu, nullptr, stage, k).total);
+          predict_activation_bytes(c, model.plan(), c.element_bytes(), cpu, nullptr, stage, k)
+              .total);
     }
   }
   if (partial) {

@@ -18,8 +18,8 @@ struct BlasReport {
   /// "MKL, linked into /.../libtorch_cpu.so", "OpenBLAS 0.3.21 ...", "the BLAS in /...", or
   /// "no BLAS library (libtorch's own kernels)".
   std::string library;
-  bool mkl = false;   // at::hasMKL()
-  int threads = 1;    // the threads a product may use (MKL: libtorch's intra-op threads)
+  bool mkl = false;  // at::hasMKL()
+  int threads = 1;   // the threads a product may use (MKL: libtorch's intra-op threads)
   /// MKL's conditional numerical reproducibility in force ("AUTO,STRICT" after
   /// set_reproducible_blas(), "OFF" by default); empty without MKL.
   std::string reproducibility;

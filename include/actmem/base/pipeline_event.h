@@ -15,7 +15,7 @@ struct PipelineEvent {
   int64_t microbatch = 0;  // which micro-batch of the step
   double start_s = 0.0;
   double end_s = 0.0;
-  int64_t chunk = 0;       // the model chunk (virtual stage) under the interleaved schedule
+  int64_t chunk = 0;  // the model chunk (virtual stage) under the interleaved schedule
 };
 
 }  // namespace actmem

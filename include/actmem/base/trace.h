@@ -18,8 +18,9 @@ class TraceRecorder {
  public:
   TraceRecorder();
   /// Records a complete span on `track` (e.g. "compute", "d2h", "h2d").
-  void span(const std::string& track, const std::string& name, std::chrono::steady_clock::time_point t0,
-            std::chrono::steady_clock::time_point t1, const std::string& args_json = "{}");
+  void span(const std::string& track, const std::string& name,
+            std::chrono::steady_clock::time_point t0, std::chrono::steady_clock::time_point t1,
+            const std::string& args_json = "{}");
   /// The trace as Chrome's JSON: {"traceEvents": [...]} and a newline.
   std::string json() const;
   /// Writes json() to `path`; throws when the file cannot be written completely.

@@ -39,16 +39,17 @@ enum class RecomputeModule : uint8_t {
   kMlaUpProj,
   kGdnNormOut,
 };
-inline constexpr std::array<std::pair<RecomputeModule, std::string_view>, 8> kRecomputeModuleNames = {{
-    {RecomputeModule::kCoreAttn, "core_attn"},
-    {RecomputeModule::kMoeAct, "moe_act"},
-    {RecomputeModule::kLayernorm, "layernorm"},
-    {RecomputeModule::kMlaUpProj, "mla_up_proj"},
-    {RecomputeModule::kMlp, "mlp"},
-    {RecomputeModule::kMoe, "moe"},
-    {RecomputeModule::kSharedExperts, "shared_experts"},
-    {RecomputeModule::kGdnNormOut, "gdn_norm_out"},
-}};  // in Megatron's order (its error message lists them so)
+inline constexpr std::array<std::pair<RecomputeModule, std::string_view>, 8> kRecomputeModuleNames =
+    {{
+        {RecomputeModule::kCoreAttn, "core_attn"},
+        {RecomputeModule::kMoeAct, "moe_act"},
+        {RecomputeModule::kLayernorm, "layernorm"},
+        {RecomputeModule::kMlaUpProj, "mla_up_proj"},
+        {RecomputeModule::kMlp, "mlp"},
+        {RecomputeModule::kMoe, "moe"},
+        {RecomputeModule::kSharedExperts, "shared_experts"},
+        {RecomputeModule::kGdnNormOut, "gdn_norm_out"},
+    }};  // in Megatron's order (its error message lists them so)
 
 /// Megatron's --offload-modules: the fine-grained offload groups. expert_fc1 and moe_act need
 /// MoE layers.
@@ -154,13 +155,6 @@ struct LayerPlan {
   std::array<bool, kRecomputeModuleNames.size()> recompute_module{};
   bool recomputes(RecomputeModule m) const { return recompute_module[static_cast<size_t>(m)]; }
   bool recomputes_any() const;
-  /// The same layer keeping everything: its kinds (moe, gdn), no recompute, offload or chunk.
-  LayerPlan keeping_everything() const {
-    LayerPlan kept;
-    kept.moe = moe;
-    kept.gdn = gdn;
-    return kept;
-  }
   // Offload.
   bool offload_layer = false;  // layer-level: everything the layer saves goes to the host
   /// Layer-level offload is on for the model: the layer opens a layer group even when it does
@@ -176,11 +170,11 @@ struct LayerPlan {
 struct ActivationPlan {
   RecomputeGranularity granularity = RecomputeGranularity::kNone;
   RecomputeMethod method = RecomputeMethod::kNone;
-  int64_t recompute_num_layers = 0;  // 0 without full recompute
+  int64_t recompute_num_layers = 0;                // 0 without full recompute
   std::vector<RecomputeModule> recompute_modules;  // selective targets, defaults resolved
   /// Full recompute: each chunk's kept input is this rank's 1/t share (tensor_parallel.h).
   bool distribute_saved_activations = false;
-  int64_t cpu_offloading_num_layers = 0;  // layer-level offload of the first K layers
+  int64_t cpu_offloading_num_layers = 0;       // layer-level offload of the first K layers
   std::vector<OffloadModule> offload_modules;  // fine-grained groups
   int64_t min_offloaded_tensor_size = 0;
   int64_t max_inflight_offloads = -1;
@@ -205,6 +199,10 @@ struct ActivationPlan {
 /// c10::Error ("actmem::TransformerConfig: ...") for the first violation. Deliberate differences
 /// are marked "fixed" or "refused" in activation_plan.cpp.
 ActivationPlan make_activation_plan(const TransformerConfig& config);
+
+/// The plan that keeps every activation of `config`'s model: its layers' kinds, no recompute or
+/// offload (what the memory pre-check bounds a step by). Checks the shape only.
+ActivationPlan keep_everything_plan(const TransformerConfig& config);
 
 /// Throws unless `plan` can run on `config`'s model: one LayerPlan per layer, chunks in order
 /// and matching the layers' chunk indices, no selective recompute or offload inside a chunk,

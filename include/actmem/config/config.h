@@ -400,7 +400,8 @@ struct TrainingConfig {
   std::string data_path;
   /// Megatron's --data-path: indexed-dataset prefixes, or weight-prefix pairs (a blend).
   std::vector<std::string> data_paths;
-  /// Where the dataset indices are cached (--data-cache-path); empty: PREFIX/cache/GPTDataset_indices.
+  /// Where the dataset indices are cached (--data-cache-path); empty:
+  /// PREFIX/cache/GPTDataset_indices.
   std::string data_cache_path;
   /// The tokenizer the data was made with (tokenizer.h); empty: bytes, vocabulary --vocab-size.
   /// With one, the model's vocabulary is the tokenizer's padded to a multiple of
@@ -525,8 +526,8 @@ struct TrainingConfig {
 /// The learning-rate schedule of Megatron's get_optimizer_param_scheduler (training.py), in
 /// samples as its OptimizerParamScheduler counts them.
 struct LrScheduleSteps {
-  double warmup = 0;     // lr_warmup_steps (a fraction of the decay steps need not be whole)
-  int64_t decay = 0;     // lr_decay_steps
+  double warmup = 0;  // lr_warmup_steps (a fraction of the decay steps need not be whole)
+  int64_t decay = 0;  // lr_decay_steps
 };
 /// For `config` (train_iters resolved) with `batches` per step. Iteration-based runs count the
 /// samples their first iterations consume (lr_decay_iters x global batch with one size; under a

@@ -16,11 +16,11 @@
 namespace actmem {
 
 struct Strategy {
-  std::vector<RecomputeModule> recompute_modules;  // selective recompute (empty: none)
+  std::vector<RecomputeModule> recompute_modules;        // selective recompute (empty: none)
   RecomputeMethod full_method = RecomputeMethod::kNone;  // full recompute (kNone: none)
-  int64_t full_layers = 0;                         // full recompute's --recompute-num-layers
-  std::vector<OffloadModule> offload_modules;      // fine-grained offload groups (empty: none)
-  int64_t offload_layers = 0;                      // layer-level offload of the first K layers
+  int64_t full_layers = 0;                               // full recompute's --recompute-num-layers
+  std::vector<OffloadModule> offload_modules;  // fine-grained offload groups (empty: none)
+  int64_t offload_layers = 0;                  // layer-level offload of the first K layers
 
   bool plain() const {
     return recompute_modules.empty() && full_method == RecomputeMethod::kNone &&

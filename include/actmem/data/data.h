@@ -50,8 +50,8 @@ at::Tensor read_text_file(const std::string& path);
 /// Train and validation token streams (views of one host tensor; Note [Corpus in bounded
 /// memory]).
 struct Corpus {
-  at::Tensor train;  // [n_train] uint8
-  at::Tensor valid;  // [n_valid] uint8
+  at::Tensor train;    // [n_train] uint8
+  at::Tensor valid;    // [n_valid] uint8
   std::string source;  // "built-in" or the path
   /// Bytes of the token stream (train, validation and the unused test share).
   int64_t bytes = 0;

@@ -192,10 +192,10 @@ DataBlend parse_data_path(const std::vector<std::string>& args);
 /// default, PREFIX/cache/GPTDataset_indices per dataset.
 struct GPTSplits {
   std::shared_ptr<const SampleSource> train, valid, test;
-  int64_t documents = 0;       // over all datasets
-  int64_t sequences = 0;       // over all datasets (what the splits cut)
-  int64_t tokens = 0;          // over all datasets
-  int64_t bytes = 0;           // of their .bin files
+  int64_t documents = 0;  // over all datasets
+  int64_t sequences = 0;  // over all datasets (what the splits cut)
+  int64_t tokens = 0;     // over all datasets
+  int64_t bytes = 0;      // of their .bin files
 };
 GPTSplits build_gpt_splits(const DataBlend& blend, const std::string& split, int64_t seq_length,
                            uint32_t seed, const std::vector<int64_t>& samples_per_split,

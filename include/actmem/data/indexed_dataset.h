@@ -29,7 +29,13 @@ namespace actmem {
 /// Megatron's DType codes for the token type of a .bin file (libtorch has no uint16, so tokens
 /// are read by code, not as a tensor type).
 enum TokenDTypeCode : int {
-  kUInt8 = 1, kInt8 = 2, kInt16 = 3, kInt32 = 4, kInt64 = 5, kFloat64 = 6, kFloat32 = 7,
+  kUInt8 = 1,
+  kInt8 = 2,
+  kInt16 = 3,
+  kInt32 = 4,
+  kInt64 = 5,
+  kFloat64 = 6,
+  kFloat32 = 7,
   kUInt16 = 8,
 };
 /// Bytes per token of a code; throws for a code outside 1..8.

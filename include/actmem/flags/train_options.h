@@ -12,7 +12,7 @@
 namespace CLI {
 class App;
 class Validator;
-}
+}  // namespace CLI
 
 namespace actmem {
 
@@ -20,10 +20,10 @@ namespace actmem {
 struct TrainOptions {
   TransformerConfig model;
   TrainingConfig training;
-  std::string preset;            // --preset NAME (expanded into its flags before parsing)
-  std::string log_json;          // --log-json FILE ("" = none)
-  std::string trace;             // --trace FILE ("" = none): Chrome trace of one iteration
-  std::string pipeline_plot;     // --pipeline-plot FILE ("" = none): SVG of the last step's schedule
+  std::string preset;         // --preset NAME (expanded into its flags before parsing)
+  std::string log_json;       // --log-json FILE ("" = none)
+  std::string trace;          // --trace FILE ("" = none): Chrome trace of one iteration
+  std::string pipeline_plot;  // --pipeline-plot FILE ("" = none): SVG of the last step's schedule
   /// Megatron's TensorBoard flags (--tensorboard-dir DIR, "" = none; docs/train.md).
   struct TensorBoard {
     std::string dir;
@@ -110,8 +110,8 @@ const CLI::Validator& positive_number_validator();
 CLI::Validator integer_in_range(int64_t lo, int64_t hi);
 
 /// Sets libtorch's intra-op threads: `threads`, or one per core when 0. Throws when `threads`
-/// exceeds the cores this process may run on (available_cores()) (more threads than cores only slows the step).
-/// Returns the count.
+/// exceeds the cores this process may run on (available_cores()) (more threads than cores only
+/// slows the step). Returns the count.
 int apply_thread_count(int threads);
 
 }  // namespace actmem

@@ -38,13 +38,13 @@ std::string current_module_path();
 
 /// One saved tensor.
 struct SavedTensorRecord {
-  std::string module;           // module path at save time
-  std::string op;               // innermost op that saved it ("aten::bmm", "actmem::checkpoint")
+  std::string module;  // module path at save time
+  std::string op;      // innermost op that saved it ("aten::bmm", "actmem::checkpoint")
   std::vector<int64_t> shape;
-  std::string dtype;            // "Float", "Bool", ...
-  int64_t storage_bytes = 0;    // bytes of the whole storage at the end of the forward
-  bool counted = false;         // false when the storage was counted by an earlier record
-  bool discarded = false;       // freed before the end of the forward (output-discarding recompute)
+  std::string dtype;          // "Float", "Bool", ...
+  int64_t storage_bytes = 0;  // bytes of the whole storage at the end of the forward
+  bool counted = false;       // false when the storage was counted by an earlier record
+  bool discarded = false;     // freed before the end of the forward (output-discarding recompute)
 };
 
 class ActivationLedger final : public SavedTensorHook {

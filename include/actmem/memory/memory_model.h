@@ -45,15 +45,15 @@ struct PaperShape {
   double t = 1;  // tensor-parallel size
   double p = 1;  // pipeline-parallel size
   bool sp = false;
-  std::optional<double> vpp;   // virtual pipeline stages per rank (interleaved 1F1B)
+  std::optional<double> vpp;  // virtual pipeline stages per rank (interleaved 1F1B)
   std::optional<double> num_microbatches;
-  bool swiglu = false;   // gated MLP: fc1 is 2 x ffn wide (Megatron's 3/2 multiplier)
-  bool untied = false;   // separate output layer (untie_embeddings_and_output_weights)
-  double d = 1;          // data-parallel size
+  bool swiglu = false;  // gated MLP: fc1 is 2 x ffn wide (Megatron's 3/2 multiplier)
+  bool untied = false;  // separate output layer (untie_embeddings_and_output_weights)
+  double d = 1;         // data-parallel size
   bool distributed_optimizer = false;  // optimizer state sharded over the d ranks
-  MoEPaperShape moe;    // experts == 0: dense
-  MLAPaperShape mla;    // kv_lora == 0: standard attention
-  bool rmsnorm = false;  // norms without bias (Megatron's norm_size 1)
+  MoEPaperShape moe;                   // experts == 0: dense
+  MLAPaperShape mla;                   // kv_lora == 0: standard attention
+  bool rmsnorm = false;                // norms without bias (Megatron's norm_size 1)
   /// The flash attention kernel: no s^2 term; its logsumexp, 4asb bytes (fp32), instead.
   bool flash = false;
   /// The configuration paper_shape() read this from: what the doubles leave out (which layers
@@ -107,14 +107,14 @@ double megatron_activation_memory_without_sp(const PaperShape& m);
 /// parameter + 8 Adam moments), or 6 + 12/d with the distributed optimizer, d being the expert
 /// data-parallel size world / (etp e p) for the routed experts.
 struct WeightMemory {
-  double parameters = 0;             // the whole model
-  double active_parameters = 0;      // with top-k of the routed experts per MoE layer
-  double parameters_on_rank = 0;     // the most loaded rank (first pipeline stage)
+  double parameters = 0;                 // the whole model
+  double active_parameters = 0;          // with top-k of the routed experts per MoE layer
+  double parameters_on_rank = 0;         // the most loaded rank (first pipeline stage)
   double expert_parameters_on_rank = 0;  // of which routed experts
-  double weight_bytes = 0;           // 2 per parameter on the rank
-  double gradient_bytes = 0;         // 4
-  double optimizer_bytes = 0;        // 12, or 12/d with the distributed optimizer
-  double bytes_per_parameter = 0;    // 18 or 6 + 12/d
+  double weight_bytes = 0;               // 2 per parameter on the rank
+  double gradient_bytes = 0;             // 4
+  double optimizer_bytes = 0;            // 12, or 12/d with the distributed optimizer
+  double bytes_per_parameter = 0;        // 18 or 6 + 12/d
   double total() const { return weight_bytes + gradient_bytes + optimizer_bytes; }
 };
 WeightMemory megatron_weight_and_optimizer_memory(const PaperShape& m);

@@ -97,8 +97,8 @@ PredictedBytes predict_activation_bytes(const TransformerConfig& config, const A
 /// An upper bound of the device bytes one training step of `config` holds at its peak:
 /// parameters, gradients and AdamW state (at 16 bits: 16-bit parameters and their transient
 /// gradients, fp32 main parameters, main grads and moments), the activations of one micro-batch
-/// and the transient buffers of its backward (Note [Memory pre-check] in activation_bytes.cpp). +inf
-/// for sizes whose exact count would overflow. dtype_bytes 0 = the config's precision. With
+/// and the transient buffers of its backward (Note [Memory pre-check] in activation_bytes.cpp).
+/// +inf for sizes whose exact count would overflow. dtype_bytes 0 = the config's precision. With
 /// pipeline parallelism, `pipeline_stage`'s: its layers' weights (the embedding on the first
 /// stage, the output layer on the last) and `microbatches_in_flight` micro-batches of its
 /// activations (1F1B: one_f_one_b_in_flight in pipeline.h) with the tensors crossing its

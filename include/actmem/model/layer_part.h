@@ -43,8 +43,8 @@ struct MoEStats;
 
 /// What every layer's parts receive besides their input (Megatron passes the same to each layer).
 struct LayerContext {
-  const RotaryEmbedding* rope = nullptr;  // the model's rotary tables; null without RoPE
-  at::Tensor attention_mask;              // [1, 1, S, S] bool, S >= s (make_causal_mask)
+  const RotaryEmbedding* rope = nullptr;     // the model's rotary tables; null without RoPE
+  at::Tensor attention_mask;                 // [1, 1, S, S] bool, S >= s (make_causal_mask)
   ActivationOffloader* offloader = nullptr;  // layer-level or fine-grained offload (training)
 };
 
@@ -97,12 +97,12 @@ enum class PartSlot : uint8_t { kMixer, kMlp };
 struct SavedBytesContext {
   const TransformerConfig& config;
   const LayerPlan& plan;  // the layer's
-  int64_t e = 4;         // bytes per activation element
-  int64_t up = 4;        // upcast values: fp32 at 16 bits, the dtype otherwise
-  int64_t ln_stat = 4;   // LayerNorm's mean and rstd: the dtype on CPU, upcast on CUDA
-  bool cpu = true;       // CPU conventions (ln_stat; snapshots on the device)
-  int64_t snapshot = 0;  // one checkpoint's random-state snapshot (0 when kept on the host)
-  int64_t tokens = 0;    // this rank's tokens of the residual stream: s b, or s b / t with SP
+  int64_t e = 4;          // bytes per activation element
+  int64_t up = 4;         // upcast values: fp32 at 16 bits, the dtype otherwise
+  int64_t ln_stat = 4;    // LayerNorm's mean and rstd: the dtype on CPU, upcast on CUDA
+  bool cpu = true;        // CPU conventions (ln_stat; snapshots on the device)
+  int64_t snapshot = 0;   // one checkpoint's random-state snapshot (0 when kept on the host)
+  int64_t tokens = 0;     // this rank's tokens of the residual stream: s b, or s b / t with SP
   /// The slot norm's output where the part first saves it (0 when selective layernorm recompute
   /// frees it: the norm's checkpoint keeps the norm's input instead).
   int64_t input = 0;
@@ -132,9 +132,9 @@ struct ModuleTerms {
 
 /// The parameters a part holds in one layer (count_parameters in activation_bytes.h).
 struct PartParameters {
-  int64_t sharded = 0;     // split over the tensor-parallel ranks
-  int64_t replicated = 0;  // on every tensor-parallel rank
-  int64_t experts = 0;     // routed experts, all of them
+  int64_t sharded = 0;         // split over the tensor-parallel ranks
+  int64_t replicated = 0;      // on every tensor-parallel rank
+  int64_t experts = 0;         // routed experts, all of them
   int64_t active_experts = 0;  // of them, the ones a token runs through (top-k)
   double experts_on_rank = 0;  // the routed experts' on one rank (expert x tensor ranks split)
 };

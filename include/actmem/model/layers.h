@@ -28,14 +28,19 @@ struct ForwardCounters {
 ForwardCounters& forward_counters();
 
 /// True for bfloat16 and float16.
-inline bool is_16bit(at::ScalarType t) { return t == at::kBFloat16 || t == at::kHalf; }
+inline bool is_16bit(at::ScalarType t) {
+  return t == at::kBFloat16 || t == at::kHalf;
+}
 /// The type 16-bit tensors are computed in where Megatron upcasts (norm statistics, the fp32
 /// softmax, the loss): float for 16-bit types, the type itself otherwise.
-inline at::ScalarType compute_dtype(at::ScalarType t) { return is_16bit(t) ? at::kFloat : t; }
+inline at::ScalarType compute_dtype(at::ScalarType t) {
+  return is_16bit(t) ? at::kFloat : t;
+}
 /// The parameter (and activation) type of `config`'s precision: float, bfloat16 or half.
 at::ScalarType params_dtype(const TransformerConfig& config);
 
-/// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm] in layers.cpp).
+/// x * rsqrt(mean(x^2, -1) + eps) * weight as one autograd node (see Note [Fused RMSNorm] in
+/// layers.cpp).
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 
 /// How a parameter is held across ranks, as Megatron records it on the parameter itself
@@ -66,7 +71,8 @@ class DeclaresParameters {
   /// The attributes of parameter `name`, relative to this module: one it registered ("weight"),
   /// or one it registered on a plain child module ("linear_fc1.weight"); nullopt when the
   /// parameter is not this module's to declare.
-  virtual std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const = 0;
+  virtual std::optional<ParameterAttributes> parameter_attributes(
+      const std::string& name) const = 0;
 };
 
 /// LayerNorm or RMSNorm over the last dimension, per config.normalization.
@@ -126,7 +132,6 @@ at::Tensor bias_dropout_add(const at::Tensor& x, const at::Tensor& bias, const a
 /// Dropout that saves a 1-byte mask, as the GPU kernel does (at::native_dropout);
 /// identity when p == 0 or not training.
 at::Tensor apply_dropout(const at::Tensor& x, double p, bool training);
-
 
 /// Forks the model-parallel random stream for a module's dropout (Megatron's
 /// get_cuda_rng_tracker().fork()); nullopt when that stream is already current, or when it was

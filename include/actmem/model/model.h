@@ -55,9 +55,13 @@ class TransformerLayer : public torch::nn::Module {
   /// The mixer's and the MLP's module as the kind's module class T, or null when the part is of
   /// another kind.
   template <class T>
-  T* mixer_as() const { return dynamic_cast<T*>(self_attention.get()); }
+  T* mixer_as() const {
+    return dynamic_cast<T*>(self_attention.get());
+  }
   template <class T>
-  T* mlp_as() const { return dynamic_cast<T*>(mlp.get()); }
+  T* mlp_as() const {
+    return dynamic_cast<T*>(mlp.get());
+  }
 
   std::shared_ptr<Norm> input_layernorm;
   std::shared_ptr<PartModule> self_attention;  // the mixer part
@@ -101,7 +105,7 @@ class TransformerBlock : public torch::nn::Module {
   /// of --num-microbatches-with-partial-activation-checkpoints.
   void set_checkpoint_every_layer(bool on) { checkpoint_every_layer_ = on; }
   std::vector<std::shared_ptr<TransformerLayer>> layers;  // this stage's
-  std::shared_ptr<Norm> final_layernorm;  // null except on the last stage
+  std::shared_ptr<Norm> final_layernorm;                  // null except on the last stage
 
  private:
   // Runs the global layers [start, end) of this stage.
@@ -200,7 +204,8 @@ class GPTModel : public torch::nn::Module {
   at::Tensor position_embeddings;  // [max_pos, h] or undefined with RoPE
   // The last stage's: [v, h]; aliases word_embeddings unless untied or pipeline-parallel.
   at::Tensor output_weight;
-  std::shared_ptr<TransformerBlock> decoder;  // model chunk 0's (the whole stage without interleaving)
+  std::shared_ptr<TransformerBlock>
+      decoder;  // model chunk 0's (the whole stage without interleaving)
 
  private:
   // The construction's steps, in the draws' order (Note [One sequence of draws] in
@@ -218,7 +223,7 @@ class GPTModel : public torch::nn::Module {
   at::Tensor output_logits(at::Tensor hidden);
   // Throws unless this model is the whole model (no pipeline parallelism), naming `api`.
   void check_whole_model(const char* api) const;
-  std::vector<TransformerConfig::StageLayers> chunks_;  // per model chunk
+  std::vector<TransformerConfig::StageLayers> chunks_;       // per model chunk
   std::vector<std::shared_ptr<TransformerBlock>> decoders_;  // per model chunk
   bool pre_process_ = true, post_process_ = true;
   bool loss_sum_ = false;

@@ -16,9 +16,10 @@
 // offload_schedule.h for which groups offload at all).
 #pragma once
 
+#include "actmem/base/report.h"
+#include "actmem/config/activation_plan.h"
 #include "actmem/offload/copy_engine.h"
 #include "actmem/offload/offload_schedule.h"
-#include "actmem/base/report.h"
 #include "actmem/recompute/saved_tensor_hooks.h"
 
 #include <ATen/core/Tensor.h>
@@ -79,9 +80,9 @@ bool is_legal_transition(OffloadState from, OffloadState to);
 
 /// Per-step offload measurements.
 struct OffloadStats {
-  int64_t offloaded_bytes = 0;   // device bytes copied to host this step
-  double wait_s = 0.0;           // time compute waited for reloads (and for the in-flight cap)
-  double d2h_busy_s = 0.0;       // copy-engine time this step, each direction
+  int64_t offloaded_bytes = 0;  // device bytes copied to host this step
+  double wait_s = 0.0;          // time compute waited for reloads (and for the in-flight cap)
+  double d2h_busy_s = 0.0;      // copy-engine time this step, each direction
   double h2d_busy_s = 0.0;
 };
 
@@ -94,7 +95,11 @@ class OffloadRegion {
   /// Opens group `name` of `kind`; `offload` false opens a group that keeps its tensors (a
   /// layer beyond the offloaded ones still marks where its backward begins, for the prefetch).
   OffloadRegion(ActivationOffloader* offloader, std::string name,
-                GroupKind kind = GroupKind::kModule, bool offload = true);
+                GroupKind kind = GroupKind::kModule, bool offload = true,
+                HostBuffers buffers = HostBuffers::kExact);
+  /// Opens fine-grained group `group` (its name in kOffloadModuleNames).
+  OffloadRegion(ActivationOffloader* offloader, OffloadModule group,
+                HostBuffers buffers = HostBuffers::kExact);
   /// Ends capturing and, if commit() was not reached (an exception), commits without the
   /// output's backward hook.
   ~OffloadRegion();
@@ -174,7 +179,9 @@ class ActivationOffloader final : public SavedTensorHook {
   HostPool& pool() { return pool_; }
   /// Whether the MoE groups (expert_fc1, moe_act), whose sizes follow the routing, take host
   /// buffers by size class (HostPool::acquire; default) or by exact size.
-  void set_moe_size_classes(bool on) { moe_size_classes_ = on; }
+  /// Whether groups opened with HostBuffers::kSizeClasses reuse buffers by size class (the
+  /// default) or take exact sizes (bench_moe compares the two).
+  void set_size_classes(bool on) { size_classes_ = on; }
   CopyStream& d2h() { return d2h_; }
   CopyStream& h2d() { return h2d_; }
 
@@ -187,8 +194,8 @@ class ActivationOffloader final : public SavedTensorHook {
  private:
   friend class OffloadRegion;
   friend struct OffloadBackward;
-  bool moe_size_classes_ = true;
-  int open_group(const std::string& name, GroupKind kind, bool offload);
+  bool size_classes_ = true;
+  int open_group(const std::string& name, GroupKind kind, bool offload, HostBuffers buffers);
   void commit(int index, const std::vector<at::Tensor>& forced);
   void on_commit_backward(int index);
   void on_start_backward(int index);

@@ -20,10 +20,16 @@ namespace actmem {
 /// (layer-level offload: everything one layer saves).
 enum class GroupKind : uint8_t { kModule, kLayer };
 
+/// How a group's host buffers are reused between steps: a buffer of each tensor's exact size
+/// (its size is the same every step), or of its size class (its size follows data the step
+/// decides, as the MoE groups' follow the routing; copy_engine.h's HostPool).
+enum class HostBuffers : uint8_t { kExact, kSizeClasses };
+
 /// What the schedule knows of a group of the current forward.
 struct GroupInfo {
   std::string name;
   GroupKind kind = GroupKind::kModule;
+  HostBuffers buffers = HostBuffers::kExact;
   bool offloads = false;     // decided when the group opened
   bool committed = false;    // its device-to-host copies are queued
   bool has_entries = false;  // it captured at least one saved tensor
@@ -67,9 +73,10 @@ class OffloadSchedule {
   void begin_forward() { inflight_.clear(); }
 
   /// Prefetch order: the group to start reloading when the backward reaches `point` of group
-  /// `index`, or -1 (never a group of another forward). Module groups reload one group ahead when a module's backward is done (the
-  /// closest earlier group that offloaded something); layer groups reload the layer before when
-  /// a layer's backward begins, so its copy overlaps the whole layer's backward.
+  /// `index`, or -1 (never a group of another forward). Module groups reload one group ahead when a
+  /// module's backward is done (the closest earlier group that offloaded something); layer groups
+  /// reload the layer before when a layer's backward begins, so its copy overlaps the whole layer's
+  /// backward.
   int prefetch_target(int index, BackwardPoint point,
                       const std::function<const GroupInfo*(int)>& group) const;
 

@@ -38,14 +38,15 @@ struct GradNormParameter {
 /// The roles for this rank: tp_rank is the rank in the tensor-parallel group; experts count
 /// apart only when expert parallelism splits them (expert_parallel_size > 1; otherwise they are
 /// held and split like the dense weights).
-std::vector<GradNormRole> grad_norm_roles(const std::vector<GradNormParameter>& params,
-                                          int tp_rank, int expert_parallel_size);
+std::vector<GradNormRole> grad_norm_roles(const std::vector<GradNormParameter>& params, int tp_rank,
+                                          int expert_parallel_size);
 
 /// sqrt(sum over dense gradients, reduced over the tensor then the pipeline group, plus the
 /// sum over expert gradients, reduced over the tensor-and-expert then the pipeline group).
 /// Each gradient's norm is taken in fp32 (no double copy of a gradient), the squares added in
 /// double. Every rank of the layout returns the same value. A collective on those groups: every
 /// rank must call it.
-double global_grad_norm(const std::vector<at::Tensor>& grads, const std::vector<GradNormRole>& roles);
+double global_grad_norm(const std::vector<at::Tensor>& grads,
+                        const std::vector<GradNormRole>& roles);
 
 }  // namespace actmem

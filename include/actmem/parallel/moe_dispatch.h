@@ -15,11 +15,11 @@
 //      expert-major, [(src 0, expert 0), (src 1, expert 0), ...] (sort_chunks_by_idxs), so each
 //      local expert's rows are contiguous for one grouped product;
 // and combine() undoes 3 and 2 for the experts' outputs (the tensor ranks' partial sums
-// reduce-scattered back to the rank that gathered them, then the reverse all-to-all). The all-to-all is an autograd function
-// whose backward is the reverse all-to-all (Megatron's _AllToAll), so gradients follow the
-// tokens back to the ranks that own them and reach the experts from every rank's tokens.
-// Gloo has all-to-all with uneven splits for CPU tensors (ProcessGroup::alltoall_base); the
-// counts travel as one all-gather of E int64 per rank.
+// reduce-scattered back to the rank that gathered them, then the reverse all-to-all). The
+// all-to-all is an autograd function whose backward is the reverse all-to-all (Megatron's
+// _AllToAll), so gradients follow the tokens back to the ranks that own them and reach the experts
+// from every rank's tokens. Gloo has all-to-all with uneven splits for CPU tensors
+// (ProcessGroup::alltoall_base); the counts travel as one all-gather of E int64 per rank.
 #pragma once
 
 #include "actmem/parallel/distributed.h"

@@ -68,11 +68,11 @@ WeightMemory analytic_weight_memory(const PaperShape& m);
 
 /// What every strategy's prediction for `m` on `gpu` shares (Note [Analytic plan]).
 struct AnalyticBasis {
-  double static_bytes = 0;          // weights, gradients, optimizer state on the rank
+  double static_bytes = 0;            // weights, gradients, optimizer state on the rank
   double microbatches_in_flight = 0;  // on the first stage (Megatron's interleave factor x p)
   double layers_per_stage = 0;
-  double layer_forward_s = 0;       // one layer's forward, one micro-batch
-  double plain_step_s = 0;          // one micro-batch's forward and backward on the stage
+  double layer_forward_s = 0;  // one layer's forward, one micro-batch
+  double plain_step_s = 0;     // one micro-batch's forward and backward on the stage
   nlohmann::json to_json() const;
 };
 AnalyticBasis analytic_basis(const PaperShape& m, const DeviceSpec& gpu);

@@ -84,7 +84,7 @@ struct PlanCosts {
   /// ("plain", "recompute:MOD", "full-layer", "offload-set:G+...", "layer-offload"): what the
   /// extras were taken from, kept so a reader can recompute them (optional in a record).
   std::map<std::string, std::vector<double>> round_step_s;
-  int steps = 0;      // timed rounds run (Note [Rounds until sure])
+  int steps = 0;  // timed rounds run (Note [Rounds until sure])
   int threads = 0;
   nlohmann::json to_json() const;
   /// The inverse of to_json(); throws for a record that lacks a field.
@@ -97,8 +97,8 @@ struct PlanCosts {
 struct TimedRounds {
   int min_rounds = 10;
   int max_rounds = 10;
-  double precision = 0;        // the standard error wanted of each watched ratio (0.01: 1%)
-  std::vector<size_t> watch;   // indices into the strategies; empty: every one but the plain
+  double precision = 0;       // the standard error wanted of each watched ratio (0.01: 1%)
+  std::vector<size_t> watch;  // indices into the strategies; empty: every one but the plain
   /// `rounds` exactly.
   static TimedRounds fixed(int rounds) { return {rounds, rounds, 0.0, {}}; }
   /// At least `fewest` rounds (always: the cap bounds only the rounds after them), then until
@@ -144,10 +144,10 @@ PlanCosts plan_costs(const TransformerConfig& base, const TrainingConfig& traini
 /// One strategy's prediction.
 struct PlanEstimate {
   Strategy strategy;
-  int64_t kept_bytes = 0;  // activation bytes the forward leaves on the device (exact predictor
-                           // less what offload moves)
-  int64_t peak_bytes = 0;      // predicted device peak of a step
-  double step_ratio = 1.0;     // predicted step time over the plain step's
+  int64_t kept_bytes = 0;   // activation bytes the forward leaves on the device (exact predictor
+                            // less what offload moves)
+  int64_t peak_bytes = 0;   // predicted device peak of a step
+  double step_ratio = 1.0;  // predicted step time over the plain step's
   double step_ratio_spread = 0;  // its uncertainty from the measurements' spread (0: analytic)
   /// Measured as a finalist (Note [Plan finalists] in planner.cpp): its step ratio among the
   /// finalists' rounds and that ratio's spread; 0 when it was not.
@@ -170,12 +170,13 @@ struct PlanEstimate {
 /// Step ratios of strategies trained side by side from the same seed (Note [Honest step ratios]
 /// in step_rounds.h).
 struct MeasuredRatios {
-  std::vector<double> ratio;    // per strategy: median over rounds of its step / the plain step's
-  std::vector<double> spread;   // per strategy: half the interquartile range of those per-round ratios
-  std::vector<double> standard_error;  // per strategy: median_standard_error() of those ratios
+  std::vector<double> ratio;  // per strategy: median over rounds of its step / the plain step's
+  std::vector<double>
+      spread;  // per strategy: half the interquartile range of those per-round ratios
+  std::vector<double> standard_error;       // per strategy: median_standard_error() of those ratios
   std::vector<std::vector<double>> step_s;  // per strategy: every timed round's step time
-  std::vector<bool> bitwise;    // per strategy: every round's loss and gradient digest the plain
-                                // run's (the loss only without digests)
+  std::vector<bool> bitwise;  // per strategy: every round's loss and gradient digest the plain
+                              // run's (the loss only without digests)
   int warm_up_rounds = 0;
   int rounds = 0;  // timed rounds run
 };
@@ -200,20 +201,18 @@ constexpr int kDefaultFinalistSteps = 10;
 
 /// The at most `n` strategies of `estimates` that fit `budget` with the least predicted step
 /// ratios (ties: the smaller peak), fastest first.
-std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates,
-                                         int64_t budget, int n);
+std::vector<PlanEstimate> plan_finalists(const std::vector<PlanEstimate>& estimates, int64_t budget,
+                                         int n);
 
 /// plan_finalists() of `estimates` for `budget`, timed against the plain step (`steps` rounds of
 /// measure_step_ratios()) and returned with their finalist ratios set, the one measured fastest
 /// first (ties: the prediction's order); that one is then timed again against the plain step
 /// alone, for as many rounds as `confirm` asks (Note [Confirming the choice]; `confirm.watch` is
 /// ignored), and its confirmed ratio set. Empty when fewer than two fit (nothing to choose).
-std::vector<PlanEstimate> timed_finalists(const TransformerConfig& base,
-                                          const TrainingConfig& training,
-                                          const std::vector<PlanEstimate>& estimates,
-                                          int64_t budget, int n, int steps,
-                                          const TimedRounds& confirm,
-                                          const std::function<void(const std::string&)>& progress = {});
+std::vector<PlanEstimate> timed_finalists(
+    const TransformerConfig& base, const TrainingConfig& training,
+    const std::vector<PlanEstimate>& estimates, int64_t budget, int n, int steps,
+    const TimedRounds& confirm, const std::function<void(const std::string&)>& progress = {});
 
 /// Profiles `base` (its own activation flags ignored) on this machine: the plain step alone (Note
 /// [Machine speed check]), one forward-backward per distinct tail and per offload set, then

@@ -45,10 +45,10 @@ bool is_recomputing();
 
 /// Counts of recompute events since the last reset, for tests and reports.
 struct RecomputeCounters {
-  std::atomic<int64_t> checkpoints{0};           // CheckpointFunction forwards
-  std::atomic<int64_t> recomputes{0};            // CheckpointFunction backward replays
-  std::atomic<int64_t> discarded_outputs{0};     // storages freed by CheckpointWithoutOutput
-  std::atomic<int64_t> output_recomputes{0};     // CheckpointWithoutOutput replays
+  std::atomic<int64_t> checkpoints{0};        // CheckpointFunction forwards
+  std::atomic<int64_t> recomputes{0};         // CheckpointFunction backward replays
+  std::atomic<int64_t> discarded_outputs{0};  // storages freed by CheckpointWithoutOutput
+  std::atomic<int64_t> output_recomputes{0};  // CheckpointWithoutOutput replays
   void reset();
 };
 RecomputeCounters& recompute_counters();

@@ -86,9 +86,9 @@ class AdamWGroups {
 };
 
 /// A libtorch build may lack the kernels of a 16-bit type on a device (libtorch 1.13, which actmem
-/// once built on, had no float16 matmul, layer norm or softmax on CPU; 2.11 to 2.15 have them). Runs one tiny instance of each operation the
-/// model uses at `dtype` on `device`; returns the first error ("addmm_impl_cpu_" not implemented
-/// for 'Half'), or nullopt when all run.
+/// once built on, had no float16 matmul, layer norm or softmax on CPU; 2.11 to 2.15 have them).
+/// Runs one tiny instance of each operation the model uses at `dtype` on `device`; returns the
+/// first error ("addmm_impl_cpu_" not implemented for 'Half'), or nullopt when all run.
 std::optional<std::string> missing_kernel(at::ScalarType dtype, const at::Device& device);
 
 class MixedPrecisionOptimizer {

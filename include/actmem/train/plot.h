@@ -3,8 +3,8 @@
 // and the pipeline schedule (each stage's forwards and backwards on one time axis).
 #pragma once
 
-#include "actmem/memory/memory_tracker.h"
 #include "actmem/base/pipeline_event.h"
+#include "actmem/memory/memory_tracker.h"
 
 #include <string>
 #include <vector>
@@ -19,7 +19,8 @@ struct TimelineSeries {
 
 /// Bytes are drawn relative to each series' first entry (what the step added). Every <g> of a
 /// series carries data-name and data-peak-bytes attributes so tools and tests can read the plot.
-std::string memory_timeline_svg(const std::vector<TimelineSeries>& series, const std::string& title);
+std::string memory_timeline_svg(const std::vector<TimelineSeries>& series,
+                                const std::string& title);
 
 /// One strategy of a plan (planner.h) as plan_front_svg draws it.
 struct PlanPoint {

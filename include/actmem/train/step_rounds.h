@@ -56,9 +56,9 @@ int warm_up_rounds(const std::vector<Trainer*>& trainers, int min_rounds, int ma
 /// trainer's stats in trainer order. `compute_digest` as in Trainer::train_step. When `stop` is
 /// given, it is asked after each round (with the rounds done) whether enough were run; returns
 /// the rounds run.
-int run_shuffled_rounds(const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
-                        const std::function<void(int round, const std::vector<IterationStats>&)>&
-                            after_round,
-                        const std::function<bool(int rounds_done)>& stop = nullptr);
+int run_shuffled_rounds(
+    const std::vector<Trainer*>& trainers, int rounds, bool compute_digest,
+    const std::function<void(int round, const std::vector<IterationStats>&)>& after_round,
+    const std::function<bool(int rounds_done)>& stop = nullptr);
 
 }  // namespace actmem

@@ -11,16 +11,16 @@
 // allocations.
 #pragma once
 
-#include "actmem/train/checkpoint.h"
-#include "actmem/config/config.h"
-#include "actmem/data/data.h"
-#include "actmem/train/gradients.h"
-#include "actmem/train/optimizer.h"
-#include "actmem/memory/memory_tracker.h"
-#include "actmem/model/model.h"
 #include "actmem/base/pipeline_event.h"
 #include "actmem/base/report.h"
+#include "actmem/config/config.h"
+#include "actmem/data/data.h"
+#include "actmem/memory/memory_tracker.h"
+#include "actmem/model/model.h"
 #include "actmem/recompute/rng.h"
+#include "actmem/train/checkpoint.h"
+#include "actmem/train/gradients.h"
+#include "actmem/train/optimizer.h"
 
 #include <nlohmann/json_fwd.hpp>
 
@@ -33,6 +33,7 @@
 namespace actmem {
 
 class ActivationLedger;
+class StepStatistics;
 class LedgerScope;
 class PipelineP2P;
 struct TensorParallelGroup;
@@ -48,9 +49,9 @@ class TraceRecorder;
 /// Everything measured in one optimizer step.
 struct IterationStats {
   int64_t iteration = 0;
-  double loss = 0.0;           // mean over micro-batches
-  double grad_norm = 0.0;      // global L2 norm before clipping
-  std::string grad_digest;     // bytes of every parameter gradient, before the optimizer step
+  double loss = 0.0;        // mean over micro-batches
+  double grad_norm = 0.0;   // global L2 norm before clipping
+  std::string grad_digest;  // bytes of every parameter gradient, before the optimizer step
   double lr = 0.0;
   /// --decoupled-lr's group's rate for this step (the word embedding and output layer).
   std::optional<double> decoupled_lr;
@@ -67,27 +68,29 @@ struct IterationStats {
   /// skipped, as Megatron's skipped iterations: parameters, moments and the learning-rate
   /// schedule are left as they were; grad_norm is NaN (null in JSON).
   bool skipped = false;
-  double step_time_s = 0.0;    // forward, backward and optimizer step of all micro-batches
+  double step_time_s = 0.0;  // forward, backward and optimizer step of all micro-batches
   double tokens_per_s = 0.0;
-  int64_t peak_device_bytes = 0;      // tracker peak during the step
+  int64_t peak_device_bytes = 0;  // tracker peak during the step
   /// Tracker peak from the end of the backward (gradient reductions, clipping, optimizer step) to
   /// the end of the step: the part of the step's peak no activation strategy changes.
   int64_t optimizer_peak_bytes = 0;
-  int64_t activation_bytes = 0;       // held at end of forward minus held before it (max over micro-batches)
-  int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward (max;
-                                      // with pipeline parallelism over the whole schedule)
-  int64_t predicted_activation_bytes = 0;  // the exact predictor for this config (activation_bytes.h)
+  int64_t activation_bytes =
+      0;  // held at end of forward minus held before it (max over micro-batches)
+  int64_t activation_peak_bytes = 0;  // peak during forward+backward minus held before forward
+                                      // (max; with pipeline parallelism over the whole schedule)
+  int64_t predicted_activation_bytes =
+      0;  // the exact predictor for this config (activation_bytes.h)
   /// The most activation bytes held at once (at the end of a forward, every micro-batch in
   /// flight counted): activation_bytes without pipeline parallelism; under 1F1B up to
   /// min(p - stage, micro-batches) micro-batches (Note [Pipeline step] in schedules.cpp).
   int64_t inflight_activation_bytes = 0;
   int64_t predicted_inflight_activation_bytes = 0;
-  int64_t offloaded_bytes = 0;   // device bytes copied to host this step (offload)
-  int64_t host_peak_bytes = 0;   // peak host-buffer bytes in use this step
-  double offload_wait_s = 0.0;   // time the compute waited for reloads this step
-  double offload_copy_s = 0.0;   // copy-engine busy time this step, both directions
+  int64_t offloaded_bytes = 0;  // device bytes copied to host this step (offload)
+  int64_t host_peak_bytes = 0;  // peak host-buffer bytes in use this step
+  double offload_wait_s = 0.0;  // time the compute waited for reloads this step
+  double offload_copy_s = 0.0;  // copy-engine busy time this step, both directions
   // With tensor parallelism (t > 1), every rank's values, gathered to all ranks (rank order):
-  std::vector<std::string> grad_digest_per_rank;       // when digests are computed
+  std::vector<std::string> grad_digest_per_rank;  // when digests are computed
   std::vector<int64_t> activation_bytes_per_rank;
   std::vector<int64_t> activation_peak_bytes_per_rank;
   std::vector<int64_t> peak_device_bytes_per_rank;
@@ -99,7 +102,7 @@ struct IterationStats {
   /// Every stage's forwards and backwards in the order it ran them (stage order; times from the
   /// earliest stage's start of the schedule; Note [Pipeline step] in schedules.cpp).
   std::vector<std::vector<PipelineEvent>> pipeline_schedule_per_stage;
-  std::optional<double> val_loss;     // when validation ran after this step
+  std::optional<double> val_loss;  // when validation ran after this step
   /// MoE models only (docs/moe.md): the unscaled load-balancing loss and z-loss (mean over MoE
   /// layers of the mean over micro-batches, as Megatron logs them; unset when not computed), the
   /// busiest expert's routed token-expert pairs over the mean (1 = balanced, the worst layer;
@@ -115,7 +118,6 @@ struct IterationStats {
 
 /// One JSON object with the fields above; doubles round-trip exactly.
 nlohmann::json to_json(const IterationStats& stats);
-
 
 class Trainer {
  public:
@@ -220,30 +222,35 @@ class Trainer {
   bool found_inf();
   // This rank's next micro-batch (tokens, labels) on the device.
   std::pair<at::Tensor, at::Tensor> next_microbatch();
-  // What a step measures around the schedule's computations (trainer.cpp).
-  class StepObserver;
+  // What a step does around the schedule's computations (Note [What a step observes] in
+  // trainer.cpp): the offloader's forwards and prefetches, the measurements, the predictions,
+  // and the three together.
+  class OffloadDriver;
+  class StepMeasurement;
+  class StepPrediction;
+  class StepObservers;
   // This stage's share of a pipeline schedule (Note [Pipeline step] in schedules.cpp) with the
   // stage's memory predicted for it; returns the mean loss (the last stage's, on every stage).
   double forward_backward_pipelined(IterationStats& st, StepClock& clock, const ScheduleSpec& spec);
   // Backward from `loss` (times the loss scale when a scaler is set: Megatron's grad_scale_func).
   void backward_from_loss(const at::Tensor& loss);
-  // The loss and the MoE statistics over the ranks, for the log (iteration_stats.cpp).
-  void finish_forward_backward(IterationStats& st, double loss_sum);
   // Sends and receives between this rank's pipeline neighbours.
   PipelineP2P pipeline_p2p() const;
   // The ledger's record of one forward (null without a ledger).
   std::unique_ptr<LedgerScope> open_ledger(const at::Tensor& tokens, const at::Tensor& labels);
   // The last pipeline stage's `value` on every stage (the value itself without a pipeline).
   double from_last_stage(double value) const;
-  // Every stage's schedule_ into st.pipeline_schedule_per_stage (on every stage).
-  void gather_schedule(IterationStats& st, const TensorParallelGroup& pp) const;
-  void gather_rank_stats(IterationStats& st, bool compute_digest);
   /// The global gradient norm (NaN-checked), after which the gradients are clipped.
   double clip_gradients(const IterationStats& st);
+  // The step's time and memory over the ranks (stats_), the trace's compute spans, the
+  // offloader's step.
   void finish_stats(IterationStats& st, const StepClock& clock);
   TransformerConfig model_config_;
   TrainingConfig config_;
   GlobalBatchSchedule batches_;
+  // The model's activation plan, resolved from its flags once (Note [One plan] in
+  // activation_plan.h): the model runs it, the prediction reads it.
+  ActivationPlan plan_;
   at::Device device_;
   DeviceMemory& memory_;
   Corpus corpus_;
@@ -255,6 +262,8 @@ class Trainer {
   OptimizerParamScheduler scheduler_;
   std::unique_ptr<GradReducer> grad_reducer_;  // --overlap-grad-reduce with d > 1
   std::unique_ptr<MemoryTimeline> timeline_;
+  // What a step measured, gathered over the ranks (iteration_stats.h).
+  std::unique_ptr<StepStatistics> stats_;
   std::unique_ptr<ActivationOffloader> offloader_;
   bool record_timeline_ = false;
   // Micro-batches per data-parallel rank in the step running (its global batch / (micro x d)).

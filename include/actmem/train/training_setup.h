@@ -42,9 +42,9 @@ TrainingData load_training_data(const TransformerConfig& model, const TrainingCo
 int64_t checked_device_memory_limit(const TransformerConfig& model, const TrainingConfig& training,
                                     const Corpus& corpus);
 
-/// The bytes one micro-batch keeps on this stage (the exact predictor, activation_bytes.h), per model
-/// chunk: predicted once at construction, or per step from the router's counts when they depend
-/// on the routing (MoE with a capacity factor and no padding).
+/// The bytes one micro-batch keeps on this stage (the exact predictor, activation_bytes.h), per
+/// model chunk: predicted once at construction, or per step from the router's counts when they
+/// depend on the routing (MoE with a capacity factor and no padding).
 struct ActivationPrediction {
   /// `partial`: --num-microbatches-with-partial-activation-checkpoints is set.
   ActivationPrediction(const TransformerConfig& config, const GPTModel& model, bool cpu,

@@ -35,8 +35,8 @@ struct Fp32SoftmaxFunction : torch::autograd::Function<Fp32SoftmaxFunction> {
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grads) {
     const at::Tensor y = ctx->get_saved_variables()[0];
-    const at::Tensor dx = at::_softmax_backward_data(grads[0].to(at::kFloat), y.to(at::kFloat), -1,
-                                                     at::kFloat);
+    const at::Tensor dx =
+        at::_softmax_backward_data(grads[0].to(at::kFloat), y.to(at::kFloat), -1, at::kFloat);
     return {dx.to(y.scalar_type())};
   }
 };
@@ -160,8 +160,8 @@ RotaryEmbedding::RotaryEmbedding(const TransformerConfig& config, at::ScalarType
   const auto f64 = at::TensorOptions().dtype(at::kDouble);
   const at::Tensor inv_freq = 1.0 / at::pow(config.rotary_base, at::arange(0, d, 2, f64) / d);
   const at::Tensor t = at::arange(config.max_positions(), f64);
-  const at::Tensor freqs = at::outer(t, inv_freq);          // [s, d/2]
-  const at::Tensor emb = at::cat({freqs, freqs}, -1);        // [s, d]
+  const at::Tensor freqs = at::outer(t, inv_freq);     // [s, d/2]
+  const at::Tensor emb = at::cat({freqs, freqs}, -1);  // [s, d]
   cos = emb.cos().to(dtype).view({emb.size(0), 1, 1, d});
   sin = emb.sin().to(dtype).view({emb.size(0), 1, 1, d});
 }
@@ -171,9 +171,10 @@ at::Tensor RotaryEmbedding::apply(const at::Tensor& x_in, int64_t offset) const 
   TORCH_CHECK(offset >= 0 && offset + s <= cos.size(0), "actmem::RotaryEmbedding: positions [",
               offset, ", ", offset + s, ") beyond the table of ", cos.size(0));
   // Note [MLA's RoPE]: even features first, then odd ones.
-  const at::Tensor x = mla_interleaved_ ? at::cat({x_in.slice(-1, 0, c10::nullopt, 2),
-                                                  x_in.slice(-1, 1, c10::nullopt, 2)}, -1)
-                                        : x_in;
+  const at::Tensor x =
+      mla_interleaved_
+          ? at::cat({x_in.slice(-1, 0, c10::nullopt, 2), x_in.slice(-1, 1, c10::nullopt, 2)}, -1)
+          : x_in;
   const int64_t rot = cos.size(-1);
   if (rot < x.size(-1)) {  // partial RoPE: rotate the first rot features, pass the rest
     return at::cat({rotate(x.narrow(-1, 0, rot), offset), x.narrow(-1, rot, x.size(-1) - rot)}, -1);
@@ -204,7 +205,7 @@ at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool r
         },
         /*distribute_saved_activations=*/false, {q, k, v})[0];
   }
-  OffloadRegion region(offload_group, to_string(OffloadModule::kCoreAttn));
+  OffloadRegion region(offload_group, OffloadModule::kCoreAttn);
   const at::Tensor qs = region.enter(q);
   std::vector<at::Tensor> forced;
   for (const at::Tensor& x : {q, k, v}) {
@@ -218,7 +219,7 @@ at::Tensor run_core_attention(const std::shared_ptr<CoreAttention>& core, bool r
 std::pair<at::Tensor, at::Tensor> run_linear_proj(Linear& proj, ActivationOffloader* offload_group,
                                                   const at::Tensor& context) {
   ModuleScope scope("linear_proj");
-  OffloadRegion region(offload_group, to_string(OffloadModule::kAttnProj));
+  OffloadRegion region(offload_group, OffloadModule::kAttnProj);
   auto [out, bias] = proj.forward(region.enter(context));
   return {region.commit(out, {context}), bias};
 }
@@ -265,7 +266,7 @@ SelfAttention::Projected SelfAttention::project(const at::Tensor& x, const Rotar
     // split and the q/k norms, so what the norms keep moves with it; its commit carries the
     // fused output (without the norms) or the normed q (the others' backward reaches the reload
     // through their own saved tensors).
-    OffloadRegion region(qkv_group, to_string(OffloadModule::kQkvLinear));
+    OffloadRegion region(qkv_group, OffloadModule::kQkvLinear);
     at::Tensor qkv;
     {
       ModuleScope scope("linear_qkv");
@@ -367,13 +368,14 @@ at::Tensor KVCacheState::attend(const at::Tensor& q, const at::Tensor& k, const 
   at::Tensor scores = at::bmm(q.squeeze(1).transpose(0, 1), kk);  // [a, n, T]
   scores.mul_(scale);
   scores.masked_fill_(masked.unsqueeze(0), -10000.0);  // Megatron's attention_mask_func value
-  const at::Tensor probs = fp32_softmax ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
-                                        : at::softmax(scores, -1);
+  const at::Tensor probs = fp32_softmax
+                               ? at::softmax(scores.to(at::kFloat), -1).to(scores.scalar_type())
+                               : at::softmax(scores, -1);
   return at::bmm(probs, vv).transpose(0, 1).reshape({n, 1, heads * value_dim});  // [n, 1, a*dv]
 }
 
-std::unique_ptr<DecodeState> SelfAttention::make_decode_state(int64_t capacity,
-                                                              const at::TensorOptions& options) const {
+std::unique_ptr<DecodeState> SelfAttention::make_decode_state(
+    int64_t capacity, const at::TensorOptions& options) const {
   return std::make_unique<KVCacheState>(capacity, groups_, head_dim_, head_dim_, options);
 }
 

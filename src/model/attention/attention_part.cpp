@@ -124,15 +124,16 @@ int64_t flash_output_and_logsumexp_bytes(const TransformerConfig& c, int64_t e) 
 ModuleTerms paper_attention_terms(const std::string& module, const TransformerConfig& c,
                                   int64_t dtype_bytes, bool cpu) {
   const double sbh = static_cast<double>(c.seq_length * c.micro_batch_size * c.hidden_size);
-  const double as2b = static_cast<double>(c.num_attention_heads) * c.seq_length * c.seq_length *
-                      c.micro_batch_size;
+  const double as2b =
+      static_cast<double>(c.num_attention_heads) * c.seq_length * c.seq_length * c.micro_batch_size;
   const double k = static_cast<double>(dtype_bytes) / 2.0;
   const double t = static_cast<double>(c.tensor_model_parallel_size);
   const double rep = c.sequence_parallel ? t : 1.0;
   const int64_t e = c.element_bytes();
   const int64_t tt = c.tensor_model_parallel_size;
   const int64_t sbh_t = c.seq_length * c.micro_batch_size * c.hidden_size / tt;
-  const int64_t as2b_t = c.num_attention_heads * c.seq_length * c.seq_length * c.micro_batch_size / tt;
+  const int64_t as2b_t =
+      c.num_attention_heads * c.seq_length * c.seq_length * c.micro_batch_size / tt;
   ModuleTerms x;
   auto add = [&x](int64_t bytes, const std::string& what) {
     x.beyond += bytes;
@@ -181,8 +182,8 @@ class AttentionPart final : public LayerPart {
  public:
   const char* name() const override { return "attention"; }
   PartSlot slot() const override { return PartSlot::kMixer; }
-  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan,
-                                    int64_t, at::ScalarType dtype) const override {
+  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan, int64_t,
+                                    at::ScalarType dtype) const override {
     return std::make_shared<SelfAttention>(config, plan, dtype);
   }
   std::unique_ptr<RotaryEmbedding> rotary_tables(const TransformerConfig& config,
@@ -281,12 +282,12 @@ class AttentionPart final : public LayerPart {
     const double sb = m.s * m.b, sbh = m.sbh(), t = m.t, r = m.sp ? m.t : 1.0, h = m.h;
     const double groups = m.g > 0 ? m.g : m.a;
     AnalyticTerms x;
-    x.tensors = {
-        {2 * sbh / r, {RecomputeModule::kLayernorm}, OffloadModule::kQkvLinear},
-        {2 * sbh * (1 + 2 * groups / m.a) / t, {}, OffloadModule::kCoreAttn},
-        {(m.flash ? 4 * m.a * sb : 5 * m.a * m.s * sb) / t, {RecomputeModule::kCoreAttn},
-         OffloadModule::kCoreAttn},
-        {2 * sbh / t, {}, OffloadModule::kAttnProj}};
+    x.tensors = {{2 * sbh / r, {RecomputeModule::kLayernorm}, OffloadModule::kQkvLinear},
+                 {2 * sbh * (1 + 2 * groups / m.a) / t, {}, OffloadModule::kCoreAttn},
+                 {(m.flash ? 4 * m.a * sb : 5 * m.a * m.s * sb) / t,
+                  {RecomputeModule::kCoreAttn},
+                  OffloadModule::kCoreAttn},
+                 {2 * sbh / t, {}, OffloadModule::kAttnProj}};
     double qkv = 2 * sbh * h * (1 + 2 * groups / m.a) / t, proj = 2 * sbh * h / t;
     double scores = 4 * m.b * m.s * m.s * h / t;  // Q K^T and the scores times V
     double latent_norms = 0, softmax_bytes = 9;
@@ -322,9 +323,10 @@ class AttentionPart final : public LayerPart {
   // Said only where the paper's terms do not describe it.
   std::string summary(const TransformerConfig& c, int64_t layers) const override {
     if (actmem::paper_describes(c)) return "";
-    return std::to_string(layers) + " attention layers, heads of " + std::to_string(c.kv_channels()) +
-           " (" + std::to_string(c.query_groups()) + " key/value groups" +
-           (c.attention_output_gate ? ", output gate" : "") + (c.qk_layernorm ? ", q/k norms" : "") + ")";
+    return std::to_string(layers) + " attention layers, heads of " +
+           std::to_string(c.kv_channels()) + " (" + std::to_string(c.query_groups()) +
+           " key/value groups" + (c.attention_output_gate ? ", output gate" : "") +
+           (c.qk_layernorm ? ", q/k norms" : "") + ")";
   }
 };
 }  // namespace

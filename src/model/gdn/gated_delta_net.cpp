@@ -196,19 +196,20 @@ void GatedDeltaNet::init_weights(WeightInit& init) {
   in_proj->weight.copy_(
       init.section_rows(init.normal({in_proj->weight.size(0) * t, h}, init.std()), sections));
   const double bound = 1.0 / std::sqrt(static_cast<double>(kernel_));
-  conv1d_weight.copy_(init.section_rows(
-      init.uniform({conv1d_weight.size(0) * t, 1, kernel_}, -bound, bound),
-      {sections[0], sections[1], sections[2]}));
+  conv1d_weight.copy_(
+      init.section_rows(init.uniform({conv1d_weight.size(0) * t, 1, kernel_}, -bound, bound),
+                        {sections[0], sections[1], sections[2]}));
   const at::ScalarType dtype = init.dtype();
-  A_log.copy_(
-      init.rows(init.uniform({A_log.size(0) * t}, 1.0, 16.0, compute_dtype(dtype)).log().to(dtype)));
+  A_log.copy_(init.rows(
+      init.uniform({A_log.size(0) * t}, 1.0, 16.0, compute_dtype(dtype)).log().to(dtype)));
   out_proj->weight.copy_(
       init.cols(init.normal({h, out_proj->weight.size(1) * t}, init.scaled_std())));
 }
 
 std::unique_ptr<DecodeState> GatedDeltaNet::make_decode_state(int64_t,
                                                               const at::TensorOptions&) const {
-  TORCH_CHECK(false, "actmem::KVCache: generation with GatedDeltaNet layers (their recurrent "
+  TORCH_CHECK(false,
+              "actmem::KVCache: generation with GatedDeltaNet layers (their recurrent "
               "state instead of a key/value cache) is not implemented");
 }
 

@@ -29,8 +29,8 @@ class GatedDeltaNetPart final : public LayerPart {
  public:
   const char* name() const override { return "gdn"; }
   PartSlot slot() const override { return PartSlot::kMixer; }
-  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan,
-                                    int64_t, at::ScalarType dtype) const override {
+  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan, int64_t,
+                                    at::ScalarType dtype) const override {
     return std::make_shared<GatedDeltaNet>(config, plan, dtype);
   }
 
@@ -90,7 +90,8 @@ class GatedDeltaNetPart final : public LayerPart {
     // intermediates and their gradients exist, per (batch row, value head) and padded token at
     // most ~12 dk + 8 dv + 6 C + 8 compute-type elements each (the prepared inputs, the decay,
     // system, solution and within-chunk matrices, the chunk outputs and states), twice over.
-    const double h = static_cast<double>(c.hidden_size), t = static_cast<double>(c.tensor_model_parallel_size);
+    const double h = static_cast<double>(c.hidden_size),
+                 t = static_cast<double>(c.tensor_model_parallel_size);
     const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
     const double qk = static_cast<double>(c.linear_num_key_heads * c.linear_key_head_dim);
     const double vd = static_cast<double>(c.linear_num_value_heads * c.linear_value_head_dim);
@@ -103,8 +104,9 @@ class GatedDeltaNetPart final : public LayerPart {
     p.parameters = (h * in + conv * K + 2.0 * hv + 2.0 * dv + vd * h + 3.0 * h) / t;
     p.largest_tensor = std::max(s * b * in / t, b * conv / t * (s + K)) * e;
     const double chunk = 64.0, spad = std::ceil(s / chunk) * chunk, u = e == 2.0 ? 4.0 : e;
-    p.backward_bytes = 2.0 * b * hv / t *
-                       (spad * (12.0 * dk + 8.0 * dv + 6.0 * chunk + 8.0) + spad / chunk * 2.0 * dk * dv) * u;
+    p.backward_bytes =
+        2.0 * b * hv / t *
+        (spad * (12.0 * dk + 8.0 * dv + 6.0 * chunk + 8.0) + spad / chunk * 2.0 * dk * dv) * u;
     return p;
   }
   // Note [Analytic GatedDeltaNet]
@@ -118,7 +120,8 @@ class GatedDeltaNetPart final : public LayerPart {
   // matmul rate; the convolution and its SiLU 8 T C bytes, the q/k l2 norms 8 T qk, the gated
   // output norm 6 T v (what gdn_norm_out recompute repeats).
   AnalyticTerms analytic_terms(const PaperShape& m) const override {
-    TORCH_CHECK(m.config != nullptr, "actmem::estimate_plans_analytic: a GatedDeltaNet layer needs "
+    TORCH_CHECK(m.config != nullptr,
+                "actmem::estimate_plans_analytic: a GatedDeltaNet layer needs "
                 "the configuration it was read from");
     const TransformerConfig& c = *m.config;
     const double sb = m.s * m.b, t = m.t, h = m.h;

@@ -53,11 +53,11 @@ RotaryEmbedding RotaryEmbedding::for_mla(const TransformerConfig& config, at::Sc
     const at::Tensor ramp = ((at::arange(d / 2, f64) - low) / (high - low)).clamp(0.0, 1.0);
     const at::Tensor mask = 1.0 - ramp;
     inv_freq = (extra / factor) * (1.0 - mask) + extra * mask;
-    concentration = yarn_get_mscale(factor, config.mscale) /
-                    yarn_get_mscale(factor, config.mscale_all_dim);
+    concentration =
+        yarn_get_mscale(factor, config.mscale) / yarn_get_mscale(factor, config.mscale_all_dim);
   }
   const at::Tensor t = at::arange(config.max_positions(), f64);
-  const at::Tensor freqs = at::outer(t, inv_freq);    // [s, d/2]
+  const at::Tensor freqs = at::outer(t, inv_freq);     // [s, d/2]
   const at::Tensor emb = at::cat({freqs, freqs}, -1);  // [s, d]
   RotaryEmbedding r;
   r.cos = (emb.cos() * concentration).to(dtype).view({emb.size(0), 1, 1, d});
@@ -126,9 +126,11 @@ MLASelfAttention::MLASelfAttention(const TransformerConfig& c, const LayerPlan& 
                                dtype, LinearParallel::kColumn, sp));
   if (c.qk_layernorm) {
     if (c.q_lora_rank) {
-      q_layernorm = register_module("q_layernorm", std::make_shared<Norm>(c, dtype, *c.q_lora_rank));
+      q_layernorm =
+          register_module("q_layernorm", std::make_shared<Norm>(c, dtype, *c.q_lora_rank));
     }
-    kv_layernorm = register_module("kv_layernorm", std::make_shared<Norm>(c, dtype, c.kv_lora_rank));
+    kv_layernorm =
+        register_module("kv_layernorm", std::make_shared<Norm>(c, dtype, c.kv_lora_rank));
   }
 }
 
@@ -178,11 +180,12 @@ std::vector<at::Tensor> MLASelfAttention::up_and_rope(const std::vector<at::Tens
     kv = linear_kv_up_proj->forward(kv_c).first;
   }
   ModuleScope scope("rotary_pos_emb");
-  const auto qs = q.view({s, b, heads_, qk_head_dim_ + pos_dim_}).split_with_sizes({qk_head_dim_, pos_dim_}, -1);
+  const auto qs = q.view({s, b, heads_, qk_head_dim_ + pos_dim_})
+                      .split_with_sizes({qk_head_dim_, pos_dim_}, -1);
   const auto kvs = kv.view({s, b, heads_, qk_head_dim_ + v_head_dim_})
                        .split_with_sizes({qk_head_dim_, v_head_dim_}, -1);
-  const at::Tensor q_pe = rope.apply(qs[1], offset);                  // [s, b, a, pos]
-  const at::Tensor k_pe = rope.apply(k_pos.unsqueeze(-2), offset);    // [s, b, 1, pos]
+  const at::Tensor q_pe = rope.apply(qs[1], offset);                // [s, b, a, pos]
+  const at::Tensor k_pe = rope.apply(k_pos.unsqueeze(-2), offset);  // [s, b, 1, pos]
   // One RoPE key part per token, shared by every head.
   return {at::cat({qs[0], q_pe}, -1), at::cat({kvs[0], k_pe.expand({s, b, heads_, pos_dim_})}, -1),
           kvs[1].contiguous()};
@@ -197,10 +200,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> MLASelfAttention::project(
 
 std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
                                                             const LayerContext& ctx) {
-  TORCH_CHECK(ctx.rope != nullptr, "actmem::MLASelfAttention: needs MLA's rotary tables "
+  TORCH_CHECK(ctx.rope != nullptr,
+              "actmem::MLASelfAttention: needs MLA's rotary tables "
               "(LayerContext::rope; GPTModel builds them)");
   const bool train = is_training();
-  auto group = [&](OffloadModule m) { return plan_.offloads(m) && train ? ctx.offloader : nullptr; };
+  auto group = [&](OffloadModule m) {
+    return plan_.offloads(m) && train ? ctx.offloader : nullptr;
+  };
   const RotaryEmbedding* rope = ctx.rope;
   // Selective "mla_up_proj" (Megatron's recompute_up_proj): output-discarding recompute of the
   // up-projections and RoPE; q, k and v are freed once core attention saved them and rebuilt
@@ -211,7 +217,7 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
   {
     // Megatron's qkv_linear group spans get_query_key_value_tensors: it starts at the hidden
     // states and commits on the query, releasing the hidden states.
-    OffloadRegion region(group(OffloadModule::kQkvLinear), to_string(OffloadModule::kQkvLinear));
+    OffloadRegion region(group(OffloadModule::kQkvLinear), OffloadModule::kQkvLinear);
     const at::Tensor xs = region.enter(x);
     auto [q_c, kv_c, k_pos] = down(xs);
     std::vector<at::Tensor> qkv;
@@ -237,7 +243,6 @@ std::pair<at::Tensor, at::Tensor> MLASelfAttention::forward(const at::Tensor& x,
   if (recompute_up) up_ckpt.discard_output_and_register_recompute(context);
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
 }
-
 
 void MLASelfAttention::init_weights(WeightInit& init) {
   const int64_t t = init.tp_size();
@@ -265,7 +270,8 @@ std::unique_ptr<DecodeState> MLASelfAttention::make_decode_state(
 }
 
 std::pair<at::Tensor, at::Tensor> MLASelfAttention::decode(const at::Tensor& x, DecodeState* state,
-                                                           int64_t offset, const LayerContext& ctx) {
+                                                           int64_t offset,
+                                                           const LayerContext& ctx) {
   TORCH_CHECK(ctx.rope != nullptr, "actmem::MLASelfAttention: needs MLA's rotary tables");
   // MLA rotates its decoupled part inside the projection.
   const auto [q, k, v] = project(x, *ctx.rope, offset);

@@ -39,7 +39,8 @@ MLAAttentionBytes paper_mla_attention_bytes(const PaperShape& m) {
   const double sb = m.s * m.b, t = m.t, rep = m.sp ? t : 1.0, a = m.a;
   MLAAttentionBytes r;
   double latents = 2 * sb * m.h;
-  if (x.q_lora > 0) latents += 2 * sb * x.q_lora + (x.qk_layernorm ? 2 * sb * x.q_lora + 4 * sb : 0);
+  if (x.q_lora > 0)
+    latents += 2 * sb * x.q_lora + (x.qk_layernorm ? 2 * sb * x.q_lora + 4 * sb : 0);
   latents += 2 * sb * (x.kv_lora + x.pos) + (x.qk_layernorm ? 2 * sb * x.kv_lora + 4 * sb : 0);
   r.latents = latents / rep;
   r.qkv = 2 * sb * a * (2 * (x.qk + x.pos) + x.v) / t;
@@ -53,8 +54,8 @@ class MlaPart final : public LayerPart {
  public:
   const char* name() const override { return "mla"; }
   PartSlot slot() const override { return PartSlot::kMixer; }
-  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan,
-                                    int64_t, at::ScalarType dtype) const override {
+  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan, int64_t,
+                                    at::ScalarType dtype) const override {
     return std::make_shared<MLASelfAttention>(config, plan, dtype);
   }
   /// MLA rotates its own decoupled part (Note [MLA's RoPE] in mla.cpp); Megatron's GPTModel
@@ -106,8 +107,8 @@ class MlaPart final : public LayerPart {
       ctx.add("linear_kv_up_proj", kv_in);
     }
     // q, k, v after RoPE (freed by mla_up_proj recompute); the scores' tensors.
-    ctx.add("core_attention", (recompute_up ? 0 : T * heads * (2 * dq + dv) * e) +
-                                  core_attention_scores_bytes(ctx));
+    ctx.add("core_attention",
+            (recompute_up ? 0 : T * heads * (2 * dq + dv) * e) + core_attention_scores_bytes(ctx));
     ctx.add("linear_proj", T * heads * dv * e);
   }
   bool paper_describes(const TransformerConfig&) const override { return true; }
@@ -120,8 +121,8 @@ class MlaPart final : public LayerPart {
     PartParameters p;
     p.sharded = (c.q_lora_rank ? *c.q_lora_rank : h) * a * dq +
                 rkv * a * (c.qk_head_dim + c.v_head_dim) + a * c.v_head_dim * h;
-    p.replicated = (c.q_lora_rank ? h * *c.q_lora_rank : 0) + h * (rkv + c.qk_pos_emb_head_dim) +
-                   bias * h;
+    p.replicated =
+        (c.q_lora_rank ? h * *c.q_lora_rank : 0) + h * (rkv + c.qk_pos_emb_head_dim) + bias * h;
     if (c.qk_layernorm) p.replicated += (c.q_lora_rank ? *c.q_lora_rank * norm : 0) + rkv * norm;
     return p;
   }
@@ -129,13 +130,16 @@ class MlaPart final : public LayerPart {
     // transformer_flops' multi-latent attention terms.
     const double E = 3.0, F = 2.0, h = static_cast<double>(c.hidden_size);
     const double heads = static_cast<double>(c.num_attention_heads);
-    const double qk = static_cast<double>(c.qk_head_dim), pos = static_cast<double>(c.qk_pos_emb_head_dim);
-    const double v = static_cast<double>(c.v_head_dim), kv_lora = static_cast<double>(c.kv_lora_rank);
+    const double qk = static_cast<double>(c.qk_head_dim),
+                 pos = static_cast<double>(c.qk_pos_emb_head_dim);
+    const double v = static_cast<double>(c.v_head_dim),
+                 kv_lora = static_cast<double>(c.kv_lora_rank);
     const double q_term = c.q_lora_rank
                               ? static_cast<double>(*c.q_lora_rank) * (h + heads * (qk + pos) + 1.0)
                               : h * heads * (qk + pos);
     PartFlops f;
-    f.per_token = E * F * (q_term + kv_lora * (h + heads * (qk + v) + 1.0) + h * pos + heads * v * h);
+    f.per_token =
+        E * F * (q_term + kv_lora * (h + heads * (qk + v) + 1.0) + h * pos + heads * v * h);
     f.per_token_position = E * F * (heads * (qk + pos) / 2.0 + heads * v / 2.0);
     return f;
   }
@@ -143,17 +147,22 @@ class MlaPart final : public LayerPart {
     // Its projections (Megatron's counting, all split t ways as an upper bound) with the
     // column-parallel biases (3h); the kv up-projection's output [s, b, a (qk + v)] or the
     // queries, and the scores [a/t, s, s, b].
-    const double h = static_cast<double>(c.hidden_size), a = static_cast<double>(c.num_attention_heads);
+    const double h = static_cast<double>(c.hidden_size),
+                 a = static_cast<double>(c.num_attention_heads);
     const double t = static_cast<double>(c.tensor_model_parallel_size);
     const double s = static_cast<double>(c.seq_length), b = static_cast<double>(c.micro_batch_size);
-    const double dq = static_cast<double>(c.mla_q_head_dim()), dv = static_cast<double>(c.v_head_dim);
-    const double rkv = static_cast<double>(c.kv_lora_rank), pos = static_cast<double>(c.qk_pos_emb_head_dim);
-    const double q = c.q_lora_rank ? static_cast<double>(*c.q_lora_rank) * (h + a * dq + 2.0) : h * a * dq;
+    const double dq = static_cast<double>(c.mla_q_head_dim()),
+                 dv = static_cast<double>(c.v_head_dim);
+    const double rkv = static_cast<double>(c.kv_lora_rank),
+                 pos = static_cast<double>(c.qk_pos_emb_head_dim);
+    const double q =
+        c.q_lora_rank ? static_cast<double>(*c.q_lora_rank) * (h + a * dq + 2.0) : h * a * dq;
     PeakTerms p;
     p.parameters = (q + h * (rkv + pos) + rkv * a * (static_cast<double>(c.qk_head_dim) + dv) +
                     2.0 * rkv + a * dv * h + 3.0 * h) /
                    t;
-    const double widest = static_cast<double>(std::max(c.mla_q_head_dim(), c.qk_head_dim + c.v_head_dim));
+    const double widest =
+        static_cast<double>(std::max(c.mla_q_head_dim(), c.qk_head_dim + c.v_head_dim));
     p.largest_tensor = std::max(s * b * a * widest, a * s * s * b / t) * e;
     return p;
   }
@@ -171,13 +180,13 @@ class MlaPart final : public LayerPart {
     const MLAPaperShape& x = m.mla;
     AnalyticTerms a;
     const double input = 2 * sbh / r;
-    a.tensors = {
-        {input, {RecomputeModule::kLayernorm}, OffloadModule::kQkvLinear},
-        {mla.latents - input, {}, std::nullopt},
-        {mla.qkv, {RecomputeModule::kMlaUpProj}, OffloadModule::kCoreAttn},
-        {m.flash ? 4 * m.a * sb / t : mla.scores, {RecomputeModule::kCoreAttn},
-         OffloadModule::kCoreAttn},
-        {mla.context, {}, OffloadModule::kAttnProj}};
+    a.tensors = {{input, {RecomputeModule::kLayernorm}, OffloadModule::kQkvLinear},
+                 {mla.latents - input, {}, std::nullopt},
+                 {mla.qkv, {RecomputeModule::kMlaUpProj}, OffloadModule::kCoreAttn},
+                 {m.flash ? 4 * m.a * sb / t : mla.scores,
+                  {RecomputeModule::kCoreAttn},
+                  OffloadModule::kCoreAttn},
+                 {mla.context, {}, OffloadModule::kAttnProj}};
     const double dq = x.qk + x.pos;
     const double down = 2 * sb * h * (x.q_lora + x.kv_lora + x.pos) / r;
     const double q_proj = x.q_lora > 0 ? 0.0 : 2 * sb * h * m.a * dq / t;
@@ -187,7 +196,8 @@ class MlaPart final : public LayerPart {
     const double qk = 2 * m.b * m.s * m.s * m.a * dq / t;
     const double scores = qk + 2 * m.b * m.s * m.s * m.a * x.v / t;
     const double proj = 2 * sb * m.a * x.v * h / t;
-    const double latent_norms = x.qk_layernorm ? 2 * (2 * sb * x.q_lora + 2 * sb * x.kv_lora) / r : 0.0;
+    const double latent_norms =
+        x.qk_layernorm ? 2 * (2 * sb * x.q_lora + 2 * sb * x.kv_lora) / r : 0.0;
     const double softmax_dropout = m.flash ? 0.0 : 9 * m.a * m.s * sb / t;
     a.work = {{down + q_proj + proj, latent_norms, {}},
               {up, 0.0, {RecomputeModule::kMlaUpProj}},
@@ -219,16 +229,23 @@ class MlaPart final : public LayerPart {
   void paper_estimate(const PartEstimateContext& ctx, PartEstimate& out) const override {
     const PaperShape& m = ctx.m;
     const MLAAttentionBytes mla = paper_mla_attention_bytes(m);
-    out.json = {{"q_lora_rank", m.mla.q_lora > 0 ? nlohmann::json(m.mla.q_lora) : nlohmann::json(nullptr)},
-                {"kv_lora_rank", m.mla.kv_lora}, {"qk_head_dim", m.mla.qk},
-                {"qk_pos_emb_head_dim", m.mla.pos}, {"v_head_dim", m.mla.v},
-                {"qk_layernorm", m.mla.qk_layernorm},
-                {"terms", {{"latents", mla.latents}, {"qkv", mla.qkv}, {"scores", mla.scores},
-                           {"context", mla.context}}},
-                {"attention_bytes", {{"none", mla.none()},
-                                     {"core_attn", mla.kept(true, false)},
-                                     {"mla_up_proj", mla.kept(false, true)},
-                                     {"core_attn_mla_up_proj", mla.kept(true, true)}}}};
+    out.json = {
+        {"q_lora_rank", m.mla.q_lora > 0 ? nlohmann::json(m.mla.q_lora) : nlohmann::json(nullptr)},
+        {"kv_lora_rank", m.mla.kv_lora},
+        {"qk_head_dim", m.mla.qk},
+        {"qk_pos_emb_head_dim", m.mla.pos},
+        {"v_head_dim", m.mla.v},
+        {"qk_layernorm", m.mla.qk_layernorm},
+        {"terms",
+         {{"latents", mla.latents},
+          {"qkv", mla.qkv},
+          {"scores", mla.scores},
+          {"context", mla.context}}},
+        {"attention_bytes",
+         {{"none", mla.none()},
+          {"core_attn", mla.kept(true, false)},
+          {"mla_up_proj", mla.kept(false, true)},
+          {"core_attn_mla_up_proj", mla.kept(true, true)}}}};
     std::ostringstream os;
     os << "\nmulti-latent attention: q_lora_rank "
        << (m.mla.q_lora > 0 ? c10::str(static_cast<int64_t>(m.mla.q_lora)) : std::string("none"))
@@ -241,7 +258,8 @@ class MlaPart final : public LayerPart {
        << format_bytes_3sig(mla.kept(true, true)) << "\n  of which latents "
        << format_bytes_3sig(mla.latents) << ", q/k/v after RoPE " << format_bytes_3sig(mla.qkv)
        << ", scores " << format_bytes_3sig(mla.scores) << ", context "
-       << format_bytes_3sig(mla.context) << "\n  the per-layer figures above use these attention terms\n";
+       << format_bytes_3sig(mla.context)
+       << "\n  the per-layer figures above use these attention terms\n";
     out.section = os.str();
   }
   std::vector<RecomputeModule> estimate_units(const TransformerConfig&) const override {

@@ -17,9 +17,9 @@ MLP::MLP(const TransformerConfig& config, at::ScalarType dtype, const LayerPlan&
   linear_fc1 = register_module(
       "linear_fc1", std::make_shared<Linear>(h, gated_ ? 2 * f : f, config.add_bias_linear, false,
                                              dtype, LinearParallel::kColumn, sp));
-  linear_fc2 = register_module(
-      "linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true, dtype,
-                                             LinearParallel::kRow, sp));
+  linear_fc2 =
+      register_module("linear_fc2", std::make_shared<Linear>(f, h, config.add_bias_linear, true,
+                                                             dtype, LinearParallel::kRow, sp));
 }
 
 std::optional<ParameterAttributes> MLP::parameter_attributes(const std::string& name) const {

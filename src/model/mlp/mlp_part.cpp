@@ -12,8 +12,8 @@ class MlpPart final : public LayerPart {
  public:
   const char* name() const override { return "mlp"; }
   PartSlot slot() const override { return PartSlot::kMlp; }
-  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan,
-                                    int64_t, at::ScalarType dtype) const override {
+  std::shared_ptr<PartModule> build(const TransformerConfig& config, const LayerPlan& plan, int64_t,
+                                    at::ScalarType dtype) const override {
     return std::make_shared<MLP>(config, dtype, plan);
   }
 
@@ -43,9 +43,11 @@ class MlpPart final : public LayerPart {
     const double t = static_cast<double>(c.tensor_model_parallel_size);
     ModuleTerms x;
     if (module == "linear_fc1") x.paper = 2 * sbh * k / (c.sequence_parallel ? t : 1.0);
-    if (module == "activation_func" || module == "linear_fc2") x.paper = 2 * ffn_ratio * sbh * k / t;
+    if (module == "activation_func" || module == "linear_fc2")
+      x.paper = 2 * ffn_ratio * sbh * k / t;
     if (module == "activation_func" && c.gated_linear_unit) {
-      const int64_t sbf_t = c.seq_length * c.micro_batch_size * c.ffn() / c.tensor_model_parallel_size;
+      const int64_t sbf_t =
+          c.seq_length * c.micro_batch_size * c.ffn() / c.tensor_model_parallel_size;
       x.beyond = 2 * sbf_t * c.element_bytes();
       x.what = "SwiGLU: fc1's output is 2f wide, plus silu's output";
     }
@@ -77,8 +79,8 @@ class MlpPart final : public LayerPart {
     PeakTerms p;
     p.parameters = (h * fc1 + f * h + fc1) / t;
     p.largest_parameter = h * fc1 / t * e;
-    p.largest_tensor = static_cast<double>(c.seq_length) * static_cast<double>(c.micro_batch_size) *
-                       fc1 / t * e;
+    p.largest_tensor =
+        static_cast<double>(c.seq_length) * static_cast<double>(c.micro_batch_size) * fc1 / t * e;
     return p;
   }
   // The paper's MLP terms (Korthikanti et al. 2022 §4.1): fc1's input, the norm output 2sbh

@@ -2,20 +2,20 @@
 // experts compute (T * k dropless), h hidden, f each expert's hidden size.
 #include "actmem/model/moe/moe.h"
 
-#include "actmem/offload/activation_offloader.h"
 #include "actmem/memory/ledger.h"
 #include "actmem/model/layers.h"
 #include "actmem/model/mlp/mlp.h"
 #include "actmem/model/weight_init.h"
+#include "actmem/offload/activation_offloader.h"
 #include "actmem/parallel/moe_dispatch.h"
+#include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/recompute.h"
 #include "actmem/recompute/rng.h"
-#include "actmem/parallel/tensor_parallel.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 
 #include <cmath>
 #include <limits>
@@ -62,11 +62,13 @@ double MoEStats::max_load_imbalance() const {
   double worst = std::numeric_limits<double>::quiet_NaN();
   for (const auto& l : layers) {
     if (l.routed_per_expert.empty()) continue;
-    const int64_t total = std::accumulate(l.routed_per_expert.begin(), l.routed_per_expert.end(),
-                                          int64_t{0});
+    const int64_t total =
+        std::accumulate(l.routed_per_expert.begin(), l.routed_per_expert.end(), int64_t{0});
     if (total == 0) continue;
-    const int64_t busiest = *std::max_element(l.routed_per_expert.begin(), l.routed_per_expert.end());
-    const double mean = static_cast<double>(total) / static_cast<double>(l.routed_per_expert.size());
+    const int64_t busiest =
+        *std::max_element(l.routed_per_expert.begin(), l.routed_per_expert.end());
+    const double mean =
+        static_cast<double>(total) / static_cast<double>(l.routed_per_expert.size());
     const double ratio = static_cast<double>(busiest) / mean;
     if (!(ratio <= worst)) worst = ratio;  // also replaces the initial NaN
   }
@@ -150,7 +152,8 @@ struct RouterGatingLinear : torch::autograd::Function<RouterGatingLinear> {
 // the largest key, ties by token order (a stable sort, so the choice does not depend on the
 // kernel; Megatron's torch.topk leaves the order of ties unspecified).
 at::Tensor capacity_mask(const at::Tensor& key, int64_t capacity) {
-  const at::Tensor order = std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/true));
+  const at::Tensor order =
+      std::get<1>(at::sort(key, /*stable=*/true, /*dim=*/0, /*descending=*/true));
   return at::zeros(key.sizes(), key.options().dtype(at::kBool))
       .scatter_(0, order.narrow(0, 0, capacity), true);
 }
@@ -164,8 +167,10 @@ at::Tensor attach_aux_loss(const at::Tensor& output, const at::Tensor& aux_loss,
 
 TopKRouter::TopKRouter(const TransformerConfig& config, at::ScalarType dtype) : config_(config) {
   const auto opts = at::TensorOptions().dtype(dtype);
-  weight = register_parameter("weight", at::zeros({config.num_moe_experts, config.hidden_size}, opts));
-  if (config.add_bias_linear) bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
+  weight =
+      register_parameter("weight", at::zeros({config.num_moe_experts, config.hidden_size}, opts));
+  if (config.add_bias_linear)
+    bias = register_parameter("bias", at::zeros({config.num_moe_experts}, opts));
 }
 
 at::Tensor TopKRouter::gating_logits(const at::Tensor& h) const {
@@ -176,9 +181,9 @@ at::Tensor TopKRouter::gating_logits(const at::Tensor& h) const {
                                                                      : h.scalar_type();
   return router_dtype == h.scalar_type()
              ? at::linear(h, weight, bias)
-             : RouterGatingLinear::apply(
-                   h, weight, bias.defined() ? bias : at::empty({0}, weight.options()),
-                   static_cast<int64_t>(router_dtype));
+             : RouterGatingLinear::apply(h, weight,
+                                         bias.defined() ? bias : at::empty({0}, weight.options()),
+                                         static_cast<int64_t>(router_dtype));
 }
 
 std::pair<at::Tensor, at::Tensor> TopKRouter::top_k(const at::Tensor& logits) const {
@@ -234,8 +239,8 @@ at::Tensor TopKRouter::load_balancing_loss(const at::Tensor& logits, int64_t bat
   const TensorParallelGroup& tp = tensor_parallel_group();
   const int64_t sp = c.sequence_parallel ? tp.size : 1;
   const bool per_sequence = c.moe_router_load_balancing_type == "seq_aux_loss";
-  TORCH_CHECK(batch_size >= 1 && T % batch_size == 0, "actmem::TopKRouter: ", T,
-              " tokens are not ", batch_size, " sequences");
+  TORCH_CHECK(batch_size >= 1 && T % batch_size == 0, "actmem::TopKRouter: ", T, " tokens are not ",
+              batch_size, " sequences");
   const int64_t groups = per_sequence ? batch_size : 1;
   const int64_t rows = T / groups;  // this rank's tokens of one sequence (all tokens for aux_loss)
   at::Tensor scores;
@@ -279,7 +284,8 @@ Routing TopKRouter::forward(const at::Tensor& h, double aux_scale, MoEStats::Lay
     // moe_utils.z_loss_func: mean(logsumexp(logits)^2) * coeff, on the logits before the top-k;
     // apply_z_loss divides the coefficient by the tensor-parallel size.
     const at::Tensor z = at::logsumexp(logits.to(at::kFloat), {-1}).pow(2).mean();
-    logits = attach_aux_loss(logits, z * (*c.moe_z_loss_coeff / static_cast<double>(sp)), aux_scale);
+    logits =
+        attach_aux_loss(logits, z * (*c.moe_z_loss_coeff / static_cast<double>(sp)), aux_scale);
     if (stats != nullptr) {
       stats->z_loss += z.item<double>();
       ++stats->z_loss_count;
@@ -374,7 +380,8 @@ at::Tensor GroupedLinear::forward(const at::Tensor& x, const std::vector<int64_t
   int64_t offset = 0;
   for (size_t j = 0; j < weights.size(); ++j) {
     const at::Tensor seg = x.narrow(0, offset, counts[j]);
-    outs.push_back(at::linear(seg, weights[j], with_bias && !biases.empty() ? biases[j] : at::Tensor()));
+    outs.push_back(
+        at::linear(seg, weights[j], with_bias && !biases.empty() ? biases[j] : at::Tensor()));
     offset += counts[j];
   }
   TORCH_CHECK(offset == x.size(0), "actmem::GroupedLinear: the counts cover ", offset, " rows of ",
@@ -395,10 +402,11 @@ Experts::Experts(const TransformerConfig& c, const LayerPlan& plan, at::ScalarTy
   const int64_t f = c.moe_ffn() / c.tensor_model_parallel_size;
   fc2_bias_here_ = tensor_parallel_group().rank == 0;
   if (grouped_) {
-    linear_fc1 = register_module("linear_fc1",
-                                 std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype,
-                                                                 LinearParallel::kColumn));
-    linear_fc2 = register_module("linear_fc2", std::make_shared<GroupedLinear>(E, f, h, bias_, dtype, LinearParallel::kRow));
+    linear_fc1 = register_module(
+        "linear_fc1", std::make_shared<GroupedLinear>(E, h, gated_ ? 2 * f : f, bias_, dtype,
+                                                      LinearParallel::kColumn));
+    linear_fc2 = register_module(
+        "linear_fc2", std::make_shared<GroupedLinear>(E, f, h, bias_, dtype, LinearParallel::kRow));
   } else {
     auto list = register_module("local_experts", std::make_shared<torch::nn::Module>());
     for (int64_t j = 0; j < E; ++j) {
@@ -425,7 +433,8 @@ at::Tensor Experts::activation(const at::Tensor& fc1, const at::Tensor& probs) c
     auto& tracker = get_rng_tracker();
     std::optional<RngFork> fork;
     if (tracker.current_state_name() != kExpertParallelRng) {
-      TORCH_CHECK(tracker.has(kExpertParallelRng) || ep_size_ == 1, "actmem::Experts: expert "
+      TORCH_CHECK(tracker.has(kExpertParallelRng) || ep_size_ == 1,
+                  "actmem::Experts: expert "
                   "dropout with expert parallelism needs the expert-parallel random stream (call "
                   "model_parallel_manual_seed first)");
       if (tracker.has(kExpertParallelRng)) fork.emplace(tracker.fork(kExpertParallelRng));
@@ -479,10 +488,13 @@ at::Tensor Experts::forward_grouped(const at::Tensor& x, const std::vector<int64
   at::Tensor fc1;
   {
     ModuleScope scope("linear_fc1");
-    OffloadRegion region(group(OffloadModule::kExpertFc1), to_string(OffloadModule::kExpertFc1));
+    // Their sizes follow the routing: host buffers by size class.
+    OffloadRegion region(group(OffloadModule::kExpertFc1), OffloadModule::kExpertFc1,
+                         HostBuffers::kSizeClasses);
     fc1 = region.commit(linear_fc1->forward(region.enter(x), counts, true), {x});
   }
-  OffloadRegion region(group(OffloadModule::kMoeAct), to_string(OffloadModule::kMoeAct));
+  OffloadRegion region(group(OffloadModule::kMoeAct), OffloadModule::kMoeAct,
+                       HostBuffers::kSizeClasses);
   const bool discard = plan_.recomputes(RecomputeModule::kMoeAct) && is_training();
   CheckpointWithoutOutput ckpt;
   at::Tensor act;
@@ -582,9 +594,11 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
   // moe_dispatch.h).
   at::Tensor rows = tokens, map = r.routing_map, probs = r.probs;
   const TensorParallelGroup& tp_ep = tensor_and_expert_parallel_group();
-  TORCH_CHECK(!exchange || tp_ep.size == tp.size * ep.size, "actmem::MoELayer: the tensor-and-"
-              "expert-parallel group has ", tp_ep.size, " ranks, expected t x e = ", tp.size,
-              " x ", ep.size, " (init_tensor_parallel_from_environment builds it)");
+  TORCH_CHECK(!exchange || tp_ep.size == tp.size * ep.size,
+              "actmem::MoELayer: the tensor-and-"
+              "expert-parallel group has ",
+              tp_ep.size, " ranks, expected t x e = ", tp.size, " x ", ep.size,
+              " (init_tensor_parallel_from_environment builds it)");
   if (allgather) {
     ModuleScope scope("token_dispatcher");
     const int64_t local = config_.num_moe_experts / ep.size;
@@ -609,7 +623,8 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
       flat = at::nonzero(map_t.reshape({-1})).squeeze(1);
       token_index = flat.remainder(rows_in);
       const at::Tensor per_expert = map_t.sum(1).cpu();
-      counts.assign(per_expert.data_ptr<int64_t>(), per_expert.data_ptr<int64_t>() + per_expert.numel());
+      counts.assign(per_expert.data_ptr<int64_t>(),
+                    per_expert.data_ptr<int64_t>() + per_expert.numel());
     }
     permuted = rows.index_select(0, token_index);
     permuted_probs = probs.t().reshape({-1}).index_select(0, flat);
@@ -635,8 +650,10 @@ at::Tensor MoELayer::compute(const at::Tensor& x, ActivationOffloader* offloader
     }
     stats->last_tokens_per_expert = expert_counts;
     stats->last_dispatched_rows = permuted.size(0);
-    if (stats->routed_per_expert.empty()) stats->routed_per_expert.assign(r.routed_per_expert.size(), 0);
-    for (size_t j = 0; j < r.routed_per_expert.size(); ++j) stats->routed_per_expert[j] += r.routed_per_expert[j];
+    if (stats->routed_per_expert.empty())
+      stats->routed_per_expert.assign(r.routed_per_expert.size(), 0);
+    for (size_t j = 0; j < r.routed_per_expert.size(); ++j)
+      stats->routed_per_expert[j] += r.routed_per_expert[j];
     stats->routed += r.routed;
     stats->dropped += r.dropped;
   }
@@ -663,9 +680,9 @@ std::pair<at::Tensor, at::Tensor> MoELayer::forward(const at::Tensor& x,
   if (plan_.recomputes(RecomputeModule::kMoe) && is_training()) {
     // Selective "moe": router, dispatch, experts, combine and shared experts replayed in
     // backward from the layer's input.
-    return {checkpoint([this, offloader](const TensorList& in) {
-              return TensorList{compute(in[0], offloader)};
-            }, false, {x})[0],
+    return {checkpoint([this, offloader](
+                           const TensorList& in) { return TensorList{compute(in[0], offloader)}; },
+                       false, {x})[0],
             at::Tensor()};
   }
   return {compute(x, offloader), at::Tensor()};

@@ -41,7 +41,8 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
   TORCH_CHECK(e.experts >= 1 && e.topk >= 1 && e.topk <= e.experts && e.ffn > 0,
               "actmem::paper_moe_layer_bytes: needs experts >= 1, 1 <= topk <= experts and an "
               "expert ffn > 0");
-  TORCH_CHECK(m.t == 1 || m.sp, "actmem::paper_moe_layer_bytes: MoE with tensor parallelism "
+  TORCH_CHECK(m.t == 1 || m.sp,
+              "actmem::paper_moe_layer_bytes: MoE with tensor parallelism "
               "needs sequence parallelism (Megatron refuses it otherwise)");
   const double sb = m.s * m.b, t = m.t, h = m.h, E = e.experts, k = e.topk;
   double rows = sb * k;
@@ -52,7 +53,8 @@ MoELayerBytes paper_moe_layer_bytes(const PaperShape& m) {
   MoELayerBytes r;
   r.rows = rows;
   r.router = (2 * sb * h + 8 * sb * k + 4 * sb * k + (e.aux_loss ? 4 * sb * E + 4 * E : 0) +
-              (e.z_loss ? 4 * sb * E + 4 * sb : 0) + (e.capacity_factor > 0 ? sb * E : 0)) / t;
+              (e.z_loss ? 4 * sb * E + 4 * sb : 0) + (e.capacity_factor > 0 ? sb * E : 0)) /
+             t;
   r.dispatch = 16 * rows + 2 * rows + 2 * rows * h;
   r.experts = (m.swiglu ? 10 : 6) * rows * e.ffn / t;
   r.shared = (m.swiglu ? 8 : 4) * sb * e.shared_ffn / t;
@@ -94,9 +96,11 @@ class MoePart final : public LayerPart {
       bound = MoELayerRouting({*rows}, moe_max_routed_rows(c));
       lr = &bound;
     }
-    TORCH_CHECK(rows.has_value(), "actmem::predict_activation_bytes: with a capacity factor and "
+    TORCH_CHECK(rows.has_value(),
+                "actmem::predict_activation_bytes: with a capacity factor and "
                 "no padding the experts' rows depend on the routing; pass the router's counts "
-                "(MoEStats::routing()) for MoE layer ", ctx.kind_index);
+                "(MoEStats::routing()) for MoE layer ",
+                ctx.kind_index);
     // T: the tokens this rank routes (s/t of the sequence with sequence parallelism); the
     // experts and the shared experts hold their 1/t column slices (expert tensor parallelism).
     const int64_t N = *rows, T = ctx.tokens, E = c.num_moe_experts, k = c.moe_router_topk;
@@ -136,7 +140,8 @@ class MoePart final : public LayerPart {
     // all-gather dispatcher permutes the gathered tokens of its own experts).
     int64_t routed = N;
     if ((c.expert_model_parallel_size > 1 || t > 1) && c.moe_token_dispatcher_type == "alltoall") {
-      routed = lr != nullptr && lr->dispatched_rows >= 0 ? lr->dispatched_rows : moe_max_routed_rows(c);
+      routed =
+          lr != nullptr && lr->dispatched_rows >= 0 ? lr->dispatched_rows : moe_max_routed_rows(c);
     }
     ctx.add("token_dispatcher", 2 * routed * 8);
     // What the experts keep for n of their rows (the probabilities apart).
@@ -180,7 +185,8 @@ class MoePart final : public LayerPart {
     PartParameters p;
     p.replicated = c.num_moe_experts * h + bias * c.num_moe_experts;
     if (c.moe_shared_expert_intermediate_size) {
-      const int64_t fs = *c.moe_shared_expert_intermediate_size, sfc1 = c.gated_linear_unit ? 2 * fs : fs;
+      const int64_t fs = *c.moe_shared_expert_intermediate_size,
+                    sfc1 = c.gated_linear_unit ? 2 * fs : fs;
       p.sharded += h * sfc1 + bias * sfc1 + fs * h;
       p.replicated += bias * h + (c.moe_shared_expert_gate ? h : 0);
     }
@@ -188,8 +194,9 @@ class MoePart final : public LayerPart {
     p.active_experts = c.moe_router_topk * expert;
     const double t = static_cast<double>(c.tensor_model_parallel_size);
     const double e = static_cast<double>(c.expert_model_parallel_size);
-    p.experts_on_rank = static_cast<double>(c.num_moe_experts) / e *
-                        (static_cast<double>(expert - bias * h) / t + static_cast<double>(bias * h));
+    p.experts_on_rank =
+        static_cast<double>(c.num_moe_experts) / e *
+        (static_cast<double>(expert - bias * h) / t + static_cast<double>(bias * h));
     return p;
   }
   PartFlops megatron_flops(const TransformerConfig& c) const override {
@@ -198,9 +205,10 @@ class MoePart final : public LayerPart {
     const double factor = c.gated_linear_unit ? 3.0 : 2.0;
     const double shared = static_cast<double>(c.moe_shared_expert_intermediate_size.value_or(0));
     PartFlops f;
-    f.per_token = E * F * h *
-                  (static_cast<double>(c.moe_ffn()) * static_cast<double>(c.moe_router_topk) * factor +
-                   shared * factor);
+    f.per_token =
+        E * F * h *
+        (static_cast<double>(c.moe_ffn()) * static_cast<double>(c.moe_router_topk) * factor +
+         shared * factor);
     return f;
   }
   PeakTerms peak_terms(const TransformerConfig& c, double e) const override {
@@ -217,8 +225,8 @@ class MoePart final : public LayerPart {
       p.parameters += h * (c.gated_linear_unit ? 2.0 * fs : fs) + fs * h + h;
     }
     p.largest_parameter = h * fc1m * e;
-    p.largest_tensor = std::max(static_cast<double>(moe_max_expert_rows(c)) * std::max(fc1m, h) * e,
-                                T * E * 4.0);
+    p.largest_tensor =
+        std::max(static_cast<double>(moe_max_expert_rows(c)) * std::max(fc1m, h) * e, T * E * 4.0);
     p.parameter_tensors = 4.0 * E;
     return p;
   }
@@ -256,7 +264,8 @@ class MoePart final : public LayerPart {
     const double permute = 2 * 2 * (2 * N * h + 2 * sbh / r);
     a.work = {{router + experts, permute, {R::kMoe}},
               {0.0, ((2 * gated + 2) + 4) * N * f / t, {R::kMoe, R::kMoeAct}},
-              {2 * sbh * fs * (gated + 1) / t, (2 * gated + 2) * sb * fs / t,
+              {2 * sbh * fs * (gated + 1) / t,
+               (2 * gated + 2) * sb * fs / t,
                {R::kMoe, R::kSharedExperts}}};
     return a;
   }
@@ -280,24 +289,31 @@ class MoePart final : public LayerPart {
     const PaperShape& m = ctx.m;
     const MoELayerBytes moe = paper_moe_layer_bytes(m);
     const LayerBytes &layer = ctx.layer, &dense = ctx.layer_with_paper_mlp;
-    out.json = {{"num_experts", m.moe.experts}, {"topk", m.moe.topk}, {"ffn", m.moe.ffn},
-                {"shared_ffn", m.moe.shared_ffn}, {"capacity_factor", m.moe.capacity_factor},
-                {"moe_layers", m.moe.layers}, {"moe_layers_in_first_stage", ctx.layers_in_stage},
+    out.json = {{"num_experts", m.moe.experts},
+                {"topk", m.moe.topk},
+                {"ffn", m.moe.ffn},
+                {"shared_ffn", m.moe.shared_ffn},
+                {"capacity_factor", m.moe.capacity_factor},
+                {"moe_layers", m.moe.layers},
+                {"moe_layers_in_first_stage", ctx.layers_in_stage},
                 {"rows_per_layer", moe.rows},
-                {"per_moe_layer_bytes", {{"none", layer.none},
-                                         {"selective", layer.selective},
-                                         {"full", layer.full}}},
-                {"terms", {{"router", moe.router}, {"dispatch", moe.dispatch},
-                           {"experts", moe.experts}, {"shared_experts", moe.shared}}},
+                {"per_moe_layer_bytes",
+                 {{"none", layer.none}, {"selective", layer.selective}, {"full", layer.full}}},
+                {"terms",
+                 {{"router", moe.router},
+                  {"dispatch", moe.dispatch},
+                  {"experts", moe.experts},
+                  {"shared_experts", moe.shared}}},
                 {"dense_layer_bytes", {{"none", dense.none}, {"selective", dense.selective}}}};
     auto n = [](double x) { return static_cast<int64_t>(x); };
     std::ostringstream os;
-    os << "\nMoE: " << n(m.moe.layers) << " of " << n(m.L) << " layers ("
-       << n(ctx.layers_in_stage) << " in the first stage), " << n(m.moe.experts) << " experts top-"
-       << n(m.moe.topk) << " of ffn " << n(m.moe.ffn)
+    os << "\nMoE: " << n(m.moe.layers) << " of " << n(m.L) << " layers (" << n(ctx.layers_in_stage)
+       << " in the first stage), " << n(m.moe.experts) << " experts top-" << n(m.moe.topk)
+       << " of ffn " << n(m.moe.ffn)
        << (m.moe.shared_ffn > 0 ? ", shared experts ffn " + c10::str(n(m.moe.shared_ffn)) : "")
-       << ", " << (m.moe.capacity_factor > 0 ? "capacity factor " + c10::str(m.moe.capacity_factor)
-                                             : std::string("dropless"))
+       << ", "
+       << (m.moe.capacity_factor > 0 ? "capacity factor " + c10::str(m.moe.capacity_factor)
+                                     : std::string("dropless"))
        << "; the experts compute " << n(moe.rows) << " rows per layer\n"
        << "  per MoE layer: none " << format_bytes_3sig(layer.none) << ", selective "
        << format_bytes_3sig(layer.selective) << ", full " << format_bytes_3sig(layer.full)
@@ -313,8 +329,9 @@ class MoePart final : public LayerPart {
       w << std::fixed << std::setprecision(2) << "  active per token "
         << ctx.weights->active_parameters / 1e9 << " B (top-" << n(m.moe.topk)
         << " of the routed experts); routed experts on this rank "
-        << ctx.weights->expert_parameters_on_rank / 1e9 << " B (split etp x ep = "
-        << n(m.moe.etp > 0 ? m.moe.etp : m.t) << " x " << n(m.moe.ep) << ")\n";
+        << ctx.weights->expert_parameters_on_rank / 1e9
+        << " B (split etp x ep = " << n(m.moe.etp > 0 ? m.moe.etp : m.t) << " x " << n(m.moe.ep)
+        << ")\n";
       out.weights = w.str();
     }
   }
@@ -331,7 +348,8 @@ class MoePart final : public LayerPart {
     if (c.moe_shared_expert_intermediate_size) {
       out << " and a shared expert (ffn " << *c.moe_shared_expert_intermediate_size << ")";
     }
-    if (c.expert_model_parallel_size > 1) out << ", expert parallel " << c.expert_model_parallel_size;
+    if (c.expert_model_parallel_size > 1)
+      out << ", expert parallel " << c.expert_model_parallel_size;
     return out.str();
   }
 };

@@ -57,7 +57,8 @@ int64_t moe_max_expert_rows(const TransformerConfig& c) {
   const int64_t dropless = sources * T * std::min(k, L);
   if (!c.moe_expert_capacity_factor) return dropless;
   const int64_t cap = std::min(moe_expert_capacity(T, k, E, *c.moe_expert_capacity_factor), T);
-  return c.moe_pad_expert_input_to_capacity ? L * sources * cap : std::min(dropless, L * sources * cap);
+  return c.moe_pad_expert_input_to_capacity ? L * sources * cap
+                                            : std::min(dropless, L * sources * cap);
 }
 
 std::optional<int64_t> moe_expert_rows(const TransformerConfig& c, size_t moe_index,

@@ -20,7 +20,6 @@
 
 namespace actmem {
 
-
 /// [1, 1, s, s] bool, true above the diagonal (the positions a query may not attend to).
 at::Tensor make_causal_mask(int64_t s, const at::Device& device = at::kCPU);
 

@@ -41,8 +41,8 @@ class MLASelfAttention : public PartModule {
                                            const LayerContext& ctx) override;
   /// Query, key and value [s, b, a, d] of x, positions from `offset` (generation's KV cache).
   std::tuple<at::Tensor, at::Tensor, at::Tensor> project(const at::Tensor& x,
-                                                        const RotaryEmbedding& rope,
-                                                        int64_t offset = 0);
+                                                         const RotaryEmbedding& rope,
+                                                         int64_t offset = 0);
   /// mscale^2 / sqrt(qk_head_dim + qk_pos_emb_head_dim), Megatron's MLA softmax scale.
   double softmax_scale() const { return softmax_scale_; }
 
@@ -62,7 +62,8 @@ class MLASelfAttention : public PartModule {
   // The query's up-projection module: linear_q_up_proj, or linear_q_proj without q_lora_rank.
   const char* q_up_name() const { return linear_q_up_proj ? "linear_q_up_proj" : "linear_q_proj"; }
   // Megatron's qkv_up_proj_and_rope_apply: q, k, v [s, b, a, d] (contiguous).
-  std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in, const RotaryEmbedding& rope, int64_t offset);
+  std::vector<at::Tensor> up_and_rope(const std::vector<at::Tensor>& in,
+                                      const RotaryEmbedding& rope, int64_t offset);
   int64_t heads_, qk_head_dim_, pos_dim_, v_head_dim_, kv_lora_rank_;  // heads_: this rank's
   bool sequence_parallel_;
   double softmax_scale_;

@@ -19,9 +19,9 @@
 
 #include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
-#include "actmem/model/moe/moe_rows.h"
 #include "actmem/model/layer_part.h"
 #include "actmem/model/layers.h"
+#include "actmem/model/moe/moe_rows.h"
 
 #include <torch/nn/module.h>
 
@@ -84,7 +84,7 @@ at::Tensor attach_aux_loss(const at::Tensor& output, const at::Tensor& aux_loss,
 
 /// The router's decision for T tokens over E experts.
 struct Routing {
-  at::Tensor probs;        // [T, E]: the routing weight of every kept token-expert pair, 0 elsewhere
+  at::Tensor probs;  // [T, E]: the routing weight of every kept token-expert pair, 0 elsewhere
   at::Tensor routing_map;  // [T, E] bool: the pairs the experts compute (with padding: all rows)
   int64_t routed = 0;      // pairs the top-k chose
   int64_t dropped = 0;     // of them, dropped by the capacity
@@ -124,7 +124,8 @@ class ExpertMLP : public torch::nn::Module, public DeclaresParameters {
   /// As an MLP's: fc1 column-parallel, fc2's weight row-parallel, its bias replicated (added by
   /// tensor rank 0 only, so a sequence-parallel sum).
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
-  at::Tensor fc1_weight, fc1_bias, fc2_weight, fc2_bias;  // biases undefined without add_bias_linear
+  at::Tensor fc1_weight, fc1_bias, fc2_weight,
+      fc2_bias;  // biases undefined without add_bias_linear
 };
 
 /// TE's GroupedLinear naming (mlp.experts.linear_fc1.weight0, .weight1, ...): one weight (and
@@ -153,8 +154,8 @@ class Experts : public torch::nn::Module {
   Experts(const TransformerConfig& config, const LayerPlan& plan, at::ScalarType dtype);
   /// x: [N, h] permuted tokens, counts: rows per expert, probs: [N] -> [N, h] (each row already
   /// weighted by its probability; fc2's bias is added times the probability).
-  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts, const at::Tensor& probs,
-                     ActivationOffloader* offloader);
+  at::Tensor forward(const at::Tensor& x, const std::vector<int64_t>& counts,
+                     const at::Tensor& probs, ActivationOffloader* offloader);
   std::vector<std::shared_ptr<ExpertMLP>> local_experts;  // SequentialMLP
   std::shared_ptr<GroupedLinear> linear_fc1, linear_fc2;  // grouped
 
@@ -208,7 +209,9 @@ class MoELayer : public PartModule {
   int64_t layer_number_;
   // This layer's entry of the model's MoEStats (an index: the vector may grow while the layers
   // bind).
-  MoEStats::Layer* stats() const { return stats_ == nullptr ? nullptr : &stats_->layers[stats_index_]; }
+  MoEStats::Layer* stats() const {
+    return stats_ == nullptr ? nullptr : &stats_->layers[stats_index_];
+  }
   MoEStats* stats_ = nullptr;
   size_t stats_index_ = 0;
   double aux_scale_ = 1.0;
