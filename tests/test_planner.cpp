@@ -92,6 +92,36 @@ TEST(Planner, MemoryBudgetsParseWithUnitsAndRefuseNonsense) {
   }
 }
 
+// A costs record names each mechanism as Megatron names its module or group (the record's format,
+// docs/planner.md); a name it does not know is refused, not read as another mechanism.
+TEST(Planner, CostRecordsNameEachMechanismAndRefuseAnUnknownOne) {
+  EXPECT_EQ(Mechanism::recompute(RecomputeModule::kCoreAttn).key(), "recompute:core_attn");
+  EXPECT_EQ(Mechanism::recompute(RecomputeModule::kGdnNormOut).key(), "recompute:gdn_norm_out");
+  EXPECT_EQ(Mechanism::offload(OffloadModule::kMlpNorm).key(), "offload:mlp_norm");
+  EXPECT_EQ(Mechanism::full_layer().key(), "full-layer");
+  EXPECT_EQ(Mechanism::layer_offload().key(), "layer-offload");
+  std::vector<Mechanism> all = {Mechanism::full_layer(), Mechanism::layer_offload()};
+  for (const auto& [m, name] : kRecomputeModuleNames) all.push_back(Mechanism::recompute(m));
+  for (const auto& [g, name] : kOffloadModuleNames) all.push_back(Mechanism::offload(g));
+  PlanCosts costs;
+  for (size_t i = 0; i < all.size(); ++i) {
+    EXPECT_EQ(Mechanism::from_key(all[i].key()), all[i]) << all[i].key();
+    costs.extra[all[i]] = 0.01 * static_cast<double>(i) - 0.02;  // below 0 too
+    costs.spread[all[i]] = 0.001 * static_cast<double>(i);
+  }
+  EXPECT_EQ(costs.extra.size(), all.size());  // no two mechanisms share a key
+  const PlanCosts back = PlanCosts::from_json(costs.to_json());
+  EXPECT_EQ(back.extra, costs.extra);
+  EXPECT_EQ(back.spread, costs.spread);
+  for (const char* bad : {"recompute:attn_norm", "offload:layernorm", "recompute", "full_layer",
+                          "offload:", "plain", ""}) {
+    testing::expect_error_containing([bad] { Mechanism::from_key(bad); }, "not a mechanism");
+  }
+  nlohmann::json j = costs.to_json();
+  j["extra_step_fraction"]["recompute:everything"] = 0.5;
+  testing::expect_error_containing([&j] { PlanCosts::from_json(j); }, "recompute:everything");
+}
+
 // Note [Plan finalists]: the strategies that fit with the least predicted ratios (ties: the
 // smaller peak), the plain run first when it fits, at most n.
 TEST(Planner, FinalistsAreTheFastestPredictedStrategiesThatFit) {
@@ -232,9 +262,9 @@ void expect_plans_predicted_within_one_percent(const TransformerConfig& c) {
   // 0.03 and 0.04 make 0.05; n layers of full recompute n times full-layer's.
   PlanCosts spread = costs;
   for (auto& [key, value] : spread.spread) value = 0;
-  spread.spread["recompute:core_attn"] = 0.03;
-  spread.spread["recompute:layernorm"] = 0.04;
-  spread.spread["full-layer"] = 0.01;
+  spread.spread[Mechanism::recompute(RecomputeModule::kCoreAttn)] = 0.03;
+  spread.spread[Mechanism::recompute(RecomputeModule::kLayernorm)] = 0.04;
+  spread.spread[Mechanism::full_layer()] = 0.01;
   for (const auto& e : estimate_plans(c, all, spread)) {
     const bool core = e.strategy.recomputes(RecomputeModule::kCoreAttn);
     const bool norm = e.strategy.recomputes(RecomputeModule::kLayernorm);

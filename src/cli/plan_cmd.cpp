@@ -467,9 +467,9 @@ void print_measured_header(const TransformerConfig& base, const MeasuredPlan& pl
             << format_bytes(static_cast<double>(costs.static_bytes)) << "; optimizer-step peak "
             << format_bytes(static_cast<double>(costs.optimizer_peak_bytes))
             << "\nextra step time of each mechanism (Note [Planner cost basis]):";
-  for (const auto& [name, extra] : costs.extra) {
-    std::cout << "  " << name << " " << (extra >= 0 ? "+" : "") << percent(extra) << " ±"
-              << percent(costs.spread.count(name) ? costs.spread.at(name) : 0.0);
+  for (const auto& [mechanism, extra] : costs.extra) {
+    std::cout << "  " << mechanism.key() << " " << (extra >= 0 ? "+" : "") << percent(extra) << " ±"
+              << percent(costs.spread.count(mechanism) ? costs.spread.at(mechanism) : 0.0);
   }
   std::cout << "\n";
 }
@@ -656,9 +656,8 @@ nlohmann::json print_measured_kernels(const PlanOptions& o, const TransformerCon
       if (budget > 0 && e.peak_bytes <= budget) fits = &e;  // sorted by peak: the last is fastest
     }
     const double plain_ms = p->costs.plain_step_s * 1e3;
-    const double extra = p->costs.extra.count("recompute:core_attn")
-                             ? p->costs.extra.at("recompute:core_attn")
-                             : 0.0;
+    const Mechanism core_attn = Mechanism::recompute(RecomputeModule::kCoreAttn);
+    const double extra = p->costs.extra.count(core_attn) ? p->costs.extra.at(core_attn) : 0.0;
     std::ostringstream best;
     if (budget <= 0) {
       best << "(no --memory-budget)";

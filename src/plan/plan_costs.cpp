@@ -25,6 +25,7 @@
 #include <iomanip>
 #include <map>
 #include <memory>
+#include <optional>
 #include <sstream>
 
 namespace actmem {
@@ -48,13 +49,61 @@ SecondStep second_step(const TransformerConfig& model, const TrainingConfig& two
 
 }  // namespace
 
+std::string Mechanism::key() const {
+  switch (kind) {
+    case Kind::kRecompute:
+      return std::string("recompute:") + to_string(module);
+    case Kind::kFullLayer:
+      return "full-layer";
+    case Kind::kOffload:
+      return std::string("offload:") + to_string(group);
+    case Kind::kLayerOffload:
+      return "layer-offload";
+  }
+  TORCH_CHECK(false, "actmem::Mechanism::key: unknown kind ", static_cast<int>(kind));
+}
+
+Mechanism Mechanism::from_key(const std::string& key) {
+  if (key == "full-layer") return full_layer();
+  if (key == "layer-offload") return layer_offload();
+  const size_t colon = key.find(':');
+  const std::string head = key.substr(0, colon), name = key.substr(colon + 1);
+  if (colon != std::string::npos && head == "recompute") {
+    if (const auto m = parse_recompute_module(name)) return recompute(*m);
+  }
+  if (colon != std::string::npos && head == "offload") {
+    if (const auto g = parse_offload_module(name)) return offload(*g);
+  }
+  TORCH_CHECK(false, "actmem::Mechanism::from_key: '", key,
+              "' is not a mechanism (expected recompute:MODULE, offload:GROUP, full-layer or "
+              "layer-offload)");
+}
+
+bool Mechanism::operator<(const Mechanism& o) const {
+  return key() < o.key();
+}
+
+namespace {
+std::map<std::string, double> by_key(const std::map<Mechanism, double>& by_mechanism) {
+  std::map<std::string, double> out;
+  for (const auto& [m, value] : by_mechanism) out[m.key()] = value;
+  return out;
+}
+
+std::map<Mechanism, double> by_mechanism(const std::map<std::string, double>& by_key) {
+  std::map<Mechanism, double> out;
+  for (const auto& [key, value] : by_key) out[Mechanism::from_key(key)] = value;
+  return out;
+}
+}  // namespace
+
 nlohmann::json PlanCosts::to_json() const {
   return {{"static_bytes", static_bytes},
           {"optimizer_peak_bytes", optimizer_peak_bytes},
           {"plain_step_s", plain_step_s},
           {"solo_plain_step_s", solo_step_s},
-          {"extra_step_fraction", extra},
-          {"extra_step_fraction_spread", spread},
+          {"extra_step_fraction", by_key(extra)},
+          {"extra_step_fraction_spread", by_key(spread)},
           {"backward_transient_bytes", transient},
           {"offloaded_bytes", offloaded},
           {"round_step_times_s", round_step_s},
@@ -69,8 +118,9 @@ PlanCosts PlanCosts::from_json(const nlohmann::json& j) {
     c.optimizer_peak_bytes = j.at("optimizer_peak_bytes").get<int64_t>();
     c.plain_step_s = j.at("plain_step_s").get<double>();
     c.solo_step_s = j.at("solo_plain_step_s").get<double>();
-    c.extra = j.at("extra_step_fraction").get<std::map<std::string, double>>();
-    c.spread = j.at("extra_step_fraction_spread").get<std::map<std::string, double>>();
+    c.extra = by_mechanism(j.at("extra_step_fraction").get<std::map<std::string, double>>());
+    c.spread =
+        by_mechanism(j.at("extra_step_fraction_spread").get<std::map<std::string, double>>());
     c.transient = j.at("backward_transient_bytes").get<std::map<std::string, int64_t>>();
     c.offloaded = j.at("offloaded_bytes").get<std::map<std::string, int64_t>>();
     if (j.contains("round_step_times_s")) {
@@ -339,22 +389,34 @@ void measure_memory_costs(const TransformerConfig& base, const TrainingConfig& o
   }
 }
 
+// One trainer measure_time_costs() times: the name its rounds are recorded under, the strategy,
+// the mechanism it measures (none for plain and for a set of offload groups measured together)
+// and how many of it the strategy holds (a layer-level mechanism over several layers).
+struct TimedMechanism {
+  std::string name;
+  Strategy strategy;
+  std::optional<Mechanism> mechanism;
+  double times = 1;
+};
+
 // profile_costs' time side: each mechanism alone against the plain step (Note [Planner cost
 // basis]), in the same rounds.
 void measure_time_costs(const TransformerConfig& base, const TrainingConfig& training,
                         const TimedRounds& rounds, const std::vector<Strategy>& all,
                         PlanCosts& costs, const std::function<void(const std::string&)>& say) {
-  std::vector<std::pair<std::string, Strategy>> basis = {{"plain", Strategy{}}};
+  const double L = static_cast<double>(base.num_layers);
+  std::vector<TimedMechanism> basis = {{"plain", Strategy{}, std::nullopt}};
   // A group that cannot offload alone (attn_proj needs core_attn) is measured in the smallest
   // legal set holding it, less the others' measured extra.
-  std::map<std::string, std::vector<OffloadModule>> measured_with;  // by group name
+  std::map<OffloadModule, std::vector<OffloadModule>> measured_with;
   for (const auto& s : all) {
     if (s.recompute_modules.size() == 1 && s.offload_modules.empty()) {
-      basis.push_back({std::string("recompute:") + to_string(s.recompute_modules[0]), s});
+      const Mechanism m = Mechanism::recompute(s.recompute_modules[0]);
+      basis.push_back({m.key(), s, m});
     }
     if (s.recompute_modules.empty() && s.full_method == RecomputeMethod::kNone) {
       for (const auto g : s.offload_modules) {
-        auto& best = measured_with[to_string(g)];
+        auto& best = measured_with[g];
         if (best.empty() || s.offload_modules.size() < best.size()) best = s.offload_modules;
       }
     }
@@ -362,17 +424,19 @@ void measure_time_costs(const TransformerConfig& base, const TrainingConfig& tra
   for (const auto& [g, set] : measured_with) {
     Strategy s;
     s.offload_modules = set;
-    basis.push_back({"offload-set:" + join_names(set, "+"), s});
+    basis.push_back({"offload-set:" + join_names(set, "+"), s, std::nullopt});
   }
   for (const auto& s : all) {
     if (s.full_method == RecomputeMethod::kUniform && s.full_layers == 1) {
-      basis.push_back({"full-layer", s});
+      basis.push_back({"full-layer", s, Mechanism::full_layer(), L});
     }
     // Layer-level offload of every layer it may take (L - 1), charged per layer.
-    if (s.offload_layers == base.num_layers - 1) basis.push_back({"layer-offload", s});
+    if (s.offload_layers == base.num_layers - 1) {
+      basis.push_back({"layer-offload", s, Mechanism::layer_offload(), L - 1});
+    }
   }
   std::vector<Strategy> runs;
-  for (const auto& entry : basis) runs.push_back(entry.second);
+  for (const auto& entry : basis) runs.push_back(entry.strategy);
   const size_t n = basis.size();
   const std::string what = "timing " + std::to_string(n) + " mechanisms: ";
   say(what + "warming up (not timed)");
@@ -382,46 +446,40 @@ void measure_time_costs(const TransformerConfig& base, const TrainingConfig& tra
       base, training, runs, every, [&](const std::string& line) { say(what + line); },
       /*compute_digest=*/false);
   costs.steps = m.rounds;
-  for (size_t i = 0; i < n; ++i) costs.round_step_s[basis[i].first] = m.step_s[i];
+  for (size_t i = 0; i < n; ++i) costs.round_step_s[basis[i].name] = m.step_s[i];
   costs.plain_step_s = median(m.step_s[0]);
-  const double L = static_cast<double>(base.num_layers);
-  std::map<std::string, double> set_extra, set_spread;
+  std::map<std::vector<OffloadModule>, std::pair<double, double>> set_cost;  // extra, spread
   for (size_t i = 1; i < n; ++i) {
-    double extra = m.ratio[i] - 1.0;  // signed (Note [Planner cost basis])
-    double spread = m.spread[i];
-    if (basis[i].first == "full-layer") extra /= L, spread /= L;
-    if (basis[i].first == "layer-offload") extra /= L - 1, spread /= L - 1;
-    if (basis[i].first.rfind("offload-set:", 0) == 0) {
-      const std::string set = join_names(basis[i].second.offload_modules, "+");
-      set_extra[set] = extra;
-      set_spread[set] = spread;
+    const double extra = (m.ratio[i] - 1.0) / basis[i].times;  // signed (Note [Planner cost basis])
+    const double spread = m.spread[i] / basis[i].times;
+    if (basis[i].mechanism) {
+      costs.extra[*basis[i].mechanism] = extra;
+      costs.spread[*basis[i].mechanism] = spread;
     } else {
-      costs.extra[basis[i].first] = extra;
-      costs.spread[basis[i].first] = spread;
+      set_cost[basis[i].strategy.offload_modules] = {extra, spread};
     }
   }
   // Singletons first, then each group measured with others as the set's extra less theirs (its
   // spread: the set's and theirs in quadrature).
   for (const auto& [g, set] : measured_with) {
     if (set.size() > 1) continue;
-    costs.extra["offload:" + g] = set_extra.at(g);
-    costs.spread["offload:" + g] = set_spread.at(g);
+    costs.extra[Mechanism::offload(g)] = set_cost.at(set).first;
+    costs.spread[Mechanism::offload(g)] = set_cost.at(set).second;
   }
   for (const auto& [g, set] : measured_with) {
     if (set.size() == 1) continue;
-    double extra = set_extra.at(join_names(set, "+"));
-    double variance = std::pow(set_spread.at(join_names(set, "+")), 2);
-    for (const auto o : set) {
-      const std::string other = to_string(o);
+    double extra = set_cost.at(set).first;
+    double variance = std::pow(set_cost.at(set).second, 2);
+    for (const auto other : set) {
       if (other == g) continue;
-      const auto it = costs.extra.find("offload:" + other);
-      TORCH_CHECK(it != costs.extra.end(), "actmem::profile_costs: offload group ", g,
-                  " is measured with ", other, ", which was not measured alone");
+      const auto it = costs.extra.find(Mechanism::offload(other));
+      TORCH_CHECK(it != costs.extra.end(), "actmem::profile_costs: offload group ", to_string(g),
+                  " is measured with ", to_string(other), ", which was not measured alone");
       extra -= it->second;
-      variance += std::pow(costs.spread.at("offload:" + other), 2);
+      variance += std::pow(costs.spread.at(Mechanism::offload(other)), 2);
     }
-    costs.extra["offload:" + g] = extra;
-    costs.spread["offload:" + g] = std::sqrt(variance);
+    costs.extra[Mechanism::offload(g)] = extra;
+    costs.spread[Mechanism::offload(g)] = std::sqrt(variance);
   }
 }
 

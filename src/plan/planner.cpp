@@ -155,17 +155,15 @@ TrainingConfig probe_training(TrainingConfig t, const TransformerConfig& model, 
   return t;
 }
 
-// The selective and fine-grained mechanisms `s` runs, as cost keys (Note [Planner cost basis]):
-// "recompute:MOD" per recompute module, "offload:GROUP" per offload group that moves bytes under
-// its selective set (a group that moves nothing there costs nothing).
-std::vector<std::string> mixed_mechanisms(const Strategy& s, const PlanCosts& costs) {
-  std::vector<std::string> out;
-  for (const auto m : s.recompute_modules) out.push_back(std::string("recompute:") + to_string(m));
+// The selective and fine-grained mechanisms `s` runs (Note [Planner cost basis]): each recompute
+// module, and each offload group that moves bytes under its selective set (a group that moves
+// nothing there costs nothing).
+std::vector<Mechanism> mixed_mechanisms(const Strategy& s, const PlanCosts& costs) {
+  std::vector<Mechanism> out;
+  for (const auto m : s.recompute_modules) out.push_back(Mechanism::recompute(m));
   for (const auto g : s.offload_modules) {
     const auto it = costs.offloaded.find(offload_key(s.recompute_modules, g));
-    if (it == costs.offloaded.end() || it->second != 0) {
-      out.push_back(std::string("offload:") + to_string(g));
-    }
+    if (it == costs.offloaded.end() || it->second != 0) out.push_back(Mechanism::offload(g));
   }
   return out;
 }
@@ -403,10 +401,10 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
                                          const PlanCosts& costs) {
   std::vector<PlanEstimate> out;
   const double L = static_cast<double>(base.num_layers);
-  auto extra = [&costs](const std::string& key) {
-    const auto it = costs.extra.find(key);
+  auto extra = [&costs](const Mechanism& m) {
+    const auto it = costs.extra.find(m);
     TORCH_CHECK(it != costs.extra.end(),
-                "actmem::estimate_plans: the costs have no measurement of '", key,
+                "actmem::estimate_plans: the costs have no measurement of '", m.key(),
                 "' (profile the same model)");
     return it->second;
   };
@@ -433,17 +431,19 @@ std::vector<PlanEstimate> estimate_plans(const TransformerConfig& base,
     e.peak_bytes =
         std::max(costs.static_bytes + e.kept_bytes + tail->second, costs.optimizer_peak_bytes);
     double ratio = 1.0, variance = 0.0;
-    auto add = [&](const std::string& key, double times) {
-      ratio += times * extra(key);
-      const auto it = costs.spread.find(key);
+    auto add = [&](const Mechanism& m, double times) {
+      ratio += times * extra(m);
+      const auto it = costs.spread.find(m);
       if (it != costs.spread.end()) variance += std::pow(times * it->second, 2);
     };
-    for (const auto& key : mixed_mechanisms(s, costs)) add(key, 1.0);
-    if (s.full_method == RecomputeMethod::kUniform) add("full-layer", L);
+    for (const Mechanism& m : mixed_mechanisms(s, costs)) add(m, 1.0);
+    const Mechanism full_layer = Mechanism::full_layer();
+    if (s.full_method == RecomputeMethod::kUniform) add(full_layer, L);
     if (s.full_method == RecomputeMethod::kBlock) {
-      add("full-layer", static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
+      add(full_layer, static_cast<double>(std::min<int64_t>(s.full_layers, base.num_layers)));
     }
-    if (s.offload_layers > 0) add("layer-offload", static_cast<double>(s.offload_layers));
+    if (s.offload_layers > 0)
+      add(Mechanism::layer_offload(), static_cast<double>(s.offload_layers));
     e.step_ratio =
         std::max(1.0, ratio);  // nothing is faster than plain (Note [Planner cost basis])
     e.step_ratio_spread = std::sqrt(variance);

@@ -58,6 +58,27 @@ std::vector<Strategy> enumerate_strategies(const TransformerConfig& base, bool l
 /// "8GiB", "7.5G", "900MiB", "16GB"). Throws for anything else or a value below one byte.
 int64_t parse_memory_budget(const std::string& text);
 
+/// One mechanism whose extra step time PlanCosts records (Note [Planner cost basis] in
+/// planner.cpp): a selective recompute module over all layers, one layer of full recompute, a
+/// fine-grained offload group over all layers, or one layer of layer-level offload. key() is its
+/// name in a costs record ("recompute:core_attn", "full-layer", "offload:mlp_norm",
+/// "layer-offload"); from_key() its inverse, throwing for a name it does not know.
+struct Mechanism {
+  enum class Kind { kRecompute, kFullLayer, kOffload, kLayerOffload };
+  Kind kind = Kind::kFullLayer;
+  RecomputeModule module{};  // kRecompute only
+  OffloadModule group{};     // kOffload only
+
+  static Mechanism recompute(RecomputeModule m) { return {Kind::kRecompute, m, {}}; }
+  static Mechanism full_layer() { return {Kind::kFullLayer, {}, {}}; }
+  static Mechanism offload(OffloadModule g) { return {Kind::kOffload, {}, g}; }
+  static Mechanism layer_offload() { return {Kind::kLayerOffload, {}, {}}; }
+  std::string key() const;
+  static Mechanism from_key(const std::string& key);
+  bool operator<(const Mechanism& o) const;  // the order of key(), so a record reads as before
+  bool operator==(const Mechanism& o) const { return key() == o.key(); }
+};
+
 /// What the profiling run measured (Note [Planner]).
 struct PlanCosts {
   int64_t static_bytes = 0;  // held before a forward: parameters, gradients, optimizer state
@@ -68,13 +89,12 @@ struct PlanCosts {
   /// check] in planner.cpp).
   double solo_step_s = 0;
   /// Extra step time over plain, as a fraction of the plain step, of each mechanism alone (Note
-  /// [Planner cost basis] in planner.cpp): "recompute:MOD" (all layers), "full-layer" (one layer
-  /// fully recomputed), "offload:GROUP" (all layers), "layer-offload" (one layer of layer-level
-  /// offload).
-  std::map<std::string, double> extra;
+  /// [Planner cost basis] in planner.cpp): a recompute module or an offload group over all
+  /// layers, one layer fully recomputed, one layer of layer-level offload.
+  std::map<Mechanism, double> extra;
   /// How far each mechanism's per-round measurement spread: half the interquartile range of its
   /// per-round ratios to the plain step, on the scale of `extra` (Note [Planner uncertainty]).
-  std::map<std::string, double> spread;
+  std::map<Mechanism, double> spread;
   /// The measured backward transient of each distinct tail (Note [Planner]), by tail key.
   std::map<std::string, int64_t> transient;
   /// Bytes one forward of the whole model offloads (Note [Offloaded bytes] in planner.cpp), per
