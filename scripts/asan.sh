@@ -15,7 +15,7 @@ source "$root/scripts/env.sh"
 # shellcheck source=fuzz/configure.sh
 source "$root/fuzz/configure.sh"
 cmake --build "$build" -j "$(nproc 2>/dev/null || echo 2)" \
-  --target actmem_asan_tests actmem actmem_tp_worker actmem-sentencepiece
+  --target actmem_asan_tests actmem actmem-sentencepiece
 # shellcheck source=fuzz/sanitizer-options.sh
 source "$root/fuzz/sanitizer-options.sh"
 OMP_NUM_THREADS=1 "$build/tests/actmem_asan_tests" --gtest_filter="${ACTMEM_ASAN_FILTER:--CheckpointCli.*:SilentNoOps.*}"

@@ -1,11 +1,15 @@
 // test_data_parallel.cpp — data parallelism across real processes: ranks split the global batch
 // and train bitwise like one process, the overlapped bucketed reduction, the distributed
 // optimizer, dropout, and the launch and batch rules.
+#include "actmem/model/activation_bytes.h"
 #include "actmem/parallel/distributed.h"
+#include "actmem/parallel/distributed_optimizer.h"
+#include "actmem/parallel/grad_reducer.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
+#include "rank_models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -28,6 +32,149 @@ using actmem::testing::expect_error_containing;
 using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
+
+// The ranks these tests start (Note [Ranks are the test binary] in parallel_workers.cpp).
+using testing::base_config;
+using testing::moe_config;
+using testing::param_digest;
+using testing::step_training;
+using testing::three_steps;
+using testing::with_pipeline;
+
+// Data parallelism: the ranks train the base model on one global batch per step; each reports its
+// steps (loss, gradient norm, its gradient digest) and its place in the layout.
+nlohmann::json run_data(int t, bool dropout, int64_t global_batch,
+                        const std::string& batch_schedule) {
+  TransformerConfig c = base_config(t, false, dropout);
+  return {{"steps", three_steps(c, global_batch, batch_schedule)["steps"]},
+          {"tp_rank", actmem::tensor_parallel_group().rank},
+          {"dp_rank", actmem::data_parallel_group().rank},
+          {"dp_size", actmem::data_parallel_group().size}};
+}
+
+// Data parallelism with and without --overlap-grad-reduce (buckets of `bucket` elements) on the
+// same layout (t x p x d, the interleaved schedule with vp > 1): three steps each, dropout as
+// asked; per step what the tests compare and how many buckets started during backward.
+nlohmann::json run_overlap(int t, int pp, int64_t vp, int64_t layers, bool dropout,
+                           int64_t global_batch, int64_t bucket) {
+  nlohmann::json out;
+  for (const bool overlap : {false, true}) {
+    const TransformerConfig c = with_pipeline(base_config(t, false, dropout), layers, pp, vp);
+    actmem::TrainingConfig tc = step_training(global_batch);
+    tc.overlap_grad_reduce = overlap;
+    if (overlap) tc.ddp_bucket_size = bucket;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) {
+      const actmem::IterationStats st = trainer.train_step(true);
+      nlohmann::json step = {
+          {"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest}};
+      if (const actmem::GradReducer* reducer = trainer.grad_reducer()) {
+        step["buckets"] = reducer->buckets();
+        step["started_in_backward"] = reducer->started_in_backward();
+      }
+      r["steps"].push_back(step);
+    }
+    r["param_digest"] = param_digest(trainer.model());
+    out[overlap ? "overlap" : "plain"] = r;
+  }
+  out["dp_size"] = actmem::data_parallel_group().size;
+  out["pp_rank"] = actmem::pipeline_parallel_group().rank;
+  return out;
+}
+
+// The distributed optimizer against the replicated one on the same layout (t x p x d, the
+// interleaved schedule with vp > 1; buckets of `bucket` elements with --overlap-grad-reduce, one
+// per group with bucket 0): three steps each, dropout as asked, clip-grad on. Reports per step what
+// the tests compare, the parameters' digest, this rank's share of the optimizer state and the
+// tracker's device bytes once the trainer holds its state. With p = 1 also resumes across the
+// two: a checkpoint saved by either continues bitwise in the other.
+nlohmann::json run_distopt(int t, int pp, int ep, int64_t vp, int64_t layers, bool dropout,
+                           int64_t global_batch, int64_t bucket, const std::string& variant,
+                           const std::string& dir) {
+  auto make = [&](bool dist) {
+    // variant moe: the MoE model of run_experts, its experts sharded over the
+    // expert-data-parallel group and the rest over the data-parallel group.
+    const TransformerConfig c =
+        with_pipeline(variant == "moe" ? moe_config(t, ep, dropout, "alltoall", "base")
+                                       : base_config(t, false, dropout, variant),
+                      layers, pp, vp);
+    actmem::TrainingConfig tc = step_training(global_batch);
+    tc.clip_grad = 0.05;  // small enough to clip: the coefficient comes from the whole gradient
+    tc.use_distributed_optimizer = dist;
+    if (bucket > 0) {
+      tc.overlap_grad_reduce = true;
+      tc.ddp_bucket_size = bucket;
+    }
+    return std::make_unique<actmem::Trainer>(c, tc);
+  };
+  auto step_json = [](const actmem::IterationStats& st) {
+    return nlohmann::json{
+        {"loss", st.loss}, {"grad_norm", st.grad_norm}, {"grad_digest", st.grad_digest}};
+  };
+  nlohmann::json out;
+  for (const bool dist : {false, true}) {
+    auto trainer = make(dist);
+    trainer->memory().reset_peak();
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) r["steps"].push_back(step_json(trainer->train_step(true)));
+    r["param_digest"] = param_digest(trainer->model());
+    r["device_bytes"] = trainer->memory().current_bytes();
+    r["peak"] = trainer->memory().peak_bytes();
+    if (pp == 1) {
+      // The trainer's memory pre-check, with the optimizer state split d ways.
+      const int64_t d =
+          std::min(actmem::data_parallel_group().size, actmem::expert_data_parallel_group().size);
+      r["peak_bound"] =
+          actmem::predict_step_peak_bound(trainer->model().config(), 0, 0, 1, dist ? d : 1);
+    }
+    if (const actmem::OptimizerShards* shards = trainer->optimizer_shards()) {
+      r["owned"] = shards->owned_elements();
+      r["total"] = shards->total_elements();
+      r["buckets"] = shards->buckets();
+    }
+    out[dist ? "distributed" : "plain"] = r;
+  }
+  if (pp == 1) {
+    // Two steps, a checkpoint, the third step: saved by one optimizer, resumed by the other.
+    for (const bool dist : {false, true}) {
+      const std::string ckpt = dir + (dist ? "/ckpt_distributed" : "/ckpt_plain");
+      {
+        auto saver = make(dist);
+        saver->train_step(false);
+        saver->train_step(false);
+        saver->save_checkpoint(ckpt);
+      }
+      auto resumed = make(!dist);
+      resumed->load_checkpoint(ckpt);
+      nlohmann::json r = step_json(resumed->train_step(true));
+      r["param_digest"] = param_digest(resumed->model());
+      out[dist ? "resumed_from_distributed" : "resumed_from_plain"] = r;
+    }
+  }
+  out["dp_size"] = actmem::data_parallel_group().size;
+  out["dp_rank"] = actmem::data_parallel_group().rank;
+  out["pp_rank"] = actmem::pipeline_parallel_group().rank;
+  out["tp_rank"] = actmem::tensor_parallel_group().rank;
+  return out;
+}
+
+// --rank data DIR --tp T (--global-batch G | --batch-schedule S) [--no-dropout]: t x d ranks.
+ACTMEM_RANK_SCENARIO(data, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_data(g.size, o.dropout, o.global_batch, o.batch_schedule);
+});
+
+// --rank overlap DIR --tp T --pp P [--vp V] --layers L --global-batch G --bucket N [--no-dropout].
+ACTMEM_RANK_SCENARIO(overlap, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_overlap(std::max(o.tp, 1), o.pp, o.vp, o.layers, o.dropout, o.global_batch, o.bucket);
+});
+
+// --rank distopt DIR --tp T --pp P [--vp V] --layers L --global-batch G --bucket N
+// [--variant base|bf16|moe] [--ep E] [--no-dropout]: bucket 0, no --overlap-grad-reduce.
+ACTMEM_RANK_SCENARIO(distopt, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_distopt(std::max(o.tp, 1), o.pp, o.ep, o.vp, o.layers, o.dropout, o.global_batch,
+                     o.bucket, o.variant, o.out_dir);
+});
 
 // The steps of a data-parallel launch against a reference launch of the same global batch.
 void expect_same_steps(const json& a, const json& b, const std::string& what) {

@@ -2,11 +2,20 @@
 // processes: the all-to-all dispatch, training against one process, every strategy bitwise
 // against the plain run with the predictor exact per rank, expert dropout across ranks, and the
 // launch rules.
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include "actmem/config/activation_plan.h"
+#include "actmem/model/moe/moe.h"
 #include "actmem/parallel/distributed.h"
+#include "actmem/parallel/moe_dispatch.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
+#include "actmem/recompute/saved_tensor_hooks.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
+#include "rank_models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -29,6 +38,205 @@ using actmem::testing::expect_error_containing;
 using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
+
+// The ranks these tests start (Note [Ranks are the test binary] in parallel_workers.cpp).
+using testing::MaskCollector;
+using testing::moe_config;
+using testing::moe_strategies;
+using testing::three_steps;
+
+// Note [All-to-all dispatch] checked against its definition: every rank routes its own tokens
+// (a different number per rank) to two of E = 2 x ranks experts; each rank rebuilds every rank's
+// tokens and routing from their seeds, so it knows which rows its experts must receive, in which
+// order, and what the combined output and the gradients must be. Expert j of rank r multiplies
+// its rows by a parameter w (initially its global index + 1).
+nlohmann::json run_dispatch(const actmem::TensorParallelGroup& group) {
+  const int ep = group.size, rank = group.rank;
+  const int64_t E = 2 * ep, local = 2, h = 6;
+  struct Data {
+    at::Tensor x, c;                            // tokens [T, h], the loss's weights [T, h]
+    std::vector<std::vector<int64_t>> experts;  // per token, its two experts
+    std::vector<std::vector<double>> probs;
+  };
+  auto make = [&](int r) {
+    at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(1000 + r);
+    Data d;
+    const int64_t T = 5 + 3 * r;
+    const auto f64 = at::TensorOptions().dtype(at::kDouble);
+    d.x = at::randn({T, h}, gen, f64);
+    d.c = at::randn({T, h}, gen, f64);
+    for (int64_t t = 0; t < T; ++t) {
+      const at::Tensor pick = at::randperm(E, gen, at::TensorOptions().dtype(at::kLong));
+      d.experts.push_back({pick[0].item<int64_t>(), pick[1].item<int64_t>()});
+      d.probs.push_back(
+          {at::rand({1}, gen, f64).item<double>(), at::rand({1}, gen, f64).item<double>()});
+    }
+    return d;
+  };
+  std::vector<Data> data;
+  for (int r = 0; r < ep; ++r) data.push_back(make(r));
+  const Data& me = data[static_cast<size_t>(rank)];
+  // This rank's rows expert-major, each expert's tokens in token order (Megatron's permute).
+  std::vector<int64_t> token_of_row, rows_per_expert(static_cast<size_t>(E), 0);
+  std::vector<double> prob_of_row;
+  for (int64_t g = 0; g < E; ++g) {
+    for (size_t t = 0; t < me.experts.size(); ++t) {
+      for (int k = 0; k < 2; ++k) {
+        if (me.experts[t][static_cast<size_t>(k)] != g) continue;
+        token_of_row.push_back(static_cast<int64_t>(t));
+        prob_of_row.push_back(me.probs[t][static_cast<size_t>(k)]);
+        ++rows_per_expert[static_cast<size_t>(g)];
+      }
+    }
+  }
+  const at::Tensor x = me.x.clone().requires_grad_(true);
+  const at::Tensor index = at::tensor(token_of_row, at::kLong);
+  const at::Tensor permuted = x.index_select(0, index);
+  const at::Tensor probs = at::tensor(prob_of_row, at::kDouble);
+  actmem::AlltoAllTokenDispatcher dispatcher(group, actmem::TensorParallelGroup{}, group, E);
+  const auto d = dispatcher.dispatch(permuted, probs, rows_per_expert);
+  // What local expert j must have received: from each source rank in order, its tokens routed
+  // to global expert rank * 2 + j, in token order.
+  std::vector<at::Tensor> expect_rows;
+  std::vector<double> expect_probs;
+  for (int64_t j = 0; j < local; ++j) {
+    const int64_t g = rank * local + j;
+    for (int src = 0; src < ep; ++src) {
+      const Data& s = data[static_cast<size_t>(src)];
+      for (size_t t = 0; t < s.experts.size(); ++t) {
+        for (int k = 0; k < 2; ++k) {
+          if (s.experts[t][static_cast<size_t>(k)] != g) continue;
+          expect_rows.push_back(s.x[static_cast<int64_t>(t)]);
+          expect_probs.push_back(s.probs[t][static_cast<size_t>(k)]);
+        }
+      }
+    }
+    TORCH_CHECK(
+        d.tokens_per_local_expert[static_cast<size_t>(j)] ==
+            static_cast<int64_t>(expect_rows.size()) - (j == 0 ? 0 : d.tokens_per_local_expert[0]),
+        "dispatch: expert ", g, " got ", d.tokens_per_local_expert[static_cast<size_t>(j)],
+        " rows");
+  }
+  TORCH_CHECK(at::equal(d.tokens, at::stack(expect_rows)), "dispatch: rank ", rank,
+              "'s experts received other rows than those routed to them");
+  TORCH_CHECK(at::equal(d.probs, at::tensor(expect_probs, at::kDouble)),
+              "dispatch: probabilities differ");
+  // The experts, combine, unpermute; then backward.
+  const at::Tensor w =
+      at::arange(rank * local + 1, rank * local + local + 1, at::kDouble).requires_grad_(true);
+  const at::Tensor scale = w.repeat_interleave(at::tensor(d.tokens_per_local_expert, at::kLong));
+  const at::Tensor y = d.tokens * (scale * d.probs).unsqueeze(1);
+  const at::Tensor back = dispatcher.combine(y);
+  const at::Tensor out = at::zeros_like(me.x).index_add(0, index, back);
+  (out * me.c).sum().backward();
+  for (size_t t = 0; t < me.experts.size(); ++t) {
+    double f = 0;
+    for (int k = 0; k < 2; ++k)
+      f += static_cast<double>(me.experts[t][static_cast<size_t>(k)] + 1) *
+           me.probs[t][static_cast<size_t>(k)];
+    const int64_t ti = static_cast<int64_t>(t);
+    TORCH_CHECK(at::allclose(out[ti], me.x[ti] * f, 1e-12, 1e-12), "combine: token ", t,
+                " of rank ", rank);
+    TORCH_CHECK(at::allclose(x.grad()[ti], me.c[ti] * f, 1e-12, 1e-12), "backward: token ", t,
+                " of rank ", rank);
+  }
+  for (int64_t j = 0; j < local; ++j) {  // each expert learns from every rank's tokens
+    const int64_t g = rank * local + j;
+    double expect = 0;
+    for (const Data& s : data) {
+      for (size_t t = 0; t < s.experts.size(); ++t) {
+        for (int k = 0; k < 2; ++k) {
+          if (s.experts[t][static_cast<size_t>(k)] != g) continue;
+          expect +=
+              s.probs[t][static_cast<size_t>(k)] *
+              at::dot(s.x[static_cast<int64_t>(t)], s.c[static_cast<int64_t>(t)]).item<double>();
+        }
+      }
+    }
+    TORCH_CHECK(std::abs(w.grad()[j].item<double>() - expect) < 1e-10 * (1 + std::abs(expect)),
+                "backward: expert ", g, "'s gradient ", w.grad()[j].item<double>(), ", expected ",
+                expect);
+  }
+  return {{"rows_received", d.tokens.size(0)}, {"rows_sent", permuted.size(0)}};
+}
+
+nlohmann::json run_experts(int tp, int ep, bool dropout, int64_t global_batch,
+                           const std::string& dispatcher, const std::string& only,
+                           const std::string& variant) {
+  nlohmann::json out;
+  for (const auto& [name, mutate] : moe_strategies()) {
+    if (!only.empty() && name != only) continue;
+    TransformerConfig c = moe_config(tp, ep, dropout, dispatcher, variant);
+    mutate(c);
+    out[name] = three_steps(c, global_batch);
+  }
+  return {{"strategies", out},
+          {"tp_rank", actmem::tensor_parallel_group().rank},
+          {"ep_rank", actmem::expert_parallel_group().rank},
+          {"ep_size", actmem::expert_parallel_group().size},
+          {"edp_size", actmem::expert_data_parallel_group().size},
+          {"dp_rank", actmem::data_parallel_group().rank},
+          {"dp_size", actmem::data_parallel_group().size}};
+}
+
+// Expert dropout: the same rows through this rank's experts under the trainer's streams for
+// expert-parallel rank r (seed + 1024 + 100 r); the saved dropout masks of all ranks gathered.
+// Each rank also redraws every other rank's mask from that rank's seed: equal to what the rank
+// drew, so the difference comes from the stream, not from the rows.
+nlohmann::json run_expert_masks() {
+  const auto& ep = actmem::expert_parallel_group();
+  TransformerConfig c = moe_config(1, ep.size, true, "alltoall", "base");
+  c.moe_expert_dropout = 0.5;
+  const actmem::ActivationPlan plan = actmem::make_activation_plan(c);
+  actmem::Experts experts(c, plan.layers[0], at::kFloat);
+  experts.train();
+  at::Generator gen = at::make_generator<at::CPUGeneratorImpl>(7);
+  const int64_t rows = 64, local = c.num_moe_experts / ep.size;
+  const at::Tensor x = at::randn({rows, c.hidden_size}, gen);
+  const at::Tensor probs = at::ones({rows});
+  std::vector<int64_t> counts(static_cast<size_t>(local), rows / local);
+  auto draw = [&](int ep_rank) {
+    actmem::RngStatesTracker streams = actmem::make_model_parallel_tracker(c.seed, 0, ep_rank, 0);
+    std::swap(actmem::get_rng_tracker(), streams);
+    MaskCollector collector;
+    {
+      actmem::SavedTensorHooksGuard guard(collector);
+      experts.forward(x, counts, probs, nullptr);
+    }
+    std::swap(actmem::get_rng_tracker(), streams);
+    TORCH_CHECK(collector.masks.size() == 1, "expert masks: ", collector.masks.size(),
+                " masks saved");
+    return collector.masks[0].second.to(at::kByte);
+  };
+  const at::Tensor mine = draw(ep.rank);
+  const at::Tensor all = actmem::all_gather_tokens(mine.unsqueeze(0), ep);
+  nlohmann::json out;
+  out["dropped_fraction"] = 1.0 - mine.to(at::kDouble).mean().item<double>();
+  out["ep_rank"] = ep.rank;
+  for (int r = 0; r < ep.size; ++r) {
+    out["equal_to_rank"].push_back(at::equal(all[r], mine));
+    out["redrawn_equal"].push_back(at::equal(draw(r), all[r]));
+  }
+  return out;
+}
+
+// --rank dispatch DIR: the ranks as one expert-parallel group.
+ACTMEM_RANK_SCENARIO(dispatch, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_dispatch(g);
+});
+
+// --rank experts DIR --tp T --ep E --global-batch G [--dispatcher D] [--no-dropout] [--only S]
+// [--variant base|capacity|padded|gated_bias|seq_aux]: WORLD_SIZE = E x the expert-data-parallel
+// size.
+ACTMEM_RANK_SCENARIO(experts, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_experts(std::max(o.tp, 1), o.ep, o.dropout, o.global_batch, o.dispatcher, o.only,
+                     o.variant);
+});
+
+// --rank expert_masks DIR --tp 1 --ep E: expert dropout masks per rank.
+ACTMEM_RANK_SCENARIO(expert_masks, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_expert_masks();
+});
 
 TEST(ExpertParallel, AllToAllDispatchDeliversEveryRowToItsExpertAndBack) {
   // Note [All-to-all dispatch]: two and three ranks, each with its own number of tokens routed to

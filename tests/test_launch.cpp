@@ -1,8 +1,12 @@
 // test_launch.cpp — `actmem launch`: a two-process Gloo all-reduce on loopback, two launchers as
 // two nodes, the workers' thread count, a failing worker fails the launch with its message, and
 // no worker outlives the launcher (SIGTERM or SIGKILL).
+#include <csignal>
 #include "actmem/base/environment.h"
 #include "actmem/parallel/distributed.h"
+#include "actmem/parallel/pipeline.h"
+#include "actmem/parallel/tensor_parallel.h"
+#include "parallel_workers.h"
 #include "test_util.h"
 
 #include <dirent.h>
@@ -20,6 +24,31 @@ namespace {
 
 using actmem::testing::expect_error_containing;
 using actmem::testing::run_actmem;
+
+// The ranks these tests start (Note [Ranks are the test binary] in parallel_workers.cpp).
+// A stage dying in the middle of the 1F1B schedule: the others are blocked in a send or receive
+// to it, and only the launcher can stop them (Launch.AStageKilledMidScheduleStopsEveryWorker).
+nlohmann::json run_pipeline_fault(int die_stage) {
+  const actmem::TensorParallelGroup& pp = actmem::pipeline_parallel_group();
+  const actmem::PipelineP2P p2p(pp, {4}, at::TensorOptions().dtype(at::kFloat));
+  int64_t forwards = 0;
+  actmem::run_one_f_one_b(
+      p2p, 4,
+      [&](int64_t m, const at::Tensor& input) {
+        if (pp.rank == die_stage && m == 2) std::raise(SIGKILL);
+        ++forwards;
+        return input.defined() ? input + 1 : at::ones({4});
+      },
+      [&](int64_t, const at::Tensor& grad) { return grad.defined() ? grad * 2 : at::ones({4}); });
+  return {{"forwards", forwards}};
+}
+
+// --rank pipeline_fault DIR --tp 1 --pp P --die STAGE: stage STAGE kills itself in the forward of
+// micro-batch 2.
+ACTMEM_RANK_SCENARIO(pipeline_fault,
+                     [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+                       return run_pipeline_fault(o.die_stage);
+                     });
 
 // Processes whose environment holds ACTMEM_TEST_TAG=tag.
 int processes_tagged(const std::string& tag) {
@@ -132,9 +161,10 @@ TEST(Launch, AStageKilledMidScheduleStopsEveryWorker) {
   ::setenv("ACTMEM_TEST_TAG", tag.c_str(), 1);
   ::testing::internal::CaptureStderr();
   const auto t0 = std::chrono::steady_clock::now();
-  const int rc = launch_program(3, ACTMEM_TP_WORKER,
-                                {"pipeline_fault", dir, "--tp", "1", "--pp", "3", "--die", "1"},
-                                free_loopback_port(), std::chrono::seconds(5));
+  const int rc =
+      launch_program(3, testing::test_binary(),
+                     {"--rank", "pipeline_fault", dir, "--tp", "1", "--pp", "3", "--die", "1"},
+                     free_loopback_port(), std::chrono::seconds(5));
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   const std::string err = ::testing::internal::GetCapturedStderr();

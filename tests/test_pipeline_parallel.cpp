@@ -1,11 +1,15 @@
 // test_pipeline_parallel.cpp — pipeline parallelism across real processes: 1F1B and the
 // interleaved schedule train like one process, every recompute and offload strategy bitwise with
 // the predictor per stage, MoE stages, Megatron's rules, and the schedules train records and plots.
+#include "actmem/base/digest.h"
+#include "actmem/model/activation_bytes.h"
 #include "actmem/parallel/distributed.h"
+#include "actmem/parallel/pipeline.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
 #include "actmem/train/trainer.h"
 #include "parallel_workers.h"
+#include "rank_models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -28,6 +32,169 @@ using actmem::testing::expect_error_containing;
 using actmem::testing::rel;
 using actmem::testing::run_workers;
 using nlohmann::json;
+
+// The ranks these tests start (Note [Ranks are the test binary] in parallel_workers.cpp).
+using testing::base_config;
+using testing::moe_config;
+using testing::moe_strategies;
+using testing::strategies;
+
+// Pipeline parallelism: three steps per recompute and fine-grained offload strategy (layer-level
+// offload is refused under pipeline parallelism, as in Megatron) without gradient clipping, so the
+// parameters after them depend on the gradients alone (the reported norm is computed per stage and
+// summed). Each rank reports its steps, its stage, and every parameter's digest under its
+// single-process name (decoder.layers.<global index>...; the last stage's copy of a tied embedding
+// as output_layer.weight).
+// variant moe / moe_capacity: the MoE model of run_experts (dropless / capacity factor 1, whose
+// predicted bytes follow each micro-batch's routing), its experts over `ep` ranks, under
+// moe_strategies().
+nlohmann::json run_pipeline(int t, int pp, int ep, bool dropout, int64_t global_batch,
+                            const std::string& only, const std::string& variant,
+                            std::optional<int64_t> first, std::optional<int64_t> last,
+                            int64_t layers, int64_t vp) {
+  nlohmann::json out;
+  const bool moe = variant.rfind("moe", 0) == 0;
+  auto all = moe ? moe_strategies() : strategies(false, variant.rfind("mla", 0) == 0);
+  // With 3 layers per stage: uniform chunks [0, 2) [2, 3) on every stage (a clamped tail).
+  all.emplace_back("full_uniform_2", [](TransformerConfig& c) {
+    c.recompute_granularity = "full";
+    c.recompute_method = "uniform";
+    c.recompute_num_layers = 2;
+  });
+  if (!moe) {
+    // Block 1 with --num-microbatches-with-partial-activation-checkpoints 1 (set below): per
+    // window of a stage's outstanding forwards the first keeps block 1's bytes, the others
+    // checkpoint every layer.
+    all.emplace_back("full_block_1_partial_1", [](TransformerConfig& c) {
+      c.recompute_granularity = "full";
+      c.recompute_method = "block";
+      c.recompute_num_layers = 1;
+    });
+  }
+  // Offload beside selective recompute, each commit waiting for its copy (the in-flight cap 0).
+  all.emplace_back("offload_fine_grained_selective", [moe](TransformerConfig& c) {
+    c.fine_grained_activation_offloading = true;
+    c.offload_modules = {"attn_norm", "qkv_linear", "mlp_norm"};
+    c.min_offloaded_tensor_size = 0;
+    c.fine_grained_offloading_max_inflight_offloads = 0;
+    c.recompute_granularity = "selective";
+    c.recompute_modules = {"core_attn", moe ? "moe_act" : "mlp", "layernorm"};
+  });
+  for (const auto& [name, mutate] : all) {
+    if (!only.empty() && name != only) continue;
+    if (name.rfind("offload_layers", 0) == 0 || (t == 1 && name.rfind("distribute_", 0) == 0))
+      continue;
+    TransformerConfig c =
+        moe ? moe_config(t, ep, dropout, "alltoall", variant == "moe" ? "base" : "capacity")
+            : base_config(t, false, dropout, variant);
+    c.num_layers = layers;
+    c.pipeline_model_parallel_size = pp;
+    c.decoder_first_pipeline_num_layers = first;
+    c.decoder_last_pipeline_num_layers = last;
+    if (vp > 1) c.num_virtual_stages_per_pipeline_rank = vp;
+    mutate(c);
+    // With copies still in flight at a forward's end a stage can hold what the plain run holds
+    // (the MoE groups are small; the dense run did so once under load too). Each commit waits
+    // for its copy, so the tests' "holds less" does not depend on the copy thread's timing.
+    if (c.fine_grained_activation_offloading) c.fine_grained_offloading_max_inflight_offloads = 0;
+    // n counts a model chunk's (a stage's) layers: skip what fits no chunk.
+    int64_t largest = 0;
+    for (int64_t stage = 0; stage < pp; ++stage) {
+      for (int64_t k = 0; k < c.virtual_pipeline_size(); ++k) {
+        largest = std::max(largest, c.model_chunk_layers(stage, k).count);
+      }
+    }
+    if (c.recompute_num_layers && *c.recompute_num_layers > largest) continue;
+    actmem::TrainingConfig tc;
+    tc.global_batch_size = global_batch;
+    tc.eval_interval = 0;
+    tc.clip_grad = 0.0;
+    if (name == "full_block_1_partial_1")
+      tc.num_microbatches_with_partial_activation_checkpoints = 1;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) {
+      const actmem::IterationStats st = trainer.train_step(true);
+      r["steps"].push_back(
+          {{"loss", st.loss},
+           {"grad_norm", st.grad_norm},
+           {"grad_digest", st.grad_digest},
+           {"activation_bytes", st.activation_bytes},
+           {"predicted_activation_bytes", st.predicted_activation_bytes},
+           {"inflight_activation_bytes", st.inflight_activation_bytes},
+           {"predicted_inflight_activation_bytes", st.predicted_inflight_activation_bytes},
+           {"peak_device_bytes", st.peak_device_bytes},
+           {"offloaded_bytes", st.offloaded_bytes},
+           {"offload_wait_s", st.offload_wait_s},
+           {"host_peak_bytes", st.host_peak_bytes}});
+      if (moe) {
+        r["steps"].back().update({{"load_balancing_loss", st.load_balancing_loss.value_or(-1.0)},
+                                  {"z_loss", st.z_loss.value_or(-1.0)},
+                                  {"routed", st.moe_routed_tokens},
+                                  {"dropped", st.moe_dropped_tokens},
+                                  {"imbalance", st.expert_load_imbalance}});
+      }
+    }
+    // The trainer's up-front bound for this stage (Note [Memory pre-check] in
+    // activation_bytes.cpp).
+    const auto& pp_group = actmem::pipeline_parallel_group();
+    const int64_t n_micro =
+        tc.num_microbatches(c.micro_batch_size, actmem::data_parallel_group().size);
+    if (vp > 1) {
+      const actmem::PipelineMemory counts = actmem::pipeline_memory(
+          actmem::interleaved_schedule(pp_group.rank, pp_group.size, vp, n_micro,
+                                       c.microbatch_group_size()),
+          pp_group.rank, pp_group.size, std::vector<int64_t>(static_cast<size_t>(vp), 0), 0);
+      r["peak_bound"] = actmem::predict_step_peak_bound(c, 0, pp_group.rank, counts.max_in_flight,
+                                                        counts.max_boundary_tensors + 2);
+    } else {
+      r["peak_bound"] = actmem::predict_step_peak_bound(
+          c, 0, pp_group.rank,
+          actmem::one_f_one_b_in_flight(pp_group.rank, pp_group.size, n_micro));
+    }
+    const actmem::GPTModel& model = trainer.model();
+    for (const auto& item : model.named_parameters()) {
+      // Model chunk c's block is registered as decoder (c = 0) or decoder_vp<c>; its layers are
+      // numbered from 0 within the chunk.
+      std::string key = item.key();
+      int64_t chunk = 0;
+      if (key.rfind("decoder_vp", 0) == 0) {
+        const size_t dot = key.find('.');
+        chunk = std::stoll(key.substr(10, dot - 10));
+        key = "decoder" + key.substr(dot);
+      }
+      const std::string prefix = "decoder.layers.";
+      if (key.rfind(prefix, 0) == 0) {
+        const size_t dot = key.find('.', prefix.size());
+        key = prefix +
+              std::to_string(std::stoll(key.substr(prefix.size(), dot - prefix.size())) +
+                             model.stage_layers(chunk).offset) +
+              key.substr(dot);
+      }
+      actmem::Digest d;
+      d.update(item.value());
+      r["params"][key] = d.hex();
+    }
+    int64_t stage_layers = 0;
+    for (int64_t k = 0; k < model.num_model_chunks(); ++k) {
+      r["chunk_offsets"].push_back(model.stage_layers(k).offset);
+      stage_layers += model.stage_layers(k).count;
+    }
+    r["stage_offset"] = model.stage_layers(0).offset;
+    r["stage_layers"] = stage_layers;
+    out[name] = r;
+  }
+  return {{"strategies", out},
+          {"pp_rank", actmem::pipeline_parallel_group().rank},
+          {"tp_rank", actmem::tensor_parallel_group().rank}};
+}
+
+// --rank pipeline DIR --tp T --pp P --global-batch G [--no-dropout] [--only S] [--variant V]
+// [--first N] [--last N] [--layers L (4)] [--vp V]: t x p x d ranks.
+ACTMEM_RANK_SCENARIO(pipeline, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_pipeline(std::max(o.tp, 1), o.pp, o.ep, o.dropout, o.global_batch, o.only, o.variant,
+                      o.first_layers, o.last_layers, o.layers, o.vp);
+});
 
 const json& pipeline_run(const json& rank, const std::string& strategy) {
   return rank["pipeline"]["strategies"][strategy];

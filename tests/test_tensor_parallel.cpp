@@ -1,13 +1,18 @@
 // test_tensor_parallel.cpp — tensor and sequence parallelism across real processes: each test
-// launches actmem_tp_worker ranks (Gloo over loopback, launch_workers) and compares what they
+// launches ranks of this test binary (Gloo over loopback, run_workers) and compares what they
 // wrote. TP = 2 against TP = 1 without dropout, every recompute and offload strategy bitwise
 // against the TP = 2 plain run with dropout, dropout masks across ranks, and per-rank memory
 // against the predictor.
+#include <ATen/ATen.h>
+#include "actmem/base/digest.h"
 #include "actmem/parallel/distributed.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
+#include "actmem/recompute/saved_tensor_hooks.h"
 #include "actmem/train/trainer.h"
+#include "fixtures.h"
 #include "parallel_workers.h"
+#include "rank_models.h"
 #include "test_util.h"
 
 #include <nlohmann/json.hpp>
@@ -29,6 +34,85 @@ namespace {
 using actmem::testing::expect_error_containing;
 using actmem::testing::run_workers;
 using nlohmann::json;
+
+// The ranks these tests start (Note [Ranks are the test binary] in parallel_workers.cpp).
+using testing::base_config;
+using testing::MaskCollector;
+using testing::param_digest;
+using testing::strategies;
+
+nlohmann::json run_strategies(int t, bool sp, bool dropout, const std::string& only,
+                              const std::string& variant) {
+  nlohmann::json out;
+  for (const auto& [name, mutate] : strategies(sp, variant.rfind("mla", 0) == 0)) {
+    if (!only.empty() && name != only) continue;
+    TransformerConfig c = base_config(t, sp, dropout, variant);
+    mutate(c);
+    actmem::TrainingConfig tc;
+    if (c.fp16) tc.initial_loss_scale = actmem::testing::kFp16TestLossScale;
+    tc.global_batch_size = 2 * c.micro_batch_size;  // two micro-batches per step
+    tc.train_iters = 3;
+    tc.eval_interval = 0;
+    actmem::Trainer trainer(c, tc);
+    nlohmann::json r;
+    for (int i = 0; i < 3; ++i) {
+      const actmem::IterationStats st = trainer.train_step(true);
+      r["loss"].push_back(st.loss);
+      r["grad_norm"].push_back(st.grad_norm);
+      r["grad_digest"].push_back(st.grad_digest);
+      r["activation_bytes"].push_back(st.activation_bytes);
+      r["predicted_activation_bytes"] = st.predicted_activation_bytes;
+    }
+    r["param_digest"] = param_digest(trainer.model());
+    // The parameters every tensor-parallel rank holds whole: equal on every rank unless a
+    // partial gradient went unreduced (GatedDeltaNet's out_norm without sequence parallelism).
+    actmem::Digest replicated;
+    const auto attributes = trainer.model().parameter_attributes();
+    const auto params = trainer.model().ordered_parameters();
+    for (size_t i = 0; i < params.size(); ++i) {
+      if (!attributes[i].tensor_parallel) replicated.update(params[i]);
+    }
+    r["replicated_digest"] = replicated.hex();
+    out[name] = r;
+  }
+  return out;
+}
+
+nlohmann::json run_masks(int t, bool sp) {
+  TransformerConfig c = base_config(t, sp, /*dropout=*/true);
+  c.num_layers = 2;
+  actmem::TrainingConfig tc;
+  tc.eval_interval = 0;
+  actmem::Trainer trainer(c, tc);
+  MaskCollector collector;
+  {
+    actmem::SavedTensorHooksGuard guard(collector);
+    trainer.train_step(false);
+  }
+  // The attention mask buffer is a parameter-like constant, not a dropout mask.
+  nlohmann::json out = nlohmann::json::array();
+  for (const auto& [module, mask] : collector.masks) {
+    if (mask.sizes() == trainer.model().attention_mask().sizes()) continue;
+    const at::Tensor all = actmem::all_gather_dim0(mask.to(at::kByte).unsqueeze(0));
+    bool same = true;
+    for (int64_t r = 1; r < all.size(0); ++r) same = same && at::equal(all[0], all[r]);
+    out.push_back({{"module", module},
+                   {"shape", mask.sizes().vec()},
+                   {"same_on_all_ranks", same},
+                   {"dropped_fraction", 1.0 - mask.to(at::kDouble).mean().item<double>()}});
+  }
+  return out;
+}
+
+// --rank strategies DIR [--sp] [--no-dropout] [--only NAME] [--variant V]: t = every rank.
+ACTMEM_RANK_SCENARIO(strategies, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_strategies(g.size, o.sp, o.dropout, o.only, o.variant);
+});
+
+// --rank masks DIR [--sp]: every dropout mask of one forward, compared over the ranks.
+ACTMEM_RANK_SCENARIO(masks, [](const testing::RankOptions& o, const TensorParallelGroup& g) {
+  return run_masks(g.size, o.sp);
+});
 
 using actmem::testing::rel;
 
