@@ -47,9 +47,11 @@ int main(int argc, char** argv) {
   app.add_option("--warmup", warmup, "Untimed steps first")->capture_default_str();
   app.add_option("--threads", threads, "Intra-op threads (default: one per core)");
   app.add_option("--precision", precision,
-                 "fp32, bf16, or both (each model at fp32 then bf16, with the bf16/fp32 ratios)")
+                 "fp32, bf16, both (each model at fp32 then bf16, with the bf16/fp32 ratios), "
+                 "or fp8 (bf16, then hybrid FP8 with delayed and with tensorwise scaling, with "
+                 "the FP8/bf16 ratios; docs/fp8.md)")
       ->capture_default_str()
-      ->check(CLI::IsMember({"fp32", "bf16", "both"}));
+      ->check(CLI::IsMember({"fp32", "bf16", "both", "fp8"}));
   app.add_option("--json", json_path, "Also write the results to FILE");
   CLI11_PARSE(app, argc, argv);
   actmem::bench::print_blas();
@@ -58,18 +60,23 @@ int main(int argc, char** argv) {
     const int n_threads = actmem::apply_thread_count(threads);
     nlohmann::json results = nlohmann::json::array();
     std::vector<std::string> precisions;
-    if (precision != "bf16") precisions.push_back("fp32");
+    if (precision == "fp32" || precision == "both") precisions.push_back("fp32");
     if (precision != "fp32") precisions.push_back("bf16");
+    if (precision == "fp8") precisions.insert(precisions.end(), {"fp8-delayed", "fp8-tensorwise"});
     for (const auto& preset : presets()) {
       if (which != "all" && which != preset.name) continue;
-      std::optional<nlohmann::json> fp32_result;
+      std::optional<nlohmann::json> fp32_result, bf16_result;
       for (const auto& prec : precisions) {
         actmem::TrainingConfig training;
         training.train_iters = warmup + iters;
         training.eval_interval = 0;
         actmem::TransformerConfig model = preset.model;
-        model.bf16 = prec == "bf16";
+        model.bf16 = prec != "fp32";
         model.attention_softmax_in_fp32 = model.bf16;
+        if (prec.rfind("fp8-", 0) == 0) {
+          model.fp8 = "hybrid";
+          model.fp8_recipe = prec.substr(4);
+        }
         actmem::Trainer trainer(model, training);
         std::vector<double> times;
         actmem::IterationStats last;
@@ -111,6 +118,16 @@ int main(int argc, char** argv) {
           std::cerr << preset.name << " bf16/fp32: step time x"
                     << r["step_time_ratio_vs_fp32"].get<double>() << ", activations x"
                     << r["activation_bytes_ratio_vs_fp32"].get<double>() << "\n";
+        }
+        if (prec == "bf16") bf16_result = r;
+        if (prec.rfind("fp8-", 0) == 0 && bf16_result) {
+          // Ratios against the bf16 run of the same model in this process.
+          r["step_time_ratio_vs_bf16"] = step / (*bf16_result)["step_time_s"].get<double>();
+          r["activation_bytes_ratio_vs_bf16"] = static_cast<double>(last.activation_bytes) /
+                                                (*bf16_result)["activation_bytes"].get<double>();
+          std::cerr << preset.name << " " << prec << "/bf16: step time x"
+                    << r["step_time_ratio_vs_bf16"].get<double>() << ", activations x"
+                    << r["activation_bytes_ratio_vs_bf16"].get<double>() << "\n";
         }
         results.push_back(r);
       }

@@ -56,18 +56,16 @@ TEST(MegatronFlags, FlagsWithoutAnEffectAreAcceptedWithOneNotice) {
 
 TEST(MegatronFlags, UnimplementedFlagsAreRefusedEachWithItsReason) {
   const auto r = run_actmem(kTiny +
-                            "--train-iters 1 --fp8-format hybrid --fp8-amax-history-len "
-                            "1024 --context-parallel-size 2 --wandb-project p --ckpt-format "
-                            "torch_dcp");
+                            "--train-iters 1 --fp8-param-gather --context-parallel-size 2 "
+                            "--wandb-project p --ckpt-format torch_dcp");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   const std::string& e = r.stderr_text;
-  EXPECT_NE(e.find("error: actmem train: 5 Megatron flags ask for what actmem does not "
+  EXPECT_NE(e.find("error: actmem train: 4 Megatron flags ask for what actmem does not "
                    "implement:\n"),
             std::string::npos)
       << e;
   for (const char* line :
-       {"\n  --fp8-format hybrid: FP8 training runs Transformer Engine's FP8 GEMMs",
-        "\n  --fp8-amax-history-len 1024: FP8 training",
+       {"\n  --fp8-param-gather: keeps the GEMMs' weights as FP8 tensors",
         "\n  --context-parallel-size 2: context parallelism (each rank holding a slice of the "
         "sequence",
         "\n  --wandb-project p: Weights & Biases logs to a service over the network",

@@ -38,7 +38,7 @@ using actmem::testing::read_json_log;
 using actmem::testing::run_actmem;
 
 // A small model every command here trains in well under a second per step.
-const std::string kTiny =
+const std::string kTinyRun =
     " --num-layers 1 --hidden-size 32 --num-attention-heads 2 --seq-length 16 "
     "--micro-batch-size 2 --threads 1 ";
 
@@ -73,8 +73,8 @@ TEST(OutputsAndInputs, AnOutputNamingTheCorpusIsRefusedAndTheCorpusSurvives) {
   const std::string dir = data.substr(0, data.rfind('/') + 1);
   for (const std::string& out : {data, link, dir + "./corpus_guard.txt"}) {
     for (const char* flag : {"--log-json", "--trace"}) {
-      const auto r =
-          run_actmem("train" + kTiny + "--train-iters 2 --data " + data + " " + flag + " " + out);
+      const auto r = run_actmem("train" + kTinyRun + "--train-iters 2 --data " + data + " " + flag +
+                                " " + out);
       EXPECT_NE(r.exit_code, 0) << flag << " " << out;
       EXPECT_TRUE(contains(r.stderr_text,
                            std::string(flag) + " '" + out + "' names the same file as --data"))
@@ -82,8 +82,9 @@ TEST(OutputsAndInputs, AnOutputNamingTheCorpusIsRefusedAndTheCorpusSurvives) {
       EXPECT_EQ(read_file(data), text) << "the corpus was changed through " << flag << " " << out;
     }
   }
-  const auto c = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --data " +
-                            data + " --svg " + link);
+  const auto c =
+      run_actmem("compare" + kTinyRun + "--strategies plain --iters 1 --warmup 0 --data " + data +
+                 " --svg " + link);
   EXPECT_NE(c.exit_code, 0);
   EXPECT_TRUE(contains(c.stderr_text, "names the same file as --data")) << c.stderr_text;
   EXPECT_EQ(read_file(data), text);
@@ -92,11 +93,11 @@ TEST(OutputsAndInputs, AnOutputNamingTheCorpusIsRefusedAndTheCorpusSurvives) {
 TEST(OutputsAndInputs, TwoOutputsNamingOneFileAreRefused) {
   const std::string out = temp_path("two_outputs.json");
   std::remove(out.c_str());  // a file that does not exist yet is compared by directory and name
-  auto r = run_actmem("train" + kTiny + "--train-iters 2 --log-json " + out + " --trace " + out);
+  auto r = run_actmem("train" + kTinyRun + "--train-iters 2 --log-json " + out + " --trace " + out);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text, "--trace '" + out + "' names the same file as --log-json"))
       << r.stderr_text;
-  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + out +
+  r = run_actmem("compare" + kTinyRun + "--strategies plain --iters 1 --warmup 0 --svg " + out +
                  " --json " + out);
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text, "--json '" + out + "' names the same file as --svg"))
@@ -129,15 +130,15 @@ TEST(WriteErrors, DevFullIsAnErrorForEveryOutput) {
     std::string args, message;
   };
   const std::vector<Case> cases = {
-      {"train" + kTiny + "--train-iters 2 --log-json /dev/full",
+      {"train" + kTinyRun + "--train-iters 2 --log-json /dev/full",
        "writing --log-json '/dev/full' failed at the config record: No space left on device"},
-      {"train" + kTiny + "--train-iters 3 --trace /dev/full",
+      {"train" + kTinyRun + "--train-iters 3 --trace /dev/full",
        "writing --trace '/dev/full' failed at the trace of iteration 2"},
-      {"compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg /dev/full",
+      {"compare" + kTinyRun + "--strategies plain --iters 1 --warmup 0 --svg /dev/full",
        "writing --svg '/dev/full' failed"},
-      {"compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg '' --json /dev/full",
+      {"compare" + kTinyRun + "--strategies plain --iters 1 --warmup 0 --svg '' --json /dev/full",
        "writing --json '/dev/full' failed"},
-      {"inspect" + kTiny + "> /dev/full", "writing to standard output failed"},
+      {"inspect" + kTinyRun + "> /dev/full", "writing to standard output failed"},
       {"estimate > /dev/full", "writing to standard output failed"},
   };
   for (const auto& c : cases) {
@@ -153,7 +154,7 @@ TEST(WriteErrors, AFullFileSystemLeavesOnlyWholeLinesAndNamesTheLastIteration) {
   const std::string log = temp_path("full_fs.jsonl");
   std::remove(log.c_str());
   const std::string cmd = "sh -c 'trap \"\" XFSZ; ulimit -f 16; exec " +
-                          std::string(ACTMEM_BINARY) + " train" + kTiny +
+                          std::string(ACTMEM_BINARY) + " train" + kTinyRun +
                           "--train-iters 40 --eval-interval 0 --log-json " + log + "' 2>&1";
   FILE* pipe = popen(cmd.c_str(), "r");
   ASSERT_NE(pipe, nullptr);
@@ -238,7 +239,7 @@ TEST(Corpus, AGigabyteFileTrainsInBoundedMemory) {
     ASSERT_EQ(::ftruncate(fd, int64_t{1} << 30), 0);
     ::close(fd);
   }
-  const std::string run = "train" + kTiny + "--train-iters 3 --eval-interval 0";
+  const std::string run = "train" + kTinyRun + "--train-iters 3 --eval-interval 0";
   const auto [baseline, rc0] = peak_rss_kib(run);
   const auto [with_big, rc1] = peak_rss_kib(run + " --data " + big);
   std::remove(big.c_str());
@@ -270,7 +271,7 @@ TEST(Corpus, LoadsMappedAndNarrow) {
 
 TEST(Corpus, EndlessOrSizelessFilesAreBounded) {
   const auto start = std::chrono::steady_clock::now();
-  const auto r = run_actmem("train" + kTiny + "--data /dev/zero");
+  const auto r = run_actmem("train" + kTinyRun + "--data /dev/zero");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text,
                        "'/dev/zero' is not a regular file and goes on beyond 256 "
@@ -281,8 +282,8 @@ TEST(Corpus, EndlessOrSizelessFilesAreBounded) {
   const std::string fifo = temp_path("corpus.fifo");
   std::remove(fifo.c_str());
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
-  const auto f = run_actmem("train" + kTiny + "--train-iters 1 --eval-interval 0 --data " + fifo +
-                            " & head -c 100000 /dev/urandom > " + fifo + "; wait $!");
+  const auto f = run_actmem("train" + kTinyRun + "--train-iters 1 --eval-interval 0 --data " +
+                            fifo + " & head -c 100000 /dev/urandom > " + fifo + "; wait $!");
   EXPECT_EQ(f.exit_code, 0) << f.output;
   // --split 969,30,1 (Megatron's default) of 100000 tokens.
   EXPECT_TRUE(contains(f.output, "corpus " + fifo + " (96900 train / 3000 validation tokens)"))
@@ -353,7 +354,7 @@ TEST(Divergence, ANonFiniteLossOrGradientNormStopsBeforeTheOptimizerStep) {
   const auto after = trainer.model().ordered_parameters();
   for (size_t i = 0; i < after.size(); ++i) EXPECT_TRUE(bitwise_equal(after[i], before[i])) << i;
 
-  const auto r = run_actmem("train" + kTiny + "--train-iters 20 --lr 1e30 --lr-warmup-iters 0");
+  const auto r = run_actmem("train" + kTinyRun + "--train-iters 20 --lr 1e30 --lr-warmup-iters 0");
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_TRUE(contains(r.stderr_text, "error: actmem::Trainer: training diverged at iteration "))
       << r.stderr_text;
@@ -388,7 +389,7 @@ TEST(SilentNoOps, CommandsRefuseFlagsTheyWouldIgnore) {
        {"--log-json x.jsonl", "--trace x.json", "--recompute-granularity full",
         "--recompute-activations", "--fine-grained-activation-offloading", "--train-iters 5",
         "--eval-interval 3", "--tensor-model-parallel-size 2"}) {
-    const auto r = run_actmem("compare" + kTiny + flag);
+    const auto r = run_actmem("compare" + kTinyRun + flag);
     EXPECT_NE(r.exit_code, 0) << "compare accepted " << flag;
     EXPECT_TRUE(contains(r.stderr_text, "following argument") ||
                 contains(r.stderr_text, "was not expected"))
@@ -396,7 +397,7 @@ TEST(SilentNoOps, CommandsRefuseFlagsTheyWouldIgnore) {
   }
   for (const std::string& flag :
        {"--log-json x.jsonl", "--trace x.json", "--lr 0.1", "--train-iters 5", "--eval-iters 2"}) {
-    const auto r = run_actmem("inspect" + kTiny + flag);
+    const auto r = run_actmem("inspect" + kTinyRun + flag);
     EXPECT_NE(r.exit_code, 0) << "inspect accepted " << flag;
   }
 }
@@ -406,13 +407,13 @@ TEST(SilentNoOps, OffloadSettingsWithoutOffloadAreRefused) {
   // ignored when nothing offloads.
   for (const std::string& flag : {"--offload-bandwidth-gbps 20", "--min-offloaded-tensor-size 64",
                                   "--fine-grained-offloading-max-inflight-offloads 0"}) {
-    const auto r = run_actmem("train" + kTiny + flag);
+    const auto r = run_actmem("train" + kTinyRun + flag);
     EXPECT_NE(r.exit_code, 0) << flag;
     EXPECT_TRUE(contains(r.stderr_text, flag.substr(0, flag.find(' ')) +
                                             " applies to activation offloading, which is off"))
         << flag << ": " << r.stderr_text;
     // With an offload on, the same setting is taken.
-    const auto ok = run_actmem("train" + kTiny + flag +
+    const auto ok = run_actmem("train" + kTinyRun + flag +
                                " --num-layers 2 "
                                "--cpu-offloading-num-layers 1 --train-iters 1 --eval-interval 0");
     EXPECT_EQ(ok.exit_code, 0) << flag << ": " << ok.stderr_text;
@@ -498,11 +499,11 @@ INSTANTIATE_TEST_SUITE_P(
 
 TEST(LateChecks, AnUnwritableOutputFailsBeforeTheFirstStep) {
   const std::string bad = "/nonexistent/dir/out";
-  auto r = run_actmem("train" + kTiny + "--train-iters 2 --trace " + bad + ".json");
+  auto r = run_actmem("train" + kTinyRun + "--train-iters 2 --trace " + bad + ".json");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(contains(r.stderr_text, "cannot write --trace '" + bad + ".json'")) << r.output;
   EXPECT_FALSE(contains(r.output, "iter ")) << "a step ran before the check:\n" << r.output;
-  r = run_actmem("compare" + kTiny + "--strategies plain --iters 1 --warmup 0 --svg " + bad +
+  r = run_actmem("compare" + kTinyRun + "--strategies plain --iters 1 --warmup 0 --svg " + bad +
                  ".svg");
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_TRUE(contains(r.stderr_text, "cannot write --svg '" + bad + ".svg'")) << r.output;
@@ -512,7 +513,7 @@ TEST(LateChecks, AnUnwritableOutputFailsBeforeTheFirstStep) {
 TEST(LateChecks, LaunchReportsTheWorkerThatFailedFirstWithItsMessage) {
   // Rank 0 alone opens the trace and fails; rank 1 fails afterwards, when its peer is gone.
   const auto r = run_actmem("launch --nproc-per-node 2 -- train --tensor-model-parallel-size 2" +
-                            kTiny + "--train-iters 2 --trace /nonexistent/dir/t.json");
+                            kTinyRun + "--train-iters 2 --trace /nonexistent/dir/t.json");
   EXPECT_NE(r.exit_code, 0);
   EXPECT_TRUE(contains(r.stderr_text,
                        "actmem launch: worker 0 failed (exit code 1): actmem: "
@@ -524,7 +525,7 @@ TEST(LateChecks, LaunchReportsTheWorkerThatFailedFirstWithItsMessage) {
 // ---- --attention-backend: which kernel ran and why, the seed's 4.3 warning, refusals --------
 
 TEST(AttentionBackend, TheHeaderSaysWhichKernelRanAndWhyAndFlashWarnsAboutCoreAttnRecompute) {
-  const std::string run = "train" + kTiny + "--train-iters 1 --eval-interval 0 ";
+  const std::string run = "train" + kTinyRun + "--train-iters 1 --eval-interval 0 ";
   const std::string warning =
       "For fused attention, you have no need to set 'core_attn' to recompute";
   // Megatron's default attention dropout (0.1): auto stays on the unfused path, and says why.
@@ -596,7 +597,7 @@ TEST(MegatronHabits, ARepeatedFlagTakesItsLastValue) {
 }
 
 TEST(MegatronHabits, LogJsonDashWritesTheLogToStandardOutput) {
-  const auto r = run_actmem("train" + kTiny + "--train-iters 2 --eval-interval 0 --log-json -");
+  const auto r = run_actmem("train" + kTinyRun + "--train-iters 2 --eval-interval 0 --log-json -");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   // Standard output holds the records only; people's lines went to stderr.
   std::istringstream out(r.output.substr(0, r.output.size() - r.stderr_text.size()));
@@ -612,7 +613,7 @@ TEST(MegatronHabits, LogJsonDashWritesTheLogToStandardOutput) {
 
 TEST(MegatronHabits, TheFirstRecordIsTheResolvedConfiguration) {
   const std::string log = temp_path("config_record.jsonl");
-  const auto r = run_actmem("train" + kTiny +
+  const auto r = run_actmem("train" + kTinyRun +
                             "--train-iters 1 --eval-interval 0 --swiglu "
                             "--fine-grained-activation-offloading --offload-modules core_attn "
                             "--min-offloaded-tensor-size 64 --lr 0.002 --log-json " +
@@ -695,7 +696,7 @@ TEST(CompareTiming, EveryRoundHasANewOrderAndNoTrainerAlwaysFollowsTheSameOne) {
 
 TEST(CompareTiming, WarmUpIsExcludedAndTooFewStepsAreWarnedAbout) {
   const std::string json = temp_path("compare_timing.json");
-  auto r = run_actmem("compare" + kTiny +
+  auto r = run_actmem("compare" + kTinyRun +
                       "--strategies plain selective --warmup 2 --iters 5 "
                       "--svg '' --json " +
                       json);
@@ -711,7 +712,7 @@ TEST(CompareTiming, WarmUpIsExcludedAndTooFewStepsAreWarnedAbout) {
   EXPECT_EQ(j["strategies"][0]["name"], "plain");
   EXPECT_EQ(j["strategies"][0]["step_time_ratio"], 1.0);  // each round against itself
   EXPECT_FALSE(contains(r.output, "too few to trust")) << r.output;
-  r = run_actmem("compare" + kTiny + "--strategies plain --iters 2 --svg ''");
+  r = run_actmem("compare" + kTinyRun + "--strategies plain --iters 2 --svg ''");
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_TRUE(contains(r.output, "warning: 2 timed step(s) per strategy are too few to trust"))
       << r.output;

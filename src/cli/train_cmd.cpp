@@ -61,6 +61,15 @@ std::string precision_summary(const actmem::TransformerConfig& m, const actmem::
     s += ", dynamic loss scale from " + c10::str(t.initial_loss_scale) + " (window " +
          std::to_string(t.loss_scale_window) + ", hysteresis " + std::to_string(t.hysteresis) + ")";
   }
+  if (!m.fp8.empty()) {
+    // "FP8 GEMMs (hybrid, delayed scaling: history 1024, max, margin 0)".
+    s += ", FP8 GEMMs (" + m.fp8 + ", " +
+         (m.fp8_recipe == "delayed"
+              ? "delayed scaling: history " + std::to_string(m.fp8_amax_history_len) + ", " +
+                    m.fp8_amax_compute_algo + ", margin " + std::to_string(m.fp8_margin)
+              : m.fp8_recipe + " scaling") +
+         (m.fp8_wgrad ? "" : ", 16-bit weight gradients") + ")";
+  }
   return s + ")";
 }
 

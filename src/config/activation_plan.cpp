@@ -200,6 +200,14 @@ void resolve_recompute(const TransformerConfig& c, ActivationPlan& plan) {
     TORCH_CHECK(!plan.recomputes(RecomputeModule::kGdnNormOut) || c.gated_delta_net(),
                 "actmem::TransformerConfig: gdn_norm_out in recompute_modules is only supported "
                 "with experimental_attention_variant='gdn' or 'gdn2'.");
+    // TransformerConfig.__post_init__: an output-discarding recompute feeding an FP8 GEMM makes
+    // the GEMM keep its 16-bit input and quantize it again in the backward, which only a
+    // current-scaling recipe reproduces (docs/fp8.md).
+    TORCH_CHECK(c.fp8.empty() || c.fp8_recipe != "delayed" ||
+                    !(plan.recomputes(RecomputeModule::kMoeAct) ||
+                      plan.recomputes(RecomputeModule::kLayernorm)),
+                "actmem::TransformerConfig: Delayed scaling does not support moe_act and "
+                "layernorm recompute for fp8.");
   } else {
     TORCH_CHECK(!c.recompute_modules.has_value(),
                 "actmem::TransformerConfig: recompute_modules "

@@ -687,6 +687,7 @@ void TransformerConfig::validate_shape() const {
   validate_moe(*this);
   validate_mla(*this);
   validate_gdn(*this);
+  validate_quantization();
   attention_choice();  // a backend this configuration cannot run is refused here
   // The recompute and offload rules live with the plan they decide (activation_plan.cpp).
 }
@@ -869,6 +870,7 @@ nlohmann::json to_json(const TransformerConfig& c) {
     j["expert_model_parallel_size"] = c.expert_model_parallel_size;
     j["moe_expert_dropout"] = c.moe_expert_dropout;
   }
+  if (!c.fp8.empty() || !c.fp4.empty()) j["quantization"] = quantization_json(c);
   return j;
 }
 

@@ -17,6 +17,8 @@ constexpr int64_t kMaxInt = std::numeric_limits<int64_t>::max();
 const CLI::Validator& non_negative_number_validator();
 
 void add_shape_flags(CLI::App& app, TrainOptions& o);
+/// FP8/FP4 training's flags (docs/fp8.md); part of the shape flags.
+void add_quantization_flags(CLI::App& app, TrainOptions& o);
 void add_parallel_flags(CLI::App& app, TrainOptions& o);
 void add_gated_delta_net_flags(CLI::App& app, TrainOptions& o);
 void add_multi_latent_attention_flags(CLI::App& app, TrainOptions& o);

@@ -30,9 +30,9 @@ const std::vector<CompatFlag>& compat_flags() {
   static const char* kFusion =
       "chooses whether a fused kernel computes the same function; actmem's CPU kernels have no "
       "such switch";
-  static const char* kFp8 =
-      "FP8 training runs Transformer Engine's FP8 GEMMs with delayed scaling on a Hopper-class "
-      "GPU; actmem has no FP8 path (train in bf16 or fp32)";
+  static const char* kFp8Params =
+      "keeps the GEMMs' weights as FP8 tensors (and all-gathers them in FP8); actmem's FP8 "
+      "quantizes 16-bit weights at each GEMM and does not hold FP8 parameters yet";
   static const char* kWandb =
       "Weights & Biases logs to a service over the network, which actmem does not do; "
       "--log-json writes the same scalars to a file";
@@ -98,12 +98,8 @@ const std::vector<CompatFlag>& compat_flags() {
        nullptr,
        {"torch", "torch_dist", "torch_dcp", "fsdp_dtensor"},
        true},
-      {"--fp8-format", 1, nullptr, kFp8, {"e4m3", "hybrid"}},
-      {"--fp8-recipe", 1, nullptr, kFp8},
-      {"--fp8-margin", 1, nullptr, kFp8},
-      {"--fp8-amax-history-len", 1, nullptr, kFp8},
-      {"--fp8-amax-compute-algo", 1, nullptr, kFp8, {"most_recent", "max"}},
-      {"--fp8-param-gather", 0, nullptr, kFp8},
+      {"--fp8-param-gather", 0, nullptr, kFp8Params},
+      {"--fp4-param-gather", 0, nullptr, kFp8Params},
       {"--wandb-project", 1, nullptr, kWandb},
       {"--wandb-exp-name", 1, nullptr, kWandb},
       {"--wandb-save-dir", 1, nullptr, kWandb},

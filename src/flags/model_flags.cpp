@@ -116,10 +116,44 @@ void add_shape_flags(CLI::App& app, TrainOptions& o) {
                "(needs half-precision kernels: CUDA)");
   app.add_flag("--attention-softmax-in-fp32", m.attention_softmax_in_fp32,
                "Compute the attention softmax in fp32 (16-bit runs)");
+  add_quantization_flags(app, o);
   // Megatron requires seed > 0; the upper bound leaves room for the stream offsets added to it.
   app.add_option("--seed", m.seed, "Seed for initialisation, dropout and sampling (> 0)")
       ->capture_default_str()
       ->check(integer_in_range(1, static_cast<int64_t>(kMaxSeed)));
+}
+
+void add_quantization_flags(CLI::App& app, TrainOptions& o) {
+  auto& m = o.model;
+  // FP8 / FP4 (docs/fp8.md), Megatron's names and defaults; the rules are TransformerConfig's.
+  app.add_option("--fp8-format", m.fp8,
+                 "FP8 GEMMs in every transformer layer: e4m3, or hybrid (E5M2 output gradients)")
+      ->check(CLI::IsMember({"e4m3", "hybrid"}));
+  app.add_option("--fp8-recipe", m.fp8_recipe,
+                 "FP8 scaling: delayed (amax history) or tensorwise (current per-tensor); "
+                 "Megatron's mxfp8 and blockwise are refused")
+      ->capture_default_str();
+  app.add_option("--fp8-margin", m.fp8_margin, "Delayed scaling: scale divided by 2^margin")
+      ->capture_default_str();
+  app.add_option("--fp8-amax-history-len", m.fp8_amax_history_len,
+                 "Delayed scaling: forwards in the amax window")
+      ->capture_default_str();
+  app.add_option("--fp8-amax-compute-algo", m.fp8_amax_compute_algo,
+                 "Delayed scaling: amax of the window, most_recent or max")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"most_recent", "max"}));
+  app.add_flag("--fp8-wgrad,!--no-fp8-wgrad", m.fp8_wgrad,
+               "The weight gradient's GEMM in FP8 (off: in 16 bits from the 16-bit input)");
+  app.add_flag("--first-last-layers-bf16", m.first_last_layers_bf16,
+               "Keep the first and last layers in 16 bits under FP8");
+  app.add_option("--num-layers-at-start-in-bf16", m.num_layers_at_start_in_bf16,
+                 "With --first-last-layers-bf16: layers at the start kept in 16 bits")
+      ->capture_default_str();
+  app.add_option("--num-layers-at-end-in-bf16", m.num_layers_at_end_in_bf16,
+                 "With --first-last-layers-bf16: layers at the end kept in 16 bits")
+      ->capture_default_str();
+  app.add_option("--fp4-format", m.fp4, "FP4 GEMMs (e2m1; refused: not implemented yet)");
+  app.add_option("--fp4-recipe", m.fp4_recipe, "FP4 scaling (nvfp4)")->capture_default_str();
 }
 
 void add_parallel_flags(CLI::App& app, TrainOptions& o) {

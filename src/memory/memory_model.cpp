@@ -31,6 +31,9 @@ double pipeline_factor(const PaperShape& m) {
 // s^2 terms overflow nothing), so PaperShape is derived from the config here, never bound to
 // flags of its own.
 PaperShape paper_shape(const TransformerConfig& c) {
+  TORCH_CHECK(c.fp8.empty() && c.fp4.empty(),
+              "actmem: the paper's formulas (estimate, plan --preset) have no FP8/FP4 terms yet; "
+              "train and inspect measure an FP8 run and predict it to the byte (docs/fp8.md)");
   auto d = [](int64_t v) { return static_cast<double>(v); };
   PaperShape m;
   m.s = d(c.seq_length), m.b = d(c.micro_batch_size), m.h = d(c.hidden_size);

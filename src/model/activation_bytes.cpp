@@ -17,6 +17,14 @@
 
 namespace actmem {
 
+int64_t SavedBytesContext::gemm_input(int64_t elements, int64_t kept_bytes,
+                                      bool save_original) const {
+  if (!fp8) return kept_bytes;
+  // The weight's scale (4 bytes) always; the 16-bit input, or its quantized copy and scale_inv.
+  if (save_original || !config.fp8_wgrad) return kept_bytes + 4;
+  return elements + 8;
+}
+
 int64_t SavedBytesContext::norm_statistics(int64_t rows) const {
   return config.use_rmsnorm() ? rows * up : 2 * rows * ln_stat;
 }
@@ -119,8 +127,8 @@ Common common_sizes(const TransformerConfig& c, const PredictOptions& o) {
 
 // One layer outside a full-recompute chunk: its norms and masks, and its parts' bytes.
 void add_layer(Accumulator& acc, const TransformerConfig& c, const Common& k, const LayerSpec& spec,
-               const LayerPlan& lp, const std::string& layer, const PredictOptions& o,
-               const std::map<const LayerPart*, size_t>& kind_index) {
+               const LayerPlan& lp, int64_t index, const std::string& layer,
+               const PredictOptions& o, const std::map<const LayerPart*, size_t>& kind_index) {
   const bool sel_norm = lp.recomputes(RecomputeModule::kLayernorm);
   const int64_t norm = sel_norm ? k.norm_recomputed : k.norm;
   auto part = [&](const LayerPart* p, const std::string& slot) {
@@ -128,6 +136,7 @@ void add_layer(Accumulator& acc, const TransformerConfig& c, const Common& k, co
     ctx.e = k.e, ctx.up = k.up, ctx.ln_stat = k.ln_stat, ctx.cpu = o.cpu;
     ctx.snapshot = k.snapshot, ctx.tokens = k.sb;
     ctx.input = sel_norm ? 0 : k.sbh * k.e;  // the norm's output, freed by layernorm recompute
+    ctx.fp8 = c.quantized_layer(index);
     ctx.kind_index = kind_index.at(p);
     ctx.routing = o.routing, ctx.upper_bound = o.upper_bound;
     ctx.add = [&](const std::string& module, int64_t bytes) {
@@ -184,7 +193,7 @@ PredictedBytes predict(const TransformerConfig& c, const ActivationPlan& plan, P
     std::map<const LayerPart*, size_t> kind_index;
     for (const LayerPart* p : specs[g].parts()) kind_index[p] = seen[p]++;
     if (!lp.in_chunk()) {
-      add_layer(acc, c, k, specs[g], lp, layer, o, kind_index);
+      add_layer(acc, c, k, specs[g], lp, i, layer, o, kind_index);
     } else if (lp.starts_chunk) {
       // Only the chunk's input (and its snapshot) is kept, attributed to the chunk's first layer.
       // With distribute_saved_activations it is this rank's 1/t chunk.

@@ -2,6 +2,8 @@
 #include "actmem/model/layer_part.h"
 
 #include "actmem/model/attention/attention.h"
+#include "actmem/model/fp8.h"
+#include "actmem/model/layers.h"
 #include "actmem/model/part_estimate.h"
 
 namespace actmem {
@@ -14,6 +16,13 @@ std::unique_ptr<DecodeState> PartModule::make_decode_state(int64_t,
 std::pair<at::Tensor, at::Tensor> PartModule::decode(const at::Tensor& x, DecodeState*, int64_t,
                                                      const LayerContext& ctx) {
   return forward(x, ctx);
+}
+
+void PartModule::use_fp8(const std::shared_ptr<Fp8Registry>& registry) {
+  for (const auto& module : modules(/*include_self=*/false)) {
+    if (auto* linear = dynamic_cast<Linear*>(module.get()))
+      linear->fp8 = registry->add_gemm(registry);
+  }
 }
 
 std::unique_ptr<RotaryEmbedding> LayerPart::rotary_tables(const TransformerConfig&,

@@ -1,6 +1,7 @@
 // layers.cpp — the model layer's building blocks (layers.h): norms, linears, dropout.
 #include "actmem/model/layers.h"
 
+#include "actmem/model/fp8.h"
 #include "actmem/parallel/tensor_parallel.h"
 #include "actmem/recompute/rng.h"
 
@@ -123,6 +124,15 @@ std::optional<ParameterAttributes> Linear::parameter_attributes(const std::strin
 }
 
 std::pair<at::Tensor, at::Tensor> Linear::forward(const at::Tensor& x) {
+  if (fp8) {
+    // One process so far (TransformerConfig refuses FP8 with tensor parallelism): the column-
+    // and row-parallel layers are the whole GEMM.
+    TORCH_CHECK(parallel_ == LinearParallel::kNone || tensor_parallel_group().size == 1,
+                "actmem::Linear: FP8 GEMMs run without tensor parallelism so far");
+    const at::Tensor y =
+        fp8_linear(x, weight, skip_bias_add_ ? at::Tensor() : bias, *fp8, fp8_save_original_input);
+    return {y, skip_bias_add_ ? bias : at::Tensor()};
+  }
   switch (parallel_) {
     case LinearParallel::kColumn:
       if (skip_bias_add_)

@@ -3,6 +3,8 @@
 // hidden, a = heads, d = head dim, f = ffn hidden, v = vocab.
 #include "actmem/model/model.h"
 
+#include "actmem/model/fp8.h"
+
 #include "actmem/model/weight_init.h"
 
 #include "actmem/memory/ledger.h"
@@ -211,6 +213,8 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
       config_.sequence_parallel && is_training() && any_dropout
           ? fork_model_parallel_rng(true, "actmem::TransformerBlock: sequence parallelism")
           : std::nullopt;
+  const bool fp8_region = fp8 && is_training() && at::GradMode::is_enabled();
+  if (fp8_region) fp8->begin_forward();
   const int64_t L = offset_ + static_cast<int64_t>(layers.size());  // one past this stage's last
   if ((plan_.full_recompute() || checkpoint_every_layer_) && is_training()) {
     // Megatron's checkpointed_forward: only each chunk's input is kept. The plan's chunks never
@@ -236,6 +240,7 @@ at::Tensor TransformerBlock::forward(const at::Tensor& hidden_in, const LayerCon
   } else {
     hidden = run_layers(hidden, offset_, L, ctx);
   }
+  if (fp8_region) fp8->end_forward();
   if (!final_layernorm) return hidden;  // not the last pipeline stage
   mark_on_backward(hidden, "bwd head");
   ModuleScope scope("final_layernorm");
@@ -334,6 +339,16 @@ GPTModel::GPTModel(const TransformerConfig& config, ActivationPlan plan, at::Sca
     layer->mlp->bind_stats(moe_stats_);
   }
   if (post_process_) build_output_layer(word, init);
+  // FP8: every GEMM of the layers not kept in 16 bits (Note [FP8 as actmem runs it] in fp8.h).
+  if (!config.fp8.empty()) {
+    fp8_ = std::make_shared<Fp8Registry>(Fp8Recipe::from(config));
+    for (const auto& layer : all_layers()) {
+      if (!config.quantized_layer(layer->layer_number() - 1)) continue;
+      layer->self_attention->use_fp8(fp8_);
+      layer->mlp->use_fp8(fp8_);
+    }
+    for (const auto& block : decoders_) block->fp8 = fp8_;
+  }
 }
 
 void GPTModel::build_embedding(const at::Tensor& word, const at::Tensor& positions) {

@@ -279,6 +279,8 @@ void load_model_state(GPTModel& model, const c10::impl::GenericDict& ckpt,
                 " in ", path, " but ", p.sizes(), " ", p.scalar_type(), " in this model");
     p.copy_(t);
   }
+  if (model.fp8() && ckpt.contains("fp8_scaling"))
+    load_fp8_scaling_state(model, dict_entry(ckpt, "fp8_scaling", path), path);
 }
 
 TransformerConfig config_from_args(const nlohmann::json& a) {
@@ -338,6 +340,7 @@ TransformerConfig config_from_args(const nlohmann::json& a) {
   get("bf16", c.bf16);
   get("fp16", c.fp16);
   get("attention_softmax_in_fp32", c.attention_softmax_in_fp32);
+  quantization_from_json(a, c);
   get("tensor_model_parallel_size", c.tensor_model_parallel_size);
   get("multi_latent_attention", c.multi_latent_attention);
   if (c.multi_latent_attention) {
@@ -447,6 +450,11 @@ c10::impl::GenericDict checkpoint_state(const TrainState& s, bool write) {
   auto top = string_dict();
   if (!write) return top;
   nlohmann::json args = to_json(s.model_config);
+  // Megatron's args are flat (args.fp8, args.fp8_recipe, ...).
+  if (args.contains("quantization")) {
+    for (const auto& [k, v] : args["quantization"].items()) args[k] = v;
+    args.erase("quantization");
+  }
   const nlohmann::json training = to_json(s.config);
   for (const auto& [k, v] : training.items()) args[k] = v;
   args["iteration"] = s.iteration;
@@ -460,6 +468,7 @@ c10::impl::GenericDict checkpoint_state(const TrainState& s, bool write) {
     model.insert(item.key(), host_copy(item.value()));
   }
   top.insert("model", model);
+  if (s.model.fp8()) top.insert("fp8_scaling", fp8_scaling_state(s.model));
 
   if (mixed) {
     // Megatron's Float16OptimizerWithFloat16Params.state_dict().

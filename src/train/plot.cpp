@@ -1,4 +1,4 @@
-// plot.cpp — memory_timeline_svg, plan_front_svg and pipeline_schedule_svg.
+// plot.cpp — memory_timeline_svg, plan_front_svg, pipeline_schedule_svg and line_chart_svg.
 #include "actmem/train/plot.h"
 
 #include "actmem/base/report.h"
@@ -273,6 +273,63 @@ std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>&
   o << "<text x=\"" << left + pw / 2 << "\" y=\"" << axis_y + 34
     << "\" text-anchor=\"middle\">ms from the step's start (F forward, B backward of micro-batch n"
     << (interleaved ? "; lighter = later model chunk" : "") << ")</text>\n</svg>\n";
+  return o.str();
+}
+
+std::string line_chart_svg(const std::vector<CurveSeries>& series, const std::string& title,
+                           const std::string& x_label, const std::string& y_label) {
+  const double W = 900, H = 500, left = 80, right = 220, top = 50, bottom = 60;
+  const double pw = W - left - right, ph = H - top - bottom;
+  double x_max = 1e-9, y_min = 1e300, y_max = -1e300;
+  for (const auto& s : series) {
+    for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
+      x_max = std::max(x_max, s.x[i]);
+      y_min = std::min(y_min, s.y[i]);
+      y_max = std::max(y_max, s.y[i]);
+    }
+  }
+  if (y_min > y_max) y_min = 0, y_max = 1;
+  const double pad = std::max((y_max - y_min) * 0.05, 1e-9);
+  y_min -= pad, y_max += pad;
+  auto X = [&](double x) { return left + pw * x / x_max; };
+  auto Y = [&](double y) { return top + ph * (1.0 - (y - y_min) / (y_max - y_min)); };
+  std::ostringstream o;
+  o << std::fixed << std::setprecision(1);
+  open_svg(o, W, H, left, title);
+  o << "<g class=\"axes\" stroke=\"#444\">\n"
+    << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
+    << top + ph << "\"/>\n<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
+    << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  for (int i = 0; i <= 5; ++i) {
+    const double y = y_min + (y_max - y_min) * i / 5.0, x = x_max * i / 5.0;
+    o << "<line x1=\"" << left << "\" y1=\"" << Y(y) << "\" x2=\"" << left + pw << "\" y2=\""
+      << Y(y) << "\" stroke=\"#ddd\"/>\n"
+      << "<text x=\"" << left - 6 << "\" y=\"" << Y(y) + 4 << "\" text-anchor=\"end\">"
+      << std::setprecision(2) << y << std::setprecision(1) << "</text>\n"
+      << "<text x=\"" << X(x) << "\" y=\"" << top + ph + 18 << "\" text-anchor=\"middle\">"
+      << std::setprecision(0) << x << std::setprecision(1) << "</text>\n";
+  }
+  o << "<text x=\"" << left + pw / 2 << "\" y=\"" << H - 16 << "\" text-anchor=\"middle\">"
+    << escape(x_label) << "</text>\n"
+    << "<text x=\"18\" y=\"" << top + ph / 2
+    << "\" text-anchor=\"middle\" transform=\"rotate(-90 18 " << top + ph / 2 << ")\">"
+    << escape(y_label) << "</text>\n";
+  for (size_t k = 0; k < series.size(); ++k) {
+    const auto& s = series[k];
+    const char* colour = kColors[k % (sizeof(kColors) / sizeof(kColors[0]))];
+    o << "<polyline data-name=\"" << escape(s.name) << "\" fill=\"none\" stroke=\"" << colour
+      << "\" stroke-width=\"2\" points=\"";
+    for (size_t i = 0; i < s.x.size() && i < s.y.size(); ++i) {
+      o << (i ? " " : "") << X(s.x[i]) << "," << Y(s.y[i]);
+    }
+    o << "\"/>\n";
+    const double ly = top + 20 + 22 * static_cast<double>(k);
+    o << "<line x1=\"" << left + pw + 16 << "\" y1=\"" << ly << "\" x2=\"" << left + pw + 40
+      << "\" y2=\"" << ly << "\" stroke=\"" << colour << "\" stroke-width=\"2\"/>\n"
+      << "<text x=\"" << left + pw + 46 << "\" y=\"" << ly + 4 << "\">" << escape(s.name)
+      << "</text>\n";
+  }
+  o << "</svg>\n";
   return o.str();
 }
 

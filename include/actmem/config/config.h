@@ -85,6 +85,40 @@ struct TransformerConfig {
   /// as Megatron's fused scale-mask-softmax kernel does).
   bool attention_softmax_in_fp32 = false;
 
+  // ---- FP8 / FP4 training (docs/fp8.md), Megatron's TransformerConfig names and defaults ----
+  /// --fp8-format: "e4m3" (every FP8 tensor E4M3) or "hybrid" (E4M3 forward, E5M2 for the
+  /// output gradients); empty: no FP8. Every GEMM of the transformer layers quantizes its input
+  /// and weight and keeps the quantized input for the backward, as Transformer Engine does.
+  std::string fp8;
+  /// --fp8-recipe: "delayed" (Megatron's default: scales from an amax history, updated after
+  /// each forward and backward), "tensorwise" (current per-tensor scaling), "mxfp8",
+  /// "blockwise".
+  std::string fp8_recipe = "delayed";
+  /// Delayed scaling: scale = (fp8_max / amax) / 2^margin, amax the history's most recent entry
+  /// or its maximum over fp8_amax_history_len forwards.
+  int64_t fp8_margin = 0;
+  int64_t fp8_amax_history_len = 1;
+  std::string fp8_amax_compute_algo = "most_recent";
+  /// --no-fp8-wgrad: the weight gradient's GEMM in 16 bits from the 16-bit input (which the
+  /// layer then keeps instead of the quantized one).
+  bool fp8_wgrad = true;
+  /// --first-last-layers-bf16: the first num_layers_at_start_in_bf16 and the last
+  /// num_layers_at_end_in_bf16 layers run in 16 bits (not with delayed scaling).
+  bool first_last_layers_bf16 = false;
+  int64_t num_layers_at_start_in_bf16 = 1;
+  int64_t num_layers_at_end_in_bf16 = 1;
+  /// --fp4-format "e2m1" with --fp4-recipe "nvfp4"; empty: no FP4. Exclusive with fp8.
+  /// (--fp8-param-gather and --fp4-param-gather, FP8/FP4 parameters, are refused: flags/.)
+  std::string fp4;
+  std::string fp4_recipe = "nvfp4";
+  /// Whether layer `layer` (0-based, over the whole model) runs its GEMMs in FP8/FP4: quantized
+  /// training is on and the layer is not one of the first/last kept in 16 bits (Megatron's
+  /// is_first_last_bf16_layer in megatron/core/fp8_utils.py).
+  bool quantized_layer(int64_t layer) const;
+  /// Megatron's FP8/FP4 rules (TransformerConfig.__post_init__, validate_args) and what actmem
+  /// runs of them (quantization.cpp); validate_shape() calls it.
+  void validate_quantization() const;
+
   // ---- parallelism (docs/parallelism.md) ----
   int64_t tensor_model_parallel_size = 1;
   /// Pipeline stages p: the layers split across p ranks, run by the 1F1B schedule (pipeline.h).
@@ -325,6 +359,11 @@ int64_t moe_expert_capacity(int64_t tokens, int64_t topk, int64_t experts, doubl
 /// Every field, with the defaults resolved (ffn_hidden_size, max_position_embeddings,
 /// recompute_modules), under Megatron's names.
 nlohmann::json to_json(const TransformerConfig& config);
+/// The FP8/FP4 settings as JSON (to_json adds them under "quantization" when FP8 or FP4 is on).
+nlohmann::json quantization_json(const TransformerConfig& config);
+/// Reads the FP8/FP4 settings from a checkpoint's flat args (Megatron's names: fp8, fp8_recipe,
+/// ...), leaving the fields a key is absent for.
+void quantization_from_json(const nlohmann::json& args, TransformerConfig& config);
 
 /// The emulated host link's range (GB/s per direction) when it is capped: below the minimum a
 /// copy of a few MiB takes minutes; above the maximum the cap cannot be told from none.

@@ -35,6 +35,7 @@
 namespace actmem {
 
 class ActivationOffloader;
+class Fp8Registry;
 class RotaryEmbedding;
 struct PartEstimate;
 struct PartEstimateContext;
@@ -87,6 +88,11 @@ class PartModule : public torch::nn::Module {
   /// The backward scale of the part's auxiliary losses (MoE's load-balancing and z-losses:
   /// Megatron's MoEAuxLossAutoScaler.set_loss_scale). Nothing by default.
   virtual void set_aux_loss_scale(double scale) {}
+  /// Runs the part's GEMMs in FP8 under `registry`'s recipe (fp8.h), for a layer that is not
+  /// kept in 16 bits (TransformerConfig::quantized_layer). By default every Linear below the
+  /// part, each keeping its quantized input; a part overrides it to keep the 16-bit input of
+  /// GEMMs whose input is kept or recomputed anyway (Megatron's set_save_original_input).
+  virtual void use_fp8(const std::shared_ptr<Fp8Registry>& registry);
 };
 
 /// Which slot of a layer a part fills.
@@ -113,6 +119,15 @@ struct SavedBytesContext {
   /// Size data-dependent tensors at the most they can be (the memory pre-check's bound) when the
   /// routing does not say.
   bool upper_bound = false;
+  /// The layer's GEMMs run in FP8 (TransformerConfig::quantized_layer): each keeps its input
+  /// quantized, 1 byte per element (fp8.h).
+  bool fp8 = false;
+  /// What a GEMM of the layer keeps of an input of `elements` whose 16-bit storage costs this
+  /// module `kept_bytes` (0 when another module keeps it): that storage in 16 bits; under FP8
+  /// the quantized copy and its fp32 scale_inv plus the weight's scale (elements + 8), or with
+  /// `save_original` (Megatron's set_save_original_input) or a 16-bit weight gradient
+  /// (--no-fp8-wgrad) the 16-bit storage plus the weight's scale.
+  int64_t gemm_input(int64_t elements, int64_t kept_bytes, bool save_original = false) const;
   /// Adds `bytes` to `module`, a path under the slot ("linear_qkv"; "" for the slot itself).
   std::function<void(const std::string& module, int64_t bytes)> add;
   /// What a norm over `rows` rows keeps besides its input: RMSNorm's rstd upcast, LayerNorm's

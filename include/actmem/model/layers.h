@@ -9,6 +9,7 @@
 #include <torch/nn/module.h>
 
 #include <atomic>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -16,6 +17,7 @@
 namespace actmem {
 
 class RngFork;
+class Fp8Gemm;
 
 class ActivationOffloader;
 
@@ -118,6 +120,12 @@ class Linear : public torch::nn::Module, public DeclaresParameters {
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   at::Tensor weight;  // [out, in]
   at::Tensor bias;    // [out] or undefined
+  /// Runs the GEMM on FP8 operands under this state's recipe (fp8.h); null: in the parameters'
+  /// type. Set by the layer part (PartModule::use_fp8) for the layers that run in FP8.
+  std::shared_ptr<Fp8Gemm> fp8;
+  /// Under FP8, keep the 16-bit input for the backward instead of its quantized copy (Megatron's
+  /// set_save_original_input: the input is kept by someone else, or recomputed).
+  bool fp8_save_original_input = false;
 
  private:
   bool skip_bias_add_;

@@ -33,6 +33,7 @@
 namespace actmem {
 
 class ActivationOffloader;
+class Fp8Registry;
 
 /// A transformer layer built from its spec (layer_spec.h): input_layernorm -> the mixer part
 /// (self_attention) -> bias-dropout-add -> pre_mlp_layernorm -> the MLP part (mlp) ->
@@ -106,6 +107,10 @@ class TransformerBlock : public torch::nn::Module {
   void set_checkpoint_every_layer(bool on) { checkpoint_every_layer_ = on; }
   std::vector<std::shared_ptr<TransformerLayer>> layers;  // this stage's
   std::shared_ptr<Norm> final_layernorm;                  // null except on the last stage
+  /// The model's FP8 state (fp8.h), or null: a training forward of the block is an FP8 region
+  /// (Megatron's outer fp8 context around TransformerBlock.forward) whose end updates the
+  /// delayed scales.
+  std::shared_ptr<Fp8Registry> fp8;
 
  private:
   // Runs the global layers [start, end) of this stage.
@@ -173,6 +178,8 @@ class GPTModel : public torch::nn::Module {
   const TransformerConfig& config() const { return config_; }
   /// What the MoE layers measured since its last reset() (empty for a dense model): the parts
   /// report into it (PartModule::bind_stats).
+  /// The FP8 state of the model's GEMMs (fp8.h), or null without --fp8-format.
+  const std::shared_ptr<Fp8Registry>& fp8() const { return fp8_; }
   MoEStats& moe_stats() { return moe_stats_; }
   const MoEStats& moe_stats() const { return moe_stats_; }
   /// The backward scale of the MoE auxiliary losses (Megatron's
@@ -234,6 +241,7 @@ class GPTModel : public torch::nn::Module {
   at::Tensor causal_mask_;  // [1, 1, max_pos, max_pos], built once, moved with the model
   ActivationOffloader* offloader_ = nullptr;
   MoEStats moe_stats_;
+  std::shared_ptr<Fp8Registry> fp8_;
 };
 
 }  // namespace actmem

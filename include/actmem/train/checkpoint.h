@@ -110,6 +110,16 @@ struct TrainState {
   RngStatesTracker& rng_tracker;       // the named streams
 };
 
+/// The FP8 scaling state of `model`'s GEMMs (fp8.h), by module name
+/// ("decoder.layers.0.self_attention.linear_qkv" -> Fp8Gemm::state()): the checkpoint's
+/// "fp8_scaling" entry, so a resumed delayed-scaling run continues with the same scales and
+/// amax windows (Megatron keeps them in each TE module's _extra_state). Empty without FP8.
+c10::impl::GenericDict fp8_scaling_state(const GPTModel& model);
+/// Sets `model`'s FP8 scaling state from a checkpoint's "fp8_scaling" entry; every GEMM of the
+/// model must have one.
+void load_fp8_scaling_state(GPTModel& model, const c10::impl::GenericDict& state,
+                            const std::string& path);
+
 /// Writes the checkpoint of state.iteration into `dir` in Megatron's layout (Note [Checkpoint
 /// protocol]); collective over every rank. Returns the iteration directory.
 std::string save_checkpoint(const std::string& dir, const TrainState& state);

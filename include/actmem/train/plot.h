@@ -46,4 +46,14 @@ std::string plan_front_svg(const std::vector<PlanPoint>& points, double budget_b
 std::string pipeline_schedule_svg(const std::vector<std::vector<PipelineEvent>>& stages,
                                   const std::string& title);
 
+/// One curve of line_chart_svg: points (x[i], y[i]).
+struct CurveSeries {
+  std::string name;
+  std::vector<double> x, y;
+};
+/// Curves on shared linear axes (from 0 across; up from just below the smallest y), one colour
+/// each with a legend: loss curves (bench_precision). Every curve is a <polyline> with a
+/// data-name attribute, so tools and tests can read the plot.
+std::string line_chart_svg(const std::vector<CurveSeries>& series, const std::string& title,
+                           const std::string& x_label, const std::string& y_label);
 }  // namespace actmem

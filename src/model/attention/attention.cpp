@@ -2,6 +2,8 @@
 // cache (attention.h).
 #include "actmem/model/attention/attention.h"
 
+#include "actmem/model/fp8.h"
+
 #include "actmem/model/weight_init.h"
 
 #include "actmem/memory/ledger.h"
@@ -327,6 +329,17 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
     context = apply_output_gate(context, p.gate);
   }
   return run_linear_proj(*linear_proj, group(OffloadModule::kAttnProj), context);
+}
+
+AttentionFp8Inputs attention_fp8_keeps_original(bool delayed_scaling, const LayerPlan& plan) {
+  return {!delayed_scaling && plan.recomputes(RecomputeModule::kLayernorm), !delayed_scaling};
+}
+
+void SelfAttention::use_fp8(const std::shared_ptr<Fp8Registry>& registry) {
+  PartModule::use_fp8(registry);
+  const AttentionFp8Inputs keep = attention_fp8_keeps_original(registry->recipe().delayed, plan_);
+  linear_qkv->fp8_save_original_input = keep.qkv_original;
+  linear_proj->fp8_save_original_input = keep.proj_original;
 }
 
 void SelfAttention::init_weights(WeightInit& init) {

@@ -201,12 +201,18 @@ class AttentionPart final : public LayerPart {
     // Note [What standard attention keeps].
     const StandardAttentionBytes sa =
         standard_attention_bytes(ctx.config, ctx.plan, ctx.e, ctx.cpu);
-    ctx.add("linear_qkv", ctx.input);
+    const AttentionFp8Inputs keep =
+        attention_fp8_keeps_original(ctx.config.fp8_recipe == "delayed", ctx.plan);
+    const int64_t context = ctx.config.seq_length * ctx.config.micro_batch_size *
+                            ctx.config.query_projection_size() /
+                            ctx.config.tensor_model_parallel_size;
+    ctx.add("linear_qkv",
+            ctx.gemm_input(ctx.tokens * ctx.config.hidden_size, ctx.input, keep.qkv_original));
     ctx.add("q_layernorm", sa.q_layernorm);
     ctx.add("k_layernorm", sa.k_layernorm);
     ctx.add("core_attention", sa.core_qkv + core_attention_scores_bytes(ctx));
     ctx.add("output_gate", sa.output_gate);
-    ctx.add("linear_proj", sa.linear_proj);
+    ctx.add("linear_proj", ctx.gemm_input(context, sa.linear_proj, keep.proj_original));
   }
   ModuleTerms module_terms(const std::string& module, const TransformerConfig& config,
                            int64_t dtype_bytes, bool cpu) const override {

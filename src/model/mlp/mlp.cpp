@@ -2,6 +2,7 @@
 #include "actmem/model/mlp/mlp.h"
 
 #include "actmem/memory/ledger.h"
+#include "actmem/model/fp8.h"
 #include "actmem/model/weight_init.h"
 #include "actmem/recompute/recompute.h"
 
@@ -54,6 +55,15 @@ std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x, const LayerC
     return {out, linear_fc2->bias};
   }
   return forward(x);
+}
+
+bool fc1_keeps_original_input(bool delayed_scaling, const LayerPlan& plan) {
+  return !delayed_scaling && plan.recomputes(RecomputeModule::kLayernorm);
+}
+
+void MLP::use_fp8(const std::shared_ptr<Fp8Registry>& registry) {
+  PartModule::use_fp8(registry);
+  linear_fc1->fp8_save_original_input = fc1_keeps_original_input(registry->recipe().delayed, plan_);
 }
 
 void MLP::init_weights(WeightInit& init) {

@@ -28,9 +28,13 @@ class MlpPart final : public LayerPart {
       ctx.add("", ctx.input + ctx.snapshot);
       return;
     }
-    ctx.add("linear_fc1", ctx.input);
+    // Under FP8 the GEMMs keep their inputs quantized; fc1 keeps the norm's output itself when
+    // selective layernorm recompute frees it (MLP::use_fp8).
+    ctx.add("linear_fc1",
+            ctx.gemm_input(ctx.tokens * c.hidden_size, ctx.input,
+                           fc1_keeps_original_input(c.fp8_recipe == "delayed", ctx.plan)));
     ctx.add("activation_func", c.gated_linear_unit ? 3 * sbf * ctx.e : sbf * ctx.e);
-    ctx.add("linear_fc2", sbf * ctx.e);
+    ctx.add("linear_fc2", ctx.gemm_input(sbf, sbf * ctx.e));
   }
   // Korthikanti et al.'s MLP terms (Table 2, 16-bit terms scaled to `dtype_bytes`): fc1's input
   // 2sbh (replicated without SP), its output 8sbh and the GeLU's output 8sbh at ffn = 4h, split

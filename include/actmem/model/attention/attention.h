@@ -148,6 +148,10 @@ class SelfAttention : public PartModule {
   };
   Projected project(const at::Tensor& x, const RotaryEmbedding* rope, int64_t offset = 0,
                     ActivationOffloader* qkv_group = nullptr);
+  /// Under FP8 (attention_fp8_keeps_original), linear_proj keeps the core attention's output
+  /// and linear_qkv a norm output that selective layernorm recompute frees, instead of
+  /// quantized copies.
+  void use_fp8(const std::shared_ptr<Fp8Registry>& registry) override;
   std::shared_ptr<Linear> linear_qkv;
   std::shared_ptr<Norm> q_layernorm;  // with --qk-layernorm, over d, shared by every head
   std::shared_ptr<Norm> k_layernorm;
@@ -163,6 +167,16 @@ class SelfAttention : public PartModule {
 
 /// The mixer part "attention" (Note [A layer part owns its contract] in layer_part.h).
 const LayerPart& attention_part();
+
+/// Under FP8, which of standard attention's GEMMs keep their 16-bit input (Megatron's
+/// set_save_original_input), under a current-scaling recipe only: linear_proj (Megatron's
+/// Attention.__init__: the core attention keeps that output itself) and, with selective
+/// layernorm recompute, linear_qkv (set_for_recompute_input_layernorm).
+struct AttentionFp8Inputs {
+  bool qkv_original = false;
+  bool proj_original = false;
+};
+AttentionFp8Inputs attention_fp8_keeps_original(bool delayed_scaling, const LayerPlan& plan);
 
 /// What the core attention keeps beyond q, k and v for the predictor (both attentions' parts):
 /// the random-state snapshot under selective core_attn; the flash kernel's output and
