@@ -123,19 +123,21 @@ TEST(Fp8Numerics, LinearEqualsTheDequantizedGemmForwardAndBackward) {
   const at::Tensor wd = dq(w.detach(), 448.0, at::kFloat8_e4m3fn);
   const at::Tensor expected = (xd.mm(wd.t()) + b.detach().to(at::kDouble)).to(at::kBFloat16);
   ASSERT_EQ(y.sizes(), (std::vector<int64_t>{6, 5, 40}));
-  EXPECT_TRUE(at::allclose(y.reshape({-1, 40}).to(at::kFloat), expected.to(at::kFloat), 1e-2, 1e-2));
+  EXPECT_TRUE(
+      at::allclose(y.reshape({-1, 40}).to(at::kFloat), expected.to(at::kFloat), 1e-2, 1e-2));
   const at::Tensor g = at::randn({6, 5, 40}).to(at::kBFloat16);
   y.backward(g);
   const at::Tensor gd = dq(g.reshape({-1, 40}), 57344.0, at::kFloat8_e5m2);
   EXPECT_TRUE(at::allclose(x.grad().reshape({-1, 24}).to(at::kFloat),
                            gd.mm(wd).to(at::kBFloat16).to(at::kFloat), 1e-2, 1e-2));
-  EXPECT_TRUE(at::allclose(w.grad().to(at::kFloat),
-                           gd.t().mm(xd).to(at::kBFloat16).to(at::kFloat), 1e-2, 2e-2));
-  EXPECT_TRUE(at::allclose(b.grad().to(at::kFloat), g.reshape({-1, 40}).to(at::kFloat).sum(0),
-                           1e-2, 1e-2));
+  EXPECT_TRUE(at::allclose(w.grad().to(at::kFloat), gd.t().mm(xd).to(at::kBFloat16).to(at::kFloat),
+                           1e-2, 2e-2));
+  EXPECT_TRUE(
+      at::allclose(b.grad().to(at::kFloat), g.reshape({-1, 40}).to(at::kFloat).sum(0), 1e-2, 1e-2));
 }
 
-// ---- Megatron's rules ----------------------------------------------------------------------------
+// ---- Megatron's rules
+// ----------------------------------------------------------------------------
 
 TransformerConfig fp8_model(const std::string& recipe) {
   TransformerConfig c = actmem::testing::small_model();
@@ -191,8 +193,9 @@ TEST(Fp8Config, MegatronsRulesWithItsMessages) {
           "--fp8-amax-history-len must be at least 1");
   // What is not built yet says so.
   refused([](TransformerConfig& c) { c.fp8_recipe = "mxfp8"; }, "not implemented in actmem yet");
+  refused([](TransformerConfig& c) { c.num_moe_experts = 4; }, "MoE experts' and MLA's FP8 GEMMs");
   refused([](TransformerConfig& c) { c.tensor_model_parallel_size = 2; },
-          "FP8 runs in one process in actmem so far");
+          "FP8 under tensor parallelism");
   // Layer-norm recompute is allowed with current scaling (TE >= 2.6 in Megatron).
   TransformerConfig ok = fp8_model("tensorwise");
   selective(ok, {"layernorm"});
@@ -219,7 +222,23 @@ TEST(Fp8Config, FirstAndLastLayersStayIn16BitsAsMegatronsIsFirstLastBf16Layer) {
   }
 }
 
-// ---- exactness -----------------------------------------------------------------------------------
+// ---- exactness
+// -----------------------------------------------------------------------------------
+
+// small_model as test_gdn.cpp's 3:1 GatedDeltaNet hybrid (layers 0-2 GatedDeltaNet, 3 attention).
+void gdn_hybrid(TransformerConfig& c) {
+  c.gated_linear_unit = true;
+  c.normalization = "RMSNorm";
+  c.position_embedding_type = "rope";
+  c.add_bias_linear = false;
+  c.experimental_attention_variant = "gdn";
+  c.linear_attention_freq = "4";
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  c.linear_conv_kernel_dim = 4;
+}
 
 struct Fp8Variant {
   const char* name;
@@ -247,6 +266,8 @@ const Fp8Variant kFp8Variants[] = {
        c.fp8_recipe = "delayed";
        c.fp8_wgrad = false;
      }},
+    // A 3:1 GatedDeltaNet hybrid (test_gdn.cpp's model): in_proj and out_proj in FP8.
+    {"GdnHybridDelayed", [](TransformerConfig& c) { gdn_hybrid(c); }},
 };
 
 const actmem::testing::ConfigEdit kFp8Strategies[] = {
@@ -357,6 +378,18 @@ TEST(Fp8Recompute, LayernormRecomputeWithCurrentScalingKeepsTheNormOutputAndIsEx
   actmem::testing::expect_bitwise_equal_training(ref.record, other);
 }
 
+TEST(Fp8Recompute, GdnNormOutRecomputeIsExactUnderDelayedScaling) {
+  // out_proj keeps its quantized copy of the norm output the recompute frees.
+  TransformerConfig plain = fp8_model("delayed");
+  gdn_hybrid(plain);
+  TransformerConfig strat = plain;
+  selective(strat, {"gdn_norm_out", "core_attn"});
+  const PlainFp8Run& ref = plain_run(plain, 3);
+  Trainer other(strat, fp8_training());
+  actmem::testing::expect_bitwise_equal_training(ref.record, other);
+  expect_same_state(ref.state, other.model().fp8()->state_tensors(), "gdn_norm_out");
+}
+
 TEST(Fp8Recompute, ANaiveRecomputeThatUpdatesTheScalingStateAgainDiffers) {
   // What te_checkpoint prevents: a replay that quantizes with the scales updated after the
   // forward and records its amaxes again gives other gradients and another scaling state.
@@ -384,7 +417,8 @@ TEST(Fp8Recompute, ANaiveRecomputeThatUpdatesTheScalingStateAgainDiffers) {
   EXPECT_TRUE(state_differs);
 }
 
-// ---- checkpoints ---------------------------------------------------------------------------------
+// ---- checkpoints
+// ---------------------------------------------------------------------------------
 
 TEST(Fp8Checkpoint, AResumedDelayedScalingRunIsBitwiseTheUninterruptedOne) {
   // The amax windows and scales travel in the checkpoint ("fp8_scaling"), so the resumed run
@@ -419,7 +453,8 @@ TEST(Fp8Checkpoint, AResumedDelayedScalingRunIsBitwiseTheUninterruptedOne) {
   std::filesystem::remove_all(dir);
 }
 
-// ---- memory --------------------------------------------------------------------------------------
+// ---- memory
+// --------------------------------------------------------------------------------------
 
 TEST(Fp8Memory, PredictorExactAgainstTheTrackerAndTheLedgerForEveryStrategy) {
   const std::pair<const char*, void (*)(TransformerConfig&)> policies[] = {
@@ -448,6 +483,13 @@ TEST(Fp8Memory, PredictorExactAgainstTheTrackerAndTheLedgerForEveryStrategy) {
   TransformerConfig c = fp8_model("tensorwise");
   selective(c, {"layernorm"});
   actmem::testing::expect_predictor_matches_tracker(c, "tensorwise layernorm");
+  // The GatedDeltaNet hybrid, with and without gdn_norm_out recompute.
+  for (const bool norm_out : {false, true}) {
+    TransformerConfig g = fp8_model("delayed");
+    gdn_hybrid(g);
+    if (norm_out) selective(g, {"gdn_norm_out"});
+    actmem::testing::expect_predictor_matches_tracker(g, norm_out ? "gdn norm_out" : "gdn");
+  }
 }
 
 TEST(Fp8Memory, QuantizedInputsShrinkTheLinearLayersTerms) {

@@ -20,7 +20,8 @@ void TransformerConfig::validate_quantization() const {
   TORCH_CHECK(fp4.empty() || fp4 == "e2m1", api, "--fp4-format must be e2m1, got \"", fp4, "\"");
   TORCH_CHECK(fp8_recipe == "delayed" || fp8_recipe == "tensorwise" || fp8_recipe == "mxfp8" ||
                   fp8_recipe == "blockwise" || fp8_recipe == "custom",
-              api, "--fp8-recipe must be one of tensorwise, delayed, mxfp8, blockwise, custom, got \"",
+              api,
+              "--fp8-recipe must be one of tensorwise, delayed, mxfp8, blockwise, custom, got \"",
               fp8_recipe, "\"");
   TORCH_CHECK(fp4_recipe == "nvfp4" || fp4_recipe == "custom", api,
               "--fp4-recipe must be nvfp4 or custom, got \"", fp4_recipe, "\"");
@@ -37,14 +38,12 @@ void TransformerConfig::validate_quantization() const {
                 "Delayed scaling does not support first / last layer in BF16.");
     const int64_t per_stage = num_layers / pipeline_model_parallel_size;
     if (first_last_layers_bf16) {
-      TORCH_CHECK(num_layers_at_start_in_bf16 >= 0 && num_layers_at_start_in_bf16 <= per_stage,
-                  api, "num_layers_at_start_in_bf16 (", num_layers_at_start_in_bf16,
-                  ") must be between 0 and number of layers per pipeline stage (", per_stage,
-                  ").");
+      TORCH_CHECK(num_layers_at_start_in_bf16 >= 0 && num_layers_at_start_in_bf16 <= per_stage, api,
+                  "num_layers_at_start_in_bf16 (", num_layers_at_start_in_bf16,
+                  ") must be between 0 and number of layers per pipeline stage (", per_stage, ").");
       TORCH_CHECK(num_layers_at_end_in_bf16 >= 0 && num_layers_at_end_in_bf16 <= per_stage, api,
                   "num_layers_at_end_in_bf16 (", num_layers_at_end_in_bf16,
-                  ") must be between 0 and number of layers per pipeline stage (", per_stage,
-                  ").");
+                  ") must be between 0 and number of layers per pipeline stage (", per_stage, ").");
     }
     TORCH_CHECK(fp8_recipe != "custom", api,
                 "fp8_quantizer_factory must be provided when fp8_recipe is 'custom'. "
@@ -66,12 +65,12 @@ void TransformerConfig::validate_quantization() const {
   TORCH_CHECK(fp8_recipe == "delayed" || fp8_recipe == "tensorwise", api, "--fp8-recipe ",
               fp8_recipe,
               " is not implemented in actmem yet (block scales); use delayed or tensorwise");
-  TORCH_CHECK(tensor_model_parallel_size == 1 && pipeline_model_parallel_size == 1, api,
-              "FP8 runs in one process in actmem so far: tensor and pipeline parallel FP8 "
-              "(amax reductions over the groups) are not implemented yet");
-  TORCH_CHECK(num_moe_experts == 0 && !multi_latent_attention && !gated_delta_net(), api,
-              "FP8 covers the standard attention and dense MLP layers in actmem so far; the "
-              "MoE experts', MLA's and Gated DeltaNet's FP8 GEMMs are not implemented yet");
+  TORCH_CHECK(tensor_model_parallel_size == 1, api,
+              "FP8 under tensor parallelism (the quantized all-gathers and the amax reduction "
+              "over the tensor-parallel ranks) is not implemented in actmem yet");
+  TORCH_CHECK(num_moe_experts == 0 && !multi_latent_attention, api,
+              "FP8 covers the standard attention, Gated DeltaNet and dense MLP layers in actmem "
+              "so far; the MoE experts' and MLA's FP8 GEMMs are not implemented yet");
 }
 
 nlohmann::json quantization_json(const TransformerConfig& c) {

@@ -24,8 +24,7 @@ at::Tensor scale_from_amax(const at::Tensor& amax, double max) {
   const at::Tensor quotient = at::div(at::scalar_tensor(max, a.options()), a);
   const at::Tensor finite_amax = at::logical_and(at::isfinite(a), a > 0);
   const at::Tensor one = at::ones({}, a.options());
-  const at::Tensor fp32_max =
-      at::full({}, std::numeric_limits<float>::max(), a.options());
+  const at::Tensor fp32_max = at::full({}, std::numeric_limits<float>::max(), a.options());
   return at::where(finite_amax, at::where(at::isinf(quotient), fp32_max, quotient), one);
 }
 
@@ -57,8 +56,8 @@ void DelayedScale::update(const Fp8Recipe& recipe, double max) {
                                 std::ldexp(1.0, static_cast<int>(recipe.margin)));
   at::Tensor next = at::where(amax > 0, sf, scale);
   next = at::where(at::isfinite(amax), next, scale);
-  next = at::where(at::isinf(next),
-                   at::full({}, std::numeric_limits<float>::max(), next.options()), next);
+  next = at::where(at::isinf(next), at::full({}, std::numeric_limits<float>::max(), next.options()),
+                   next);
   scale.copy_(next);
   history.copy_(at::roll(history, -1, 0));
   history[0].fill_(0.0);
@@ -71,16 +70,16 @@ Fp8Gemm::Fp8Gemm(std::shared_ptr<Fp8Registry> registry)
       registry_(std::move(registry)) {}
 
 at::Tensor Fp8Gemm::state() const {
-  return at::cat({input.history, input.scale.reshape({1}), weight.history, weight.scale.reshape({1}),
-                  grad_output.history, grad_output.scale.reshape({1})});
+  return at::cat({input.history, input.scale.reshape({1}), weight.history,
+                  weight.scale.reshape({1}), grad_output.history, grad_output.scale.reshape({1})});
 }
 
 void Fp8Gemm::set_state(const at::Tensor& state) {
   const int64_t n = input.history.numel();
   TORCH_CHECK(state.dim() == 1 && state.numel() == 3 * (n + 1) && state.scalar_type() == at::kFloat,
               "actmem::Fp8Gemm::set_state: expected a float tensor of ", 3 * (n + 1),
-              " elements (three amax histories of ", n, " and their scales), got ",
-              state.sizes(), " ", state.scalar_type());
+              " elements (three amax histories of ", n, " and their scales), got ", state.sizes(),
+              " ", state.scalar_type());
   int64_t at = 0;
   for (DelayedScale* d : {&input, &weight, &grad_output}) {
     d->history.copy_(state.slice(0, at, at + n));
@@ -112,7 +111,10 @@ void reduce_and_update(const std::vector<DelayedScale*>& scales, const Fp8Recipe
       scales[i]->history[0].copy_(reduced[static_cast<int64_t>(i)]);
     }
   }
-  for (DelayedScale* d : scales) d->update(recipe, max);
+  for (DelayedScale* d : scales) {
+    d->update(recipe, max);
+    d->recorded = false;
+  }
 }
 }  // namespace
 
@@ -120,10 +122,10 @@ void Fp8Registry::end_forward() {
   if (!recipe_.delayed) return;
   std::vector<DelayedScale*> scales;
   for (const auto& weak : gemms_) {
-    if (const auto g = weak.lock()) {
-      scales.push_back(&g->input);
-      scales.push_back(&g->weight);
-    }
+    const auto g = weak.lock();
+    if (!g || !g->input.recorded) continue;
+    scales.push_back(&g->input);
+    scales.push_back(&g->weight);
   }
   reduce_and_update(scales, recipe_, fp8_max(recipe_.forward_dtype()));
   ++forward_updates_;
@@ -133,7 +135,7 @@ void Fp8Registry::end_backward() {
   if (!recipe_.delayed) return;
   std::vector<DelayedScale*> scales;
   for (const auto& weak : gemms_) {
-    if (const auto g = weak.lock()) scales.push_back(&g->grad_output);
+    if (const auto g = weak.lock(); g && g->grad_output.recorded) scales.push_back(&g->grad_output);
   }
   reduce_and_update(scales, recipe_, fp8_max(recipe_.backward_dtype()));
   ++backward_updates_;
@@ -157,6 +159,7 @@ namespace {
 // Records amax(x) into entry 0 of a delayed-scaling history (TE's casts reduce it there).
 void record_amax(DelayedScale& d, const at::Tensor& x) {
   d.history[0].copy_(at::maximum(d.history[0], x.abs().max().to(at::kFloat)));
+  d.recorded = true;
 }
 
 at::Tensor current_scale(const at::Tensor& x, at::ScalarType fp8_dtype) {
@@ -204,8 +207,7 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
         w_scale = gemm.weight.scale.clone();
         first = recording && registry.take_first();
         if (first_forward) {
-          gemm.recompute_stash.push_back(
-              {x_scale.item<float>(), w_scale.item<float>(), first});
+          gemm.recompute_stash.push_back({x_scale.item<float>(), w_scale.item<float>(), first});
         }
       }
       if (recording) {
@@ -280,8 +282,7 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
       }
       dw = scaled_mm(gq.t(), g_scale_inv, xq, x_scale_inv, {}, weight.scalar_type());
     } else {
-      dw = at::mm(g.t(), saved[0].reshape({-1, in}).to(g.scalar_type()))
-               .to(weight.scalar_type());
+      dw = at::mm(g.t(), saved[0].reshape({-1, in}).to(g.scalar_type())).to(weight.scalar_type());
     }
     at::Tensor db;
     if (ctx->saved_data["bias"].toBool()) db = g.sum(0);

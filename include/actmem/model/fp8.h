@@ -59,16 +59,14 @@ at::Tensor quantize_fp8(const at::Tensor& x, const at::Tensor& scale, at::Scalar
 
 /// A model's FP8 recipe as its configuration gives it (TransformerConfig's fp8_* fields).
 struct Fp8Recipe {
-  bool delayed = true;            // delayed scaling; false: tensorwise current scaling
-  bool hybrid = false;            // output gradients in E5M2
-  int64_t margin = 0;             // delayed: scale divided by 2^margin
-  int64_t history_len = 1;        // delayed: amax history entries
-  bool amax_max = false;          // delayed: amax = max(history); false: history[0]
-  bool wgrad = true;              // the weight gradient's GEMM in FP8
+  bool delayed = true;      // delayed scaling; false: tensorwise current scaling
+  bool hybrid = false;      // output gradients in E5M2
+  int64_t margin = 0;       // delayed: scale divided by 2^margin
+  int64_t history_len = 1;  // delayed: amax history entries
+  bool amax_max = false;    // delayed: amax = max(history); false: history[0]
+  bool wgrad = true;        // the weight gradient's GEMM in FP8
   at::ScalarType forward_dtype() const { return at::kFloat8_e4m3fn; }
-  at::ScalarType backward_dtype() const {
-    return hybrid ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn;
-  }
+  at::ScalarType backward_dtype() const { return hybrid ? at::kFloat8_e5m2 : at::kFloat8_e4m3fn; }
   static Fp8Recipe from(const TransformerConfig& config);
 };
 
@@ -77,6 +75,8 @@ struct Fp8Recipe {
 struct DelayedScale {
   at::Tensor history;
   at::Tensor scale;
+  /// An amax was recorded since the last update: the next update of its region is its own.
+  bool recorded = false;
   explicit DelayedScale(int64_t history_len);
   /// TE's _amax_and_scale_update: the amax from the history, the new scale, the history rolled
   /// and its entry 0 zeroed.
@@ -128,10 +128,15 @@ class Fp8Registry {
     first_pending_ = false;
     return first;
   }
-  /// The region's training forward ended: every GEMM's input and weight scales are updated
-  /// (delayed scaling; nothing under current scaling).
+  /// The region's training forward ended: the input and weight scales of every GEMM that ran
+  /// in it are updated (delayed scaling; nothing under current scaling). (TE updates every
+  /// module it has seen at each region's end; with one region per model chunk, as the
+  /// interleaved pipeline schedule runs them, that rolls the other chunks' windows too — here a
+  /// chunk's region updates its own GEMMs, so the interleaved schedule trains the one-process
+  /// model.)
   void end_forward();
-  /// The backward of the region's first GEMM ended: every output gradient's scale is updated.
+  /// The backward of the region's first GEMM ended: the output-gradient scales of every GEMM
+  /// whose backward ran since are updated.
   void end_backward();
 
   /// How many forward and backward updates ran (tests).

@@ -129,7 +129,7 @@ struct SavedBytesContext {
   /// (--no-fp8-wgrad) the 16-bit storage plus the weight's scale.
   int64_t gemm_input(int64_t elements, int64_t kept_bytes, bool save_original = false) const;
   /// Adds `bytes` to `module`, a path under the slot ("linear_qkv"; "" for the slot itself).
-  std::function<void(const std::string& module, int64_t bytes)> add;
+  std::function<void(const std::string& module, int64_t bytes)> add = nullptr;
   /// What a norm over `rows` rows keeps besides its input: RMSNorm's rstd upcast, LayerNorm's
   /// mean and rstd.
   int64_t norm_statistics(int64_t rows) const;

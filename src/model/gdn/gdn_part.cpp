@@ -41,18 +41,22 @@ class GatedDeltaNetPart final : public LayerPart {
     const int64_t T = s * b, Hk = c.linear_num_key_heads / t, Hv = c.linear_num_value_heads / t;
     const int64_t dk = c.linear_key_head_dim, dvh = c.linear_value_head_dim;
     const int64_t qk = Hk * dk, vd = Hv * dvh, C = 2 * qk + vd, K = c.linear_conv_kernel_dim;
-    ctx.add("in_proj", ctx.input);
+    // Under FP8 in_proj and out_proj keep their inputs quantized (Megatron sets no
+    // set_save_original_input on GatedDeltaNet's projections).
+    ctx.add("in_proj", ctx.gemm_input(ctx.tokens * c.hidden_size, ctx.input));
     ctx.add("conv1d", T * C * e + b * C * (s + K - 1) * e);
     ctx.add("prepare_input_for_gated_delta_rule",
             T * 2 * qk * e + T * 2 * Hk * up + 2 * T * Hv * up + 2 * Hv * e + T * Hv * e);
     ctx.add("gated_delta_rule", (Hv > Hk ? 2 * T * Hv * dk * e : 0) + T * vd * e + T * Hv * up);
     if (ctx.plan.recomputes(RecomputeModule::kGdnNormOut)) {
       ctx.add("out_norm", 2 * T * vd * e + ctx.snapshot);
+      // The norm's output is freed; out_proj's quantized copy of it is not.
+      if (ctx.fp8) ctx.add("out_proj", ctx.gemm_input(T * vd, 0));
       return;
     }
     ctx.add("out_norm",
             2 * T * vd * e + 2 * T * vd * up + ctx.norm_statistics(T * Hv) + ctx.norm_scale(dvh));
-    ctx.add("out_proj", T * vd * e);
+    ctx.add("out_proj", ctx.gemm_input(T * vd, T * vd * e));
   }
   bool paper_describes(const TransformerConfig&) const override { return false; }
   PartParameters parameters(const TransformerConfig& c) const override {
