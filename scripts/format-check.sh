@@ -3,7 +3,7 @@
 # (CI: .ci/run). Debian 12's clang-format (14) is the reference: another major version formats
 # some constructs differently, so it is installed from Debian's archive when missing and a
 # different version is refused rather than trusted. The tests' fixtures (trees built to break a
-# rule) are not checked. `scripts/format-check.sh --fix` formats the files in place instead.
+# rule) are not checked; new files not yet added to git are. `scripts/format-check.sh --fix` formats the files in place instead.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 if ! command -v clang-format >/dev/null 2>&1; then
@@ -18,7 +18,7 @@ version="$(clang-format --version | sed -n 's/.*version \([0-9]*\)\..*/\1/p')"
   echo "format-check: clang-format $version found; the tree is formatted with 14 (Debian 12's)" >&2
   exit 1
 }
-mapfile -t files < <(git -C "$root" ls-files '*.cpp' '*.h' | grep -v '_fixture/')
+mapfile -t files < <(git -C "$root" ls-files --cached --others --exclude-standard '*.cpp' '*.h' | grep -v '_fixture/')
 cd "$root"
 if [[ "${1:-}" == "--fix" ]]; then
   clang-format -i "${files[@]}"
