@@ -190,7 +190,10 @@ TEST(Fp8Config, MegatronsRulesWithItsMessages) {
       "add --bf16");
   refused([](TransformerConfig& c) { c.fp8 = "e5m2"; }, "--fp8-format must be e4m3 or hybrid");
   refused([](TransformerConfig& c) { c.fp8_amax_history_len = 0; },
-          "--fp8-amax-history-len must be at least 1");
+          "--fp8-amax-history-len must be in [1, 65536]");
+  refused([](TransformerConfig& c) { c.fp8_amax_history_len = 1 << 20; },
+          "--fp8-amax-history-len must be in [1, 65536]");
+  refused([](TransformerConfig& c) { c.fp8_margin = 1000; }, "--fp8-margin must be in [-64, 64]");
   // What is not built yet says so.
   refused([](TransformerConfig& c) { c.fp8_recipe = "mxfp8"; }, "not implemented in actmem yet");
   refused([](TransformerConfig& c) { c.num_moe_experts = 4; }, "MoE experts' and MLA's FP8 GEMMs");

@@ -28,9 +28,14 @@ void TransformerConfig::validate_quantization() const {
   TORCH_CHECK(fp8_amax_compute_algo == "most_recent" || fp8_amax_compute_algo == "max", api,
               "--fp8-amax-compute-algo must be most_recent or max, got \"", fp8_amax_compute_algo,
               "\"");
-  TORCH_CHECK(fp8_amax_history_len >= 1, api,
-              "--fp8-amax-history-len must be at least 1 (the amax window), got ",
+  // actmem's bounds (Transformer Engine checks neither): a window each GEMM keeps three of, and a
+  // margin whose 2^margin stays far inside fp32's exponents (beyond it every scale is 0 or inf).
+  TORCH_CHECK(fp8_amax_history_len >= 1 && fp8_amax_history_len <= (1 << 16), api,
+              "--fp8-amax-history-len must be in [1, 65536] (the amax window), got ",
               fp8_amax_history_len);
+  TORCH_CHECK(fp8_margin >= -64 && fp8_margin <= 64, api,
+              "--fp8-margin must be in [-64, 64] (the scale is divided by 2^margin), got ",
+              fp8_margin);
   // Megatron's TransformerConfig.__post_init__ (megatron/core/transformer/transformer_config.py),
   // its messages.
   if (!fp8.empty()) {
