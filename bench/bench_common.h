@@ -28,6 +28,21 @@ namespace actmem::bench {
 
 /// The 4-layer model the benchmarks compare strategies on: hidden 512, 8 heads, ffn 2048,
 /// sequence 512, micro-batch 4 (the other fields keep their defaults).
+/// Sets `c`'s precision by the benchmarks' names: fp32, bf16, or bf16 with hybrid FP8 GEMMs
+/// (docs/fp8.md) — fp8-delayed, fp8-delayed-max16 (a window of 16 and its maximum),
+/// fp8-tensorwise.
+inline void set_bench_precision(TransformerConfig& c, const std::string& precision) {
+  c.bf16 = precision != "fp32";
+  c.attention_softmax_in_fp32 = c.bf16;
+  if (precision.rfind("fp8-", 0) != 0) return;
+  c.fp8 = "hybrid";
+  c.fp8_recipe = precision == "fp8-tensorwise" ? "tensorwise" : "delayed";
+  if (precision == "fp8-delayed-max16") {
+    c.fp8_amax_history_len = 16;
+    c.fp8_amax_compute_algo = "max";
+  }
+}
+
 inline void use_reference_model(TransformerConfig& c) {
   c.num_layers = 4;
   c.hidden_size = 512;

@@ -61,16 +61,7 @@ int main(int argc, char** argv) {
                                                  "fp8-tensorwise"};
     for (const std::string& precision : precisions) {
       actmem::TransformerConfig model;  // the built-in default of `actmem train`
-      model.bf16 = precision != "fp32";
-      model.attention_softmax_in_fp32 = model.bf16;
-      if (precision.rfind("fp8-", 0) == 0) {
-        model.fp8 = "hybrid";
-        model.fp8_recipe = precision == "fp8-tensorwise" ? "tensorwise" : "delayed";
-        if (precision == "fp8-delayed-max16") {
-          model.fp8_amax_history_len = 16;
-          model.fp8_amax_compute_algo = "max";
-        }
-      }
+      actmem::bench::set_bench_precision(model, precision);
       actmem::TrainingConfig training;
       training.train_iters = iters;
       training.eval_interval = eval_interval;

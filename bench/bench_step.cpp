@@ -71,12 +71,7 @@ int main(int argc, char** argv) {
         training.train_iters = warmup + iters;
         training.eval_interval = 0;
         actmem::TransformerConfig model = preset.model;
-        model.bf16 = prec != "fp32";
-        model.attention_softmax_in_fp32 = model.bf16;
-        if (prec.rfind("fp8-", 0) == 0) {
-          model.fp8 = "hybrid";
-          model.fp8_recipe = prec.substr(4);
-        }
+        actmem::bench::set_bench_precision(model, prec);
         actmem::Trainer trainer(model, training);
         std::vector<double> times;
         actmem::IterationStats last;

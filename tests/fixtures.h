@@ -35,6 +35,24 @@ inline TransformerConfig small_model() {
   return shaped_model(4, 32, 4, 48, 24, 2);
 }
 
+/// Makes `c` a 3:1 GatedDeltaNet hybrid (linear_attention_freq 4: layers 0-2 GatedDeltaNet, layer
+/// 3 attention) with Qwen3-Next's ingredients: SwiGLU, RMSNorm, RoPE, 2 key heads of 8 serving 4
+/// value heads of 6 (grouped), a kernel-4 convolution.
+inline void make_gdn_hybrid(TransformerConfig& c) {
+  c.gated_linear_unit = true;
+  c.normalization = "RMSNorm";
+  c.position_embedding_type = "rope";
+  c.untie_embeddings_and_output_weights = true;
+  c.add_bias_linear = false;
+  c.experimental_attention_variant = "gdn";
+  c.linear_attention_freq = "4";
+  c.linear_num_key_heads = 2;
+  c.linear_num_value_heads = 4;
+  c.linear_key_head_dim = 8;
+  c.linear_value_head_dim = 6;
+  c.linear_conv_kernel_dim = 4;
+}
+
 /// The precisions the exactness and memory suites run at: fp32, bf16 and fp16 (float16 has CPU
 /// kernels in the PyTorch 2.x this project builds against).
 inline const char* const kPrecisions[] = {"fp32", "bf16", "fp16"};

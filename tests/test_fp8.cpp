@@ -228,21 +228,6 @@ TEST(Fp8Config, FirstAndLastLayersStayIn16BitsAsMegatronsIsFirstLastBf16Layer) {
 // ---- exactness
 // -----------------------------------------------------------------------------------
 
-// small_model as test_gdn.cpp's 3:1 GatedDeltaNet hybrid (layers 0-2 GatedDeltaNet, 3 attention).
-void gdn_hybrid(TransformerConfig& c) {
-  c.gated_linear_unit = true;
-  c.normalization = "RMSNorm";
-  c.position_embedding_type = "rope";
-  c.add_bias_linear = false;
-  c.experimental_attention_variant = "gdn";
-  c.linear_attention_freq = "4";
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
-  c.linear_conv_kernel_dim = 4;
-}
-
 struct Fp8Variant {
   const char* name;
   void (*apply)(TransformerConfig&);
@@ -269,8 +254,8 @@ const Fp8Variant kFp8Variants[] = {
        c.fp8_recipe = "delayed";
        c.fp8_wgrad = false;
      }},
-    // A 3:1 GatedDeltaNet hybrid (test_gdn.cpp's model): in_proj and out_proj in FP8.
-    {"GdnHybridDelayed", [](TransformerConfig& c) { gdn_hybrid(c); }},
+    // A 3:1 GatedDeltaNet hybrid (fixtures.h): in_proj and out_proj in FP8.
+    {"GdnHybridDelayed", [](TransformerConfig& c) { actmem::testing::make_gdn_hybrid(c); }},
 };
 
 const actmem::testing::ConfigEdit kFp8Strategies[] = {
@@ -384,7 +369,7 @@ TEST(Fp8Recompute, LayernormRecomputeWithCurrentScalingKeepsTheNormOutputAndIsEx
 TEST(Fp8Recompute, GdnNormOutRecomputeIsExactUnderDelayedScaling) {
   // out_proj keeps its quantized copy of the norm output the recompute frees.
   TransformerConfig plain = fp8_model("delayed");
-  gdn_hybrid(plain);
+  actmem::testing::make_gdn_hybrid(plain);
   TransformerConfig strat = plain;
   selective(strat, {"gdn_norm_out", "core_attn"});
   const PlainFp8Run& ref = plain_run(plain, 3);
@@ -489,7 +474,7 @@ TEST(Fp8Memory, PredictorExactAgainstTheTrackerAndTheLedgerForEveryStrategy) {
   // The GatedDeltaNet hybrid, with and without gdn_norm_out recompute.
   for (const bool norm_out : {false, true}) {
     TransformerConfig g = fp8_model("delayed");
-    gdn_hybrid(g);
+    actmem::testing::make_gdn_hybrid(g);
     if (norm_out) selective(g, {"gdn_norm_out"});
     actmem::testing::expect_predictor_matches_tracker(g, norm_out ? "gdn norm_out" : "gdn");
   }

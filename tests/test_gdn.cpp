@@ -28,23 +28,10 @@ using actmem::testing::expect_error_containing;
 using actmem::testing::offload;
 using actmem::testing::selective;
 
-// small_model (4 layers, h 32, 4 heads, s 24, b 2) as a 3:1 hybrid (linear_attention_freq 4:
-// layers 0-2 GatedDeltaNet, layer 3 attention), Qwen3-Next's ingredients: SwiGLU, RMSNorm, RoPE,
-// 2 key heads of 8 serving 4 value heads of 6 (grouped), a kernel-4 convolution.
+// small_model (4 layers, h 32, 4 heads, s 24, b 2) as a 3:1 hybrid (make_gdn_hybrid).
 TransformerConfig gdn_model() {
   TransformerConfig c = actmem::testing::small_model();
-  c.gated_linear_unit = true;
-  c.normalization = "RMSNorm";
-  c.position_embedding_type = "rope";
-  c.untie_embeddings_and_output_weights = true;
-  c.add_bias_linear = false;
-  c.experimental_attention_variant = "gdn";
-  c.linear_attention_freq = "4";
-  c.linear_num_key_heads = 2;
-  c.linear_num_value_heads = 4;
-  c.linear_key_head_dim = 8;
-  c.linear_value_head_dim = 6;
-  c.linear_conv_kernel_dim = 4;
+  actmem::testing::make_gdn_hybrid(c);
   return c;
 }
 

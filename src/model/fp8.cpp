@@ -19,13 +19,23 @@ double fp8_max(at::ScalarType fp8_dtype) {
   return fp8_dtype == at::kFloat8_e4m3fn ? 448.0 : 57344.0;
 }
 
-at::Tensor scale_from_amax(const at::Tensor& amax, double max) {
+namespace {
+// (fp8_max / amax) / 2^margin where amax is positive and finite (fp32's max where that quotient
+// overflows), `fallback` elsewhere: TE's compute_scale_from_amax (fallback 1, margin 0) and
+// _default_sf_compute (fallback the previous scale).
+at::Tensor scale_for(const at::Tensor& amax, double max, int64_t margin,
+                     const at::Tensor& fallback) {
   const at::Tensor a = amax.to(at::kFloat);
-  const at::Tensor quotient = at::div(at::scalar_tensor(max, a.options()), a);
-  const at::Tensor finite_amax = at::logical_and(at::isfinite(a), a > 0);
-  const at::Tensor one = at::ones({}, a.options());
+  const at::Tensor sf = at::div(at::div(at::scalar_tensor(max, a.options()), a),
+                                std::ldexp(1.0, static_cast<int>(margin)));
   const at::Tensor fp32_max = at::full({}, std::numeric_limits<float>::max(), a.options());
-  return at::where(finite_amax, at::where(at::isinf(quotient), fp32_max, quotient), one);
+  return at::where(at::logical_and(at::isfinite(a), a > 0), at::where(at::isinf(sf), fp32_max, sf),
+                   fallback);
+}
+}  // namespace
+
+at::Tensor scale_from_amax(const at::Tensor& amax, double max) {
+  return scale_for(amax, max, 0, at::ones({}, at::kFloat));
 }
 
 at::Tensor quantize_fp8(const at::Tensor& x, const at::Tensor& scale, at::ScalarType fp8_dtype) {
@@ -52,13 +62,7 @@ DelayedScale::DelayedScale(int64_t history_len)
 void DelayedScale::update(const Fp8Recipe& recipe, double max) {
   // TE's _default_get_amax_and_update_history and _default_sf_compute.
   const at::Tensor amax = recipe.amax_max ? history.max() : history[0].clone();
-  const at::Tensor sf = at::div(at::div(at::scalar_tensor(max, amax.options()), amax),
-                                std::ldexp(1.0, static_cast<int>(recipe.margin)));
-  at::Tensor next = at::where(amax > 0, sf, scale);
-  next = at::where(at::isfinite(amax), next, scale);
-  next = at::where(at::isinf(next), at::full({}, std::numeric_limits<float>::max(), next.options()),
-                   next);
-  scale.copy_(next);
+  scale.copy_(scale_for(amax, max, recipe.margin, scale));
   history.copy_(at::roll(history, -1, 0));
   history[0].fill_(0.0);
 }
@@ -294,6 +298,10 @@ struct Fp8LinearFunction : torch::autograd::Function<Fp8LinearFunction> {
 };
 
 }  // namespace
+
+bool fp8_keeps_recomputed_norm_output(bool delayed_scaling, const LayerPlan& plan) {
+  return !delayed_scaling && plan.recomputes(RecomputeModule::kLayernorm);
+}
 
 at::Tensor fp8_linear(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& bias,
                       Fp8Gemm& gemm, bool save_original_input) {

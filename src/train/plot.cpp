@@ -41,6 +41,13 @@ void open_svg(std::ostringstream& o, double W, double H, double left, const std:
     << "<rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n"
     << "<text x=\"" << left << "\" y=\"28\" font-size=\"16\">" << escape(title) << "</text>\n";
 }
+// The plot area's bottom and left axes.
+void draw_axes(std::ostringstream& o, double left, double top, double pw, double ph) {
+  o << "<g class=\"axes\" stroke=\"#444\">\n"
+    << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
+    << top + ph << "\"/>\n<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
+    << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+}
 const char* kColors[] = {"#1f77b4", "#d62728", "#2ca02c", "#ff7f0e", "#9467bd",
                          "#8c564b", "#e377c2", "#17becf", "#7f7f7f", "#bcbd22"};
 }  // namespace
@@ -67,10 +74,7 @@ std::string memory_timeline_svg(const std::vector<TimelineSeries>& series,
   o << std::fixed << std::setprecision(1);
   open_svg(o, W, H, left, title);
   // Axes and grid.
-  o << "<g class=\"axes\" stroke=\"#444\">\n"
-    << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
-    << top + ph << "\"/>\n<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
-    << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  draw_axes(o, left, top, pw, ph);
   for (int i = 0; i <= 5; ++i) {
     const double bytes = y_max * i / 5.0;
     o << "<line x1=\"" << left << "\" y1=\"" << Y(bytes) << "\" x2=\"" << left + pw << "\" y2=\""
@@ -153,9 +157,7 @@ std::string plan_front_svg(const std::vector<PlanPoint>& points, double budget_b
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
   open_svg(o, W, H, left, title);
-  o << "<g class=\"axes\" stroke=\"#444\">\n<line x1=\"" << left << "\" y1=\"" << top + ph
-    << "\" x2=\"" << left + pw << "\" y2=\"" << top + ph << "\"/>\n<line x1=\"" << left
-    << "\" y1=\"" << top << "\" x2=\"" << left << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  draw_axes(o, left, top, pw, ph);
   for (int i = 0; i <= 5; ++i) {
     const double bytes = y_hi * i / 5.0, r = r_lo + (r_hi - r_lo) * i / 5.0;
     o << "<line x1=\"" << left << "\" y1=\"" << Y(bytes) << "\" x2=\"" << left + pw << "\" y2=\""
@@ -296,10 +298,7 @@ std::string line_chart_svg(const std::vector<CurveSeries>& series, const std::st
   std::ostringstream o;
   o << std::fixed << std::setprecision(1);
   open_svg(o, W, H, left, title);
-  o << "<g class=\"axes\" stroke=\"#444\">\n"
-    << "<line x1=\"" << left << "\" y1=\"" << top + ph << "\" x2=\"" << left + pw << "\" y2=\""
-    << top + ph << "\"/>\n<line x1=\"" << left << "\" y1=\"" << top << "\" x2=\"" << left
-    << "\" y2=\"" << top + ph << "\"/>\n</g>\n";
+  draw_axes(o, left, top, pw, ph);
   for (int i = 0; i <= 5; ++i) {
     const double y = y_min + (y_max - y_min) * i / 5.0, x = x_max * i / 5.0;
     o << "<line x1=\"" << left << "\" y1=\"" << Y(y) << "\" x2=\"" << left + pw << "\" y2=\""

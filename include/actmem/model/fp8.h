@@ -35,6 +35,7 @@
 // same tensor gives the same scale by itself.
 #pragma once
 
+#include "actmem/config/activation_plan.h"
 #include "actmem/config/config.h"
 
 #include <ATen/core/Tensor.h>
@@ -157,6 +158,13 @@ class Fp8Registry {
   bool first_pending_ = false;
   int64_t forward_updates_ = 0, backward_updates_ = 0;
 };
+
+/// Under FP8, whether a GEMM reading a slot norm's output keeps that 16-bit output instead of a
+/// quantized copy: with selective layernorm recompute, which frees the output and recomputes it,
+/// under a current-scaling recipe (Megatron's set_for_recompute_input_layernorm, and
+/// set_save_original_input on a dense MLP's linear_fc1), so the GEMM quantizes the recomputed
+/// output again in the backward.
+bool fp8_keeps_recomputed_norm_output(bool delayed_scaling, const LayerPlan& plan);
 
 /// y = x W^T (+ bias) on FP8 operands under `gemm`'s recipe (Note [FP8 as actmem runs it]).
 /// x: [..., in] 16-bit, weight [out, in], bias [out] or undefined. save_original_input keeps the

@@ -332,7 +332,7 @@ std::pair<at::Tensor, at::Tensor> SelfAttention::forward(const at::Tensor& x,
 }
 
 AttentionFp8Inputs attention_fp8_keeps_original(bool delayed_scaling, const LayerPlan& plan) {
-  return {!delayed_scaling && plan.recomputes(RecomputeModule::kLayernorm), !delayed_scaling};
+  return {fp8_keeps_recomputed_norm_output(delayed_scaling, plan), !delayed_scaling};
 }
 
 void SelfAttention::use_fp8(const std::shared_ptr<Fp8Registry>& registry) {

@@ -57,13 +57,10 @@ std::pair<at::Tensor, at::Tensor> MLP::forward(const at::Tensor& x, const LayerC
   return forward(x);
 }
 
-bool fc1_keeps_original_input(bool delayed_scaling, const LayerPlan& plan) {
-  return !delayed_scaling && plan.recomputes(RecomputeModule::kLayernorm);
-}
-
 void MLP::use_fp8(const std::shared_ptr<Fp8Registry>& registry) {
   PartModule::use_fp8(registry);
-  linear_fc1->fp8_save_original_input = fc1_keeps_original_input(registry->recipe().delayed, plan_);
+  linear_fc1->fp8_save_original_input =
+      fp8_keeps_recomputed_norm_output(registry->recipe().delayed, plan_);
 }
 
 void MLP::init_weights(WeightInit& init) {

@@ -3,6 +3,8 @@
 // pre-check's terms.
 #include "actmem/model/mlp/mlp.h"
 
+#include "actmem/model/fp8.h"
+
 #include <algorithm>
 
 namespace actmem {
@@ -32,7 +34,7 @@ class MlpPart final : public LayerPart {
     // selective layernorm recompute frees it (MLP::use_fp8).
     ctx.add("linear_fc1",
             ctx.gemm_input(ctx.tokens * c.hidden_size, ctx.input,
-                           fc1_keeps_original_input(c.fp8_recipe == "delayed", ctx.plan)));
+                           fp8_keeps_recomputed_norm_output(c.fp8_recipe == "delayed", ctx.plan)));
     ctx.add("activation_func", c.gated_linear_unit ? 3 * sbf * ctx.e : sbf * ctx.e);
     ctx.add("linear_fc2", ctx.gemm_input(sbf, sbf * ctx.e));
   }

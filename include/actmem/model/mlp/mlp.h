@@ -34,7 +34,7 @@ class MLP : public PartModule, public DeclaresParameters {
   /// tokens.
   std::optional<ParameterAttributes> parameter_attributes(const std::string& name) const override;
   /// Under FP8, linear_fc1 keeps the norm's output instead of a quantized copy when selective
-  /// layernorm recompute frees and recomputes it (fc1_keeps_original_input).
+  /// layernorm recompute frees and recomputes it (fp8_keeps_recomputed_norm_output).
   void use_fp8(const std::shared_ptr<Fp8Registry>& registry) override;
   std::shared_ptr<Linear> linear_fc1;
   std::shared_ptr<Linear> linear_fc2;
@@ -47,10 +47,5 @@ class MLP : public PartModule, public DeclaresParameters {
 
 /// The MLP part "mlp" of a dense layer (Note [A layer part owns its contract] in layer_part.h).
 const LayerPart& mlp_part();
-
-/// Under FP8, whether linear_fc1 keeps its 16-bit input: with selective layernorm recompute and
-/// a current-scaling recipe (Megatron's TransformerLayer sets set_save_original_input on fc1
-/// then), so the freed norm output is recomputed and quantized again in the backward.
-bool fc1_keeps_original_input(bool delayed_scaling, const LayerPlan& plan);
 
 }  // namespace actmem
